@@ -1,0 +1,61 @@
+"""One error tree for fxq: catch ``FxqError`` to catch everything fxq raises on purpose.
+
+Every message says what is wrong, where (node, op, file, observer) and what to do about it.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "FxqError",
+    "ConfigError",
+    "ObserverError",
+    "TraceError",
+    "GraphError",
+    "CalibrationError",
+    "FrontendError",
+    "ExportError",
+    "RegistryError",
+    "NotSupportedError",
+]
+
+
+class FxqError(Exception):
+    """Base class of every error fxq raises deliberately."""
+
+
+class ConfigError(FxqError, ValueError):
+    """A quantization config, setting or platform is invalid or inconsistent."""
+
+
+class ObserverError(FxqError, ValueError):
+    """An observer saw data it cannot turn into a scale (NaN/Inf, nothing observed, ...)."""
+
+
+class TraceError(FxqError):
+    """``torch.fx`` could not trace the user's module."""
+
+
+class GraphError(FxqError):
+    """A graph pass met a graph it cannot handle."""
+
+
+class CalibrationError(FxqError, ValueError):
+    """Calibration data is empty, has the wrong number of inputs, or the wrong shape."""
+
+
+class FrontendError(FxqError):
+    """A model file (ONNX, caffe) could not be read or converted."""
+
+
+class ExportError(FxqError):
+    """A backend exporter cannot express the model, or cannot write where asked."""
+
+
+class RegistryError(FxqError, KeyError):
+    """A name was registered twice, or looked up and not found."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class NotSupportedError(FxqError, NotImplementedError):
+    """A feature was asked for that this version of fxq does not provide."""

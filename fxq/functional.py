@@ -1,0 +1,289 @@
+"""The one numeric definition of fxq's quantization math, in plain torch.
+
+Everything that quantizes (FakeQuantize, observers, exporters, the Triton kernels' tests) goes through
+these functions. The Triton kernels in :mod:`fxq.triton_kernels` implement exactly the same formulas
+and are tested bit for bit against this file.
+
+Rounding is written as ``floor(v) + (frac > 0.5 or (frac == 0.5 and tie_goes_up))``: ``v - floor(v)``
+is exact in binary floating point, so ties are decided exactly, unlike ``floor(v + 0.5)``.
+"""
+from __future__ import annotations
+
+import torch
+
+from fxq.spec import MIN_SCALE, RoundingPolicy, TensorQuantConfig, integer_range_for_compute
+
+__all__ = [
+    "round_with_policy",
+    "quantize_to_int",
+    "dequantize",
+    "fake_quantize",
+    "linear_fake_quantize_reference",
+    "float_fake_quantize_reference",
+    "qparams_from_minmax",
+    "round_scale_to_power_of_2",
+    "broadcast_qparam",
+]
+
+
+def round_with_policy(v: torch.Tensor, policy: RoundingPolicy | int) -> torch.Tensor:
+    """Round ``v`` to integers (same dtype) under ``policy``; ties are decided exactly."""
+    policy = RoundingPolicy(int(policy))
+    if policy is RoundingPolicy.HALF_EVEN:
+        return torch.round(v)
+    if policy is RoundingPolicy.UP:
+        return torch.ceil(v)
+    if policy is RoundingPolicy.DOWN:
+        return torch.floor(v)
+    f = torch.floor(v)
+    frac = v - f
+    if policy is RoundingPolicy.HALF_UP:
+        tie_up = torch.ones_like(v, dtype=torch.bool)
+    elif policy is RoundingPolicy.HALF_DOWN:
+        tie_up = torch.zeros_like(v, dtype=torch.bool)
+    elif policy is RoundingPolicy.HALF_TOWARDS_ZERO:
+        tie_up = f < 0
+    else:  # HALF_FAR_FROM_ZERO, TO_NEAR_INT: ties away from zero
+        tie_up = f >= 0
+    up = (frac > 0.5) | ((frac == 0.5) & tie_up)
+    return f + up.to(v.dtype)
+
+
+def broadcast_qparam(p: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Tensor:
+    """View a 1-D per-channel (or 1-element) parameter so it broadcasts against ``x`` along ``axis``."""
+    if p.numel() == 1:
+        return p.reshape(())
+    shape = [1] * x.dim()
+    shape[axis % x.dim()] = -1
+    return p.reshape(shape)
+
+
+def linear_fake_quantize_reference(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    axis: int,
+    quant_min: int,
+    quant_max: int,
+    rounding: int,
+) -> torch.Tensor:
+    """``(clamp(round(x / s) + o, qmin, qmax) - o) * s`` — the linear fake-quant, forward."""
+    s = broadcast_qparam(scale.to(x.dtype), x, axis)
+    o = broadcast_qparam(offset.to(x.dtype), x, axis)
+    q = torch.clamp(round_with_policy(x / s, rounding) + o, quant_min, quant_max)
+    return (q - o) * s
+
+
+def linear_fake_quantize_backward_reference(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    axis: int,
+    quant_min: int,
+    quant_max: int,
+    rounding: int,
+    need_scale_grad: bool,
+    need_offset_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Straight-through gradient for x (zero outside the clip range) and LSQ(+) gradients for s and o.
+
+    Inside the range: dx = g, ds = g * (round(x/s) - x/s), do = 0.
+    Below (above): dx = 0, ds = g * (qmin - o) (resp. qmax - o), do = -g * s.
+    Parameter gradients are summed over every axis but the channel axis.
+    """
+    s = broadcast_qparam(scale.to(x.dtype), x, axis)
+    o = broadcast_qparam(offset.to(x.dtype), x, axis)
+    v = x / s
+    r = round_with_policy(v, rounding)
+    q = r + o
+    below = q < quant_min
+    above = q > quant_max
+    inside = ~(below | above)
+    zero = torch.zeros_like(grad)
+    grad_x = torch.where(inside, grad, zero)
+    grad_scale = torch.zeros_like(scale)
+    grad_offset = torch.zeros_like(offset)
+    if need_scale_grad:
+        ds = torch.where(inside, r - v, torch.where(below, quant_min - o, quant_max - o))
+        grad_scale = _sum_to_param(grad * ds, scale, axis)
+    if need_offset_grad:
+        do = torch.where(inside, zero, -s.expand_as(grad))
+        grad_offset = _sum_to_param(grad * do, offset, axis)
+    return grad_x, grad_scale, grad_offset
+
+
+def _sum_to_param(t: torch.Tensor, param: torch.Tensor, axis: int) -> torch.Tensor:
+    if param.numel() == 1:
+        return t.sum().reshape(param.shape).to(param.dtype)
+    ax = axis % t.dim()
+    dims = [d for d in range(t.dim()) if d != ax]
+    return t.sum(dim=dims).reshape(param.shape).to(param.dtype)
+
+
+def _fp_grid_step(v: torch.Tensor, mantissa_bits: int, min_exponent: int) -> torch.Tensor:
+    """Spacing of the FP8 grid around ``v`` (float32): 2^(max(exponent(v), emin) - mantissa_bits)."""
+    bits = v.abs().view(torch.int32)
+    exponent = torch.clamp(((bits >> 23) & 0xFF) - 127, min=min_exponent)
+    step_bits = (exponent - mantissa_bits + 127) << 23
+    return step_bits.view(torch.float32)
+
+
+def float_fake_quantize_reference(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    axis: int,
+    mantissa_bits: int,
+    min_exponent: int,
+    max_value: float,
+    rounding: int,
+) -> torch.Tensor:
+    """FP8 fake-quant: clamp ``x / s`` to +/-max, round its mantissa under ``rounding``, scale back."""
+    xf = x.float()
+    s = broadcast_qparam(scale.float(), xf, axis)
+    v = torch.clamp(xf / s, -max_value, max_value)
+    step = _fp_grid_step(v, mantissa_bits, min_exponent)
+    q = round_with_policy(v / step, rounding) * step
+    return (q * s).to(x.dtype)
+
+
+def float_fake_quantize_backward_reference(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    axis: int,
+    mantissa_bits: int,
+    min_exponent: int,
+    max_value: float,
+    rounding: int,
+    need_scale_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()
+    s = broadcast_qparam(scale.float(), xf, axis)
+    v = xf / s
+    inside = (v >= -max_value) & (v <= max_value)
+    grad_x = torch.where(inside, grad, torch.zeros_like(grad))
+    grad_scale = torch.zeros_like(scale)
+    if need_scale_grad:
+        vc = torch.clamp(v, -max_value, max_value)
+        step = _fp_grid_step(vc, mantissa_bits, min_exponent)
+        q = round_with_policy(vc / step, rounding) * step
+        ds = torch.where(inside, q - v, vc)
+        grad_scale = _sum_to_param(grad * ds, scale, axis)
+    return grad_x, grad_scale
+
+
+# --------------------------------------------------------------------------- config-level API
+def _compute_dtype(x: torch.Tensor, cfg: TensorQuantConfig) -> torch.dtype:
+    if integer_range_for_compute(cfg):
+        return torch.float64
+    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _require_qparams(cfg: TensorQuantConfig, x: torch.Tensor) -> None:
+    from fxq.errors import ConfigError
+
+    if cfg.scale is None:
+        raise ConfigError(f"{cfg!r} has no scale yet: calibrate it (fxq.calibrate) or set_qparams() first")
+    cfg.check_channels(x.shape)
+
+
+def quantize_to_int(x: torch.Tensor, cfg: TensorQuantConfig) -> torch.Tensor:
+    """Integer codes of ``x`` (int32; int64 beyond 31 bits). For FP8, the FP8 values as float32."""
+    _require_qparams(cfg, x)
+    dtype = _compute_dtype(x, cfg)
+    xc = x.detach().to(dtype)
+    if cfg.is_floating:
+        fmt = cfg.fp_format
+        s = broadcast_qparam(cfg.scale.to(x.device), xc, cfg.channel_axis)
+        v = torch.clamp(xc.float() / s, cfg.quant_min, cfg.quant_max)
+        step = _fp_grid_step(v, fmt.mantissa_bits, fmt.min_exponent)
+        return round_with_policy(v / step, cfg.rounding) * step
+    s = broadcast_qparam(cfg.scale.to(x.device, dtype), xc, cfg.channel_axis)
+    o = broadcast_qparam(cfg.offset.to(x.device, dtype), xc, cfg.channel_axis)
+    q = torch.clamp(round_with_policy(xc / s, cfg.rounding) + o, cfg.quant_min, cfg.quant_max)
+    return q.to(torch.int64 if cfg.num_bits > 31 else torch.int32)
+
+
+def dequantize(q: torch.Tensor, cfg: TensorQuantConfig, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Real values of integer (or FP8-grid) codes ``q``: ``(q - offset) * scale``."""
+    _require_qparams(cfg, q)
+    wide = torch.float64 if integer_range_for_compute(cfg) else torch.float32
+    qf = q.to(wide)
+    s = broadcast_qparam(cfg.scale.to(q.device, wide), qf, cfg.channel_axis)
+    if cfg.is_floating:
+        return (qf * s).to(dtype)
+    o = broadcast_qparam(cfg.offset.to(q.device, wide), qf, cfg.channel_axis)
+    return ((qf - o) * s).to(dtype)
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    cfg: TensorQuantConfig,
+    scale: torch.Tensor | None = None,
+    offset: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Quantize and dequantize ``x`` with ``cfg``; differentiable (STE for x, LSQ for scale/offset).
+
+    ``scale``/``offset`` override the config's tensors (e.g. learnable parameters of a module).
+    Runs the ``fxq::`` custom ops: the torch path on CPU, Triton kernels on CUDA.
+    """
+    from fxq import ops
+
+    scale = cfg.scale if scale is None else scale
+    offset = cfg.offset if offset is None else offset
+    if scale is None:
+        _require_qparams(cfg, x)
+    if cfg.per_channel:
+        cfg.check_channels(x.shape)
+    dtype = _compute_dtype(x, cfg)
+    xc = x if x.dtype == dtype else x.to(dtype)
+    scale = scale.to(xc.device)
+    axis = cfg.channel_axis if cfg.per_channel else 0
+    if cfg.is_floating:
+        fmt = cfg.fp_format
+        y = ops.fake_quant_float(
+            xc, scale, axis, fmt.mantissa_bits, fmt.min_exponent, float(cfg.quant_max), int(cfg.rounding)
+        )
+    else:
+        offset = torch.zeros_like(scale) if offset is None else offset.to(xc.device)
+        y = ops.fake_quant_linear(
+            xc, scale, offset, axis, int(cfg.quant_min), int(cfg.quant_max), int(cfg.rounding)
+        )
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+# --------------------------------------------------------------------------- parameters
+def round_scale_to_power_of_2(scale: torch.Tensor, policy: RoundingPolicy = RoundingPolicy.UP) -> torch.Tensor:
+    """``2 ** round(log2(scale))`` under ``policy`` (UP by default, so nothing new gets clipped)."""
+    exp = round_with_policy(torch.log2(scale.double()), policy)
+    return torch.pow(2.0, exp).to(scale.dtype)
+
+
+def qparams_from_minmax(
+    min_val: torch.Tensor, max_val: torch.Tensor, cfg: TensorQuantConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and offset that map ``[min_val, max_val]`` onto ``cfg``'s grid (PPQ's minmax formulas).
+
+    Symmetric signed: ``s = 2 * absmax / (qmax - qmin)``; symmetric unsigned: ``s = max / qmax``;
+    floating: ``s = absmax / fp_max``; asymmetric: ``s = (max - min) / (qmax - qmin)`` over a range that
+    contains 0, ``offset = qmin + round(-min / s)``. Scales never fall below ``MIN_SCALE``.
+    """
+    lo = torch.minimum(min_val.detach().double().reshape(-1), torch.zeros(()))
+    hi = torch.maximum(max_val.detach().double().reshape(-1), torch.zeros(()))
+    qmin, qmax = float(cfg.quant_min), float(cfg.quant_max)
+    if cfg.is_floating:
+        scale = torch.maximum(-lo, hi) / qmax
+    elif cfg.symmetric:
+        absmax = torch.maximum(-lo, hi)
+        scale = hi / qmax if qmin >= 0 else 2 * absmax / (qmax - qmin)
+    else:
+        scale = (hi - lo) / (qmax - qmin)
+    scale = torch.clamp(scale, min=MIN_SCALE)
+    if cfg.power_of_2:
+        scale = round_scale_to_power_of_2(scale)
+    if cfg.symmetric or cfg.is_floating:
+        offset = torch.zeros_like(scale)
+    else:
+        offset = torch.clamp(qmin + round_with_policy(-lo / scale, cfg.rounding), qmin, qmax)
+    return scale.float(), offset.float()

@@ -1,0 +1,194 @@
+"""``FakeQuantize``: the module that simulates quantization of one tensor in a float graph."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from fxq.errors import ConfigError
+from fxq.functional import fake_quantize
+from fxq.observers import Observer, build_observer
+from fxq.spec import QuantState, TensorQuantConfig
+
+__all__ = ["FakeQuantize", "MODES"]
+
+MODES = {
+    "observe": (True, False),
+    "quantize": (False, True),
+    "disabled": (False, False),
+    "qat": (True, True),
+}
+"""Mode name -> (observer enabled, fake-quant enabled)."""
+
+
+class FakeQuantize(nn.Module):
+    """Observe and/or fake-quantize the tensor that flows through, as its config says.
+
+    Modes (:meth:`set_mode`): ``observe`` feeds the observer and passes values through, ``quantize``
+    fake-quantizes (when the state is a quantizing one), ``disabled`` passes through (the seeds'
+    ``dequantize()``), ``qat`` does both. Scale and offset live in buffers — or in parameters after
+    :meth:`make_learnable` — and ``config.scale``/``config.offset`` always point at them.
+
+    Args:
+        config: the tensor's quantization config (this module takes ownership of it).
+        name: label used in error messages (set by the graph code to the quantizer's name).
+
+    Example:
+        >>> fq = FakeQuantize(TensorQuantConfig(num_bits=8))
+        >>> fq.set_mode("observe"); _ = fq(torch.randn(16)); fq.compute_qparams()
+        >>> fq.set_mode("quantize"); y = fq(torch.randn(16))
+    """
+
+    def __init__(self, config: TensorQuantConfig, name: str = "") -> None:
+        super().__init__()
+        self.config = config
+        self.name = name
+        scale = config.scale if config.scale is not None else torch.ones(1)
+        offset = config.offset if config.offset is not None else torch.zeros_like(scale)
+        self.register_buffer("scale", scale.detach().clone().float())
+        self.register_buffer("offset", offset.detach().clone().float())
+        self._sync_config()
+        self.observer: Observer | None = None
+        self.observe_enabled = False
+        self.quant_enabled = True
+
+    # ------------------------------------------------------------------ state
+    @property
+    def state(self) -> QuantState:
+        return self.config.state
+
+    @state.setter
+    def state(self, value: QuantState) -> None:
+        self.config.state = QuantState.parse(value)
+
+    @property
+    def mode(self) -> str:
+        for name, flags in MODES.items():
+            if flags == (self.observe_enabled, self.quant_enabled):
+                return name
+        raise AssertionError("unreachable")
+
+    def set_mode(self, mode: str) -> "FakeQuantize":
+        try:
+            self.observe_enabled, self.quant_enabled = MODES[mode]
+        except KeyError:
+            raise ConfigError(f"unknown FakeQuantize mode {mode!r}; use one of {list(MODES)}") from None
+        if self.observe_enabled and self.observer is None:
+            self.observer = build_observer(self.config, where=self.name)
+        return self
+
+    @property
+    def learnable(self) -> bool:
+        return isinstance(self.scale, nn.Parameter)
+
+    def _sync_config(self) -> None:
+        self.config.scale = self.scale
+        self.config.offset = self.offset
+
+    # ------------------------------------------------------------------ parameters
+    def set_qparams(self, scale: Any, offset: Any = None, state: QuantState | None = QuantState.ACTIVATED) -> None:
+        """Validate and store new parameters in place (keeps Parameter identity for optimizers)."""
+        probe = self.config.replace(scale=None, offset=None)
+        probe.set_qparams(scale, offset)
+        with torch.no_grad():
+            for attr, value in (("scale", probe.scale), ("offset", probe.offset)):
+                current = getattr(self, attr)
+                value = value.to(current.device)
+                if current.shape == value.shape:
+                    current.copy_(value)
+                elif isinstance(current, nn.Parameter):
+                    current.data = value.clone()
+                else:
+                    setattr(self, attr, value.clone())
+        self._sync_config()
+        if state is not None:
+            self.config.state = state
+
+    def compute_qparams(self) -> None:
+        """Turn the observer's statistics into scale/offset and activate this quantizer."""
+        if self.observer is None:
+            raise ConfigError(f"FakeQuantize {self.name!r} has no observer: set_mode('observe') and run data first")
+        scale, offset = self.observer.compute_qparams()
+        state = self.config.state if self.config.is_passive else QuantState.ACTIVATED
+        self.set_qparams(scale, offset, state=state)
+
+    def make_learnable(self, scale: bool = True, offset: bool = False) -> "FakeQuantize":
+        """Turn scale (and offset) into ``nn.Parameter`` for LSQ/QAT."""
+        if scale and not isinstance(self.scale, nn.Parameter):
+            s = self.scale
+            del self.scale
+            self.scale = nn.Parameter(s.clone())
+        if offset and not self.config.symmetric and not isinstance(self.offset, nn.Parameter):
+            o = self.offset
+            del self.offset
+            self.offset = nn.Parameter(o.clone())
+        self._sync_config()
+        return self
+
+    def freeze(self) -> "FakeQuantize":
+        """Turn learned parameters back into buffers (values kept)."""
+        for attr in ("scale", "offset"):
+            value = getattr(self, attr)
+            if isinstance(value, nn.Parameter):
+                delattr(self, attr)
+                self.register_buffer(attr, value.detach().clone())
+        self._sync_config()
+        return self
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.observe_enabled:
+            with torch.no_grad():
+                self.observer.observe(x)
+        if not self.quant_enabled or not self.config.is_quantizing:
+            return x
+        return fake_quantize(x, self.config, self.scale, self.offset)
+
+    # ------------------------------------------------------------------ state_dict
+    def get_extra_state(self) -> dict:
+        d = self.config.to_dict()
+        d.pop("scale")
+        d.pop("offset")
+        d["learnable_scale"] = isinstance(self.scale, nn.Parameter)
+        d["learnable_offset"] = isinstance(self.offset, nn.Parameter)
+        return d
+
+    def set_extra_state(self, state: dict) -> None:
+        d = dict(state)
+        learnable_scale = d.pop("learnable_scale", False)
+        learnable_offset = d.pop("learnable_offset", False)
+        self.config = TensorQuantConfig.from_dict({**d, "scale": None, "offset": None})
+        if learnable_scale or learnable_offset:
+            self.make_learnable(scale=learnable_scale, offset=learnable_offset)
+        self._sync_config()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        # per-channel parameters get their size at calibration: adopt the incoming shapes
+        for attr in ("scale", "offset"):
+            key = prefix + attr
+            current = getattr(self, attr)
+            if key in state_dict and state_dict[key].shape != current.shape:
+                if isinstance(current, nn.Parameter):
+                    current.data = torch.empty_like(state_dict[key])
+                else:
+                    setattr(self, attr, torch.empty_like(state_dict[key]))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self._sync_config()
+
+    def extra_repr(self) -> str:
+        return f"{self.config!r}, mode={self.mode}"
+
+
+@contextlib.contextmanager
+def fake_quant_mode(model: nn.Module, mode: str) -> Iterator[nn.Module]:
+    """Set every FakeQuantize in ``model`` to ``mode`` inside the block; restore the previous modes after."""
+    saved = [(m, m.observe_enabled, m.quant_enabled) for m in model.modules() if isinstance(m, FakeQuantize)]
+    try:
+        for m, _, _ in saved:
+            m.set_mode(mode)
+        yield model
+    finally:
+        for m, obs, q in saved:
+            m.observe_enabled, m.quant_enabled = obs, q

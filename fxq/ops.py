@@ -1,0 +1,146 @@
+"""``fxq::`` custom ops: the fake-quant math as opaque torch ops.
+
+The default (CPU and any device) implementation is the torch reference in :mod:`fxq.functional`;
+:mod:`fxq.triton_kernels` registers CUDA kernels for the same ops. Each op has a fake implementation
+and autograd, so ``torch.fx`` traces and ``torch.compile(fullgraph=True)`` graphs keep one node per
+quantizer and differentiate through it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fxq import functional as F
+
+__all__ = ["fake_quant_linear", "fake_quant_float"]
+
+
+# --------------------------------------------------------------------------- linear
+@torch.library.custom_op("fxq::fake_quant_linear", mutates_args=())
+def _fake_quant_linear(
+    x: Tensor, scale: Tensor, offset: Tensor, axis: int, quant_min: int, quant_max: int, rounding: int
+) -> Tensor:
+    return F.linear_fake_quantize_reference(x, scale, offset, axis, quant_min, quant_max, rounding)
+
+
+@_fake_quant_linear.register_fake
+def _(x, scale, offset, axis, quant_min, quant_max, rounding):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("fxq::fake_quant_linear_backward", mutates_args=())
+def _fake_quant_linear_backward(
+    grad: Tensor,
+    x: Tensor,
+    scale: Tensor,
+    offset: Tensor,
+    axis: int,
+    quant_min: int,
+    quant_max: int,
+    rounding: int,
+    need_scale_grad: bool,
+    need_offset_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return F.linear_fake_quantize_backward_reference(
+        grad, x, scale, offset, axis, quant_min, quant_max, rounding, need_scale_grad, need_offset_grad
+    )
+
+
+@_fake_quant_linear_backward.register_fake
+def _(grad, x, scale, offset, axis, quant_min, quant_max, rounding, need_scale_grad, need_offset_grad):
+    return torch.empty_like(x), torch.empty_like(scale), torch.empty_like(offset)
+
+
+def _linear_setup_context(ctx, inputs, output):
+    x, scale, offset, axis, quant_min, quant_max, rounding = inputs
+    ctx.save_for_backward(x, scale, offset)
+    ctx.args = (axis, quant_min, quant_max, rounding)
+
+
+def _linear_backward(ctx, grad):
+    x, scale, offset = ctx.saved_tensors
+    need_x, need_s, need_o = ctx.needs_input_grad[:3]
+    gx, gs, go = torch.ops.fxq.fake_quant_linear_backward(
+        grad.contiguous(), x, scale, offset, *ctx.args, bool(need_s), bool(need_o)
+    )
+    return (gx if need_x else None), (gs if need_s else None), (go if need_o else None), None, None, None, None
+
+
+_fake_quant_linear.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+
+
+# --------------------------------------------------------------------------- floating (FP8)
+@torch.library.custom_op("fxq::fake_quant_float", mutates_args=())
+def _fake_quant_float(
+    x: Tensor, scale: Tensor, axis: int, mantissa_bits: int, min_exponent: int, max_value: float, rounding: int
+) -> Tensor:
+    return F.float_fake_quantize_reference(x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
+
+
+@_fake_quant_float.register_fake
+def _(x, scale, axis, mantissa_bits, min_exponent, max_value, rounding):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("fxq::fake_quant_float_backward", mutates_args=())
+def _fake_quant_float_backward(
+    grad: Tensor,
+    x: Tensor,
+    scale: Tensor,
+    axis: int,
+    mantissa_bits: int,
+    min_exponent: int,
+    max_value: float,
+    rounding: int,
+    need_scale_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    return F.float_fake_quantize_backward_reference(
+        grad, x, scale, axis, mantissa_bits, min_exponent, max_value, rounding, need_scale_grad
+    )
+
+
+@_fake_quant_float_backward.register_fake
+def _(grad, x, scale, axis, mantissa_bits, min_exponent, max_value, rounding, need_scale_grad):
+    return torch.empty_like(x), torch.empty_like(scale)
+
+
+def _float_setup_context(ctx, inputs, output):
+    x, scale, axis, mantissa_bits, min_exponent, max_value, rounding = inputs
+    ctx.save_for_backward(x, scale)
+    ctx.args = (axis, mantissa_bits, min_exponent, max_value, rounding)
+
+
+def _float_backward(ctx, grad):
+    x, scale = ctx.saved_tensors
+    need_x, need_s = ctx.needs_input_grad[:2]
+    gx, gs = torch.ops.fxq.fake_quant_float_backward(grad.contiguous(), x, scale, *ctx.args, bool(need_s))
+    return (gx if need_x else None), (gs if need_s else None), None, None, None, None, None
+
+
+_fake_quant_float.register_autograd(_float_backward, setup_context=_float_setup_context)
+
+
+def fake_quant_linear(
+    x: Tensor, scale: Tensor, offset: Tensor, axis: int, quant_min: int, quant_max: int, rounding: int
+) -> Tensor:
+    """Linear fake-quant through ``torch.ops.fxq.fake_quant_linear``."""
+    return torch.ops.fxq.fake_quant_linear(x, scale, offset, axis, quant_min, quant_max, rounding)
+
+
+def fake_quant_float(
+    x: Tensor, scale: Tensor, axis: int, mantissa_bits: int, min_exponent: int, max_value: float, rounding: int
+) -> Tensor:
+    """FP8 fake-quant through ``torch.ops.fxq.fake_quant_float``."""
+    return torch.ops.fxq.fake_quant_float(x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
+
+
+def _register_device_kernels() -> None:
+    """Register the Triton CUDA kernels when triton is importable (never required on CPU)."""
+    try:
+        from fxq.triton_kernels import register_cuda_kernels
+    except ImportError:  # triton missing or not built for this platform
+        return
+    register_cuda_kernels()
+
+
+_register_device_kernels()
