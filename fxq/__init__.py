@@ -24,6 +24,17 @@ from fxq.functional import dequantize, fake_quantize, quantize_to_int, round_wit
 from fxq.nn import FakeQuantize, fake_quant_mode
 from fxq.observers import Observer, register_observer
 
+# --- platforms, settings and the quantization flow
+from fxq.qconfig import Platform, get_platform, register_platform
+from fxq.setting import QuantizationSetting, QuantizationSettingFactory
+from fxq.api import prepare, quantize
+from fxq.graph.calibrate import calibrate
+from fxq.graph.convert import convert, fp32_mode, switch_to_fp32, switch_to_quantized
+from fxq.graph.dispatch import register_dispatcher
+from fxq.graph.op_types import register_op_type
+from fxq.graph.summary import QuantSummary, summary
+from fxq.algorithms import register_algorithm
+
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __version__ = "0.1.0"
@@ -55,4 +66,23 @@ __all__ = [
     "fake_quant_mode",
     "Observer",
     "register_observer",
+    # platforms and settings
+    "Platform",
+    "get_platform",
+    "register_platform",
+    "QuantizationSetting",
+    "QuantizationSettingFactory",
+    # flow
+    "prepare",
+    "calibrate",
+    "convert",
+    "quantize",
+    "switch_to_fp32",
+    "switch_to_quantized",
+    "fp32_mode",
+    "summary",
+    "QuantSummary",
+    "register_dispatcher",
+    "register_op_type",
+    "register_algorithm",
 ]

@@ -14,6 +14,8 @@ from fxq.spec import QuantState, TensorQuantConfig
 
 __all__ = ["FakeQuantize", "MODES"]
 
+_BAKED = (QuantState.BAKED, QuantState.PASSIVE_BAKED)  # values already on the grid: pass through
+
 MODES = {
     "observe": (True, False),
     "quantize": (False, True),
@@ -142,7 +144,7 @@ class FakeQuantize(nn.Module):
         if self.observe_enabled:
             with torch.no_grad():
                 self.observer.observe(x)
-        if not self.quant_enabled or not self.config.is_quantizing:
+        if not self.quant_enabled or not self.config.is_quantizing or self.config.state in _BAKED:
             return x
         return fake_quantize(x, self.config, self.scale, self.offset)
 

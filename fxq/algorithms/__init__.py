@@ -1,0 +1,9 @@
+"""Accuracy algorithms as plain torch loops, switched on by ``QuantizationSetting`` fields.
+
+Each algorithm registers itself with :func:`register_algorithm` under the setting switch that enables
+it and the stage it runs in (``"pre"`` before calibration on FP32 weights, ``"post"`` after it).
+A switch that is on with no registered algorithm raises :class:`fxq.NotSupportedError`.
+"""
+from fxq.algorithms.pipeline import ALGORITHM_ORDER, register_algorithm, run_algorithms
+
+__all__ = ["register_algorithm", "run_algorithms", "ALGORITHM_ORDER"]

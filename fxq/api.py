@@ -1,0 +1,158 @@
+"""Front door: ``prepare`` → ``calibrate`` → ``convert``, or all of it in ``quantize``."""
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import fx, nn
+
+from fxq.algorithms import run_algorithms
+from fxq.errors import CalibrationError, ConfigError
+from fxq.graph.calibrate import calibrate
+from fxq.graph.convert import convert
+from fxq.graph.data import iter_batches, to_call_args
+from fxq.graph.dispatch import dispatch
+from fxq.graph.info import iter_quantizers
+from fxq.graph.passes import standardize
+from fxq.graph.prepare import insert_quantizers
+from fxq.graph.trace import trace
+from fxq.qconfig.base import Platform, get_platform
+from fxq.setting import QuantizationSetting
+from fxq.spec import QuantState
+
+__all__ = ["prepare", "quantize"]
+
+logger = logging.getLogger(__name__)
+
+
+def _as_args(example_inputs: Any) -> tuple:
+    if example_inputs is None:
+        return ()
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, dict):
+        return tuple(example_inputs.values())
+    return tuple(example_inputs)
+
+
+def _resolve_platform(platform: "str | Platform | type[Platform]", setting: QuantizationSetting,
+                      bit_width: int | None, symmetrical: bool | None, per_channel: bool | None) -> Platform:
+    p = get_platform(platform)
+    if bit_width is not None or symmetrical is not None or per_channel is not None:
+        p = p.with_overrides(bit_width=bit_width, symmetrical=symmetrical, per_channel=per_channel)
+    changes: dict[str, Any] = {}
+    if setting.quantize_activation_setting.calib_algorithm:
+        changes["activation_observer"] = setting.quantize_activation_setting.calib_algorithm
+    if setting.quantize_parameter_setting.calib_algorithm:
+        changes["weight_observer"] = setting.quantize_parameter_setting.calib_algorithm
+    if changes:
+        p = p.with_overrides(**changes)
+    return p
+
+
+def prepare(
+    model: nn.Module,
+    platform: "str | Platform | type[Platform]" = "trt_int8",
+    example_inputs: Any = None,
+    setting: QuantizationSetting | None = None,
+    *,
+    leaf_modules: Iterable[type[nn.Module] | str] = (),
+    concrete_args: dict[str, Any] | None = None,
+    bit_width: int | None = None,
+    symmetrical: bool | None = None,
+    per_channel: bool | None = None,
+    fold_bn: bool = True,
+) -> fx.GraphModule:
+    """Trace (or copy) ``model``, standardize the graph, dispatch it and insert quantizers.
+
+    The caller's model is never modified. The result is a ``GraphModule`` whose quantizers live in
+    ``gm.fxq_quantizers``; calibrate it with :func:`fxq.calibrate`.
+
+    Args:
+        model: float ``nn.Module`` or a ``GraphModule`` from :func:`fxq.load_onnx` / :func:`fxq.load_caffe`.
+        platform: platform name (``"trt_int8"``...), class or instance.
+        example_inputs: one batch of inputs (tensor, tuple or dict) — shapes and dtypes drive dispatch.
+        setting: :class:`fxq.QuantizationSetting` (dispatcher, fusion, observers, ...).
+        leaf_modules, concrete_args: passed to ``torch.fx`` tracing.
+        bit_width, symmetrical, per_channel: seed 002's per-call overrides of the platform's schemes.
+        fold_bn: fold eval-mode BatchNorm into the preceding conv/linear.
+
+    Raises:
+        TraceError, ConfigError: naming the module/node and the fix.
+    """
+    setting = setting or QuantizationSetting()
+    p = _resolve_platform(platform, setting, bit_width, symmetrical, per_channel)
+    args = _as_args(example_inputs)
+    if not args:
+        raise ConfigError("prepare() needs example_inputs (one batch) to learn shapes and dtypes")
+    gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
+    gm.eval()
+    device = next((t.device for t in gm.parameters()), torch.device("cpu"))
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    standardize(gm, args, fold_bn=fold_bn)
+    plan = dispatch(gm, p, setting.dispatcher, setting.dispatching_table)
+    insert_quantizers(gm, plan, setting, p)
+    infos = gm.meta["fxq_quantizer_infos"]
+    for name, fq in iter_quantizers(gm):
+        role = infos[name].role
+        if (role == "activation" and not setting.quantize_activation) or (
+            role in ("weight", "bias") and not setting.quantize_parameter
+        ):
+            fq.config.state = QuantState.FP32
+    gm.meta["fxq_setting"] = setting.to_dict()
+    gm.to(device)
+    return gm
+
+
+def _first_batch_args(model: nn.Module, data: Any, collate_fn: Callable[[Any], Any] | None) -> tuple:
+    try:
+        batch = next(iter(iter_batches(data, 1, collate_fn)))
+    except StopIteration:
+        raise CalibrationError("calibration data is empty: give at least one batch") from None
+    args, kwargs = to_call_args(model, batch, check=False)
+    if kwargs:
+        if isinstance(model, fx.GraphModule):
+            names = [n.name for n in model.graph.nodes if n.op == "placeholder"]
+        else:
+            names = list(inspect.signature(model.forward).parameters)
+        missing = [k for k in kwargs if k not in names]
+        if missing:
+            raise CalibrationError(f"batch keys {missing} are not inputs of the model; inputs are {names}")
+        args = tuple(kwargs[n] for n in names if n in kwargs)
+    return args
+
+
+def quantize(
+    model: nn.Module,
+    calib_data: Any,
+    platform: "str | Platform | type[Platform]" = "trt_int8",
+    setting: QuantizationSetting | None = None,
+    example_inputs: Any = None,
+    *,
+    steps: int | None = None,
+    collate_fn: Callable[[Any], Any] | None = None,
+    progress: bool = True,
+    leaf_modules: Sequence[type[nn.Module] | str] = (),
+    concrete_args: dict[str, Any] | None = None,
+    bit_width: int | None = None,
+    symmetrical: bool | None = None,
+    per_channel: bool | None = None,
+) -> fx.GraphModule:
+    """Quantize ``model`` for ``platform`` in one call: prepare, (equalize), calibrate, (optimize), convert.
+
+    Example:
+        >>> qmodel = fxq.quantize(model, [torch.randn(8, 3, 224, 224) for _ in range(8)], platform="trt_int8")
+        >>> print(fxq.summary(qmodel))
+    """
+    setting = setting or QuantizationSetting()
+    if example_inputs is None:
+        example_inputs = _first_batch_args(model, calib_data, collate_fn)
+    gm = prepare(model, platform, example_inputs, setting, leaf_modules=leaf_modules, concrete_args=concrete_args,
+                 bit_width=bit_width, symmetrical=symmetrical, per_channel=per_channel)
+    gm = run_algorithms("pre", gm, calib_data, setting, steps=steps, collate_fn=collate_fn)
+    calibrate(gm, calib_data, steps=steps, collate_fn=collate_fn, progress=progress,
+              bake=setting.quantize_parameter_setting.baking_parameter)
+    gm = run_algorithms("post", gm, calib_data, setting, steps=steps, collate_fn=collate_fn)
+    return convert(gm, bake=setting.quantize_parameter_setting.baking_parameter)

@@ -1,0 +1,175 @@
+"""After calibration: alignment, passive parameters, baking, and switching between FP32 and quantized."""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import fx
+
+from fxq.errors import ConfigError
+from fxq.functional import dequantize, fake_quantize, qparams_from_minmax
+from fxq.graph.info import graph_quant, iter_quantizers
+from fxq.graph.passes import get_attr_value
+from fxq.nn.fake_quantize import FakeQuantize
+from fxq.spec import QuantState
+
+__all__ = [
+    "apply_alignment",
+    "derive_passive_parameters",
+    "bake_parameters",
+    "unbake_parameters",
+    "convert",
+    "switch_to_fp32",
+    "switch_to_quantized",
+    "fp32_mode",
+]
+
+
+def _quantizers(gm: fx.GraphModule) -> dict[str, FakeQuantize]:
+    return dict(iter_quantizers(gm))
+
+
+def _infos(gm: fx.GraphModule):
+    return gm.meta.get("fxq_quantizer_infos", {})
+
+
+def _range_of(fq: FakeQuantize) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = fq.config
+    q = torch.tensor([cfg.quant_min, cfg.quant_max], dtype=torch.float32)
+    if cfg.is_floating:
+        return q[0] * fq.scale.detach().cpu(), q[1] * fq.scale.detach().cpu()
+    lo = dequantize(torch.full_like(fq.scale, cfg.quant_min).cpu(), cfg)
+    hi = dequantize(torch.full_like(fq.scale, cfg.quant_max).cpu(), cfg)
+    return lo, hi
+
+
+def apply_alignment(gm: fx.GraphModule) -> None:
+    """Elementwise inputs share the largest range; concat/resize inputs take the output's parameters."""
+    gq = graph_quant(gm)
+    qs = _quantizers(gm)
+    for group in gq.align_large:
+        members = [qs[n] for n in group if qs[n].config.has_qparams and qs[n].config.is_quantizing]
+        if len(members) < 2 or any(m.config.per_channel for m in members):
+            continue
+        ranges = [_range_of(m) for m in members]
+        lo = torch.stack([r[0] for r in ranges]).min(0).values
+        hi = torch.stack([r[1] for r in ranges]).max(0).values
+        for m in members:
+            scale, offset = qparams_from_minmax(lo, hi, m.config)
+            m.set_qparams(scale, offset, state=m.config.state)
+    for inputs, out in gq.align_output:
+        target = qs[out]
+        if not target.config.is_quantizing:
+            continue
+        for name in inputs:
+            m = qs[name]
+            if m is target or not m.config.is_quantizing or m.config.per_channel:
+                continue
+            if _scheme(m) != _scheme(target):
+                continue
+            m.set_qparams(target.scale.detach().clone(), target.offset.detach().clone(), state=m.config.state)
+
+
+def _scheme(fq: FakeQuantize) -> tuple:
+    c = fq.config
+    return (c.num_bits, c.symmetric, c.quant_min, c.quant_max, c.fp_format)
+
+
+def derive_passive_parameters(gm: fx.GraphModule) -> None:
+    """Bias scale = input scale x weight scale (offset 0); a bias with no quantized input stays FP32."""
+    gq = graph_quant(gm)
+    qs = _quantizers(gm)
+    for bias_name, (data_q, weight_q) in gq.bias_deps.items():
+        bias = qs[bias_name]
+        if data_q is None or weight_q is None or not qs[data_q].config.is_quantizing:
+            bias.config.state = QuantState.FP32
+            continue
+        s_in, s_w = qs[data_q].scale.detach(), qs[weight_q].scale.detach()
+        scale = torch.clamp(s_in.reshape(-1)[:1] * s_w.reshape(-1), min=1e-30)
+        if not bias.config.per_channel:
+            scale = scale[:1]
+        bias.set_qparams(scale, torch.zeros_like(scale), state=QuantState.PASSIVE)
+
+
+@torch.no_grad()
+def bake_parameters(gm: fx.GraphModule) -> None:
+    """Replace each quantized parameter by its quantized value (state BAKED); keep the FP32 copy.
+
+    Baked quantizers pass values through, so quantized forward passes cost no weight fake-quant.
+    """
+    infos = _infos(gm)
+    for name, fq in iter_quantizers(gm):
+        info = infos.get(name)
+        if info is None or info.param is None or fq.config.state not in (QuantState.ACTIVATED, QuantState.PASSIVE):
+            continue
+        param = get_attr_value(gm, info.param)
+        fq._fp32_backup = param.detach().clone()
+        param.data.copy_(fake_quantize(param.detach(), fq.config, fq.scale, fq.offset))
+        fq.config.state = QuantState.BAKED if fq.config.state is QuantState.ACTIVATED else QuantState.PASSIVE_BAKED
+
+
+@torch.no_grad()
+def unbake_parameters(gm: fx.GraphModule) -> None:
+    """Restore the FP32 parameters saved by :func:`bake_parameters`; states go back to ACTIVATED/PASSIVE."""
+    infos = _infos(gm)
+    for name, fq in iter_quantizers(gm):
+        info = infos.get(name)
+        backup = getattr(fq, "_fp32_backup", None)
+        if info is None or info.param is None or backup is None:
+            continue
+        get_attr_value(gm, info.param).data.copy_(backup)
+        fq._fp32_backup = None
+        fq.config.state = QuantState.ACTIVATED if fq.config.state is QuantState.BAKED else QuantState.PASSIVE
+
+
+def _check_ready(gm: fx.GraphModule) -> None:
+    pending = [n for n, fq in iter_quantizers(gm) if fq.config.state in (QuantState.INITIAL, QuantState.PASSIVE_INIT)]
+    if pending:
+        shown = ", ".join(pending[:8]) + (" ..." if len(pending) > 8 else "")
+        raise ConfigError(
+            f"{len(pending)} quantizer(s) have no parameters yet ({shown}): run fxq.calibrate(model, data) first"
+        )
+
+
+def convert(gm: fx.GraphModule, bake: bool = True) -> fx.GraphModule:
+    """Final states: every quantizer in quantize mode, parameters baked. Returns ``gm``."""
+    _check_ready(gm)
+    for _, fq in iter_quantizers(gm):
+        fq.set_mode("quantize")
+        fq.observer = None
+    if bake:
+        bake_parameters(gm)
+    return gm
+
+
+def switch_to_fp32(gm: fx.GraphModule) -> fx.GraphModule:
+    """Run the model in FP32 (the seeds' ``op.dequantize()`` on every op): restore weights, disable quantizers."""
+    unbake_parameters(gm)
+    for _, fq in iter_quantizers(gm):
+        fq.set_mode("disabled")
+    return gm
+
+
+def switch_to_quantized(gm: fx.GraphModule, bake: bool = True) -> fx.GraphModule:
+    """Undo :func:`switch_to_fp32`."""
+    for _, fq in iter_quantizers(gm):
+        fq.set_mode("quantize")
+    if bake:
+        bake_parameters(gm)
+    return gm
+
+
+@contextlib.contextmanager
+def fp32_mode(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
+    """Run ``gm`` in FP32 inside the block, quantized again after it (modes and baking restored)."""
+    saved = {n: (fq.observe_enabled, fq.quant_enabled) for n, fq in iter_quantizers(gm)}
+    was_baked = any(getattr(fq, "_fp32_backup", None) is not None for _, fq in iter_quantizers(gm))
+    switch_to_fp32(gm)
+    try:
+        yield gm
+    finally:
+        for n, fq in iter_quantizers(gm):
+            fq.observe_enabled, fq.quant_enabled = saved[n]
+        if was_baked:
+            bake_parameters(gm)

@@ -1,0 +1,120 @@
+"""Calibration data: batches in many shapes (tensor, tuple, dict, DataLoader) -> model call arguments."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch import fx, nn
+
+from fxq.errors import CalibrationError
+
+__all__ = ["iter_batches", "call_model", "model_device", "input_names", "count_batches"]
+
+
+def model_device(model: nn.Module) -> torch.device:
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _placeholders(model: nn.Module) -> list[fx.Node]:
+    if isinstance(model, fx.GraphModule):
+        return [n for n in model.graph.nodes if n.op == "placeholder"]
+    return []
+
+
+def input_names(model: nn.Module) -> list[str]:
+    return [n.name for n in _placeholders(model)]
+
+
+def count_batches(data: Any, steps: int | None) -> int | None:
+    try:
+        n = len(data)
+    except TypeError:
+        return steps
+    return n if steps is None else min(n, steps)
+
+
+def iter_batches(data: Any, steps: int | None = None,
+                 collate_fn: Callable[[Any], Any] | None = None) -> Iterator[Any]:
+    """Yield at most ``steps`` batches of ``data`` (a bare tensor or dict is one batch)."""
+    if data is None:
+        raise CalibrationError("no calibration data given: pass a list of batches or a DataLoader")
+    if isinstance(data, (torch.Tensor, dict)):
+        data = [data]
+    if not isinstance(data, Iterable):
+        raise CalibrationError(f"calibration data must be iterable (list, DataLoader...), got {type(data).__name__}")
+    it = iter(data)
+    if steps is not None:
+        it = itertools.islice(it, steps)
+    for batch in it:
+        yield collate_fn(batch) if collate_fn is not None else batch
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+def _check(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    phs = _placeholders(model)
+    if not phs:
+        return
+    required = [p for p in phs if not p.args]  # placeholders with defaults carry them in args
+    given = len(args) + len(kwargs)
+    if given < len(required) or given > len(phs):
+        raise CalibrationError(
+            f"the model takes {len(required)} input(s) {[p.name for p in required]} but a batch gave {given}; "
+            f"pass a tuple (positional) or a dict keyed by input name per batch"
+        )
+    named = dict(zip([p.name for p in phs], args))
+    named.update(kwargs)
+    for p in phs:
+        val, ref = named.get(p.name), p.meta.get("val")
+        if isinstance(val, torch.Tensor) and isinstance(ref, torch.Tensor):
+            if val.dim() != ref.dim() or tuple(val.shape[1:]) != tuple(ref.shape[1:]):
+                raise CalibrationError(
+                    f"input {p.name!r}: batch has shape {tuple(val.shape)}, the model was prepared for "
+                    f"{tuple(ref.shape)} (batch dimension free); fix the data or the example_inputs"
+                )
+
+
+def _onnx_name_map(model: nn.Module) -> dict[str, str]:
+    out = {}
+    for p in _placeholders(model):
+        info = p.meta.get("onnx")
+        if isinstance(info, dict):
+            for name in info.get("outputs", []):
+                out[name] = p.name
+    return out
+
+
+def to_call_args(model: nn.Module, batch: Any, check: bool = True) -> tuple[tuple, dict]:
+    """Positional and keyword arguments for one batch, on the model's device."""
+    batch = _to(batch, model_device(model))
+    if isinstance(batch, dict):
+        aliases = _onnx_name_map(model)
+        kwargs = {aliases.get(k, k): v for k, v in batch.items()}
+        names = input_names(model)
+        unknown = [k for k in kwargs if names and k not in names]
+        if unknown:
+            raise CalibrationError(f"batch keys {unknown} are not model inputs; inputs are {names}")
+        args: tuple = ()
+    elif isinstance(batch, (tuple, list)):
+        args, kwargs = tuple(batch), {}
+    else:
+        args, kwargs = (batch,), {}
+    if check:
+        _check(model, args, kwargs)
+    return args, kwargs
+
+
+def call_model(model: nn.Module, batch: Any, check: bool = True) -> Any:
+    args, kwargs = to_call_args(model, batch, check)
+    return model(*args, **kwargs)

@@ -1,0 +1,85 @@
+"""Per-node quantization facts, stored once in ``node.meta["fxq"]`` and ``gm.meta["fxq"]``.
+
+Dispatch, prepare, calibration, analysis and every exporter read these records:
+
+* ``node.meta["fxq"]`` on an op node is a :class:`NodeQuant` — its canonical op type, the platform
+  it was dispatched to (a platform name, ``"fp32"`` or ``"shape"``), which quantizer covers each of
+  its tensor inputs, and which quantizer covers its output (its own, an overlapping one downstream
+  such as the ReLU after a conv, or the input's one for passive ops such as MaxPool).
+* a quantizer node (``call_module`` into ``gm.fxq_quantizers``) carries a :class:`QuantizerInfo`.
+* ``gm.meta["fxq"]`` is a :class:`GraphQuant`: the platform, the bias dependencies
+  (bias quantizer -> (input quantizer, weight quantizer)) and the alignment groups.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+from torch import fx, nn
+
+from fxq.spec import QuantState
+
+__all__ = ["NodeQuant", "QuantizerInfo", "GraphQuant", "QUANTIZERS_ATTR", "node_quant", "iter_quantizers",
+           "graph_quant", "quantizer_nodes"]
+
+QUANTIZERS_ATTR = "fxq_quantizers"
+"""Name of the ``nn.ModuleDict`` of a prepared GraphModule that holds every FakeQuantize."""
+
+
+@dataclasses.dataclass
+class NodeQuant:
+    op_type: str
+    platform: str  # platform name, "fp32" or "shape"
+    inputs: dict[str, str | None] = dataclasses.field(default_factory=dict)  # input node -> quantizer
+    output: str | None = None  # quantizer covering this node's output value
+    output_state: QuantState = QuantState.FP32  # ACTIVATED (own), OVERLAPPED, PASSIVE (shared), FP32
+
+    @property
+    def quantized(self) -> bool:
+        return self.platform not in ("fp32", "shape")
+
+
+@dataclasses.dataclass
+class QuantizerInfo:
+    name: str
+    role: str  # "activation" | "weight" | "bias"
+    source: str  # name of the node whose value it quantizes
+    consumers: list[str] = dataclasses.field(default_factory=list)  # op nodes that read the quantized value
+    param: str | None = None  # get_attr target for weights / biases
+
+
+@dataclasses.dataclass
+class GraphQuant:
+    platform: str
+    dispatcher: str
+    bias_deps: dict[str, tuple[str | None, str]] = dataclasses.field(default_factory=dict)
+    align_large: list[list[str]] = dataclasses.field(default_factory=list)
+    align_output: list[tuple[list[str], str]] = dataclasses.field(default_factory=list)
+
+
+def node_quant(node: fx.Node) -> NodeQuant | None:
+    return node.meta.get("fxq")
+
+
+def graph_quant(gm: fx.GraphModule) -> GraphQuant:
+    from fxq.errors import GraphError
+
+    info = gm.meta.get("fxq") if hasattr(gm, "meta") else None
+    if not isinstance(info, GraphQuant):
+        raise GraphError("this module was not prepared by fxq: call fxq.prepare / fxq.quantize first")
+    return info
+
+
+def quantizer_nodes(gm: fx.GraphModule) -> Iterator[fx.Node]:
+    prefix = QUANTIZERS_ATTR + "."
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and str(node.target).startswith(prefix):
+            yield node
+
+
+def iter_quantizers(gm: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, FakeQuantize) pairs of a prepared model, in insertion order."""
+    holder = getattr(gm, QUANTIZERS_ATTR, None)
+    if holder is None:
+        return iter(())
+    return iter(holder.items())

@@ -1,0 +1,125 @@
+"""Canonical op types: module, function and method forms of one operation get one ONNX-style name.
+
+Platforms list op types by these names (``"Conv"``, ``"Gemm"``, ``"Add"``...), so ``nn.Conv2d`` and
+``F.conv2d``, ``x + y`` and ``torch.add`` are quantized alike. Nodes that came from an ONNX file carry
+their op type in ``node.meta["onnx"]``; that is used when the module/function is not known here.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+__all__ = ["op_type", "register_op_type", "WEIGHTED_FUNCTIONS"]
+
+_FUNCTIONS: dict[Callable[..., Any], str] = {
+    F.conv1d: "Conv", F.conv2d: "Conv", F.conv3d: "Conv",
+    torch.conv1d: "Conv", torch.conv2d: "Conv", torch.conv3d: "Conv",
+    F.conv_transpose1d: "ConvTranspose", F.conv_transpose2d: "ConvTranspose", F.conv_transpose3d: "ConvTranspose",
+    F.linear: "Gemm", torch.addmm: "Gemm",
+    torch.matmul: "MatMul", operator.matmul: "MatMul", torch.bmm: "MatMul", torch.mm: "MatMul",
+    operator.add: "Add", torch.add: "Add", operator.iadd: "Add",
+    operator.sub: "Sub", torch.sub: "Sub", operator.mul: "Mul", torch.mul: "Mul", operator.imul: "Mul",
+    operator.truediv: "Div", torch.div: "Div",
+    torch.cat: "Concat", torch.concat: "Concat", torch.stack: "Concat",
+    F.relu: "Relu", torch.relu: "Relu", F.relu6: "Clip", F.hardtanh: "Clip", torch.clamp: "Clip", torch.clip: "Clip",
+    torch.sigmoid: "Sigmoid", F.sigmoid: "Sigmoid", F.hardswish: "HardSwish", F.hardsigmoid: "HardSigmoid",
+    F.gelu: "Gelu", F.silu: "Silu", F.leaky_relu: "LeakyRelu", F.prelu: "PRelu", torch.tanh: "Tanh",
+    F.tanh: "Tanh", F.elu: "Elu",
+    F.softmax: "Softmax", torch.softmax: "Softmax", F.layer_norm: "LayerNormalization",
+    F.batch_norm: "BatchNormalization",
+    F.max_pool1d: "MaxPool", F.max_pool2d: "MaxPool", F.max_pool3d: "MaxPool",
+    F.avg_pool1d: "AveragePool", F.avg_pool2d: "AveragePool", F.avg_pool3d: "AveragePool",
+    F.adaptive_avg_pool1d: "GlobalAveragePool", F.adaptive_avg_pool2d: "GlobalAveragePool",
+    F.adaptive_max_pool2d: "GlobalMaxPool",
+    torch.flatten: "Flatten", torch.reshape: "Reshape", torch.transpose: "Transpose", torch.permute: "Transpose",
+    operator.getitem: "Slice", torch.split: "Split", torch.chunk: "Split", torch.squeeze: "Squeeze",
+    torch.unsqueeze: "Unsqueeze", F.interpolate: "Resize", F.pad: "Pad", torch.mean: "ReduceMean",
+    F.dropout: "Identity", torch.numel: "Shape", getattr: "Shape", torch.arange: "Range",
+    torch.argmax: "ArgMax", torch.argmin: "ArgMin", torch.topk: "TopK", torch.nonzero: "NonZero",
+    F.embedding: "Gather",
+}
+
+_METHODS: dict[str, str] = {
+    "add": "Add", "add_": "Add", "sub": "Sub", "mul": "Mul", "mul_": "Mul", "div": "Div", "matmul": "MatMul",
+    "bmm": "MatMul", "relu": "Relu", "relu_": "Relu", "sigmoid": "Sigmoid", "tanh": "Tanh", "clamp": "Clip",
+    "softmax": "Softmax", "view": "Reshape", "reshape": "Reshape", "flatten": "Flatten", "permute": "Transpose",
+    "transpose": "Transpose", "contiguous": "Identity", "squeeze": "Squeeze", "unsqueeze": "Unsqueeze",
+    "chunk": "Split", "split": "Split", "mean": "ReduceMean", "size": "Shape", "dim": "Shape", "numel": "Shape",
+    "expand": "Expand", "repeat": "Tile", "argmax": "ArgMax", "topk": "TopK", "to": "Cast", "float": "Cast",
+    "type_as": "Cast", "clone": "Identity", "detach": "Identity",
+}
+
+_MODULES: dict[type, str] = {
+    nn.Conv1d: "Conv", nn.Conv2d: "Conv", nn.Conv3d: "Conv",
+    nn.ConvTranspose1d: "ConvTranspose", nn.ConvTranspose2d: "ConvTranspose", nn.ConvTranspose3d: "ConvTranspose",
+    nn.Linear: "Gemm", nn.ReLU: "Relu", nn.ReLU6: "Clip", nn.Hardtanh: "Clip", nn.Sigmoid: "Sigmoid",
+    nn.Hardswish: "HardSwish", nn.Hardsigmoid: "HardSigmoid", nn.GELU: "Gelu", nn.SiLU: "Silu",
+    nn.LeakyReLU: "LeakyRelu", nn.PReLU: "PRelu", nn.Tanh: "Tanh", nn.ELU: "Elu", nn.Softmax: "Softmax",
+    nn.LayerNorm: "LayerNormalization", nn.BatchNorm1d: "BatchNormalization", nn.BatchNorm2d: "BatchNormalization",
+    nn.BatchNorm3d: "BatchNormalization",
+    nn.MaxPool1d: "MaxPool", nn.MaxPool2d: "MaxPool", nn.MaxPool3d: "MaxPool",
+    nn.AvgPool1d: "AveragePool", nn.AvgPool2d: "AveragePool", nn.AvgPool3d: "AveragePool",
+    nn.AdaptiveAvgPool1d: "GlobalAveragePool", nn.AdaptiveAvgPool2d: "GlobalAveragePool",
+    nn.AdaptiveMaxPool2d: "GlobalMaxPool", nn.Flatten: "Flatten", nn.Upsample: "Resize",
+    nn.Identity: "Identity", nn.Dropout: "Identity", nn.Dropout2d: "Identity", nn.Embedding: "Gather",
+}
+
+WEIGHTED_FUNCTIONS = frozenset(
+    f for f, t in _FUNCTIONS.items() if t in ("Conv", "ConvTranspose", "Gemm") and f is not torch.addmm
+)
+"""Functions called as ``f(input, weight, bias, ...)``."""
+
+
+def register_op_type(target: Any, op_type_name: str) -> None:
+    """Teach fxq the canonical type of a custom module class, function, or method name."""
+    if isinstance(target, str):
+        _METHODS[target] = op_type_name
+    elif isinstance(target, type) and issubclass(target, nn.Module):
+        _MODULES[target] = op_type_name
+    else:
+        _FUNCTIONS[target] = op_type_name
+
+
+def op_type(node: fx.Node, modules: dict[str, nn.Module] | None = None) -> str:
+    """The canonical op type of ``node`` ("Input", "Output", "Param" for placeholders/outputs/get_attr)."""
+    if node.op == "placeholder":
+        return "Input"
+    if node.op == "output":
+        return "Output"
+    if node.op == "get_attr":
+        return "Param"
+    found: str | None = None
+    if node.op == "call_function":
+        found = _FUNCTIONS.get(node.target)
+        if found is None and getattr(node.target, "__name__", None) in ("conv2d", "conv1d", "conv3d"):
+            found = "Conv"
+    elif node.op == "call_method":
+        found = _METHODS.get(node.target)
+    elif node.op == "call_module" and modules is not None:
+        mod = modules.get(node.target)
+        if mod is not None:
+            for cls in type(mod).__mro__:
+                if cls in _MODULES:
+                    found = _MODULES[cls]
+                    break
+            if found in ("GlobalAveragePool", "GlobalMaxPool") and not _is_global(mod):
+                found = "AveragePool" if found == "GlobalAveragePool" else "MaxPool"
+    if found is None:
+        for key in ("onnx", "caffe"):
+            info = node.meta.get(key)
+            if isinstance(info, dict) and info.get("op_type"):
+                return str(info["op_type"])
+    if found == "GlobalAveragePool" and node.op == "call_function":
+        size = node.args[1] if len(node.args) > 1 else node.kwargs.get("output_size")
+        if size not in (1, (1, 1), [1, 1], (1,), [1]):
+            found = "AveragePool"
+    return found or "Unknown"
+
+
+def _is_global(mod: nn.Module) -> bool:
+    size = getattr(mod, "output_size", None)
+    return size in (1, (1, 1), (1,), [1, 1], [1])

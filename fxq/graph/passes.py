@@ -1,0 +1,230 @@
+"""Graph preparation passes: each is ``pass(gm) -> gm`` (in place), ending with lint + recompile.
+
+Pipeline order in :func:`standardize`: remove identities -> functionalize weighted modules ->
+fold BatchNorm -> propagate tensor metadata.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from fxq.graph.op_types import WEIGHTED_FUNCTIONS, op_type
+
+__all__ = [
+    "standardize",
+    "remove_identity_nodes",
+    "functionalize_weighted_modules",
+    "fold_batchnorm",
+    "propagate_tensor_meta",
+    "get_attr_value",
+    "reuse_node_name",
+    "set_attr_value",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _finish(gm: fx.GraphModule) -> fx.GraphModule:
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def get_attr_value(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def set_attr_value(gm: fx.GraphModule, target: str, value: Any) -> None:
+    owner_path, _, name = target.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and isinstance(
+        getattr(owner, name, None), nn.Parameter
+    ):
+        value = nn.Parameter(value, requires_grad=getattr(owner, name).requires_grad)
+    setattr(owner, name, value)
+
+
+def remove_identity_nodes(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop identity-like nodes (``nn.Identity``, dropout in eval, ``contiguous``...)."""
+    modules = dict(gm.named_modules())
+    for node in list(gm.graph.nodes):
+        if node.op in ("call_module", "call_function", "call_method") and op_type(node, modules) == "Identity":
+            if not node.args or not isinstance(node.args[0], fx.Node):
+                continue
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    return _finish(gm)
+
+
+_CONV_FUNCS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONVT_FUNCS = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def _functional_call(mod: nn.Module) -> tuple[Any, tuple, dict] | None:
+    """(function, extra positional args after (x, w, b), kwargs) for a weighted module, or None."""
+    if isinstance(mod, nn.Linear):
+        return F.linear, (), {}
+    if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and not isinstance(mod, nn.modules.conv._ConvTransposeNd):
+        if mod.padding_mode != "zeros":
+            return None
+        return _CONV_FUNCS[mod.weight.dim() - 2], (mod.stride, mod.padding, mod.dilation, mod.groups), {}
+    if isinstance(mod, nn.modules.conv._ConvTransposeNd):
+        return (_CONVT_FUNCS[mod.weight.dim() - 2],
+                (mod.stride, mod.padding, mod.output_padding, mod.groups, mod.dilation), {})
+    return None
+
+
+def functionalize_weighted_modules(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite ``nn.Conv*/ConvTranspose*/Linear`` calls as ``F.conv*(x, self.<m>.weight, self.<m>.bias)``.
+
+    The modules stay as parameter holders (state_dict keys do not change); every weight becomes a
+    ``get_attr`` edge, so weight quantizers are inserted like any other quantizer. The node keeps its
+    name and ``node.meta["module_path"]`` records the module it came from.
+    """
+    modules = dict(gm.named_modules())
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module":
+            continue
+        mod = modules[node.target]
+        spec = _functional_call(mod)
+        if spec is None or len(node.args) != 1 or node.kwargs:
+            continue
+        fn, extra, kwargs = spec
+        with gm.graph.inserting_before(node):
+            w = gm.graph.get_attr(f"{node.target}.weight")
+            b = gm.graph.get_attr(f"{node.target}.bias") if mod.bias is not None else None
+            new = gm.graph.call_function(fn, (node.args[0], w, b, *extra), kwargs)
+        new.meta.update(node.meta)
+        new.meta["module_path"] = node.target
+        name = node.name
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        reuse_node_name(new, name)
+    return _finish(gm)
+
+
+def reuse_node_name(node: fx.Node, name: str) -> None:
+    """Give ``node`` the name of a node that was just erased (fx never frees names by itself)."""
+    if any(n.name == name for n in node.graph.nodes):
+        return
+    namespace = node.graph._graph_namespace
+    namespace._used_names.discard(name)
+    node._rename(name)
+
+
+def _weighted_parts(node: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
+    """(weight get_attr, bias get_attr or None) of a functional conv/linear whose params are attributes."""
+    if node.op != "call_function" or node.target not in WEIGHTED_FUNCTIONS:
+        return None
+    w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    if not (isinstance(w, fx.Node) and w.op == "get_attr"):
+        return None
+    if b is not None and not (isinstance(b, fx.Node) and b.op == "get_attr"):
+        return None
+    return w, b
+
+
+def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
+    """Fold eval-mode BatchNorm into the preceding conv/linear/conv-transpose (functional form).
+
+    Only when the conv output feeds nothing but the BatchNorm and the weight is not shared.
+    """
+    modules = dict(gm.named_modules())
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or not isinstance(modules.get(node.target), nn.modules.batchnorm._BatchNorm):
+            continue
+        bn: nn.modules.batchnorm._BatchNorm = modules[node.target]
+        src = node.args[0]
+        if bn.training or bn.running_mean is None or not isinstance(src, fx.Node) or len(src.users) != 1:
+            continue
+        parts = _weighted_parts(src)
+        if parts is None:
+            continue
+        w_node, b_node = parts
+        if len(w_node.users) != 1 or sum(1 for n in gm.graph.nodes if n.op == "get_attr" and n.target == w_node.target) != 1:
+            continue
+        _fold_one(gm, src, w_node, b_node, bn)
+        node.replace_all_uses_with(src)
+        src.meta["folded_bn"] = node.target
+        gm.graph.erase_node(node)
+    return _finish(gm)
+
+
+@torch.no_grad()
+def _fold_one(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.Node | None,
+              bn: nn.modules.batchnorm._BatchNorm) -> None:
+    w = get_attr_value(gm, w_node.target)
+    factor = (bn.weight if bn.affine else torch.ones_like(bn.running_var)) / torch.sqrt(bn.running_var + bn.eps)
+    shift = bn.bias if bn.affine else torch.zeros_like(bn.running_mean)
+    if conv.target in _CONVT_FUNCS.values():
+        groups = conv.args[6] if len(conv.args) > 6 else conv.kwargs.get("groups", 1)
+        cin, cout_g = w.shape[0], w.shape[1]
+        f = factor.reshape(groups, 1, cout_g, *([1] * (w.dim() - 2)))
+        new_w = (w.reshape(groups, cin // groups, cout_g, *w.shape[2:]) * f).reshape(w.shape)
+    else:
+        new_w = w * factor.reshape(-1, *([1] * (w.dim() - 1)))
+    old_b = get_attr_value(gm, b_node.target) if b_node is not None else torch.zeros_like(bn.running_mean)
+    new_b = (old_b - bn.running_mean) * factor + shift
+    set_attr_value(gm, w_node.target, nn.Parameter(new_w.detach().clone()))
+    if b_node is not None:
+        set_attr_value(gm, b_node.target, nn.Parameter(new_b.detach().clone()))
+        return
+    owner_path = w_node.target.rpartition(".")[0]
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    attr = "bias" if getattr(owner, "bias", "absent") is None else "fxq_folded_bias"
+    setattr(owner, attr, nn.Parameter(new_b.detach().clone()))
+    target = f"{owner_path}.{attr}" if owner_path else attr
+    with gm.graph.inserting_before(conv):
+        b_new = gm.graph.get_attr(target)
+    args = list(conv.args)
+    if len(args) > 2:
+        args[2] = b_new
+        conv.args = tuple(args)
+    else:
+        conv.kwargs = {**conv.kwargs, "bias": b_new}
+
+
+def propagate_tensor_meta(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """Record each node's output value description in ``node.meta["val"]`` (fake tensors, no compute).
+
+    Falls back to one real forward pass when a module cannot run on fake tensors.
+    """
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake_inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        FakeTensorProp(gm, mode).propagate(*fake_inputs)
+    except Exception as exc:  # data-dependent modules: run for real
+        logger.debug("fake tensor propagation failed (%s); using a real forward pass", exc)
+        _RealProp(gm).run(*example_inputs)
+    return gm
+
+
+class _RealProp(fx.Interpreter):
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        n.meta["val"] = result
+        return result
+
+
+def standardize(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
+                fold_bn: bool = True) -> fx.GraphModule:
+    """The preparation pipeline every model goes through before dispatch."""
+    remove_identity_nodes(gm)
+    functionalize_weighted_modules(gm)
+    if fold_bn:
+        fold_batchnorm(gm)
+    if example_inputs is not None:
+        propagate_tensor_meta(gm, example_inputs)
+    return gm

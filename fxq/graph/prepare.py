@@ -1,0 +1,304 @@
+"""Prepare: insert FakeQuantize modules where the dispatched platforms say, as in PPQ's quantizer.
+
+Rules, in order:
+
+* an op dispatched to a platform gets configs for its tensor inputs (activation / weight / bias roles)
+  and, when the platform quantizes outputs, for its output;
+* **fusion**: a computing op (or Add) whose only user is a fusable activation (ReLU/Clip) on the same
+  platform hands its output quantizer to the activation (state OVERLAPPED);
+* **passive ops** (MaxPool, Reshape, ...) share their input's quantizer (state PASSIVE);
+* a tensor is quantized at most once per scheme: consumers of an already-quantized tensor see the
+  quantized value (their input configs are OVERLAPPED); several quantized consumers of an FP32 tensor
+  share one input quantizer;
+* **bias** quantizers are passive: scale = input scale x weight scale, filled in after calibration;
+* **alignment** groups (elementwise inputs aligned to the largest, concat inputs to the output) are
+  recorded here and applied after calibration.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import fx, nn
+
+from fxq.graph.dispatch import Dispatch, is_float_tensor
+from fxq.graph.info import QUANTIZERS_ATTR, GraphQuant, NodeQuant, QuantizerInfo
+from fxq.graph.op_types import WEIGHTED_FUNCTIONS, op_type
+from fxq.graph.passes import get_attr_value
+from fxq.nn.fake_quantize import FakeQuantize
+from fxq.qconfig.base import COMPUTING_OPS, Platform
+from fxq.setting import QuantizationSetting
+from fxq.spec import QuantState, TensorQuantConfig
+
+__all__ = ["insert_quantizers"]
+
+logger = logging.getLogger(__name__)
+
+MULTI_INPUT_OPS = COMPUTING_OPS | {"Add", "Sub", "Mul", "Div", "Concat"}
+FUSION_SOURCES = COMPUTING_OPS | {"Add"}
+
+
+def _weight_bias_args(node: fx.Node) -> tuple[Any, Any]:
+    if node.op == "call_function" and node.target in WEIGHTED_FUNCTIONS:
+        w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        return w, b
+    return None, None
+
+
+def _is_param(node: fx.Node) -> bool:
+    """A value computed from parameters only (get_attr, possibly reshaped)."""
+    if node.op == "get_attr":
+        return True
+    if node.op in ("placeholder", "output") or not node.all_input_nodes:
+        return False
+    return all(_is_param(n) for n in node.all_input_nodes)
+
+
+def _conv_attrs(node: fx.Node) -> dict[str, Any]:
+    args = list(node.args)
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+    attrs = {k: v for k, v in zip(names, args)}
+    attrs.update(node.kwargs)
+    return {k: attrs[k] for k in ("stride", "dilation", "groups", "padding") if k in attrs}
+
+
+def _scheme_key(role: str, cfg: TensorQuantConfig) -> str:
+    d = cfg.to_dict()
+    for k in ("scale", "offset", "state"):
+        d.pop(k)
+    return f"{role}:{sorted(d.items())!r}"
+
+
+class _Builder:
+    def __init__(self, gm: fx.GraphModule, plan: Dispatch, setting: QuantizationSetting) -> None:
+        self.gm = gm
+        self.plan = plan
+        self.setting = setting
+        self.modules = dict(gm.named_modules())
+        self.holder = nn.ModuleDict()
+        gm.add_module(QUANTIZERS_ATTR, self.holder)
+        self.infos: dict[str, QuantizerInfo] = {}
+        self.covering: dict[fx.Node, tuple[str, QuantState]] = {}  # node -> (quantizer, state)
+        self.shared_inputs: dict[tuple[fx.Node, str], str] = {}
+        self.types = {n: op_type(n, self.modules) for n in gm.graph.nodes}
+        self.overlapped_by: dict[fx.Node, fx.Node] = {}  # conv -> the activation that quantizes its output
+
+    # ------------------------------------------------------------------ helpers
+    def platform_of(self, node: fx.Node) -> Platform | None:
+        p = self.plan.get(node)
+        return p if isinstance(p, Platform) else None
+
+    def _new_quantizer(self, base: str, cfg: TensorQuantConfig, role: str, source: fx.Node,
+                       param: str | None = None) -> str:
+        name = base
+        i = 1
+        while name in self.holder:
+            i += 1
+            name = f"{base}_{i}"
+        self.holder[name] = FakeQuantize(cfg, name=name)
+        self.infos[name] = QuantizerInfo(name=name, role=role, source=source.name, param=param)
+        return name
+
+    def _insert_after(self, source: fx.Node, qname: str, users: list[fx.Node]) -> fx.Node:
+        with self.gm.graph.inserting_after(source):
+            qnode = self.gm.graph.call_module(f"{QUANTIZERS_ATTR}.{qname}", (source,))
+        qnode.meta["fxq_quantizer"] = self.infos[qname]
+        if "val" in source.meta:
+            qnode.meta["val"] = source.meta["val"]
+        for user in users:
+            user.replace_input_with(source, qnode)
+        self.infos[qname].consumers = [u.name for u in users]
+        return qnode
+
+    # ------------------------------------------------------------------ decisions
+    def wants_output(self, node: fx.Node) -> bool:
+        p = self.platform_of(node)
+        return bool(p and p.quantizes_output(self.types[node]) and is_float_tensor(node.meta.get("val")))
+
+    def fused_into(self, node: fx.Node) -> fx.Node | None:
+        """The activation that takes over this node's output quantizer (conv -> relu), if any."""
+        fs = self.setting.fusion_setting
+        if not (self.setting.fusion and fs.fuse_activation) or self.types[node] not in FUSION_SOURCES:
+            return None
+        if len(node.users) != 1:
+            return None
+        (user,) = node.users
+        p, pu = self.platform_of(node), self.platform_of(user)
+        if p is None or pu is not p or self.types[user] not in p.fusable_activations or not self.wants_output(user):
+            return None
+        return user
+
+    def data_inputs(self, node: fx.Node) -> list[tuple[fx.Node, str]]:
+        """(input node, role) pairs this op quantizes."""
+        t = self.types[node]
+        w, b = _weight_bias_args(node)
+        out: list[tuple[fx.Node, str]] = []
+        seen: set[fx.Node] = set()
+        for i, inp in enumerate(node.all_input_nodes):
+            if inp in seen or not is_float_tensor(inp.meta.get("val")):
+                continue
+            seen.add(inp)
+            if inp is w and t in COMPUTING_OPS:
+                out.append((inp, "weight"))
+            elif inp is b and t in COMPUTING_OPS:
+                out.append((inp, "bias"))
+            elif t == "MatMul" and i > 0 and _is_param(inp):
+                out.append((inp, "weight"))
+            elif _is_param(inp) and t not in MULTI_INPUT_OPS:
+                continue  # parameters of LayerNorm, PReLU... stay FP32
+            elif t in MULTI_INPUT_OPS or not out:
+                out.append((inp, "activation"))
+        return out
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> GraphQuant:
+        graph = self.gm.graph
+        fs = self.setting.fusion_setting
+        passive_enabled = self.setting.fusion and fs.fuse_passive_op
+        gq = GraphQuant(platform="", dispatcher=self.setting.dispatcher)
+        overlapped_by = self.overlapped_by
+        for node in list(graph.nodes):
+            if node.op in ("placeholder", "output", "get_attr") or node.meta.get("fxq_quantizer"):
+                continue
+            p = self.platform_of(node)
+            t = self.types[node]
+            status = self.plan.get(node, "fp32")
+            nq = NodeQuant(op_type=t, platform=p.name if p else str(status))
+            node.meta["fxq"] = nq
+            if p is None:
+                continue
+            # ---- inputs
+            weight_q: str | None = None
+            data_q: str | None = None
+            bias_node: fx.Node | None = None
+            if p.quantizes_inputs(t):
+                for inp, role in self.data_inputs(node):
+                    if self.overlapped_by.get(inp) is node:
+                        nq.inputs[inp.name] = None  # filled in once this node's own quantizer exists
+                        continue
+                    if role == "bias":
+                        bias_node = inp
+                        continue
+                    q = self._quantize_input(node, inp, role, p, t)
+                    nq.inputs[inp.name] = q
+                    if role == "weight":
+                        weight_q = q
+                    elif data_q is None:
+                        data_q = q
+            if bias_node is not None:
+                nq.inputs[bias_node.name] = self._quantize_bias(node, bias_node, p, t, data_q, weight_q, gq)
+            # ---- output
+            if not self.wants_output(node):
+                continue
+            fused = self.fused_into(node)
+            if fused is not None:
+                overlapped_by[node] = fused
+                continue
+            first = node.all_input_nodes[0] if node.all_input_nodes else None
+            upstream = self._cover_of(first) if first is not None else None
+            if passive_enabled and t in p.passive_ops and upstream is not None:
+                self.covering[node] = (upstream[0], QuantState.PASSIVE)
+            else:
+                cfg = p.activation_config(t, node.name)
+                q = self._new_quantizer(f"{node.name}_out", cfg, "activation", node)
+                users = [u for u in node.users]
+                self._insert_after(node, q, users)
+                self.covering[node] = (q, QuantState.ACTIVATED)
+            for src, act in list(overlapped_by.items()):
+                if act is node:
+                    self.covering[src] = (self.covering[node][0], QuantState.OVERLAPPED)
+                    nq.inputs[src.name] = self.covering[node][0]
+                    del overlapped_by[src]
+            nq.output, nq.output_state = self.covering[node]
+        for src in overlapped_by:  # activation ended up without an own quantizer: cover conv itself
+            logger.debug("fusion target of %s has no quantizer", src.name)
+        self._record_alignment(gq)
+        for node in graph.nodes:
+            nq = node.meta.get("fxq")
+            if isinstance(nq, NodeQuant) and node in self.covering:
+                nq.output, nq.output_state = self.covering[node]
+        self.gm.meta["fxq_quantizer_infos"] = self.infos
+        return gq
+
+    def _cover_of(self, n: fx.Node) -> tuple[str, QuantState] | None:
+        info = n.meta.get("fxq_quantizer")
+        if info is not None:
+            return info.name, QuantState.ACTIVATED
+        return self.covering.get(n)
+
+    def _quantize_input(self, node: fx.Node, inp: fx.Node, role: str, p: Platform, t: str) -> str | None:
+        if inp in self.covering and role == "activation":
+            return self.covering[inp][0]  # already quantized upstream: this input config is OVERLAPPED
+        if inp.meta.get("fxq_quantizer") is not None:
+            return inp.meta["fxq_quantizer"].name
+        if role == "weight":
+            value = get_attr_value(self.gm, inp.target) if inp.op == "get_attr" else inp.meta.get("val")
+            shape = tuple(value.shape) if value is not None else None
+            cfg = p.weight_config(t, node.name, shape, _conv_attrs(node))
+            if cfg.per_channel and shape is not None and len(shape) < 2:
+                cfg = cfg.replace(per_channel=False)
+            base = (inp.target.replace(".", "_") if inp.op == "get_attr" else inp.name)
+            param = inp.target if inp.op == "get_attr" else None
+        else:
+            cfg = p.activation_config(t, node.name)
+            base, param = f"{inp.name}_q", None
+        key = (inp, _scheme_key(role, cfg))
+        if key in self.shared_inputs:
+            q = self.shared_inputs[key]
+            qnode = next(n for n in inp.users if n.op == "call_module" and n.target == f"{QUANTIZERS_ATTR}.{q}")
+            node.replace_input_with(inp, qnode)
+            self.infos[q].consumers.append(node.name)
+            return q
+        q = self._new_quantizer(base, cfg, role, inp, param=param)
+        self._insert_after(inp, q, [node])
+        self.shared_inputs[key] = q
+        if role == "activation":
+            self.covering.setdefault(inp, (q, QuantState.ACTIVATED))
+        return q
+
+    def _quantize_bias(self, node: fx.Node, bias: fx.Node, p: Platform, t: str, data_q: str | None,
+                       weight_q: str | None, gq: GraphQuant) -> str | None:
+        cfg = p.bias_config(t, node.name)
+        if cfg is None or weight_q is None or not self.setting.quantize_parameter_setting.quantize_passive_parameter:
+            return None
+        wcfg = self.holder[weight_q].config
+        cfg = cfg.replace(per_channel=wcfg.per_channel, channel_axis=0)
+        base = bias.target.replace(".", "_") if bias.op == "get_attr" else f"{bias.name}_bias"
+        q = self._new_quantizer(base, cfg, "bias", bias, param=bias.target if bias.op == "get_attr" else None)
+        self._insert_after(bias, q, [node])
+        gq.bias_deps[q] = (data_q, weight_q)
+        return q
+
+    def _record_alignment(self, gq: GraphQuant) -> None:
+        fs = self.setting.fusion_setting
+        if not (self.setting.fusion and fs.align_quantization):
+            return
+        for node in self.gm.graph.nodes:
+            nq = node.meta.get("fxq")
+            if not isinstance(nq, NodeQuant) or not nq.quantized:
+                continue
+            ins = [q for q in nq.inputs.values() if q is not None and self.infos[q].role == "activation"]
+            ins = list(dict.fromkeys(ins))
+            mode = {"Add": fs.align_elementwise_to, "Sub": fs.align_elementwise_to,
+                    "Concat": fs.align_concat_to, "Resize": fs.align_resize_to,
+                    "AveragePool": fs.align_avgpooling_to, "GlobalAveragePool": fs.align_avgpooling_to,
+                    }.get(nq.op_type, "None")
+            own_out = node in self.covering and self.covering[node][1] in (QuantState.ACTIVATED,
+                                                                            QuantState.OVERLAPPED)
+            if mode == "Align to Large" and len(ins) > 1:
+                gq.align_large.append(ins)
+            elif mode == "Align to Output" and ins and own_out:
+                gq.align_output.append((ins, self.covering[node][0]))
+
+
+def insert_quantizers(gm: fx.GraphModule, plan: Dispatch, setting: QuantizationSetting,
+                      platform: Platform) -> fx.GraphModule:
+    """Insert the FakeQuantize modules for ``plan`` into ``gm`` (in place) and record the metadata."""
+    builder = _Builder(gm, plan, setting)
+    gq = builder.run()
+    gq.platform = platform.name
+    gm.meta["fxq"] = gq
+    gm.graph.lint()
+    gm.recompile()
+    return gm

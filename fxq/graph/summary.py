@@ -1,0 +1,91 @@
+"""The seeds' "Network Snapshot": what got quantized and how, as data and as a table."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from torch import fx
+
+from fxq.graph.info import NodeQuant, graph_quant, iter_quantizers
+from fxq.spec import QuantState
+
+__all__ = ["QuantSummary", "summary"]
+
+
+@dataclasses.dataclass
+class LayerRow:
+    node: str
+    op_type: str
+    platform: str
+    output_state: str
+    inputs: list[str]
+    weight: str | None
+    output: str | None
+
+
+@dataclasses.dataclass
+class QuantSummary:
+    platform: str
+    counts: dict[str, int]
+    quantizer_states: dict[str, int]
+    layers: list[LayerRow]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        lines = [f"fxq network snapshot — platform {self.platform}"]
+        lines.append("  nodes: " + ", ".join(f"{k} {v}" for k, v in self.counts.items()))
+        lines.append("  quantizers: " + ", ".join(f"{k} {v}" for k, v in sorted(self.quantizer_states.items())))
+        rows = [r for r in self.layers if r.weight is not None]
+        if rows:
+            w = max(len(r.node) for r in rows)
+            lines.append(f"  {'layer'.ljust(w)}  {'type':<14} {'weight':<36} input")
+            for r in rows:
+                lines.append(f"  {r.node.ljust(w)}  {r.op_type:<14} {r.weight:<36} {', '.join(r.inputs) or '-'}")
+        return "\n".join(lines)
+
+
+def _short(cfg) -> str:
+    kind = cfg.fp_format.name if cfg.is_floating else f"int{cfg.num_bits}"
+    gran = f"pc{cfg.channel_axis}" if cfg.per_channel else "pt"
+    sym = "sym" if cfg.symmetric else "asym"
+    return f"{kind} {sym} {gran} [{cfg.quant_min},{cfg.quant_max}] {cfg.state.name}"
+
+
+def summary(gm: fx.GraphModule) -> QuantSummary:
+    """Count quantized / passive / overlapped / FP32 / shape nodes and list per-layer schemes."""
+    gq = graph_quant(gm)
+    qs = dict(iter_quantizers(gm))
+    infos = gm.meta.get("fxq_quantizer_infos", {})
+    counts: collections.Counter[str] = collections.Counter()
+    layers: list[LayerRow] = []
+    for node in gm.graph.nodes:
+        nq = node.meta.get("fxq")
+        if not isinstance(nq, NodeQuant):
+            continue
+        if nq.platform == "shape":
+            counts["shape"] += 1
+        elif not nq.quantized:
+            counts["fp32"] += 1
+        elif nq.output_state is QuantState.OVERLAPPED:
+            counts["overlapped"] += 1
+        elif nq.output_state is QuantState.PASSIVE:
+            counts["passive"] += 1
+        else:
+            counts["quantized"] += 1
+        weight = None
+        ins = []
+        for q in nq.inputs.values():
+            if q is None or q not in qs:
+                continue
+            role = infos[q].role if q in infos else "activation"
+            if role == "weight":
+                weight = _short(qs[q].config)
+            elif role == "activation":
+                ins.append(_short(qs[q].config))
+        out = _short(qs[nq.output].config) if nq.output in qs else None
+        layers.append(LayerRow(node.name, nq.op_type, nq.platform, nq.output_state.name, ins, weight, out))
+    states = collections.Counter(fq.config.state.name for fq in qs.values())
+    order = ["quantized", "passive", "overlapped", "fp32", "shape"]
+    return QuantSummary(gq.platform, {k: counts.get(k, 0) for k in order}, dict(states), layers)

@@ -1,0 +1,88 @@
+"""``torch.fx`` tracing with leaf modules and concrete args, and errors that say how to get around a failure."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable
+
+import torch
+from torch import fx, nn
+
+from fxq.errors import TraceError
+
+__all__ = ["trace"]
+
+_HINTS = (
+    ("control flow", "data-dependent control flow (an `if`/`while` on a tensor value)"),
+    ("iterate", "iteration over a traced tensor"),
+    ("len(", "len() of a traced tensor"),
+    ("cannot be interpreted as an integer", "a traced value used as a Python int"),
+    ("__bool__", "a traced value used as a Python bool"),
+)
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, leaf_modules: Iterable[type[nn.Module] | str] = ()) -> None:
+        super().__init__()
+        leaves = list(leaf_modules)
+        self._leaf_types = tuple(t for t in leaves if isinstance(t, type))
+        self._leaf_names = {t for t in leaves if isinstance(t, str)}
+        self.failed_module: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if qualname in self._leaf_names or (self._leaf_types and isinstance(m, self._leaf_types)):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_module is None:
+                try:
+                    self.failed_module = self.path_of_module(m) or type(m).__name__
+                except Exception:  # not a submodule of root
+                    self.failed_module = type(m).__name__
+            raise
+
+
+def trace(
+    model: nn.Module,
+    leaf_modules: Iterable[type[nn.Module] | str] = (),
+    concrete_args: dict[str, Any] | None = None,
+    copy_model: bool = True,
+) -> fx.GraphModule:
+    """Symbolically trace ``model`` into a ``GraphModule``.
+
+    A ``GraphModule`` is returned as is (deep-copied when ``copy_model``), keeping its node metadata.
+
+    Args:
+        model: the float model (put in eval mode by the caller for PTQ).
+        leaf_modules: module classes or qualified names to keep as single ``call_module`` nodes.
+        concrete_args: forward arguments to fix to constants while tracing (e.g. flags).
+        copy_model: trace a deep copy, so graph passes never touch the caller's parameters.
+
+    Raises:
+        TraceError: naming the module where tracing failed, the construct, and the way around it.
+    """
+    if copy_model:
+        model = copy.deepcopy(model)
+    if isinstance(model, fx.GraphModule):
+        return model
+    tracer = _Tracer(leaf_modules)
+    try:
+        graph = tracer.trace(model, concrete_args=concrete_args)
+    except Exception as exc:  # torch.fx raises many types here
+        where = tracer.failed_module or type(model).__name__
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        construct = next((c for key, c in _HINTS if key in msg), "an operation torch.fx cannot trace symbolically")
+        raise TraceError(
+            f"torch.fx could not trace module {where!r}: {construct} ({type(exc).__name__}: {msg}). "
+            f"Keep it whole with leaf_modules=[{where!r}] (it then runs in FP32 unless the platform knows its "
+            f"type), or fix the branch with concrete_args={{...}}."
+        ) from exc
+    name = type(model).__name__
+    gm = fx.GraphModule(tracer.root, graph, name)
+    gm.meta["fxq_source"] = name
+    return gm
+
+

@@ -1,0 +1,16 @@
+"""OpenPPL CUDA INT8: sym per-tensor activations, per-channel weights, int32 passive bias."""
+from fxq.qconfig.base import COMPUTING_OPS, Platform, register_platform
+from fxq.spec import RoundingPolicy
+
+
+@register_platform("ppl_cuda_int8")
+class PPLCudaInt8(Platform):
+    description = "OpenPPL CUDA INT8: activations sym int8, weights sym per-channel, bias int32 (s_in * s_w)"
+    quantized_ops = frozenset(
+        COMPUTING_OPS
+        | {"MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Add", "Mul", "Concat", "Resize",
+           "Relu", "Clip", "PRelu", "Sigmoid", "Split", "Slice", "Reshape", "Transpose", "Flatten", "ReduceMean",
+           "Squeeze", "Unsqueeze", "Identity"}
+    )
+    bias_bits = 32
+    rounding = RoundingPolicy.HALF_EVEN
