@@ -69,6 +69,7 @@ class Platform:
         passive_ops: ops whose output shares their input's quantizer.
         activation_observer / weight_observer: default observer names.
         quantize_passive_constants: quantize clip bounds / pad values with the input's scale.
+        exporter: the registered exporter :func:`fxq.export` uses for this platform.
     """
 
     TRT_INT8: ClassVar[str] = "trt_int8"
@@ -94,6 +95,7 @@ class Platform:
     weight_observer: str = "minmax"
     rounding: RoundingPolicy = RoundingPolicy.HALF_EVEN
     quantize_passive_constants: bool = False
+    exporter: str = "onnxruntime"  # registered exporter name used by fxq.export(model, platform, ...)
     description: str = ""
 
     def __init__(self, **fields: Any) -> None:

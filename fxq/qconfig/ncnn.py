@@ -9,6 +9,7 @@ NCNN_OPS = frozenset({"Conv", "Gemm"})
 
 @register_platform("ncnn_int8")
 class NcnnInt8(Platform):
+    exporter = "ncnn"
     description = ("NCNN INT8: inputs of Conv/Gemm sym [-127,127], weights per-channel (6-bit for 3x3 s1 d1 g1 "
                    "convs), outputs FP32, rounding half away from zero")
     activation = _int_config(8, True, narrow=True)

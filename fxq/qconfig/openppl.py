@@ -5,6 +5,7 @@ from fxq.spec import RoundingPolicy
 
 @register_platform("ppl_cuda_int8")
 class PPLCudaInt8(Platform):
+    exporter = "openppl"
     description = "OpenPPL CUDA INT8: activations sym int8, weights sym per-channel, bias int32 (s_in * s_w)"
     quantized_ops = frozenset(
         COMPUTING_OPS

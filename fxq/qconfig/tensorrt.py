@@ -11,6 +11,7 @@ TRT_QUANTIZED_OPS = (
 
 @register_platform("trt_int8")
 class TensorRTInt8(Platform):
+    exporter = "tensorrt"
     description = "TensorRT INT8 explicit Q/DQ: activations sym int8 [-128,127], weights sym per-channel [-127,127]"
     quantized_ops = frozenset(TRT_QUANTIZED_OPS)
     rounding = RoundingPolicy.HALF_EVEN
@@ -18,6 +19,7 @@ class TensorRTInt8(Platform):
 
 @register_platform("trt_fp8")
 class TensorRTFp8(Platform):
+    exporter = "tensorrt"
     description = "TensorRT FP8 E4M3: per-tensor activations, per-channel weights, inputs of GEMM-like ops"
     activation = TensorQuantConfig(num_bits=8, fp_format=FloatFormat.E4M3)
     weight = TensorQuantConfig(num_bits=8, fp_format=FloatFormat.E4M3, per_channel=True)
