@@ -1,0 +1,103 @@
+"""``load_caffe``: a deploy prototxt (+ caffemodel) -> ``torch.fx.GraphModule``, no caffe installation needed."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping, Sequence
+
+import torch.fx
+
+import fxq.frontends.caffe.layers  # noqa: F401  (registers the converters)
+from fxq.errors import FrontendError
+from fxq.frontends.caffe.builder import GraphBuilder
+from fxq.frontends.caffe.reader import layer_in_test_phase, read_caffemodel, read_prototxt
+from fxq.frontends.caffe.registry import CAFFE_LAYERS, supported_layer_types
+
+__all__ = ["load_caffe"]
+
+logger = logging.getLogger(__name__)
+
+
+def _net_level_inputs(net, label: str) -> list[tuple[str, list[int] | None]]:
+    """The deprecated ``input`` / ``input_shape`` / ``input_dim`` fields of NetParameter."""
+    names = list(net.input)
+    if len(net.input_shape):
+        if len(net.input_shape) != len(names):
+            raise FrontendError(f"{label}: {len(names)} input(s) but {len(net.input_shape)} input_shape(s)")
+        return [(n, list(s.dim)) for n, s in zip(names, net.input_shape)]
+    if len(net.input_dim):
+        if len(net.input_dim) != 4 * len(names):
+            raise FrontendError(f"{label}: input_dim must hold 4 values per input, got {len(net.input_dim)} "
+                                f"for {len(names)} input(s)")
+        dims = list(net.input_dim)
+        return [(n, dims[4 * i: 4 * i + 4]) for i, n in enumerate(names)]
+    return [(n, None) for n in names]
+
+
+def load_caffe(prototxt: str | os.PathLike, caffemodel: str | os.PathLike | None = None, *,
+               input_shapes: Mapping[str, Sequence[int]] | None = None) -> torch.fx.GraphModule:
+    """Convert a caffe deploy net into a ``torch.fx.GraphModule`` (in eval mode).
+
+    Layers become ``nn`` submodules named after the (sanitised) caffe layer names, or torch-op nodes for routing
+    layers; the layers of a TEST-phase net are kept (``include`` / ``exclude`` rules). Every node carries
+    ``node.meta["caffe"] = {"layer", "type", "bottom", "top", "produces"}`` (``produces``: the top blobs whose
+    value the node is; custom modules add ``op_type``, e.g. ``"MaxPool"``). ``gm.meta["caffe"]`` holds
+    ``inputs``, ``outputs`` (caffe's net outputs: blobs no later layer consumes, in production order),
+    ``input_shapes``, ``aliases`` (Split tops -> source blob), ``name`` and ``source`` (file base names).
+    One output is returned as a tensor, several as a tuple.
+
+    Args:
+        prototxt: path of the deploy ``.prototxt`` (layer parameters always come from here).
+        caffemodel: path of the binary ``.caffemodel``; its blobs are matched to layers by name, as caffe does.
+            Without it, learned layers keep torch's default (random) initialisation, BatchNorm has mean 0 and
+            variance 1, Scale is 1 and 0; a warning is logged. Useful for structure and shape work only.
+        input_shapes: shapes by input blob name, overriding or completing those of the prototxt (e.g. another
+            batch size). Every input needs a shape: each layer is run once on shape-only (meta) tensors.
+
+    Returns:
+        The ``GraphModule``; call it with the inputs in ``gm.meta["caffe"]["inputs"]`` order.
+
+    Raises:
+        FrontendError: unreadable or malformed files, V1 (``layers``) prototxts, unsupported layer types (naming
+            the file, layer and type and listing the supported ones), missing or mis-shaped blobs (naming the
+            layer), layers that cannot run on their bottoms.
+
+    Example::
+
+        gm = fxq.load_caffe("deploy.prototxt", "weights.caffemodel")
+        probs = gm(torch.randn(1, 3, 224, 224))
+    """
+    label = os.fspath(prototxt)
+    net = read_prototxt(prototxt)
+    if len(net.layers):
+        names = ", ".join(repr(layer.name) for layer in list(net.layers)[:5])
+        raise FrontendError(
+            f"{label}: uses the deprecated V1 'layers' format ({len(net.layers)} layers: {names}...); upgrade it "
+            "with caffe's upgrade_net_proto_text tool (and the caffemodel with upgrade_net_proto_binary)"
+        )
+    weights = read_caffemodel(caffemodel) if caffemodel is not None else None
+    if weights is None:
+        logger.warning("%s: no caffemodel given; learned layers keep random initial weights", label)
+    shapes = {str(k): tuple(int(d) for d in v) for k, v in (input_shapes or {}).items()}
+    builder = GraphBuilder(label, weights, shapes)
+    for name, shape in _net_level_inputs(net, label):
+        builder.add_input(name, shape)
+    for layer in net.layer:
+        if not layer_in_test_phase(layer, net.state):
+            logger.debug("%s: skipping layer %r, not part of the TEST phase", label, layer.name)
+            continue
+        if layer.type not in CAFFE_LAYERS:
+            raise FrontendError(
+                f"{label}: layer {layer.name!r} has type {layer.type!r}, which fxq's caffe frontend does not "
+                f"support; supported types: {', '.join(supported_layer_types())}"
+            )
+        builder.convert(layer, CAFFE_LAYERS.get(layer.type).fn)
+    unused = builder.unused_shape_overrides()
+    if unused:
+        raise FrontendError(f"{label}: input_shapes names {unused}, which are not inputs of the net "
+                            f"(inputs: {builder.inputs})")
+    source = {
+        "prototxt": os.path.basename(label),
+        "caffemodel": os.path.basename(os.fspath(caffemodel)) if caffemodel is not None else None,
+    }
+    return builder.finish(net.name, source)
