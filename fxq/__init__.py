@@ -34,6 +34,7 @@ from fxq.graph.dispatch import register_dispatcher
 from fxq.graph.op_types import register_op_type
 from fxq.graph.summary import QuantSummary, summary
 from fxq.algorithms import register_algorithm
+from fxq.frontends.onnx import load_onnx
 from fxq.frontends.caffe import load_caffe
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
@@ -87,5 +88,6 @@ __all__ = [
     "register_op_type",
     "register_algorithm",
     # frontends
+    "load_onnx",
     "load_caffe",
 ]

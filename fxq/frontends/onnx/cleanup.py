@@ -1,0 +1,201 @@
+"""Clean-up passes on an ``onnx.ModelProto`` before onnx2torch sees it. Each pass edits the model in place.
+
+- :func:`normalize_domains`: the default domain spelled ``"ai.onnx"`` becomes ``""`` (what onnx2torch looks up).
+- :func:`drop_initializer_inputs`: old (IR < 4) models list initializers among the graph inputs too.
+- :func:`fold_constants`: ``Constant`` nodes become initializers of the same name.
+- :func:`fold_identities`: ``Identity(initializer) -> t`` becomes an initializer ``t``. torch's legacy exporter
+  routes de-duplicated constants through ``Identity`` (a conv bias ``Identity(onnx::Conv_194) -> onnx::Conv_197``),
+  and onnx2torch's converters look such inputs up among the initializers only.
+- :func:`drop_redundant_allowzero`: ``Reshape(allowzero=1)`` with a constant shape free of 0 means the same as
+  ``allowzero=0``, the only form onnx2torch's ``Reshape-14`` converter takes (torch's default exporter writes 1).
+- :func:`infer_shapes`: onnx's shape inference (with data propagation), so converters know ranks and sizes.
+
+:func:`alias_dotted_domains` runs last, just before conversion (after the support check, so errors show the real
+domains): onnx2torch puts a node's domain into its module name, where a dot is illegal.
+
+Names are kept: a folded tensor keeps the name its consumers use, so node inputs still match the user's file.
+Nodes whose output is a graph output are kept (onnx2torch needs every graph output produced by a node).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+__all__ = ["clean", "alias_dotted_domains", "normalize_domains", "drop_initializer_inputs", "fold_constants", "fold_identities",
+           "drop_redundant_allowzero", "infer_shapes"]
+
+_LOG = logging.getLogger(__name__)
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+_INFER_LIMIT_BYTES = 2_000_000_000  # onnx serializes the model for shape inference: protobuf's 2 GB limit
+
+
+def normalize_domains(model: onnx.ModelProto) -> None:
+    """Spell the default domain ``""`` in opset imports and nodes (``"ai.onnx"`` is the same domain)."""
+    for imp in model.opset_import:
+        if imp.domain == "ai.onnx":
+            imp.domain = ""
+    for node in model.graph.node:
+        if node.domain == "ai.onnx":
+            node.domain = ""
+
+
+def drop_initializer_inputs(model: onnx.ModelProto) -> int:
+    """Remove graph inputs that are initializers; returns how many."""
+    inits = {t.name for t in model.graph.initializer}
+    keep = [i for i in model.graph.input if i.name not in inits]
+    dropped = len(model.graph.input) - len(keep)
+    if dropped:
+        del model.graph.input[:]
+        model.graph.input.extend(keep)
+    return dropped
+
+
+def _constant_value(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """The tensor a ``Constant`` node produces, or None for forms we leave to onnx2torch (strings, sparse)."""
+    if len(node.attribute) != 1:
+        return None
+    attr = node.attribute[0]
+    if attr.name == "value":
+        tensor = onnx.TensorProto()
+        tensor.CopyFrom(attr.t)
+        return tensor
+    arrays = {
+        "value_float": lambda: np.array(attr.f, dtype=np.float32),
+        "value_floats": lambda: np.array(list(attr.floats), dtype=np.float32),
+        "value_int": lambda: np.array(attr.i, dtype=np.int64),
+        "value_ints": lambda: np.array(list(attr.ints), dtype=np.int64),
+    }
+    make = arrays.get(attr.name)
+    return numpy_helper.from_array(make()) if make is not None else None
+
+
+def _replace_nodes(graph: onnx.GraphProto, keep: list[onnx.NodeProto]) -> None:
+    kept = [onnx.NodeProto() for _ in keep]
+    for dst, src in zip(kept, keep):
+        dst.CopyFrom(src)
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
+def fold_constants(model: onnx.ModelProto) -> int:
+    """Turn default-domain ``Constant`` nodes into initializers; returns how many were folded."""
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    keep: list[onnx.NodeProto] = []
+    folded = 0
+    for node in graph.node:
+        tensor = None
+        if node.op_type == "Constant" and node.domain in _DEFAULT_DOMAINS and node.output[0] not in outputs:
+            tensor = _constant_value(node)
+        if tensor is None:
+            keep.append(node)
+            continue
+        tensor.name = node.output[0]
+        graph.initializer.append(tensor)
+        folded += 1
+    if folded:
+        _replace_nodes(graph, keep)
+    return folded
+
+
+def fold_identities(model: onnx.ModelProto) -> int:
+    """Turn default-domain ``Identity`` nodes of initializers into initializers; returns how many were folded.
+
+    Initializers left unused by the fold are removed.
+    """
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    inits = {t.name: t for t in graph.initializer}
+    keep: list[onnx.NodeProto] = []
+    sources: set[str] = set()
+    for node in graph.node:  # nodes are topologically sorted: chains of Identity fold front to back
+        src = node.input[0] if node.op_type == "Identity" and node.domain in _DEFAULT_DOMAINS else None
+        if src is None or src not in inits or node.output[0] in outputs:
+            keep.append(node)
+            continue
+        tensor = onnx.TensorProto()
+        tensor.CopyFrom(inits[src])
+        tensor.name = node.output[0]
+        graph.initializer.append(tensor)
+        inits[tensor.name] = graph.initializer[-1]
+        sources.add(src)
+    folded = len(graph.node) - len(keep)
+    if folded:
+        _replace_nodes(graph, keep)
+        used = _used_names(graph) | outputs
+        unused = [t for t in graph.initializer if t.name in sources and t.name not in used]
+        for t in unused:
+            graph.initializer.remove(t)
+    return folded
+
+
+def drop_redundant_allowzero(model: onnx.ModelProto) -> int:
+    """Remove ``allowzero=1`` from Reshape nodes whose constant shape has no 0; returns how many."""
+    inits = {t.name: t for t in model.graph.initializer}
+    changed = 0
+    for node in model.graph.node:
+        if node.op_type != "Reshape" or node.domain not in _DEFAULT_DOMAINS or len(node.input) < 2:
+            continue
+        attrs = [a for a in node.attribute if a.name == "allowzero" and a.i == 1]
+        shape = inits.get(node.input[1])
+        if attrs and shape is not None and 0 not in numpy_helper.to_array(shape).reshape(-1).tolist():
+            node.attribute.remove(attrs[0])
+            changed += 1
+    return changed
+
+
+def _used_names(graph: onnx.GraphProto) -> set[str]:
+    """Every tensor name a node reads, subgraphs (If/Loop bodies) included."""
+    names: set[str] = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                names |= _used_names(sub)
+    return names
+
+
+def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnx's shape inference; the model unchanged (with a warning logged) when it fails or is over 2 GB."""
+    if model.ByteSize() > _INFER_LIMIT_BYTES:
+        _LOG.info("model is over 2 GB: shape inference is left to onnx2torch")
+        return model
+    try:
+        return onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception as exc:  # noqa: BLE001  (inference is a help, not a requirement)
+        _LOG.warning("ONNX shape inference failed (%s); converting without inferred shapes", exc)
+        return model
+
+
+def alias_dotted_domains(model: onnx.ModelProto) -> dict[str, str]:
+    """Rename dotted custom domains (``com.example`` -> ``com_example``) in place; returns ``{alias: domain}``."""
+    from fxq.frontends.onnx.converters.registry import domain_alias
+
+    aliases: dict[str, str] = {}
+    for imp in model.opset_import:
+        alias = domain_alias(imp.domain)
+        if alias != imp.domain:
+            aliases[alias] = imp.domain
+            imp.domain = alias
+    back = {v: k for k, v in aliases.items()}
+    for node in model.graph.node:
+        if node.domain in back:
+            node.domain = back[node.domain]
+    return aliases
+
+
+def clean(model: onnx.ModelProto) -> onnx.ModelProto:
+    """All clean-up passes in order; ``model`` is edited in place and the shape-inferred model returned."""
+    normalize_domains(model)
+    dropped = drop_initializer_inputs(model)
+    constants = fold_constants(model)
+    identities = fold_identities(model)
+    allowzero = drop_redundant_allowzero(model)
+    _LOG.debug(
+        "ONNX clean-up: %d initializer inputs dropped, %d Constant and %d Identity folded, %d allowzero dropped",
+        dropped, constants, identities, allowzero,
+    )
+    return infer_shapes(model)

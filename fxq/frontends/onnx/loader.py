@@ -1,0 +1,109 @@
+"""``load_onnx``: read -> clean -> check every op -> onnx2torch.convert -> name mapping. Nothing partial escapes."""
+from __future__ import annotations
+
+import keyword
+import logging
+import os
+
+import onnx
+from torch import fx
+
+from fxq.errors import FrontendError
+from fxq.frontends.onnx import cleanup, naming, reader, support
+
+__all__ = ["load_onnx"]
+
+_LOG = logging.getLogger(__name__)
+
+
+def _placeholder_names_ok(model: onnx.ModelProto) -> bool:
+    """onnx2torch can name placeholders after the inputs only when they are Python identifiers."""
+    inits = {t.name for t in model.graph.initializer}
+    names = [i.name for i in model.graph.input if i.name not in inits]
+    return all(n.isidentifier() and not keyword.iskeyword(n) for n in names)
+
+
+def _locate_failures(
+    model: onnx.ModelProto, source: str, exc: Exception, aliases: dict[str, str]
+) -> FrontendError:
+    """Re-run each node's converter alone to name every node that breaks ``convert`` (failure path only)."""
+    from onnx2torch.node_converters.registry import get_converter
+    from onnx2torch.onnx_graph import OnnxGraph
+
+    graph = OnnxGraph(model.graph)
+    failures: list[str] = []
+    for onode in graph.nodes.values():
+        opset = support.opset_of(model, onode.domain) or 0
+        try:
+            get_converter(operation_type=onode.operation_type, version=opset, domain=onode.domain)(onode, graph)
+        except Exception as node_exc:  # noqa: BLE001  (any converter failure is reported with its node)
+            domain = aliases.get(onode.domain, onode.domain) or "ai.onnx"
+            failures.append(
+                f"  - node {onode.name or onode.unique_name!r} ({onode.operation_type}, domain {domain!r}, "
+                f"opset {opset}): {type(node_exc).__name__}: {node_exc}"
+            )
+    if not failures:
+        return FrontendError(
+            f"cannot convert ONNX model {source!r}: onnx2torch failed: {type(exc).__name__}: {exc}"
+        )
+    return FrontendError(
+        f"cannot convert ONNX model {source!r}: {len(failures)} node(s) use a form of their op that the "
+        "converters do not handle:\n" + "\n".join(failures) + "\nWhat to do: re-export the model without these "
+        "forms (other attribute values, constant instead of computed inputs), or register a converter with "
+        "fxq.frontends.onnx.register_onnx_converter(op_type, schema_version, override=True)."
+    )
+
+
+def load_onnx(
+    model: str | os.PathLike | onnx.ModelProto, *, base_dir: str | os.PathLike | None = None
+) -> fx.GraphModule:
+    """Load an ONNX model as a ``torch.fx.GraphModule`` whose nodes carry their ONNX names.
+
+    The model is cleaned (Constant/Identity-of-initializer folding, shape inference), every node is checked for a
+    converter (onnx2torch's or fxq's), converted by onnx2torch, and annotated: ``node.meta["onnx"]`` and
+    ``gm.meta["onnx"]`` as laid out in :mod:`fxq.frontends.onnx`. The GraphModule returns the ONNX graph outputs
+    in order (one tensor, or a tuple for several).
+
+    Args:
+        model: path of a ``.onnx`` file (its ``.onnx.data`` external data is read from beside it) or a
+            ``ModelProto`` (copied, never modified).
+        base_dir: folder holding external data files, when not the model file's folder (or for a ``ModelProto``
+            whose tensors still refer to external files).
+
+    Returns:
+        The converted ``GraphModule`` in eval mode.
+
+    Raises:
+        FrontendError: missing, corrupt or non-ONNX file, missing external data, ops without a converter (all
+            listed at once, with op type, domain, opset and node names), or a converter failing on a node.
+
+    Example:
+        >>> gm = load_onnx("model.onnx")                              # doctest: +SKIP
+        >>> conv = next(n for n in gm.graph.nodes if n.meta.get("onnx", {}).get("op_type") == "Conv")  # +SKIP
+        >>> conv.meta["onnx"]["params"]["weight"]                      # doctest: +SKIP
+        'conv1.weight'
+    """
+    from onnx2torch import convert
+
+    from fxq.frontends.onnx.converters.registry import load_builtin_converters
+
+    load_builtin_converters()
+    proto, source = reader.read_model(model, base_dir)
+    proto = cleanup.clean(proto)
+    support.check_wiring(proto, source)
+    support.check_supported(proto, source)
+    aliases = cleanup.alias_dotted_domains(proto)
+    try:
+        gm = convert(proto, save_input_names=_placeholder_names_ok(proto), attach_onnx_mapping=True)
+    except Exception as exc:  # noqa: BLE001  (onnx2torch raises anything; we name the node)
+        raise _locate_failures(proto, source, exc, aliases) from exc
+    try:
+        gm = naming.annotate(gm, proto, source, aliases)
+    except Exception as exc:  # noqa: BLE001  (a bug of ours or an odd graph: still no partial result)
+        raise FrontendError(
+            f"converted ONNX model {source!r} but could not map its names onto the graph "
+            f"({type(exc).__name__}: {exc}); please report this with the model"
+        ) from exc
+    gm.eval()
+    _LOG.info("loaded ONNX model %s: %d nodes, opset %s", source, len(proto.graph.node), gm.meta["onnx"]["opset"])
+    return gm
