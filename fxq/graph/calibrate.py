@@ -27,7 +27,7 @@ def calibrate_parameters(gm: fx.GraphModule) -> None:
     unbake_parameters(gm)
     for name, fq in iter_quantizers(gm):
         info = infos.get(name)
-        if info is None or info.role != "weight" or info.param is None:
+        if info is None or info.role != "weight" or info.param is None or fq.config.state is QuantState.FP32:
             continue
         fq.set_mode("observe")
         fq.observer.reset()

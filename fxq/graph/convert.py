@@ -82,7 +82,8 @@ def derive_passive_parameters(gm: fx.GraphModule) -> None:
     qs = _quantizers(gm)
     for bias_name, (data_q, weight_q) in gq.bias_deps.items():
         bias = qs[bias_name]
-        if data_q is None or weight_q is None or not qs[data_q].config.is_quantizing:
+        if (data_q is None or weight_q is None or not qs[data_q].config.is_quantizing
+                or not qs[weight_q].config.is_quantizing):
             bias.config.state = QuantState.FP32
             continue
         s_in, s_w = qs[data_q].scale.detach(), qs[weight_q].scale.detach()

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 def _finish(gm: fx.GraphModule) -> fx.GraphModule:
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
+    gm.delete_all_unused_submodules()
     gm.recompile()
     return gm
 

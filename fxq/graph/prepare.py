@@ -83,6 +83,7 @@ class _Builder:
         self.shared_inputs: dict[tuple[fx.Node, str], str] = {}
         self.types = {n: op_type(n, self.modules) for n in gm.graph.nodes}
         self.overlapped_by: dict[fx.Node, fx.Node] = {}  # conv -> the activation that quantizes its output
+        self.output_decided: set[fx.Node] = set()  # nodes whose output quantizer was decided as an output
 
     # ------------------------------------------------------------------ helpers
     def platform_of(self, node: fx.Node) -> Platform | None:
@@ -205,18 +206,20 @@ class _Builder:
                 users = [u for u in node.users]
                 self._insert_after(node, q, users)
                 self.covering[node] = (q, QuantState.ACTIVATED)
+            self.output_decided.add(node)
             for src, act in list(overlapped_by.items()):
                 if act is node:
                     self.covering[src] = (self.covering[node][0], QuantState.OVERLAPPED)
+                    self.output_decided.add(src)
                     nq.inputs[src.name] = self.covering[node][0]
                     del overlapped_by[src]
             nq.output, nq.output_state = self.covering[node]
         for src in overlapped_by:  # activation ended up without an own quantizer: cover conv itself
             logger.debug("fusion target of %s has no quantizer", src.name)
         self._record_alignment(gq)
-        for node in graph.nodes:
+        for node in graph.nodes:  # only output decisions; input-only quantizers belong to their consumers
             nq = node.meta.get("fxq")
-            if isinstance(nq, NodeQuant) and node in self.covering:
+            if isinstance(nq, NodeQuant) and node in self.output_decided:
                 nq.output, nq.output_state = self.covering[node]
         self.gm.meta["fxq_quantizer_infos"] = self.infos
         return gq
@@ -229,7 +232,14 @@ class _Builder:
 
     def _quantize_input(self, node: fx.Node, inp: fx.Node, role: str, p: Platform, t: str) -> str | None:
         if inp in self.covering and role == "activation":
-            return self.covering[inp][0]  # already quantized upstream: this input config is OVERLAPPED
+            q = self.covering[inp][0]  # already quantized upstream: this input config is OVERLAPPED
+            # an input quantizer of another consumer reads ``inp`` directly: read its quantized value too
+            qnode = next((u for u in inp.users if u.op == "call_module" and u.target == f"{QUANTIZERS_ATTR}.{q}"),
+                         None)
+            if qnode is not None and qnode is not node:
+                node.replace_input_with(inp, qnode)
+                self.infos[q].consumers.append(node.name)
+            return q
         if inp.meta.get("fxq_quantizer") is not None:
             return inp.meta["fxq_quantizer"].name
         if role == "weight":

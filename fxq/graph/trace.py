@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any, Iterable
 
 import torch
@@ -80,6 +81,12 @@ def trace(
             f"Keep it whole with leaf_modules=[{where!r}] (it then runs in FP32 unless the platform knows its "
             f"type), or fix the branch with concrete_args={{...}}."
         ) from exc
+    if concrete_args:  # concrete args become the defaults, so callers may leave them out
+        params = list(inspect.signature(model.forward).parameters)
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        for param, node in zip(params, placeholders):
+            if param in concrete_args:
+                node.args = (concrete_args[param],)
     name = type(model).__name__
     gm = fx.GraphModule(tracer.root, graph, name)
     gm.meta["fxq_source"] = name

@@ -1,0 +1,116 @@
+"""Small seeded models shared by the graph tests (no downloads)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+
+def resnet18() -> nn.Module:
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(num_classes=10).eval()
+
+
+def with_bn_statistics(model: nn.Module, shape: tuple[int, ...], batches: int = 3) -> nn.Module:
+    """Give a randomly initialised model realistic BatchNorm statistics (random-init MobileNetV2's
+    activations otherwise vanish to ~1e-10 and every scale hits the minimum)."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.reset_running_stats()
+            m.momentum = None
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _ in range(batches):
+            model(torch.randn(*shape, generator=g))
+    return model.eval()
+
+
+def mobilenet_v2() -> nn.Module:
+    torch.manual_seed(0)
+    return with_bn_statistics(torchvision.models.mobilenet_v2(num_classes=10), (4, 3, 32, 32))
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        attn = (q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5
+        attn = attn.softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, n, c))
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, dim * 2)
+        self.fc2 = nn.Linear(dim * 2, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class TinyEncoder(nn.Module):
+    """A small pre-norm transformer encoder written with plain ops (fx-traceable)."""
+
+    def __init__(self, in_dim: int = 16, dim: int = 32, depth: int = 2, classes: int = 5) -> None:
+        super().__init__()
+        self.embed = nn.Linear(in_dim, dim)
+        self.pos = nn.Parameter(torch.randn(1, 8, dim) * 0.02)
+        self.blocks = nn.Sequential(*[EncoderBlock(dim) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x) + self.pos
+        x = self.norm(self.blocks(x))
+        return self.head(x.mean(dim=1))
+
+
+def tiny_encoder() -> nn.Module:
+    torch.manual_seed(0)
+    return TinyEncoder().eval()
+
+
+class SmallCNN(nn.Module):
+    """conv-bn-relu, maxpool, residual add, concat, conv-transpose, avgpool, linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.conv3 = nn.Conv2d(8, 8, 1)
+        self.up = nn.ConvTranspose2d(16, 4, 2, stride=2)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.max_pool2d(x, 2)
+        y = self.conv2(x) + x
+        z = torch.cat([y, torch.relu(self.conv3(y))], dim=1)
+        z = self.up(z)
+        return self.fc(torch.flatten(self.pool(z), 1))
+
+
+def small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return with_bn_statistics(SmallCNN(), (4, 3, 16, 16))
+
+
+def noise_ratio(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Noise power / signal power (PPQ's SNR, lower is better)."""
+    return float((out - ref).pow(2).sum() / ref.pow(2).sum())

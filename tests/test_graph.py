@@ -1,0 +1,370 @@
+"""Tracing, graph passes, dispatch, placement rules per platform, calibration inputs, switching."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxq
+from fxq.graph.info import NodeQuant
+from fxq.spec import QuantState
+
+from _models import noise_ratio, small_cnn
+
+
+def _data(shape=(2, 3, 16, 16), n=2):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(*shape, generator=g) for _ in range(n)]
+
+
+def _quantizers_by_role(q, role):
+    infos = q.meta["fxq_quantizer_infos"]
+    return {n: fq for n, fq in q.fxq_quantizers.items() if infos[n].role == role}
+
+
+def _node(q, name):
+    return next(n for n in q.graph.nodes if n.name == name)
+
+
+# ------------------------------------------------------------------------------------------ tracing
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Gate()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return self.conv(self.inner(x))
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow
+            return x
+        return -x
+
+
+class Flagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x, double: bool = False):
+        y = self.conv(x)
+        if double:
+            y = y * 2
+        return y
+
+
+def test_trace_error_names_module_and_fix():
+    with pytest.raises(fxq.TraceError) as e:
+        fxq.prepare(Branchy(), "trt_int8", torch.randn(1, 3, 8, 8))
+    msg = str(e.value)
+    assert "'inner'" in msg and "control flow" in msg and "leaf_modules" in msg and "concrete_args" in msg
+
+
+def test_leaf_module_workaround():
+    q = fxq.quantize(Branchy().eval(), _data((1, 3, 8, 8)), "trt_int8", leaf_modules=[Gate], progress=False)
+    assert any(n.op == "call_module" and n.target == "inner" for n in q.graph.nodes)
+    assert _node(q, "conv").meta["fxq"].quantized
+
+
+def test_concrete_args():
+    model = Flagged().eval()
+    q = fxq.quantize(model, _data((1, 3, 8, 8)), "trt_int8", concrete_args={"double": True}, progress=False)
+    x = _data((1, 3, 8, 8))[0]
+    with torch.no_grad(), fxq.fp32_mode(q):
+        assert torch.allclose(q(x), model(x, True), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ passes
+def test_bn_fold_and_identity_removal_keep_output():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.Dropout(0.5), nn.Identity(),
+                          nn.ReLU(), nn.ConvTranspose2d(4, 2, 2, stride=2, groups=2), nn.BatchNorm2d(2))
+    for bn in (model[1], model[6]):
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+        bn.weight.data.uniform_(0.5, 2)
+    model.eval()
+    x = torch.randn(2, 3, 8, 8)
+    gm = fxq.prepare(model, "trt_int8", x)
+    assert not any(isinstance(m, (nn.BatchNorm2d, nn.Dropout, nn.Identity)) for m in gm.modules())
+    with torch.no_grad():
+        fxq.switch_to_fp32(gm)
+        assert torch.allclose(gm(x), model(x), atol=1e-5)
+    # the caller's model is untouched
+    assert isinstance(model[1], nn.BatchNorm2d) and model[0].bias is None
+
+
+class FunctionalForms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3, 3, 3) * 0.2)
+        self.b = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        y = F.relu(F.conv2d(x, self.w, self.b, padding=1))
+        return torch.add(y, y * 0.5)
+
+
+class ModuleForms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        y = self.relu(self.conv(x))
+        return y + y * 0.5
+
+
+def _signature(q):
+    out = []
+    for n in q.graph.nodes:
+        nq = n.meta.get("fxq")
+        if isinstance(nq, NodeQuant):
+            roles = sorted(q.meta["fxq_quantizer_infos"][v].role for v in nq.inputs.values() if v)
+            out.append((nq.op_type, nq.platform, nq.output_state.name, tuple(roles)))
+    return out
+
+
+def test_functional_and_module_forms_quantize_alike():
+    x = _data((2, 3, 8, 8))
+    a = fxq.quantize(FunctionalForms().eval(), x, "trt_int8", progress=False)
+    b = fxq.quantize(ModuleForms().eval(), x, "trt_int8", progress=False)
+    assert _signature(a) == _signature(b)
+    assert [t for t, *_ in _signature(a)] == ["Conv", "Relu", "Mul", "Add"]
+
+
+# ------------------------------------------------------------------------------------------ placement
+def test_trt_placement_fusion_passive_and_axes():
+    q = fxq.quantize(small_cnn(), _data(), "trt_int8", progress=False)
+    conv1 = _node(q, "conv1").meta["fxq"]
+    relu = _node(q, "relu").meta["fxq"]
+    assert conv1.output_state is QuantState.OVERLAPPED and conv1.output == relu.output  # conv->relu fused
+    pool = _node(q, "max_pool2d").meta["fxq"]
+    assert pool.output_state is QuantState.PASSIVE and pool.output == relu.output
+    weights = _quantizers_by_role(q, "weight")
+    assert weights["up_weight"].config.per_channel and weights["up_weight"].config.channel_axis == 1
+    assert weights["up_weight"].scale.numel() == 4  # ConvTranspose: out channels on axis 1
+    for name, fq in weights.items():
+        if name != "up_weight":
+            assert fq.config.channel_axis == 0 and fq.config.quant_min == -127
+    for fq in _quantizers_by_role(q, "activation").values():
+        assert not fq.config.per_channel and fq.config.quant_min == -128
+    assert not _quantizers_by_role(q, "bias")  # TensorRT keeps biases FP32
+    # every add input is quantized (residual adds take Q/DQ inputs)
+    add = _node(q, "add").meta["fxq"]
+    assert all(add.inputs.values())
+
+
+def test_ncnn_quantizes_only_conv_and_gemm_inputs():
+    q = fxq.quantize(small_cnn(), _data(), "ncnn_int8", progress=False)
+    infos = q.meta["fxq_quantizer_infos"]
+    for name, fq in _quantizers_by_role(q, "activation").items():
+        consumers = [_node(q, c).meta["fxq"].op_type for c in infos[name].consumers]
+        assert set(consumers) <= {"Conv", "Gemm"}, (name, consumers)
+        assert fq.config.quant_min == -127 and fq.config.rounding.name == "HALF_FAR_FROM_ZERO"
+    for n in q.graph.nodes:
+        nq = n.meta.get("fxq")
+        if isinstance(nq, NodeQuant):
+            assert nq.output is None  # outputs stay FP32
+    assert _node(q, "conv2").meta["fxq"].platform == "ncnn_int8"
+    assert _node(q, "up").meta["fxq"].platform == "fp32"  # ConvTranspose not in NCNN's list
+
+
+def test_ncnn_six_bit_weights_for_3x3_stride1_convs():
+    q = fxq.quantize(small_cnn(), _data(), "ncnn_int8", progress=False)
+    w = _quantizers_by_role(q, "weight")
+    assert w["conv1_weight"].config.quant_max == 31 and w["conv3_weight"].config.quant_max == 127
+
+
+def test_ppl_bias_is_passive_input_times_weight_scale():
+    q = fxq.quantize(small_cnn(), _data(), "ppl_cuda_int8", progress=False)
+    biases = _quantizers_by_role(q, "bias")
+    assert biases
+    gq = q.meta["fxq"]
+    for name, fq in biases.items():
+        assert fq.config.state is QuantState.PASSIVE_BAKED and fq.config.num_bits == 32
+        data_q, weight_q = gq.bias_deps[name]
+        expected = q.fxq_quantizers[data_q].scale * q.fxq_quantizers[weight_q].scale
+        assert torch.allclose(fq.scale, expected)
+
+
+def test_academic_quantizes_inputs_only_asymmetric():
+    q = fxq.quantize(small_cnn(), _data(), "academic_int8", progress=False)
+    acts = _quantizers_by_role(q, "activation")
+    assert acts and all(not fq.config.symmetric and fq.config.quant_min == 0 for fq in acts.values())
+    assert all(not fq.config.per_channel for fq in _quantizers_by_role(q, "weight").values())
+    biases = _quantizers_by_role(q, "bias")
+    assert biases and all(fq.config.num_bits == 30 for fq in biases.values())
+
+
+def test_concat_inputs_aligned_to_output_and_add_inputs_to_large():
+    q = fxq.quantize(small_cnn(), _data(), "trt_int8", progress=False)
+    gq = q.meta["fxq"]
+    assert gq.align_output and gq.align_large
+    for ins, out in gq.align_output:
+        for i in ins:
+            assert torch.equal(q.fxq_quantizers[i].scale, q.fxq_quantizers[out].scale)
+    for group in gq.align_large:
+        scales = {float(q.fxq_quantizers[i].scale) for i in group}
+        assert len(scales) == 1
+
+
+# ------------------------------------------------------------------------------------------ dispatch
+def test_dispatchers():
+    model, data = small_cnn(), _data()
+    counts = {}
+    for d in ("conservative", "aggressive", "pointwise", "allin"):
+        q = fxq.quantize(model, data, "trt_int8", fxq.QuantizationSetting(dispatcher=d), progress=False)
+        counts[d] = fxq.summary(q).counts
+    assert counts["pointwise"]["quantized"] == 5  # the computing ops only
+    assert counts["pointwise"]["fp32"] > counts["conservative"]["fp32"]
+    assert counts["aggressive"]["fp32"] <= counts["conservative"]["fp32"]
+
+
+def test_shape_computations_never_quantized():
+    class Shapey(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+
+        def forward(self, x):
+            n = x.size(0)
+            scale = torch.arange(x.shape[1]).float() / x.shape[1]
+            return self.fc(x * scale).reshape(n, -1)
+
+    q = fxq.quantize(Shapey().eval(), [torch.randn(2, 6)], "trt_int8",
+                     fxq.QuantizationSetting(dispatcher="aggressive"), progress=False)
+    platforms = {n.name: n.meta["fxq"].platform for n in q.graph.nodes if isinstance(n.meta.get("fxq"), NodeQuant)}
+    assert platforms["size"] == "shape" and platforms["arange"] == "shape" and platforms["truediv"] == "shape"
+    assert platforms["fc"] == "trt_int8"
+
+
+def test_dispatching_table_by_name_regex_and_overrides():
+    setting = fxq.QuantizationSetting(dispatching_table={"conv2": "fp32", "up.*": {"bit_width": 4}})
+    q = fxq.quantize(small_cnn(), _data(), "trt_int8", setting, progress=False)
+    assert _node(q, "conv2").meta["fxq"].platform == "fp32"
+    w = _quantizers_by_role(q, "weight")
+    assert "conv2_weight" not in w
+    assert w["up_weight"].config.num_bits == 4 and w["conv1_weight"].config.num_bits == 8
+
+
+def test_per_call_low_bit_overrides():
+    q = fxq.quantize(small_cnn(), _data(), "trt_int8", bit_width=4, symmetrical=True, per_channel=False,
+                     progress=False)
+    for fq in _quantizers_by_role(q, "weight").values():
+        assert fq.config.num_bits == 4 and fq.config.quant_max == 7 and not fq.config.per_channel
+
+
+def test_custom_platform_registration():
+    @fxq.register_platform("test_only_conv_platform", override=True)
+    class OnlyConv(fxq.Platform):
+        quantized_ops = frozenset({"Conv"})
+        activation_observer = "minmax"
+
+    q = fxq.quantize(small_cnn(), _data(), "test_only_conv_platform", progress=False)
+    assert fxq.summary(q).counts["quantized"] >= 3
+    assert _node(q, "fc").meta["fxq"].platform == "fp32"
+    with pytest.raises(fxq.RegistryError, match="already registered"):
+        fxq.register_platform("test_only_conv_platform", OnlyConv)
+    with pytest.raises(fxq.RegistryError, match="trt_int8"):
+        fxq.get_platform("no_such_platform")
+
+
+# ------------------------------------------------------------------------------------------ calibration
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.a(x) + self.b(y)
+
+
+def test_calibration_accepts_tuples_dicts_and_dataloaders():
+    model = TwoInputs().eval()
+    tuples = [(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(3)]
+    dicts = [{"x": x, "y": y} for x, y in tuples]
+    qa = fxq.quantize(model, tuples, "trt_int8", progress=False)
+    qb = fxq.quantize(model, dicts, "trt_int8", progress=False)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(6, 4), torch.randn(6, 4)),
+                                         batch_size=2)
+    qc = fxq.quantize(model, loader, "trt_int8", progress=False, collate_fn=tuple)
+    x, y = tuples[0]
+    with torch.no_grad():
+        assert torch.equal(qa(x, y), qb(x, y))
+        assert torch.isfinite(qc(x, y)).all()
+
+
+def test_calibration_errors_name_the_input():
+    model = TwoInputs().eval()
+    gm = fxq.prepare(model, "trt_int8", (torch.randn(2, 4), torch.randn(2, 4)))
+    with pytest.raises(fxq.CalibrationError, match="empty"):
+        fxq.calibrate(gm, [], progress=False)
+    with pytest.raises(fxq.CalibrationError, match="2 input"):
+        fxq.calibrate(gm, [torch.randn(2, 4)], progress=False)
+    with pytest.raises(fxq.CalibrationError, match="'y'"):
+        fxq.calibrate(gm, [(torch.randn(2, 4), torch.randn(2, 5))], progress=False)
+    with pytest.raises(fxq.CalibrationError, match="not model inputs"):
+        fxq.calibrate(gm, [{"x": torch.randn(2, 4), "z": torch.randn(2, 4)}], progress=False)
+
+
+def test_two_pass_observer_and_steps():
+    model, data = small_cnn(), _data(n=4)
+    setting = fxq.QuantizationSetting()
+    setting.quantize_activation_setting.calib_algorithm = "kl"
+    calls = []
+    handle = model.register_forward_hook(lambda *a: calls.append(1))
+    gm = fxq.prepare(model, "trt_int8", data[0], setting)
+    handle.remove()
+    counter = {"n": 0}
+    gm.register_forward_pre_hook(lambda *a: counter.__setitem__("n", counter["n"] + 1))
+    fxq.calibrate(gm, data, steps=3, progress=False)
+    assert counter["n"] == 6  # two passes over three batches
+
+
+def test_unimplemented_algorithm_switch_raises():
+    setting = fxq.QuantizationSetting(ssd_equalization=True)
+    with pytest.raises(fxq.NotSupportedError, match="ssd_equalization"):
+        fxq.quantize(small_cnn(), _data(), "trt_int8", setting, progress=False)
+
+
+def test_setting_json_round_trip_and_validation():
+    s = fxq.QuantizationSetting(dispatcher="aggressive")
+    s.lsq_optimization_setting.epochs = 30
+    assert fxq.QuantizationSetting.from_json(s.to_json()) == s
+    with pytest.raises(fxq.ConfigError, match="dispatcher"):
+        fxq.QuantizationSetting(dispatcher="nope")
+    with pytest.raises(fxq.ConfigError, match="unknown"):
+        fxq.QuantizationSetting.from_dict({"lsq_optimization_setting": {"learning_rate": 1}})
+
+
+# ------------------------------------------------------------------------------------------ convert
+def test_state_dict_round_trip_and_uncalibrated_convert():
+    model, data = small_cnn(), _data()
+    q = fxq.quantize(model, data, "trt_int8", progress=False)
+    fresh = fxq.prepare(model, "trt_int8", data[0])
+    with pytest.raises(fxq.ConfigError, match="calibrate"):
+        fxq.convert(fresh)
+    fresh.load_state_dict(q.state_dict())
+    fxq.convert(fresh, bake=False)
+    with torch.no_grad():
+        assert torch.equal(fresh(data[0]), q(data[0]))
+
+
+def test_summary_is_data_and_text():
+    q = fxq.quantize(small_cnn(), _data(), "trt_int8", progress=False)
+    s = fxq.summary(q)
+    assert set(s.counts) == {"quantized", "passive", "overlapped", "fp32", "shape"}
+    assert "conv1" in str(s) and s.to_dict()["platform"] == "trt_int8"
+
+
+def test_quantized_model_compiles_fullgraph():
+    model, data = small_cnn(), _data()
+    q = fxq.quantize(model, data, "trt_int8", progress=False)
+    compiled = torch.compile(q, fullgraph=True)
+    with torch.no_grad():
+        assert torch.allclose(compiled(data[0]), q(data[0]), atol=1e-6)
+    assert noise_ratio(q(data[0]), model(data[0])) < 0.05
