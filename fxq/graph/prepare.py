@@ -17,6 +17,7 @@ Rules, in order:
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from torch import fx, nn
@@ -92,6 +93,9 @@ class _Builder:
 
     def _new_quantizer(self, base: str, cfg: TensorQuantConfig, role: str, source: fx.Node,
                        param: str | None = None) -> str:
+        base = re.sub(r"\W", "_", base)
+        if base[0].isdigit():
+            base = f"q_{base}"
         name = base
         i = 1
         while name in self.holder:

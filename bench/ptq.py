@@ -1,0 +1,66 @@
+"""PTQ wall time relative to one FP32 forward pass over the same calibration data.
+
+    python bench/ptq.py [--models resnet18 mobilenet_v2] [--batches 8] [--batch-size 8] [--repeat 2]
+
+For each model: time one FP32 pass over the batches (the floor), then ``fxq.quantize`` with the default
+TRT_INT8 setting on the same batches, then the FP32 pass again; report quantize / mean(FP32). Ratios are
+measured in one process, back to back — run on a quiet machine. Goal: <= 2.5x (PPQ 0.6.6: 4.5-4.7x on
+ResNet-18, 6.2-6.8x on MobileNetV2 on the same 2-core CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import time
+
+import torch
+import torchvision
+
+import fxq
+
+
+def fp32_pass(model: torch.nn.Module, data: list[torch.Tensor]) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        for x in data:
+            model(x)
+    return time.perf_counter() - start
+
+
+def bench(name: str, batches: int, batch_size: int, repeat: int) -> dict:
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)().eval()
+    data = [torch.randn(batch_size, 3, 224, 224) for _ in range(batches)]
+    fp32_pass(model, data[:1])  # warm-up
+    ratios = []
+    for _ in range(repeat):
+        before = fp32_pass(model, data)
+        start = time.perf_counter()
+        fxq.quantize(model, data, "trt_int8", progress=False)
+        quant = time.perf_counter() - start
+        after = fp32_pass(model, data)
+        floor = (before + after) / 2
+        ratios.append(quant / floor)
+        print(f"{name:14s} fp32 pass {floor:6.2f} s   fxq.quantize {quant:6.2f} s   ratio {quant / floor:4.2f}x",
+              flush=True)
+    return {"model": name, "best_ratio": min(ratios), "ratios": ratios}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2"])
+    parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    results = [bench(m, args.batches, args.batch_size, args.repeat) for m in args.models]
+    for r in results:
+        print(f"{r['model']:14s} PTQ / FP32 forward: {r['best_ratio']:.2f}x (goal <= 2.5x)")
+    return results
+
+
+if __name__ == "__main__":
+    main()
