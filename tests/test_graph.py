@@ -368,3 +368,32 @@ def test_quantized_model_compiles_fullgraph():
     with torch.no_grad():
         assert torch.allclose(compiled(data[0]), q(data[0]), atol=1e-6)
     assert noise_ratio(q(data[0]), model(data[0])) < 0.05
+
+
+def test_passive_clip_bounds_quantized_on_ppl_and_restored_in_fp32():
+    class ClipNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.act = nn.ReLU6()
+            self.conv2 = nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            y = self.act(self.conv(x))
+            return torch.clamp(self.conv2(y), -0.3, 0.7)
+
+    model = ClipNet().eval()
+    data = [torch.randn(2, 3, 8, 8) * 4 for _ in range(2)]
+    q = fxq.quantize(model, data, "ppl_cuda_int8", progress=False)
+    act = q.get_submodule("act")
+    s = float(q.fxq_quantizers[_node(q, "act").meta["fxq"].output].scale)
+    assert act.max_val == pytest.approx(min(round(6 / s), 127) * s) and act.max_val != 6.0
+    clamp = _node(q, "clamp")
+    assert clamp.args[2] != 0.7
+    with fxq.fp32_mode(q):
+        assert act.max_val == 6.0 and clamp.args[1:] == (-0.3, 0.7)
+        with torch.no_grad():
+            assert torch.allclose(q(data[0]), model(data[0]), atol=1e-5)
+    assert act.max_val != 6.0
+    trt = fxq.quantize(model, data, "trt_int8", progress=False)
+    assert trt.get_submodule("act").max_val == 6.0  # TensorRT keeps clip bounds as they are

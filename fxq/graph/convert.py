@@ -9,7 +9,7 @@ from torch import fx
 
 from fxq.errors import ConfigError
 from fxq.functional import dequantize, fake_quantize, qparams_from_minmax
-from fxq.graph.info import graph_quant, iter_quantizers
+from fxq.graph.info import GraphQuant, graph_quant, iter_quantizers
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import QuantState
@@ -93,12 +93,93 @@ def derive_passive_parameters(gm: fx.GraphModule) -> None:
         bias.set_qparams(scale, torch.zeros_like(scale), state=QuantState.PASSIVE)
 
 
+_CLIP_FUNCS = {"hardtanh": (1, 2), "relu6": (None, None), "clamp": (1, 2), "clip": (1, 2)}
+
+
+def _passive_constant_sites(gm: fx.GraphModule):
+    """(key, getter, setter, quantizer) for clip bounds and pad values of ops on platforms that quantize them."""
+    from fxq.qconfig.base import PLATFORMS, get_platform
+    from fxq.graph.info import NodeQuant
+
+    platforms: dict[str, bool] = {}
+    modules = dict(gm.named_modules())
+    for node in gm.graph.nodes:
+        nq = node.meta.get("fxq")
+        if not isinstance(nq, NodeQuant) or not nq.quantized or nq.op_type not in ("Clip", "Pad"):
+            continue
+        if nq.platform not in platforms:
+            platforms[nq.platform] = nq.platform in PLATFORMS and get_platform(nq.platform).quantize_passive_constants
+        q = nq.output or next((v for v in nq.inputs.values() if v), None)
+        if not platforms[nq.platform] or q is None:
+            continue
+        if node.op == "call_module" and isinstance(modules.get(node.target), torch.nn.Hardtanh):
+            mod = modules[node.target]
+            for attr in ("min_val", "max_val"):
+                yield (f"{node.name}.{attr}", lambda m=mod, a=attr: getattr(m, a),
+                       lambda v, m=mod, a=attr: setattr(m, a, v), q)
+        elif node.op == "call_function" and nq.op_type == "Pad":
+            idx = 3
+            if len(node.args) > idx or "value" in node.kwargs:
+                yield from _arg_site(node, idx, "value", q)
+        elif node.op == "call_function":
+            name = getattr(node.target, "__name__", "")
+            for idx, kw in zip(_CLIP_FUNCS.get(name, (None, None)), ("min", "max")):
+                if idx is not None:
+                    kw = {"hardtanh": ("min_val", "max_val")}.get(name, ("min", "max"))[0 if kw == "min" else 1]
+                    yield from _arg_site(node, idx, kw, q)
+
+
+def _arg_site(node: fx.Node, idx: int, kw: str, q: str):
+    def get(n=node, i=idx, k=kw):
+        return n.args[i] if len(n.args) > i else n.kwargs.get(k)
+
+    def put(v, n=node, i=idx, k=kw):
+        if len(n.args) > i:
+            args = list(n.args)
+            args[i] = v
+            n.args = tuple(args)
+        else:
+            n.kwargs = {**n.kwargs, k: v}
+
+    if isinstance(get(), (int, float)):
+        yield (f"{node.name}.{kw}", get, put, q)
+
+
+def _bake_constants(gm: fx.GraphModule) -> None:
+    store = gm.meta.setdefault("fxq_fp32_constants", {})
+    qs = _quantizers(gm)
+    changed = False
+    for key, get, put, q in list(_passive_constant_sites(gm)):
+        fq = qs[q]
+        if key in store or not fq.config.is_quantizing or fq.config.per_channel:
+            continue
+        value = float(get())
+        store[key] = value
+        put(float(fake_quantize(torch.tensor([value]), fq.config, fq.scale.cpu(), fq.offset.cpu())))
+        changed = True
+    if changed:
+        gm.recompile()
+
+
+def _unbake_constants(gm: fx.GraphModule) -> None:
+    store = gm.meta.get("fxq_fp32_constants", {})
+    if not store:
+        return
+    for key, _, put, _ in list(_passive_constant_sites(gm)):
+        if key in store:
+            put(store.pop(key))
+    gm.recompile()
+
+
 @torch.no_grad()
 def bake_parameters(gm: fx.GraphModule) -> None:
     """Replace each quantized parameter by its quantized value (state BAKED); keep the FP32 copy.
 
     Baked quantizers pass values through, so quantized forward passes cost no weight fake-quant.
+    Clip bounds and pad values of platforms with ``quantize_passive_constants`` are quantized with
+    their tensor's parameters here too (PASSIVE, as in PPQ), and restored by :func:`unbake_parameters`.
     """
+    _bake_constants(gm)
     infos = _infos(gm)
     for name, fq in iter_quantizers(gm):
         info = infos.get(name)
@@ -113,6 +194,7 @@ def bake_parameters(gm: fx.GraphModule) -> None:
 @torch.no_grad()
 def unbake_parameters(gm: fx.GraphModule) -> None:
     """Restore the FP32 parameters saved by :func:`bake_parameters`; states go back to ACTIVATED/PASSIVE."""
+    _unbake_constants(gm)
     infos = _infos(gm)
     for name, fq in iter_quantizers(gm):
         info = infos.get(name)
@@ -134,11 +216,20 @@ def _check_ready(gm: fx.GraphModule) -> None:
 
 
 def convert(gm: fx.GraphModule, bake: bool = True) -> fx.GraphModule:
-    """Final states: every quantizer in quantize mode, parameters baked. Returns ``gm``."""
+    """Final states: every quantizer in quantize mode, parameters baked. Returns ``gm``.
+
+    Learned (LSQ / QAT) scales become fixed buffers, and when nothing is baked yet (a QAT model), passive
+    (bias) parameters are derived again from the final scales.
+    """
     _check_ready(gm)
     for _, fq in iter_quantizers(gm):
         fq.set_mode("quantize")
         fq.observer = None
+        if fq.learnable:
+            fq.freeze()
+    if isinstance(gm.meta.get("fxq"), GraphQuant) and not any(
+            getattr(fq, "_fp32_backup", None) is not None for _, fq in iter_quantizers(gm)):
+        derive_passive_parameters(gm)
     if bake:
         bake_parameters(gm)
     return gm

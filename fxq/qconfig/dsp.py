@@ -7,6 +7,7 @@ class DspInt8(Platform):
     description = "DSP/SNPE: activations and weights asym per-tensor uint8 [0,255], bias 30-bit passive"
     activation = _int_config(8, False)
     weight = _int_config(8, False, per_channel=False)
+    quantize_passive_constants = True  # clip bounds / pad values share their input's scale
     bias_bits = 30
     quantized_ops = frozenset(
         COMPUTING_OPS | {"MaxPool", "AveragePool", "GlobalAveragePool", "Add", "Mul", "Concat", "Resize", "Relu",

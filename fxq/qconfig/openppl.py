@@ -13,5 +13,6 @@ class PPLCudaInt8(Platform):
            "Relu", "Clip", "PRelu", "Sigmoid", "Split", "Slice", "Reshape", "Transpose", "Flatten", "ReduceMean",
            "Squeeze", "Unsqueeze", "Identity"}
     )
+    quantize_passive_constants = True  # clip bounds / pad values share their input's scale
     bias_bits = 32
     rounding = RoundingPolicy.HALF_EVEN
