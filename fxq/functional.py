@@ -4,8 +4,9 @@ Everything that quantizes (FakeQuantize, observers, exporters, the Triton kernel
 these functions. The Triton kernels in :mod:`fxq.triton_kernels` implement exactly the same formulas
 and are tested bit for bit against this file.
 
-Rounding is written as ``floor(v) + (frac > 0.5 or (frac == 0.5 and tie_goes_up))``: ``v - floor(v)``
-is exact in binary floating point, so ties are decided exactly, unlike ``floor(v + 0.5)``.
+Rounding is written as ``round_half_even(v)``, except at ties, which go to ``floor(v) + tie_goes_up``.
+Ties are found as ``|v - round_half_even(v)| == 0.5``: that difference is exact in binary floating point
+(Sterbenz), unlike ``v - floor(v)`` (inexact for small negative ``v``) or ``floor(v + 0.5)``.
 """
 from __future__ import annotations
 
@@ -29,14 +30,16 @@ __all__ = [
 def round_with_policy(v: torch.Tensor, policy: RoundingPolicy | int) -> torch.Tensor:
     """Round ``v`` to integers (same dtype) under ``policy``; ties are decided exactly."""
     policy = RoundingPolicy(int(policy))
-    if policy is RoundingPolicy.HALF_EVEN:
-        return torch.round(v)
     if policy is RoundingPolicy.UP:
         return torch.ceil(v)
     if policy is RoundingPolicy.DOWN:
         return torch.floor(v)
-    f = torch.floor(v)
-    frac = v - f
+    nearest = torch.round(v)  # ties to even
+    if policy is RoundingPolicy.HALF_EVEN:
+        return nearest
+    # v - nearest is exact; v - floor(v) is not (e.g. v = -0.5 + 2**-25 gives exactly 0.5 in float32)
+    tie = (v - nearest).abs() == 0.5
+    f = torch.floor(v)  # at a tie: v - 0.5, exactly
     if policy is RoundingPolicy.HALF_UP:
         tie_up = torch.ones_like(v, dtype=torch.bool)
     elif policy is RoundingPolicy.HALF_DOWN:
@@ -45,8 +48,7 @@ def round_with_policy(v: torch.Tensor, policy: RoundingPolicy | int) -> torch.Te
         tie_up = f < 0
     else:  # HALF_FAR_FROM_ZERO, TO_NEAR_INT: ties away from zero
         tie_up = f >= 0
-    up = (frac > 0.5) | ((frac == 0.5) & tie_up)
-    return f + up.to(v.dtype)
+    return torch.where(tie, f + tie_up.to(v.dtype), nearest)
 
 
 def broadcast_qparam(p: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Tensor:

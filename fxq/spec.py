@@ -50,9 +50,12 @@ class RoundingPolicy(enum.IntEnum):
         """Accept a member, its int code, its name, or PPQ's ``ROUND_*`` spelling."""
         if isinstance(value, RoundingPolicy):
             return value
-        if isinstance(value, int):
-            return cls(value)
-        name = str(value).upper().replace("ROUND_", "").replace("FORM", "FROM")
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value in cls._value2member_map_:
+                return cls(value)
+            raise ConfigError(f"unknown rounding policy code {value}; use 0..{len(cls) - 1} or a name")
+        # "RoundingPolicy.ROUND_HALF_FAR_FORM_ZERO" is how PPQ's enum members print
+        name = str(value).rsplit(".", 1)[-1].upper().replace("ROUND_", "").replace("FORM", "FROM")
         try:
             return cls[name]
         except KeyError:
@@ -183,6 +186,8 @@ class TensorQuantConfig:
     observer: str = "minmax"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.num_bits, int) or isinstance(self.num_bits, bool):
+            raise ConfigError(f"num_bits must be an int, got {self.num_bits!r}")
         self.rounding = RoundingPolicy.parse(self.rounding)
         self.state = QuantState.parse(self.state)
         if self.fp_format is not None:
@@ -191,6 +196,16 @@ class TensorQuantConfig:
             lo, hi = self.default_range()
             self.quant_min = lo if self.quant_min is None else self.quant_min
             self.quant_max = hi if self.quant_max is None else self.quant_max
+        for name in ("quant_min", "quant_max"):
+            v = getattr(self, name)
+            try:
+                f = float(v)
+            except (TypeError, ValueError):
+                f = math.nan
+            if isinstance(v, bool) or not math.isfinite(f):
+                raise ConfigError(f"{name} must be a finite number, got {v!r}")
+            if not self.is_floating and f != int(f):
+                raise ConfigError(f"{name}={v!r} must be an integer for an integer grid")
         if not self.is_floating:
             self.quant_min, self.quant_max = int(self.quant_min), int(self.quant_max)
         self.scale = _as_param_tensor(self.scale, "scale")
@@ -247,6 +262,11 @@ class TensorQuantConfig:
                     f"quant range [{self.quant_min}, {self.quant_max}] exceeds {self.fp_format.name}'s "
                     f"[-{fmax}, {fmax}]"
                 )
+            if self.quant_min != -self.quant_max:
+                raise ConfigError(
+                    f"a floating range must be symmetric, got [{self.quant_min}, {self.quant_max}]; "
+                    f"use quant_min=-quant_max"
+                )
         else:
             if self.quant_min >= self.quant_max:
                 raise ConfigError(
@@ -302,6 +322,11 @@ class TensorQuantConfig:
             return
         if not shape:
             raise ConfigError(f"{where}: per-channel quantization of a 0-d tensor")
+        if not -len(shape) <= self.channel_axis < len(shape):
+            raise ConfigError(
+                f"{where}: channel_axis={self.channel_axis} is outside a {len(shape)}-d tensor of shape "
+                f"{tuple(shape)}; set channel_axis to the channel dimension"
+            )
         axis = self.channel_axis % len(shape)
         if self.scale.numel() != shape[axis]:
             raise ConfigError(

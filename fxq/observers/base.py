@@ -74,7 +74,8 @@ class Observer:
         raise NotImplementedError
 
     def reset(self) -> None:
-        self.__init__(self.config, self.where)
+        """Forget everything observed; options given at construction (``self.options``) are kept."""
+        self.__init__(self.config, self.where, **getattr(self, "options", {}))
 
     # helpers for subclasses -----------------------------------------------------------
     def _label(self) -> str:

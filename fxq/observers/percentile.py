@@ -1,0 +1,107 @@
+"""Percentile observer: clip the extreme ``1 - p`` of each tail, per batch, averaged over batches."""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from fxq.errors import ConfigError
+from fxq.functional import qparams_from_minmax
+from fxq.observers.base import Observer, channel_rows, register_observer
+from fxq.spec import TensorQuantConfig
+
+__all__ = ["PercentileObserver"]
+
+logger = logging.getLogger(__name__)
+
+_TOPK_LIMIT = 4096
+"""Up to this many values per tail, ``topk`` (linear, and it gives the extremes too); beyond, ``kthvalue``."""
+
+_SPLIT = 16
+"""Few long rows are split in this many pieces: topk of the pieces, then of their winners (parallel, exact)."""
+
+
+def _topk_values(rows: torch.Tensor, k: int, largest: bool) -> torch.Tensor:
+    """``topk(rows, k, dim=1).values`` (sorted), computed on pieces of each row when rows are few and long."""
+    c, n = rows.shape
+    piece = n // _SPLIT
+    if c >= _SPLIT or piece < 64 * k:
+        return torch.topk(rows, k, dim=1, largest=largest, sorted=True).values
+    head = rows[:, : piece * _SPLIT].reshape(c, _SPLIT, piece)
+    winners = torch.topk(head, k, dim=2, largest=largest, sorted=False).values.reshape(c, -1)
+    candidates = torch.cat([winners, rows[:, piece * _SPLIT :]], dim=1)
+    return torch.topk(candidates, k, dim=1, largest=largest, sorted=True).values
+
+
+@register_observer("percentile")
+class PercentileObserver(Observer):
+    """Range ``[P_(1-p), P_p]`` of each batch (nearest-rank percentiles), averaged over batches.
+
+    For every batch and every row (the whole tensor, or one channel), the upper bound is the
+    ``ceil(p * n)``-th smallest value and the lower bound its mirror from the top; the bounds of all
+    batches are averaged and turned into ``(scale, offset)`` by :func:`fxq.functional.qparams_from_minmax`
+    (symmetric configs use the larger magnitude of the two). Statistics stay on the tensor's device.
+
+    Args:
+        config: the config whose parameters this observer computes.
+        where: label for error messages.
+        percentile: ``p`` in ``(0.5, 1]``; PPQ's default 0.9999.
+
+    Raises:
+        ConfigError: for ``p`` outside ``(0.5, 1]``.
+        ObserverError: (at :meth:`compute_qparams`) nothing observed, or NaN/Inf in the data.
+
+    Example:
+        >>> obs = PercentileObserver(TensorQuantConfig(), percentile=0.999)
+        >>> obs.observe(torch.randn(10000)); scale, offset = obs.compute_qparams()
+    """
+
+    def __init__(self, config: TensorQuantConfig, where: str = "", percentile: float = 0.9999) -> None:
+        super().__init__(config, where)
+        p = float(percentile)
+        if not 0.5 < p <= 1.0:
+            raise ConfigError(f"percentile observer: percentile={percentile} must be in (0.5, 1], e.g. 0.9999")
+        self.percentile = p
+        self.options = {"percentile": p}
+        self._sum_lo: torch.Tensor | None = None
+        self._sum_hi: torch.Tensor | None = None
+        self._min: torch.Tensor | None = None  # extremes: only to detect NaN/Inf lazily
+        self._max: torch.Tensor | None = None
+
+    def _tail_count(self, n: int) -> int:
+        """How many values from the top the upper percentile sits (1 = the maximum)."""
+        rank = math.ceil(self.percentile * n - 1e-9)  # nearest rank of P_p, 1-based
+        return max(1, min(n, n - rank + 1))
+
+    @torch.no_grad()
+    def observe(self, x: torch.Tensor) -> None:
+        rows = channel_rows(x, self.config).float()
+        n = rows.shape[1]
+        if n == 0:
+            return
+        k = self._tail_count(n)
+        if k <= _TOPK_LIMIT:
+            top = _topk_values(rows, k, largest=True)
+            bottom = _topk_values(rows, k, largest=False)
+            hi, lo, mx, mn = top[:, -1], bottom[:, -1], top[:, 0], bottom[:, 0]
+        else:
+            hi = torch.kthvalue(rows, n - k + 1, dim=1).values
+            lo = torch.kthvalue(rows, k, dim=1).values
+            mn, mx = torch.aminmax(rows, dim=1)
+        if self._sum_lo is None:
+            self._sum_lo, self._sum_hi, self._min, self._max = lo, hi, mn, mx
+        else:
+            self._sum_lo = self._sum_lo + lo
+            self._sum_hi = self._sum_hi + hi
+            self._min = torch.minimum(self._min, mn)
+            self._max = torch.maximum(self._max, mx)
+        self.num_observed += 1
+
+    def compute_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._require_data()
+        self._require_finite(self._min, self._max)
+        lo = (self._sum_lo / self.num_observed).cpu()
+        hi = (self._sum_hi / self.num_observed).cpu()
+        logger.debug("%s: range [%s, %s] over %d batches", self._label(), lo, hi, self.num_observed)
+        return qparams_from_minmax(lo, hi, self.config)
