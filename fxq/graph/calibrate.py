@@ -104,7 +104,7 @@ def calibrate(
         fq.set_mode("quantize")
     apply_alignment(model)
     derive_passive_parameters(model)
-    for name, fq in iter_quantizers(model):
+    for _, fq in iter_quantizers(model):
         fq.set_mode("quantize")
     if bake:
         bake_parameters(model)

@@ -98,8 +98,8 @@ _CLIP_FUNCS = {"hardtanh": (1, 2), "relu6": (None, None), "clamp": (1, 2), "clip
 
 def _passive_constant_sites(gm: fx.GraphModule):
     """(key, getter, setter, quantizer) for clip bounds and pad values of ops on platforms that quantize them."""
-    from fxq.qconfig.base import PLATFORMS, get_platform
     from fxq.graph.info import NodeQuant
+    from fxq.qconfig.base import PLATFORMS, get_platform
 
     platforms: dict[str, bool] = {}
     modules = dict(gm.named_modules())

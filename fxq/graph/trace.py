@@ -5,7 +5,6 @@ import copy
 import inspect
 from typing import Any, Iterable
 
-import torch
 from torch import fx, nn
 
 from fxq.errors import TraceError
