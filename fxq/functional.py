@@ -76,6 +76,44 @@ def linear_fake_quantize_reference(
     return (q - o) * s
 
 
+def linear_fake_quantize_backward_elementwise(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    axis: int,
+    quant_min: int,
+    quant_max: int,
+    rounding: int,
+    need_scale_grad: bool,
+    need_offset_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Elementwise part of :func:`linear_fake_quantize_backward_reference`.
+
+    Returns ``grad_x`` and the per-element products ``g * ds`` and ``g * do`` (None when not needed) whose
+    sums (:func:`_sum_to_param`) are the scale and offset gradients. The fused CPU path and the Triton
+    kernels compute exactly these and leave the reduction to :func:`_sum_to_param`.
+    """
+    s = broadcast_qparam(scale.to(x.dtype), x, axis)
+    o = broadcast_qparam(offset.to(x.dtype), x, axis)
+    v = x / s
+    r = round_with_policy(v, rounding)
+    q = r + o
+    below = q < quant_min
+    above = q > quant_max
+    inside = ~(below | above)
+    zero = torch.zeros_like(grad)
+    grad_x = torch.where(inside, grad, zero)
+    prod_scale = prod_offset = None
+    if need_scale_grad:
+        ds = torch.where(inside, r - v, torch.where(below, quant_min - o, quant_max - o))
+        prod_scale = grad * ds
+    if need_offset_grad:
+        do = torch.where(inside, zero, -s.expand_as(grad))
+        prod_offset = grad * do
+    return grad_x, prod_scale, prod_offset
+
+
 def linear_fake_quantize_backward_reference(
     grad: torch.Tensor,
     x: torch.Tensor,
@@ -94,24 +132,11 @@ def linear_fake_quantize_backward_reference(
     Below (above): dx = 0, ds = g * (qmin - o) (resp. qmax - o), do = -g * s.
     Parameter gradients are summed over every axis but the channel axis.
     """
-    s = broadcast_qparam(scale.to(x.dtype), x, axis)
-    o = broadcast_qparam(offset.to(x.dtype), x, axis)
-    v = x / s
-    r = round_with_policy(v, rounding)
-    q = r + o
-    below = q < quant_min
-    above = q > quant_max
-    inside = ~(below | above)
-    zero = torch.zeros_like(grad)
-    grad_x = torch.where(inside, grad, zero)
-    grad_scale = torch.zeros_like(scale)
-    grad_offset = torch.zeros_like(offset)
-    if need_scale_grad:
-        ds = torch.where(inside, r - v, torch.where(below, quant_min - o, quant_max - o))
-        grad_scale = _sum_to_param(grad * ds, scale, axis)
-    if need_offset_grad:
-        do = torch.where(inside, zero, -s.expand_as(grad))
-        grad_offset = _sum_to_param(grad * do, offset, axis)
+    grad_x, prod_scale, prod_offset = linear_fake_quantize_backward_elementwise(
+        grad, x, scale, offset, axis, quant_min, quant_max, rounding, need_scale_grad, need_offset_grad
+    )
+    grad_scale = torch.zeros_like(scale) if prod_scale is None else _sum_to_param(prod_scale, scale, axis)
+    grad_offset = torch.zeros_like(offset) if prod_offset is None else _sum_to_param(prod_offset, offset, axis)
     return grad_x, grad_scale, grad_offset
 
 
@@ -149,6 +174,33 @@ def float_fake_quantize_reference(
     return (q * s).to(x.dtype)
 
 
+def float_fake_quantize_backward_elementwise(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    axis: int,
+    mantissa_bits: int,
+    min_exponent: int,
+    max_value: float,
+    rounding: int,
+    need_scale_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Elementwise part of :func:`float_fake_quantize_backward_reference`: ``grad_x`` and ``g * ds`` (or None)."""
+    xf = x.float()
+    s = broadcast_qparam(scale.float(), xf, axis)
+    v = xf / s
+    inside = (v >= -max_value) & (v <= max_value)
+    grad_x = torch.where(inside, grad, torch.zeros_like(grad))
+    prod_scale = None
+    if need_scale_grad:
+        vc = torch.clamp(v, -max_value, max_value)
+        step = _fp_grid_step(vc, mantissa_bits, min_exponent)
+        q = round_with_policy(vc / step, rounding) * step
+        ds = torch.where(inside, q - v, vc)
+        prod_scale = grad * ds
+    return grad_x, prod_scale
+
+
 def float_fake_quantize_backward_reference(
     grad: torch.Tensor,
     x: torch.Tensor,
@@ -160,18 +212,10 @@ def float_fake_quantize_backward_reference(
     rounding: int,
     need_scale_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    xf = x.float()
-    s = broadcast_qparam(scale.float(), xf, axis)
-    v = xf / s
-    inside = (v >= -max_value) & (v <= max_value)
-    grad_x = torch.where(inside, grad, torch.zeros_like(grad))
-    grad_scale = torch.zeros_like(scale)
-    if need_scale_grad:
-        vc = torch.clamp(v, -max_value, max_value)
-        step = _fp_grid_step(vc, mantissa_bits, min_exponent)
-        q = round_with_policy(vc / step, rounding) * step
-        ds = torch.where(inside, q - v, vc)
-        grad_scale = _sum_to_param(grad * ds, scale, axis)
+    grad_x, prod_scale = float_fake_quantize_backward_elementwise(
+        grad, x, scale, axis, mantissa_bits, min_exponent, max_value, rounding, need_scale_grad
+    )
+    grad_scale = torch.zeros_like(scale) if prod_scale is None else _sum_to_param(prod_scale, scale, axis)
     return grad_x, grad_scale
 
 

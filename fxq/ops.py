@@ -135,7 +135,10 @@ def fake_quant_float(
 
 
 def _register_device_kernels() -> None:
-    """Register the Triton CUDA kernels when triton is importable (never required on CPU)."""
+    """Register the fused CPU kernels and the Triton CUDA kernels (both fall back to the reference)."""
+    from fxq.fused_cpu import register_cpu_kernels
+
+    register_cpu_kernels()
     try:
         from fxq.triton_kernels import register_cuda_kernels
     except ImportError:  # triton missing or not built for this platform

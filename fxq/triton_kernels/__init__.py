@@ -1,5 +1,97 @@
-"""Triton implementations of the ``fxq::`` ops (filled in by the kernel work)."""
+"""Triton implementations of the ``fxq::`` ops for CUDA tensors.
+
+:func:`register_cuda_kernels` attaches one kernel per op with ``torch.library.register_kernel(op, "cuda")``
+(not ``triton_op``, which inductor inlines and which then breaks ``torch.compile`` on CPU). Nothing here
+imports triton until a CUDA tensor reaches an op, so ``import fxq`` works without triton or a GPU; if
+triton cannot be imported then, the op logs one warning and runs the torch reference.
+
+Kernels live in :mod:`fxq.triton_kernels.linear` and :mod:`fxq.triton_kernels.floating`; they are
+bit-identical to :mod:`fxq.functional` (tests run them under ``TRITON_INTERPRET=1`` on CPU).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from typing import Any, Callable
+
+import torch
+
+from fxq import functional as F
+
+__all__ = ["register_cuda_kernels", "triton_kernels_available"]
+
+log = logging.getLogger(__name__)
+
+# op name -> (kernel module, kernel function, torch reference used when triton is unavailable)
+_KERNELS: dict[str, tuple[str, str, Callable[..., Any]]] = {
+    "fxq::fake_quant_linear": ("linear", "fake_quant_linear_triton", F.linear_fake_quantize_reference),
+    "fxq::fake_quant_linear_backward": (
+        "linear",
+        "fake_quant_linear_backward_triton",
+        F.linear_fake_quantize_backward_reference,
+    ),
+    "fxq::fake_quant_float": ("floating", "fake_quant_float_triton", F.float_fake_quantize_reference),
+    "fxq::fake_quant_float_backward": (
+        "floating",
+        "fake_quant_float_backward_triton",
+        F.float_fake_quantize_backward_reference,
+    ),
+}
+
+_lock = threading.Lock()
+_registered = False
 
 
-def register_cuda_kernels() -> None:
-    """Attach the Triton kernels to the ``fxq::`` ops for CUDA tensors."""
+def triton_kernels_available() -> bool:
+    """True when triton imports and the kernel modules compile to Python (no GPU needed)."""
+    try:
+        importlib.import_module("fxq.triton_kernels.linear")
+        importlib.import_module("fxq.triton_kernels.floating")
+    except Exception:  # triton missing, or too old / broken on this platform
+        return False
+    return True
+
+
+class _LazyKernel:
+    """The CUDA implementation of one op: imports its Triton module on first use, else the torch reference."""
+
+    def __init__(self, op: str, module: str, name: str, reference: Callable[..., Any]) -> None:
+        self.op, self.module, self.name, self.reference = op, module, name, reference
+        self._impl: Callable[..., Any] | None = None
+
+    def _resolve(self) -> Callable[..., Any]:
+        try:
+            mod = importlib.import_module(f"fxq.triton_kernels.{self.module}")
+            return getattr(mod, self.name)
+        except Exception as exc:  # ImportError, or triton failing to initialise
+            log.warning(
+                "%s: Triton kernels unavailable (%s: %s); running the torch reference on CUDA. "
+                "Install a triton that matches your torch to get the fused kernels.",
+                self.op,
+                type(exc).__name__,
+                exc,
+            )
+            return self.reference
+
+    def __call__(self, *args: Any) -> Any:
+        impl = self._impl
+        if impl is None:
+            impl = self._impl = self._resolve()
+        return impl(*args)
+
+
+def register_cuda_kernels() -> bool:
+    """Attach the Triton kernels to the ``fxq::`` ops for CUDA tensors (idempotent).
+
+    Returns:
+        True once the kernels are registered. Triton itself is imported lazily, on the first CUDA call.
+    """
+    global _registered
+    with _lock:
+        if _registered:
+            return True
+        for op, (module, name, reference) in _KERNELS.items():
+            torch.library.register_kernel(op, "cuda", _LazyKernel(op, module, name, reference))
+        _registered = True
+    return True

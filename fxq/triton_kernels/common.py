@@ -1,0 +1,161 @@
+"""Shared pieces of the Triton kernels: exact division, rounding policies, dtype rounding, layouts.
+
+Every ``@triton.jit`` helper here reproduces one step of :mod:`fxq.functional` bit for bit:
+
+* Division: on NVIDIA, Triton lowers ``a / b`` for float32 to ``div.full.f32`` (an approximation with
+  up to 2 ulp error, not IEEE) and only float64 ``/`` to the IEEE ``div.rn.f64``. torch divides with
+  IEEE round-to-nearest, so float32 division goes through ``tl.math.div_rn`` (``div.rn.f32``).
+* FMA contraction: kernels are launched with ``enable_fp_fusion=False`` so that no ``a * b + c`` is fused
+  into one rounding (the formulas have no such pair today; this keeps it true if they change).
+* Round-half-even: torch's ``round`` (rint) is computed as ``(|v| + 2^p) - 2^p`` with ``p`` the mantissa
+  width, which is exact under IEEE round-to-nearest-even for ``|v| < 2^p``; larger values are integers
+  already. The sign of ``v`` is kept, so ``round(-0.3) == -0.0`` as in torch.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["BLOCK", "NUM_WARPS", "KERNEL_DTYPES", "ChannelLayout", "channel_layout", "grid"]
+
+BLOCK = 1024
+NUM_WARPS = 4
+KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+"""Input dtypes the kernels handle; float16/bfloat16 round every step to the input dtype like torch."""
+
+
+class ChannelLayout:
+    """Where the per-channel parameter of a contiguous tensor lives: index = (flat // inner) % channels."""
+
+    __slots__ = ("per_channel", "channels", "inner")
+
+    def __init__(self, per_channel: bool, channels: int, inner: int) -> None:
+        self.per_channel = per_channel
+        self.channels = channels
+        self.inner = inner
+
+
+def channel_layout(x: torch.Tensor, numels: tuple[int, ...], axis: int) -> ChannelLayout | None:
+    """Layout of parameters with ``numels`` entries broadcast along ``axis`` of ``x``; None if they do not fit.
+
+    A parameter with one entry is a scalar (as in :func:`fxq.functional.broadcast_qparam`); the others must
+    all have ``x.shape[axis]`` entries.
+    """
+    channels = max(numels)
+    if channels == 1:
+        return ChannelLayout(False, 1, 1)
+    if x.dim() == 0 or any(n not in (1, channels) for n in numels):
+        return None
+    ax = axis % x.dim()
+    if x.shape[ax] != channels:
+        return None
+    return ChannelLayout(True, channels, math.prod(x.shape[ax + 1 :]))
+
+
+def grid(numel: int) -> tuple[int]:
+    """One program per ``BLOCK`` elements."""
+    return (triton.cdiv(numel, BLOCK),)
+
+
+def per_channel_param(p: torch.Tensor, layout: ChannelLayout, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``p`` as a contiguous 1-D tensor of ``layout.channels`` entries (scalars expanded) on ``device``."""
+    flat = p.detach().to(device=device, dtype=dtype).reshape(-1)
+    if layout.per_channel and flat.numel() == 1:
+        flat = flat.expand(layout.channels)
+    return flat.contiguous()
+
+
+# --------------------------------------------------------------------------- jit helpers
+@triton.jit
+def div_exact(a, b, IS_FP64: tl.constexpr):
+    """IEEE round-to-nearest ``a / b`` (see the module docstring for why ``/`` is not used for float32)."""
+    if IS_FP64:
+        out = a / b
+    else:
+        out = tl.math.div_rn(a, b)
+    return out
+
+
+@triton.jit
+def bf16_round(v):
+    """float32 ``v`` rounded to the nearest bfloat16 (ties to even), returned as float32.
+
+    Written with integer bit operations rather than ``v.to(tl.bfloat16)``: the two agree on GPUs, but
+    Triton's CPU interpreter truncates float32 -> bfloat16, and the tests run there.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
+    return tl.where(v != v, v, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def round_to(v, DT: tl.constexpr, NARROW: tl.constexpr):
+    """Round a float32 intermediate to the 16-bit input dtype ``DT`` and back (no-op unless NARROW).
+
+    torch computes float16/bfloat16 ops in float32 and rounds each result; float32 has enough precision
+    (24 >= 2 * 11 + 2 bits) that this double rounding equals a correctly rounded 16-bit op.
+    """
+    if NARROW:
+        if DT == tl.bfloat16:
+            out = bf16_round(v)
+        else:
+            out = v.to(DT).to(tl.float32)
+    else:
+        out = v
+    return out
+
+
+@triton.jit
+def rint(v, IS_FP64: tl.constexpr):
+    """Round half to even, keeping the sign of ``v`` (torch.round)."""
+    if IS_FP64:
+        big = 4503599627370496.0  # 2**52
+    else:
+        big = 8388608.0  # 2**23
+    a = tl.abs(v)
+    t = (a + big) - big
+    t = tl.where(v < 0, -t, t)
+    return tl.where((a < big) & (v != 0.0), t, v)
+
+
+@triton.jit
+def round_with_policy(v, ROUNDING: tl.constexpr, IS_FP64: tl.constexpr):
+    """:func:`fxq.functional.round_with_policy` for the policy code ``ROUNDING`` (RoundingPolicy int value).
+
+    Ties are found exactly as ``|v - rint(v)| == 0.5`` and then go to ``floor(v) + tie_goes_up``.
+    """
+    if ROUNDING == 6:  # UP
+        out = tl.ceil(v)
+    elif ROUNDING == 7:  # DOWN
+        out = tl.floor(v)
+    else:
+        nearest = rint(v, IS_FP64)
+        if ROUNDING == 0:  # HALF_EVEN
+            out = nearest
+        else:
+            tie = tl.abs(v - nearest) == 0.5
+            f = tl.floor(v)
+            if ROUNDING == 1:  # HALF_UP
+                up = tl.full(v.shape, 1.0, v.dtype)
+            elif ROUNDING == 2:  # HALF_DOWN
+                up = tl.zeros(v.shape, v.dtype)
+            elif ROUNDING == 3:  # HALF_TOWARDS_ZERO
+                up = (f < 0).to(v.dtype)
+            else:  # HALF_FAR_FROM_ZERO, TO_NEAR_INT
+                up = (f >= 0).to(v.dtype)
+            out = tl.where(tie, f + up, nearest)
+    return out
+
+
+@triton.jit
+def load_param(p_ptr, offs, mask, C, INNER, PER_CHANNEL: tl.constexpr):
+    """The parameter value for each element: ``p[(offs // INNER) % C]`` per channel, ``p[0]`` otherwise."""
+    if PER_CHANNEL:
+        ch = (offs // INNER) % C
+        out = tl.load(p_ptr + ch, mask=mask, other=1.0)
+    else:
+        out = tl.load(p_ptr)
+    return out

@@ -1,0 +1,225 @@
+"""Triton kernels of the FP8 fake-quant (``fxq::fake_quant_float`` and its backward).
+
+Same steps as :func:`fxq.functional.float_fake_quantize_reference` and
+:func:`fxq.functional.float_fake_quantize_backward_elementwise`: float32 math, the grid step taken from
+the exponent bits of the clamped value (an int32 bitcast, like the reference's ``view(torch.int32)``),
+the input dtype restored at the end. The scale gradient is reduced by the reference's
+:func:`fxq.functional._sum_to_param`, so results are bit-identical.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fxq import functional as F
+from fxq.errors import NotSupportedError
+from fxq.triton_kernels.common import (
+    BLOCK,
+    KERNEL_DTYPES,
+    NUM_WARPS,
+    ChannelLayout,
+    channel_layout,
+    div_exact,
+    grid,
+    load_param,
+    per_channel_param,
+    round_to,
+    round_with_policy,
+)
+
+__all__ = [
+    "float_forward",
+    "float_backward_elementwise",
+    "fake_quant_float_triton",
+    "fake_quant_float_backward_triton",
+]
+
+
+@triton.jit
+def _fp_grid_step(v, mantissa_bits, min_exponent):
+    """2^(max(exponent(v), min_exponent) - mantissa_bits) for float32 ``v`` (reference: ``_fp_grid_step``)."""
+    bits = tl.abs(v).to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, min_exponent)
+    return ((exponent - mantissa_bits + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp_round(vc, mantissa_bits, min_exponent, ROUNDING: tl.constexpr):
+    step = _fp_grid_step(vc, mantissa_bits, min_exponent)
+    return round_with_policy(tl.math.div_rn(vc, step), ROUNDING, False) * step
+
+
+@triton.jit(do_not_specialize=["C", "INNER", "mantissa_bits", "min_exponent"])
+def _float_fwd_kernel(
+    x_ptr,
+    s_ptr,
+    y_ptr,
+    n,
+    C,
+    INNER,
+    mantissa_bits,
+    min_exponent,
+    max_value,
+    ROUNDING: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+    NARROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = load_param(s_ptr, offs, mask, C, INNER, PER_CHANNEL)
+    v = div_exact(x, s, False)
+    v = tl.where(v < -max_value, -max_value, v)  # torch.clamp, NaN stays NaN
+    v = tl.where(v > max_value, max_value, v)
+    q = _fp_round(v, mantissa_bits, min_exponent, ROUNDING)
+    tl.store(y_ptr + offs, round_to(q * s, DT, NARROW).to(DT), mask=mask)
+
+
+@triton.jit(do_not_specialize=["C", "INNER", "mantissa_bits", "min_exponent"])
+def _float_bwd_kernel(
+    g_ptr,
+    x_ptr,
+    s_ptr,
+    gx_ptr,
+    ps_ptr,
+    n,
+    C,
+    INNER,
+    mantissa_bits,
+    min_exponent,
+    max_value,
+    ROUNDING: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+    NEED_S: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    DT: tl.constexpr = gx_ptr.dtype.element_ty
+    PT: tl.constexpr = ps_ptr.dtype.element_ty  # torch's promotion of (grad dtype, float32)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = load_param(s_ptr, offs, mask, C, INNER, PER_CHANNEL)
+    v = div_exact(x, s, False)
+    inside = (v >= -max_value) & (v <= max_value)
+    tl.store(gx_ptr + offs, tl.where(inside, g, 0.0).to(DT), mask=mask)
+    if NEED_S:
+        vc = tl.where(v < -max_value, -max_value, v)
+        vc = tl.where(vc > max_value, max_value, vc)
+        q = _fp_round(vc, mantissa_bits, min_exponent, ROUNDING)
+        ds = tl.where(inside, q - v, vc)
+        tl.store(ps_ptr + offs, g.to(PT) * ds.to(PT), mask=mask)
+
+
+def float_layout(x: torch.Tensor, scale: torch.Tensor, axis: int) -> ChannelLayout | None:
+    """The kernels' layout for these inputs, or None when they must take the torch reference."""
+    if x.dtype not in KERNEL_DTYPES or not x.is_contiguous() or scale.numel() == 0:
+        return None
+    return channel_layout(x, (scale.numel(),), axis)
+
+
+def float_forward(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    axis: int,
+    mantissa_bits: int,
+    min_exponent: int,
+    max_value: float,
+    rounding: int,
+    layout: ChannelLayout | None = None,
+) -> torch.Tensor:
+    """Launch the FP8 forward kernel (``x`` contiguous, dtype in ``KERNEL_DTYPES``)."""
+    layout = layout or float_layout(x, scale, axis)
+    if layout is None:
+        raise NotSupportedError(
+            "float_forward: the kernel takes contiguous float16/bfloat16/float32/float64 x with per-tensor or "
+            "per-channel scales; use fxq.functional.float_fake_quantize_reference for other inputs"
+        )
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.numel() == 0:
+        return y
+    s = per_channel_param(scale, layout, x.device, torch.float32)
+    _float_fwd_kernel[grid(x.numel())](
+        x, s, y, x.numel(), layout.channels, layout.inner, int(mantissa_bits), int(min_exponent), float(max_value),
+        ROUNDING=int(rounding), PER_CHANNEL=layout.per_channel,
+        NARROW=x.dtype in (torch.float16, torch.bfloat16), BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
+    )  # fmt: skip
+    return y
+
+
+def float_backward_elementwise(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    axis: int,
+    mantissa_bits: int,
+    min_exponent: int,
+    max_value: float,
+    rounding: int,
+    need_scale_grad: bool,
+    layout: ChannelLayout | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kernel version of :func:`fxq.functional.float_fake_quantize_backward_elementwise` (same outputs)."""
+    layout = layout or float_layout(x, scale, axis)
+    if layout is None or grad.dtype != x.dtype or grad.shape != x.shape or not grad.is_contiguous():
+        raise NotSupportedError(
+            "float_backward_elementwise: the kernel takes contiguous grad and x of one supported dtype and shape; "
+            "use fxq.functional.float_fake_quantize_backward_elementwise for other inputs"
+        )
+    gx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    prod_dtype = torch.promote_types(grad.dtype, torch.float32)
+    ps = torch.empty_like(gx, dtype=prod_dtype) if need_scale_grad else None
+    if x.numel() == 0:
+        return gx, ps
+    s = per_channel_param(scale, layout, x.device, torch.float32)
+    _float_bwd_kernel[grid(x.numel())](
+        grad, x, s, gx, gx if ps is None else ps,
+        x.numel(), layout.channels, layout.inner, int(mantissa_bits), int(min_exponent), float(max_value),
+        ROUNDING=int(rounding), PER_CHANNEL=layout.per_channel, NEED_S=bool(need_scale_grad),
+        BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
+    )  # fmt: skip
+    return gx, ps
+
+
+# --------------------------------------------------------------------------- op implementations
+def fake_quant_float_triton(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    axis: int,
+    mantissa_bits: int,
+    min_exponent: int,
+    max_value: float,
+    rounding: int,
+) -> torch.Tensor:
+    """``fxq::fake_quant_float`` through the kernel; the torch reference for layouts the kernel does not take."""
+    layout = float_layout(x, scale, axis)
+    if layout is None:
+        return F.float_fake_quantize_reference(x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
+    return float_forward(x, scale, axis, mantissa_bits, min_exponent, max_value, rounding, layout)
+
+
+def fake_quant_float_backward_triton(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    axis: int,
+    mantissa_bits: int,
+    min_exponent: int,
+    max_value: float,
+    rounding: int,
+    need_scale_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fxq::fake_quant_float_backward``: elementwise kernel, then the reference's own reduction."""
+    layout = float_layout(x, scale, axis)
+    if layout is None or grad.dtype != x.dtype or grad.shape != x.shape or not grad.is_contiguous():
+        return F.float_fake_quantize_backward_reference(
+            grad, x, scale, axis, mantissa_bits, min_exponent, max_value, rounding, need_scale_grad
+        )
+    gx, ps = float_backward_elementwise(
+        grad, x, scale, axis, mantissa_bits, min_exponent, max_value, rounding, need_scale_grad, layout
+    )
+    gs = torch.zeros_like(scale) if ps is None else F._sum_to_param(ps, scale, axis)
+    return gx, gs

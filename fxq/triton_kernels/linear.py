@@ -1,0 +1,248 @@
+"""Triton kernels of the linear fake-quant (``fxq::fake_quant_linear`` and its backward).
+
+Same formulas as :func:`fxq.functional.linear_fake_quantize_reference` and
+:func:`fxq.functional.linear_fake_quantize_backward_elementwise`, step by step and in the same dtype;
+the scale/offset gradients are reduced by :func:`fxq.functional._sum_to_param` (the reference's own
+reduction), so results are bit-identical. Kernels take contiguous inputs; per-channel parameters are
+gathered at ``(flat_index // inner) % channels``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fxq import functional as F
+from fxq.errors import NotSupportedError
+from fxq.triton_kernels.common import (
+    BLOCK,
+    KERNEL_DTYPES,
+    NUM_WARPS,
+    ChannelLayout,
+    channel_layout,
+    div_exact,
+    grid,
+    load_param,
+    per_channel_param,
+    round_to,
+    round_with_policy,
+)
+
+__all__ = [
+    "linear_forward",
+    "linear_backward_elementwise",
+    "fake_quant_linear_triton",
+    "fake_quant_linear_backward_triton",
+]
+
+
+@triton.jit(do_not_specialize=["quant_min", "quant_max", "C", "INNER"])
+def _linear_fwd_kernel(
+    x_ptr,
+    s_ptr,
+    o_ptr,
+    y_ptr,
+    n,
+    C,
+    INNER,
+    quant_min,
+    quant_max,
+    ROUNDING: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+    IS_FP64: tl.constexpr,
+    NARROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    s = load_param(s_ptr, offs, mask, C, INNER, PER_CHANNEL)
+    o = load_param(o_ptr, offs, mask, C, INNER, PER_CHANNEL)
+    if not IS_FP64:
+        x = x.to(tl.float32)
+        s = s.to(tl.float32)
+        o = o.to(tl.float32)
+    v = round_to(div_exact(x, s, IS_FP64), DT, NARROW)
+    q = round_to(round_with_policy(v, ROUNDING, IS_FP64) + o, DT, NARROW)
+    q = tl.where(q < quant_min, quant_min, q)  # torch.clamp, NaN stays NaN
+    q = tl.where(q > quant_max, quant_max, q)
+    y = round_to(round_to(q - o, DT, NARROW) * s, DT, NARROW)
+    tl.store(y_ptr + offs, y.to(DT), mask=mask)
+
+
+@triton.jit(do_not_specialize=["quant_min", "quant_max", "C", "INNER"])
+def _linear_bwd_kernel(
+    g_ptr,
+    x_ptr,
+    s_ptr,
+    o_ptr,
+    gx_ptr,
+    ps_ptr,
+    po_ptr,
+    n,
+    C,
+    INNER,
+    quant_min,
+    quant_max,
+    ROUNDING: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+    IS_FP64: tl.constexpr,
+    NARROW: tl.constexpr,
+    NEED_S: tl.constexpr,
+    NEED_O: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    DT: tl.constexpr = gx_ptr.dtype.element_ty
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    s = load_param(s_ptr, offs, mask, C, INNER, PER_CHANNEL)
+    o = load_param(o_ptr, offs, mask, C, INNER, PER_CHANNEL)
+    if not IS_FP64:
+        g = g.to(tl.float32)
+        x = x.to(tl.float32)
+        s = s.to(tl.float32)
+        o = o.to(tl.float32)
+    v = round_to(div_exact(x, s, IS_FP64), DT, NARROW)
+    r = round_with_policy(v, ROUNDING, IS_FP64)
+    q = round_to(r + o, DT, NARROW)
+    below = q < quant_min
+    above = q > quant_max
+    inside = (below | above) == 0
+    tl.store(gx_ptr + offs, tl.where(inside, g, 0.0).to(DT), mask=mask)
+    if NEED_S:
+        clipped = tl.where(below, round_to(quant_min - o, DT, NARROW), round_to(quant_max - o, DT, NARROW))
+        ds = tl.where(inside, round_to(r - v, DT, NARROW), clipped)
+        tl.store(ps_ptr + offs, round_to(g * ds, DT, NARROW).to(DT), mask=mask)
+    if NEED_O:
+        do = tl.where(inside, 0.0, -s)
+        tl.store(po_ptr + offs, round_to(g * do, DT, NARROW).to(DT), mask=mask)
+
+
+def _flags(x: torch.Tensor) -> tuple[bool, bool]:
+    return x.dtype == torch.float64, x.dtype in (torch.float16, torch.bfloat16)
+
+
+def linear_layout(
+    x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, axis: int, quant_min: int, quant_max: int
+) -> ChannelLayout | None:
+    """The kernels' layout for these inputs, or None when they must take the torch reference.
+
+    float16/bfloat16 inputs need quant bounds that the dtype holds exactly (torch compares against the
+    rounded bound but clamps to the exact one; the kernel does not model that corner).
+    """
+    if x.dtype not in KERNEL_DTYPES or not x.is_contiguous() or scale.numel() == 0 or offset.numel() == 0:
+        return None
+    if x.dtype in (torch.float16, torch.bfloat16):
+        bounds = torch.tensor([quant_min, quant_max], dtype=torch.float64)
+        if not torch.equal(bounds.to(x.dtype).to(torch.float64), bounds):
+            return None
+    return channel_layout(x, (scale.numel(), offset.numel()), axis)
+
+
+def linear_forward(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    axis: int,
+    quant_min: int,
+    quant_max: int,
+    rounding: int,
+    layout: ChannelLayout | None = None,
+) -> torch.Tensor:
+    """Launch the forward kernel (``x`` contiguous, dtype in ``KERNEL_DTYPES``) and return the fake-quantized x."""
+    layout = layout or linear_layout(x, scale, offset, axis, quant_min, quant_max)
+    if layout is None:
+        raise NotSupportedError(
+            "linear_forward: the kernel takes contiguous float16/bfloat16/float32/float64 x with per-tensor or "
+            "per-channel parameters; use fxq.functional.linear_fake_quantize_reference for other inputs"
+        )
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.numel() == 0:
+        return y
+    is_fp64, narrow = _flags(x)
+    s = per_channel_param(scale, layout, x.device, x.dtype)
+    o = per_channel_param(offset, layout, x.device, x.dtype)
+    _linear_fwd_kernel[grid(x.numel())](
+        x, s, o, y, x.numel(), layout.channels, layout.inner, int(quant_min), int(quant_max),
+        ROUNDING=int(rounding), PER_CHANNEL=layout.per_channel, IS_FP64=is_fp64, NARROW=narrow,
+        BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
+    )  # fmt: skip
+    return y
+
+
+def linear_backward_elementwise(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    axis: int,
+    quant_min: int,
+    quant_max: int,
+    rounding: int,
+    need_scale_grad: bool,
+    need_offset_grad: bool,
+    layout: ChannelLayout | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Kernel version of :func:`fxq.functional.linear_fake_quantize_backward_elementwise` (same outputs)."""
+    layout = layout or linear_layout(x, scale, offset, axis, quant_min, quant_max)
+    if layout is None or grad.dtype != x.dtype or grad.shape != x.shape or not grad.is_contiguous():
+        raise NotSupportedError(
+            "linear_backward_elementwise: the kernel takes contiguous grad and x of one supported dtype and shape; "
+            "use fxq.functional.linear_fake_quantize_backward_elementwise for other inputs"
+        )
+    gx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    ps = torch.empty_like(gx) if need_scale_grad else None
+    po = torch.empty_like(gx) if need_offset_grad else None
+    if x.numel() == 0:
+        return gx, ps, po
+    is_fp64, narrow = _flags(x)
+    s = per_channel_param(scale, layout, x.device, x.dtype)
+    o = per_channel_param(offset, layout, x.device, x.dtype)
+    _linear_bwd_kernel[grid(x.numel())](
+        grad, x, s, o, gx, gx if ps is None else ps, gx if po is None else po,
+        x.numel(), layout.channels, layout.inner, int(quant_min), int(quant_max),
+        ROUNDING=int(rounding), PER_CHANNEL=layout.per_channel, IS_FP64=is_fp64, NARROW=narrow,
+        NEED_S=bool(need_scale_grad), NEED_O=bool(need_offset_grad),
+        BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
+    )  # fmt: skip
+    return gx, ps, po
+
+
+# --------------------------------------------------------------------------- op implementations
+def fake_quant_linear_triton(
+    x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, axis: int, quant_min: int, quant_max: int, rounding: int
+) -> torch.Tensor:
+    """``fxq::fake_quant_linear`` through the kernel; the torch reference for layouts the kernel does not take."""
+    layout = linear_layout(x, scale, offset, axis, quant_min, quant_max)
+    if layout is None:
+        return F.linear_fake_quantize_reference(x, scale, offset, axis, quant_min, quant_max, rounding)
+    return linear_forward(x, scale, offset, axis, quant_min, quant_max, rounding, layout)
+
+
+def fake_quant_linear_backward_triton(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    axis: int,
+    quant_min: int,
+    quant_max: int,
+    rounding: int,
+    need_scale_grad: bool,
+    need_offset_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fxq::fake_quant_linear_backward``: elementwise kernel, then the reference's own reduction."""
+    layout = linear_layout(x, scale, offset, axis, quant_min, quant_max)
+    if layout is None or grad.dtype != x.dtype or grad.shape != x.shape or not grad.is_contiguous():
+        return F.linear_fake_quantize_backward_reference(
+            grad, x, scale, offset, axis, quant_min, quant_max, rounding, need_scale_grad, need_offset_grad
+        )
+    gx, ps, po = linear_backward_elementwise(
+        grad, x, scale, offset, axis, quant_min, quant_max, rounding, need_scale_grad, need_offset_grad, layout
+    )
+    gs = torch.zeros_like(scale) if ps is None else F._sum_to_param(ps, scale, axis)
+    go = torch.zeros_like(offset) if po is None else F._sum_to_param(po, offset, axis)
+    return gx, gs, go

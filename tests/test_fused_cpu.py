@@ -1,0 +1,194 @@
+"""The fused CPU path: compiled reference == eager reference, bit for bit; and it is only taken when asked.
+
+Every compiled graph costs seconds, so the bit-identity tests force a few small tensors through a
+handful of graphs (``cpu_fusion(min_numel=0, warmup_seconds=0)``); the rest checks the gates cheaply.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import fxq.ops  # noqa: F401  (registers torch.ops.fxq and the CPU kernels)
+from fxq import functional as F
+from fxq import fused_cpu
+from fxq.fused_cpu import FusedCpuSettings, cpu_fusion, fused_cpu_stats
+from fxq.spec import FloatFormat, RoundingPolicy
+
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32}
+op = torch.ops.fxq
+
+
+def assert_bit_identical(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Same dtype/shape, torch.equal off NaN, NaN where NaN, and equal bit patterns off zero."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    nan = expected.isnan()
+    assert torch.equal(actual.isnan(), nan), what
+    a, e = actual[~nan], expected[~nan]
+    assert torch.equal(a, e), f"{what}: {int((a != e).sum())} values differ"
+    zero = e == 0
+    assert torch.equal(a[~zero].view(_BITS[a.dtype]), e[~zero].view(_BITS[e.dtype])), what
+
+
+def _x(shape: tuple[int, ...], scale: torch.Tensor, axis: int, spread: float) -> torch.Tensor:
+    """Random values with exact ties (+-0.5, +-1.5, +-2.5 steps), +-0, NaN, +-inf and clipped values."""
+    x = torch.randn(shape) * spread
+    s = F.broadcast_qparam(scale, x, axis).expand(shape).reshape(-1)
+    flat = x.view(-1)
+    specials = torch.tensor([0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 0.0, -0.0, 1e6, -1e6])
+    idx = torch.randperm(flat.numel())[: 2 * specials.numel()]
+    flat[idx] = specials.repeat(2) * s[idx]
+    flat[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.5 + 2**-25])
+    return x
+
+
+@pytest.fixture
+def forced():
+    """Every tensor takes the fused path, compiled at once."""
+    with cpu_fusion(min_numel=0, warmup_seconds=0):
+        yield
+
+
+def _fused_calls() -> int:
+    return int(fused_cpu_stats()["fused_calls"])
+
+
+# (name, shape, axis, channels, rounding, dtype): per-tensor, per-channel 3-D view, per-channel 2-D view
+LINEAR_CASES = [
+    ("tensor-half_even", (6, 50), 0, 1, RoundingPolicy.HALF_EVEN, torch.float32),
+    ("axis1-towards_zero", (2, 5, 7, 3), 1, 5, RoundingPolicy.HALF_TOWARDS_ZERO, torch.float32),
+    ("axis0-half_up-f64", (9, 40), 0, 9, RoundingPolicy.HALF_UP, torch.float64),
+]
+
+
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=[c[0] for c in LINEAR_CASES])
+def test_fused_linear_matches_eager(forced, case):
+    _, shape, axis, channels, rounding, dtype = case
+    scale = torch.pow(2.0, -(torch.arange(channels) % 4) - 1.0)
+    offset = torch.randint(0, 30, (channels,)).float()
+    x = _x(shape, scale, axis, 40.0).to(dtype)
+    g = torch.randn(shape, dtype=dtype)
+    args = (axis, 0, 255, int(rounding))
+    before = _fused_calls()
+    y = op.fake_quant_linear(x, scale, offset, *args)
+    gx, gs, go = op.fake_quant_linear_backward(g, x, scale, offset, *args, True, True)
+    assert _fused_calls() == before + 2, "the fused path was not taken"
+    assert_bit_identical(y, F.linear_fake_quantize_reference(x, scale, offset, *args), "y")
+    want = F.linear_fake_quantize_backward_reference(g, x, scale, offset, *args, True, True)
+    for name, a, e in zip(("grad_x", "grad_scale", "grad_offset"), (gx, gs, go), want):
+        assert_bit_identical(a, e, name)
+
+
+def test_fused_float_matches_eager(forced):
+    fmt = FloatFormat.E4M3
+    scale = torch.rand(5) * 0.01 + 1e-3
+    x = _x((4, 5, 9), scale, 1, 1.0)
+    g = torch.randn(4, 5, 9)
+    args = (1, fmt.mantissa_bits, fmt.min_exponent, fmt.max_value, int(RoundingPolicy.HALF_EVEN))
+    before = _fused_calls()
+    y = op.fake_quant_float(x, scale, *args)
+    gx, gs = op.fake_quant_float_backward(g, x, scale, *args, True)
+    assert _fused_calls() == before + 2
+    assert_bit_identical(y, F.float_fake_quantize_reference(x, scale, *args), "y")
+    want = F.float_fake_quantize_backward_reference(g, x, scale, *args, True)
+    assert_bit_identical(gx, want[0], "grad_x")
+    assert_bit_identical(gs, want[1], "grad_scale")
+
+
+def test_fused_path_through_autograd(forced):
+    """FakeQuantize-style use: the op's autograd calls the backward op, which is fused too."""
+    x = torch.randn(6, 50, requires_grad=True)
+    scale = torch.tensor([0.125], requires_grad=True)
+    offset = torch.tensor([0.0])
+    y = op.fake_quant_linear(x, scale, offset, 0, -128, 127, int(RoundingPolicy.HALF_EVEN))
+    (y * torch.arange(300.0).view(6, 50)).sum().backward()
+    with cpu_fusion(enabled=False):
+        x2, s2 = x.detach().clone().requires_grad_(True), scale.detach().clone().requires_grad_(True)
+        y2 = op.fake_quant_linear(x2, s2, offset, 0, -128, 127, int(RoundingPolicy.HALF_EVEN))
+        (y2 * torch.arange(300.0).view(6, 50)).sum().backward()
+    assert_bit_identical(y.detach(), y2.detach())
+    assert_bit_identical(x.grad, x2.grad)
+    assert_bit_identical(scale.grad, s2.grad)
+
+
+# --------------------------------------------------------------------------- gates (no compiling)
+def test_small_tensors_do_not_compile():
+    """The default threshold keeps small models on the eager reference: nothing compiles, nothing counts."""
+    stats = fused_cpu_stats()
+    with cpu_fusion(min_numel=fused_cpu.DEFAULT_MIN_NUMEL, warmup_seconds=0):
+        op.fake_quant_linear(torch.randn(64, 64), torch.tensor([0.1]), torch.tensor([0.0]), 0, -128, 127, 0)
+    after = fused_cpu_stats()
+    assert after["compiles"] == stats["compiles"] and after["fused_calls"] == stats["fused_calls"]
+
+
+def test_warmup_runs_eager_first():
+    stats = fused_cpu_stats()
+    with cpu_fusion(min_numel=0, warmup_seconds=1e9):
+        y = op.fake_quant_linear(torch.randn(32, 32), torch.tensor([0.1]), torch.tensor([0.0]), 0, -128, 127, 0)
+    after = fused_cpu_stats()
+    assert after["eager_calls"] == stats["eager_calls"] + 1 and after["compiles"] == stats["compiles"]
+    assert after["eager_seconds"] > stats["eager_seconds"]
+    assert y.shape == (32, 32)
+
+
+def test_unsupported_inputs_take_the_reference():
+    stats = fused_cpu_stats()
+    with cpu_fusion(min_numel=0, warmup_seconds=0):
+        x = torch.randn(40, 30).t()  # non-contiguous
+        op.fake_quant_linear(x, torch.tensor([0.1]), torch.tensor([0.0]), 0, -128, 127, 0)
+        op.fake_quant_linear(torch.randn(40, 30).half(), torch.tensor([0.1]), torch.tensor([0.0]), 0, -128, 127, 0)
+        with pytest.raises(RuntimeError):  # channel mismatch: the reference's own error
+            op.fake_quant_linear(torch.randn(4, 7), torch.rand(5) + 0.1, torch.zeros(5), 1, -128, 127, 0)
+    assert fused_cpu_stats()["fused_calls"] == stats["fused_calls"]
+
+
+def test_env_switch(monkeypatch):
+    monkeypatch.setenv(fused_cpu.ENV_ENABLE, "0")
+    monkeypatch.setenv(fused_cpu.ENV_MIN_NUMEL, "123")
+    monkeypatch.setenv(fused_cpu.ENV_WARMUP_S, "0.5")
+    assert FusedCpuSettings().resolved() == (False, 123, 0.5)
+    monkeypatch.setenv(fused_cpu.ENV_ENABLE, "1")
+    monkeypatch.setenv(fused_cpu.ENV_WARMUP_S, "soon")
+    assert FusedCpuSettings().resolved() == (True, 123, fused_cpu.DEFAULT_WARMUP_S)
+    assert FusedCpuSettings(enabled=False, min_numel=7).resolved()[:2] == (False, 7)
+
+
+def test_cpu_fusion_restores_settings():
+    before = fused_cpu._state.settings
+    with cpu_fusion(enabled=False, min_numel=5) as settings:
+        assert settings.enabled is False and settings.min_numel == 5
+        assert fused_cpu._state.settings is settings
+    assert fused_cpu._state.settings is before
+
+
+@pytest.mark.parametrize(
+    "shape,axis,numels,expected",
+    [
+        ((4, 5, 6), 0, (1, 1), ((120,), 0)),
+        ((4, 5, 6), 0, (4, 1), ((4, 30), 0)),
+        ((4, 5, 6), 1, (5, 5), ((4, 5, 6), 1)),
+        ((4, 5, 6), -1, (6, 6), ((20, 6), 1)),
+        ((1, 5, 1), 1, (5, 1), ((5,), 0)),
+        ((4, 5, 6), 1, (5, 4), None),
+        ((4, 5, 6), 1, (6, 6), None),
+    ],
+)
+def test_canonical_views(shape, axis, numels, expected):
+    assert fused_cpu._canonical(torch.empty(shape), numels, axis) == expected
+
+
+def test_compile_failure_falls_back_once(monkeypatch, caplog):
+    def broken_compile(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(fused_cpu._state, "broken", None)
+    monkeypatch.setattr(fused_cpu._state, "compiled", {})
+    x, s, o = torch.randn(10, 10), torch.tensor([0.1]), torch.tensor([0.0])
+    with cpu_fusion(min_numel=0, warmup_seconds=0), caplog.at_level(logging.WARNING, logger="fxq.fused_cpu"):
+        y1 = op.fake_quant_linear(x, s, o, 0, -128, 127, 0)
+        y2 = op.fake_quant_linear(x, s, o, 0, -128, 127, 0)
+    assert torch.equal(y1, F.linear_fake_quantize_reference(x, s, o, 0, -128, 127, 0)) and torch.equal(y1, y2)
+    assert caplog.text.count("fused CPU path disabled") == 1
+    assert fused_cpu._state.broken is not None
