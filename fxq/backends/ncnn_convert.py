@@ -1,0 +1,429 @@
+"""fx graph -> :class:`~fxq.backends.ncnn_writer.NcnnModel`: the walk, names, blobs and int8 scales.
+
+Layer converters (one per canonical op type, :mod:`fxq.backends.ncnn_layers`) are registered with
+:func:`register_ncnn_converter` and receive the :class:`NcnnBuilder` and the node. Blobs follow ncnn's
+batch-less layout: a torch value of shape ``(N, *rest)`` is an ncnn blob of shape ``rest``.
+
+Naming: a layer is named after the original layer (``node.meta["caffe"]["layer"]``,
+``node.meta["onnx"]["node_name"]``) or else the fx node's name; a layer's output blob carries the layer's
+name; graph inputs are ``in0, in1...`` and outputs ``out0, out1...`` (pnnx's convention).
+
+Quantization: only Conv / Gemm nodes whose data input *and* weight pass through quantizing FakeQuantize
+nodes become int8 layers. Every other quantizing FakeQuantize in the graph is an error: ncnn cannot
+express it (see :meth:`NcnnBuilder.check_quantizers`).
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import fx, nn
+
+from fxq.backends.ncnn_writer import Int8Scales, NcnnLayer, NcnnModel
+from fxq.errors import ExportError
+from fxq.functional import fake_quantize
+from fxq.graph.info import QUANTIZERS_ATTR
+from fxq.graph.op_types import op_type
+from fxq.graph.passes import get_attr_value
+from fxq.nn.fake_quantize import FakeQuantize
+from fxq.registry import Registry
+from fxq.spec import QUANTIZING_STATES, QuantState, RoundingPolicy
+
+__all__ = ["NCNN_CONVERTERS", "register_ncnn_converter", "NcnnBuilder", "WeightInfo", "build_ncnn_model"]
+
+logger = logging.getLogger(__name__)
+
+Converter = Callable[["NcnnBuilder", fx.Node], None]
+NCNN_CONVERTERS: Registry[Converter] = Registry("ncnn layer converter")
+
+_NCNN_ROUNDING = (RoundingPolicy.HALF_FAR_FROM_ZERO, RoundingPolicy.TO_NEAR_INT)
+_PENDING = (QuantState.INITIAL, QuantState.PASSIVE_INIT)
+
+
+def register_ncnn_converter(*op_types: str, override: bool = False) -> Callable[[Converter], Converter]:
+    """Register ``fn(builder, node)`` as the ncnn converter of the canonical ``op_types`` (``"Conv"``...)."""
+
+    def deco(fn: Converter) -> Converter:
+        for t in op_types:
+            NCNN_CONVERTERS.register(t, fn, override=override)
+        return fn
+
+    return deco
+
+
+def _sanitize(name: str) -> str:
+    return re.sub(r"\s+", "_", str(name)).strip() or "layer"
+
+
+class WeightInfo:
+    """The weight of a Conv / Gemm node: its FP32 value, the quantizer over it, and the quantized value."""
+
+    def __init__(self, fp32: torch.Tensor, fq: FakeQuantize | None, qnode: fx.Node | None) -> None:
+        self.fp32 = fp32
+        self.fq = fq
+        self.qnode = qnode
+
+    @property
+    def quantizing(self) -> bool:
+        return self.fq is not None and self.fq.config.state in QUANTIZING_STATES
+
+    def quantized(self) -> torch.Tensor:
+        """The fake-quantized weight (the values fxq's simulation computes with)."""
+        assert self.fq is not None
+        return fake_quantize(self.fp32, self.fq.config, self.fq.scale.detach(), self.fq.offset.detach())
+
+
+class NcnnBuilder:
+    """Walks a quantized GraphModule once and collects ncnn layers (see the module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.modules = dict(gm.named_modules())
+        self.model = NcnnModel()
+        self.blob_of: dict[fx.Node, str] = {}
+        self._layer_names: set[str] = set()
+        self._blob_names: set[str] = set()
+        self.used_quantizers: set[tuple[fx.Node, fx.Node]] = set()  # (quantizer node, consumer node)
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ graph helpers
+    def is_quantizer(self, node: Any) -> bool:
+        return (isinstance(node, fx.Node) and node.op == "call_module"
+                and str(node.target).startswith(QUANTIZERS_ATTR + "."))
+
+    def quantizer(self, node: fx.Node) -> FakeQuantize:
+        return self.modules[str(node.target)]
+
+    def strip(self, node: fx.Node) -> fx.Node:
+        """The value under any chain of quantizer nodes."""
+        while self.is_quantizer(node):
+            node = node.args[0]
+        return node
+
+    def module(self, node: fx.Node) -> nn.Module | None:
+        return self.modules.get(str(node.target)) if node.op == "call_module" else None
+
+    def shape(self, node: fx.Node) -> tuple[int, ...]:
+        val = self.strip(node).meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise ExportError(f"node {node.name!r} has no recorded tensor shape: prepare the model with example "
+                              "inputs (fxq.prepare / fxq.quantize record node.meta['val'])")
+        return tuple(int(d) for d in val.shape)
+
+    def blob_shape(self, node: fx.Node) -> tuple[int, ...]:
+        """ncnn shape of a value: the torch shape without the batch dimension."""
+        shape = self.shape(node)
+        if not shape:
+            raise ExportError(f"node {node.name!r} is a scalar tensor; ncnn blobs have a batch-less shape (C, H, W)")
+        return shape[1:]
+
+    def ncnn_axis(self, node: fx.Node, dim: int, rank: int) -> int:
+        d = dim + rank if dim < 0 else dim
+        if d <= 0 or d >= rank:
+            raise ExportError(f"node {node.name!r} ({self.op(node)}) works along dim {dim} of a rank-{rank} tensor; "
+                              "ncnn blobs have no batch dimension, so only dims >= 1 can be exported")
+        return d - 1
+
+    def op(self, node: fx.Node) -> str:
+        return op_type(node, self.modules)
+
+    def fail(self, node: fx.Node, why: str, fix: str) -> ExportError:
+        return ExportError(f"ncnn export: node {node.name!r} (op {self.op(node)}, target {_target(node)}): {why}. "
+                           f"Fix: {fix}")
+
+    def param(self, arg: Any, node: fx.Node, what: str) -> torch.Tensor:
+        """Value of a parameter argument (a get_attr node, possibly under a quantizer)."""
+        src = self.strip(arg) if isinstance(arg, fx.Node) else arg
+        if isinstance(src, fx.Node) and src.op == "get_attr":
+            return get_attr_value(self.gm, str(src.target)).detach().float().cpu()
+        if isinstance(src, torch.Tensor):
+            return src.detach().float().cpu()
+        raise self.fail(node, f"its {what} is computed in the graph ({src!r}), not a stored parameter",
+                        "ncnn needs constant weights; fold the computation into a parameter before exporting")
+
+    # ------------------------------------------------------------------ naming and layers
+    def layer_name(self, node: fx.Node) -> str:
+        """The original layer name (caffe layer, ONNX node) or the node's name, made unique."""
+        base = node.name
+        caffe, onnx_meta = node.meta.get("caffe"), node.meta.get("onnx")
+        if isinstance(caffe, dict) and caffe.get("layer"):
+            base = str(caffe["layer"])
+        elif isinstance(onnx_meta, dict) and onnx_meta.get("node_name"):
+            base = str(onnx_meta["node_name"])
+        name = _sanitize(base)[:240]
+        unique, i = name, 1
+        while unique in self._layer_names:
+            unique = f"{name}_{i}"
+            i += 1
+        self._layer_names.add(unique)
+        return unique
+
+    def _new_blob(self, name: str) -> str:
+        unique, i = name, 1
+        while unique in self._blob_names:
+            unique = f"{name}_{i}"
+            i += 1
+        self._blob_names.add(unique)
+        return unique
+
+    def blob(self, arg: Any, node: fx.Node) -> str:
+        """ncnn blob name of a tensor argument of ``node``."""
+        if not isinstance(arg, fx.Node):
+            raise self.fail(node, f"an input is the constant {arg!r}, not a tensor computed in the graph",
+                            "ncnn has no constant tensors here; make it a parameter of a supported layer")
+        src = self.strip(arg)
+        if src not in self.blob_of:
+            what = "a stored tensor (get_attr)" if src.op == "get_attr" else f"node {src.name!r}"
+            raise self.fail(node, f"its input {what} has no ncnn blob",
+                            "only values computed by exported layers can feed a layer; constant tensors are "
+                            "not supported by the ncnn writer")
+        return self.blob_of[src]
+
+    def emit(self, node: fx.Node, layer_type: str, bottoms: list[str], params: dict[int, Any] | None = None,
+             weights: list[tuple[str, np.ndarray]] | None = None, *, int8: Int8Scales | None = None,
+             int8_term: int = 2) -> NcnnLayer:
+        """Append the layer computing ``node``; its output blob becomes the node's blob."""
+        name = self.layer_name(node)
+        top = self._new_blob(name)
+        layer = NcnnLayer(layer_type, name, list(bottoms), [top], dict(params or {}), list(weights or []),
+                          int8=int8, int8_term=int8_term, source=node.name)
+        self.model.layers.append(layer)
+        self.blob_of[node] = top
+        return layer
+
+    # ------------------------------------------------------------------ weights and int8
+    def weight(self, arg: Any, node: fx.Node) -> WeightInfo:
+        fq = qnode = None
+        if self.is_quantizer(arg):
+            qnode, fq = arg, self.quantizer(arg)
+        src = self.strip(arg) if isinstance(arg, fx.Node) else arg
+        value = self.param(src, node, "weight")
+        backup = getattr(fq, "_fp32_backup", None) if fq is not None else None
+        if backup is not None:
+            value = backup.detach().float().cpu()
+        elif fq is not None and fq.config.state in (QuantState.BAKED, QuantState.PASSIVE_BAKED):
+            self.warn_once(fq.name, "weights of %s are baked and their FP32 copy is gone: the FP32 ncnn model uses "
+                           "the quantized values", node.name)
+        return WeightInfo(value, fq, qnode)
+
+    def warn_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(msg, *args)
+
+    def int8_scales(self, node: fx.Node, x_arg: Any, w: WeightInfo, bias_arg: Any, groups: int = 1
+                    ) -> Int8Scales | None:
+        """ncnn int8 scales of a Conv / Gemm node, or None when it stays FP32 (checks expressibility)."""
+        x_fq = self.quantizer(x_arg) if self.is_quantizer(x_arg) else None
+        x_on = x_fq is not None and x_fq.config.state in QUANTIZING_STATES
+        if self.is_quantizer(bias_arg) and self.quantizer(bias_arg).config.state in QUANTIZING_STATES:
+            raise self.fail(node, f"its bias is quantized (quantizer {self.quantizer(bias_arg).name!r}); ncnn keeps "
+                            "biases in FP32", "quantize for the 'ncnn_int8' platform (FP32 biases)")
+        if not x_on and not w.quantizing:
+            return None
+        if x_on != w.quantizing:
+            which = "input" if x_on else "weight"
+            raise self.fail(node, f"only its {which} is quantized; an ncnn int8 layer quantizes input and weight "
+                            "together", "quantize both (activation and parameter quantization on) or dispatch "
+                            "this layer to fp32 with setting.dispatching_table")
+        assert x_fq is not None and w.fq is not None
+        self._check_activation(node, x_fq)
+        wscale = self._weight_scales(node, w, groups)
+        self.used_quantizers.add((x_arg, node))
+        self.used_quantizers.add((w.qnode, node))
+        s_in = float(x_fq.scale.detach().reshape(-1)[0])
+        return Int8Scales(weight=(1.0 / wscale).astype(np.float32), bottom=float(np.float32(1.0 / s_in)))
+
+    def _check_activation(self, node: fx.Node, fq: FakeQuantize) -> None:
+        c = fq.config
+        why = None
+        if c.is_floating:
+            why = "is floating-point (FP8)"
+        elif c.per_channel or fq.scale.numel() != 1:
+            why = "is per-channel"
+        elif not c.symmetric or bool((fq.offset.detach() != 0).any()):
+            why = "is asymmetric"
+        elif (c.quant_min, c.quant_max) != (-127, 127):
+            why = f"has the integer range [{c.quant_min}, {c.quant_max}]"
+        if why:
+            raise self.fail(node, f"its input quantizer {fq.name!r} {why}; ncnn quantizes layer inputs per tensor, "
+                            "symmetrically, to [-127, 127]", "quantize for the 'ncnn_int8' platform")
+        self._check_rounding(fq)
+
+    def _check_rounding(self, fq: FakeQuantize) -> None:
+        if fq.config.rounding not in _NCNN_ROUNDING:
+            self.warn_once(fq.name, "quantizer %s rounds %s; ncnn rounds half away from zero, so ties may differ "
+                           "by one step", fq.name, fq.config.rounding.name)
+
+    def _weight_scales(self, node: fx.Node, w: WeightInfo, groups: int) -> np.ndarray:
+        fq = w.fq
+        assert fq is not None
+        c = fq.config
+        out_ch = int(w.fp32.shape[0])
+        why = None
+        if c.is_floating:
+            why = "is floating-point (FP8)"
+        elif not c.symmetric or bool((fq.offset.detach() != 0).any()):
+            why = "is asymmetric"
+        elif c.per_channel and c.channel_axis % w.fp32.dim() != 0:
+            why = f"is per-channel along axis {c.channel_axis}, not the output channels"
+        elif c.quant_max > 127 or c.quant_min < -c.quant_max:
+            why = f"has the integer range [{c.quant_min}, {c.quant_max}] (ncnn clamps weights to [-127, 127])"
+        if why:
+            raise self.fail(node, f"its weight quantizer {fq.name!r} {why}",
+                            "quantize for the 'ncnn_int8' platform (symmetric per-output-channel weights)")
+        self._check_rounding(fq)
+        scale = fq.scale.detach().double().cpu().reshape(-1).numpy()
+        scale = np.full(out_ch, scale[0]) if scale.size == 1 else scale
+        if groups > 1:
+            per_group = scale.reshape(groups, -1)
+            if not np.all(per_group == per_group[:, :1]):
+                raise self.fail(node, f"it is a grouped convolution ({groups} groups of {out_ch // groups} output "
+                                "channels) with different weight scales inside a group; ncnn's "
+                                "ConvolutionDepthWise takes one weight scale per group",
+                                "quantize this conv's weights per tensor (per_channel=False) or dispatch it to fp32")
+            scale = per_group[:, 0]
+        return scale
+
+    # ------------------------------------------------------------------ whole graph
+    def check_calibrated(self) -> None:
+        pending = [str(n.target).split(".", 1)[1] for n in self.gm.graph.nodes
+                   if self.is_quantizer(n) and self.quantizer(n).config.state in _PENDING]
+        if pending:
+            shown = ", ".join(pending[:6]) + (" ..." if len(pending) > 6 else "")
+            raise ExportError(f"ncnn export: {len(pending)} quantizer(s) are not calibrated ({shown}). "
+                              "Fix: run fxq.calibrate(model, data) / fxq.quantize(...) before exporting")
+
+    def check_quantizers(self) -> None:
+        """Every quantizing FakeQuantize must be the input or weight of an exported int8 layer."""
+        for q in self.gm.graph.nodes:
+            if not self.is_quantizer(q) or self.quantizer(q).config.state not in QUANTIZING_STATES:
+                continue
+            fq = self.quantizer(q)
+            for user in q.users:
+                if (q, user) in self.used_quantizers:
+                    continue
+                src = self.strip(q)
+                raise ExportError(
+                    f"ncnn export: quantizer {fq.name!r} on the value of node {src.name!r} feeds node "
+                    f"{user.name!r} (op {self.op(user)}), which ncnn runs in FP32: ncnn int8 quantizes only the "
+                    "inputs and weights of Convolution/ConvolutionDepthWise/InnerProduct. Fix: quantize for the "
+                    "'ncnn_int8' platform, or dispatch the consumer to fp32")
+
+    def build(self) -> NcnnModel:
+        self.check_calibrated()
+        graph = self.gm.graph
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                self._input(node)
+            elif node.op in ("get_attr", "output") or self.is_quantizer(node):
+                continue
+            elif not isinstance(node.meta.get("val"), torch.Tensor):
+                continue  # shape / index arithmetic: its consumers read their static output shapes
+            else:
+                t = self.op(node)
+                if t not in NCNN_CONVERTERS:
+                    raise self.fail(node, f"the ncnn writer has no converter for op type {t!r} "
+                                    f"(it converts {', '.join(NCNN_CONVERTERS.names())})",
+                                    "register one with fxq.backends.ncnn_convert.register_ncnn_converter, or "
+                                    "rewrite this op with supported ones")
+                try:
+                    NCNN_CONVERTERS.get(t)(self, node)
+                except ExportError:
+                    raise
+                except (AttributeError, ValueError, TypeError, KeyError, IndexError) as exc:
+                    raise self.fail(node, f"the ncnn converter of op {t!r} cannot read this node's arguments "
+                                    f"({type(exc).__name__}: {exc})",
+                                    "rewrite the op in a standard torch form, or register your own converter with "
+                                    "register_ncnn_converter(..., override=True)") from exc
+        self.check_quantizers()
+        self._outputs()
+        _insert_splits(self.model)
+        self.model.validate()
+        return self.model
+
+    def _input(self, node: fx.Node) -> None:
+        if not node.users:
+            return
+        shape = self.blob_shape(node)
+        if not 1 <= len(shape) <= 4:
+            raise self.fail(node, f"input of shape {self.shape(node)} has rank {len(shape)} without the batch "
+                            "dimension; ncnn blobs have rank 1 to 4", "reshape the input")
+        params = _shape_params(shape)
+        name = f"in{len(self.model.inputs)}"
+        self._layer_names.add(name)
+        self._blob_names.add(name)
+        self.model.layers.append(NcnnLayer("Input", name, [], [name], params, source=node.name))
+        self.model.inputs.append(name)
+        self.blob_of[node] = name
+
+    def _outputs(self) -> None:
+        out = next(n for n in self.gm.graph.nodes if n.op == "output")
+        values: list[fx.Node] = []
+        fx.node.map_arg(out.args, lambda n: values.append(n) or n)
+        for i, v in enumerate(values):
+            src = self.strip(v)
+            if src not in self.blob_of or src.op == "placeholder":
+                raise ExportError(f"ncnn export: graph output {i} ({src.name!r}) is not computed by an exported "
+                                  "layer. Fix: return tensors computed by the network")
+            self.model.outputs.append(self.blob_of[src])
+
+
+def _target(node: fx.Node) -> str:
+    t = node.target
+    return getattr(t, "__name__", None) or str(t)
+
+
+def _shape_params(shape: tuple[int, ...]) -> dict[int, int]:
+    """ncnn Input / Reshape params for a batch-less shape: w=0, h=1, d=11, c=2 (innermost first)."""
+    keys = {1: (0,), 2: (1, 0), 3: (2, 1, 0), 4: (2, 11, 1, 0)}[len(shape)]
+    return {k: int(v) for k, v in zip(keys, shape)}
+
+
+def _insert_splits(model: NcnnModel) -> None:
+    """Give every blob one reader: add ncnn ``Split`` layers and name the graph outputs ``out0, out1...``."""
+    readers: dict[str, list[tuple[NcnnLayer | None, int]]] = {}
+    for layer in model.layers:
+        for i, b in enumerate(layer.bottoms):
+            readers.setdefault(b, []).append((layer, i))
+    for k, b in enumerate(model.outputs):
+        readers.setdefault(b, []).append((None, k))
+    out_names = [f"out{k}" for k in range(len(model.outputs))]
+    new_layers: list[NcnnLayer] = []
+    n_split = 0
+    layer_names = {layer.name for layer in model.layers}
+    for layer in model.layers:
+        new_layers.append(layer)
+        for t_idx, top in enumerate(list(layer.tops)):
+            users = readers.get(top, [])
+            if len(users) == 1 and users[0][0] is None:  # only a graph output: rename the blob itself
+                layer.tops[t_idx] = out_names[users[0][1]]
+                continue
+            if len(users) <= 1:
+                continue
+            name = f"splitncnn_{n_split}"
+            while name in layer_names:
+                n_split += 1
+                name = f"splitncnn_{n_split}"
+            n_split += 1
+            tops = []
+            for j, (reader, slot) in enumerate(users):
+                if reader is None:
+                    tops.append(out_names[slot])
+                else:
+                    tops.append(f"{top}_splitncnn_{j}")
+                    reader.bottoms[slot] = tops[-1]
+            new_layers.append(NcnnLayer("Split", name, [top], tops, source=layer.source))
+    model.layers[:] = new_layers
+    model.outputs[:] = out_names
+
+
+def build_ncnn_model(gm: fx.GraphModule) -> tuple[NcnnModel, NcnnBuilder]:
+    """Convert a prepared (and calibrated) GraphModule; raises :class:`ExportError` naming the node."""
+    import fxq.backends.ncnn_layers  # noqa: F401  (registers the built-in converters)
+
+    builder = NcnnBuilder(gm)
+    return builder.build(), builder

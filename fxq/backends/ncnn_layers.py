@@ -1,0 +1,365 @@
+"""ncnn layer converters for fxq's canonical op types (registered in :mod:`fxq.backends.ncnn_convert`).
+
+Each converter reads its node (module, function or method form), checks that ncnn's layer computes the same
+thing, and emits one or more layers. Parameter ids follow ncnn's operator reference.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from fxq.backends.ncnn_convert import NcnnBuilder, _shape_params, register_ncnn_converter
+
+__all__: list[str] = []
+
+_MISSING = object()
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any = _MISSING) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    if name in node.kwargs:
+        return node.kwargs[name]
+    if default is _MISSING:
+        raise ValueError(f"node {node.name} lacks argument {name!r}")
+    return default
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    if isinstance(v, (list, tuple)):
+        return (int(v[0]), int(v[0])) if len(v) == 1 else (int(v[0]), int(v[1]))
+    return int(v), int(v)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().float().cpu().contiguous().numpy()
+
+
+def _const(b: NcnnBuilder, node: fx.Node, value: Any, what: str) -> Any:
+    if isinstance(value, fx.Node):
+        raise b.fail(node, f"its {what} is computed in the graph", f"make {what} a Python constant")
+    return value
+
+
+# --------------------------------------------------------------------------- weighted layers
+@register_ncnn_converter("Conv")
+def _conv(b: NcnnBuilder, node: fx.Node) -> None:
+    mod = b.module(node)
+    if mod is not None:
+        if not isinstance(mod, nn.Conv2d) or mod.padding_mode != "zeros":
+            raise b.fail(node, f"module {type(mod).__name__} (padding_mode "
+                         f"{getattr(mod, 'padding_mode', '?')!r}) is not a zero-padded 2-D convolution",
+                         "ncnn's Convolution is 2-D with zero padding")
+        x, w_arg, bias_arg = node.args[0], mod.weight, mod.bias
+        stride, padding, dilation, groups = mod.stride, mod.padding, mod.dilation, mod.groups
+    else:
+        x, w_arg = _arg(node, 0, "input"), _arg(node, 1, "weight")
+        bias_arg = _arg(node, 2, "bias", None)
+        stride, padding = _arg(node, 3, "stride", 1), _arg(node, 4, "padding", 0)
+        dilation, groups = _arg(node, 5, "dilation", 1), int(_arg(node, 6, "groups", 1))
+    w = b.weight(w_arg, node)
+    if w.fp32.dim() != 4 or len(b.shape(x)) != 4:
+        raise b.fail(node, f"it is a {w.fp32.dim() - 2}-D convolution", "only 2-D convolutions are exported")
+    out_ch, _, kh, kw = (int(d) for d in w.fp32.shape)
+    sh, sw = _pair(stride)
+    dh, dw = _pair(dilation)
+    if isinstance(padding, str):
+        if padding == "valid":
+            pt = pb = pl = pr = 0
+        else:  # "same" (stride 1)
+            th, tw = dh * (kh - 1), dw * (kw - 1)
+            pt, pl = th // 2, tw // 2
+            pb, pr = th - pt, tw - pl
+    else:
+        pt, pl = _pair(padding)
+        pb, pr = pt, pl
+    bias = b.param(bias_arg, node, "bias") if bias_arg is not None else None
+    int8 = b.int8_scales(node, x, w, bias_arg, groups)
+    params: dict[int, Any] = {0: out_ch, 1: kw, 11: kh, 2: dw, 12: dh, 3: sw, 13: sh, 4: pl, 15: pr, 14: pt,
+                              16: pb, 5: int(bias is not None), 6: int(w.fp32.numel())}
+    layer_type = "Convolution"
+    if groups > 1:
+        layer_type, params[7] = "ConvolutionDepthWise", groups
+    tail = [("raw", _np(bias))] if bias is not None else []
+    layer = b.emit(node, layer_type, [b.blob(x, node)], params, [("tagged", _np(w.fp32))] + tail,
+                   int8=int8, int8_term=1 if groups > 1 else 2)
+    if int8 is not None:
+        layer.int8_weights = [("tagged", _np(w.quantized()))] + tail
+
+
+@register_ncnn_converter("Gemm")
+def _linear(b: NcnnBuilder, node: fx.Node) -> None:
+    mod = b.module(node)
+    if mod is not None:
+        x, w_arg, bias_arg = node.args[0], mod.weight, mod.bias
+    elif node.target is F.linear:
+        x, w_arg, bias_arg = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias", None)
+    else:
+        raise b.fail(node, "only F.linear / nn.Linear are exported as InnerProduct", "use nn.Linear")
+    rank = len(b.shape(x))
+    if rank not in (2, 3):
+        raise b.fail(node, f"its input has rank {rank}; ncnn's InnerProduct maps a (N, F) or (N, T, F) input",
+                     "flatten the input first")
+    w = b.weight(w_arg, node)
+    out_ch = int(w.fp32.shape[0])
+    bias = b.param(bias_arg, node, "bias") if bias_arg is not None else None
+    int8 = b.int8_scales(node, x, w, bias_arg)
+    params = {0: out_ch, 1: int(bias is not None), 2: int(w.fp32.numel())}
+    tail = [("raw", _np(bias))] if bias is not None else []
+    layer = b.emit(node, "InnerProduct", [b.blob(x, node)], params, [("tagged", _np(w.fp32))] + tail, int8=int8)
+    if int8 is not None:
+        layer.int8_weights = [("tagged", _np(w.quantized()))] + tail
+
+
+@register_ncnn_converter("BatchNormalization")
+def _batchnorm(b: NcnnBuilder, node: fx.Node) -> None:
+    mod = b.module(node)
+    if not isinstance(mod, nn.modules.batchnorm._BatchNorm) or mod.running_mean is None:
+        raise b.fail(node, "only BatchNorm modules with running statistics are exported", "use eval-mode BatchNorm")
+    c = int(mod.num_features)
+    ones, zeros = torch.ones(c), torch.zeros(c)
+    slope = mod.weight if mod.weight is not None else ones
+    bias = mod.bias if mod.bias is not None else zeros
+    weights = [("raw", _np(t)) for t in (slope, mod.running_mean, mod.running_var, bias)]
+    b.emit(node, "BatchNorm", [b.blob(node.args[0], node)], {0: c, 1: float(mod.eps)}, weights)
+
+
+# --------------------------------------------------------------------------- activations
+def _unary(layer_type: str, params: dict[int, Any] | None = None):
+    def convert(b: NcnnBuilder, node: fx.Node) -> None:
+        b.emit(node, layer_type, [b.blob(node.args[0], node)], params)
+
+    return convert
+
+
+register_ncnn_converter("Relu")(_unary("ReLU"))
+register_ncnn_converter("Sigmoid")(_unary("Sigmoid"))
+register_ncnn_converter("Tanh")(_unary("TanH"))
+register_ncnn_converter("Silu")(_unary("Swish"))
+register_ncnn_converter("HardSwish")(_unary("HardSwish", {0: 1.0 / 6.0, 1: 0.5}))
+
+
+@register_ncnn_converter("HardSigmoid")
+def _hardsigmoid(b: NcnnBuilder, node: fx.Node) -> None:
+    mod = b.module(node)  # torch: relu6(x + 3) / 6; ONNX (onnx2torch's module): alpha, beta attributes
+    alpha, beta = getattr(mod, "alpha", 1.0 / 6.0), getattr(mod, "beta", 0.5)
+    b.emit(node, "HardSigmoid", [b.blob(node.args[0], node)], {0: float(alpha), 1: float(beta)})
+
+
+@register_ncnn_converter("LeakyRelu")
+def _leaky(b: NcnnBuilder, node: fx.Node) -> None:
+    mod = b.module(node)
+    slope = mod.negative_slope if mod is not None else _arg(node, 1, "negative_slope", 0.01)
+    b.emit(node, "ReLU", [b.blob(node.args[0], node)], {0: float(_const(b, node, slope, "negative_slope"))})
+
+
+@register_ncnn_converter("Elu")
+def _elu(b: NcnnBuilder, node: fx.Node) -> None:
+    mod = b.module(node)
+    alpha = mod.alpha if mod is not None else _arg(node, 1, "alpha", 1.0)
+    b.emit(node, "ELU", [b.blob(node.args[0], node)], {0: float(_const(b, node, alpha, "alpha"))})
+
+
+@register_ncnn_converter("Gelu")
+def _gelu(b: NcnnBuilder, node: fx.Node) -> None:
+    mod = b.module(node)
+    approx = mod.approximate if mod is not None else node.kwargs.get("approximate", "none")
+    b.emit(node, "GELU", [b.blob(node.args[0], node)], {0: int(approx == "tanh")})
+
+
+@register_ncnn_converter("PRelu")
+def _prelu(b: NcnnBuilder, node: fx.Node) -> None:
+    mod = b.module(node)
+    slope = b.param(mod.weight if mod is not None else _arg(node, 1, "weight"), node, "slope")
+    b.emit(node, "PReLU", [b.blob(node.args[0], node)], {0: int(slope.numel())}, [("raw", _np(slope))])
+
+
+@register_ncnn_converter("Clip")
+def _clip(b: NcnnBuilder, node: fx.Node) -> None:
+    mod = b.module(node)
+    if mod is not None:  # ReLU6 is a Hardtanh
+        lo, hi = mod.min_val, mod.max_val
+    elif node.target in (F.relu6,):
+        lo, hi = 0.0, 6.0
+    elif node.target is F.hardtanh:
+        lo, hi = _arg(node, 1, "min_val", -1.0), _arg(node, 2, "max_val", 1.0)
+    else:  # torch.clamp / torch.clip / Tensor.clamp
+        lo, hi = _arg(node, 1, "min", None), _arg(node, 2, "max", None)
+    params = {}
+    if _const(b, node, lo, "min") is not None:
+        params[0] = float(lo)
+    if _const(b, node, hi, "max") is not None:
+        params[1] = float(hi)
+    b.emit(node, "Clip", [b.blob(node.args[0], node)], params)
+
+
+@register_ncnn_converter("Softmax")
+def _softmax(b: NcnnBuilder, node: fx.Node) -> None:
+    mod = b.module(node)
+    rank = len(b.shape(node))
+    if mod is not None and not hasattr(mod, "dim"):  # ONNX Softmax-1/11: softmax of the input flattened at axis
+        dim = int(getattr(mod, "axis", -1))
+        if getattr(mod, "is_log", False) or dim % rank != rank - 1:
+            raise b.fail(node, "ONNX (log-)softmax before opset 13 over a flattened tail", "use softmax on one axis")
+    else:
+        dim = mod.dim if mod is not None else _arg(node, 1, "dim", None)
+    if dim is None:
+        raise b.fail(node, "softmax has no explicit dim", "pass dim=...")
+    axis = b.ncnn_axis(node, int(dim), rank)
+    b.emit(node, "Softmax", [b.blob(node.args[0], node)], {0: axis, 1: 1})
+
+
+# --------------------------------------------------------------------------- pooling
+def _pool_args(b: NcnnBuilder, node: fx.Node) -> dict[str, Any]:
+    mod = b.module(node)
+    names = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "count_include_pad", "divisor_override")
+    if mod is not None:
+        got = {k: getattr(mod, k) for k in names if hasattr(mod, k)}
+    else:
+        is_max = node.target is F.max_pool2d
+        order = ("kernel_size", "stride", "padding", "dilation", "ceil_mode") if is_max else (
+            "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
+        got = {k: _arg(node, i + 1, k, None) for i, k in enumerate(order)}
+    got = {k: v for k, v in got.items() if v is not None}
+    got.setdefault("stride", got.get("kernel_size"))
+    if not got.get("stride"):
+        got["stride"] = got["kernel_size"]
+    return got
+
+
+@register_ncnn_converter("MaxPool", "AveragePool")
+def _pool(b: NcnnBuilder, node: fx.Node) -> None:
+    x = node.args[0]
+    mod = b.module(node)
+    is_max = b.op(node) == "MaxPool"
+    if isinstance(mod, (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)) or node.target in (
+            F.adaptive_avg_pool2d, F.adaptive_max_pool2d):
+        _adaptive(b, node, 0 if is_max else 1)
+        return
+    if len(b.shape(x)) != 4 or (mod is not None and not isinstance(mod, (nn.MaxPool2d, nn.AvgPool2d))) or (
+            mod is None and node.target not in (F.max_pool2d, F.avg_pool2d)):
+        raise b.fail(node, "only 2-D max / average pooling is exported", "use nn.MaxPool2d / nn.AvgPool2d")
+    a = _pool_args(b, node)
+    if a.get("return_indices") or getattr(mod, "return_indices", False):
+        raise b.fail(node, "pooling returns indices", "ncnn pooling has no index output")
+    if _pair(a.get("dilation", 1)) != (1, 1):
+        raise b.fail(node, "pooling is dilated", "ncnn pooling has no dilation")
+    if a.get("divisor_override"):
+        raise b.fail(node, "average pooling has divisor_override", "drop divisor_override")
+    kh, kw = _pair(a["kernel_size"])
+    sh, sw = _pair(a["stride"])
+    ph, pw = _pair(a.get("padding", 0))
+    _, _, h, w = b.shape(x)
+    _, _, oh, ow = b.shape(node)
+    extra_h = (oh - 1) * sh + kh - (h + 2 * ph)  # > 0 only with ceil_mode: pad the tail
+    extra_w = (ow - 1) * sw + kw - (w + 2 * pw)
+    if (extra_h > 0 or extra_w > 0) and not is_max:
+        raise b.fail(node, "average pooling with ceil_mode changes the window count at the border",
+                     "use ceil_mode=False or pad explicitly")
+    params = {0: 0 if is_max else 1, 1: kw, 11: kh, 2: sw, 12: sh, 3: pw, 13: ph, 14: pw + max(extra_w, 0),
+              15: ph + max(extra_h, 0), 5: 1}
+    if not is_max:
+        params[6] = int(bool(a.get("count_include_pad", True)))
+    b.emit(node, "Pooling", [b.blob(x, node)], params)
+
+
+def _adaptive(b: NcnnBuilder, node: fx.Node, pool_type: int) -> None:
+    x = node.args[0]
+    if len(b.shape(x)) != 4:
+        raise b.fail(node, "only 2-D adaptive pooling is exported", "use a 4-D (N, C, H, W) input")
+    _, _, oh, ow = b.shape(node)
+    b.emit(node, "Pooling", [b.blob(x, node)], {0: pool_type, 7: 1, 8: ow, 18: oh})
+
+
+@register_ncnn_converter("GlobalAveragePool", "GlobalMaxPool")
+def _global_pool(b: NcnnBuilder, node: fx.Node) -> None:
+    _adaptive(b, node, 1 if b.op(node) == "GlobalAveragePool" else 0)
+
+
+@register_ncnn_converter("ReduceMean")
+def _mean(b: NcnnBuilder, node: fx.Node) -> None:
+    x = node.args[0]
+    rank = len(b.shape(x))
+    dims = _arg(node, 1, "dim", None)
+    dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
+    if rank != 4 or sorted(d % 4 for d in dims) != [2, 3]:
+        raise b.fail(node, f"mean over dims {dims} of a rank-{rank} tensor", "only the spatial mean of a 4-D "
+                     "tensor (dims 2 and 3) is exported, as global average pooling")
+    keep = bool(_arg(node, 2, "keepdim", False))
+    params = {0: 1, 7: 1, 8: 1, 18: 1} if keep else {0: 1, 4: 1}
+    b.emit(node, "Pooling", [b.blob(x, node)], params)
+
+
+# --------------------------------------------------------------------------- tensor ops
+_BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3}
+_REVERSED = {0: 0, 1: 7, 2: 2, 3: 8}  # scalar (op) tensor -> ncnn op with the tensor first
+
+
+@register_ncnn_converter("Add", "Sub", "Mul", "Div")
+def _binary(b: NcnnBuilder, node: fx.Node) -> None:
+    op = _BINARY[b.op(node)]
+    lhs, rhs = _arg(node, 0, "input"), _arg(node, 1, "other")
+    if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("rounding_mode") is not None:
+        raise b.fail(node, "alpha / rounding_mode are not 1 / None", "write the arithmetic explicitly")
+    if isinstance(lhs, fx.Node) and isinstance(rhs, fx.Node):
+        if len(b.shape(lhs)) != len(b.shape(rhs)):
+            raise b.fail(node, f"operands of shapes {b.shape(lhs)} and {b.shape(rhs)} broadcast across ranks; ncnn "
+                         "broadcasts batch-less blobs by its own rules", "reshape the operands to the same rank")
+        b.emit(node, "BinaryOp", [b.blob(lhs, node), b.blob(rhs, node)], {0: op})
+    elif isinstance(lhs, fx.Node) and isinstance(rhs, (int, float)):
+        b.emit(node, "BinaryOp", [b.blob(lhs, node)], {0: op, 1: 1, 2: float(rhs)})
+    elif isinstance(rhs, fx.Node) and isinstance(lhs, (int, float)):
+        b.emit(node, "BinaryOp", [b.blob(rhs, node)], {0: _REVERSED[op], 1: 1, 2: float(lhs)})
+    else:
+        raise b.fail(node, f"operands {type(lhs).__name__} and {type(rhs).__name__} are not tensors / numbers",
+                     "use tensor-tensor or tensor-scalar arithmetic")
+
+
+@register_ncnn_converter("Concat")
+def _concat(b: NcnnBuilder, node: fx.Node) -> None:
+    if node.target is torch.stack:
+        raise b.fail(node, "torch.stack adds a dimension", "use torch.cat on unsqueezed tensors")
+    mod = b.module(node)
+    if mod is not None:  # onnx2torch's OnnxConcat(axis)(*tensors)
+        tensors, dim = list(node.args), int(mod.axis)
+    else:
+        tensors, dim = list(_arg(node, 0, "tensors")), int(_arg(node, 1, "dim", 0))
+    axis = b.ncnn_axis(node, dim, len(b.shape(node)))
+    b.emit(node, "Concat", [b.blob(t, node) for t in tensors], {0: axis})
+
+
+@register_ncnn_converter("Flatten", "Reshape", "Squeeze", "Unsqueeze")
+def _reshape(b: NcnnBuilder, node: fx.Node) -> None:
+    x = node.args[0]
+    in_shape, out_shape = b.shape(x), b.shape(node)
+    if not in_shape or not out_shape or in_shape[0] != out_shape[0] or not 1 <= len(out_shape) - 1 <= 4:
+        raise b.fail(node, f"reshape {in_shape} -> {out_shape} changes the batch dimension or gives rank > 5",
+                     "keep dim 0 as the batch dimension")
+    if len(out_shape) == 2:
+        b.emit(node, "Flatten", [b.blob(x, node)])
+    else:
+        b.emit(node, "Reshape", [b.blob(x, node)], _shape_params(out_shape[1:]))
+
+
+@register_ncnn_converter("Resize")
+def _resize(b: NcnnBuilder, node: fx.Node) -> None:
+    x = node.args[0]
+    mod = b.module(node)
+    if mod is not None and not isinstance(mod, nn.Upsample):
+        raise b.fail(node, f"resize module {type(mod).__name__} has its own coordinate rules",
+                     "export resizes written as nn.Upsample / F.interpolate")
+    mode = mod.mode if mod is not None else _arg(node, 3, "mode", "nearest")
+    align = mod.align_corners if mod is not None else _arg(node, 4, "align_corners", None)
+    kinds = {"nearest": 1, "bilinear": 2, "bicubic": 3}
+    if mode not in kinds or len(b.shape(x)) != 4:
+        raise b.fail(node, f"resize mode {mode!r} on a rank-{len(b.shape(x))} tensor",
+                     "ncnn's Interp does 2-D nearest / bilinear / bicubic")
+    _, _, h, w = b.shape(x)
+    _, _, oh, ow = b.shape(node)
+    if mode == "nearest" and (oh % h or ow % w):
+        raise b.fail(node, "nearest resize by a non-integer factor", "use an integer scale factor")
+    b.emit(node, "Interp", [b.blob(x, node)], {0: kinds[mode], 3: oh, 4: ow, 6: int(bool(align))})
