@@ -137,7 +137,8 @@ def _weighted_parts(node: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
 def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
     """Fold eval-mode BatchNorm into the preceding conv/linear/conv-transpose (functional form).
 
-    Only when the conv output feeds nothing but the BatchNorm and the weight is not shared.
+    Only when the conv output feeds nothing but the BatchNorm and the weight is not shared. The conv node's
+    ``meta["folded_bn"]`` lists the folded modules in order (caffe's BatchNorm + Scale pair folds twice).
     """
     modules = dict(gm.named_modules())
     for node in list(gm.graph.nodes):
@@ -155,7 +156,7 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         _fold_one(gm, src, w_node, b_node, bn)
         node.replace_all_uses_with(src)
-        src.meta["folded_bn"] = node.target
+        src.meta["folded_bn"] = [*src.meta.get("folded_bn", []), node.target]
         gm.graph.erase_node(node)
     return _finish(gm)
 
