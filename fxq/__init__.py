@@ -36,6 +36,9 @@ from fxq.graph.summary import QuantSummary, summary
 from fxq.algorithms import register_algorithm
 from fxq.frontends.onnx import load_onnx
 from fxq.frontends.caffe import load_caffe
+# --- export and native save / load
+from fxq.backends import export, register_exporter
+from fxq.serialization import load, save
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
@@ -90,4 +93,9 @@ __all__ = [
     # frontends
     "load_onnx",
     "load_caffe",
+    # export and native save / load
+    "export",
+    "register_exporter",
+    "save",
+    "load",
 ]

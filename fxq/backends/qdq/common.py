@@ -1,0 +1,149 @@
+"""Steps every ONNX-based exporter shares: validate the model, plan the files, finalize, write atomically."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from torch import fx, nn
+
+from fxq.errors import ExportError, GraphError
+from fxq.graph.info import graph_quant, iter_quantizers
+from fxq.io import atomic_write_bytes, atomic_write_text, check_writable_dir
+from fxq.nn.fake_quantize import FakeQuantize
+from fxq.spec import QuantState
+
+__all__ = ["quantized_graph", "plan_paths", "finalize", "serialize", "write_files", "quantizer_tables",
+           "IR_VERSION"]
+
+logger = logging.getLogger(__name__)
+
+IR_VERSION = 10
+"""onnx 1.23 writes IR 14, which onnxruntime 1.31 rejects; every model fxq writes says 10."""
+
+_PROTO_LIMIT = 2**31 - 1
+
+
+def quantized_graph(model: nn.Module) -> fx.GraphModule:
+    """``model`` as a calibrated fxq GraphModule, or :class:`ExportError` saying what to do first."""
+    if not isinstance(model, fx.GraphModule):
+        raise ExportError(f"export needs the GraphModule returned by fxq.quantize / fxq.prepare, got "
+                          f"{type(model).__name__}")
+    try:
+        graph_quant(model)
+    except GraphError as exc:
+        raise ExportError(str(exc)) from None
+    pending = [name for name, fq in iter_quantizers(model)
+               if fq.config.state in (QuantState.INITIAL, QuantState.PASSIVE_INIT)]
+    if pending:
+        shown = ", ".join(pending[:6]) + (" ..." if len(pending) > 6 else "")
+        raise ExportError(f"{len(pending)} quantizer(s) are not calibrated yet ({shown}): run fxq.calibrate(model, "
+                          f"data) (or fxq.quantize) before exporting")
+    return model
+
+
+def quantizer_tables(gm: fx.GraphModule) -> tuple[dict[str, FakeQuantize], dict[str, str]]:
+    """(name -> FakeQuantize, name -> role) of a quantized GraphModule."""
+    quantizers = dict(iter_quantizers(gm))
+    infos = gm.meta.get("fxq_quantizer_infos", {})
+    roles = {name: getattr(infos.get(name), "role", "activation") for name in quantizers}
+    return quantizers, roles
+
+
+def plan_paths(path: str | os.PathLike, suffix: str, extras: dict[str, str] | None = None) -> dict[str, Path]:
+    """The main file (``path``, given ``suffix`` when it has none) and companions ``stem + ext`` beside it.
+
+    Checks that the folder exists and is writable, before anything is computed or written.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise ExportError(f"export path {str(p)!r} is a directory; give a file path such as {str(p / ('model' + suffix))!r}")
+    if not p.suffix:
+        p = p.with_suffix(suffix)
+    check_writable_dir(p.parent if str(p.parent) else ".")
+    out = {"main": p}
+    for key, ext in (extras or {}).items():
+        out[key] = p.with_name(p.stem + ext)
+    return out
+
+
+def finalize(model: Any, opset: int, *, check: bool = True) -> Any:
+    """Standard opset imports only, IR version 10, fresh shapes, and ``onnx.checker``."""
+    import onnx
+
+    from fxq.backends.qdq.marking import MARK_DOMAIN
+
+    kept = [o for o in model.opset_import if o.domain not in (MARK_DOMAIN,)]
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            o.version = opset
+    model.ir_version = IR_VERSION
+    model.producer_name = "fxq"
+    fold_initializer_identities(model.graph)
+    _name_nodes(model.graph)
+    del model.graph.value_info[:]
+    try:
+        model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception as exc:  # shapes are a convenience; the checker below is what matters
+        logger.debug("shape inference failed on the exported model: %s", exc)
+    if check:
+        try:
+            onnx.checker.check_model(model)
+        except Exception as exc:
+            raise ExportError(f"the exported ONNX model is invalid ({exc}); please report this with the model") from exc
+    return model
+
+
+def _name_nodes(graph: Any) -> None:
+    """Every node gets a unique, non-empty name (side files key nodes by name)."""
+    seen: set[str] = set()
+    for i, node in enumerate(graph.node):
+        name = node.name or f"{node.op_type}_{i}"
+        while name in seen:
+            name = f"{name}_{i}"
+        node.name = name
+        seen.add(name)
+
+
+def fold_initializer_identities(graph: Any) -> None:
+    """``Identity(initializer)`` nodes (torch.onnx de-duplicates equal constants that way) become initializers."""
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    keep = []
+    for node in graph.node:
+        if node.op_type == "Identity" and node.input[0] in inits and node.output[0] not in outputs:
+            graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(inits[node.input[0]]),
+                                                            node.output[0]))
+            continue
+        keep.append(node)
+    if len(keep) != len(graph.node):
+        del graph.node[:]
+        graph.node.extend(keep)
+        used = {i for n in graph.node for i in n.input} | outputs
+        kept = [t for t in graph.initializer if t.name in used]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+
+
+def serialize(model: Any) -> bytes:
+    if model.ByteSize() > _PROTO_LIMIT:
+        raise ExportError("the exported model exceeds protobuf's 2 GB limit; external-data export is not supported yet")
+    return model.SerializeToString()
+
+
+def write_files(files: dict[Path, bytes | str]) -> list[Path]:
+    """Write every file atomically (temp file + rename), in order; returns the paths."""
+    written = []
+    for path, data in files.items():
+        if isinstance(data, bytes):
+            atomic_write_bytes(path, data)
+        else:
+            atomic_write_text(path, data)
+        logger.info("wrote %s", path)
+        written.append(path)
+    return written

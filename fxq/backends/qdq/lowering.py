@@ -1,0 +1,234 @@
+"""Marked GraphModule -> ONNX ``ModelProto`` (TorchScript exporter, in memory), then name marks resolved.
+
+After :func:`lower`, the graph holds only standard ONNX nodes plus the quant marks (``fxq.Mark``), every
+marked value carries its wanted name (the fx node name, or the tensor name of the ONNX file the model came
+from), graph inputs/outputs are named, and :class:`Lowered` says which ONNX tensor each fx node became.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import re
+import warnings
+from typing import Any, Sequence
+
+import onnx
+import torch
+from torch import fx
+
+from fxq.backends.qdq.common import fold_initializer_identities
+from fxq.backends.qdq.marking import MARK_DOMAIN, MARK_OP, Mark, MarkedModule
+from fxq.backends.qdq.onnx_graph import all_tensor_names, attr, producers, rename_tensors, unique_name
+from fxq.errors import ExportError
+
+__all__ = ["Lowered", "lower", "example_inputs_for", "dynamic_axes_for", "mark_nodes"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Lowered:
+    """An exported ONNX model whose only non-standard nodes are quant marks."""
+
+    model: onnx.ModelProto
+    marked: MarkedModule
+    tensor_of: dict[str, str]  # fx node name -> ONNX tensor name
+    opset: int
+    fx_of_onnx_node: dict[str, str] = dataclasses.field(default_factory=dict)  # ONNX node name -> fx node name
+
+
+def example_inputs_for(gm: fx.GraphModule, example_inputs: Any = None) -> tuple:
+    """Inputs for tracing the export: the user's, or tensors shaped like the calibration batch."""
+    if example_inputs is not None:
+        if isinstance(example_inputs, torch.Tensor):
+            return (example_inputs,)
+        if isinstance(example_inputs, dict):
+            return tuple(example_inputs.values())
+        return tuple(example_inputs)
+    gen = torch.Generator().manual_seed(0)
+    args = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise ExportError(
+                f"input {node.name!r} has no recorded shape (node.meta['val']); pass example_inputs=... to export"
+            )
+        shape, dtype = tuple(val.shape), val.dtype
+        if dtype.is_floating_point:
+            args.append(torch.randn(shape, generator=gen).to(dtype))
+        else:
+            args.append(torch.zeros(shape, dtype=dtype))
+    device = next((p.device for p in gm.parameters()), torch.device("cpu"))
+    return tuple(a.to(device) for a in args)
+
+
+def dynamic_axes_for(gm: fx.GraphModule, input_names: Sequence[str], output_names: Sequence[str],
+                     dynamic_batch: bool) -> dict[str, dict[int, str]] | None:
+    """Dynamic axes: symbolic dims of the source ONNX file's inputs, and axis 0 when ``dynamic_batch``."""
+    axes: dict[str, dict[int, str]] = {}
+    meta = gm.meta.get("onnx") if isinstance(getattr(gm, "meta", None), dict) else None
+    shapes = (meta or {}).get("input_shapes") or {}
+    for name in input_names:
+        dims = shapes.get(name) or []
+        sym = {i: d for i, d in enumerate(dims) if isinstance(d, str) and d}
+        if sym:
+            axes[name] = sym
+    if dynamic_batch:
+        for name in input_names:
+            axes.setdefault(name, {})[0] = "batch"
+        for name in output_names:
+            axes.setdefault(name, {})[0] = "batch"
+    return axes or None
+
+
+_UNSUPPORTED = re.compile(r"Exporting the operator '?([\w:.]+)'? to ONNX opset version (\d+) is not supported")
+
+
+def _max_torchscript_opset() -> int:
+    from torch.onnx import _constants  # private, but the only place torch says what its exporter supports
+
+    return int(getattr(_constants, "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET", 17))
+
+
+def _export(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | None) -> onnx.ModelProto:
+    """torch.onnx (TorchScript exporter) at ``opset``, or at its highest opset and then onnx's version converter."""
+    export_opset = min(opset, _max_torchscript_opset())
+    buf = io.BytesIO()
+    was_training = marked.module.training
+    marked.module.eval()
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                marked.module, args, buf, dynamo=False, opset_version=export_opset,
+                input_names=list(marked.input_names), output_names=list(marked.output_names),
+                dynamic_axes=dynamic_axes, do_constant_folding=True,
+                custom_opsets={MARK_DOMAIN: 1},
+            )
+    except ExportError:
+        raise
+    except Exception as exc:  # torch.onnx raises many types; name the op when it says which
+        m = _UNSUPPORTED.search(str(exc))
+        what = f"the model ({type(exc).__name__}: {exc})"
+        if m:
+            short = m.group(1).split("::")[-1]
+            nodes = [n.name for n in marked.module.graph.nodes
+                     if short in (getattr(n.target, "__name__", None), str(n.target))]
+            where = f" (fx node {', '.join(map(repr, nodes[:3]))})" if nodes else ""
+            what = f"op {m.group(1)!r}{where} at opset {m.group(2)}"
+        raise ExportError(
+            f"torch.onnx cannot express {what}. Fix: use another opset (opset=...), register a symbolic with "
+            f"torch.onnx.register_custom_op_symbolic, or move that op out of the exported model"
+        ) from exc
+    finally:
+        marked.module.train(was_training)
+    model = onnx.load_from_string(buf.getvalue())
+    if export_opset < opset:
+        from onnx import version_converter
+
+        try:
+            model = version_converter.convert_version(model, opset)
+        except Exception as exc:
+            raise ExportError(f"torch.onnx writes opset {export_opset} at most and onnx's version converter could "
+                              f"not take the model to opset {opset} ({exc}); pass opset={export_opset} or lower"
+                              ) from exc
+        logger.info("exported at opset %d and converted to opset %d", export_opset, opset)
+    return model
+
+
+def mark_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    return [n for n in graph.node if n.domain == MARK_DOMAIN and n.op_type == MARK_OP]
+
+
+def _resolve_names(model: onnx.ModelProto, marked: MarkedModule) -> tuple[dict[str, str], dict[str, str]]:
+    graph = model.graph
+    g_inputs = {i.name for i in graph.input}
+    g_outputs = {o.name for o in graph.output}
+    inits = {t.name for t in graph.initializer}
+    used = all_tensor_names(graph)
+    alias: dict[str, str] = {}
+    rename: dict[str, str] = {}
+    node_names: dict[str, Mark] = {}  # ONNX tensor (final name) -> the name mark naming its producer
+    identities: list[onnx.NodeProto] = []
+    fx_tensor: dict[str, str] = {}  # fx node -> ONNX tensor (pre-rename names)
+
+    def resolve(name: str) -> str:
+        while name in alias:
+            name = alias[name]
+        return name
+
+    keep = []
+    for node in graph.node:
+        mark = marked.marks.get(int(attr(node, "id", -1))) if node.domain == MARK_DOMAIN else None
+        if mark is None or mark.kind != "name":
+            keep.append(node)
+            continue
+        x, y = resolve(node.input[0]), node.output[0]
+        fixed = x in g_inputs or x in inits or x in g_outputs or x in rename
+        if y in g_outputs:
+            if fixed:
+                identities.append(onnx.helper.make_node("Identity", [x], [y], name=f"{y}_Identity"))
+                fx_tensor[mark.fx_node] = x
+            else:
+                rename[x] = y
+                fx_tensor[mark.fx_node] = y
+                node_names[y] = mark
+            continue
+        alias[y] = x
+        if not fixed and mark.tensor_name:
+            used.discard(x)
+            new = unique_name(mark.tensor_name, used)
+            rename[x] = new
+            fx_tensor[mark.fx_node] = new
+            node_names[new] = mark
+        else:
+            fx_tensor[mark.fx_node] = rename.get(x, x)
+    del graph.node[:]
+    graph.node.extend(keep)
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            node.input[i] = resolve(name)
+    rename_tensors(graph, rename)
+    graph.node.extend(identities)
+    # parameters: the source file's initializer names
+    init_names = {t.name for t in graph.initializer}
+    used = all_tensor_names(graph)
+    param_map = {}
+    for target, wanted in marked.param_names.items():
+        if target in init_names and wanted not in used:
+            param_map[target] = wanted
+            used.add(wanted)
+    rename_tensors(graph, param_map)
+    # producer nodes get the fx (or source ONNX) node names
+    taken = {n.name for n in graph.node}
+    prod = producers(graph)
+    fx_of_node: dict[str, str] = {}
+    for tensor, mark in node_names.items():
+        node = prod.get(tensor)
+        if node is None:
+            continue
+        if mark.node_name and node.name != mark.node_name:
+            taken.discard(node.name)
+            node.name = unique_name(mark.node_name, taken)
+        fx_of_node[node.name] = mark.fx_node
+    # fx nodes -> final tensor names (placeholders included)
+    for fx_name, onnx_name in zip([n.name for n in marked.module.graph.nodes if n.op == "placeholder"],
+                                  marked.input_names):
+        fx_tensor.setdefault(fx_name, onnx_name)
+    for node in marked.module.graph.nodes:
+        if node.op == "get_attr":
+            name = param_map.get(str(node.target), str(node.target))
+            if name in {t.name for t in graph.initializer}:
+                fx_tensor.setdefault(node.name, name)
+    return fx_tensor, fx_of_node
+
+
+def lower(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | None = None) -> Lowered:
+    """Export ``marked`` with torch.onnx at ``opset`` and resolve its name marks."""
+    model = _export(marked, args, opset, dynamic_axes)
+    fold_initializer_identities(model.graph)
+    tensor_of, fx_of_node = _resolve_names(model, marked)
+    return Lowered(model, marked, tensor_of, opset, fx_of_node)

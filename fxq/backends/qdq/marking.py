@@ -1,0 +1,260 @@
+"""Export marks: a copy of a quantized GraphModule in which quantizers and named tensors are identity marks.
+
+``fxq_export::mark(x, id)`` is an opaque identity op. The TorchScript ONNX exporter writes each call as a node
+``fxq.Mark(id)``; :mod:`fxq.backends.qdq.lowering` then removes the marks, naming tensors (``kind="name"``) or
+replacing them by QuantizeLinear/DequantizeLinear (``kind="quant"``, see :mod:`fxq.backends.qdq.insert`).
+The user's model is never modified: the copy shares its parameters and modules.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor, fx
+from torch.onnx import symbolic_helper
+
+from fxq.graph.info import QUANTIZERS_ATTR, NodeQuant, iter_quantizers
+
+__all__ = ["Mark", "MarkedModule", "build_marked_module", "MARK_DOMAIN", "MARK_OP", "flat_output_count"]
+
+logger = logging.getLogger(__name__)
+
+MARK_DOMAIN = "fxq"
+MARK_OP = "Mark"
+
+
+@torch.library.custom_op("fxq_export::mark", mutates_args=())
+def _mark(x: Tensor, mark_id: int) -> Tensor:
+    return x.clone()
+
+
+@_mark.register_fake
+def _(x, mark_id):
+    return torch.empty_like(x)
+
+
+@symbolic_helper.parse_args("v", "i")
+def _mark_symbolic(g: Any, x: Any, mark_id: int) -> Any:
+    out = g.op(f"{MARK_DOMAIN}::{MARK_OP}", x, id_i=mark_id)
+    out.setType(x.type())
+    return out
+
+
+torch.onnx.register_custom_op_symbolic("fxq_export::mark", _mark_symbolic, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mark:
+    """One mark: what the exported tensor is (a quantizer's input, or a value to name)."""
+
+    id: int
+    kind: str  # "quant" | "name"
+    fx_node: str  # the fx node whose value passes through the mark
+    quantizer: str | None = None  # kind "quant": the fxq quantizer
+    tensor_name: str | None = None  # kind "name": the wanted ONNX tensor name
+    node_name: str | None = None  # kind "name": the wanted name of the ONNX node producing it
+    requantize: bool = False  # a quant mark added after a passive op (values already on the grid)
+
+
+@dataclasses.dataclass
+class MarkedModule:
+    """The marked copy and what the ONNX side needs to know about it."""
+
+    module: fx.GraphModule
+    marks: dict[int, Mark]
+    input_names: list[str]
+    output_names: list[str]
+    param_names: dict[str, str]  # parameter target -> wanted ONNX initializer name
+    grid_of: dict[str, tuple[str, str]]  # fx node -> (quantizer whose grid its value lies on, "passive"|"overlapped")
+
+
+def _tensor_val(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def _param_only(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
+    if node in memo:
+        return memo[node]
+    if node.op == "get_attr":
+        result = True
+    elif node.op in ("placeholder", "output") or not node.all_input_nodes:
+        result = False
+    else:
+        result = all(_param_only(n, memo) for n in node.all_input_nodes)
+    memo[node] = result
+    return result
+
+
+def _onnx_output_name(node: fx.Node) -> str | None:
+    info = node.meta.get("onnx")
+    if isinstance(info, dict):
+        outs = info.get("outputs") or []
+        if len(outs) == 1 and outs[0]:
+            return str(outs[0])
+    return None
+
+
+def _onnx_node_name(node: fx.Node) -> str | None:
+    info = node.meta.get("onnx")
+    if isinstance(info, dict) and info.get("node_name"):
+        return str(info["node_name"])
+    return None
+
+
+def flat_output_count(value: Any) -> int:
+    if isinstance(value, (list, tuple)):
+        return sum(flat_output_count(v) for v in value)
+    if isinstance(value, dict):
+        return sum(flat_output_count(v) for v in value.values())
+    return 1
+
+
+class _Builder:
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.graph = fx.Graph()
+        self.val_map: dict[fx.Node, fx.Node] = {}
+        out = self.graph.graph_copy(gm.graph, self.val_map)
+        self.graph.output(out)
+        self.marks: dict[int, Mark] = {}
+        self.quantizers = dict(iter_quantizers(gm))
+
+    def _insert_mark(self, after: fx.Node, mark: Mark, users: list[fx.Node] | None) -> fx.Node:
+        with self.graph.inserting_after(after):
+            m = self.graph.call_function(torch.ops.fxq_export.mark.default, (after, mark.id))
+        m.meta.update({k: v for k, v in after.meta.items() if k == "val"})
+        m.meta["fxq_export_mark"] = mark
+        for user in list(users if users is not None else after.users):
+            if user is not m:
+                user.replace_input_with(after, m)
+        self.marks[mark.id] = mark
+        return m
+
+    def _next_id(self) -> int:
+        return len(self.marks) + 1
+
+    def name_values(self) -> None:
+        memo: dict[fx.Node, bool] = {}
+        prefix = QUANTIZERS_ATTR + "."
+        for node in list(self.graph.nodes):
+            if node.op not in ("call_function", "call_method", "call_module"):
+                continue
+            if node.op == "call_module" and str(node.target).startswith(prefix):
+                continue
+            if not _tensor_val(node) or _param_only(node, memo):
+                continue
+            mark = Mark(self._next_id(), "name", node.name, tensor_name=_onnx_output_name(node) or node.name,
+                        node_name=_onnx_node_name(node) or node.name)
+            self._insert_mark(node, mark, None)
+
+    def replace_quantizers(self) -> None:
+        prefix = QUANTIZERS_ATTR + "."
+        for node in list(self.graph.nodes):
+            if not (node.op == "call_module" and str(node.target).startswith(prefix)):
+                continue
+            qname = str(node.target)[len(prefix):]
+            fq = self.quantizers[qname]
+            src = node.args[0]
+            if fq.config.is_quantizing:
+                info = node.meta.get("fxq_quantizer")
+                fx_src = info.source if info is not None else src.name
+                with self.graph.inserting_after(node):
+                    mark = Mark(self._next_id(), "quant", fx_src, quantizer=qname)
+                    m = self.graph.call_function(torch.ops.fxq_export.mark.default, (src, mark.id))
+                m.meta["val"] = node.meta.get("val", src.meta.get("val"))
+                m.meta["fxq_export_mark"] = mark
+                self.marks[mark.id] = mark
+                node.replace_all_uses_with(m)
+            else:
+                node.replace_all_uses_with(src)
+            self.graph.erase_node(node)
+
+    def requantize_passive(self) -> None:
+        """Repeat the shared quantizer after passive ops (MaxPool, Reshape...) that feed quantized ops.
+
+        Their values are already on that grid, so Q/DQ there changes nothing numerically; it puts Q/DQ
+        directly on the inputs of the consumers, where TensorRT and ONNX Runtime look for it.
+        """
+        for node in list(self.graph.nodes):
+            nq = node.meta.get("fxq")
+            if not isinstance(nq, NodeQuant) or not nq.quantized or nq.output_state.name != "PASSIVE":
+                continue
+            fq = self.quantizers.get(nq.output or "")
+            if fq is None or not fq.config.is_quantizing:
+                continue
+            carrier = node
+            name_marks = [u for u in node.users if _is_mark(u, "name")]
+            if name_marks:
+                carrier = name_marks[0]
+            consumers = [u for u in carrier.users if _consumes_quantized(u, node.name, nq.output)]
+            if consumers:
+                mark = Mark(self._next_id(), "quant", node.name, quantizer=nq.output, requantize=True)
+                self._insert_mark(carrier, mark, consumers)
+
+    def finish(self) -> fx.GraphModule:
+        self.graph.lint()
+        return fx.GraphModule(self.gm, self.graph, class_name="FxqExportModule")
+
+
+def _is_mark(node: fx.Node, kind: str) -> bool:
+    mark = node.meta.get("fxq_export_mark")
+    return isinstance(mark, Mark) and mark.kind == kind
+
+
+def _consumes_quantized(user: fx.Node, src: str, quantizer: str | None) -> bool:
+    nq = user.meta.get("fxq")
+    return isinstance(nq, NodeQuant) and nq.quantized and nq.inputs.get(src) == quantizer
+
+
+def _io_names(gm: fx.GraphModule) -> tuple[list[str], list[str]]:
+    onnx_meta = gm.meta.get("onnx") if isinstance(getattr(gm, "meta", None), dict) else None
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = []
+    for n in placeholders:
+        inputs.append(_onnx_output_name(n) or n.name)
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    count = flat_output_count(out_node.args[0])
+    if isinstance(onnx_meta, dict) and len(onnx_meta.get("outputs") or []) == count:
+        outputs = [str(o) for o in onnx_meta["outputs"]]
+    else:
+        outputs = ["output"] if count == 1 else [f"output_{i}" for i in range(count)]
+    return inputs, outputs
+
+
+def _param_names(gm: fx.GraphModule) -> dict[str, str]:
+    """Parameter target -> the initializer name it had in the ONNX file the model came from."""
+    names: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        info = node.meta.get("onnx")
+        if node.op == "get_attr" and isinstance(info, dict) and info.get("initializer"):
+            names[str(node.target)] = str(info["initializer"])
+        path = node.meta.get("module_path") or (node.target if node.op == "call_module" else None)
+        if isinstance(info, dict) and isinstance(info.get("params"), dict) and isinstance(path, str):
+            for key, init in info["params"].items():
+                if init:
+                    names[f"{path}.{key}"] = str(init)
+    return names
+
+
+def _grid_of(gm: fx.GraphModule) -> dict[str, tuple[str, str]]:
+    grid: dict[str, tuple[str, str]] = {}
+    for node in gm.graph.nodes:
+        nq = node.meta.get("fxq")
+        if isinstance(nq, NodeQuant) and nq.output and nq.output_state.name in ("PASSIVE", "OVERLAPPED"):
+            grid[node.name] = (nq.output, nq.output_state.name.lower())
+    return grid
+
+
+def build_marked_module(gm: fx.GraphModule, *, requantize_passive: bool = True) -> MarkedModule:
+    """The marked copy of ``gm``: named values, quantizers as quant marks, optional passive requantization."""
+    b = _Builder(gm)
+    b.name_values()
+    b.replace_quantizers()
+    if requantize_passive:
+        b.requantize_passive()
+    module = b.finish()
+    inputs, outputs = _io_names(gm)
+    return MarkedModule(module, b.marks, inputs, outputs, _param_names(gm), _grid_of(gm))

@@ -1,0 +1,127 @@
+"""Small editing helpers over an ``onnx.GraphProto``: names, producers, consumers, initializers, dtypes."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+__all__ = [
+    "all_tensor_names",
+    "rename_tensors",
+    "producers",
+    "consumers",
+    "initializers",
+    "unique_name",
+    "int_initializer",
+    "float_initializer",
+    "INT_RANGES",
+    "attr",
+]
+
+INT_RANGES: dict[int, tuple[int, int]] = {
+    TensorProto.INT4: (-8, 7),
+    TensorProto.UINT4: (0, 15),
+    TensorProto.INT8: (-128, 127),
+    TensorProto.UINT8: (0, 255),
+    TensorProto.INT16: (-32768, 32767),
+    TensorProto.UINT16: (0, 65535),
+    TensorProto.INT32: (-(2**31), 2**31 - 1),
+}
+"""Value range of each integer element type Q/DQ can carry."""
+
+_NUMPY_OF = {
+    TensorProto.INT8: np.int8,
+    TensorProto.UINT8: np.uint8,
+    TensorProto.INT16: np.int16,
+    TensorProto.UINT16: np.uint16,
+    TensorProto.INT32: np.int32,
+}
+
+
+def all_tensor_names(graph: onnx.GraphProto) -> set[str]:
+    names = {t.name for t in graph.initializer} | {i.name for i in graph.input} | {o.name for o in graph.output}
+    for node in graph.node:
+        names.update(n for n in node.input if n)
+        names.update(n for n in node.output if n)
+    return names
+
+
+def rename_tensors(graph: onnx.GraphProto, mapping: dict[str, str]) -> None:
+    """Rename tensors everywhere (node inputs/outputs, graph inputs/outputs, initializers, value_info)."""
+    if not mapping:
+        return
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in mapping:
+                node.input[i] = mapping[name]
+        for i, name in enumerate(node.output):
+            if name in mapping:
+                node.output[i] = mapping[name]
+    for coll in (graph.input, graph.output, graph.value_info, graph.initializer):
+        for item in coll:
+            if item.name in mapping:
+                item.name = mapping[item.name]
+
+
+def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    return {out: node for node in graph.node for out in node.output if out}
+
+
+def consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    table: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            if name:
+                table.setdefault(name, []).append(node)
+    return table
+
+
+def initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    return {t.name: t for t in graph.initializer}
+
+
+def unique_name(base: str, used: set[str]) -> str:
+    """``base``, or ``base_1``, ``base_2``... — the first one not in ``used`` (which is updated)."""
+    name, i = base, 0
+    while name in used:
+        i += 1
+        name = f"{base}_{i}"
+    used.add(name)
+    return name
+
+
+def int_initializer(name: str, values: np.ndarray, elem_type: int) -> onnx.TensorProto:
+    """An integer initializer of ``elem_type`` (INT4/UINT4 are packed two per byte by onnx)."""
+    lo, hi = INT_RANGES[elem_type]
+    values = np.asarray(values)
+    if values.size and (values.min() < lo or values.max() > hi):
+        raise ValueError(f"{name}: values outside [{lo}, {hi}] for {TensorProto.DataType.Name(elem_type)}")
+    if elem_type in (TensorProto.INT4, TensorProto.UINT4):
+        return helper.make_tensor(name, elem_type, list(values.shape), values.astype(np.int64).ravel().tolist())
+    return numpy_helper.from_array(values.astype(_NUMPY_OF[elem_type]), name)
+
+
+def float_initializer(name: str, values: np.ndarray | float, elem_type: int = TensorProto.FLOAT) -> onnx.TensorProto:
+    """A float initializer; ``FLOAT8E4M3FN``/``FLOAT8E5M2`` hold zeros only (zero-points)."""
+    arr = np.asarray(values, dtype=np.float32)
+    if elem_type == TensorProto.FLOAT:
+        return numpy_helper.from_array(arr, name)
+    if bool(np.any(arr != 0)):
+        raise ValueError(f"{name}: only zero FP8 constants are written here")
+    return helper.make_tensor(name, elem_type, list(arr.shape), arr.ravel().tolist())
+
+
+def attr(node: onnx.NodeProto, name: str, default: object = None) -> object:
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def drop_unused_initializers(graph: onnx.GraphProto, keep: Iterable[str] = ()) -> None:
+    used = {n for node in graph.node for n in node.input} | {o.name for o in graph.output} | set(keep)
+    kept = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)

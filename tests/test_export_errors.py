@@ -1,0 +1,102 @@
+"""Bad input: every failure is an ExportError raised before anything is written, and writes are atomic."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from _export_helpers import SmallCNN, quantize_model, small_quantized
+from torch import nn
+
+import fxq
+
+EXPORTS = [("trt_int8", "tensorrt"), ("ort_int8", "onnxruntime"), ("ppl_cuda_int8", "openppl")]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {p: small_quantized(p) for p, _ in EXPORTS}
+
+
+@pytest.mark.parametrize("platform,exporter", EXPORTS, ids=[e for _, e in EXPORTS])
+def test_missing_directory(models, tmp_path, platform, exporter):
+    with pytest.raises(fxq.ExportError, match="does not exist"):
+        fxq.export(models[platform], exporter, tmp_path / "nowhere" / "model.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("platform,exporter", EXPORTS, ids=[e for _, e in EXPORTS])
+def test_unwritable_directory(models, tmp_path, platform, exporter, monkeypatch):
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if os.fspath(p) == os.fspath(tmp_path) else
+                        real_access(p, mode))  # root ignores permission bits: simulate a read-only folder
+    with pytest.raises(fxq.ExportError, match="not writable"):
+        fxq.export(models[platform], exporter, tmp_path / "model.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_path_is_a_directory(models, tmp_path):
+    with pytest.raises(fxq.ExportError, match="is a directory"):
+        fxq.export(models["trt_int8"], "tensorrt", tmp_path)
+
+
+@pytest.mark.parametrize("platform,exporter", EXPORTS, ids=[e for _, e in EXPORTS])
+def test_uncalibrated_model(tmp_path, platform, exporter):
+    gm = fxq.prepare(SmallCNN().eval(), platform, torch.randn(2, 3, 16, 16))
+    with pytest.raises(fxq.ExportError, match="not calibrated"):
+        fxq.export(gm, exporter, tmp_path / "model.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_not_an_fxq_model(tmp_path):
+    with pytest.raises(fxq.ExportError, match="GraphModule"):
+        fxq.export(SmallCNN(), "tensorrt", tmp_path / "m.onnx")
+    gm = torch.fx.symbolic_trace(SmallCNN())
+    with pytest.raises(fxq.ExportError, match="fxq.prepare"):
+        fxq.export(gm, "onnxruntime", tmp_path / "m.onnx")
+
+
+def test_unknown_option(models, tmp_path):
+    with pytest.raises(fxq.ExportError, match="unknown option"):
+        fxq.export(models["trt_int8"], "tensorrt", tmp_path / "m.onnx", flavour="spicy")
+
+
+class _Unexportable(nn.Module):
+    """A conv followed by an op the TorchScript ONNX exporter has no symbolic for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return torch.special.i1(self.conv(x))
+
+
+def test_op_the_backend_cannot_express(tmp_path):
+    gm = quantize_model(_Unexportable(), "ort_int8", shape=(1, 3, 8, 8))
+    with pytest.raises(fxq.ExportError, match="special_i1"):
+        fxq.export(gm, "onnxruntime", tmp_path / "m.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_scheme_the_backend_cannot_express(models, tmp_path):
+    # asymmetric uint8 activations are not TensorRT INT8
+    with pytest.raises(fxq.ExportError, match="symmetric"):
+        fxq.export(models["ort_int8"], "tensorrt", tmp_path / "m.onnx")
+    # NCNN rounds half away from zero; ONNX QuantizeLinear rounds half to even
+    ncnn = small_quantized("ncnn_int8")
+    with pytest.raises(fxq.ExportError, match="half to even"):
+        fxq.export(ncnn, "onnxruntime", tmp_path / "m.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_export_keeps_the_previous_file(models, tmp_path):
+    target = tmp_path / "model.onnx"
+    target.write_bytes(b"previous")
+    gm = fxq.prepare(SmallCNN().eval(), "trt_int8", torch.randn(2, 3, 16, 16))
+    with pytest.raises(fxq.ExportError):
+        fxq.export(gm, "tensorrt", target)
+    assert target.read_bytes() == b"previous"
+    fxq.export(models["trt_int8"], "tensorrt", target)
+    assert target.read_bytes() != b"previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]  # no temp files left

@@ -1,0 +1,131 @@
+"""fxq.save / fxq.load: identical outputs, usable quantizers and meta, no pickled objects, clear errors."""
+from __future__ import annotations
+
+import io
+import warnings
+
+import onnx
+import pytest
+import torch
+from _export_helpers import SmallCNN, quantize_model, small_quantized
+from torch import nn
+
+import fxq
+from fxq.graph.info import GraphQuant, QuantizerInfo, iter_quantizers
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    gm = small_quantized("ppl_cuda_int8")  # per-channel weights, passive int32 biases, baked parameters
+    path = fxq.save(gm, tmp_path_factory.mktemp("save") / "model.fxq")
+    return gm, path
+
+
+def test_round_trip_identical_outputs(saved):
+    gm, path = saved
+    again = fxq.load(path)
+    x = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(gm(x), again(x))
+    assert again.code == gm.code
+    assert [n.name for n in again.graph.nodes] == [n.name for n in gm.graph.nodes]
+
+
+def test_quantizers_and_meta_survive(saved):
+    gm, path = saved
+    again = fxq.load(path)
+    assert isinstance(again.meta["fxq"], GraphQuant) and again.meta["fxq"] == gm.meta["fxq"]
+    assert all(isinstance(i, QuantizerInfo) for i in again.meta["fxq_quantizer_infos"].values())
+    assert again.meta["fxq_setting"] == gm.meta["fxq_setting"]
+    for (name, a), (_, b) in zip(iter_quantizers(gm), iter_quantizers(again)):
+        assert a.config.to_dict() == b.config.to_dict(), name
+        assert b.config.scale is b.scale  # config points at the module's buffers again
+        assert a.mode == b.mode
+    for node in gm.graph.nodes:
+        other = next(n for n in again.graph.nodes if n.name == node.name)
+        assert other.meta.get("fxq") == node.meta.get("fxq")
+    assert str(fxq.summary(again)) == str(fxq.summary(gm))
+
+
+def test_fp32_mode_after_load(saved):
+    gm, path = saved
+    again = fxq.load(path)
+    x = torch.randn(2, 3, 16, 16)
+    with fxq.fp32_mode(gm), fxq.fp32_mode(again), torch.no_grad():
+        assert torch.equal(gm(x), again(x))  # FP32 backups of the baked weights were saved too
+
+
+def test_exports_of_the_reloaded_model_are_identical(saved, tmp_path):
+    gm, path = saved
+    again = fxq.load(path)
+    a = fxq.export(gm, "ppl_cuda_int8", tmp_path / "a")
+    b = fxq.export(again, "ppl_cuda_int8", tmp_path / "b")
+    assert a[0].read_bytes() == b[0].read_bytes() and a[1].read_bytes() == b[1].read_bytes()
+
+
+def test_file_is_weights_only(saved):
+    _, path = saved
+    blob = torch.load(path, weights_only=True)
+    assert set(blob) == {"format", "version", "spec", "tensors"}
+    assert all(isinstance(t, torch.Tensor) for t in blob["tensors"].values())
+
+
+def test_model_from_onnx_round_trip(tmp_path):
+    """onnx2torch's modules are rebuilt from their saved attributes."""
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(SmallCNN().eval(), (torch.randn(1, 3, 16, 16),), buf, dynamo=False, opset_version=13,
+                          input_names=["images"], output_names=["logits"])
+    try:
+        gm = fxq.load_onnx(onnx.load_from_string(buf.getvalue()))
+    except fxq.FrontendError as exc:
+        pytest.skip(f"load_onnx unavailable: {exc}")
+    q = quantize_model(gm, "trt_int8", shape=(2, 3, 16, 16))
+    again = fxq.load(fxq.save(q, tmp_path / "onnx.fxq"))
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(q(x), again(x))
+    assert again.meta["onnx"] == q.meta["onnx"]
+
+
+class _Opaque(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+class _WithOpaqueLeaf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.opaque = _Opaque()
+
+    def forward(self, x):
+        return self.opaque(self.conv(x))
+
+
+def test_unknown_module_class_is_a_clear_error(tmp_path):
+    gm = quantize_model(_WithOpaqueLeaf(), "trt_int8", shape=(1, 3, 8, 8), leaf_modules=[_Opaque])
+    with pytest.raises(fxq.FxqError, match="opaque.*register_serializable"):
+        fxq.save(gm, tmp_path / "m.fxq")
+    assert list(tmp_path.iterdir()) == []
+    fxq.serialization.register_serializable(_Opaque)
+    again = fxq.load(fxq.save(gm, tmp_path / "m.fxq"))
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(gm(x), again(x))
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(fxq.FrontendError, match="does not exist"):
+        fxq.load(tmp_path / "missing.fxq")
+    (tmp_path / "junk.fxq").write_bytes(b"not a model")
+    with pytest.raises(fxq.FrontendError, match="not a readable"):
+        fxq.load(tmp_path / "junk.fxq")
+    torch.save({"format": "something else"}, tmp_path / "other.fxq")
+    with pytest.raises(fxq.FrontendError, match="not an fxq model"):
+        fxq.load(tmp_path / "other.fxq")
+    with pytest.raises(fxq.FxqError, match="GraphModule"):
+        fxq.save(SmallCNN(), tmp_path / "m.fxq")
+    with pytest.raises(fxq.ExportError, match="does not exist"):
+        fxq.save(small_quantized("trt_int8"), tmp_path / "nowhere" / "m.fxq")
