@@ -10,11 +10,13 @@ How the comparison is made, and why:
   Both onnxruntime modes are checked: ``ORT_DISABLE_ALL`` runs the graph as written (float convs between
   DQ and Q: ~99.999 % identical) and ``ORT_ENABLE_ALL`` runs real int8 kernels (QLinearConv, QLinearAdd,
   QGemm; onnxruntime also quantizes FP32 biases to int32 on its own: ~99.95 % identical).
-* **End to end (reported, loosely bounded).** A deep quantized network is chaotic under such flips: one
-  off-by-one code moves values downstream across other rounding boundaries. fxq against *itself* with
-  convolutions computed in float64 already differs by up to ~15 output LSBs on MobileNetV2 (cosine ~0.994),
-  so end-to-end LSB agreement is not a property an exporter can have. The reference path (``ORT_DISABLE_ALL``)
-  is required to keep cosine >= 0.98; measured values are printed (``pytest -s``).
+* **End to end (reported; bounded against the FP32 model).** A deep quantized network is chaotic under such
+  flips: one off-by-one code moves values downstream across other rounding boundaries. fxq against *itself*
+  with convolutions computed in float64 differs by up to 59 output LSBs on this MobileNetV2 (cosine 0.953) and
+  by 6 LSBs on ResNet-18 (80 % within 1 LSB), so end-to-end LSB agreement is not something an exporter can
+  promise. What must hold is that onnxruntime is as faithful to the FP32 model as fxq's simulation: its
+  noise/signal against FP32 may exceed fxq's by 10 % on the reference path and 50 % with int8 kernels
+  (measured: within 1 %, and up to +18 %). LSB statistics and cosines are printed (``pytest -s``).
 * Where the output is not quantized (academic platforms), cosine >= 0.9999 end to end.
 
 Models: torchvision ResNet-18 and MobileNetV2 with seeded random weights; BatchNorm statistics are
@@ -78,20 +80,28 @@ def test_every_quantized_tensor_within_one_lsb(exported, sample, arch, platform,
 
 @pytest.mark.parametrize("arch,platform", CASES, ids=IDS)
 def test_end_to_end(exported, sample, arch, platform):
+    """onnxruntime is as close to the FP32 model as fxq's simulation is; LSB agreement is reported."""
     gm, path = exported(arch, platform)
     with torch.no_grad():
         ref = gm(sample)
+    with fxq.fp32_mode(gm), torch.no_grad():
+        fp32 = gm(sample)
+
+    def noise(y) -> float:  # quantization noise power / signal power against the FP32 model
+        y = torch.as_tensor(y).double()
+        return float(((y - fp32.double()) ** 2).sum() / (fp32.double() ** 2).sum())
+
     lsb = output_lsb(gm)
     assert lsb is not None  # both platforms quantize the classifier's output
-    results = {}
+    results, noises = {}, {}
     for optimize in (False, True):
         sess = ort_session(path, optimize)
         got = sess.run(None, {sess.get_inputs()[0].name: sample.numpy()})[0]
-        results[optimize] = end_to_end(ref, got, lsb)
+        results[optimize], noises[optimize] = end_to_end(ref, got, lsb), noise(got)
         print(f"\n{arch} {platform} end to end, {'int8 kernels' if optimize else 'reference path'}: "
-              f"{results[optimize]}")
-    assert results[False].cosine >= 0.98
-    assert results[True].cosine >= 0.8  # int8 kernels: see the module docstring
+              f"{results[optimize]}, noise/signal vs FP32 {noises[optimize]:.4f} (fxq {noise(ref):.4f})")
+    assert noises[False] <= 1.1 * noise(ref) + 1e-3
+    assert noises[True] <= 1.5 * noise(ref) + 1e-3  # int8 kernels: see the module docstring
 
 
 def test_output_not_quantized_cosine(tmp_path):
@@ -170,3 +180,14 @@ def test_fp8_export_runs_in_onnxruntime(tmp_path):
     sess = ort_session(path, False)
     got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
     assert end_to_end(ref, got, None).cosine >= 0.9999
+
+
+def test_dynamic_batch(tmp_path):
+    gm = small_quantized("ort_int8")
+    path = fxq.export(gm, "ort_int8", tmp_path / "dyn.onnx", dynamic_batch=True)[0]
+    x = torch.randn(5, 3, 16, 16)
+    with torch.no_grad():
+        ref = gm(x)
+    sess = ort_session(path, False)
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    assert got.shape == (5, 10) and end_to_end(ref, got, output_lsb(gm)).within_1_lsb >= 0.999

@@ -183,3 +183,12 @@ def test_models_from_onnx_keep_their_names(tmp_path):
     _, scales = parse_calibration_cache(cache.read_text())
     assert set(scales) <= src_tensors
     assert check_tensorrt(exported) == []
+
+
+def test_int8_weight_initializers_option(trt_model, tmp_path):
+    """``weights="dq"``: INT8 weight initializers + DequantizeLinear, still within TensorRT's rules."""
+    path = fxq.export(trt_model, "trt_int8", tmp_path / "dq.onnx", weights="dq")[0]
+    model = onnx.load(path)
+    assert check_tensorrt(model) == []
+    int8 = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8 and len(t.dims) == 4]
+    assert int8 and all(numpy_helper.to_array(t).min() >= -127 for t in int8)

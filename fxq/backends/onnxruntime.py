@@ -5,6 +5,11 @@ zero-points included), per-channel weights as integer initializers + DequantizeL
 int32 + DequantizeLinear, FP8 at opset 19, and 4-bit / 16-bit types at opset 21 (chosen automatically for
 the low-bit platforms). Activation ranges narrower than their element type get a ``Clip`` before Q, which
 reproduces fxq's clamp exactly. The written model is loaded by onnxruntime before anything is written.
+
+onnxruntime runs the graph as written with optimizations off; with them on (the default) it fuses
+DQ -> Conv/Gemm/Add -> Q groups into int8 kernels (QLinearConv, QGemm, QLinearAdd) where the output is
+quantized, and quantizes FP32 biases to int32 itself — so a few codes per thousand can differ by one from
+fxq's float simulation (see ``tests/test_export_onnx.py``).
 """
 from __future__ import annotations
 
