@@ -149,8 +149,9 @@ class NcnnBuilder:
         """The original layer name (caffe layer, ONNX node) or the node's name, made unique."""
         base = node.name
         caffe, onnx_meta = node.meta.get("caffe"), node.meta.get("onnx")
-        if isinstance(caffe, dict) and caffe.get("layer"):
-            base = str(caffe["layer"])
+        if isinstance(caffe, dict) and caffe.get("layer") and caffe.get("produces", [None]):
+            base = str(caffe["layer"])  # helper nodes of a layer (e.g. the Flatten before an InnerProduct,
+            # whose "produces" is empty) keep their own name so the layer itself gets the caffe name
         elif isinstance(onnx_meta, dict) and onnx_meta.get("node_name"):
             base = str(onnx_meta["node_name"])
         name = _sanitize(base)[:240]

@@ -1,0 +1,98 @@
+"""The headline: deployed models compute what fxq simulated.
+
+Well-conditioned seeded models (torchvision ResNet-18 at its random init; MobileNetV2 with BatchNorm statistics
+half-way between the init and random data, so its signal neither vanishes nor turns chaotic) are quantized with
+the default setting, exported, and run in the real runtimes:
+
+* TRT_INT8 / ORT_INT8 Q/DQ ONNX in onnxruntime (graph optimizations off and on), 1000-class heads, 8 samples:
+  MobileNetV2 within 1 LSB of the output quantizer on >= 99.9 % of the output elements (measured 99.987-100 %).
+  ResNet-18 at its random init has no normalisation in its residual stream: onnxruntime and torch sum convolutions
+  in different orders, so once in a while an activation lands exactly on a rounding midpoint on one side only and
+  that 1-LSB flip grows through the following blocks (measured 98.7-99.3 % within 1 LSB, never more than 3 LSB).
+  Per tensor, fed identical codes, every quantized tensor agrees within 1 LSB (test_export_onnx.py), so this test
+  asserts >= 98 % and <= 3 LSB for ResNet-18;
+* NCNN_INT8 param/bin in ncnn (int8 inference): outputs are FP32 in NCNN, so cosine >= 0.9999 over the batch.
+
+The per-tensor (teacher-forced) comparisons live in test_export_onnx.py and test_export_ncnn.py.
+"""
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+
+import fxq
+
+from _export_helpers import ort_session
+from _models import with_bn_statistics
+
+ncnn = pytest.importorskip("ncnn")
+
+
+def _mobilenet_v2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torchvision.models.mobilenet_v2().eval()
+    data_stats = with_bn_statistics(copy.deepcopy(model), (4, 3, 64, 64))
+    for a, b in zip(model.modules(), data_stats.modules()):
+        if isinstance(a, torch.nn.BatchNorm2d):
+            a.running_mean.lerp_(b.running_mean, 0.5)
+            a.running_var.lerp_(b.running_var, 0.5)
+    return model.eval()
+
+
+def _resnet18() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torchvision.models.resnet18().eval()
+
+
+MODELS = {"resnet18": _resnet18, "mobilenet_v2": _mobilenet_v2}
+WITHIN_ONE_LSB = {"resnet18": 0.98, "mobilenet_v2": 0.999}
+_cache: dict = {}
+
+
+def _model(name):
+    if name not in _cache:
+        g = torch.Generator().manual_seed(0)
+        _cache[name] = (MODELS[name](), [torch.randn(2, 3, 64, 64, generator=g) for _ in range(4)])
+    return _cache[name]
+
+
+def _output_quantizer(q):
+    out = next(n for n in q.graph.nodes if n.op == "output").args[0]
+    return q.get_submodule(out.target) if out.op == "call_module" else None
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_onnxruntime_matches_simulation(name, platform, tmp_path):
+    model, data = _model(name)
+    q = fxq.quantize(model, data, platform, progress=False)
+    fq = _output_quantizer(q)
+    assert fq is not None and fq.config.is_quantizing  # the classifier output is quantized on both platforms
+    path = next(p for p in fxq.export(q, platform, tmp_path / "model.onnx") if str(p).endswith("model.onnx"))
+    with torch.no_grad():
+        sim = np.concatenate([q(x).numpy() for x in data])
+    for optimize in (False, True):
+        sess = ort_session(str(path), optimize=optimize)
+        out = np.concatenate([sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0] for x in data])
+        lsb = np.abs(out - sim) / float(fq.scale)
+        within = float((lsb <= 1 + 1e-4).mean())
+        assert within >= WITHIN_ONE_LSB[name] and lsb.max() <= 3 + 1e-4, (optimize, within, lsb.max())
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ncnn_matches_simulation(name, tmp_path):
+    from test_export_ncnn import run_ncnn
+
+    model, data = _model(name)
+    data = [x[:1] for x in data]
+    q = fxq.quantize(model, data, "ncnn_int8", progress=False)
+    files = fxq.export(q, "ncnn_int8", tmp_path / "net")
+    param = next(f for f in files if str(f).endswith("net.param"))
+    bin_ = next(f for f in files if str(f).endswith("net.bin"))
+    outs = np.concatenate([o["out0"].ravel() for o in run_ncnn(param, bin_, data, int8=True)])
+    with torch.no_grad():
+        sim = np.concatenate([q(x).numpy().ravel() for x in data])
+    cosine = float(np.dot(outs, sim) / np.linalg.norm(outs) / np.linalg.norm(sim))
+    assert cosine >= 0.9999, cosine
