@@ -39,6 +39,16 @@ from fxq.frontends.caffe import load_caffe
 # --- export and native save / load
 from fxq.backends import export, register_exporter
 from fxq.serialization import load, save
+# --- analysis and calibration data
+from fxq.analysis import (
+    ErrorReport,
+    StatisticsReport,
+    graphwise_error_analyse,
+    layerwise_error_analyse,
+    statistics,
+    write_report,
+)
+from fxq.data import load_calibration_folder
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
@@ -98,4 +108,12 @@ __all__ = [
     "register_exporter",
     "save",
     "load",
+    # analysis and calibration data
+    "graphwise_error_analyse",
+    "layerwise_error_analyse",
+    "statistics",
+    "write_report",
+    "ErrorReport",
+    "StatisticsReport",
+    "load_calibration_folder",
 ]

@@ -1,0 +1,360 @@
+"""Run a quantized GraphModule node by node in an FP32, a quantized or a one-layer-quantized view.
+
+The analysis tools compare the values of the same nodes in two executions. Instead of flipping the
+model between FP32 and quantized state for every batch (which re-bakes every weight), the runner
+reads the model as it is and decides per node what to compute:
+
+* **quantized view**: every node as ``gm.forward`` would run it;
+* **FP32 view**: quantizer nodes pass their input through and baked parameters are read from
+  their FP32 copies — the same values :func:`fxq.fp32_mode` would produce, without touching the model;
+* **layer view**: the FP32 view except one op, which reads its inputs through its own quantizers,
+  and that op's own output quantizer.
+
+Ops that would mutate a tensor in place (``nn.ReLU(inplace=True)``, ``x += y``...) run out of place,
+so values handed to watchers or kept in a cache are never changed behind their back.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import operator
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch import fx, nn
+
+from fxq.errors import CalibrationError, ConfigError
+from fxq.graph.data import to_call_args
+from fxq.graph.info import QUANTIZERS_ATTR, NodeQuant, QuantizerInfo, graph_quant, iter_quantizers
+from fxq.graph.passes import get_attr_value
+from fxq.spec import QuantState
+
+__all__ = ["GraphRunner", "LayerPlan", "analysis_mode", "tensors_of"]
+
+_INPLACE_OPERATORS: dict[Callable, Callable] = {
+    operator.iadd: operator.add,
+    operator.isub: operator.sub,
+    operator.imul: operator.mul,
+    operator.itruediv: operator.truediv,
+    operator.ifloordiv: operator.floordiv,
+    operator.imod: operator.mod,
+    operator.ipow: operator.pow,
+    operator.iand: operator.and_,
+    operator.ior: operator.or_,
+    operator.ixor: operator.xor,
+    operator.ilshift: operator.lshift,
+    operator.irshift: operator.rshift,
+    operator.imatmul: operator.matmul,
+}
+
+Watch = Mapping[fx.Node, Callable[[torch.Tensor], None]]
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors inside a (nested) node value, in order."""
+    out: list[torch.Tensor] = []
+    fx.node.map_aggregate(value, lambda v: out.append(v) if isinstance(v, torch.Tensor) else None)
+    return out
+
+
+def _is_quantizer(node: fx.Node) -> bool:
+    return node.op == "call_module" and str(node.target).startswith(QUANTIZERS_ATTR + ".")
+
+
+def _out_of_place_function(target: Callable) -> Callable | None:
+    """The non-mutating twin of an in-place function (``torch.relu_`` -> ``torch.relu``), if any."""
+    if target in _INPLACE_OPERATORS:
+        return _INPLACE_OPERATORS[target]
+    name = getattr(target, "__name__", "")
+    if not name.endswith("_") or name.endswith("__"):
+        return None
+    for namespace in (torch.nn.functional, torch):
+        if getattr(namespace, name, None) is target:
+            return getattr(namespace, name[:-1], None)
+    return None
+
+
+@dataclasses.dataclass
+class LayerPlan:
+    """What the layer view quantizes: ``node`` reads ``inputs`` (arg node -> quantizer node) quantized,
+    and ``output_quantizer`` (the op's own output quantizer node, if any) runs."""
+
+    node: fx.Node
+    inputs: dict[fx.Node, fx.Node]
+    output_quantizer: fx.Node | None
+
+
+class GraphRunner:
+    """Node-by-node executor of a quantized ``GraphModule`` (see the module docstring for the views).
+
+    Args:
+        gm: a model prepared (and normally calibrated / converted) by fxq.
+
+    Raises:
+        GraphError: ``gm`` was not prepared by fxq.
+    """
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        graph_quant(gm)
+        self.gm = gm
+        self.nodes: list[fx.Node] = list(gm.graph.nodes)
+        self.index = {n: i for i, n in enumerate(self.nodes)}
+        self.modules = dict(gm.named_modules())
+        self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        self.output_node = next(n for n in reversed(self.nodes) if n.op == "output")
+        self.quantizers = {n: self.modules[str(n.target)] for n in self.nodes if _is_quantizer(n)}
+        # values freed after each node (the node of their last use)
+        last_use: dict[fx.Node, fx.Node] = {}
+        for node in self.nodes:
+            for inp in node.all_input_nodes:
+                last_use[inp] = node
+        self.frees: dict[fx.Node, list[fx.Node]] = {}
+        for value, user in last_use.items():
+            self.frees.setdefault(user, []).append(value)
+        self.mutating = {n for n in self.nodes if self._is_mutating(n)}
+        self.fp32_params: dict[str, torch.Tensor] = {}
+        self.refresh()
+
+    # ------------------------------------------------------------------ model facts
+    def refresh(self) -> None:
+        """Re-read which parameters are baked (call after baking / unbaking the model)."""
+        infos: Mapping[str, QuantizerInfo] = self.gm.meta.get("fxq_quantizer_infos", {})
+        self.fp32_params = {}
+        for name, fq in iter_quantizers(self.gm):
+            info = infos.get(name)
+            backup = getattr(fq, "_fp32_backup", None)
+            if info is not None and info.param is not None and backup is not None:
+                self.fp32_params[info.param] = backup
+
+    def quantizer_info(self, qnode: fx.Node) -> QuantizerInfo | None:
+        info = qnode.meta.get("fxq_quantizer")
+        return info if isinstance(info, QuantizerInfo) else None
+
+    def own_output_quantizer(self, node: fx.Node) -> fx.Node | None:
+        """The quantizer node right after ``node`` that quantizes its output with its own parameters."""
+        nq = node.meta.get("fxq")
+        if not isinstance(nq, NodeQuant) or nq.output is None or nq.output_state is not QuantState.ACTIVATED:
+            return None
+        for user in node.users:
+            info = self.quantizer_info(user) if _is_quantizer(user) else None
+            if info is not None and info.name == nq.output and user.args and user.args[0] is node:
+                return user
+        return None
+
+    def layer_plan(self, node: fx.Node) -> LayerPlan:
+        """The quantizers that belong to ``node``: those of its inputs (weight, bias, activations) and its own output."""
+        nq = node.meta.get("fxq")
+        names = {q for q in (nq.inputs.values() if isinstance(nq, NodeQuant) else ()) if q is not None}
+        by_name = {self.quantizer_info(q).name: q for q in self.quantizers if self.quantizer_info(q) is not None}
+        inputs: dict[fx.Node, fx.Node] = {}
+        for arg in node.all_input_nodes:
+            if arg in self.quantizers:
+                info = self.quantizer_info(arg)
+                if info is not None and info.name in names:
+                    inputs[arg] = arg
+            elif isinstance(nq, NodeQuant) and nq.inputs.get(arg.name) in by_name:
+                q = by_name[nq.inputs[arg.name]]  # value on a passive path (flatten, maxpool...) of q's grid
+                fq = self.quantizers[q]
+                info = self.quantizer_info(q)
+                if info is not None and info.role == "activation" and not fq.config.per_channel:
+                    inputs[arg] = q
+        return LayerPlan(node, inputs, self.own_output_quantizer(node))
+
+    def downstream(self, node: fx.Node) -> list[fx.Node]:
+        """``node`` and every node that depends on it, in graph order."""
+        seen = {node}
+        stack = [node]
+        while stack:
+            for user in stack.pop().users:
+                if user not in seen:
+                    seen.add(user)
+                    stack.append(user)
+        return sorted(seen, key=self.index.__getitem__)
+
+    # ------------------------------------------------------------------ execution
+    def bind(self, batch: Any, check: bool = False) -> dict[fx.Node, Any]:
+        """Placeholder values for one batch (moved to the model's device)."""
+        args, kwargs = to_call_args(self.gm, batch, check=check)
+        env: dict[fx.Node, Any] = {}
+        for i, ph in enumerate(self.placeholders):
+            if i < len(args):
+                env[ph] = args[i]
+            elif ph.name in kwargs:
+                env[ph] = kwargs[ph.name]
+            elif ph.target in kwargs:
+                env[ph] = kwargs[ph.target]
+            elif ph.args:
+                env[ph] = ph.args[0]
+            else:
+                raise CalibrationError(f"no value for model input {ph.name!r} in the batch; give it positionally or "
+                                       f"by name")
+        return env
+
+    def _quantized_input(self, qnode: fx.Node, fp32_value: Any) -> Any:
+        info = self.quantizer_info(qnode)
+        if info is not None and info.param is not None and info.param in self.fp32_params:
+            return get_attr_value(self.gm, info.param)  # baked: the parameter already holds quantized values
+        return self.quantizers[qnode](fp32_value)
+
+    def _exec(self, node: fx.Node, env: Mapping[fx.Node, Any], fp32: bool, layer: LayerPlan | None) -> Any:
+        if node.op == "get_attr":
+            target = str(node.target)
+            if fp32 and target in self.fp32_params:
+                return self.fp32_params[target]
+            return get_attr_value(self.gm, target)
+        if node.op == "output":
+            return fx.node.map_arg(node.args[0], env.__getitem__)
+        args = fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        if layer is not None and node is layer.node and layer.inputs:
+            swap = {a: self._quantized_input(q, env[a]) for a, q in layer.inputs.items()}
+            args = fx.node.map_arg(node.args, lambda n: swap[n] if n in swap else env[n])
+            kwargs = fx.node.map_arg(node.kwargs, lambda n: swap[n] if n in swap else env[n])
+        if node.op == "call_module" and node in self.quantizers:
+            if fp32 and not (layer is not None and node is layer.output_quantizer):
+                return args[0]
+            return self.quantizers[node](*args, **kwargs)
+        if node in self.mutating:
+            return self._exec_mutating(node, env, args, kwargs)
+        if node.op == "call_module":
+            return self.modules[str(node.target)](*args, **kwargs)
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+        raise ConfigError(f"node {node.name!r}: unsupported fx op {node.op!r}")
+
+    def _is_mutating(self, node: fx.Node) -> bool:
+        """Whether ``node`` changes its first argument in place."""
+        if node.op == "call_module":
+            return node not in self.quantizers and getattr(self.modules[str(node.target)], "inplace", False) is True
+        if node.op == "call_function":
+            return (node.kwargs.get("inplace") is True or node.target is operator.setitem
+                    or _out_of_place_function(node.target) is not None)
+        if node.op == "call_method":
+            name = str(node.target)
+            return name.endswith("_") and not name.endswith("__")
+        return False
+
+    def _exec_mutating(self, node: fx.Node, env: Any, args: tuple, kwargs: dict) -> Any:
+        first = node.args[0] if node.args else None
+        read_later = isinstance(first, fx.Node) and any(
+            self.index[u] > self.index[node] for u in first.users if u is not node)
+        if read_later or not isinstance(args[0], torch.Tensor):
+            # the graph reads the mutated argument again: mutate a copy and make later readers see it
+            if isinstance(first, fx.Node) and isinstance(args[0], torch.Tensor):
+                copy = args[0].clone()
+                env[first] = copy
+                args = (copy, *args[1:])
+            return self._call_original(node, args, kwargs)
+        if node.op == "call_module":
+            mod = self.modules[str(node.target)]
+            with _not_inplace(mod):
+                return mod(*args, **kwargs)
+        if node.op == "call_function":
+            if kwargs.get("inplace") is True:
+                return node.target(*args, **{**kwargs, "inplace": False})
+            twin = _out_of_place_function(node.target)
+            if twin is not None:
+                return twin(*args, **kwargs)
+        if node.op == "call_method" and hasattr(torch.Tensor, str(node.target)[:-1]):
+            return getattr(args[0], str(node.target)[:-1])(*args[1:], **kwargs)
+        return self._call_original(node, (args[0].clone(), *args[1:]), kwargs)
+
+    def _call_original(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
+        if node.op == "call_module":
+            return self.modules[str(node.target)](*args, **kwargs)
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+
+    def run(
+        self,
+        inputs: dict[fx.Node, Any],
+        *,
+        fp32: bool,
+        watch: Watch | None = None,
+        layer: LayerPlan | None = None,
+        base: Mapping[fx.Node, Any] | None = None,
+        nodes: list[fx.Node] | None = None,
+        keep: dict[fx.Node, Any] | None = None,
+    ) -> Any:
+        """Execute the graph and return the model's output.
+
+        Args:
+            inputs: placeholder values (:meth:`bind`).
+            fp32: FP32 view (True) or quantized view (False).
+            watch: node -> callback, called with the node's value as soon as it is computed.
+            layer: run the layer view of this plan (use with ``fp32=True``).
+            base: values of nodes not in ``nodes`` (a cache from an earlier FP32 run).
+            nodes: the nodes to compute (default: all); the others are read from ``base``.
+            keep: when given, every computed value is stored here (and nothing is freed).
+        """
+        watch = watch or {}
+        env: dict[fx.Node, Any] = dict(inputs)
+        lookup: Any = env if base is None else _Overlay(env, base)
+        for node in self.nodes if nodes is None else nodes:
+            if node.op == "placeholder":
+                if node not in env:
+                    raise ConfigError(f"no value for model input {node.name!r}")
+            else:
+                env[node] = self._exec(node, lookup, fp32, layer)
+            if keep is not None:
+                keep[node] = env[node]
+            cb = watch.get(node)
+            if cb is not None:
+                cb(env[node])
+            if keep is None and node.op != "output":
+                for dead in self.frees.get(node, ()):
+                    env.pop(dead, None)
+        return lookup[self.output_node]
+
+
+class _Overlay:
+    """Computed values first, then the cache; writes go to the computed values."""
+
+    def __init__(self, top: dict, base: Mapping) -> None:
+        self.top, self.base = top, base
+
+    def __getitem__(self, key: Any) -> Any:
+        if key in self.top:
+            return self.top[key]
+        return self.base[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.top[key] = value
+
+
+@contextlib.contextmanager
+def _not_inplace(mod: nn.Module) -> Iterator[None]:
+    mod.inplace = False
+    try:
+        yield
+    finally:
+        mod.inplace = True
+
+
+@contextlib.contextmanager
+def analysis_mode(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
+    """Eval mode, no gradients and no observers inside the block; everything restored after.
+
+    Raises:
+        ConfigError: some quantizer has no parameters yet (the model was not calibrated).
+    """
+    pending = [n for n, fq in iter_quantizers(gm) if fq.config.state in (QuantState.INITIAL, QuantState.PASSIVE_INIT)]
+    if pending:
+        shown = ", ".join(pending[:6]) + (" ..." if len(pending) > 6 else "")
+        raise ConfigError(f"{len(pending)} quantizer(s) are not calibrated ({shown}): analyse the model returned by "
+                          "fxq.quantize, or run fxq.calibrate first")
+    observing = [fq for _, fq in iter_quantizers(gm) if fq.observe_enabled]
+    was_training = gm.training
+    gm.eval()
+    for fq in observing:
+        fq.observe_enabled = False
+    try:
+        with torch.no_grad():
+            yield gm
+    finally:
+        for fq in observing:
+            fq.observe_enabled = True
+        gm.train(was_training)

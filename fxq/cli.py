@@ -1,0 +1,551 @@
+"""``fxq`` command line: quantize, analyse, export and report on ONNX / caffe / Python models.
+
+Every command exits 0 on success; on bad input (missing file, empty calibration folder, shape
+mismatch...) it prints one line ``fxq: error: ...`` to stderr and exits 1 (2 for usage errors).
+``--verbose`` adds debug logging and tracebacks.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+__all__ = ["main", "build_parser"]
+
+logger = logging.getLogger("fxq.cli")
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def _fxq() -> Any:
+    import fxq
+
+    return fxq
+
+
+def _feature(name: str, what: str) -> Callable[..., Any]:
+    """A public fxq function that another part of the toolkit provides, or a clear error."""
+    fn = getattr(_fxq(), name, None)
+    if fn is None:
+        from fxq.errors import NotSupportedError
+
+        raise NotSupportedError(f"this fxq build has no {what} (fxq.{name}); update fxq")
+    return fn
+
+
+def _parse_shape(text: str) -> tuple[str | None, list[int]]:
+    """``1,3,224,224`` or ``name=1,3,224,224`` (``x`` also separates dims)."""
+    from fxq.errors import ConfigError
+
+    name, _, dims = text.rpartition("=")
+    try:
+        shape = [int(d) for d in dims.replace("x", ",").split(",") if d.strip()]
+    except ValueError:
+        raise ConfigError(f"--input-shape {text!r}: expected comma-separated integers such as 1,3,224,224") from None
+    if not shape or any(d <= 0 for d in shape):
+        raise ConfigError(f"--input-shape {text!r}: dimensions must be positive integers")
+    return (name or None), shape
+
+
+def _input_shapes(args: argparse.Namespace) -> list[int] | dict[str, list[int]] | None:
+    from fxq.errors import ConfigError
+
+    items = [_parse_shape(t) for t in (args.input_shape or [])]
+    if not items:
+        return None
+    named = {n: s for n, s in items if n}
+    if named and len(named) != len(items):
+        raise ConfigError("--input-shape: name every shape (name=1,3,224,224) when giving several inputs")
+    if named:
+        return named
+    if len(items) > 1:
+        raise ConfigError("--input-shape given several times without input names; use name=dims for each input")
+    return items[0][1]
+
+
+class _Loaded:
+    """A model read from the command line: the module, what it is, whether it is already quantized."""
+
+    def __init__(self, module: Any, kind: str, name: str, quantized: bool = False) -> None:
+        self.module, self.kind, self.name, self.quantized = module, kind, name, quantized
+
+
+def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None) -> _Loaded:
+    """Load ``spec``: an ``.onnx`` file, a ``.prototxt`` (+ caffemodel), a ``.fxq`` file (:func:`fxq.save`) or
+    ``module:factory``."""
+    from torch import nn
+
+    from fxq.errors import FrontendError
+
+    path = Path(spec)
+    suffix = path.suffix.lower()
+    if suffix in (".onnx", ".prototxt", ".fxq") or (suffix and path.exists()):
+        if not path.is_file():
+            raise FrontendError(f"model file {spec!r} not found")
+        if suffix == ".onnx":
+            return _Loaded(_feature("load_onnx", "ONNX frontend")(path), "onnx", path.stem)
+        if suffix == ".prototxt":
+            weights = Path(caffemodel) if caffemodel else path.with_suffix(".caffemodel")
+            if not weights.is_file():
+                hint = f"{str(weights)!r} not found" if caffemodel else f"no {weights.name!r} beside it"
+                raise FrontendError(f"caffe model {spec!r}: {hint}; pass --caffemodel PATH")
+            caffe_shapes = shapes if isinstance(shapes, dict) else None  # unnamed: the prototxt's shapes
+            load = _feature("load_caffe", "caffe frontend")
+            return _Loaded(load(path, weights, input_shapes=caffe_shapes), "caffe", path.stem)
+        loader = getattr(_fxq(), "load", None)
+        if loader is not None:
+            return _Loaded(loader(path), "fxq", path.stem, quantized=True)
+        raise FrontendError(f"model {spec!r}: unknown model file type {suffix!r}; use .onnx, .prototxt, .fxq or "
+                            f"module:factory")
+    module_name, sep, factory = spec.partition(":")
+    if not sep or not module_name or not factory:
+        raise FrontendError(f"model {spec!r} not found: give an .onnx file, a .prototxt, or module:factory "
+                            f"(a Python function returning an nn.Module)")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise FrontendError(f"cannot import {module_name!r} for model {spec!r}: {exc}") from exc
+    fn = getattr(module, factory, None)
+    if fn is None or not callable(fn):
+        raise FrontendError(f"{module_name!r} has no callable {factory!r} (model {spec!r})")
+    model = fn()
+    if not isinstance(model, nn.Module):
+        raise FrontendError(f"{spec}() returned a {type(model).__name__}, expected a torch.nn.Module")
+    return _Loaded(model.eval(), "python", factory)
+
+
+def _model_input_shapes(loaded: _Loaded) -> list[int] | dict[str, list[int]] | None:
+    """Static input shapes recorded by the ONNX / caffe frontends (None when unknown or symbolic)."""
+    meta = getattr(loaded.module, "meta", {}) or {}
+    info = meta.get(loaded.kind) if loaded.kind in ("onnx", "caffe") else None
+    shapes = info.get("input_shapes") if isinstance(info, dict) else None
+    if not shapes:
+        return None
+    if not all(isinstance(s, (list, tuple)) and s and all(isinstance(d, int) and d > 0 for d in s)
+               for s in shapes.values()):
+        return None
+    if len(shapes) == 1:
+        return list(next(iter(shapes.values())))
+    return {k: list(v) for k, v in shapes.items()}
+
+
+def load_data(args: argparse.Namespace, loaded: _Loaded, folder: str | None = None) -> Any:
+    """The calibration folder of ``args`` (or ``folder``), checked against the model on its first batch."""
+    import torch
+
+    from fxq.data import load_calibration_folder
+    from fxq.errors import CalibrationError, FxqError
+    from fxq.graph.data import call_model
+
+    folder = folder or args.calib
+    shapes = _input_shapes(args) or _model_input_shapes(loaded)
+    data = load_calibration_folder(folder, input_shape=shapes, dtype=args.dtype, layout=args.layout,
+                                   batch_size=args.batch_size)
+    first = data[0]
+    try:
+        with torch.no_grad():
+            loaded.module.eval()
+            call_model(loaded.module, first, check=True)
+    except FxqError:
+        raise
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        shape = ({k: list(v.shape) for k, v in first.items()} if isinstance(first, dict)
+                 else list(getattr(first, "shape", [])))
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CalibrationError(f"the model does not run on the first batch of {str(folder)!r} (shape {shape}): "
+                               f"{msg}; check --input-shape and the data") from exc
+    return data
+
+
+def _setting(args: argparse.Namespace) -> Any:
+    from fxq.errors import ConfigError
+    from fxq.setting import QuantizationSetting
+
+    if not getattr(args, "setting", None):
+        return None
+    p = Path(args.setting)
+    if not p.is_file():
+        raise ConfigError(f"setting file {args.setting!r} not found")
+    try:
+        return QuantizationSetting.from_json(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"setting file {args.setting!r} is not valid JSON: {exc}") from exc
+
+
+def _quantize(args: argparse.Namespace, loaded: _Loaded, data: Any) -> Any:
+    fxq = _fxq()
+    if loaded.quantized:
+        return loaded.module
+    t0 = time.perf_counter()
+    gm = fxq.quantize(loaded.module, data, platform=args.platform, setting=_setting(args), steps=args.steps,
+                      progress=not args.quiet)
+    logger.info("quantized %s for %s in %.1f s", loaded.name, args.platform, time.perf_counter() - t0)
+    return gm
+
+
+def _out_dir(path: str) -> Path:
+    from fxq.errors import ExportError
+
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ExportError(f"cannot create output folder {path!r}: {exc.strerror or exc}") from exc
+    return out
+
+
+def _export_options(args: argparse.Namespace) -> dict[str, Any]:
+    from fxq.errors import ConfigError
+
+    opts: dict[str, Any] = {}
+    for item in getattr(args, "export_option", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--export-option {item!r}: use KEY=VALUE (VALUE as JSON, e.g. legacy=true)")
+        try:
+            opts[key] = json.loads(value)
+        except json.JSONDecodeError:
+            opts[key] = value
+    return opts
+
+
+def _export(gm: Any, platform: str, out: Path, stem: str, exporter: str | None, options: dict[str, Any],
+            required: bool) -> list[Path]:
+    """Write the deployable files; a missing exporter is a warning unless ``required``."""
+    export = getattr(_fxq(), "export", None)
+    if export is None:
+        if required:
+            _feature("export", "exporters")
+        logger.warning("this fxq build has no exporters (fxq.export): skipped the export")
+        return []
+    return list(export(gm, exporter or platform, out / stem, **options))
+
+
+def _save(gm: Any, out: Path, stem: str) -> list[Path]:
+    save = getattr(_fxq(), "save", None)
+    if save is None:
+        logger.info("fxq.save is not available in this build: the quantized model itself is not saved")
+        return []
+    written = save(gm, out / f"{stem}.fxq")
+    if isinstance(written, (list, tuple)):
+        return [Path(p) for p in written]
+    return [Path(written) if written is not None else out / f"{stem}.fxq"]
+
+
+def _stem(loaded: _Loaded, platform: str) -> str:
+    """Output file stem ``<model>_<platform>``: never the input model's own file name."""
+    return f"{loaded.name}_{platform}".replace("/", "_").replace(os.sep, "_")
+
+
+def _write_text(path: Path, text: str) -> Path:
+    from fxq.io import atomic_write_text
+
+    return atomic_write_text(path, text)
+
+
+# ------------------------------------------------------------------------------------------- commands
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """Quantize MODEL on the calibration folder, save it and export it for the platform."""
+    fxq = _fxq()
+    loaded = load_model(args.model, args.caffemodel, _input_shapes(args))
+    data = load_data(args, loaded)
+    out = _out_dir(args.out)
+    gm = _quantize(args, loaded, data)
+    summary = fxq.summary(gm)
+    stem = _stem(loaded, args.platform)
+    files = [_write_text(out / f"{stem}.summary.txt", str(summary) + "\n")]
+    files += _save(gm, out, stem)
+    if not args.no_export:
+        files += _export(gm, args.platform, out, stem, args.exporter, _export_options(args), required=False)
+    if not args.quiet:
+        print(summary)
+    print("wrote:\n" + "\n".join(f"  {p}" for p in files))
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Quantize MODEL (unless it is a saved fxq model) and write the exporter's files only."""
+    loaded = load_model(args.model, args.caffemodel, _input_shapes(args))
+    if loaded.quantized:
+        gm = loaded.module
+    else:
+        if not args.calib:
+            from fxq.errors import ConfigError
+
+            raise ConfigError("export of a float model needs calibration data: pass --calib DIR")
+        gm = _quantize(args, loaded, load_data(args, loaded))
+    out = _out_dir(args.out)
+    files = _export(gm, args.platform, out, _stem(loaded, args.platform), args.exporter, _export_options(args),
+                    required=True)
+    print("wrote:\n" + "\n".join(f"  {p}" for p in files))
+    return EXIT_OK
+
+
+def cmd_analyse(args: argparse.Namespace) -> int:
+    """Quantize MODEL and print the graphwise (and layerwise) error tables."""
+    fxq = _fxq()
+    loaded = load_model(args.model, args.caffemodel, _input_shapes(args))
+    data = load_data(args, loaded)
+    gm = _quantize(args, loaded, data)
+    eval_data = load_data(args, loaded, args.data) if args.data else data
+    graphwise = fxq.graphwise_error_analyse(gm, eval_data, method=args.method, steps=args.analyse_steps,
+                                            ops=args.ops, progress=not args.quiet)
+    print(graphwise.table(limit=args.top))
+    result: dict[str, Any] = {"graphwise": graphwise.to_dict()}
+    if args.layerwise:
+        layerwise = fxq.layerwise_error_analyse(gm, eval_data, method=args.method, steps=args.analyse_steps,
+                                                ops=args.ops, measure=args.measure, progress=not args.quiet)
+        print()
+        print(layerwise.table(limit=args.top))
+        result["layerwise"] = layerwise.to_dict()
+    if args.json:
+        _write_text(Path(args.json), json.dumps(result, indent=2, default=float) + "\n")
+        print(f"wrote {args.json}")
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Quantize MODEL and write an HTML / markdown report with plots."""
+    fxq = _fxq()
+    loaded = load_model(args.model, args.caffemodel, _input_shapes(args))
+    data = load_data(args, loaded)
+    gm = _quantize(args, loaded, data)
+    eval_data = load_data(args, loaded, args.data) if args.data else data
+    out = _out_dir(args.out)
+    page = fxq.write_report(gm, eval_data, out, steps=args.analyse_steps, method=args.method,
+                                     fmt=args.format, layerwise=args.layerwise, top_k=args.top_k, ops=args.ops,
+                                     progress=not args.quiet, title=f"fxq report: {loaded.name} ({args.platform})")
+    print(f"wrote {page}")
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Quantize a seeded, randomly initialised torchvision ResNet-18 on synthetic data, analyse and export it."""
+    import torch
+
+    fxq = _fxq()
+    from fxq.errors import FxqError, NotSupportedError
+
+    try:
+        import torchvision
+    except ImportError:
+        raise NotSupportedError("the demo needs torchvision: pip install torchvision") from None
+    size, batches, batch = (64, 2, 2) if args.fast else (224, 8, 4)
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None).eval()
+    gen = torch.Generator().manual_seed(0)
+    calib = [torch.randn(batch, 3, size, size, generator=gen) for _ in range(batches)]
+    held_out = [torch.randn(batch, 3, size, size, generator=gen) for _ in range(1 if args.fast else 2)]
+    print(f"fxq demo: ResNet-18 (seeded random weights), {args.platform}, {batches} calibration batches of "
+          f"{batch}x3x{size}x{size}")
+    t0 = time.perf_counter()
+    gm = fxq.quantize(model, calib, platform=args.platform, progress=not args.quiet)
+    print(f"quantized in {time.perf_counter() - t0:.1f} s\n")
+    print(fxq.summary(gm))
+    report = fxq.graphwise_error_analyse(gm, held_out, method="snr", steps=None)
+    for r in report.outputs:
+        print(f"\noutput SNR vs FP32 ({r.name}): {r.formatted} (noise power / signal power, lower is better)")
+    print(report.table(limit=5, outputs=False))
+    out = _out_dir(args.out)
+    stem = f"resnet18_{args.platform}"
+    files = [_write_text(out / f"{stem}.summary.txt", str(fxq.summary(gm)) + "\n")]
+    if not args.no_export:
+        try:
+            files += _save(gm, out, stem)
+        except FxqError as exc:
+            logger.warning("saving the quantized model failed: %s", exc)
+        try:
+            options = _demo_export_options(args.platform)
+            files += _export(gm, args.platform, out, stem, None, options, required=False)
+        except FxqError as exc:
+            logger.warning("export skipped: %s", exc)
+    print("\nwrote:\n" + "\n".join(f"  {p}" for p in files))
+    return EXIT_OK
+
+
+def _demo_export_options(platform: str) -> dict[str, Any]:
+    """Also the legacy TensorRT files (calibration cache + json) when the platform's exporter writes them."""
+    try:
+        from fxq.backends import exporter_for
+
+        exporter = exporter_for(platform)
+    except Exception:  # noqa: BLE001  (no exporter registered: _export reports it)
+        return {}
+    return {"legacy": True} if "legacy" in getattr(exporter, "options", ()) else {}
+
+
+def cmd_platforms(args: argparse.Namespace) -> int:
+    """List the registered platforms and their quantization schemes."""
+    from fxq.qconfig import PLATFORMS, get_platform
+
+    rows = []
+    for name in PLATFORMS.names():
+        d = get_platform(name).describe()
+        d["exporter"] = getattr(get_platform(name), "exporter", None)
+        rows.append(d)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    for d in rows:
+        print(f"{d['name']}" + (f" — {d['description']}" if d.get("description") else ""))
+        print(f"    activation: {d['activation']}")
+        print(f"    weight:     {d['weight']}")
+        print(f"    bias: {d['bias']}; rounding: {d['rounding']}; outputs quantized: {d['outputs_quantized']}; "
+              f"exporter: {d['exporter']}")
+        print(f"    quantized ops: {', '.join(d['quantized_ops'])}")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------- parser
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-q", "--quiet", action="store_true", help="errors only, no progress bars")
+    g.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
+
+
+def _model_args(p: argparse.ArgumentParser, calib_required: bool = True) -> None:
+    p.add_argument("model", help="model.onnx, model.prototxt (+ --caffemodel), module:factory, or a quantized "
+                                 "model.fxq (fxq.save) for analyse / export / report")
+    p.add_argument("--caffemodel", help="caffe weights (default: the .caffemodel beside the .prototxt)")
+    p.add_argument("--platform", default="trt_int8", help="target platform (see `fxq platforms`; default trt_int8)")
+    p.add_argument("--calib", required=calib_required, metavar="DIR",
+                   help="calibration folder: .npy / .bin / .pt / images, one batch per file "
+                        "(one sub-folder per input for multi-input models)")
+    p.add_argument("--input-shape", action="append", metavar="[NAME=]N,C,H,W",
+                   help="input shape (needed for raw .bin files; checked against the data); repeat with NAME= "
+                        "for several inputs")
+    p.add_argument("--dtype", default=None, help="convert calibration tensors to this dtype (default: keep; "
+                                                 "float64 -> float32; raw files float32)")
+    p.add_argument("--layout", default="NCHW", choices=["NCHW", "NHWC"], help="image layout (default NCHW)")
+    p.add_argument("--batch-size", type=int, default=None, help="re-batch the calibration samples to this size")
+    p.add_argument("--setting", metavar="JSON", help="QuantizationSetting as JSON (QuantizationSetting.to_json)")
+    p.add_argument("--steps", type=int, default=None, help="calibration batches to use (default: all)")
+
+
+def _analysis_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", metavar="DIR", help="analysis data folder (default: the calibration folder)")
+    p.add_argument("--method", default="snr", choices=["snr", "cosine", "mse"], help="error metric (default snr)")
+    p.add_argument("--analyse-steps", type=int, default=8, help="batches to analyse (default 8)")
+    p.add_argument("--ops", default="computing", choices=["computing", "quantized"],
+                   help="layers to analyse: computing ops (default) or every quantized op")
+    p.add_argument("--layerwise", action="store_true", help="also run the layerwise analysis (slower)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fxq`` argument parser."""
+    parser = argparse.ArgumentParser(prog="fxq", description="fxq: PyTorch-native torch.fx quantization toolkit")
+    parser.add_argument("--version", action="version", version=f"fxq {_fxq().__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("quantize", help="quantize a model and save + export it")
+    _model_args(p)
+    p.add_argument("--out", default="fxq_out", help="output folder (default ./fxq_out)")
+    p.add_argument("--exporter", help="exporter name (default: the platform's)")
+    p.add_argument("--export-option", action="append", metavar="KEY=VALUE", help="exporter option (repeatable)")
+    p.add_argument("--no-export", action="store_true", help="do not write deployment files")
+    _common(p)
+    p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("analyse", aliases=["analyze"], help="quantize and print per-layer quantization error")
+    _model_args(p)
+    _analysis_args(p)
+    p.add_argument("--measure", default="network", choices=["network", "layer"],
+                   help="layerwise: compare at the network outputs (default) or at each layer's output")
+    p.add_argument("--top", type=int, default=20, help="rows per table (default 20)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    _common(p)
+    p.set_defaults(func=cmd_analyse)
+
+    p = sub.add_parser("export", help="quantize and write the platform's deployment files")
+    _model_args(p, calib_required=False)
+    p.add_argument("--out", default="fxq_out", help="output folder (default ./fxq_out)")
+    p.add_argument("--exporter", help="exporter name (default: the platform's)")
+    p.add_argument("--export-option", action="append", metavar="KEY=VALUE", help="exporter option (repeatable)")
+    _common(p)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("report", help="quantize and write an HTML / markdown report with plots")
+    _model_args(p)
+    _analysis_args(p)
+    p.add_argument("--out", default="fxq_report", help="report folder (default ./fxq_report)")
+    p.add_argument("--format", default="html", choices=["html", "md"], help="page format (default html)")
+    p.add_argument("--top-k", type=int, default=4, help="worst layers that get histograms (default 4)")
+    _common(p)
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("demo", help="quantize a seeded random ResNet-18 for TensorRT INT8 and export it")
+    p.add_argument("--platform", default="trt_int8", help="target platform (default trt_int8)")
+    p.add_argument("--out", default="fxq_out", help="output folder (default ./fxq_out)")
+    p.add_argument("--fast", action="store_true", help="small inputs and few batches (for tests)")
+    p.add_argument("--no-export", action="store_true", help="do not save or export")
+    _common(p)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("platforms", help="list platforms and their quantization schemes")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _common(p)
+    p.set_defaults(func=cmd_platforms)
+    return parser
+
+
+def _configure_logging(level: int) -> logging.Handler:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("fxq")
+    root.addHandler(handler)
+    root.setLevel(level)
+    return handler
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``fxq`` command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors
+        return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    verbose, quiet = getattr(args, "verbose", False), getattr(args, "quiet", False)
+    level = logging.DEBUG if verbose else logging.ERROR if quiet else logging.WARNING
+    fxq_logger = logging.getLogger("fxq")
+    saved_level = fxq_logger.level
+    handler = _configure_logging(level)
+    try:
+        return int(args.func(args) or EXIT_OK)
+    except KeyboardInterrupt:
+        print("fxq: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # output piped into head & co.
+        sys.stdout = open(os.devnull, "w")  # silence the flush at exit
+        return EXIT_OK
+    except Exception as exc:  # noqa: BLE001  (the one place that turns errors into exit codes)
+        if verbose:
+            traceback.print_exc()
+        from fxq.errors import FxqError
+
+        if isinstance(exc, FxqError):
+            print(f"fxq: error: {_one_line(exc)}", file=sys.stderr)
+        elif isinstance(exc, OSError):
+            where = f" {exc.filename!r}" if getattr(exc, "filename", None) else ""
+            print(f"fxq: error: {exc.strerror or _one_line(exc)}{where}", file=sys.stderr)
+        else:
+            hint = "" if verbose else " (rerun with --verbose for the traceback)"
+            print(f"fxq: error: {type(exc).__name__}: {_one_line(exc)}{hint}", file=sys.stderr)
+        return EXIT_ERROR
+    finally:
+        fxq_logger.removeHandler(handler)
+        fxq_logger.setLevel(saved_level)

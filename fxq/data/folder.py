@@ -1,0 +1,312 @@
+"""Calibration data from a folder: ``.npy``, raw ``.bin``/``.raw``, ``.pt`` tensors or images.
+
+Layout (the seeds' usage tutorial):
+
+* one input: files directly in the folder, one batch (or sample) per file, in sorted name order
+  (digit runs compare as numbers: ``img2`` before ``img10``);
+* several inputs: one sub-folder per model input, named after the input; the i-th file of every
+  sub-folder together make the i-th batch (a dict ``{input name: tensor}``).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from fxq.errors import CalibrationError
+
+__all__ = ["CalibrationFolder", "load_calibration_folder", "DATA_SUFFIXES", "IMAGE_SUFFIXES"]
+
+logger = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
+RAW_SUFFIXES = (".bin", ".raw")
+DATA_SUFFIXES = (".npy", ".pt", ".pth", *RAW_SUFFIXES, *IMAGE_SUFFIXES)
+LAYOUTS = ("NCHW", "NHWC")
+
+Shape = Sequence[int]
+
+
+def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    d = getattr(torch, str(value).replace("torch.", ""), None)
+    if not isinstance(d, torch.dtype):
+        raise CalibrationError(f"unknown dtype {value!r}; use e.g. float32, float16, int64")
+    return d
+
+
+def _natural_key(p: Path) -> list[Any]:
+    """``img2`` before ``img10``: digit runs compare as numbers."""
+    return [(0, int(t), t) if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", p.name) if t]
+
+
+def _data_files(folder: Path) -> list[Path]:
+    return sorted((p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")
+                   and p.suffix.lower() in DATA_SUFFIXES), key=_natural_key)
+
+
+def _as_shape(shape: Any, what: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in shape)
+    except (TypeError, ValueError):
+        raise CalibrationError(f"{what}: input shape {shape!r} is not a list of integers") from None
+    if not dims or any(d <= 0 for d in dims):
+        raise CalibrationError(f"{what}: input shape {list(dims)} must have positive dimensions")
+    return dims
+
+
+class _InputFiles:
+    """The files of one model input and how to read them."""
+
+    def __init__(self, name: str | None, folder: Path, files: list[Path], shape: tuple[int, ...] | None,
+                 dtype: torch.dtype | None, layout: str) -> None:
+        self.name, self.folder, self.files, self.shape, self.dtype, self.layout = name, folder, files, shape, dtype, layout
+        for f in files:
+            self._check_header(f)
+
+    def _check_header(self, f: Path) -> None:
+        """Cheap checks before any batch is loaded: raw sizes and .npy shapes."""
+        suffix = f.suffix.lower()
+        if suffix in RAW_SUFFIXES:
+            if self.shape is None:
+                raise CalibrationError(f"{f}: raw {suffix} files carry no shape; give the input shape "
+                                       f"(input_shape=... / --input-shape N,C,H,W)")
+            itemsize = torch.empty((), dtype=self.dtype or torch.float32).element_size()
+            size = f.stat().st_size
+            sample = math.prod(self.shape[1:]) * itemsize
+            if size == 0 or sample == 0 or size % sample != 0:
+                raise CalibrationError(
+                    f"{f}: {size} bytes is not a whole number of samples of shape {list(self.shape[1:])} "
+                    f"({sample} bytes each as {self.dtype or torch.float32}); check the input shape and dtype")
+        elif suffix == ".npy":
+            try:
+                arr = np.load(f, mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError) as exc:
+                raise CalibrationError(f"{f}: not a readable .npy array ({exc})") from exc
+            self._shaped(f, tuple(arr.shape))
+
+    def _shaped(self, f: Path, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The batch shape of a tensor with ``shape`` read from ``f`` (adds a batch dim to one sample)."""
+        if self.shape is None:
+            return shape
+        want = self.shape
+        if shape == want or (len(shape) == len(want) and shape[1:] == want[1:]):
+            return shape
+        if shape == want[1:]:
+            return (1, *shape)
+        raise CalibrationError(f"{f}: array has shape {list(shape)} but the input shape is {list(want)} "
+                               f"(batch dimension free); fix the data or the input shape")
+
+    def load(self, i: int) -> torch.Tensor:
+        f = self.files[i]
+        suffix = f.suffix.lower()
+        if suffix == ".npy":
+            t = torch.from_numpy(np.ascontiguousarray(np.load(f, allow_pickle=False)))
+        elif suffix in RAW_SUFFIXES:
+            dt = self.dtype or torch.float32
+            t = torch.from_numpy(np.fromfile(f, dtype=torch.empty((), dtype=dt).numpy().dtype).copy())
+            t = t.reshape(-1, *self.shape[1:])
+        elif suffix in (".pt", ".pth"):
+            try:
+                t = torch.load(f, map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001  (pickle / zip errors of any kind)
+                raise CalibrationError(f"{f}: cannot read it as a saved tensor ({exc})") from exc
+            if not isinstance(t, torch.Tensor):
+                raise CalibrationError(f"{f}: holds a {type(t).__name__}, expected one tensor")
+        else:
+            t = self._image(f)
+        t = t.reshape(self._shaped(f, tuple(t.shape)))
+        if self.dtype is not None:
+            t = t.to(self.dtype)
+        elif t.dtype == torch.float64:
+            t = t.float()
+        return t
+
+    def _image(self, f: Path) -> torch.Tensor:
+        channels = None
+        if self.shape is not None and len(self.shape) == 4:
+            channels = self.shape[1] if self.layout == "NCHW" else self.shape[3]
+        try:
+            from torchvision.io import ImageReadMode, decode_image, read_file
+
+            mode = {1: ImageReadMode.GRAY, 3: ImageReadMode.RGB}.get(channels, ImageReadMode.UNCHANGED)
+            img = decode_image(read_file(str(f)), mode=mode)
+        except ImportError:
+            img = _pil_image(f, channels)
+        except RuntimeError as exc:
+            raise CalibrationError(f"{f}: cannot decode the image ({exc})") from exc
+        x = img.float().div(255.0).unsqueeze(0)  # 1 x C x H x W in [0, 1]
+        if self.shape is not None and len(self.shape) == 4:
+            h, w = (self.shape[2], self.shape[3]) if self.layout == "NCHW" else (self.shape[1], self.shape[2])
+            if tuple(x.shape[2:]) != (h, w):
+                x = torch.nn.functional.interpolate(x, size=(h, w), mode="bilinear", align_corners=False,
+                                                    antialias=True)
+        if self.layout == "NHWC":
+            x = x.permute(0, 2, 3, 1).contiguous()
+        return x
+
+
+def _pil_image(f: Path, channels: int | None) -> torch.Tensor:
+    try:
+        from PIL import Image
+    except ImportError:
+        raise CalibrationError(f"{f}: reading images needs torchvision or Pillow") from None
+    with Image.open(f) as im:
+        im = im.convert({1: "L", 3: "RGB"}.get(channels, im.mode))
+        arr = np.asarray(im)
+    t = torch.from_numpy(arr.copy())
+    return t.unsqueeze(0) if t.dim() == 2 else t.permute(2, 0, 1)
+
+
+class CalibrationFolder(Sequence):
+    """Batches read lazily from a folder (see :func:`load_calibration_folder`); ``len()`` is the batch count."""
+
+    def __init__(self, path: Path, inputs: list[_InputFiles], transform: Callable[[Any], Any] | None,
+                 batch_size: int | None) -> None:
+        self.path = path
+        self.inputs = inputs
+        self.transform = transform
+        self._batches: list[Any] | None = None
+        if batch_size is not None:
+            self._batches = self._rebatch(batch_size)
+
+    @property
+    def files(self) -> list[Path]:
+        return [f for inp in self.inputs for f in inp.files]
+
+    @property
+    def multi_input(self) -> bool:
+        return self.inputs[0].name is not None
+
+    def _load(self, i: int) -> Any:
+        if self.multi_input:
+            batch: Any = {inp.name: inp.load(i) for inp in self.inputs}
+        else:
+            batch = self.inputs[0].load(i)
+        return self.transform(batch) if self.transform is not None else batch
+
+    def _rebatch(self, size: int) -> list[Any]:
+        if size <= 0:
+            raise CalibrationError(f"batch_size must be positive, got {size}")
+        items = [self._load(i) for i in range(len(self.inputs[0].files))]
+
+        def cat(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+            try:
+                return list(torch.cat(parts, 0).split(size, 0))
+            except RuntimeError as exc:
+                raise CalibrationError(f"{self.path}: samples have different shapes and cannot be batched "
+                                       f"({exc})") from exc
+
+        if self.multi_input:
+            cols = {k: cat([b[k] for b in items]) for k in items[0]}
+            return [{k: cols[k][j] for k in cols} for j in range(len(next(iter(cols.values()))))]
+        return cat(items)
+
+    def __len__(self) -> int:
+        return len(self._batches) if self._batches is not None else len(self.inputs[0].files)
+
+    def __getitem__(self, i: int) -> Any:  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        return self._batches[i] if self._batches is not None else self._load(i)
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __repr__(self) -> str:
+        names = [inp.name for inp in self.inputs] if self.multi_input else ["(single input)"]
+        return f"<CalibrationFolder {str(self.path)!r}: {len(self)} batches, inputs {names}>"
+
+
+def load_calibration_folder(
+    path: str | os.PathLike,
+    input_shape: Shape | Mapping[str, Shape] | None = None,
+    dtype: torch.dtype | str | None = None,
+    layout: str = "NCHW",
+    *,
+    batch_size: int | None = None,
+    transform: Callable[[Any], Any] | None = None,
+) -> CalibrationFolder:
+    """Calibration batches from a folder, one batch per file, in sorted file-name order.
+
+    Files: ``.npy`` arrays, ``.pt`` tensors, raw ``.bin``/``.raw`` (``dtype``, default float32, reshaped to
+    ``input_shape`` with a free batch dimension) and images (PNG/JPEG/BMP..., scaled to [0, 1] and resized to
+    ``input_shape``'s height and width; normalise them with ``transform``). A file holding one sample
+    (``input_shape`` without the batch dim) gets a batch dim. For multi-input models give one sub-folder per
+    input, named after it: batches are then dicts ``{input name: tensor}``.
+
+    Args:
+        path: the folder.
+        input_shape: ``[N, C, H, W]``-like shape, or ``{input name: shape}`` for sub-folders. Checked against
+            every file; needed for raw files.
+        dtype: convert every tensor to this dtype (default: keep, but float64 becomes float32).
+        layout: ``"NCHW"`` or ``"NHWC"`` — how images are laid out (and how ``input_shape`` reads for them).
+        batch_size: concatenate samples and re-split them into batches of this size (loads everything).
+        transform: applied to each batch (e.g. mean/std normalisation).
+
+    Returns:
+        a lazy :class:`CalibrationFolder` sequence, usable wherever fxq takes calibration data.
+
+    Raises:
+        CalibrationError: missing or empty folder, unreadable file, shape or size mismatch (naming the file).
+
+    Example:
+        >>> calib = fxq.load_calibration_folder("calib/", input_shape=[1, 3, 224, 224])
+        >>> qmodel = fxq.quantize(model, calib, platform="trt_int8")
+    """
+    folder = Path(path)
+    if not folder.exists():
+        raise CalibrationError(f"calibration folder {str(folder)!r} does not exist")
+    if not folder.is_dir():
+        raise CalibrationError(f"calibration data {str(folder)!r} is a file, not a folder of batches")
+    layout = str(layout).upper()
+    if layout not in LAYOUTS:
+        raise CalibrationError(f"layout {layout!r}: use one of {list(LAYOUTS)}")
+    dt = _dtype(dtype)
+    files = _data_files(folder)
+    subdirs = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if files:
+        if isinstance(input_shape, Mapping):
+            if len(input_shape) != 1:
+                raise CalibrationError(f"{folder}: files for one input, but input shapes for {list(input_shape)}; "
+                                       f"put each input's files in a sub-folder named after it")
+            input_shape = next(iter(input_shape.values()))
+        shape = _as_shape(input_shape, str(folder)) if input_shape is not None else None
+        inputs = [_InputFiles(None, folder, files, shape, dt, layout)]
+    elif subdirs:
+        shapes = dict(input_shape) if isinstance(input_shape, Mapping) else {}
+        if input_shape is not None and not isinstance(input_shape, Mapping):
+            raise CalibrationError(f"{folder}: one sub-folder per input ({[d.name for d in subdirs]}); give input "
+                                   f"shapes as {{input name: shape}}")
+        unknown = [k for k in shapes if k not in {d.name for d in subdirs}]
+        if unknown:
+            raise CalibrationError(f"{folder}: no sub-folder for input(s) {unknown}; found {[d.name for d in subdirs]}")
+        inputs = []
+        for d in subdirs:
+            sub_files = _data_files(d)
+            if not sub_files:
+                raise CalibrationError(f"calibration folder {str(d)!r} (input {d.name!r}) has no data files "
+                                       f"({', '.join(DATA_SUFFIXES)})")
+            shape = _as_shape(shapes[d.name], str(d)) if d.name in shapes else None
+            inputs.append(_InputFiles(d.name, d, sub_files, shape, dt, layout))
+        counts = {inp.name: len(inp.files) for inp in inputs}
+        if len(set(counts.values())) > 1:
+            raise CalibrationError(f"{folder}: the input sub-folders hold different numbers of files {counts}; "
+                                   f"each batch needs one file per input")
+    else:
+        raise CalibrationError(f"calibration folder {str(folder)!r} is empty: put one batch per file there "
+                               f"({', '.join(DATA_SUFFIXES)}), or one sub-folder per model input")
+    data = CalibrationFolder(folder, inputs, transform, batch_size)
+    logger.info("calibration folder %s: %d batches", folder, len(data))
+    return data

@@ -1,0 +1,249 @@
+"""Analysis: graphwise / layerwise error, statistics and the report, on a small quantized CNN."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import pathlib
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fxq
+from fxq.analysis.runner import GraphRunner
+from fxq.errors import CalibrationError, ConfigError
+
+
+class SmallCNN(nn.Module):
+    """conv-bn-relu(inplace) -> conv -> += -> relu_ -> pool -> linear: in-place ops on purpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.relu(self.bn(self.c1(x)))
+        z = self.c2(y)
+        z += y
+        z = torch.relu_(z)
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(z, 1), 1))
+
+
+def _snr(q: torch.Tensor, f: torch.Tensor) -> float:
+    return float(((q - f) ** 2).sum() / (f**2).sum())
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-0.5, 0.5)
+        model.bn.running_var.uniform_(0.5, 2.0)
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randn(4, 3, 16, 16, generator=gen) for _ in range(4)]
+    gm = fxq.quantize(model, data, platform="trt_int8", progress=False)
+    return model, gm, data
+
+
+def test_runner_views_match_the_model(setup):
+    model, gm, data = setup
+    runner = GraphRunner(gm)
+    x = data[0]
+    with torch.no_grad():
+        inputs = runner.bind(x)
+        assert torch.equal(runner.run(inputs, fp32=False), gm(x))
+        with fxq.fp32_mode(gm):
+            fp32 = gm(x)
+        assert torch.equal(runner.run(inputs, fp32=True), fp32)
+        torch.testing.assert_close(fp32, model(x), rtol=1e-4, atol=1e-5)
+    assert {n.name for n in runner.mutating} >= {"relu"}  # the inplace ReLU runs out of place
+
+
+def test_graphwise_records(setup):
+    _, gm, data = setup
+    report = fxq.graphwise_error_analyse(gm, data, method="snr", steps=4)
+    assert isinstance(report, fxq.ErrorReport) and report.batches == 4
+    assert sorted(r.name for r in report) == ["c1", "c2", "fc"]
+    values = [r.value for r in report]
+    assert values == sorted(values, reverse=True)  # worst first
+    assert all(0 < v < 0.05 for v in values)
+    assert report[0].name == max(report, key=lambda r: r.value).name
+    table = str(report)
+    assert table.splitlines()[2].split()[0] == report[0].name and "%" in table and "\u2588" in table
+    assert report.as_dict()[report[0].name] == report[0].value
+    # the FP32-only model has no error anywhere
+    with fxq.fp32_mode(gm):
+        clean = fxq.graphwise_error_analyse(gm, data, steps=4)
+    assert all(r.value == 0.0 for r in clean) and clean.outputs[0].value == 0.0
+    assert all(r.value > 0.0 for r in report) and report.outputs[0].value > 0.0
+
+
+def test_graphwise_values_match_direct_computation(setup):
+    _, gm, data = setup
+    report = fxq.graphwise_error_analyse(gm, data, steps=None)
+    noise = signal = 0.0
+    c1_noise = c1_signal = 0.0
+    x_q = gm.fxq_quantizers.x_q
+    w_fp32 = gm.fxq_quantizers.c1_weight._fp32_backup
+    with torch.no_grad():
+        for x in data:
+            q = gm(x)
+            with fxq.fp32_mode(gm):
+                f = gm(x)
+            noise += float(((q - f) ** 2).sum())
+            signal += float((f**2).sum())
+            # c1 is measured at its raw output (the ReLU after it owns the output quantizer)
+            cq = torch.conv2d(x_q(x), gm.c1.weight, gm.c1.bias, padding=1)
+            cf = torch.conv2d(x, w_fp32, gm.c1.bias, padding=1)
+            c1_noise += float(((cq - cf) ** 2).sum())
+            c1_signal += float((cf**2).sum())
+    assert report.outputs[0].value == pytest.approx(noise / signal, rel=1e-4)
+    c1 = next(r for r in report if r.name == "c1")
+    assert c1.measured_at == "c1"
+    assert c1.value == pytest.approx(c1_noise / c1_signal, rel=1e-4)
+    assert next(r for r in report if r.name == "fc").measured_at == "fxq_quantizers_fc_out"
+
+
+class _CountConvs(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.convolution, torch.ops.aten.mkldnn_convolution):
+            self.convs += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_exactly_two_passes_per_batch(setup):
+    _, gm, data = setup
+    relu_calls = []
+    handle = gm.relu.register_forward_hook(lambda *a: relu_calls.append(1))
+    try:
+        with _CountConvs() as counter:
+            fxq.graphwise_error_analyse(gm, data, steps=3)
+    finally:
+        handle.remove()
+    assert len(relu_calls) == 2 * 3
+    assert counter.convs == 2 * 2 * 3  # two convs, two passes, three batches
+
+
+def test_other_metrics(setup):
+    _, gm, data = setup
+    cos = fxq.graphwise_error_analyse(gm, data, method="cosine", steps=2)
+    values = [r.value for r in cos]
+    assert values == sorted(values) and all(0.99 < v <= 1.0 + 1e-9 for v in values)
+    mse = fxq.graphwise_error_analyse(gm, data, method="mse", steps=2, ops="quantized")
+    assert len(mse) > 3 and all(r.value >= 0 for r in mse)
+    assert {"relu", "add"} <= {r.name for r in mse}
+    seed_style = fxq.graphwise_error_analyse(gm, dataloader=data, method="snr", steps=1, collate_fn=lambda b: b * 1)
+    assert seed_style.batches == 1
+
+
+def test_layerwise(setup):
+    _, gm, data = setup
+    x = data[0]
+    with torch.no_grad():
+        before = gm(x)
+    modes = {n: fq.mode for n, fq in gm.fxq_quantizers.items()}
+    net = fxq.layerwise_error_analyse(gm, data, steps=2)
+    assert net.kind == "layerwise" and net.measured == "network"
+    assert sorted(r.name for r in net) == ["c1", "c2", "fc"]
+    assert all(r.value > 0 and r.outputs and set(r.outputs) == {"output"} for r in net)
+    graphwise_out = fxq.graphwise_error_analyse(gm, data, steps=2).outputs[0].value
+    assert max(r.value for r in net) <= graphwise_out * 1.5  # one layer alone is not worse than all together
+    # measured at the layer: c1 alone = quantized input and weight, nothing else
+    own = fxq.layerwise_error_analyse(gm, data, steps=1, measure="layer")
+    with torch.no_grad():
+        cq = torch.conv2d(gm.fxq_quantizers.x_q(x), gm.c1.weight, gm.c1.bias, padding=1)
+        cf = torch.conv2d(x, gm.fxq_quantizers.c1_weight._fp32_backup, gm.c1.bias, padding=1)
+    assert next(r for r in own if r.name == "c1").value == pytest.approx(_snr(cq, cf), rel=1e-4)
+    # nothing changed in the model
+    with torch.no_grad():
+        assert torch.equal(gm(x), before)
+    assert modes == {n: fq.mode for n, fq in gm.fxq_quantizers.items()}
+
+
+def test_statistics(setup):
+    _, gm, data = setup
+    stats = fxq.statistics(gm, data, steps=2, bins=32)
+    names = [s.name for s in stats]
+    assert "x_q" in names and "c1_weight" in names and "fc_out" in names
+    x_q = stats.by_name("x_q")
+    assert x_q.role == "activation" and x_q.fp32.count == 2 * 4 * 3 * 16 * 16
+    assert len(x_q.edges) == 33 and len(x_q.fp32_hist) == 32
+    assert sum(x_q.fp32_hist) == x_q.fp32.count == sum(x_q.quant_hist)  # outliers of later batches: edge bins
+    assert 0.0 <= x_q.clipped < 0.01
+    assert x_q.quantized.max <= x_q.grid[1] + 1e-6 and x_q.quantized.min >= x_q.grid[0] - 1e-6
+    w = stats.by_name("c1_weight")
+    backup = gm.fxq_quantizers.c1_weight._fp32_backup
+    assert w.fp32.min == pytest.approx(float(backup.min())) and w.fp32.max == pytest.approx(float(backup.max()))
+    assert w.quantized.count == backup.numel() and sum(w.quant_hist) == backup.numel()
+    assert "c1_weight" in str(stats)
+
+
+def test_write_report(setup, tmp_path):
+    pytest.importorskip("matplotlib")
+    _, gm, data = setup
+    page = fxq.write_report(gm, data, tmp_path / "rep", steps=2, layerwise=True, top_k=2)
+    assert page == tmp_path / "rep" / "report.html"
+    text = page.read_text()
+    pngs = sorted((tmp_path / "rep" / "plots").glob("*.png"))
+    assert {p.name for p in pngs} >= {"graphwise.png", "layerwise.png"} and len(pngs) == 4
+    for p in pngs:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 2000
+        assert f"plots/{p.name}" in text
+    md = fxq.write_report(gm, data, tmp_path / "md", steps=1, fmt="md", top_k=1)
+    assert md.name == "report.md" and "![graphwise" in md.read_text()
+    assert not list((tmp_path / "rep").glob(".*tmp"))  # atomic writes leave no temp files
+
+
+def test_errors(setup):
+    model, gm, data = setup
+    with pytest.raises(ConfigError, match="unknown error metric"):
+        fxq.graphwise_error_analyse(gm, data, method="psnr")
+    with pytest.raises(CalibrationError, match="empty"):
+        fxq.graphwise_error_analyse(gm, [])
+    with pytest.raises(ConfigError, match="not op nodes"):
+        fxq.layerwise_error_analyse(gm, data, ops=["nope"])
+    with pytest.raises(ConfigError, match="measure"):
+        fxq.layerwise_error_analyse(gm, data, measure="middle")
+    prepared = fxq.prepare(model, "trt_int8", data[0])
+    with pytest.raises(ConfigError, match="not calibrated"):
+        fxq.graphwise_error_analyse(prepared, data)
+    with pytest.raises(CalibrationError):
+        fxq.graphwise_error_analyse(gm, [torch.randn(2, 5, 16, 16)])
+
+
+def test_metric_math():
+    from fxq.analysis.metrics import MetricAccumulator
+
+    acc = MetricAccumulator("snr")
+    f = torch.tensor([3.0, 4.0])
+    acc.reference(f)
+    acc.compare(torch.tensor([3.0, 5.0]))
+    assert acc.value == pytest.approx(1 / 25)
+    cos = MetricAccumulator("cosine")
+    cos.reference(torch.zeros(2, 3))
+    cos.compare(torch.zeros(2, 3))
+    assert cos.value == 1.0
+    assert math.isnan(MetricAccumulator("mse").value)
+
+
+def test_analyse_errors_example(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "analyse_errors.py"
+    spec = importlib.util.spec_from_file_location("analyse_errors", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.__doc__ and callable(mod.main)
+    res = mod.main(["--fast", "--out", str(tmp_path / "report")])
+    assert res["report"].is_file() and len(list((tmp_path / "report" / "plots").glob("*.png"))) == 4
+    assert len(res["graphwise"]) == len(res["layerwise"]) == 21  # ResNet-18: 20 convs + fc
+    assert 0 < res["graphwise"].outputs[0].value < 0.05

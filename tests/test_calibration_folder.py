@@ -1,0 +1,93 @@
+"""fxq.load_calibration_folder: .npy / raw / .pt / image folders, multi-input sub-folders, errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fxq
+from fxq.errors import CalibrationError
+
+
+def _npy(folder, name, shape, dtype=np.float32, fill=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    arr = np.full(shape, fill, dtype) if fill is not None else np.random.default_rng(0).random(shape).astype(dtype)
+    np.save(folder / name, arr)
+
+
+def test_npy_raw_and_pt(tmp_path):
+    for i in (10, 2, 1):  # natural order: b1, b2, b10
+        _npy(tmp_path, f"b{i}.npy", (2, 3, 4, 4), np.float64, fill=i)
+    np.full((3, 4, 4), 7, np.float32).tofile(tmp_path / "c.bin")  # one sample: gets a batch dim
+    torch.save(torch.ones(1, 3, 4, 4), tmp_path / "d.pt")
+    (tmp_path / "notes.txt").write_text("ignored")
+    data = fxq.load_calibration_folder(tmp_path, input_shape=[1, 3, 4, 4])
+    assert [f.name for f in data.files] == ["b1.npy", "b2.npy", "b10.npy", "c.bin", "d.pt"]
+    assert len(data) == 5
+    batches = list(data)
+    assert [float(b[0, 0, 0, 0]) for b in batches] == [1, 2, 10, 7, 1]
+    assert batches[0].dtype == torch.float32 and tuple(batches[3].shape) == (1, 3, 4, 4)
+    assert [tuple(b.shape) for b in fxq.load_calibration_folder(tmp_path, [1, 3, 4, 4], batch_size=4)] == [
+        (4, 3, 4, 4), (4, 3, 4, 4)]
+    half = fxq.load_calibration_folder(tmp_path, [1, 3, 4, 4], dtype="float16")
+    assert half[-1].dtype == torch.float16
+
+
+def test_images(tmp_path):
+    from torchvision.io import write_png
+
+    for i in range(2):
+        write_png((torch.rand(3, 10, 12) * 255).to(torch.uint8), str(tmp_path / f"img{i}.png"))
+    nchw = fxq.load_calibration_folder(tmp_path, input_shape=[1, 3, 8, 8])
+    assert tuple(nchw[0].shape) == (1, 3, 8, 8) and 0.0 <= float(nchw[0].min()) and float(nchw[0].max()) <= 1.0
+    nhwc = fxq.load_calibration_folder(tmp_path, input_shape=[1, 8, 8, 3], layout="NHWC")
+    assert tuple(nhwc[1].shape) == (1, 8, 8, 3)
+    gray = fxq.load_calibration_folder(tmp_path, input_shape=[1, 1, 10, 12],
+                                       transform=lambda x: (x - 0.5) / 0.25)
+    assert tuple(gray[0].shape) == (1, 1, 10, 12) and float(gray[0].min()) < 0
+
+
+def test_multi_input_subfolders(tmp_path):
+    for i in range(2):
+        _npy(tmp_path / "image", f"{i}.npy", (2, 3, 4, 4))
+        _npy(tmp_path / "mask", f"{i}.npy", (2, 1, 4, 4))
+    data = fxq.load_calibration_folder(tmp_path, input_shape={"image": [1, 3, 4, 4]})
+    assert len(data) == 2 and set(data[0]) == {"image", "mask"}
+    assert tuple(data[1]["mask"].shape) == (2, 1, 4, 4)
+
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 1)
+
+        def forward(self, image, mask):
+            return self.conv(torch.cat([image, mask], 1))
+
+    gm = fxq.quantize(TwoInputs().eval(), data, platform="trt_int8", progress=False)
+    report = fxq.graphwise_error_analyse(gm, data)
+    assert report.batches == 2 and report[0].name == "conv"
+    _npy(tmp_path / "mask", "2.npy", (2, 1, 4, 4))
+    with pytest.raises(CalibrationError, match="different numbers of files"):
+        fxq.load_calibration_folder(tmp_path)
+
+
+def test_errors(tmp_path):
+    with pytest.raises(CalibrationError, match="does not exist"):
+        fxq.load_calibration_folder(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CalibrationError, match="empty.*is empty"):
+        fxq.load_calibration_folder(tmp_path / "empty")
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    np.zeros(10, np.float32).tofile(raw / "x.bin")
+    with pytest.raises(CalibrationError, match="x.bin.*input shape"):
+        fxq.load_calibration_folder(raw)
+    with pytest.raises(CalibrationError, match="x.bin: 40 bytes"):
+        fxq.load_calibration_folder(raw, input_shape=[1, 3, 2, 2])
+    _npy(tmp_path / "npy", "a.npy", (2, 3, 4, 4))
+    with pytest.raises(CalibrationError, match="a.npy: array has shape \\[2, 3, 4, 4\\]"):
+        fxq.load_calibration_folder(tmp_path / "npy", input_shape=[1, 3, 5, 5])
+    (tmp_path / "npy" / "b.npy").write_bytes(b"garbage")
+    with pytest.raises(CalibrationError, match="b.npy"):
+        fxq.load_calibration_folder(tmp_path / "npy")

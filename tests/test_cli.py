@@ -1,0 +1,174 @@
+"""The ``fxq`` command line, end to end on small models and temporary calibration folders."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fxq
+from fxq.cli import main
+
+MODEL_SOURCE = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+
+    class Small(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+            self.bn = nn.BatchNorm2d(8)
+            self.relu = nn.ReLU(inplace=True)
+            self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+            self.fc = nn.Linear(8, 5)
+
+        def forward(self, x):
+            y = self.relu(self.bn(self.c1(x)))
+            y = y + self.c2(y)
+            return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(y, 1), 1))
+
+
+    def build():
+        torch.manual_seed(0)
+        return Small().eval()
+
+
+    def not_a_model():
+        return 42
+    """
+)
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    """tmp_path as the working directory, holding ``cli_small_model.py`` and ``calib/`` (3 .npy batches)."""
+    (tmp_path / "cli_small_model.py").write_text(MODEL_SOURCE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        np.save(calib / f"batch{i}.npy", rng.standard_normal((2, 3, 16, 16)).astype(np.float32))
+    yield tmp_path
+    sys.modules.pop("cli_small_model", None)
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("fxq: error: ") and "Traceback" not in err[0]
+    return err[0]
+
+
+def test_platforms(capsys):
+    assert main(["platforms"]) == 0
+    out = capsys.readouterr().out
+    assert "trt_int8" in out and "activation:" in out
+    assert main(["platforms", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {"trt_int8", "ncnn_int8"} <= {r["name"] for r in rows}
+
+
+def test_quantize_python_factory(work, capsys):
+    assert main(["quantize", "cli_small_model:build", "--calib", "calib", "--out", "out", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert (work / "out" / "build_trt_int8.summary.txt").is_file()
+    assert "wrote:" in out and "build_trt_int8.summary.txt" in out
+    if hasattr(fxq, "export"):
+        assert (work / "out" / "build_trt_int8.onnx").is_file()
+    if hasattr(fxq, "load"):  # a saved quantized model is analysed / exported as it is
+        assert main(["analyse", "out/build_trt_int8.fxq", "--calib", "calib", "--analyse-steps", "1", "-q"]) == 0
+        assert "graphwise error" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not hasattr(fxq, "load_onnx"), reason="fxq.load_onnx (ONNX frontend) not available")
+def test_onnx_quantize_and_analyse(work, capsys):
+    import cli_small_model
+
+    torch.onnx.export(cli_small_model.build(), (torch.randn(1, 3, 16, 16),), str(work / "small.onnx"),
+                      dynamo=False, input_names=["input"], output_names=["logits"])
+    assert main(["quantize", "small.onnx", "--calib", "calib", "--out", "out", "--steps", "2", "-q"]) == 0
+    assert (work / "out" / "small_trt_int8.summary.txt").is_file()
+    if hasattr(fxq, "export"):
+        assert (work / "out" / "small_trt_int8.onnx").is_file()
+    capsys.readouterr()
+    assert main(["analyse", "small.onnx", "--calib", "calib", "--analyse-steps", "2", "--json", "res.json", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "graphwise error" in out and "logits" in out  # the ONNX output name
+    res = json.loads((work / "res.json").read_text())
+    assert len(res["graphwise"]["layers"]) == 3 and res["graphwise"]["batches"] == 2
+    # a raw .bin file needs the shape; a wrong one is reported with the file name
+    np.zeros((2, 3, 16, 16), np.float32).tofile(work / "calib" / "batch3.bin")
+    assert main(["quantize", "small.onnx", "--calib", "calib", "--no-export", "-q"]) == 0  # shape from the ONNX file
+    assert main(["quantize", "small.onnx", "--calib", "calib", "--input-shape", "1,3,20,20", "-q"]) == 1
+    assert "batch0.npy" in _error_line(capsys)
+
+
+def test_analyse_and_report(work, capsys):
+    pytest.importorskip("matplotlib")
+    args = ["cli_small_model:build", "--calib", "calib", "--analyse-steps", "2", "-q"]
+    assert main(["analyse", *args, "--layerwise", "--method", "cosine", "--json", "a.json"]) == 0
+    out = capsys.readouterr().out
+    assert "graphwise error" in out and "layerwise error" in out and "COSINE" in out
+    assert json.loads((work / "a.json").read_text())["layerwise"]["method"] == "cosine"
+    assert main(["report", *args, "--out", "rep"]) == 0
+    assert (work / "rep" / "report.html").is_file()
+    assert (work / "rep" / "plots" / "graphwise.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_fast(tmp_path, capsys):
+    assert main(["demo", "--fast", "--out", str(tmp_path / "demo"), "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "network snapshot" in out and "output SNR vs FP32" in out
+    line = next(row for row in out.splitlines() if "output SNR vs FP32" in row)
+    snr = float(line.split(":")[1].split("%")[0]) / 100
+    assert 0 < snr < 0.05
+    assert (tmp_path / "demo" / "resnet18_trt_int8.summary.txt").is_file()
+    if hasattr(fxq, "export"):  # TensorRT Q/DQ ONNX + the legacy calibration cache and json
+        for suffix in (".onnx", ".cache", ".json"):
+            assert (tmp_path / "demo" / f"resnet18_trt_int8{suffix}").is_file()
+
+
+def test_error_paths(work, capsys):
+    assert main(["quantize", "missing.onnx", "--calib", "calib"]) == 1
+    assert "missing.onnx" in _error_line(capsys)
+    (work / "empty").mkdir()
+    assert main(["quantize", "cli_small_model:build", "--calib", "empty"]) == 1
+    assert "empty" in _error_line(capsys)
+    assert main(["quantize", "cli_small_model:build", "--calib", "nowhere"]) == 1
+    assert "does not exist" in _error_line(capsys)
+    assert main(["quantize", "cli_small_model:build", "--calib", "calib", "--input-shape", "1,3,8,8"]) == 1
+    assert "batch0.npy" in _error_line(capsys)
+    bad = work / "bad"
+    bad.mkdir()
+    np.save(bad / "0.npy", np.zeros((1, 4, 16, 16), np.float32))
+    assert main(["quantize", "cli_small_model:build", "--calib", "bad"]) == 1
+    assert "does not run on the first batch" in _error_line(capsys)
+    assert main(["quantize", "cli_small_model:not_a_model", "--calib", "calib"]) == 1
+    assert "nn.Module" in _error_line(capsys)
+    assert main(["quantize", "model.prototxt", "--calib", "calib"]) == 1
+    assert "model.prototxt" in _error_line(capsys)
+    assert main(["quantize", "cli_small_model:build", "--calib", "calib", "--platform", "nope", "-q"]) == 1
+    assert "trt_int8" in _error_line(capsys)  # the message lists the registered platforms
+    assert main(["quantize"]) == 2  # usage error
+    capsys.readouterr()
+    assert main(["quantize", "missing.onnx", "--calib", "calib", "--verbose"]) == 1
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_python_m_fxq(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "fxq", "quantize", "missing.onnx", "--calib", str(tmp_path)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("fxq: error:")
