@@ -34,6 +34,7 @@ from fxq.graph.dispatch import register_dispatcher
 from fxq.graph.op_types import register_op_type
 from fxq.graph.summary import QuantSummary, summary
 from fxq.algorithms import register_algorithm
+from fxq.qat import freeze_bn, prepare_qat
 from fxq.frontends.onnx import load_onnx
 from fxq.frontends.caffe import load_caffe
 # --- export and native save / load
@@ -100,6 +101,9 @@ __all__ = [
     "register_dispatcher",
     "register_op_type",
     "register_algorithm",
+    # quantization-aware training
+    "prepare_qat",
+    "freeze_bn",
     # frontends
     "load_onnx",
     "load_caffe",

@@ -3,7 +3,11 @@
 Each algorithm registers itself with :func:`register_algorithm` under the setting switch that enables
 it and the stage it runs in (``"pre"`` before calibration on FP32 weights, ``"post"`` after it).
 A switch that is on with no registered algorithm raises :class:`fxq.NotSupportedError`.
+
+Registered: ``equalization`` (cross-layer equalization), ``bias_correct``, ``lsq_optimization`` (block-wise
+LSQ), ``adaround``, ``blockwise_reconstruction`` (BRECQ / QDrop).
 """
+from fxq.algorithms import adaround, bias_correction, brecq, equalization, lsq  # noqa: F401,E402  (registers)
 from fxq.algorithms.pipeline import ALGORITHM_ORDER, register_algorithm, run_algorithms
 
 __all__ = ["register_algorithm", "run_algorithms", "ALGORITHM_ORDER"]

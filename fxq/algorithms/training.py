@@ -1,0 +1,130 @@
+"""The one optimization loop of the block-wise algorithms (AdaRound, BRECQ/QDrop, LSQ).
+
+Plain torch: Adam, the block reconstruction loss (quantized block on quantized inputs vs the FP32 block on
+FP32 inputs), ``backward``, ``step``. QDrop (Wei et al., 2022) is two small things here: block inputs are
+taken element-wise from the FP32 model with probability ``drop_prob``, and every activation quantizer in
+the block leaves a random ``drop_prob`` share of its values un-quantized (:class:`DropQuantize`).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import fx, nn
+
+from fxq.algorithms.blocks import BlockData
+from fxq.errors import GraphError
+from fxq.nn.fake_quantize import FakeQuantize
+from fxq.spec import MIN_SCALE
+
+__all__ = ["DropQuantize", "train_block", "block_error", "Snapshot", "reconstruction_loss"]
+
+
+def reconstruction_loss(outputs: Sequence[Any], targets: Sequence[Any]) -> torch.Tensor:
+    """Squared error summed over features, averaged over the batch, summed over float outputs."""
+    loss = None
+    for o, t in zip(outputs, targets):
+        if not (isinstance(o, torch.Tensor) and o.is_floating_point()):
+            continue
+        n = o.shape[0] if o.dim() > 0 else 1
+        term = (o - t).pow(2).sum() / n
+        loss = term if loss is None else loss + term
+    if loss is None:
+        raise GraphError("a block's outputs hold no floating-point tensor to compare with FP32; leave its ops out "
+                         "with interested_layers or change block_size")
+    return loss
+
+
+class DropQuantize(nn.Module):
+    """Wrap an activation quantizer: each value stays un-quantized with probability ``drop_prob`` (QDrop)."""
+
+    def __init__(self, fq: FakeQuantize, drop_prob: float) -> None:
+        super().__init__()
+        self.fq = fq
+        self.drop_prob = float(drop_prob)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fq(x)
+        if self.drop_prob <= 0 or not x.is_floating_point():
+            return y
+        return torch.where(torch.rand_like(x) < self.drop_prob, x, y)
+
+
+def _mix(fp: tuple, q: tuple, drop_prob: float) -> tuple:
+    out = []
+    for a, b in zip(fp, q):
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.shape == b.shape:
+            out.append(torch.where(torch.rand_like(b) < drop_prob, a, b))
+        else:
+            out.append(b)
+    return tuple(out)
+
+
+@torch.no_grad()
+def block_error(data: BlockData, module: fx.GraphModule) -> float:
+    """Mean reconstruction loss of ``module`` (quantized, on quantized inputs) over every cached batch."""
+    total = 0.0
+    for b in range(data.num_batches):
+        total += float(reconstruction_loss(module(*data.inputs(b, quantized=True)), data.target(b)))
+    return total / max(1, data.num_batches)
+
+
+class Snapshot:
+    """Copies of some parameters and quantizer scales/offsets, to undo an optimization that did not help."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor] = (), quantizers: Iterable[FakeQuantize] = ()) -> None:
+        self.tensors = [(t, t.detach().clone()) for t in tensors]
+        self.quantizers = [(q, q.scale.detach().clone(), q.offset.detach().clone()) for q in quantizers]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for t, saved in self.tensors:
+            t.data.copy_(saved)
+        for q, scale, offset in self.quantizers:
+            q.set_qparams(scale, offset, state=None)
+
+
+def train_block(
+    data: BlockData,
+    module: fx.GraphModule,
+    param_groups: list[dict],
+    steps: int,
+    regularizer: Callable[[int], torch.Tensor] | None = None,
+    drop_prob: float = 0.0,
+    positive: Sequence[FakeQuantize] = (),
+    progress: "Callable[[float], None] | None" = None,
+    seed: int = 0,
+) -> float:
+    """Minimize the block reconstruction loss (+ ``regularizer(step)``) over ``param_groups`` with Adam.
+
+    The scales of the quantizers in ``positive`` (learned ones) are kept at or above ``MIN_SCALE``.
+
+    One calibration batch per step, chosen at random; modules keep their train/eval mode (BatchNorm left
+    in the graph is not updated). Returns the last reconstruction loss.
+    """
+    params: Iterable = [p for g in param_groups for p in g["params"]]
+    if not list(params) or steps <= 0:
+        return float("nan")
+    opt = torch.optim.Adam(param_groups)
+    gen = torch.Generator().manual_seed(seed)
+    nb = data.num_batches
+    last = float("nan")
+    for step in range(steps):
+        b = int(torch.randint(nb, (1,), generator=gen))
+        inputs = data.inputs(b, quantized=True)
+        if drop_prob > 0:
+            inputs = _mix(data.inputs(b, quantized=False), inputs, drop_prob)
+        out = module(*inputs)
+        rec = reconstruction_loss(out, data.target(b))
+        loss = rec if regularizer is None else rec + regularizer(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if positive:
+            with torch.no_grad():
+                for fq in positive:
+                    fq.scale.clamp_(min=MIN_SCALE)
+        last = float(rec.detach())
+        if progress is not None:
+            progress(last)
+    return last
