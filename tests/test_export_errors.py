@@ -100,3 +100,15 @@ def test_failed_export_keeps_the_previous_file(models, tmp_path):
     fxq.export(models["trt_int8"], "tensorrt", target)
     assert target.read_bytes() != b"previous"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]  # no temp files left
+
+
+def test_atomic_writes_get_normal_permissions(tmp_path):
+    import os
+    import stat
+
+    from fxq.io import atomic_write_text
+
+    path = atomic_write_text(tmp_path / "x.txt", "hello")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask
