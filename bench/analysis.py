@@ -11,8 +11,8 @@ median over rounds is reported (with min / max), for wall time and for this proc
   ``ops="quantized"``.
 
 The fused CPU fake-quant path (``FXQ_CPU_FUSED``, compiled by inductor after some eager use) is warmed
-up by two untimed quantized passes over the data, so that no compile lands in a timed section;
-``--no-fused`` measures the eager fake-quant instead.
+up by untimed quantized passes over the data until nothing new compiles, so that no compile lands in a
+timed section; ``--no-fused`` measures the eager fake-quant instead.
 
 Usage: ``python bench/analysis.py [--batches 8] [--batch-size 8] [--size 224] [--rounds 5] [--no-fused]``
 """
@@ -49,6 +49,7 @@ def main() -> None:
     import torchvision
 
     import fxq
+    from fxq.fused_cpu import fused_cpu_stats
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -79,11 +80,14 @@ def main() -> None:
     def graphwise_all() -> None:
         fxq.graphwise_error_analyse(gm, data, steps=args.batches, ops="quantized")
 
-    with torch.no_grad():  # warm-up (and the fused fake-quant compile, if enabled)
+    with torch.no_grad():  # warm-up, until the fused fake-quant path (if enabled) has compiled what it needs
         model(data[0])
-        for _ in range(2):
+        for _ in range(30):
+            compiles = fused_cpu_stats()["compiles"]
             for x in data:
                 gm(x)
+            if args.no_fused or (compiles and fused_cpu_stats()["compiles"] == compiles):
+                break
     runs = [("graphwise", graphwise), ("two_passes", two_passes)]
     if args.all_ops:
         runs.append(("graphwise_all_ops", graphwise_all))
@@ -109,6 +113,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "fused_cpu_fake_quant": os.environ.get("FXQ_CPU_FUSED", "default"),
         "rounds": args.rounds,
+        "fused_cpu_stats": {k: round(v, 2) for k, v in fused_cpu_stats().items()},
         "wall_s": seconds,
         "quantize_s": round(t_quant, 2),
         **{f"{name}_x_floor": {kind: summary(v) for kind, v in r.items()} for name, r in ratios.items()},

@@ -13,7 +13,7 @@ from torch import fx
 from tqdm.auto import tqdm
 
 from fxq.analysis.engine import iter_bound_batches, output_names, run_two_pass
-from fxq.analysis.metrics import MetricAccumulator, check_metric, format_value, higher_is_better
+from fxq.analysis.metrics import MetricAccumulator, Scratch, check_metric, format_value, higher_is_better
 from fxq.analysis.runner import GraphRunner, analysis_mode, tensors_of
 from fxq.errors import CalibrationError, ConfigError, FxqError
 from fxq.graph.data import count_batches
@@ -186,7 +186,8 @@ class _LayerProbe:
         self.runner = runner
         self.method = method
         self.measure = {n: runner.own_output_quantizer(n) or n for n in layers}
-        self.acc = {n: MetricAccumulator(method) for n in layers}
+        self.scratch = Scratch()
+        self.acc = {n: MetricAccumulator(method, self.scratch) for n in layers}
         self.out_acc: list[MetricAccumulator] = []
 
     def fp32_watch(self) -> dict[fx.Node, Callable[[Any], None]]:
@@ -206,7 +207,7 @@ class _LayerProbe:
     def _outputs_fp32(self, value: Any) -> None:
         ts = tensors_of(value)
         while len(self.out_acc) < len(ts):
-            self.out_acc.append(MetricAccumulator(self.method))
+            self.out_acc.append(MetricAccumulator(self.method, self.scratch))
         for acc, t in zip(self.out_acc, ts):
             acc.reference(t)
 
@@ -337,6 +338,7 @@ def layerwise_error_analyse(
         todo = {n: [n] + ([plans[n].output_quantizer] if plans[n].output_quantizer is not None else [])
                 for n in layers}
     accs: dict[fx.Node, list[MetricAccumulator]] = {n: [] for n in layers}
+    scratch = Scratch()
     batches = 0
     with analysis_mode(model):
         total = count_batches(data, steps)
@@ -365,7 +367,7 @@ def layerwise_error_analyse(
                     pairs = [(cache[node], got.get("v"))]
                 acc = accs[layer]
                 while len(acc) < len(pairs):
-                    acc.append(MetricAccumulator(method))
+                    acc.append(MetricAccumulator(method, scratch))
                 for a, (f, q) in zip(acc, pairs):
                     if isinstance(f, torch.Tensor) and isinstance(q, torch.Tensor):
                         a.reference(f)

@@ -15,7 +15,7 @@ import torch
 
 from fxq.errors import ConfigError
 
-__all__ = ["METRICS", "MetricAccumulator", "check_metric", "higher_is_better", "format_value"]
+__all__ = ["METRICS", "MetricAccumulator", "Scratch", "check_metric", "higher_is_better", "format_value"]
 
 METRICS = ("snr", "cosine", "mse")
 
@@ -46,17 +46,37 @@ def format_value(method: str, value: float) -> str:
     return f"{value:.4e}"
 
 
+class Scratch:
+    """One reusable buffer for ``q - f``: large fresh allocations cost page faults on every batch."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def diff(self, q: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        """``q - f`` (float32) written into the buffer; valid until the next call."""
+        n = q.numel()
+        buf = self._buf
+        if buf is None or buf.device != q.device or buf.numel() < n:
+            buf = self._buf = torch.empty(n, dtype=torch.float32, device=q.device)
+        out = buf[:n].view(q.shape)
+        if q.dtype == torch.float32 and f.dtype == torch.float32:
+            return torch.sub(q, f, out=out)
+        return torch.sub(q.float(), f.float(), out=out)
+
+
 class MetricAccumulator:
     """Running sums for one compared tensor.
 
     Call :meth:`reference` with the FP32 value, then :meth:`compare` with the quantized value of the
-    same batch; :attr:`value` is the metric over everything seen.
+    same batch; :attr:`value` is the metric over everything seen. Accumulators that share a
+    :class:`Scratch` must compare one at a time (they do: values arrive node by node).
     """
 
-    __slots__ = ("method", "_ref", "_noise", "_signal", "_count")
+    __slots__ = ("method", "_ref", "_noise", "_signal", "_count", "_scratch")
 
-    def __init__(self, method: str) -> None:
+    def __init__(self, method: str, scratch: Scratch | None = None) -> None:
         self.method = check_metric(method)
+        self._scratch = scratch
         self._ref: torch.Tensor | None = None
         self._noise: torch.Tensor | float = 0.0
         self._signal: torch.Tensor | float = 0.0
@@ -91,7 +111,10 @@ class MetricAccumulator:
             self._noise = self._noise + cos.sum()
             self._count += int(cos.numel())
             return
-        diff = q.float() - f.float() if q.dtype != torch.float32 or f.dtype != torch.float32 else q - f
+        if self._scratch is not None:
+            diff = self._scratch.diff(q, f)
+        else:
+            diff = q.float() - f.float()
         self._noise = self._noise + torch.linalg.vector_norm(diff).double() ** 2
         self._count += f.numel()
 
