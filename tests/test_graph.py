@@ -397,3 +397,18 @@ def test_passive_clip_bounds_quantized_on_ppl_and_restored_in_fp32():
     assert act.max_val != 6.0
     trt = fxq.quantize(model, data, "trt_int8", progress=False)
     assert trt.get_submodule("act").max_val == 6.0  # TensorRT keeps clip bounds as they are
+
+
+def test_inplace_function_forms_have_op_types():
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            return F.max_pool2d(torch.relu_(self.c(x)), 2)
+
+    q = fxq.quantize(InPlace().eval(), _data((1, 3, 8, 8)), "trt_int8", progress=False)
+    assert _node(q, "relu_").meta["fxq"].op_type == "Relu"
+    assert _node(q, "c").meta["fxq"].output_state is QuantState.OVERLAPPED
+    assert _node(q, "max_pool2d").meta["fxq"].output_state is QuantState.PASSIVE
