@@ -161,8 +161,8 @@ class Platform:
         return {
             "name": self.name,
             "description": self.description,
-            "activation": repr(self.activation),
-            "weight": repr(self.weight),
+            "activation": repr(self.activation.replace(observer=self.activation_observer)),
+            "weight": repr(self.weight.replace(observer=self.weight_observer)),
             "bias": "fp32" if self.bias_bits is None else f"int{self.bias_bits} passive",
             "rounding": self.rounding.name,
             "quantized_ops": sorted(self.quantized_ops),
