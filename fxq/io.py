@@ -26,22 +26,27 @@ def check_writable_dir(directory: str | os.PathLike) -> Path:
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; it replaces ``path`` only if the block succeeds."""
     target = Path(path)
-    check_writable_dir(target.parent if str(target.parent) else ".")
+    check_writable_dir(target.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
         yield Path(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the usual permissions
+        with open(tmp, "rb+") as fh:  # on disk before it replaces the target
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; give the file the usual permissions
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
+def _read_umask() -> int:
+    mask = os.umask(0)  # read once at import: changing it later would race with other threads' file creation
     os.umask(mask)
     return mask
+
+
+_UMASK = _read_umask()
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:

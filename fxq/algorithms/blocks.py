@@ -26,7 +26,7 @@ from torch import fx, nn
 from fxq.errors import CalibrationError, GraphError
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
 from fxq.graph.data import iter_batches, model_device, to_call_args
-from fxq.graph.info import QUANTIZERS_ATTR, NodeQuant, QuantizerInfo, graph_quant, iter_quantizers
+from fxq.graph.info import QUANTIZERS_ATTR, NodeQuant, QuantizerInfo, graph_quant, is_quantizer_node, iter_quantizers
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize, fake_quant_mode
 from fxq.qconfig.base import COMPUTING_OPS
@@ -119,10 +119,6 @@ def matches_layer(node: fx.Node, patterns: Sequence[str]) -> bool:
         if any(rx.fullmatch(n) for n in names):
             return True
     return False
-
-
-def _is_quantizer_node(node: fx.Node) -> bool:
-    return node.op == "call_module" and str(node.target).startswith(QUANTIZERS_ATTR + ".")
 
 
 def _param_like(gm: fx.GraphModule) -> set[fx.Node]:
@@ -234,7 +230,7 @@ def partition_blocks(gm: fx.GraphModule, block_size: int) -> list[Block]:
         i = pos[comp[k]]
         # move back over parameter chains and input quantizers, so they belong to the block that uses them
         while i > starts[-1] + 1 and (order[i - 1] in params or (
-                _is_quantizer_node(order[i - 1]) and order[i - 1].args[0] is order[i - 2])):
+                is_quantizer_node(order[i - 1]) and order[i - 1].args[0] is order[i - 2])):
             i -= 1
         if i > starts[-1]:
             starts.append(i)
@@ -247,10 +243,10 @@ def partition_blocks(gm: fx.GraphModule, block_size: int) -> list[Block]:
         members = set(nodes)
         inputs = _external_inputs(nodes, members, params)
         outputs = [n for n in nodes if any(u not in members for u in n.users)]
-        qnames = [str(n.target)[len(QUANTIZERS_ATTR) + 1:] for n in order[a:b] if _is_quantizer_node(n)]
+        qnames = [str(n.target)[len(QUANTIZERS_ATTR) + 1:] for n in order[a:b] if is_quantizer_node(n)]
         for n in nodes:  # weight quantizers of the block's ops (copied parameter chains)
             for x in n.all_input_nodes:
-                if x in params and _is_quantizer_node(x):
+                if x in params and is_quantizer_node(x):
                     name = str(x.target)[len(QUANTIZERS_ATTR) + 1:]
                     if name not in qnames:
                         qnames.append(name)

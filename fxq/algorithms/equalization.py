@@ -31,7 +31,7 @@ from torch import fx
 from fxq.algorithms.blocks import param_target
 from fxq.algorithms.pipeline import register_algorithm
 from fxq.graph.data import iter_batches, to_call_args
-from fxq.graph.info import QUANTIZERS_ATTR, NodeQuant
+from fxq.graph.info import NodeQuant, is_quantizer_node
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import fake_quant_mode
 from fxq.setting import QuantizationSetting
@@ -59,10 +59,6 @@ class EqualizationGroup:
 def _op_type(node: fx.Node) -> str | None:
     nq = node.meta.get("fxq")
     return nq.op_type if isinstance(nq, NodeQuant) else None
-
-
-def _is_quantizer(node: fx.Node) -> bool:
-    return node.op == "call_module" and str(node.target).startswith(QUANTIZERS_ATTR + ".")
 
 
 def _weighted(node: fx.Node) -> bool:
@@ -117,7 +113,7 @@ def _find_group(start: fx.Node, opt_level: int, taken: set[fx.Node]) -> Equaliza
             ups.append(n)
             work.extend((u, "fwd", n) for u in n.users)
             continue
-        unary = _is_quantizer(n) or t in HOMOGENEOUS_OPS or (t in _FLATTEN_OPS and _channel_preserving_flatten(n))
+        unary = is_quantizer_node(n) or t in HOMOGENEOUS_OPS or (t in _FLATTEN_OPS and _channel_preserving_flatten(n))
         if unary and (direction == "bwd" or _data_input(n) is via):
             members.add(n)
             if direction == "bwd":

@@ -108,7 +108,7 @@ def train_block(
     opt = torch.optim.Adam(param_groups)
     gen = torch.Generator().manual_seed(seed)
     nb = data.num_batches
-    last = float("nan")
+    last = None
     for step in range(steps):
         b = int(torch.randint(nb, (1,), generator=gen))
         inputs = data.inputs(b, quantized=True)
@@ -124,7 +124,7 @@ def train_block(
             with torch.no_grad():
                 for fq in positive:
                     fq.scale.clamp_(min=MIN_SCALE)
-        last = float(rec.detach())
+        last = rec.detach()  # stays a tensor: no host sync per step
         if progress is not None:
             progress(last)
-    return last
+    return float("nan") if last is None else float(last)

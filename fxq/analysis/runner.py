@@ -25,7 +25,7 @@ from torch import fx, nn
 
 from fxq.errors import CalibrationError, ConfigError
 from fxq.graph.data import to_call_args
-from fxq.graph.info import QUANTIZERS_ATTR, NodeQuant, QuantizerInfo, graph_quant, iter_quantizers
+from fxq.graph.info import NodeQuant, QuantizerInfo, graph_quant, is_quantizer_node, iter_quantizers
 from fxq.graph.passes import get_attr_value
 from fxq.spec import QuantState
 
@@ -55,10 +55,6 @@ def tensors_of(value: Any) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     fx.node.map_aggregate(value, lambda v: out.append(v) if isinstance(v, torch.Tensor) else None)
     return out
-
-
-def _is_quantizer(node: fx.Node) -> bool:
-    return node.op == "call_module" and str(node.target).startswith(QUANTIZERS_ATTR + ".")
 
 
 def _out_of_place_function(target: Callable) -> Callable | None:
@@ -102,7 +98,7 @@ class GraphRunner:
         self.modules = dict(gm.named_modules())
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.output_node = next(n for n in reversed(self.nodes) if n.op == "output")
-        self.quantizers = {n: self.modules[str(n.target)] for n in self.nodes if _is_quantizer(n)}
+        self.quantizers = {n: self.modules[str(n.target)] for n in self.nodes if is_quantizer_node(n)}
         # values freed after each node (the node of their last use)
         last_use: dict[fx.Node, fx.Node] = {}
         for node in self.nodes:
@@ -136,7 +132,7 @@ class GraphRunner:
         if not isinstance(nq, NodeQuant) or nq.output is None or nq.output_state is not QuantState.ACTIVATED:
             return None
         for user in node.users:
-            info = self.quantizer_info(user) if _is_quantizer(user) else None
+            info = self.quantizer_info(user) if is_quantizer_node(user) else None
             if info is not None and info.name == nq.output and user.args and user.args[0] is node:
                 return user
         return None

@@ -93,7 +93,11 @@ def derive_passive_parameters(gm: fx.GraphModule) -> None:
         bias.set_qparams(scale, torch.zeros_like(scale), state=QuantState.PASSIVE)
 
 
-_CLIP_FUNCS = {"hardtanh": (1, 2), "relu6": (None, None), "clamp": (1, 2), "clip": (1, 2)}
+_CLIP_BOUNDS = {  # function name -> (position, keyword) of its lower and upper bound
+    "hardtanh": ((1, "min_val"), (2, "max_val")),
+    "clamp": ((1, "min"), (2, "max")),
+    "clip": ((1, "min"), (2, "max")),
+}
 
 
 def _passive_constant_sites(gm: fx.GraphModule):
@@ -122,11 +126,8 @@ def _passive_constant_sites(gm: fx.GraphModule):
             if len(node.args) > idx or "value" in node.kwargs:
                 yield from _arg_site(node, idx, "value", q)
         elif node.op == "call_function":
-            name = getattr(node.target, "__name__", "")
-            for idx, kw in zip(_CLIP_FUNCS.get(name, (None, None)), ("min", "max")):
-                if idx is not None:
-                    kw = {"hardtanh": ("min_val", "max_val")}.get(name, ("min", "max"))[0 if kw == "min" else 1]
-                    yield from _arg_site(node, idx, kw, q)
+            for idx, kw in _CLIP_BOUNDS.get(getattr(node.target, "__name__", "").rstrip("_"), ()):
+                yield from _arg_site(node, idx, kw, q)
 
 
 def _arg_site(node: fx.Node, idx: int, kw: str, q: str):
@@ -206,6 +207,10 @@ def unbake_parameters(gm: fx.GraphModule) -> None:
         fq.config.state = QuantState.ACTIVATED if fq.config.state is QuantState.BAKED else QuantState.PASSIVE
 
 
+def _is_baked(gm: fx.GraphModule) -> bool:
+    return any(getattr(fq, "_fp32_backup", None) is not None for _, fq in iter_quantizers(gm))
+
+
 def _check_ready(gm: fx.GraphModule) -> None:
     pending = [n for n, fq in iter_quantizers(gm) if fq.config.state in (QuantState.INITIAL, QuantState.PASSIVE_INIT)]
     if pending:
@@ -227,8 +232,7 @@ def convert(gm: fx.GraphModule, bake: bool = True) -> fx.GraphModule:
         fq.observer = None
         if fq.learnable:
             fq.freeze()
-    if isinstance(gm.meta.get("fxq"), GraphQuant) and not any(
-            getattr(fq, "_fp32_backup", None) is not None for _, fq in iter_quantizers(gm)):
+    if isinstance(gm.meta.get("fxq"), GraphQuant) and not _is_baked(gm):
         derive_passive_parameters(gm)
     if bake:
         bake_parameters(gm)
@@ -256,7 +260,7 @@ def switch_to_quantized(gm: fx.GraphModule, bake: bool = True) -> fx.GraphModule
 def fp32_mode(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
     """Run ``gm`` in FP32 inside the block, quantized again after it (modes and baking restored)."""
     saved = {n: (fq.observe_enabled, fq.quant_enabled) for n, fq in iter_quantizers(gm)}
-    was_baked = any(getattr(fq, "_fp32_backup", None) is not None for _, fq in iter_quantizers(gm))
+    was_baked = _is_baked(gm)
     switch_to_fp32(gm)
     try:
         yield gm

@@ -20,7 +20,7 @@ from torch import fx, nn
 from fxq.spec import QuantState
 
 __all__ = ["NodeQuant", "QuantizerInfo", "GraphQuant", "QUANTIZERS_ATTR", "node_quant", "iter_quantizers",
-           "graph_quant", "quantizer_nodes"]
+           "graph_quant", "quantizer_nodes", "is_quantizer_node"]
 
 QUANTIZERS_ATTR = "fxq_quantizers"
 """Name of the ``nn.ModuleDict`` of a prepared GraphModule that holds every FakeQuantize."""
@@ -70,11 +70,13 @@ def graph_quant(gm: fx.GraphModule) -> GraphQuant:
     return info
 
 
+def is_quantizer_node(node: fx.Node) -> bool:
+    """True for the ``call_module`` nodes that run one of ``gm.fxq_quantizers``."""
+    return node.op == "call_module" and str(node.target).startswith(QUANTIZERS_ATTR + ".")
+
+
 def quantizer_nodes(gm: fx.GraphModule) -> Iterator[fx.Node]:
-    prefix = QUANTIZERS_ATTR + "."
-    for node in gm.graph.nodes:
-        if node.op == "call_module" and str(node.target).startswith(prefix):
-            yield node
+    return (node for node in gm.graph.nodes if is_quantizer_node(node))
 
 
 def iter_quantizers(gm: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -218,8 +218,6 @@ class _Builder:
                     nq.inputs[src.name] = self.covering[node][0]
                     del overlapped_by[src]
             nq.output, nq.output_state = self.covering[node]
-        for src in overlapped_by:  # activation ended up without an own quantizer: cover conv itself
-            logger.debug("fusion target of %s has no quantizer", src.name)
         self._record_alignment(gq)
         for node in graph.nodes:  # only output decisions; input-only quantizers belong to their consumers
             nq = node.meta.get("fxq")

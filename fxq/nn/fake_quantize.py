@@ -51,6 +51,7 @@ class FakeQuantize(nn.Module):
         offset = config.offset if config.offset is not None else torch.zeros_like(scale)
         self.register_buffer("scale", scale.detach().clone().float())
         self.register_buffer("offset", offset.detach().clone().float())
+        self._qparams_set = config.scale is not None  # the buffers hold placeholders until parameters are set
         self._sync_config()
         self.observer: Observer | None = None
         self.observe_enabled = False
@@ -86,10 +87,10 @@ class FakeQuantize(nn.Module):
         return isinstance(self.scale, nn.Parameter)
 
     def _sync_config(self) -> None:
-        self.config.scale = self.scale
-        self.config.offset = self.offset
+        """Point ``config.scale/offset`` at the buffers once they hold real parameters (None before)."""
+        self.config.scale = self.scale if self._qparams_set else None
+        self.config.offset = self.offset if self._qparams_set else None
 
-    # ------------------------------------------------------------------ parameters
     def set_qparams(self, scale: Any, offset: Any = None, state: QuantState | None = QuantState.ACTIVATED) -> None:
         """Validate and store new parameters in place (keeps Parameter identity for optimizers)."""
         probe = self.config.replace(scale=None, offset=None)
@@ -104,6 +105,7 @@ class FakeQuantize(nn.Module):
                     current.data = value.clone()
                 else:
                     setattr(self, attr, value.clone())
+        self._qparams_set = True
         self._sync_config()
         if state is not None:
             self.config.state = state
@@ -162,6 +164,9 @@ class FakeQuantize(nn.Module):
         learnable_scale = d.pop("learnable_scale", False)
         learnable_offset = d.pop("learnable_offset", False)
         self.config = TensorQuantConfig.from_dict({**d, "scale": None, "offset": None})
+        self.observer = None  # built from the old config; rebuilt on the next set_mode("observe")
+        self._qparams_set = self.config.state not in (QuantState.INITIAL, QuantState.PASSIVE_INIT)
+        self.freeze()  # the checkpoint decides what is learnable
         if learnable_scale or learnable_offset:
             self.make_learnable(scale=learnable_scale, offset=learnable_offset)
         self._sync_config()

@@ -127,11 +127,21 @@ def resolve_function(name: str) -> Callable[..., Any]:
     if ns_name == "builtins" and attr in _BUILTINS:
         return getattr(builtins, attr)
     ns = _FUNCTION_NAMESPACES.get(ns_name)
+    if attr in _DENIED:
+        ns = None  # files must not be able to name I/O or code-loading functions
     obj = getattr(ns, attr, None) if ns is not None and not attr.startswith("__") else None
     if ns is None or obj is None or not callable(obj):
         raise NotSupportedError(f"function {name!r} is not allowed in fxq files; register it with "
                                 f"fxq.serialization.register_serializable before fxq.load")
     return obj
+
+
+_DENIED = frozenset({
+    "save", "load", "from_file", "load_library", "compile", "jit", "hub", "package", "set_default_device",
+    "set_default_dtype", "set_num_threads", "manual_seed", "seed", "use_deterministic_algorithms", "set_printoptions",
+    "export", "onnx",
+})
+"""Names refused in every namespace, even where the namespace is otherwise allowed (torch.save, torch.load...)."""
 
 
 def check_method(name: str) -> str:
