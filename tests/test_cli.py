@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-import fxq
 from fxq.cli import main
 
 MODEL_SOURCE = textwrap.dedent(
@@ -83,14 +82,12 @@ def test_quantize_python_factory(work, capsys):
     out = capsys.readouterr().out
     assert (work / "out" / "build_trt_int8.summary.txt").is_file()
     assert "wrote:" in out and "build_trt_int8.summary.txt" in out
-    if hasattr(fxq, "export"):
-        assert (work / "out" / "build_trt_int8.onnx").is_file()
-    if hasattr(fxq, "load"):  # a saved quantized model is analysed / exported as it is
-        assert main(["analyse", "out/build_trt_int8.fxq", "--calib", "calib", "--analyse-steps", "1", "-q"]) == 0
-        assert "graphwise error" in capsys.readouterr().out
+    assert (work / "out" / "build_trt_int8.onnx").is_file()
+    # a saved quantized model is analysed / exported as it is
+    assert main(["analyse", "out/build_trt_int8.fxq", "--calib", "calib", "--analyse-steps", "1", "-q"]) == 0
+    assert "graphwise error" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(not hasattr(fxq, "load_onnx"), reason="fxq.load_onnx (ONNX frontend) not available")
 def test_onnx_quantize_and_analyse(work, capsys):
     import cli_small_model
 
@@ -98,8 +95,7 @@ def test_onnx_quantize_and_analyse(work, capsys):
                       dynamo=False, input_names=["input"], output_names=["logits"])
     assert main(["quantize", "small.onnx", "--calib", "calib", "--out", "out", "--steps", "2", "-q"]) == 0
     assert (work / "out" / "small_trt_int8.summary.txt").is_file()
-    if hasattr(fxq, "export"):
-        assert (work / "out" / "small_trt_int8.onnx").is_file()
+    assert (work / "out" / "small_trt_int8.onnx").is_file()
     capsys.readouterr()
     assert main(["analyse", "small.onnx", "--calib", "calib", "--analyse-steps", "2", "--json", "res.json", "-q"]) == 0
     out = capsys.readouterr().out
@@ -133,9 +129,8 @@ def test_demo_fast(tmp_path, capsys):
     snr = float(line.split(":")[1].split("%")[0]) / 100
     assert 0 < snr < 0.05
     assert (tmp_path / "demo" / "resnet18_trt_int8.summary.txt").is_file()
-    if hasattr(fxq, "export"):  # TensorRT Q/DQ ONNX + the legacy calibration cache and json
-        for suffix in (".onnx", ".cache", ".json"):
-            assert (tmp_path / "demo" / f"resnet18_trt_int8{suffix}").is_file()
+    for suffix in (".onnx", ".cache", ".json"):  # TensorRT Q/DQ ONNX + the legacy calibration cache and json
+        assert (tmp_path / "demo" / f"resnet18_trt_int8{suffix}").is_file()
 
 
 def test_error_paths(work, capsys):

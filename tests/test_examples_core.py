@@ -31,7 +31,7 @@ def test_custom_platform_example():
 def test_low_bit_example():
     results = _load("low_bit").main(["--fast"])
     assert results["W8A8"] < results["W6A6"] < results["W4A4"]
-    assert results["W8A8"] < results["mixed 4/8"] < results["W4A4"] * 1.5
+    assert results["W8A8"] <= results["mixed 4/8"] < results["W4A4"]
 
 
 @pytest.mark.parametrize("name", ["quantize_torch_model", "custom_platform", "low_bit"])

@@ -15,30 +15,21 @@ the default setting, exported, and run in the real runtimes:
 
 The per-tensor (teacher-forced) comparisons live in test_export_onnx.py and test_export_ncnn.py.
 """
-import copy
-
 import numpy as np
 import pytest
 import torch
 import torchvision
+from _export_helpers import ort_session
 
 import fxq
 
-from _export_helpers import ort_session
-from _models import with_bn_statistics
+from _models import mobilenet_v2
 
 ncnn = pytest.importorskip("ncnn")
 
 
 def _mobilenet_v2() -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = torchvision.models.mobilenet_v2().eval()
-    data_stats = with_bn_statistics(copy.deepcopy(model), (4, 3, 64, 64))
-    for a, b in zip(model.modules(), data_stats.modules()):
-        if isinstance(a, torch.nn.BatchNorm2d):
-            a.running_mean.lerp_(b.running_mean, 0.5)
-            a.running_var.lerp_(b.running_var, 0.5)
-    return model.eval()
+    return mobilenet_v2(num_classes=1000)
 
 
 def _resnet18() -> torch.nn.Module:

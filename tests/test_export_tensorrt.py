@@ -167,10 +167,7 @@ def test_models_from_onnx_keep_their_names(tmp_path):
         torch.onnx.export(model, (torch.randn(2, 3, 16, 16),), buf, dynamo=False, opset_version=13,
                           input_names=["images"], output_names=["logits"])
     source = onnx.load_from_string(buf.getvalue())
-    try:
-        gm = fxq.load_onnx(source)
-    except fxq.FrontendError as exc:  # the frontend is another module's job
-        pytest.skip(f"load_onnx unavailable: {exc}")
+    gm = fxq.load_onnx(source)
     q = quantize_model(gm, "trt_int8", shape=(2, 3, 16, 16))
     main, fp32, cache, js = fxq.export(q, "trt_int8", tmp_path / "m.onnx", legacy=True)
     exported = onnx.load(main)

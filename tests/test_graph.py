@@ -182,11 +182,17 @@ def test_ppl_bias_is_passive_input_times_weight_scale():
     q = fxq.quantize(small_cnn(), _data(), "ppl_cuda_int8", progress=False)
     biases = _quantizers_by_role(q, "bias")
     assert biases
-    gq = q.meta["fxq"]
+    infos = q.meta["fxq_quantizer_infos"]
     for name, fq in biases.items():
         assert fq.config.state is QuantState.PASSIVE_BAKED and fq.config.num_bits == 32
-        data_q, weight_q = gq.bias_deps[name]
-        expected = q.fxq_quantizers[data_q].scale * q.fxq_quantizers[weight_q].scale
+        (consumer,) = infos[name].consumers  # found from the graph, not from the bias bookkeeping
+        op = _node(q, consumer)
+        x, w_q = op.args[0], op.args[1]
+        assert w_q.meta["fxq_quantizer"].role == "weight"
+        while "fxq_quantizer" not in x.meta:  # passive ops (MaxPool) pass their input's quantized values on
+            assert x.meta["fxq"].output_state is QuantState.PASSIVE
+            x = x.args[0]
+        expected = q.get_submodule(x.target).scale * q.get_submodule(w_q.target).scale
         assert torch.allclose(fq.scale, expected)
 
 

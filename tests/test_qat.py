@@ -3,6 +3,7 @@ breaks, DDP with two gloo processes, frozen BatchNorm, and the torchvision examp
 from __future__ import annotations
 
 import importlib.util
+import math
 import pathlib
 
 import pytest
@@ -223,5 +224,5 @@ def test_qat_torchvision_example(tmp_path):
     spec.loader.exec_module(mod)
     assert mod.__doc__
     result = mod.main(["--fast", "--backend", "aot_eager", "--out", str(tmp_path)])
-    assert len(result["losses"]) == 4 and all(l == l for l in result["losses"])  # noqa: E741  (finite)
+    assert len(result["losses"]) == 4 and all(math.isfinite(v) for v in result["losses"])
     assert result["written"] and all(pathlib.Path(p).exists() for p in result["written"])

@@ -34,10 +34,9 @@ def test_every_platform_quantizes(model_name, platform):
     with torch.no_grad():
         ref, out = model(data[0]), q(data[0])
     assert out.shape == ref.shape and torch.isfinite(out).all()
-    if fxq.get_platform(platform).weight.num_bits >= 8:
-        # the signal survives; accuracy proper is asserted on ResNet-18 below (random MobileNetV2 with
-        # per-tensor depthwise weights, and 4-bit PTQ, are not meant to be accurate)
-        assert noise_ratio(out, ref) < 1.0
+    # measured on these seeded models: <= 0.027 at 8 bits on every platform, <= 0.16 at 4 bits
+    bound = 0.05 if fxq.get_platform(platform).weight.num_bits >= 8 else 0.5
+    assert noise_ratio(out, ref) < bound
     with torch.no_grad(), fxq.fp32_mode(q):
         assert torch.allclose(q(data[0]), ref, atol=1e-4, rtol=1e-4)
     with torch.no_grad():

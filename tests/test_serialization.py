@@ -77,10 +77,7 @@ def test_model_from_onnx_round_trip(tmp_path):
         warnings.simplefilter("ignore")
         torch.onnx.export(SmallCNN().eval(), (torch.randn(1, 3, 16, 16),), buf, dynamo=False, opset_version=13,
                           input_names=["images"], output_names=["logits"])
-    try:
-        gm = fxq.load_onnx(onnx.load_from_string(buf.getvalue()))
-    except fxq.FrontendError as exc:
-        pytest.skip(f"load_onnx unavailable: {exc}")
+    gm = fxq.load_onnx(onnx.load_from_string(buf.getvalue()))
     q = quantize_model(gm, "trt_int8", shape=(2, 3, 16, 16))
     again = fxq.load(fxq.save(q, tmp_path / "onnx.fxq"))
     x = torch.randn(2, 3, 16, 16)
@@ -129,3 +126,12 @@ def test_bad_files(tmp_path):
         fxq.save(SmallCNN(), tmp_path / "m.fxq")
     with pytest.raises(fxq.ExportError, match="does not exist"):
         fxq.save(small_quantized("trt_int8"), tmp_path / "nowhere" / "m.fxq")
+
+
+def test_files_cannot_name_io_functions():
+    from fxq.serialization.allowlist import function_name, resolve_function
+
+    assert resolve_function(function_name(torch.conv2d)) is torch.conv2d
+    for name in ("torch:save", "torch:load", "torch:from_file"):
+        with pytest.raises(fxq.NotSupportedError):
+            resolve_function(name)
