@@ -24,6 +24,7 @@ __all__ = [
     "qparams_from_minmax",
     "round_scale_to_power_of_2",
     "broadcast_qparam",
+    "representable_range",
 ]
 
 
@@ -60,6 +61,18 @@ def broadcast_qparam(p: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Tenso
     return p.reshape(shape)
 
 
+def _linear_codes(x: torch.Tensor, s: torch.Tensor, o: torch.Tensor, quant_min: float, quant_max: float,
+                  rounding: int) -> torch.Tensor:
+    """``clamp(round(x / s) + o, qmin, qmax)``: the integer grid, as floats of ``x``'s dtype."""
+    return torch.clamp(round_with_policy(x / s, rounding) + o, quant_min, quant_max)
+
+
+def _fp_round_to_grid(v: torch.Tensor, mantissa_bits: int, min_exponent: int, rounding: int) -> torch.Tensor:
+    """Round an already clamped ``v`` to the FP8 grid (its mantissa rounded under ``rounding``)."""
+    step = _fp_grid_step(v, mantissa_bits, min_exponent)
+    return round_with_policy(v / step, rounding) * step
+
+
 def linear_fake_quantize_reference(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -72,8 +85,7 @@ def linear_fake_quantize_reference(
     """``(clamp(round(x / s) + o, qmin, qmax) - o) * s`` — the linear fake-quant, forward."""
     s = broadcast_qparam(scale.to(x.dtype), x, axis)
     o = broadcast_qparam(offset.to(x.dtype), x, axis)
-    q = torch.clamp(round_with_policy(x / s, rounding) + o, quant_min, quant_max)
-    return (q - o) * s
+    return (_linear_codes(x, s, o, quant_min, quant_max, rounding) - o) * s
 
 
 def linear_fake_quantize_backward_elementwise(
@@ -169,9 +181,7 @@ def float_fake_quantize_reference(
     xf = x.float()
     s = broadcast_qparam(scale.float(), xf, axis)
     v = torch.clamp(xf / s, -max_value, max_value)
-    step = _fp_grid_step(v, mantissa_bits, min_exponent)
-    q = round_with_policy(v / step, rounding) * step
-    return (q * s).to(x.dtype)
+    return (_fp_round_to_grid(v, mantissa_bits, min_exponent, rounding) * s).to(x.dtype)
 
 
 def float_fake_quantize_backward_elementwise(
@@ -194,9 +204,7 @@ def float_fake_quantize_backward_elementwise(
     prod_scale = None
     if need_scale_grad:
         vc = torch.clamp(v, -max_value, max_value)
-        step = _fp_grid_step(vc, mantissa_bits, min_exponent)
-        q = round_with_policy(vc / step, rounding) * step
-        ds = torch.where(inside, q - v, vc)
+        ds = torch.where(inside, _fp_round_to_grid(vc, mantissa_bits, min_exponent, rounding) - v, vc)
         prod_scale = grad * ds
     return grad_x, prod_scale
 
@@ -243,12 +251,24 @@ def quantize_to_int(x: torch.Tensor, cfg: TensorQuantConfig) -> torch.Tensor:
         fmt = cfg.fp_format
         s = broadcast_qparam(cfg.scale.to(x.device), xc, cfg.channel_axis)
         v = torch.clamp(xc.float() / s, cfg.quant_min, cfg.quant_max)
-        step = _fp_grid_step(v, fmt.mantissa_bits, fmt.min_exponent)
-        return round_with_policy(v / step, cfg.rounding) * step
+        return _fp_round_to_grid(v, fmt.mantissa_bits, fmt.min_exponent, cfg.rounding)
     s = broadcast_qparam(cfg.scale.to(x.device, dtype), xc, cfg.channel_axis)
     o = broadcast_qparam(cfg.offset.to(x.device, dtype), xc, cfg.channel_axis)
-    q = torch.clamp(round_with_policy(xc / s, cfg.rounding) + o, cfg.quant_min, cfg.quant_max)
+    q = _linear_codes(xc, s, o, cfg.quant_min, cfg.quant_max, cfg.rounding)
     return q.to(torch.int64 if cfg.num_bits > 31 else torch.int32)
+
+
+def representable_range(cfg: TensorQuantConfig, scale: torch.Tensor | None = None,
+                        offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lowest and highest real value ``cfg`` represents, per channel: ``(qmin - o) * s``, ``(qmax - o) * s``.
+
+    1-D float64 tensors on the CPU; ``scale``/``offset`` override the config's (e.g. a module's buffers).
+    """
+    scale = cfg.scale if scale is None else scale
+    offset = cfg.offset if offset is None else offset
+    s = scale.detach().double().cpu().reshape(-1)
+    o = torch.zeros_like(s) if cfg.is_floating or offset is None else offset.detach().double().cpu().reshape(-1)
+    return (cfg.quant_min - o) * s, (cfg.quant_max - o) * s
 
 
 def dequantize(q: torch.Tensor, cfg: TensorQuantConfig, dtype: torch.dtype = torch.float32) -> torch.Tensor:

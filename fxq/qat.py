@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fxq.errors import ConfigError
-from fxq.functional import fake_quantize, qparams_from_minmax
+from fxq.functional import fake_quantize, qparams_from_minmax, representable_range
 from fxq.graph.calibrate import calibrate
 from fxq.graph.convert import unbake_parameters
 from fxq.graph.info import QUANTIZERS_ATTR, graph_quant, iter_quantizers
@@ -106,7 +106,7 @@ class QATFakeQuantize(FakeQuantize):
         new = cls(fq.config, fq.name, **kwargs)
         new.set_qparams(fq.scale.detach().clone(), fq.offset.detach().clone(), state=None)
         new.observe_enabled, new.quant_enabled = False, fq.quant_enabled
-        lo, hi = _grid_range(new)
+        lo, hi = representable_range(new.config, new.scale, new.offset)
         new.running_min.copy_(lo)
         new.running_max.copy_(hi)
         return new.to(fq.scale.device)
@@ -209,14 +209,6 @@ class QATBiasQuantize(FakeQuantize):
             del self._parameters["input_scale"]
             del self._parameters["weight_scale"]
         return self
-
-
-def _grid_range(fq: FakeQuantize) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg = fq.config
-    s, o = fq.scale.detach().float(), fq.offset.detach().float()
-    if cfg.is_floating:
-        return cfg.quant_min * s, cfg.quant_max * s
-    return (cfg.quant_min - o) * s, (cfg.quant_max - o) * s
 
 
 # --------------------------------------------------------------------------- BatchNorm

@@ -10,6 +10,7 @@ from torch import fx
 
 from fxq.analysis.engine import run_two_pass
 from fxq.analysis.runner import GraphRunner, analysis_mode
+from fxq.functional import representable_range
 from fxq.graph.info import iter_quantizers
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize
@@ -93,13 +94,7 @@ class StatisticsReport(list):
 
 def grid_range(fq: FakeQuantize) -> tuple[float, float]:
     """Lowest and highest value ``fq`` can represent (over all channels)."""
-    cfg = fq.config
-    scale = fq.scale.detach().double().reshape(-1)
-    if cfg.is_floating:
-        lo, hi = float(cfg.quant_min) * scale, float(cfg.quant_max) * scale
-    else:
-        offset = fq.offset.detach().double().reshape(-1)
-        lo, hi = (cfg.quant_min - offset) * scale, (cfg.quant_max - offset) * scale
+    lo, hi = representable_range(fq.config, fq.scale, fq.offset)
     return float(lo.min()), float(hi.max())
 
 

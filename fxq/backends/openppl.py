@@ -25,6 +25,7 @@ from torch import fx, nn
 
 from fxq.backends.base import Exporter, register_exporter
 from fxq.errors import ExportError
+from fxq.functional import representable_range
 from fxq.graph.info import NodeQuant
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import RoundingPolicy
@@ -42,8 +43,8 @@ def quant_entry(fq: FakeQuantize) -> dict[str, Any]:
     cfg = fq.config
     scale = [float(s) for s in fq.scale.detach().double().cpu().reshape(-1)]
     zero = [int(round(float(o))) for o in fq.offset.detach().cpu().reshape(-1)]
-    lo = [float((cfg.quant_min - z) * s) for s, z in zip(scale, zero)]
-    hi = [float((cfg.quant_max - z) * s) for s, z in zip(scale, zero)]
+    lo_t, hi_t = representable_range(cfg, fq.scale, fq.offset)
+    lo, hi = lo_t.tolist(), hi_t.tolist()
 
     def pick(values: list) -> Any:
         return values if cfg.per_channel else values[0]

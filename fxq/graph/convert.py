@@ -8,7 +8,7 @@ import torch
 from torch import fx
 
 from fxq.errors import ConfigError
-from fxq.functional import dequantize, fake_quantize, qparams_from_minmax
+from fxq.functional import fake_quantize, qparams_from_minmax, representable_range
 from fxq.graph.info import GraphQuant, graph_quant, iter_quantizers
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize
@@ -34,16 +34,6 @@ def _infos(gm: fx.GraphModule):
     return gm.meta.get("fxq_quantizer_infos", {})
 
 
-def _range_of(fq: FakeQuantize) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg = fq.config
-    q = torch.tensor([cfg.quant_min, cfg.quant_max], dtype=torch.float32)
-    if cfg.is_floating:
-        return q[0] * fq.scale.detach().cpu(), q[1] * fq.scale.detach().cpu()
-    lo = dequantize(torch.full_like(fq.scale, cfg.quant_min).cpu(), cfg)
-    hi = dequantize(torch.full_like(fq.scale, cfg.quant_max).cpu(), cfg)
-    return lo, hi
-
-
 def apply_alignment(gm: fx.GraphModule) -> None:
     """Elementwise inputs share the largest range; concat/resize inputs take the output's parameters."""
     gq = graph_quant(gm)
@@ -52,7 +42,7 @@ def apply_alignment(gm: fx.GraphModule) -> None:
         members = [qs[n] for n in group if qs[n].config.has_qparams and qs[n].config.is_quantizing]
         if len(members) < 2 or any(m.config.per_channel for m in members):
             continue
-        ranges = [_range_of(m) for m in members]
+        ranges = [representable_range(m.config, m.scale, m.offset) for m in members]
         lo = torch.stack([r[0] for r in ranges]).min(0).values
         hi = torch.stack([r[1] for r in ranges]).max(0).values
         for m in members:
