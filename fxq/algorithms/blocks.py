@@ -25,7 +25,7 @@ from torch import fx, nn
 
 from fxq.errors import CalibrationError, GraphError
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
-from fxq.graph.data import iter_batches, model_device, to_call_args
+from fxq.graph.data import iter_batches, model_device, to_call_args, to_device
 from fxq.graph.info import QUANTIZERS_ATTR, NodeQuant, QuantizerInfo, graph_quant, is_quantizer_node, iter_quantizers
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize, fake_quant_mode
@@ -258,14 +258,6 @@ def partition_blocks(gm: fx.GraphModule, block_size: int) -> list[Block]:
 
 
 # --------------------------------------------------------------------------- data
-def _to(value: Any, device: torch.device | str) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    return value
-
-
 @dataclasses.dataclass
 class BlockData:
     """Cached values of one block for every calibration batch (on the collecting device).
@@ -289,7 +281,7 @@ class BlockData:
     def inputs(self, b: int, quantized: bool = True) -> tuple:
         """Batch ``b``'s inputs on the model device."""
         src = self.q_inputs if quantized else self.fp_inputs
-        return tuple(_to(v, self.device) for v in src[b])
+        return tuple(to_device(v, self.device) for v in src[b])
 
     @property
     def fp_outputs(self) -> list[tuple]:
@@ -298,7 +290,7 @@ class BlockData:
         return self._fp_outputs
 
     def target(self, b: int) -> tuple:
-        return tuple(_to(v, self.device) for v in self.fp_outputs[b])
+        return tuple(to_device(v, self.device) for v in self.fp_outputs[b])
 
 
 @torch.no_grad()
@@ -311,7 +303,7 @@ def run_block(module: fx.GraphModule, data: BlockData, quantized: bool, store: s
     with ctx:
         for b in range(data.num_batches):
             res = module(*data.inputs(b, quantized=not use_fp))
-            out.append(tuple(_to(v.detach() if isinstance(v, torch.Tensor) else v, store) for v in res))
+            out.append(tuple(to_device(v.detach() if isinstance(v, torch.Tensor) else v, store) for v in res))
     return out
 
 
@@ -360,7 +352,7 @@ class BlockRunner:
                     value = p.args[0]
                 else:
                     raise CalibrationError(f"a batch gives no value for model input {p.name!r}")
-                self._fp[p].append(_to(value, self.store))
+                self._fp[p].append(to_device(value, self.store))
         if not phs or not self._fp[phs[0]]:
             raise CalibrationError("calibration data is empty: give at least one batch")
         self._q = dict(self._fp)  # graph inputs are the same in both models

@@ -9,7 +9,7 @@ from torch import fx, nn
 
 from fxq.errors import CalibrationError
 
-__all__ = ["iter_batches", "call_model", "model_device", "input_names", "count_batches"]
+__all__ = ["to_device", "iter_batches", "call_model", "model_device", "input_names", "count_batches"]
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -52,13 +52,14 @@ def iter_batches(data: Any, steps: int | None = None,
         yield collate_fn(batch) if collate_fn is not None else batch
 
 
-def _to(value: Any, device: torch.device) -> Any:
+def to_device(value: Any, device: torch.device | str) -> Any:
+    """Move every tensor inside ``value`` (tensors, tuples, lists, dicts) to ``device``."""
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=True)
     if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device) for v in value)
+        return type(value)(to_device(v, device) for v in value)
     if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
+        return {k: to_device(v, device) for k, v in value.items()}
     return value
 
 
@@ -97,7 +98,7 @@ def _onnx_name_map(model: nn.Module) -> dict[str, str]:
 
 def to_call_args(model: nn.Module, batch: Any, check: bool = True) -> tuple[tuple, dict]:
     """Positional and keyword arguments for one batch, on the model's device."""
-    batch = _to(batch, model_device(model))
+    batch = to_device(batch, model_device(model))
     if isinstance(batch, dict):
         aliases = _onnx_name_map(model)
         kwargs = {aliases.get(k, k): v for k, v in batch.items()}

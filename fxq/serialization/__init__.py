@@ -8,7 +8,6 @@ with ``torch.load(weights_only=True)`` and resolves every class and function thr
 """
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -19,7 +18,7 @@ import torch
 from torch import fx, nn
 
 from fxq.errors import FrontendError, FxqError, NotSupportedError
-from fxq.io import atomic_write_bytes, check_writable_dir
+from fxq.io import atomic_path, check_writable_dir
 from fxq.serialization.allowlist import register_serializable
 from fxq.serialization.codec import TensorTable, Unencodable
 from fxq.serialization.graph import decode_graph, decode_meta, encode_graph, encode_meta
@@ -50,7 +49,7 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
                                 f"fxq.load_onnx), got {type(model).__name__}; use torch.save(model.state_dict()) "
                                 f"for other modules")
     target = Path(path)
-    check_writable_dir(target.parent if str(target.parent) else ".")
+    check_writable_dir(target.parent)
     table = TensorTable()
     doc = {
         "modules": encode_modules(model, table),
@@ -59,9 +58,8 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
         "training": bool(model.training),
         "torch": torch.__version__,
     }
-    buf = io.BytesIO()
-    torch.save({"format": FORMAT, "version": VERSION, "spec": json.dumps(doc), "tensors": table.tensors}, buf)
-    atomic_write_bytes(target, buf.getvalue())
+    with atomic_path(target) as tmp:  # streamed to the temp file: no second in-memory copy of the model
+        torch.save({"format": FORMAT, "version": VERSION, "spec": json.dumps(doc), "tensors": table.tensors}, tmp)
     logger.info("saved %s (%d tensors)", target, len(table.tensors))
     return target
 
