@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable
 
 import numpy as np
 import onnx
@@ -319,14 +318,15 @@ def insert_qdq(lowered: Lowered, quantizers: dict[str, FakeQuantize], roles: dic
     return _Inserter(lowered, quantizers, roles, policy).run()
 
 
-def strip_marks(lowered: Lowered, quantizers: dict[str, FakeQuantize], roles: dict[str, str],
-                on_constant: Callable[[str, FakeQuantize], None] | None = None) -> list[QdqRecord]:
+def strip_marks(lowered: Lowered, quantizers: dict[str, FakeQuantize], roles: dict[str, str]) -> list[QdqRecord]:
     """Remove quant marks without Q/DQ (FP32 graph + side table exporters); constants get their fake-quantized
     values so the FP32 graph computes what fxq simulates for them. Returns the records of marked tensors."""
     graph = lowered.model.graph
     inits = initializers(graph)
     g_inputs = {i.name for i in graph.input}
     g_outputs = {o.name for o in graph.output}
+    readers = consumers(graph)
+    used = all_tensor_names(graph)
     records: list[QdqRecord] = []
     alias: dict[str, str] = {}
     rename: dict[str, str] = {}
@@ -345,8 +345,13 @@ def strip_marks(lowered: Lowered, quantizers: dict[str, FakeQuantize], roles: di
         constant = x in inits and not mark.requantize
         if constant:
             t = torch.from_numpy(numpy_helper.to_array(inits[x]).copy()).float()
-            fake = dequantize(quantize_to_int(t, fq.config), fq.config)
-            inits[x].CopyFrom(numpy_helper.from_array(fake.numpy().astype(np.float32), x))
+            fake = dequantize(quantize_to_int(t, fq.config), fq.config).numpy().astype(np.float32)
+            if len(readers.get(x, [])) == 1 and x not in g_outputs:  # only this mark reads it: quantize in place
+                inits[x].CopyFrom(numpy_helper.from_array(fake, x))
+            else:  # other nodes read the FP32 value: the mark's consumers get a fake-quantized copy
+                x = unique_name(f"{x}_fakequant", used)
+                graph.initializer.append(numpy_helper.from_array(fake, x))
+                inits[x] = graph.initializer[-1]
         tensor = x
         if y in g_outputs:
             if x in g_inputs or x in inits or x in g_outputs or x in rename:
