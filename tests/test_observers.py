@@ -228,7 +228,7 @@ def test_percentile_nearest_rank():
 
 
 @pytest.mark.parametrize("p, n", [(0.9999, 200_000), (0.99, 1000), (0.9, 100_000), (1.0, 5000)],
-                         ids=["split-topk", "topk", "kthvalue", "max"])
+                         ids=["blocks", "topk", "kthvalue", "max"])
 def test_percentile_paths_agree_with_sorting(p, n):
     x = torch.randn(n) ** 3
     lo, hi = _nearest_rank(x, p)
@@ -236,6 +236,33 @@ def test_percentile_paths_agree_with_sorting(p, n):
     scale, offset = run("percentile", cfg, [x], percentile=p)
     ref = qparams_from_minmax(torch.tensor([lo]), torch.tensor([hi]), cfg)
     assert torch.equal(scale, ref[0]) and torch.equal(offset, ref[1])
+
+
+def _sorted_tails(rows: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    v = np.sort(rows.double().numpy(), axis=1)
+    return v[:, ::-1][:, :k], v[:, :k]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g: torch.randn(1, 200_003, generator=g),  # length not a multiple of the block
+        lambda g: torch.relu(torch.randn(3, 100_000, generator=g)).clamp_max(1.5),  # ties at both extremes
+        lambda g: torch.randint(-3, 4, (2, 70_000), generator=g).float(),  # few distinct values
+        lambda g: torch.cat([torch.randn(1, 99_000, generator=g), 100 + torch.randn(1, 1_000, generator=g)], 1),
+        lambda g: -torch.arange(150_000.0).reshape(1, -1),  # sorted: all winners in adjacent blocks
+    ],
+    ids=["odd-length", "relu6-ties", "few-values", "clustered-outliers", "sorted"],
+)
+@pytest.mark.parametrize("k", [1, 7, 121, 964])
+def test_percentile_block_tails_are_exact(make, k):
+    from fxq.observers.percentile import _tails
+
+    rows = make(torch.Generator().manual_seed(k))
+    top, bottom = _tails(rows, k)
+    ref_top, ref_bottom = _sorted_tails(rows, k)
+    np.testing.assert_array_equal(top.double().numpy(), ref_top)
+    np.testing.assert_array_equal(bottom.double().numpy(), ref_bottom)
 
 
 def test_percentile_clips_outliers():

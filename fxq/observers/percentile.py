@@ -16,22 +16,38 @@ __all__ = ["PercentileObserver"]
 logger = logging.getLogger(__name__)
 
 _TOPK_LIMIT = 4096
-"""Up to this many values per tail, ``topk`` (linear, and it gives the extremes too); beyond, ``kthvalue``."""
+"""Up to this many values per tail, ranked by :func:`_tails` (it gives the extremes too); beyond, ``kthvalue``."""
 
-_SPLIT = 16
-"""Few long rows are split in this many pieces: topk of the pieces, then of their winners (parallel, exact)."""
+_BLOCK = 64
+"""Values per block in :func:`_tails`' first pass (longer blocks: fewer candidates to rank, more to gather)."""
 
 
-def _topk_values(rows: torch.Tensor, k: int, largest: bool) -> torch.Tensor:
-    """``topk(rows, k, dim=1).values`` (sorted), computed on pieces of each row when rows are few and long."""
+def _tails(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest (descending) and ``k`` smallest (ascending) values of every row, exactly.
+
+    ``topk`` over a long row is slow (single-threaded partial sort: ~170 ms for 9.6 M values at k = 964).
+    Instead, cut each row into blocks, take every block's max (min), and rank only the ``k`` blocks with
+    the largest maxima (smallest minima). This is exact: those ``k`` blocks hold ``k`` distinct values
+    ``>= t`` (``t``, the k-th largest block max), so the k-th largest value of the row is ``>= t``, while a
+    block left out has all its values ``<= t``; ties at ``t`` are equal values, whichever block they come
+    from. Cost: two reductions over the row plus ``topk`` over ``n / 64`` maxima and ``64 k`` candidates.
+    """
     c, n = rows.shape
-    piece = n // _SPLIT
-    if c >= _SPLIT or piece < 64 * k:
-        return torch.topk(rows, k, dim=1, largest=largest, sorted=True).values
-    head = rows[:, : piece * _SPLIT].reshape(c, _SPLIT, piece)
-    winners = torch.topk(head, k, dim=2, largest=largest, sorted=False).values.reshape(c, -1)
-    candidates = torch.cat([winners, rows[:, piece * _SPLIT :]], dim=1)
-    return torch.topk(candidates, k, dim=1, largest=largest, sorted=True).values
+    block = min(_BLOCK, n // (8 * k))
+    if block < 8:  # short rows: ranking everything is as cheap
+        return (torch.topk(rows, k, dim=1, largest=True, sorted=True).values,
+                torch.topk(rows, k, dim=1, largest=False, sorted=True).values)
+    r = n // block
+    blocks = rows[:, : r * block].view(c, r, block)
+    rest = rows[:, r * block :]
+    tails = []
+    # amax and amin separately: one fused aminmax over a short inner dimension is ~3x slower on CPU.
+    for reduce, largest in ((torch.amax, True), (torch.amin, False)):
+        chosen = torch.topk(reduce(blocks, dim=2), k, dim=1, largest=largest, sorted=False).indices
+        candidates = torch.gather(blocks, 1, chosen.unsqueeze(-1).expand(c, k, block)).reshape(c, k * block)
+        candidates = torch.cat([candidates, rest], dim=1)
+        tails.append(torch.topk(candidates, k, dim=1, largest=largest, sorted=True).values)
+    return tails[0], tails[1]
 
 
 @register_observer("percentile")
@@ -82,8 +98,7 @@ class PercentileObserver(Observer):
             return
         k = self._tail_count(n)
         if k <= _TOPK_LIMIT:
-            top = _topk_values(rows, k, largest=True)
-            bottom = _topk_values(rows, k, largest=False)
+            top, bottom = _tails(rows, k)
             hi, lo, mx, mn = top[:, -1], bottom[:, -1], top[:, 0], bottom[:, 0]
         else:
             hi = torch.kthvalue(rows, n - k + 1, dim=1).values
