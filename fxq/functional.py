@@ -288,13 +288,17 @@ def fake_quantize(
     cfg: TensorQuantConfig,
     scale: torch.Tensor | None = None,
     offset: torch.Tensor | None = None,
+    *,
+    overwrite: bool = False,
 ) -> torch.Tensor:
     """Quantize and dequantize ``x`` with ``cfg``; differentiable (STE for x, LSQ for scale/offset).
 
     ``scale``/``offset`` override the config's tensors (e.g. learnable parameters of a module).
     Runs the ``fxq::`` custom ops: the torch path on CPU, Triton kernels on CUDA.
+    ``overwrite=True`` lets the result reuse ``x``'s memory (the fused CPU path then writes in place and
+    returns ``x``): only for values nothing else reads, without gradients; same values either way.
     """
-    from fxq import ops
+    from fxq import fused_cpu, ops
 
     scale = cfg.scale if scale is None else scale
     offset = cfg.offset if offset is None else offset
@@ -306,13 +310,22 @@ def fake_quantize(
     xc = x if x.dtype == dtype else x.to(dtype)
     scale = scale.to(xc.device)
     axis = cfg.channel_axis if cfg.per_channel else 0
+    in_place = overwrite and xc is x and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())
     if cfg.is_floating:
         fmt = cfg.fp_format
+        if in_place and fused_cpu.fake_quant_float_inplace(
+            x, scale, axis, fmt.mantissa_bits, fmt.min_exponent, float(cfg.quant_max), int(cfg.rounding)
+        ):
+            return x
         y = ops.fake_quant_float(
             xc, scale, axis, fmt.mantissa_bits, fmt.min_exponent, float(cfg.quant_max), int(cfg.rounding)
         )
     else:
         offset = torch.zeros_like(scale) if offset is None else offset.to(xc.device)
+        if in_place and fused_cpu.fake_quant_linear_inplace(
+            x, scale, offset, axis, int(cfg.quant_min), int(cfg.quant_max), int(cfg.rounding)
+        ):
+            return x
         y = ops.fake_quant_linear(
             xc, scale, offset, axis, int(cfg.quant_min), int(cfg.quant_max), int(cfg.rounding)
         )

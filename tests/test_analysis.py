@@ -1,6 +1,7 @@
 """Analysis: graphwise / layerwise error, statistics and the report, on a small quantized CNN."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import pathlib
@@ -63,6 +64,94 @@ def test_runner_views_match_the_model(setup):
         assert torch.equal(runner.run(inputs, fp32=True), fp32)
         torch.testing.assert_close(fp32, model(x), rtol=1e-4, atol=1e-5)
     assert {n.name for n in runner.mutating} >= {"relu"}  # the inplace ReLU runs out of place
+
+
+class _ViewThenReadAgain(nn.Module):
+    """A quantized view of a value that is read again later, and an in-place op on a value read later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 8 * 8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        a = self.fc(y.flatten(1))
+        b = torch.relu_(y.clone())
+        return a + y.mean() + b.sum()
+
+
+def _record(seen: dict, node, value: torch.Tensor) -> None:
+    seen[node] = value.clone()  # what the watcher was handed
+
+
+@pytest.mark.parametrize("which", ["small_cnn", "aliases"])
+def test_side_by_side_matches_separate_passes(setup, which, monkeypatch):
+    """Lockstep views write into dead values only: same outputs, watched values, inputs and weights."""
+    from fxq import fused_cpu
+    from fxq.fused_cpu import cpu_fusion
+
+    if which == "small_cnn":
+        _, gm, data = setup
+    else:
+        torch.manual_seed(0)
+        data = [torch.randn(2, 3, 8, 8) for _ in range(2)]
+        gm = fxq.quantize(_ViewThenReadAgain().eval(), data, platform="trt_int8", progress=False)
+    in_place = []
+    real = fused_cpu.fake_quant_linear_inplace
+    monkeypatch.setattr(fused_cpu, "fake_quant_linear_inplace", lambda *a: in_place.append(real(*a)) or in_place[-1])
+    runner = GraphRunner(gm)
+    x = data[0]
+    x_before = x.clone()
+    state = {k: v.clone() for k, v in gm.state_dict().items() if isinstance(v, torch.Tensor)}
+    watched = [n for n in runner.nodes if n.op == "call_function" or n in runner.quantizers][::2]
+    with cpu_fusion(min_numel=0, warmup_seconds=0), torch.no_grad():
+        expected = [{}, {}]
+        outs = [runner.run(runner.bind(x), fp32=fp32, watch={n: functools.partial(_record, seen, n) for n in watched})
+                for fp32, seen in zip((True, False), expected)]
+        got = [{}, {}]
+        both = runner.run_side_by_side(runner.bind(x), fp32_watch={n: functools.partial(_record, got[0], n) for n in watched},
+                                       quant_watch={n: functools.partial(_record, got[1], n) for n in watched})
+    for out, want, seen, wanted in zip(both, outs, got, expected):
+        assert torch.equal(out, want)
+        assert seen.keys() == wanted.keys() and all(torch.equal(seen[n], wanted[n]) for n in seen)
+    assert torch.equal(x, x_before)
+    assert all(torch.equal(v, state[k]) for k, v in gm.state_dict().items() if k in state)
+    if which == "small_cnn":
+        assert any(in_place)  # some quantizer did write in place
+
+
+def test_overwrite_rule(setup):
+    """A value may be written only by its last reader, and only while no live value shares its memory."""
+    _, gm, _ = setup
+    runner = GraphRunner(gm)
+    q = next(n for n in runner.quantizers if n.args[0].op == "call_function" and len(n.args[0].users) == 1)
+    arg = q.args[0]
+    other = next(n for n in runner.nodes if n.op == "call_function" and n is not arg)
+    t = torch.randn(4, 8)
+    assert runner._may_overwrite(q, {arg: t}, set())
+    assert not runner._may_overwrite(q, {arg: t}, None)  # overwriting not asked for
+    assert not runner._may_overwrite(q, {arg: t, other: t[1:].view(-1)}, set())  # a live view
+    assert not runner._may_overwrite(q, {arg: t, other: (t, 1)}, set())  # inside a live tuple
+    assert not runner._may_overwrite(q, {arg: t}, {t.untyped_storage().data_ptr()})  # protected
+    reads_input = next(iter(runner.placeholders[0].users))
+    assert not runner._may_overwrite(reads_input, {runner.placeholders[0]: t}, set())  # a model input
+
+
+@pytest.mark.parametrize("pool", [nn.MaxPool2d(3, 2, 1), nn.MaxPool2d(2, ceil_mode=True), nn.MaxPool2d(3, 1, 1, 2)],
+                         ids=["resnet-stem", "ceil", "dilated"])
+def test_runner_max_pool_is_exact(pool):
+    """The runner pools over a channels-last copy (faster); the values must be the module's, NaN and ties included."""
+    torch.manual_seed(0)
+    data = [torch.randn(2, 3, 11, 11) for _ in range(2)]
+    gm = fxq.quantize(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), pool).eval(), data, "trt_int8", progress=False)
+    runner = GraphRunner(gm)
+    (node,) = runner.max_pools
+    x = torch.randint(-3, 3, (2, 8, 9, 9)).float()  # ties everywhere
+    x[0, 1, 2, 2], x[1, 3, 4, 5], x[1, 4] = float("nan"), float("inf"), -float("inf")
+    with torch.no_grad():
+        torch.testing.assert_close(runner._max_pool2d(node, (x,), {}), pool(x), rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(runner.run(runner.bind(data[0]), fp32=False), gm(data[0]))
 
 
 def test_graphwise_records(setup):
@@ -132,6 +221,22 @@ def test_exactly_two_passes_per_batch(setup):
         handle.remove()
     assert len(relu_calls) == 2 * 3
     assert counter.convs == 2 * 2 * 3  # two convs, two passes, three batches
+
+
+def test_graphwise_fused_equals_eager(setup):
+    """Forcing every tensor through the fused CPU path (in-place quantizers, fused metric sums) changes nothing."""
+    from fxq.fused_cpu import cpu_fusion, fused_cpu_stats
+
+    _, gm, data = setup
+    with cpu_fusion(enabled=False):
+        eager = fxq.graphwise_error_analyse(gm, data, steps=2, ops="quantized")
+    before = fused_cpu_stats()["fused_calls"]
+    with cpu_fusion(min_numel=0, warmup_seconds=0):
+        fused = fxq.graphwise_error_analyse(gm, data, steps=2, ops="quantized")
+    assert fused_cpu_stats()["fused_calls"] > before
+    assert [r.name for r in fused] == [r.name for r in eager]
+    for a, b in zip(list(fused) + fused.outputs, list(eager) + eager.outputs):
+        assert a.value == pytest.approx(b.value, rel=1e-4, abs=1e-12), a.name
 
 
 def test_other_metrics(setup):

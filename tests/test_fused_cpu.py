@@ -75,6 +75,9 @@ def test_fused_linear_matches_eager(forced, case):
     gx, gs, go = op.fake_quant_linear_backward(g, x, scale, offset, *args, True, True)
     assert _fused_calls() == before + 2, "the fused path was not taken"
     assert_bit_identical(y, F.linear_fake_quantize_reference(x, scale, offset, *args), "y")
+    x_in_place = x.clone()
+    assert fused_cpu.fake_quant_linear_inplace(x_in_place, scale, offset, *args)
+    assert_bit_identical(x_in_place, y, "in place")
     want = F.linear_fake_quantize_backward_reference(g, x, scale, offset, *args, True, True)
     for name, a, e in zip(("grad_x", "grad_scale", "grad_offset"), (gx, gs, go), want):
         assert_bit_identical(a, e, name)
@@ -91,6 +94,9 @@ def test_fused_float_matches_eager(forced):
     gx, gs = op.fake_quant_float_backward(g, x, scale, *args, True)
     assert _fused_calls() == before + 2
     assert_bit_identical(y, F.float_fake_quantize_reference(x, scale, *args), "y")
+    x_in_place = x.clone()
+    assert fused_cpu.fake_quant_float_inplace(x_in_place, scale, *args)
+    assert_bit_identical(x_in_place, y, "in place")
     want = F.float_fake_quantize_backward_reference(g, x, scale, *args, True)
     assert_bit_identical(gx, want[0], "grad_x")
     assert_bit_identical(gs, want[1], "grad_scale")
@@ -112,7 +118,37 @@ def test_fused_path_through_autograd(forced):
     assert_bit_identical(scale.grad, s2.grad)
 
 
+def test_squared_error_sums(forced):
+    """The analysis metric's fused sums against float64 numpy (a reduction: close, not bit-identical)."""
+    g = torch.Generator().manual_seed(0)
+    f = torch.randn(3, 1000, generator=g) * 10
+    q = f + torch.randn(3, 1000, generator=g) * 0.01
+    noise, signal = fused_cpu.squared_error_sums(q, f)
+    qd, fd = q.double().numpy(), f.double().numpy()
+    assert float(noise) == pytest.approx(float(((qd - fd) ** 2).sum()), rel=1e-5)
+    assert float(signal) == pytest.approx(float((fd**2).sum()), rel=1e-5)
+    assert fused_cpu.squared_error_sums(q, f.t()) is None  # shapes differ: the caller computes eagerly
+
+
 # --------------------------------------------------------------------------- gates (no compiling)
+def test_in_place_declines_without_touching_x():
+    """Gradients, non-contiguous or small tensors, or warm-up not over: False, and x keeps its values."""
+    scale, offset = torch.tensor([0.1]), torch.tensor([0.0])
+    args = (0, -128, 127, int(RoundingPolicy.HALF_EVEN))
+    cases = [
+        ({"min_numel": 0, "warmup_seconds": 0}, torch.randn(8, 8, requires_grad=True)),
+        ({"min_numel": 0, "warmup_seconds": 0}, torch.randn(8, 8).t()),
+        ({"min_numel": 1 << 20, "warmup_seconds": 0}, torch.randn(8, 8)),
+        ({"min_numel": 0, "warmup_seconds": 1e9}, torch.randn(8, 8)),
+    ]
+    for settings, x in cases:
+        before, compiles = x.detach().clone(), fused_cpu_stats()["compiles"]
+        with cpu_fusion(**settings):
+            assert not fused_cpu.fake_quant_linear_inplace(x, scale, offset, *args)
+        assert torch.equal(x.detach(), before) and fused_cpu_stats()["compiles"] == compiles
+
+
+
 def test_small_tensors_do_not_compile():
     """The default threshold keeps small models on the eager reference: nothing compiles, nothing counts."""
     stats = fused_cpu_stats()

@@ -95,6 +95,26 @@ def test_bn_fold_and_identity_removal_keep_output():
     assert isinstance(model[1], nn.BatchNorm2d) and model[0].bias is None
 
 
+class CopyThenMutate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        z = y.clone()
+        z.relu_()  # must not reach y through the removed copy
+        return y + z.contiguous()
+
+
+def test_copies_before_in_place_ops_are_kept():
+    model = CopyThenMutate().eval()
+    x = torch.randn(2, 8)
+    gm = fxq.prepare(model, "trt_int8", x)
+    assert [n.target for n in gm.graph.nodes if n.op == "call_method"].count("clone") == 1
+    with torch.no_grad():
+        fxq.switch_to_fp32(gm)
+        assert torch.equal(gm(x), model(x))
+    plain = fxq.prepare(nn.Sequential(nn.Linear(8, 8), nn.Dropout(), nn.ReLU()), "trt_int8", x)
+    assert not any(isinstance(m, nn.Dropout) for m in plain.modules())  # no in-place op: copies still go
+
+
 class FunctionalForms(nn.Module):
     def __init__(self):
         super().__init__()

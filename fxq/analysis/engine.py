@@ -1,7 +1,8 @@
-"""The two-pass loop shared by the analysis tools: per batch one FP32 pass, then one quantized pass.
+"""The two-pass loop shared by the analysis tools: per batch one FP32 pass and one quantized pass.
 
-A *probe* names the nodes it watches in each pass and receives their values as soon as they are
-computed; it keeps running sums only, so no activation outlives its batch.
+The two passes run side by side (:meth:`GraphRunner.run_side_by_side`). A *probe* names the nodes it
+watches in each pass and receives each node's FP32 value and then its quantized value as soon as both
+are computed; it keeps running sums only and must not hold on to a value after its callback returns.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def iter_bound_batches(runner: GraphRunner, data: Any, steps: int | None, collat
 def run_two_pass(gm: fx.GraphModule, data: Any, probes: list[Probe], *, steps: int | None,
                  collate_fn: Callable[[Any], Any] | None, progress: bool, desc: str,
                  runner: GraphRunner | None = None) -> int:
-    """Feed every batch through the FP32 view and then the quantized view; return the batch count.
+    """Feed every batch through the FP32 and the quantized view, side by side; return the batch count.
 
     Raises:
         CalibrationError: empty data, or the first batch does not fit the model.
@@ -75,8 +76,7 @@ def run_two_pass(gm: fx.GraphModule, data: Any, probes: list[Probe], *, steps: i
     with analysis_mode(gm):
         for inputs in iter_bound_batches(runner, data, steps, collate_fn, progress=progress, desc=desc):
             try:
-                runner.run(inputs, fp32=True, watch=fp32_watch)
-                runner.run(inputs, fp32=False, watch=quant_watch)
+                runner.run_side_by_side(inputs, fp32_watch=fp32_watch, quant_watch=quant_watch)
             except FxqError:
                 raise
             except (RuntimeError, TypeError, ValueError) as exc:

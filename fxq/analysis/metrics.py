@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from fxq import fused_cpu
 from fxq.errors import ConfigError
 
 __all__ = ["METRICS", "MetricAccumulator", "Scratch", "check_metric", "higher_is_better", "format_value"]
@@ -83,13 +84,10 @@ class MetricAccumulator:
         self._count = 0
 
     def reference(self, fp32: torch.Tensor) -> None:
-        """Hold the FP32 value of this batch (and add its signal power)."""
+        """Hold the FP32 value of this batch until :meth:`compare`."""
         f = fp32.detach()
-        if not f.is_floating_point():
-            return
-        self._ref = f
-        if self.method == "snr":
-            self._signal = self._signal + torch.linalg.vector_norm(f, dtype=torch.float32).double() ** 2
+        if f.is_floating_point():
+            self._ref = f
 
     def compare(self, quant: torch.Tensor) -> None:
         """Add the error of the quantized value against the held reference, then drop the reference."""
@@ -111,12 +109,17 @@ class MetricAccumulator:
             self._noise = self._noise + cos.sum()
             self._count += int(cos.numel())
             return
-        if self._scratch is not None:
-            diff = self._scratch.diff(q, f)
-        else:
-            diff = q.float() - f.float()
-        self._noise = self._noise + torch.linalg.vector_norm(diff).double() ** 2
         self._count += f.numel()
+        sums = fused_cpu.squared_error_sums(q, f)  # one pass over both on large CPU tensors
+        if sums is not None:
+            self._noise = self._noise + sums[0].double()
+            if self.method == "snr":
+                self._signal = self._signal + sums[1].double()
+            return
+        if self.method == "snr":
+            self._signal = self._signal + torch.linalg.vector_norm(f, dtype=torch.float32).double() ** 2
+        diff = self._scratch.diff(q, f) if self._scratch is not None else q.float() - f.float()
+        self._noise = self._noise + torch.linalg.vector_norm(diff).double() ** 2
 
     @property
     def count(self) -> int:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-__all__ = ["op_type", "register_op_type", "WEIGHTED_FUNCTIONS"]
+__all__ = ["op_type", "register_op_type", "mutates_first_argument", "out_of_place_twin", "WEIGHTED_FUNCTIONS"]
 
 _FUNCTIONS: dict[Callable[..., Any], str] = {
     F.conv1d: "Conv", F.conv2d: "Conv", F.conv3d: "Conv",
@@ -124,3 +124,46 @@ def op_type(node: fx.Node, modules: dict[str, nn.Module] | None = None) -> str:
 def _is_global(mod: nn.Module) -> bool:
     size = getattr(mod, "output_size", None)
     return size in (1, (1, 1), (1,), [1, 1], [1])
+
+
+_INPLACE_OPERATORS: dict[Callable[..., Any], Callable[..., Any]] = {
+    operator.iadd: operator.add,
+    operator.isub: operator.sub,
+    operator.imul: operator.mul,
+    operator.itruediv: operator.truediv,
+    operator.ifloordiv: operator.floordiv,
+    operator.imod: operator.mod,
+    operator.ipow: operator.pow,
+    operator.iand: operator.and_,
+    operator.ior: operator.or_,
+    operator.ixor: operator.xor,
+    operator.ilshift: operator.lshift,
+    operator.irshift: operator.rshift,
+    operator.imatmul: operator.matmul,
+}
+
+
+def out_of_place_twin(target: Any) -> Callable[..., Any] | None:
+    """The non-mutating twin of an in-place function (``torch.relu_`` -> ``torch.relu``, ``+=`` -> ``+``)."""
+    if target in _INPLACE_OPERATORS:
+        return _INPLACE_OPERATORS[target]
+    name = getattr(target, "__name__", "")
+    if not name.endswith("_") or name.endswith("__"):
+        return None
+    for namespace in (torch.nn.functional, torch):
+        if getattr(namespace, name, None) is target:
+            return getattr(namespace, name[:-1], None)
+    return None
+
+
+def mutates_first_argument(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """Whether ``node`` changes its first argument in place (``nn.ReLU(inplace=True)``, ``x += y``, ``relu_``)."""
+    if node.op == "call_module":
+        return getattr(modules.get(str(node.target)), "inplace", False) is True
+    if node.op == "call_function":
+        return (node.kwargs.get("inplace") is True or node.target is operator.setitem
+                or out_of_place_twin(node.target) is not None)
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__")
+    return False

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxq.graph.op_types import WEIGHTED_FUNCTIONS, op_type
+from fxq.graph.op_types import WEIGHTED_FUNCTIONS, mutates_first_argument, op_type
 
 __all__ = [
     "standardize",
@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 def _finish(gm: fx.GraphModule) -> fx.GraphModule:
-    gm.graph.eliminate_dead_code()
+    modules = dict(gm.named_modules())
+    # an in-place op whose result nobody reads (``z.relu_()``) still does its work
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutates_first_argument(n, modules))
     gm.graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()
@@ -53,12 +55,22 @@ def set_attr_value(gm: fx.GraphModule, target: str, value: Any) -> None:
     setattr(owner, name, value)
 
 
+_COPYING_METHODS = ("clone", "contiguous")
+
+
 def remove_identity_nodes(gm: fx.GraphModule) -> fx.GraphModule:
-    """Drop identity-like nodes (``nn.Identity``, dropout in eval, ``contiguous``...)."""
+    """Drop identity-like nodes (``nn.Identity``, dropout in eval, ``contiguous``...).
+
+    Copies (``clone``, ``contiguous``) stay when the graph mutates anything in place: ``y = x.clone();
+    y.relu_()`` must not turn into ``x.relu_()``.
+    """
     modules = dict(gm.named_modules())
+    mutating = any(mutates_first_argument(n, modules) for n in gm.graph.nodes)
     for node in list(gm.graph.nodes):
         if node.op in ("call_module", "call_function", "call_method") and op_type(node, modules) == "Identity":
             if not node.args or not isinstance(node.args[0], fx.Node):
+                continue
+            if mutating and node.op == "call_method" and node.target in _COPYING_METHODS:
                 continue
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)

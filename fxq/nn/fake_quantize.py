@@ -143,12 +143,23 @@ class FakeQuantize(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._quantize(x, overwrite=False)
+
+    def forward_(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` that may write its result into ``x`` (and return ``x``).
+
+        For inference executors that know nothing else reads ``x`` (the analysis runner): on large CPU
+        tensors it saves allocating and faulting in a fresh output. Same values as :meth:`forward`.
+        """
+        return self._quantize(x, overwrite=True)
+
+    def _quantize(self, x: torch.Tensor, overwrite: bool) -> torch.Tensor:
         if self.observe_enabled:
             with torch.no_grad():
                 self.observer.observe(x)
         if not self.quant_enabled or not self.config.is_quantizing or self.config.state in _BAKED:
             return x
-        return fake_quantize(x, self.config, self.scale, self.offset)
+        return fake_quantize(x, self.config, self.scale, self.offset, overwrite=overwrite)
 
     # ------------------------------------------------------------------ state_dict
     def get_extra_state(self) -> dict:
