@@ -1,20 +1,25 @@
 """The headline: deployed models compute what fxq simulated.
 
-Well-conditioned seeded models (torchvision ResNet-18 at its random init; MobileNetV2 with BatchNorm statistics
-half-way between the init and random data, so its signal neither vanishes nor turns chaotic) are quantized with
-the default setting, exported, and run in the real runtimes:
+Seeded models (torchvision ResNet-18 at its random init; MobileNetV2 with BatchNorm statistics half-way between
+the init and random data, so its signal neither vanishes nor turns chaotic) are quantized with the default
+setting, exported, and run in the real runtimes:
 
 * TRT_INT8 / ORT_INT8 Q/DQ ONNX in onnxruntime (graph optimizations off and on), 1000-class heads, 8 samples:
-  MobileNetV2 within 1 LSB of the output quantizer on >= 99.9 % of the output elements (measured 99.987-100 %).
-  ResNet-18 at its random init has no normalisation in its residual stream: onnxruntime and torch sum convolutions
-  in different orders, so once in a while an activation lands exactly on a rounding midpoint on one side only and
-  that 1-LSB flip grows through the following blocks (measured 98.7-99.3 % within 1 LSB, never more than 3 LSB).
-  Per tensor, fed identical codes, every quantized tensor agrees within 1 LSB (test_export_onnx.py), so this test
-  asserts >= 98 % and <= 3 LSB for ResNet-18;
+  within 1 LSB of the output quantizer on >= 99.9 % of the output elements (MobileNetV2: measured
+  99.987-100 %). ResNet-18 at random init cannot meet that against *any* second implementation: a float
+  convolution summed in another order moves a value that sits on a rounding midpoint to the other code, and
+  with no normalisation in its residual stream every such 1-LSB flip spreads through the following blocks
+  (mismatching codes grow ~6x per block, 0.001 % -> 11 %). The *same* fxq model run in float64 agrees with
+  the float32 run on only 97.0-99.2 % of the outputs within 1 LSB (torch with channels-last inputs, oneDNN's
+  other summation order: 98.3-98.7 %), while onnxruntime agrees on 98.7-99.3 %. So ResNet-18 is held to
+  >= 98 % and <= 3 LSB, and the test checks that the float64 run indeed stays below 99.9 %.
+  Per tensor, fed identical codes, every quantized tensor agrees within 1 LSB (test_export_onnx.py);
 * NCNN_INT8 param/bin in ncnn (int8 inference): outputs are FP32 in NCNN, so cosine >= 0.9999 over the batch.
 
 The per-tensor (teacher-forced) comparisons live in test_export_onnx.py and test_export_ncnn.py.
 """
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -64,12 +69,21 @@ def test_onnxruntime_matches_simulation(name, platform, tmp_path):
     path = next(p for p in fxq.export(q, platform, tmp_path / "model.onnx") if str(p).endswith("model.onnx"))
     with torch.no_grad():
         sim = np.concatenate([q(x).numpy() for x in data])
+
+    def within_one_lsb(out: np.ndarray) -> tuple[float, float]:
+        lsb = np.abs(out - sim) / float(fq.scale)
+        return float((lsb <= 1 + 1e-4).mean()), float(lsb.max())
+
     for optimize in (False, True):
         sess = ort_session(str(path), optimize=optimize)
         out = np.concatenate([sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0] for x in data])
-        lsb = np.abs(out - sim) / float(fq.scale)
-        within = float((lsb <= 1 + 1e-4).mean())
-        assert within >= WITHIN_ONE_LSB[name] and lsb.max() <= 3 + 1e-4, (optimize, within, lsb.max())
+        within, worst = within_one_lsb(out)
+        assert within >= WITHIN_ONE_LSB[name] and worst <= 3 + 1e-4, (optimize, within, worst)
+    if name == "resnet18":  # the model cannot agree with itself to 99.9 %: the same simulation in float64
+        with torch.no_grad():
+            q64 = copy.deepcopy(q).double()
+            self_agreement, _ = within_one_lsb(np.concatenate([q64(x.double()).float().numpy() for x in data]))
+        assert self_agreement < 0.999, self_agreement
 
 
 @pytest.mark.parametrize("name", list(MODELS))
