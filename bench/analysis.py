@@ -8,7 +8,8 @@ median over rounds is reported (with min / max), for wall time and for this proc
 * two passes (reference): the quantized model over the batches once inside ``fxq.fp32_mode`` and once
   quantized — what any graphwise analysis must at least run;
 * ``fxq.graphwise_error_analyse`` (computing ops, SNR: the default); ``--all-ops`` also times
-  ``ops="quantized"``.
+  ``ops="quantized"``; its first call in the process (before the fused path has warmed up) is reported
+  separately.
 
 The fused CPU fake-quant path (``FXQ_CPU_FUSED``, compiled by inductor after some eager use) is warmed
 up by untimed quantized passes and analyses over the data until nothing new compiles, so that no compile
@@ -80,8 +81,12 @@ def main() -> None:
     def graphwise_all() -> None:
         fxq.graphwise_error_analyse(gm, data, steps=args.batches, ops="quantized")
 
-    with torch.no_grad():  # warm-up, until the fused fake-quant path (if enabled) has compiled what it needs
+    with torch.no_grad():
         model(data[0])
+    # what a user's first call costs: the fused path is still warming up (eager fake-quant, eager metrics)
+    f1, first, f2 = _timed(float_pass), _timed(graphwise), _timed(float_pass)
+    first_call = round(first[0] / ((f1[0] + f2[0]) / 2), 2)
+    with torch.no_grad():  # warm-up, until the fused fake-quant path (if enabled) has compiled what it needs
         for _ in range(30):
             compiles = fused_cpu_stats()["compiles"]
             for x in data:
@@ -117,6 +122,7 @@ def main() -> None:
         "fused_cpu_stats": {k: round(v, 2) for k, v in fused_cpu_stats().items()},
         "wall_s": seconds,
         "quantize_s": round(t_quant, 2),
+        "graphwise_first_call_x_floor": first_call,
         **{f"{name}_x_floor": {kind: summary(v) for kind, v in r.items()} for name, r in ratios.items()},
     }
     print(json.dumps(result, indent=2))
