@@ -25,7 +25,7 @@ from torch import fx, nn
 
 from fxq.errors import CalibrationError, GraphError
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
-from fxq.graph.data import iter_batches, model_device, to_call_args, to_device
+from fxq.graph.data import iter_batches, model_device, placeholder_values, to_device
 from fxq.graph.info import QUANTIZERS_ATTR, NodeQuant, QuantizerInfo, graph_quant, is_quantizer_node, iter_quantizers
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize, fake_quant_mode
@@ -342,17 +342,9 @@ class BlockRunner:
         phs = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         self._fp = {p: [] for p in phs}
         for batch in iter_batches(data, steps, collate_fn):
-            args, kwargs = to_call_args(self.gm, batch, check=False)
-            for i, p in enumerate(phs):
-                if i < len(args):
-                    value = args[i]
-                elif p.name in kwargs:
-                    value = kwargs[p.name]
-                elif p.args:
-                    value = p.args[0]
-                else:
-                    raise CalibrationError(f"a batch gives no value for model input {p.name!r}")
-                self._fp[p].append(to_device(value, self.store))
+            values = placeholder_values(self.gm, batch)
+            for p in phs:
+                self._fp[p].append(to_device(values[p], self.store))
         if not phs or not self._fp[phs[0]]:
             raise CalibrationError("calibration data is empty: give at least one batch")
         self._q = dict(self._fp)  # graph inputs are the same in both models

@@ -30,7 +30,7 @@ from torch import fx
 
 from fxq.algorithms.blocks import param_target
 from fxq.algorithms.pipeline import register_algorithm
-from fxq.graph.data import iter_batches, to_call_args
+from fxq.graph.data import iter_batches, placeholder_values
 from fxq.graph.info import NodeQuant, is_quantizer_node
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import fake_quant_mode
@@ -202,10 +202,7 @@ def _activation_ranges(gm: fx.GraphModule, nodes: set[fx.Node], data: Any, steps
     rec = _Recorder(gm)
     with fake_quant_mode(gm, "disabled"):
         for batch in iter_batches(data, steps, collate_fn):
-            args, kwargs = to_call_args(gm, batch, check=False)
-            phs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-            args = tuple(args) + tuple(kwargs[n] for n in phs[len(args):] if n in kwargs)
-            rec.run(*args)
+            rec.run(*placeholder_values(gm, batch).values())
     return ranges
 
 

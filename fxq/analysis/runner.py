@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxq.errors import CalibrationError, ConfigError
-from fxq.graph.data import to_call_args
+from fxq.errors import ConfigError
+from fxq.graph.data import placeholder_values
 from fxq.graph.info import NodeQuant, QuantizerInfo, graph_quant, is_quantizer_node, iter_quantizers
 from fxq.graph.op_types import mutates_first_argument, out_of_place_twin
 from fxq.graph.passes import get_attr_value
@@ -147,21 +147,7 @@ class GraphRunner:
     # ------------------------------------------------------------------ execution
     def bind(self, batch: Any, check: bool = False) -> dict[fx.Node, Any]:
         """Placeholder values for one batch (moved to the model's device)."""
-        args, kwargs = to_call_args(self.gm, batch, check=check)
-        env: dict[fx.Node, Any] = {}
-        for i, ph in enumerate(self.placeholders):
-            if i < len(args):
-                env[ph] = args[i]
-            elif ph.name in kwargs:
-                env[ph] = kwargs[ph.name]
-            elif ph.target in kwargs:
-                env[ph] = kwargs[ph.target]
-            elif ph.args:
-                env[ph] = ph.args[0]
-            else:
-                raise CalibrationError(f"no value for model input {ph.name!r} in the batch; give it positionally or "
-                                       f"by name")
-        return env
+        return placeholder_values(self.gm, batch, check=check)
 
     def _quantized_input(self, qnode: fx.Node, fp32_value: Any) -> Any:
         info = self.quantizer_info(qnode)

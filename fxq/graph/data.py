@@ -9,7 +9,15 @@ from torch import fx, nn
 
 from fxq.errors import CalibrationError
 
-__all__ = ["to_device", "iter_batches", "call_model", "model_device", "input_names", "count_batches"]
+__all__ = [
+    "to_device",
+    "iter_batches",
+    "call_model",
+    "model_device",
+    "input_names",
+    "count_batches",
+    "placeholder_values",
+]
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -114,6 +122,32 @@ def to_call_args(model: nn.Module, batch: Any, check: bool = True) -> tuple[tupl
     if check:
         _check(model, args, kwargs)
     return args, kwargs
+
+
+def placeholder_values(gm: fx.GraphModule, batch: Any, check: bool = False) -> dict[fx.Node, Any]:
+    """The value of every placeholder of ``gm`` for one batch (on the model's device), for node-level executors.
+
+    Positional values fill the placeholders in order, then keyword values by name, then the placeholders'
+    defaults.
+
+    Raises:
+        CalibrationError: a placeholder gets no value (or, with ``check``, the batch does not fit the model).
+    """
+    args, kwargs = to_call_args(gm, batch, check=check)
+    values: dict[fx.Node, Any] = {}
+    for i, ph in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        if i < len(args):
+            values[ph] = args[i]
+        elif ph.name in kwargs:
+            values[ph] = kwargs[ph.name]
+        elif ph.target in kwargs:
+            values[ph] = kwargs[ph.target]
+        elif ph.args:
+            values[ph] = ph.args[0]
+        else:
+            raise CalibrationError(f"no value for model input {ph.name!r} in the batch; give it positionally or "
+                                   f"by name")
+    return values
 
 
 def call_model(model: nn.Module, batch: Any, check: bool = True) -> Any:
