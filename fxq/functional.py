@@ -310,7 +310,9 @@ def fake_quantize(
     xc = x if x.dtype == dtype else x.to(dtype)
     scale = scale.to(xc.device)
     axis = cfg.channel_axis if cfg.per_channel else 0
-    in_place = overwrite and xc is x and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())
+    in_place = overwrite and xc is x and x.device.type == "cpu" and not (
+        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, scale, offset))
+    )
     if cfg.is_floating:
         fmt = cfg.fp_format
         if in_place and fused_cpu.fake_quant_float_inplace(

@@ -121,6 +121,25 @@ def test_side_by_side_matches_separate_passes(setup, which, monkeypatch):
         assert any(in_place)  # some quantizer did write in place
 
 
+def test_side_by_side_runs_quantizer_subclasses_as_they_are():
+    """QAT quantizers compute with |scale| (LSQ): the runner must call their forward, not the base in-place one."""
+    from fxq.fused_cpu import cpu_fusion
+
+    torch.manual_seed(0)
+    data = [torch.randn(2, 3, 12, 12) for _ in range(2)]
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3)).eval()
+    qat = fxq.prepare_qat(model, "trt_int8", calib_data=data)
+    with torch.no_grad():
+        for fq in qat.fxq_quantizers.values():
+            if isinstance(fq.scale, nn.Parameter):
+                fq.scale.neg_()  # a learned LSQ scale may cross zero; QAT quantizers use its magnitude
+    runner = GraphRunner(qat)
+    with cpu_fusion(min_numel=0, warmup_seconds=0), fxq.analysis.runner.analysis_mode(qat):
+        expected = qat(data[0])
+        _, got = runner.run_side_by_side(runner.bind(data[0]))
+    assert torch.equal(got, expected)
+
+
 def test_overwrite_rule(setup):
     """A value may be written only by its last reader, and only while no live value shares its memory."""
     _, gm, _ = setup

@@ -118,6 +118,20 @@ def test_fused_path_through_autograd(forced):
     assert_bit_identical(scale.grad, s2.grad)
 
 
+def test_overwrite_keeps_gradients(forced):
+    """``overwrite=True`` never takes the in-place (no-autograd) path while a gradient is wanted."""
+    from fxq.spec import TensorQuantConfig
+
+    x = torch.randn(8, 8)
+    scale = torch.tensor([0.05]).mul(2).requires_grad_(True)  # a computed scale, a plain tensor
+    y = F.fake_quantize(x, TensorQuantConfig(), scale, torch.tensor([0.0]), overwrite=True)
+    y.sum().backward()
+    assert scale.grad is not None and y is not x
+    with torch.no_grad():
+        x2 = x.clone()
+        assert F.fake_quantize(x2, TensorQuantConfig(), scale, torch.tensor([0.0]), overwrite=True) is x2
+
+
 def test_squared_error_sums(forced):
     """The analysis metric's fused sums against float64 numpy (a reduction: close, not bit-identical)."""
     g = torch.Generator().manual_seed(0)

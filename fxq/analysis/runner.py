@@ -32,6 +32,7 @@ from fxq.graph.data import placeholder_values
 from fxq.graph.info import NodeQuant, QuantizerInfo, graph_quant, is_quantizer_node, iter_quantizers
 from fxq.graph.op_types import mutates_first_argument, out_of_place_twin
 from fxq.graph.passes import get_attr_value
+from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import QuantState
 
 __all__ = ["GraphRunner", "LayerPlan", "analysis_mode", "tensors_of"]
@@ -85,6 +86,9 @@ class GraphRunner:
             self.frees.setdefault(user, []).append(value)
         self.mutating = {n for n in self.nodes if n not in self.quantizers and mutates_first_argument(n, self.modules)}
         self.max_pools = {n for n in self.nodes if self._is_plain_max_pool2d(n)}
+        # quantizers whose forward is FakeQuantize's own (a subclass, e.g. QAT's, may compute differently)
+        self.in_place_quantizers = {n for n, fq in self.quantizers.items()
+                                    if isinstance(fq, FakeQuantize) and type(fq).forward is FakeQuantize.forward}
         self.fp32_params: dict[str, torch.Tensor] = {}
         self.refresh()
 
@@ -195,10 +199,10 @@ class GraphRunner:
                 self.index[u] > self.index[node] for u in first.users if u is not node):
             return False
         storage = _storage(value)
-        if storage in protected:
+        if storage is None or storage in protected:
             return False
         for other, v in env.items():  # aliases: views, pass-through quantizers, tuple elements
-            if other is not first and any(_storage(t) == storage for t in tensors_of(v)):
+            if other is not first and any(_storage(t) in (storage, None) for t in tensors_of(v)):
                 return False
         return True
 
@@ -220,7 +224,8 @@ class GraphRunner:
         if node.op == "call_module" and node in self.quantizers:
             if fp32 and not (layer is not None and node is layer.output_quantizer):
                 return args[0]
-            if len(args) == 1 and not kwargs and self._may_overwrite(node, env, protected):
+            if node in self.in_place_quantizers and len(args) == 1 and not kwargs and \
+                    self._may_overwrite(node, env, protected):
                 return self.quantizers[node].forward_(args[0])
             return self.quantizers[node](*args, **kwargs)
         if node in self.max_pools:
@@ -346,8 +351,12 @@ class GraphRunner:
 _COMPUTED = ("call_function", "call_method", "call_module")
 
 
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def _storage(t: torch.Tensor) -> int | None:
+    """Address of ``t``'s memory; None when it has no plain storage (sparse, some subclasses): never written."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 class _Overlay:
