@@ -19,26 +19,9 @@ from torch import fx
 
 import fxq
 
+from _models import with_bn_statistics
+
 INT_TYPES = {TensorProto.INT8: (np.int8, -128, 127), TensorProto.UINT8: (np.uint8, 0, 255)}
-
-
-def with_data_bn_stats(model: torch.nn.Module, shape=(2, 3, 64, 64), batches: int = 4, seed: int = 1):
-    """Re-estimate BatchNorm statistics on random data so a randomly initialised network keeps its signal.
-
-    At torchvision's random init, BatchNorm is the identity and MobileNetV2's activations fade to ~1e-10 by the
-    classifier (every quantized tensor downstream is then zero); with data statistics each BN normalises, as in a
-    trained network. The weights stay the seeded random ones.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
-            mod.reset_running_stats()
-            mod.momentum = None  # cumulative average over the batches below
-    model.train()
-    with torch.no_grad():
-        for _ in range(batches):
-            model(torch.randn(*shape, generator=gen))
-    return model.eval()
 
 
 def quantize_model(model: torch.nn.Module, platform: str, shape=(2, 3, 64, 64), batches: int = 2, seed: int = 0,
@@ -173,7 +156,7 @@ def torchvision_quantized(arch: str, platform: str) -> fx.GraphModule:
     import torchvision
 
     torch.manual_seed(0)
-    model = with_data_bn_stats(getattr(torchvision.models, arch)(), shape=SHAPE, batches=2)
+    model = with_bn_statistics(getattr(torchvision.models, arch)(), SHAPE, batches=2)
     return quantize_model(model, platform, shape=SHAPE, batches=1)
 
 

@@ -14,18 +14,29 @@ def resnet18() -> nn.Module:
     return torchvision.models.resnet18(num_classes=10).eval()
 
 
-def with_bn_statistics(model: nn.Module, shape: tuple[int, ...], batches: int = 3) -> nn.Module:
-    """Give a randomly initialised model realistic BatchNorm statistics (random-init MobileNetV2's
-    activations otherwise vanish to ~1e-10 and every scale hits the minimum)."""
-    for m in model.modules():
+def with_bn_statistics(model: nn.Module, shape: tuple[int, ...], batches: int = 3, mix: float = 1.0,
+                       seed: int = 1) -> nn.Module:
+    """Move a randomly initialised model's BatchNorm statistics ``mix`` of the way from their init to those of
+    random data (``batches`` seeded batches of ``shape``), in place.
+
+    At init BatchNorm is the identity in eval mode (MobileNetV2's activations then vanish to ~1e-10 and every
+    scale hits the minimum); fully data-normalised random nets are chaotic (any tiny difference is amplified);
+    part of the way (``mix`` 0.2-0.5) gives well-conditioned test models.
+    """
+    data_stats = copy.deepcopy(model)
+    for m in data_stats.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             m.reset_running_stats()
-            m.momentum = None
-    model.train()
-    g = torch.Generator().manual_seed(1)
+            m.momentum = None  # cumulative average over the batches below
+    data_stats.train()
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _ in range(batches):
-            model(torch.randn(*shape, generator=g))
+            data_stats(torch.randn(*shape, generator=g))
+    for a, b in zip(model.modules(), data_stats.modules()):
+        if isinstance(a, nn.modules.batchnorm._BatchNorm):
+            a.running_mean.lerp_(b.running_mean, mix)
+            a.running_var.lerp_(b.running_var, mix)
     return model.eval()
 
 
@@ -34,12 +45,7 @@ def mobilenet_v2(num_classes: int = 10) -> nn.Module:
     random-data statistics (every layer normalised: chaotic, quantization errors explode) — well conditioned."""
     torch.manual_seed(0)
     model = torchvision.models.mobilenet_v2(num_classes=num_classes).eval()
-    data_stats = with_bn_statistics(copy.deepcopy(model), (4, 3, 64, 64))
-    for a, b in zip(model.modules(), data_stats.modules()):
-        if isinstance(a, nn.BatchNorm2d):
-            a.running_mean.lerp_(b.running_mean, 0.5)
-            a.running_var.lerp_(b.running_var, 0.5)
-    return model.eval()
+    return with_bn_statistics(model, (4, 3, 64, 64), mix=0.5)
 
 
 class Attention(nn.Module):

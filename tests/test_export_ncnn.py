@@ -38,6 +38,8 @@ from fxq.backends.ncnn_writer import NcnnModel
 from fxq.errors import ExportError
 from fxq.functional import fake_quantize, quantize_to_int
 
+from _models import with_bn_statistics
+
 ncnn = pytest.importorskip("ncnn")
 torchvision = pytest.importorskip("torchvision")
 
@@ -96,19 +98,6 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-def with_bn_statistics(model: nn.Module, size: int) -> nn.Module:
-    """Random-init torchvision nets are degenerate in eval mode: move BatchNorm statistics 20 % of the way to those
-    of random data. (Fully data-normalized random nets are chaotic: their own int8 simulation is off FP32 by
-    cosine 0.91 (MobileNetV2), and any tiny kernel difference is amplified.)"""
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.momentum = 0.2
-    model.train()
-    with torch.no_grad():
-        model(torch.randn(4, 3, size, size))
-    return model.eval()
-
-
 @dataclasses.dataclass
 class Exported:
     name: str
@@ -130,7 +119,9 @@ class Exported:
 @pytest.fixture(scope="module", params=["resnet18", "mobilenet_v2"])
 def exported(request, tmp_path_factory) -> Exported:
     torch.manual_seed(0)
-    model = with_bn_statistics(getattr(torchvision.models, request.param)(), SIZE)
+    # 20 % of the way to random-data BN statistics: fully data-normalized random nets are chaotic (their own
+    # int8 simulation is off FP32 by cosine 0.91 for MobileNetV2) and amplify any tiny kernel difference
+    model = with_bn_statistics(getattr(torchvision.models, request.param)(), (4, 3, SIZE, SIZE), batches=1, mix=0.2)
     calib = [torch.randn(1, 3, SIZE, SIZE) for _ in range(4)]
     gm = fxq.quantize(model, calib, "ncnn_int8", progress=False)
     stem = tmp_path_factory.mktemp("ncnn") / request.param
