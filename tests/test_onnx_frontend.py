@@ -296,6 +296,29 @@ def test_constant_and_identity_chains_fold_into_initializers(tmp_path) -> None:
     assert {n.meta["onnx"]["op_type"] for n in _onnx_nodes(gm)} == {"Conv", "Mul"}
 
 
+def test_casts_of_initializers_fold(tmp_path) -> None:
+    """Clip bounds written as Cast(constant) (a dynamo export without constant folding); float -> int truncates."""
+    inits = [numpy_helper.from_array(np.array(0.0, dtype=np.float64), "lo64"),
+             numpy_helper.from_array(np.array(6, dtype=np.int64), "hi64"),
+             numpy_helper.from_array(np.array([-1.7, 2.5, 3.9], dtype=np.float32), "steps")]
+    nodes = [
+        helper.make_node("Cast", ["lo64"], ["lo"], to=TensorProto.FLOAT, name="cast_lo"),
+        helper.make_node("Cast", ["hi64"], ["hi"], to=TensorProto.FLOAT, name="cast_hi"),
+        helper.make_node("Clip", ["x", "lo", "hi"], ["clipped"], name="clip"),
+        helper.make_node("Cast", ["steps"], ["steps_i"], to=TensorProto.INT64, name="cast_i"),
+        helper.make_node("Cast", ["steps_i"], ["steps_f"], to=TensorProto.FLOAT, name="cast_f"),
+        helper.make_node("Add", ["clipped", "steps_f"], ["y"], name="add"),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = ORT_MAX_IR
+    gm = load_onnx(model)
+    xv = torch.tensor([[-1.0, 3.0, 9.0], [0.5, 7.0, -2.0]])
+    _close(gm(xv), _run_ort(model, xv.numpy())[0])
+    assert {n.meta["onnx"]["op_type"] for n in _onnx_nodes(gm)} == {"Clip", "Add"}
+
+
 def test_external_data_round_trip(exported, tmp_path) -> None:
     src, x = exported["cnn", "legacy13"]
     proto = onnx.load(str(src))

@@ -3,9 +3,10 @@
 - :func:`normalize_domains`: the default domain spelled ``"ai.onnx"`` becomes ``""`` (what onnx2torch looks up).
 - :func:`drop_initializer_inputs`: old (IR < 4) models list initializers among the graph inputs too.
 - :func:`fold_constants`: ``Constant`` nodes become initializers of the same name.
-- :func:`fold_identities`: ``Identity(initializer) -> t`` becomes an initializer ``t``. torch's legacy exporter
-  routes de-duplicated constants through ``Identity`` (a conv bias ``Identity(onnx::Conv_194) -> onnx::Conv_197``),
-  and onnx2torch's converters look such inputs up among the initializers only.
+- :func:`fold_identities`: ``Identity(initializer) -> t`` (and ``Cast(initializer) -> t``) becomes an initializer
+  ``t``. torch's legacy exporter routes de-duplicated constants through ``Identity`` (a conv bias
+  ``Identity(onnx::Conv_194) -> onnx::Conv_197``), dynamo exports without constant folding cast constants, and
+  onnx2torch's converters look such inputs up among the initializers only.
 - :func:`drop_redundant_allowzero`: ``Reshape(allowzero=1)`` with a constant shape free of 0 means the same as
   ``allowzero=0``, the only form onnx2torch's ``Reshape-14`` converter takes (torch's default exporter writes 1).
 - :func:`infer_shapes`: onnx's shape inference (with data propagation), so converters know ranks and sizes.
@@ -29,7 +30,10 @@ __all__ = ["clean", "alias_dotted_domains", "normalize_domains", "drop_initializ
 
 _LOG = logging.getLogger(__name__)
 _DEFAULT_DOMAINS = ("", "ai.onnx")
-_INFER_LIMIT_BYTES = 2_000_000_000  # onnx serializes the model for shape inference: protobuf's 2 GB limit
+_INFER_LIMIT_BYTES = 2_000_000_000
+_T = onnx.TensorProto
+_PLAIN_CASTS = {_T.FLOAT, _T.DOUBLE, _T.FLOAT16, _T.BOOL, _T.INT8, _T.INT16, _T.INT32, _T.INT64, _T.UINT8, _T.UINT16,
+                _T.UINT32, _T.UINT64}  # onnx serializes the model for shape inference: protobuf's 2 GB limit
 
 
 def normalize_domains(model: onnx.ModelProto) -> None:
@@ -101,23 +105,39 @@ def fold_constants(model: onnx.ModelProto) -> int:
     return folded
 
 
-def fold_identities(model: onnx.ModelProto) -> int:
-    """Turn default-domain ``Identity`` nodes of initializers into initializers; returns how many were folded.
+def _cast_array(node: onnx.NodeProto, value: np.ndarray) -> np.ndarray | None:
+    """``Cast(value)`` for numeric and bool targets (numpy's conversions are ONNX's there); None otherwise."""
+    to = next((a.i for a in node.attribute if a.name == "to"), None)
+    if to not in _PLAIN_CASTS or value.dtype.kind not in "biuf":
+        return None  # strings, complex, bfloat16, float8/float4/int4...: onnx2torch's business
+    return value.astype(onnx.helper.tensor_dtype_to_np_dtype(to))
 
-    Initializers left unused by the fold are removed.
+
+def fold_identities(model: onnx.ModelProto) -> int:
+    """Turn default-domain ``Identity`` and ``Cast`` nodes of initializers into initializers; returns how many.
+
+    A dynamo export with constant folding off writes ``Clip(x, Cast(min), Cast(max))``; onnx2torch reads such
+    bounds from initializers only. Initializers left unused by the fold are removed.
     """
     graph = model.graph
     outputs = {o.name for o in graph.output}
     inits = {t.name: t for t in graph.initializer}
     keep: list[onnx.NodeProto] = []
     sources: set[str] = set()
-    for node in graph.node:  # nodes are topologically sorted: chains of Identity fold front to back
-        src = node.input[0] if node.op_type == "Identity" and node.domain in _DEFAULT_DOMAINS else None
+    for node in graph.node:  # nodes are topologically sorted: chains fold front to back
+        src = node.input[0] if node.op_type in ("Identity", "Cast") and node.domain in _DEFAULT_DOMAINS else None
         if src is None or src not in inits or node.output[0] in outputs:
             keep.append(node)
             continue
-        tensor = onnx.TensorProto()
-        tensor.CopyFrom(inits[src])
+        if node.op_type == "Identity":
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(inits[src])
+        else:
+            cast = _cast_array(node, numpy_helper.to_array(inits[src]))
+            if cast is None:
+                keep.append(node)
+                continue
+            tensor = numpy_helper.from_array(cast)
         tensor.name = node.output[0]
         graph.initializer.append(tensor)
         inits[tensor.name] = graph.initializer[-1]
@@ -195,7 +215,7 @@ def clean(model: onnx.ModelProto) -> onnx.ModelProto:
     identities = fold_identities(model)
     allowzero = drop_redundant_allowzero(model)
     _LOG.debug(
-        "ONNX clean-up: %d initializer inputs dropped, %d Constant and %d Identity folded, %d allowzero dropped",
+        "ONNX clean-up: %d initializer inputs dropped, %d Constant and %d Identity/Cast folded, %d allowzero dropped",
         dropped, constants, identities, allowzero,
     )
     return infer_shapes(model)
