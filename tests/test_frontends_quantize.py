@@ -21,7 +21,7 @@ from torch import fx, nn
 
 import fxq
 from fxq.frontends.caffe import proto
-from fxq.graph.info import NodeQuant
+from fxq.graph.info import NodeQuant, source_names
 from fxq.graph.passes import get_attr_value
 from fxq.spec import QuantState
 
@@ -228,8 +228,8 @@ def by_role(q: fx.GraphModule, role: str) -> dict[str, nn.Module]:
 
 def source_name(node: fx.Node) -> str:
     """The ONNX node name / caffe layer name a node came from."""
-    meta = node.meta.get("onnx") or node.meta.get("caffe")
-    return meta["node_name"] if "node_name" in meta else meta["layer"]
+    (name,) = source_names(node, module_path=False)
+    return name
 
 
 def weight_quantizer(q: fx.GraphModule, node: fx.Node) -> nn.Module | None:
@@ -389,3 +389,14 @@ def test_dispatching_table_by_source_name(source, model_dir):
     assert conv1.meta["fxq"].platform == "trt_int8" and weight_quantizer(q, conv1).config.num_bits == 8
     last = next(n for n in op_nodes(q) if n.name == gemm.name)
     assert weight_quantizer(q, last).config.num_bits == 4 and weight_quantizer(q, last).config.quant_max == 7
+
+
+@pytest.mark.parametrize("source", ["onnx_legacy13", "caffe_vgg"])
+def test_analysis_names_layers_as_in_the_file(source, model_dir):
+    _, data = loaded(source, model_dir)
+    q = quantized(source, "trt_int8", model_dir)
+    report = fxq.graphwise_error_analyse(q, data, steps=1)
+    nodes = {n.name: n for n in q.graph.nodes}
+    assert report and all(r.source == source_name(nodes[r.name]) for r in report)
+    shown = "/conv2/Conv" if source == "onnx_legacy13" else "conv2/3x3"
+    assert shown in str(report)

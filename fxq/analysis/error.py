@@ -17,7 +17,7 @@ from fxq.analysis.metrics import MetricAccumulator, Scratch, check_metric, forma
 from fxq.analysis.runner import GraphRunner, analysis_mode, tensors_of
 from fxq.errors import CalibrationError, ConfigError, FxqError
 from fxq.graph.data import count_batches
-from fxq.graph.info import NodeQuant
+from fxq.graph.info import NodeQuant, source_names
 from fxq.qconfig.base import COMPUTING_OPS
 
 __all__ = [
@@ -49,6 +49,7 @@ class LayerError:
         measured_at: the node whose values were compared (the op, its output quantizer, or ``output``).
         module_path: the source module's path when the op came from an ``nn.Module``.
         outputs: layerwise only: the metric at each network output.
+        source: the op's name in the file it came from (ONNX node, caffe layer); shown in the table.
     """
 
     name: str
@@ -58,6 +59,7 @@ class LayerError:
     measured_at: str
     module_path: str | None = None
     outputs: dict[str, float] | None = None
+    source: str | None = None
 
     @property
     def formatted(self) -> str:
@@ -132,17 +134,18 @@ def format_table(records: list[LayerError], method: str, width: int = 30) -> str
     """Rows ``name  op  value  bar``; bars are scaled to the worst row."""
     if not records:
         return "  (no layers)"
-    name_w = max(5, max(len(r.name) for r in records))
+    labels = [r.name if r.source in (None, r.name) else f"{r.name} ({r.source})" for r in records]
+    name_w = max(5, max(len(label) for label in labels))
     op_w = max(2, max(len(r.op_type) for r in records))
     worst = max(_badness(method, r.value) for r in records)
     finite_worst = worst if math.isfinite(worst) else max(
         (_badness(method, r.value) for r in records if math.isfinite(_badness(method, r.value))), default=0.0)
     rows = [f"  {'layer'.ljust(name_w)}  {'op'.ljust(op_w)}  {method.upper():>12}"]
-    for r in records:
+    for r, label in zip(records, labels):
         b = _badness(method, r.value)
         frac = 1.0 if not math.isfinite(b) else (b / finite_worst if finite_worst > 0 else 0.0)
         bar = "\u2588" * int(round(frac * width))
-        rows.append(f"  {r.name.ljust(name_w)}  {r.op_type.ljust(op_w)}  {r.formatted:>12} | {bar}")
+        rows.append(f"  {label.ljust(name_w)}  {r.op_type.ljust(op_w)}  {r.formatted:>12} | {bar}")
     return "\n".join(rows)
 
 
@@ -235,7 +238,9 @@ def _record(node: fx.Node, method: str, value: float, measured_at: str,
             outputs: dict[str, float] | None = None) -> LayerError:
     nq = node.meta.get("fxq")
     op = nq.op_type if isinstance(nq, NodeQuant) else "Unknown"
-    return LayerError(node.name, op, method, value, measured_at, node.meta.get("module_path"), outputs)
+    names = source_names(node, module_path=False)
+    return LayerError(node.name, op, method, value, measured_at, node.meta.get("module_path"), outputs,
+                      names[0] if names else None)
 
 
 def graphwise_error_analyse(

@@ -13,6 +13,7 @@ import torch
 from torch import fx, nn
 
 from fxq.errors import ConfigError
+from fxq.graph.info import source_names
 from fxq.graph.op_types import op_type
 from fxq.qconfig.base import COMPUTING_OPS, SHAPE_OPS, Platform, get_platform
 from fxq.registry import Registry
@@ -82,13 +83,7 @@ def _allin(t: str, platform: Platform, fed_by_quantized: bool) -> bool:
 
 
 def _table_lookup(node: fx.Node, table: dict[str, Any]) -> Any:
-    names = {node.name, str(node.target), node.meta.get("module_path") or ""}
-    onnx = node.meta.get("onnx")
-    if isinstance(onnx, dict) and onnx.get("node_name"):
-        names.add(onnx["node_name"])
-    caffe = node.meta.get("caffe")
-    if isinstance(caffe, dict) and caffe.get("layer"):
-        names.add(caffe["layer"])
+    names = {node.name, str(node.target), *source_names(node)}
     names.discard("")
     for key, value in table.items():
         if key in names:

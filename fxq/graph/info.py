@@ -70,6 +70,18 @@ def graph_quant(gm: fx.GraphModule) -> GraphQuant:
     return info
 
 
+def source_names(node: fx.Node, module_path: bool = True) -> list[str]:
+    """The names ``node`` had in the model it came from: ONNX node name, caffe layer (, ``nn.Module`` path)."""
+    names = []
+    for key, field in (("onnx", "node_name"), ("caffe", "layer")):
+        info = node.meta.get(key)
+        if isinstance(info, dict) and info.get(field):
+            names.append(str(info[field]))
+    if module_path and node.meta.get("module_path"):
+        names.append(str(node.meta["module_path"]))
+    return names
+
+
 def is_quantizer_node(node: fx.Node) -> bool:
     """True for the ``call_module`` nodes that run one of ``gm.fxq_quantizers``."""
     return node.op == "call_module" and str(node.target).startswith(QUANTIZERS_ATTR + ".")
