@@ -28,16 +28,19 @@ __all__ = [
 ]
 
 
-def round_with_policy(v: torch.Tensor, policy: RoundingPolicy | int) -> torch.Tensor:
-    """Round ``v`` to integers (same dtype) under ``policy``; ties are decided exactly."""
+def round_with_policy(v: torch.Tensor, policy: RoundingPolicy | int, inplace: bool = False) -> torch.Tensor:
+    """Round ``v`` to integers (same dtype) under ``policy``; ties are decided exactly.
+
+    ``inplace``: UP, DOWN and HALF_EVEN round ``v`` itself (the other policies need ``v`` to find ties).
+    """
     policy = RoundingPolicy(int(policy))
     if policy is RoundingPolicy.UP:
-        return torch.ceil(v)
+        return v.ceil_() if inplace else torch.ceil(v)
     if policy is RoundingPolicy.DOWN:
-        return torch.floor(v)
-    nearest = torch.round(v)  # ties to even
+        return v.floor_() if inplace else torch.floor(v)
     if policy is RoundingPolicy.HALF_EVEN:
-        return nearest
+        return v.round_() if inplace else torch.round(v)  # ties to even
+    nearest = torch.round(v)
     # v - nearest is exact; v - floor(v) is not (e.g. v = -0.5 + 2**-25 gives exactly 0.5 in float32)
     tie = (v - nearest).abs() == 0.5
     f = torch.floor(v)  # at a tie: v - 0.5, exactly
@@ -62,9 +65,15 @@ def broadcast_qparam(p: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Tenso
 
 
 def _linear_codes(x: torch.Tensor, s: torch.Tensor, o: torch.Tensor, quant_min: float, quant_max: float,
-                  rounding: int) -> torch.Tensor:
-    """``clamp(round(x / s) + o, qmin, qmax)``: the integer grid, as floats of ``x``'s dtype."""
-    return torch.clamp(round_with_policy(x / s, rounding) + o, quant_min, quant_max)
+                  rounding: int, inplace: bool = False) -> torch.Tensor:
+    """``clamp(round(x / s) + o, qmin, qmax)``: the integer grid, as floats of ``x``'s dtype.
+
+    ``inplace``: the same operations, written into ``x`` where the rounding policy allows (see
+    :func:`round_with_policy`); the result may or may not be ``x``.
+    """
+    if not inplace:
+        return torch.clamp(round_with_policy(x / s, rounding) + o, quant_min, quant_max)
+    return round_with_policy(x.div_(s), rounding, inplace=True).add_(o).clamp_(quant_min, quant_max)
 
 
 def _fp_round_to_grid(v: torch.Tensor, mantissa_bits: int, min_exponent: int, rounding: int) -> torch.Tensor:
@@ -81,11 +90,19 @@ def linear_fake_quantize_reference(
     quant_min: int,
     quant_max: int,
     rounding: int,
+    inplace: bool = False,
 ) -> torch.Tensor:
-    """``(clamp(round(x / s) + o, qmin, qmax) - o) * s`` — the linear fake-quant, forward."""
+    """``(clamp(round(x / s) + o, qmin, qmax) - o) * s`` — the linear fake-quant, forward.
+
+    ``inplace``: the same operations written into ``x`` (returned), for eager inference on values nobody
+    else reads — no fresh buffer per operation, which is most of the eager cost on large CPU tensors.
+    """
     s = broadcast_qparam(scale.to(x.dtype), x, axis)
     o = broadcast_qparam(offset.to(x.dtype), x, axis)
-    return (_linear_codes(x, s, o, quant_min, quant_max, rounding) - o) * s
+    if not inplace:
+        return (_linear_codes(x, s, o, quant_min, quant_max, rounding) - o) * s
+    y = _linear_codes(x, s, o, quant_min, quant_max, rounding, inplace=True).sub_(o).mul_(s)
+    return y if y is x else x.copy_(y)
 
 
 def linear_fake_quantize_backward_elementwise(

@@ -146,20 +146,29 @@ def test_squared_error_sums(forced):
 
 # --------------------------------------------------------------------------- gates (no compiling)
 def test_in_place_declines_without_touching_x():
-    """Gradients, non-contiguous or small tensors, or warm-up not over: False, and x keeps its values."""
+    """Gradients or a non-contiguous x: False, and x keeps its values."""
     scale, offset = torch.tensor([0.1]), torch.tensor([0.0])
     args = (0, -128, 127, int(RoundingPolicy.HALF_EVEN))
-    cases = [
-        ({"min_numel": 0, "warmup_seconds": 0}, torch.randn(8, 8, requires_grad=True)),
-        ({"min_numel": 0, "warmup_seconds": 0}, torch.randn(8, 8).t()),
-        ({"min_numel": 1 << 20, "warmup_seconds": 0}, torch.randn(8, 8)),
-        ({"min_numel": 0, "warmup_seconds": 1e9}, torch.randn(8, 8)),
-    ]
-    for settings, x in cases:
-        before, compiles = x.detach().clone(), fused_cpu_stats()["compiles"]
-        with cpu_fusion(**settings):
+    for x in (torch.randn(8, 8, requires_grad=True), torch.randn(8, 8).t()):
+        before = x.detach().clone()
+        with cpu_fusion(min_numel=0, warmup_seconds=0):
             assert not fused_cpu.fake_quant_linear_inplace(x, scale, offset, *args)
-        assert torch.equal(x.detach(), before) and fused_cpu_stats()["compiles"] == compiles
+        assert torch.equal(x.detach(), before)
+
+
+@pytest.mark.parametrize("rounding", list(RoundingPolicy), ids=lambda r: r.name)
+def test_in_place_eager_reference_is_bit_identical(rounding):
+    """Small tensors or before warm-up: the eager reference runs in place, nothing compiles, same bits."""
+    scale, offset = torch.tensor([0.25, 0.5, 1.0]), torch.tensor([3.0, 0.0, -2.0])
+    x = _x((4, 3, 5), scale, 1, 20.0)
+    args = (1, -128, 127, int(rounding))
+    want = F.linear_fake_quantize_reference(x, scale, offset, *args)
+    for settings in ({"min_numel": 1 << 20, "warmup_seconds": 0}, {"min_numel": 0, "warmup_seconds": 1e9}):
+        compiles, y = fused_cpu_stats()["compiles"], x.clone()
+        with cpu_fusion(**settings):
+            assert fused_cpu.fake_quant_linear_inplace(y, scale, offset, *args)
+        assert fused_cpu_stats()["compiles"] == compiles
+        assert_bit_identical(y, want, rounding.name)
 
 
 
