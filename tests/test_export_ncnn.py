@@ -19,6 +19,7 @@ Fidelity (ResNet-18, MobileNetV2 from torchvision, seeded random weights, 1x3x64
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from pathlib import Path
 from typing import Any
@@ -312,28 +313,107 @@ class Zoo(nn.Module):
         return torch.softmax(self.fc(torch.flatten(pooled, 1)), dim=1), z.mean(dim=(2, 3))
 
 
+def check_small_model(model: nn.Module, shape: tuple[int, ...], path: Path,
+                      setting: fxq.QuantizationSetting | None = None) -> tuple[fx.GraphModule, dict[str, Path]]:
+    """Quantize for ncnn_int8 and export; ncnn's FP32 model must match torch and its int8 model (int8 inference
+    on) the simulation ``q(x)``, output by output (same shapes)."""
+    calib = [torch.randn(*shape) for _ in range(2)]
+    gm = fxq.quantize(model, calib, "ncnn_int8", setting, progress=False)
+    export(gm, "ncnn", path)
+    files = ncnn_paths(path)
+    x = torch.randn(*shape)
+
+    def outputs() -> list[np.ndarray]:
+        with torch.no_grad():
+            out = gm(x)
+        return [t.numpy()[0] for t in (out if isinstance(out, (tuple, list)) else [out])]
+
+    sim = outputs()
+    with fxq.fp32_mode(gm):
+        ref = outputs()
+    blobs = tuple(f"out{k}" for k in range(len(ref)))
+    (fp32,) = run_ncnn(files["fp32_param"], files["fp32_bin"], [x], int8=False, blobs=blobs)
+    (int8,) = run_ncnn(files["param"], files["bin"], [x], int8=True, blobs=blobs)
+    for k, (r, q) in enumerate(zip(ref, sim)):
+        assert fp32[f"out{k}"].shape == r.shape == int8[f"out{k}"].shape, k
+        np.testing.assert_allclose(fp32[f"out{k}"], r, atol=1e-4)
+        assert cosine(int8[f"out{k}"], q) >= 0.9999, k
+    return gm, files
+
+
 def test_zoo_fp32_and_int8(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Zoo().eval()
     nn.init.uniform_(model.bn.running_var, 0.5, 2.0)
     nn.init.normal_(model.bn.running_mean)
-    calib = [torch.randn(1, 3, 16, 16) for _ in range(2)]
     s = fxq.QuantizationSetting()
     s.dispatching_table = {"gconv": "fp32"}  # per-channel scales inside a group: not expressible (see errors)
-    gm = fxq.quantize(model, calib, "ncnn_int8", s, progress=False)
-    export(gm, "ncnn", tmp_path / "zoo")
-    files = ncnn_paths(tmp_path / "zoo")
-    x = torch.randn(1, 3, 16, 16)
-    with torch.no_grad():
-        sim = [t.numpy()[0] for t in gm(x)]
-        with fxq.fp32_mode(gm):
-            ref = [t.numpy()[0] for t in gm(x)]
-    (fp32,) = run_ncnn(files["fp32_param"], files["fp32_bin"], [x], int8=False, blobs=("out0", "out1"))
-    (int8,) = run_ncnn(files["param"], files["bin"], [x], int8=True, blobs=("out0", "out1"))
-    for k, (r, q) in enumerate(zip(ref, sim)):
-        np.testing.assert_allclose(fp32[f"out{k}"].reshape(r.shape), r, atol=1e-4)
-        assert cosine(int8[f"out{k}"], q) >= 0.9999
+    _, files = check_small_model(model, (1, 3, 16, 16), tmp_path / "zoo", s)
     assert "Split" in files["param"].read_text()
+
+
+class Deconv(nn.Module):
+    """ConvTranspose (FP32 in ncnn) between int8 convs: groups 1 with output_padding, depthwise without bias,
+    and a functional grouped one with a non-square kernel, dilation and per-axis stride / padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.up = nn.ConvTranspose2d(8, 8, 3, stride=2, padding=1, output_padding=1)
+        self.dw = nn.ConvTranspose2d(8, 8, 4, stride=2, padding=1, groups=8, bias=False)
+        self.weight = nn.Parameter(torch.randn(8, 3, 3, 2) * 0.3)  # (in, out / groups, kh, kw), 4 groups
+        self.head1, self.head2 = nn.Conv2d(8, 4, 1), nn.Conv2d(12, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = F.relu(self.conv(x))
+        a = self.head1(self.dw(F.relu(self.up(y))))
+        b = F.conv_transpose2d(y, self.weight, None, stride=(2, 1), padding=(1, 0), output_padding=(1, 0),
+                               groups=4, dilation=(1, 2))
+        return a, self.head2(b)
+
+
+class Padded(nn.Module):
+    """F.pad: constant (2, 4 and 6 values, the last padding channels), reflect and replicate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2, self.conv3 = nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3), nn.Conv2d(6, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.conv1(F.pad(x, (1, 2, 0, 1), value=0.5)))
+        y = self.conv2(F.pad(F.pad(y, (1, 1, 2, 0), mode="reflect"), (1, 0)))
+        return self.conv3(F.pad(F.pad(y, (1, 1, 1, 1, 1, 1)), (0, 1, 1, 0), mode="replicate"))
+
+
+class Permutes(nn.Module):
+    """Every batch-keeping permutation of a rank-4 and a rank-5 tensor, and transposes (method, function,
+    rank 3 before a Linear)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 8, 1), nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        y = self.conv(x)
+        z = y.reshape(1, 2, 4, 4, 5)
+        outs = [y.permute(0, *p) for p in itertools.permutations((1, 2, 3))]
+        outs += [torch.permute(z, (0, *p)) for p in itertools.permutations((1, 2, 3, 4))]
+        outs += [torch.transpose(y, -1, 1), self.fc(y.flatten(2).transpose(1, 2))]
+        return outs
+
+
+@pytest.mark.parametrize(("model", "shape"), [(Deconv, (1, 3, 6, 6)), (Padded, (1, 3, 7, 6)),
+                                              (Permutes, (1, 3, 4, 5))], ids=["deconv", "pad", "permute"])
+def test_deconv_pad_permute(tmp_path: Path, model: type[nn.Module], shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    gm, files = check_small_model(model().eval(), shape, tmp_path / "net")
+    if model is Deconv:  # FP32 layers beside int8 ones: no int8_scale_term, no table lines, same bin bytes
+        deconvs = [layer for layer in build_ncnn_model(gm)[0].layers if layer.type.startswith("Deconvolution")]
+        assert [layer.type for layer in deconvs] == ["Deconvolution"] + ["DeconvolutionDepthWise"] * 2
+        assert all(layer.weight_bytes(True) == layer.weight_bytes(False) for layer in deconvs)
+        assert not re.search(r"^Deconvolution.*\s8=", files["param"].read_text(), re.M)
+        table = files["table"].read_text()
+        assert not any(line.split()[0].startswith(("up", "dw", "conv_transpose")) for line in table.splitlines())
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -363,7 +443,25 @@ class Permuted(nn.Module):
         self.conv = nn.Conv2d(3, 4, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x).permute(0, 1, 3, 2)
+        return self.conv(x).permute(1, 0, 2, 3)  # moves the batch dimension: no ncnn Permute does that
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(3, 4, 3), nn.LayerNorm(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x))
+
+
+class CircularPad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.pad(x, (1, 1, 1, 1), mode="circular"))
 
 
 class Grouped(nn.Module):
@@ -376,9 +474,12 @@ class Grouped(nn.Module):
 
 
 @pytest.mark.parametrize(("model", "channels", "message"), [
-    (Permuted, 3, r"node 'permute' \(op Transpose.*no converter"),
+    (Permuted, 3, r"node 'permute' \(op Transpose.*permutation \(1, 0, 2, 3\).*moves the batch dimension.*"
+                  r"Fix: keep dim 0 first"),
+    (Normed, 3, r"node 'norm' \(op LayerNormalization.*no converter"),
+    (CircularPad, 3, r"node 'pad' \(op Pad.*'circular' padding"),
     (Grouped, 4, r"node 'conv' \(op Conv.*one weight scale per group"),
-], ids=["unsupported-op", "grouped-conv"])
+], ids=["batch-permute", "unsupported-op", "circular-pad", "grouped-conv"])
 def test_inexpressible_graph(tmp_path: Path, model: type[nn.Module], channels: int, message: str) -> None:
     torch.manual_seed(0)
     gm = fxq.quantize(model().eval(), [torch.randn(1, channels, 8, 8)], "ncnn_int8", progress=False)

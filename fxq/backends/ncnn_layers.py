@@ -5,6 +5,7 @@ thing, and emits one or more layers. Parameter ids follow ncnn's operator refere
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -46,41 +47,53 @@ def _const(b: NcnnBuilder, node: fx.Node, value: Any, what: str) -> Any:
 
 
 # --------------------------------------------------------------------------- weighted layers
-@register_ncnn_converter("Conv")
-def _conv(b: NcnnBuilder, node: fx.Node) -> None:
+_CONV_ARGS = ("stride", "padding", "dilation", "groups")  # F.conv2d's arguments after the bias
+_DECONV_ARGS = ("stride", "padding", "output_padding", "groups", "dilation")  # F.conv_transpose2d's
+_CONV_DEFAULTS = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1, "output_padding": 0}
+
+
+def _conv_args(b: NcnnBuilder, node: fx.Node, module_type: type, names: tuple[str, ...]
+               ) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """``(input, weight, bias, {name: value})`` of a 2-D (transposed) convolution, module or function form."""
     mod = b.module(node)
     if mod is not None:
-        if not isinstance(mod, nn.Conv2d) or mod.padding_mode != "zeros":
-            raise b.fail(node, f"module {type(mod).__name__} (padding_mode "
-                         f"{getattr(mod, 'padding_mode', '?')!r}) is not a zero-padded 2-D convolution",
-                         "ncnn's Convolution is 2-D with zero padding")
-        x, w_arg, bias_arg = node.args[0], mod.weight, mod.bias
-        stride, padding, dilation, groups = mod.stride, mod.padding, mod.dilation, mod.groups
-    else:
-        x, w_arg = _arg(node, 0, "input"), _arg(node, 1, "weight")
-        bias_arg = _arg(node, 2, "bias", None)
-        stride, padding = _arg(node, 3, "stride", 1), _arg(node, 4, "padding", 0)
-        dilation, groups = _arg(node, 5, "dilation", 1), int(_arg(node, 6, "groups", 1))
+        if not isinstance(mod, module_type) or mod.padding_mode != "zeros":
+            raise b.fail(node, f"module {type(mod).__name__} (padding_mode {getattr(mod, 'padding_mode', '?')!r}) "
+                         f"is not a zero-padded {module_type.__name__}", "ncnn's layer is 2-D with zero padding")
+        return node.args[0], mod.weight, mod.bias, {k: getattr(mod, k) for k in names}
+    attrs = {k: _const(b, node, _arg(node, 3 + i, k, _CONV_DEFAULTS[k]), k) for i, k in enumerate(names)}
+    return _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias", None), attrs
+
+
+def _kernel_params(b: NcnnBuilder, node: fx.Node, x: Any, w: torch.Tensor, num_output: int,
+                   a: dict[str, Any], bias: torch.Tensor | None) -> dict[int, Any]:
+    """The params (De)Convolution share, padding (4 left, 15 right, 14 top, 16 bottom) aside."""
+    if w.dim() != 4 or len(b.shape(x)) != 4:
+        raise b.fail(node, f"it is a {w.dim() - 2}-D convolution", "only 2-D convolutions are exported")
+    (sh, sw), (dh, dw) = _pair(a["stride"]), _pair(a["dilation"])
+    return {0: num_output, 1: int(w.shape[3]), 11: int(w.shape[2]), 2: dw, 12: dh, 3: sw, 13: sh,
+            5: int(bias is not None), 6: int(w.numel())}
+
+
+@register_ncnn_converter("Conv")
+def _conv(b: NcnnBuilder, node: fx.Node) -> None:
+    x, w_arg, bias_arg, a = _conv_args(b, node, nn.Conv2d, _CONV_ARGS)
     w = b.weight(w_arg, node)
-    if w.fp32.dim() != 4 or len(b.shape(x)) != 4:
-        raise b.fail(node, f"it is a {w.fp32.dim() - 2}-D convolution", "only 2-D convolutions are exported")
-    out_ch, _, kh, kw = (int(d) for d in w.fp32.shape)
-    sh, sw = _pair(stride)
-    dh, dw = _pair(dilation)
+    padding, groups = a["padding"], int(a["groups"])
+    bias = b.param(bias_arg, node, "bias") if bias_arg is not None else None
+    params = _kernel_params(b, node, x, w.fp32, int(w.fp32.shape[0]), a, bias)
     if isinstance(padding, str):
         if padding == "valid":
             pt = pb = pl = pr = 0
         else:  # "same" (stride 1)
-            th, tw = dh * (kh - 1), dw * (kw - 1)
+            th, tw = params[12] * (params[11] - 1), params[2] * (params[1] - 1)
             pt, pl = th // 2, tw // 2
             pb, pr = th - pt, tw - pl
     else:
         pt, pl = _pair(padding)
         pb, pr = pt, pl
-    bias = b.param(bias_arg, node, "bias") if bias_arg is not None else None
+    params.update({4: pl, 15: pr, 14: pt, 16: pb})
     int8 = b.int8_scales(node, x, w, bias_arg, groups)
-    params: dict[int, Any] = {0: out_ch, 1: kw, 11: kh, 2: dw, 12: dh, 3: sw, 13: sh, 4: pl, 15: pr, 14: pt,
-                              16: pb, 5: int(bias is not None), 6: int(w.fp32.numel())}
     layer_type = "Convolution"
     if groups > 1:
         layer_type, params[7] = "ConvolutionDepthWise", groups
@@ -89,6 +102,37 @@ def _conv(b: NcnnBuilder, node: fx.Node) -> None:
                    int8=int8, int8_term=1 if groups > 1 else 2)
     if int8 is not None:
         layer.int8_weights = [("tagged", _np(w.quantized()))] + tail
+
+
+@register_ncnn_converter("ConvTranspose")
+def _deconv(b: NcnnBuilder, node: fx.Node) -> None:
+    """``Deconvolution`` / ``DeconvolutionDepthWise`` (groups > 1), always FP32: ncnn has no int8 deconvolution.
+
+    torch's weight is ``(in, out / groups, kh, kw)``; ncnn's is ``(groups, out / groups, in / groups, kh, kw)``,
+    not flipped (ncnn scatters ``input[i] * w[k]`` to ``output[i * stride + k * dilation]`` as torch does).
+    Output padding (params 18 / 19, right / bottom) is read off the recorded shapes, so ``output_size=`` works.
+    """
+    x, w_arg, bias_arg, a = _conv_args(b, node, nn.ConvTranspose2d, _DECONV_ARGS)
+    w = b.weight(w_arg, node).fp32
+    groups = int(a["groups"])
+    bias = b.param(bias_arg, node, "bias") if bias_arg is not None else None
+    ph, pw = _pair(a["padding"])
+    params = _kernel_params(b, node, x, w, int(w.shape[1]) * groups, a, bias)
+    params.update({4: pw, 15: pw, 14: ph, 16: ph})
+    (in_h, in_w), (out_h, out_w) = b.shape(x)[2:], b.shape(node)[2:]
+    for out, size, k, s, d, p, key in ((out_w, in_w, params[1], params[3], params[2], pw, 18),
+                                       (out_h, in_h, params[11], params[13], params[12], ph, 19)):
+        params[key] = out - ((size - 1) * s + d * (k - 1) + 1 - 2 * p)
+        if params[key] < 0:
+            raise b.fail(node, f"its recorded output size {out} is smaller than the transposed convolution gives "
+                         "without output padding", "record the shapes again (fxq.prepare with example inputs)")
+    c_in, per_group, kh, kw = (int(d) for d in w.shape)
+    ncnn_w = w.reshape(groups, c_in // groups, per_group, kh, kw).transpose(1, 2)
+    layer_type = "Deconvolution"
+    if groups > 1:
+        layer_type, params[7] = "DeconvolutionDepthWise", groups
+    tail = [("raw", _np(bias))] if bias is not None else []
+    b.emit(node, layer_type, [b.blob(x, node)], params, [("tagged", _np(ncnn_w))] + tail)
 
 
 @register_ncnn_converter("Gemm")
@@ -343,6 +387,51 @@ def _reshape(b: NcnnBuilder, node: fx.Node) -> None:
         b.emit(node, "Flatten", [b.blob(x, node)])
     else:
         b.emit(node, "Reshape", [b.blob(x, node)], _shape_params(out_shape[1:]))
+
+
+_PAD_TYPES = {"constant": 0, "replicate": 1, "reflect": 2}
+
+
+@register_ncnn_converter("Pad")
+def _pad(b: NcnnBuilder, node: fx.Node) -> None:
+    """``Padding``: 0 top, 1 bottom, 2 left, 3 right, 4 type (0 constant, 1 replicate, 2 reflect), 5 value,
+    7 front, 8 behind (the channels of a (C, H, W) blob)."""
+    x, mode, value = node.args[0], _arg(node, 2, "mode", "constant"), _arg(node, 3, "value", None)
+    pads = [int(p) for p in _const(b, node, _arg(node, 1, "pad"), "pad")]
+    rank = len(b.shape(x))
+    if mode not in _PAD_TYPES or len(pads) % 2 or len(pads) // 2 >= min(rank, 4) or min(pads, default=0) < 0:
+        raise b.fail(node, f"{mode!r} padding {pads} of a rank-{rank} tensor", "ncnn's Padding pads the "
+                     "non-batch dims of a rank 2-4 tensor by >= 0 (constant, replicate or reflect)")
+    left, right, top, bottom, front, behind = pads + [0] * (6 - len(pads))
+    params = {0: top, 1: bottom, 2: left, 3: right, 4: _PAD_TYPES[mode],
+              5: float(_const(b, node, value, "value") or 0.0)}
+    if front or behind:
+        params.update({7: front, 8: behind})
+    b.emit(node, "Padding", [b.blob(x, node)], params)
+
+
+@register_ncnn_converter("Transpose")
+def _permute(b: NcnnBuilder, node: fx.Node) -> None:
+    """``Permute`` (0 order_type) of a batch-less blob of rank 1 to 4.
+
+    ncnn numbers the orders of a rank-r blob like ``itertools.permutations(range(r))``, in torch's
+    outermost-first dim order (the tests run every order of ranks 3 and 4 through ncnn).
+    """
+    x = node.args[0]
+    rank = len(b.shape(x))
+    if node.target in ("transpose", torch.transpose):
+        dims = list(range(rank))
+        d0, d1 = (int(_arg(node, i, k)) % rank for i, k in ((1, "dim0"), (2, "dim1")))
+        dims[d0], dims[d1] = d1, d0
+    else:  # permute(x, *dims) / permute(x, dims) / torch.permute(x, dims)
+        dims = list(node.args[1:]) if len(node.args) > 2 else _arg(node, 1, "dims")
+    dims = [int(_const(b, node, d, "the permutation")) % rank for d in dims]
+    if not 2 <= rank <= 5 or dims[0] != 0:
+        raise b.fail(node, f"permutation {tuple(dims)} of a rank-{rank} tensor moves the batch dimension or the "
+                     "blob has rank > 4; ncnn blobs have no batch dimension",
+                     "keep dim 0 first (or fold the batch into another dim with a reshape first)")
+    order = list(itertools.permutations(range(rank - 1))).index(tuple(d - 1 for d in dims[1:]))
+    b.emit(node, "Permute", [b.blob(x, node)], {0: order})
 
 
 @register_ncnn_converter("Resize")
