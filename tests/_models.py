@@ -130,3 +130,11 @@ def small_cnn() -> nn.Module:
 def noise_ratio(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Noise power / signal power (PPQ's SNR, lower is better)."""
     return float((out - ref).pow(2).sum() / ref.pow(2).sum())
+
+
+def torch_encoder() -> nn.Module:
+    """A transformer built from torch's own modules (nn.TransformerEncoder / MultiheadAttention)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, norm_first=True, activation="gelu")
+    return nn.Sequential(nn.Linear(16, 32), nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(32),
+                                                                  enable_nested_tensor=False), nn.Linear(32, 5)).eval()

@@ -5,12 +5,13 @@ import torch
 import fxq
 from fxq.qconfig import PLATFORMS
 
-from _models import mobilenet_v2, noise_ratio, resnet18, tiny_encoder
+from _models import mobilenet_v2, noise_ratio, resnet18, tiny_encoder, torch_encoder
 
 MODELS = {
     "resnet18": (resnet18, (2, 3, 32, 32)),
     "mobilenet_v2": (mobilenet_v2, (2, 3, 32, 32)),
     "encoder": (tiny_encoder, (2, 8, 16)),
+    "torch_encoder": (torch_encoder, (2, 8, 16)),
 }
 _cache: dict = {}
 

@@ -48,7 +48,7 @@ def shape_nodes(gm: fx.GraphModule, modules: dict[str, nn.Module]) -> set[fx.Nod
             continue
         t = op_type(node, modules)
         val = node.meta.get("val")
-        if t in SHAPE_OPS or ("val" in node.meta and not is_float_tensor(val)):
+        if t in SHAPE_OPS or ("val" in node.meta and not _has_float(val)):
             shape.add(node)
             continue
         ins = _data_inputs(node)

@@ -8,6 +8,7 @@ from typing import Any, Iterable
 from torch import fx, nn
 
 from fxq.errors import TraceError
+from fxq.graph.decompose import decomposition_for
 
 __all__ = ["trace"]
 
@@ -28,12 +29,18 @@ class _Tracer(fx.Tracer):
         self._leaf_names = {t for t in leaves if isinstance(t, str)}
         self.failed_module: str | None = None
 
+    def _user_leaf(self, m: nn.Module, qualname: str) -> bool:
+        return qualname in self._leaf_names or bool(self._leaf_types and isinstance(m, self._leaf_types))
+
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if qualname in self._leaf_names or (self._leaf_types and isinstance(m, self._leaf_types)):
-            return True
-        return super().is_leaf_module(m, qualname)
+        return self._user_leaf(m, qualname) or super().is_leaf_module(m, qualname)
 
     def call_module(self, m, forward, args, kwargs):
+        decompose = decomposition_for(m)
+        if decompose is not None and not self._user_leaf(m, self.path_of_module(m)):
+            out = decompose(m, *args, **kwargs)  # traced through: its insides become graph nodes
+            if out is not NotImplemented:
+                return out
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception:
@@ -74,6 +81,11 @@ def trace(
     except Exception as exc:  # torch.fx raises many types here
         where = tracer.failed_module or type(model).__name__
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if decomposition_for(model) is not None:
+            raise TraceError(
+                f"torch.fx cannot trace a bare {type(model).__name__} as the whole model ({type(exc).__name__}: "
+                f"{msg}); wrap it, e.g. nn.Sequential(model), and fxq traces through it"
+            ) from exc
         construct = next((c for key, c in _HINTS if key in msg), "an operation torch.fx cannot trace symbolically")
         raise TraceError(
             f"torch.fx could not trace module {where!r}: {construct} ({type(exc).__name__}: {msg}). "
