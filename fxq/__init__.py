@@ -30,6 +30,7 @@ from fxq.setting import QuantizationSetting, QuantizationSettingFactory
 from fxq.api import prepare, quantize
 from fxq.graph.calibrate import calibrate
 from fxq.graph.convert import convert, fp32_mode, switch_to_fp32, switch_to_quantized
+from fxq.graph.decompose import register_decomposition
 from fxq.graph.dispatch import register_dispatcher
 from fxq.graph.op_types import register_op_type
 from fxq.graph.summary import QuantSummary, summary
@@ -99,6 +100,7 @@ __all__ = [
     "summary",
     "QuantSummary",
     "register_dispatcher",
+    "register_decomposition",
     "register_op_type",
     "register_algorithm",
     # quantization-aware training

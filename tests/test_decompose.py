@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import fxq
-from fxq.graph.decompose import DECOMPOSITIONS, register_decomposition
+from fxq.graph.decompose import DECOMPOSITIONS
 from fxq.graph.trace import trace
 
 from _models import noise_ratio, torch_encoder
@@ -103,7 +103,7 @@ def test_register_decomposition_for_a_user_module():
         def forward(self, x):
             raise AssertionError("the decomposition runs instead")
 
-    @register_decomposition(Scale2)
+    @fxq.register_decomposition(Scale2)
     def _scale2(m, x):
         return x * 2
 
