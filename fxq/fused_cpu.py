@@ -175,14 +175,9 @@ def _eligible(x: torch.Tensor, grad: torch.Tensor | None, *params: torch.Tensor)
     enabled, min_numel, _ = _state.settings.resolved()
     if not enabled or _state.broken is not None or x.numel() < max(min_numel, 1):
         return False
-    if x.dtype not in _FUSED_DTYPES or not x.is_contiguous():
-        return False
     if grad is not None and (grad.dtype != x.dtype or grad.shape != x.shape or not grad.is_contiguous()):
         return False
-    for t in (x, *params) if grad is None else (x, grad, *params):
-        if type(t) is not torch.Tensor or t.device.type != "cpu":
-            return False
-    return not _tracing_or_mode_active()
+    return _writable_cpu(x, *params, *(() if grad is None else (grad,)))
 
 
 def _writable_cpu(x: torch.Tensor, *params: torch.Tensor) -> bool:
@@ -275,14 +270,18 @@ def _linear_forward_factory(axis: int, rounding: int) -> Callable[[], Callable[.
     return factory
 
 
-def _linear_inplace_factory(axis: int, rounding: int) -> Callable[[], Callable[..., Any]]:
-    def factory() -> Callable[..., Any]:
-        def fused(x, scale, offset, quant_min, quant_max):
-            x.copy_(F.linear_fake_quantize_reference(x, scale, offset, axis, quant_min, quant_max, rounding))
+def _into_input(factory: Callable[[], Callable[..., Any]]) -> Callable[[], Callable[..., Any]]:
+    """The graph of ``factory`` writing its result into its first argument (an in-place twin, one pass)."""
+
+    def in_place_factory() -> Callable[..., Any]:
+        fn = factory()
+
+        def fused(x, *args):
+            x.copy_(fn(x, *args))
 
         return fused
 
-    return factory
+    return in_place_factory
 
 
 def _linear_backward_factory(axis: int, rounding: int, need_s: bool, need_o: bool) -> Callable[[], Callable[..., Any]]:
@@ -301,16 +300,6 @@ def _float_forward_factory(axis: int, mantissa_bits: int, min_exponent: int, max
     def factory() -> Callable[..., Any]:
         def fused(x, scale):
             return F.float_fake_quantize_reference(x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
-
-        return fused
-
-    return factory
-
-
-def _float_inplace_factory(axis: int, mantissa_bits: int, min_exponent: int, max_value: float, rounding: int):
-    def factory() -> Callable[..., Any]:
-        def fused(x, scale):
-            x.copy_(F.float_fake_quantize_reference(x, scale, axis, mantissa_bits, min_exponent, max_value, rounding))
 
         return fused
 
@@ -384,7 +373,7 @@ def fake_quant_linear_inplace(
         key, shape, vaxis = plan
         done = _call_fused(
             key,
-            _linear_inplace_factory(vaxis, int(rounding)),
+            _into_input(_linear_forward_factory(vaxis, int(rounding))),
             x.detach().view(shape), scale.detach().reshape(-1), offset.detach().reshape(-1), int(quant_min),
             int(quant_max),
         )  # fmt: skip
@@ -478,14 +467,18 @@ def fake_quant_float_inplace(
     max_value: float,
     rounding: int,
 ) -> bool:
-    """:func:`fake_quant_linear_inplace` for ``fxq::fake_quant_float`` (FP8 formats)."""
+    """Overwrite ``x`` with ``fxq::fake_quant_float(x, ...)`` in one fused pass (FP8 formats).
+
+    Fused path only (no in-place eager twin of the FP8 reference): False, ``x`` untouched, whenever the fused
+    path does not apply; run the op instead.
+    """
     if x.requires_grad or not _eligible(x, None, scale) or not _warmed_up():
         return False
     plan = _float_plan("float_inplace", x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
     if plan is None:
         return False
     key, shape, vaxis, fmt = plan
-    done = _call_fused(key, _float_inplace_factory(vaxis, *fmt, int(rounding)), x.detach().view(shape),
+    done = _call_fused(key, _into_input(_float_forward_factory(vaxis, *fmt, int(rounding))), x.detach().view(shape),
                        scale.detach().reshape(-1))
     return done is not _FAILED
 

@@ -452,3 +452,18 @@ def test_placeholder_values_by_position_and_name():
     assert all(by_position[n] is by_name[n] for n in by_position)
     with pytest.raises(CalibrationError, match="'y'"):
         placeholder_values(gm, (a,))
+
+
+def test_first_batch_errors():
+    from fxq.errors import CalibrationError, ConfigError
+    from fxq.graph.data import first_batch_errors
+
+    with pytest.raises(CalibrationError, match="first analysis batch failed in the model: bad shape"):
+        with first_batch_errors("analysis", first=True):
+            raise RuntimeError("bad shape")
+    with pytest.raises(RuntimeError):  # the data fitted before: not a data problem
+        with first_batch_errors("analysis", first=False):
+            raise RuntimeError("later")
+    with pytest.raises(ConfigError):  # fxq's own errors pass through
+        with first_batch_errors("analysis", first=True):
+            raise ConfigError("x")

@@ -13,8 +13,8 @@ from torch import fx
 from tqdm.auto import tqdm
 
 from fxq.analysis.runner import GraphRunner, analysis_mode
-from fxq.errors import CalibrationError, FxqError
-from fxq.graph.data import count_batches, iter_batches
+from fxq.errors import CalibrationError
+from fxq.graph.data import count_batches, first_batch_errors, iter_batches
 
 __all__ = ["Probe", "run_two_pass", "iter_bound_batches", "output_names"]
 
@@ -75,14 +75,8 @@ def run_two_pass(gm: fx.GraphModule, data: Any, probes: list[Probe], *, steps: i
     batches = 0
     with analysis_mode(gm):
         for inputs in iter_bound_batches(runner, data, steps, collate_fn, progress=progress, desc=desc):
-            try:
+            with first_batch_errors("analysis", batches == 0):
                 runner.run_side_by_side(inputs, fp32_watch=fp32_watch, quant_watch=quant_watch)
-            except FxqError:
-                raise
-            except (RuntimeError, TypeError, ValueError) as exc:
-                if batches == 0:
-                    raise CalibrationError(f"the first analysis batch failed in the model: {exc}") from exc
-                raise
             batches += 1
     logger.debug("%s: %d batches x 2 passes", desc, batches)
     return batches

@@ -15,8 +15,8 @@ from tqdm.auto import tqdm
 from fxq.analysis.engine import iter_bound_batches, output_names, run_two_pass
 from fxq.analysis.metrics import MetricAccumulator, Scratch, check_metric, format_value, higher_is_better
 from fxq.analysis.runner import GraphRunner, analysis_mode, tensors_of
-from fxq.errors import CalibrationError, ConfigError, FxqError
-from fxq.graph.data import count_batches
+from fxq.errors import CalibrationError, ConfigError
+from fxq.graph.data import count_batches, first_batch_errors
 from fxq.graph.info import NodeQuant, source_names
 from fxq.qconfig.base import COMPUTING_OPS
 
@@ -351,14 +351,8 @@ def layerwise_error_analyse(
                    leave=False)
         for inputs in iter_bound_batches(runner, data, steps, collate_fn, progress=False, desc=""):
             cache: dict[fx.Node, Any] = {}
-            try:
+            with first_batch_errors("analysis", batches == 0):
                 ref = runner.run(inputs, fp32=True, keep=cache)
-            except FxqError:
-                raise
-            except (RuntimeError, TypeError, ValueError) as exc:
-                if batches == 0:
-                    raise CalibrationError(f"the first analysis batch failed in the model: {exc}") from exc
-                raise
             for layer in layers:
                 plan = plans[layer]
                 if measure == "network":

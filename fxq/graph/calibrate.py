@@ -8,9 +8,9 @@ import torch
 from torch import fx
 from tqdm.auto import tqdm
 
-from fxq.errors import CalibrationError, FxqError
+from fxq.errors import CalibrationError
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
-from fxq.graph.data import call_model, count_batches, iter_batches
+from fxq.graph.data import call_model, count_batches, first_batch_errors, iter_batches
 from fxq.graph.info import graph_quant, iter_quantizers
 from fxq.graph.passes import get_attr_value
 from fxq.spec import QuantState
@@ -85,14 +85,8 @@ def calibrate(
         seen = 0
         for batch in tqdm(iter_batches(data, steps, collate_fn), total=total, desc=desc, disable=not progress,
                           leave=False):
-            try:
+            with first_batch_errors("calibration", seen == 0):
                 call_model(model, batch, check=(seen == 0))
-            except FxqError:
-                raise
-            except (RuntimeError, TypeError, ValueError) as exc:
-                if seen == 0:
-                    raise CalibrationError(f"the first calibration batch failed in the model: {exc}") from exc
-                raise
             seen += 1
         if seen == 0:
             raise CalibrationError("calibration data is empty: give at least one batch")

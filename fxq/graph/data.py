@@ -1,13 +1,14 @@
 """Calibration data: batches in many shapes (tensor, tuple, dict, DataLoader) -> model call arguments."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import fx, nn
 
-from fxq.errors import CalibrationError
+from fxq.errors import CalibrationError, FxqError
 
 __all__ = [
     "to_device",
@@ -17,6 +18,7 @@ __all__ = [
     "input_names",
     "count_batches",
     "placeholder_values",
+    "first_batch_errors",
 ]
 
 
@@ -148,6 +150,22 @@ def placeholder_values(gm: fx.GraphModule, batch: Any, check: bool = False) -> d
             raise CalibrationError(f"no value for model input {ph.name!r} in the batch; give it positionally or "
                                    f"by name")
     return values
+
+
+@contextlib.contextmanager
+def first_batch_errors(what: str, first: bool) -> Iterator[None]:
+    """Turn a model failure on the ``first`` batch into a :class:`CalibrationError` (the data does not fit).
+
+    Later batches re-raise as they are: the data fitted once, so the failure is something else.
+    """
+    try:
+        yield
+    except FxqError:
+        raise
+    except (RuntimeError, TypeError, ValueError) as exc:
+        if first:
+            raise CalibrationError(f"the first {what} batch failed in the model: {exc}") from exc
+        raise
 
 
 def call_model(model: nn.Module, batch: Any, check: bool = True) -> Any:
