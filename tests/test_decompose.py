@@ -58,6 +58,13 @@ def test_transformer_encoder_matches_torch(norm_first, activation):
         torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
 
 
+def test_training_mode_traces_the_same_graph():
+    model = torch_encoder()
+    targets = [[n.target for n in trace(m).graph.nodes] for m in (model.eval(), model.train())]
+    assert targets[0] == targets[1]
+    model.eval()
+
+
 def test_attention_is_quantized_inside():
     model = torch_encoder()
     g = torch.Generator().manual_seed(0)

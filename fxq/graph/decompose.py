@@ -6,6 +6,8 @@ leaves they run in FP32 on every platform. The tracer instead calls the *decompo
 module's type: the same computation written with traceable ops (linear, matmul, softmax, layer norm...)
 that reads the module's own parameters and submodules, so the graph has the nodes a platform quantizes.
 
+Decompositions write the eval-mode computation whatever mode the module is in (fxq's graphs are inference
+graphs: preparation removes dropout too), so a model handed over in training mode traces the same way.
 A decomposition returns ``NotImplemented`` for calls it does not cover (masks, ``add_bias_kv``, separate
 key/value sizes...); the module then stays a leaf, as before. Register more with
 :func:`register_decomposition`.
@@ -61,7 +63,7 @@ def _multihead_attention(m: nn.MultiheadAttention, query: Any, key: Any, value: 
     """Self-attention over ``m``'s projections, as ``F.multi_head_attention_forward`` computes it in eval mode
     (no masks, packed in-projection, no extra key/value bias)."""
     self_attention = query is key and key is value
-    if (key_padding_mask is not None or attn_mask is not None or is_causal or m.training or m.bias_k is not None
+    if (key_padding_mask is not None or attn_mask is not None or is_causal or m.bias_k is not None
             or not m._qkv_same_embed_dim or not self_attention):
         return NotImplemented  # cross-attention would need split weights: not plain get_attr weights
     if m.batch_first:
@@ -91,7 +93,7 @@ def _multihead_attention(m: nn.MultiheadAttention, query: Any, key: Any, value: 
 def _transformer_encoder_layer(m: nn.TransformerEncoderLayer, src: Any, src_mask: Any = None,
                                src_key_padding_mask: Any = None, is_causal: bool = False) -> Any:
     """The layer's reference ("slow") path: attention and feed-forward blocks, pre- or post-norm."""
-    if src_mask is not None or src_key_padding_mask is not None or is_causal or m.training:
+    if src_mask is not None or src_key_padding_mask is not None or is_causal:
         return NotImplemented
 
     def attention(x: Any) -> Any:
@@ -112,7 +114,7 @@ def _transformer_encoder_layer(m: nn.TransformerEncoderLayer, src: Any, src_mask
 def _transformer_encoder(m: nn.TransformerEncoder, src: Any, mask: Any = None, src_key_padding_mask: Any = None,
                          is_causal: bool | None = None) -> Any:
     """The stack of layers, then the final norm."""
-    if mask is not None or src_key_padding_mask is not None or is_causal or m.training:
+    if mask is not None or src_key_padding_mask is not None or is_causal:
         return NotImplemented
     x = src
     for layer in m.layers:
