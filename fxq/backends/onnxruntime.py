@@ -8,8 +8,10 @@ reproduces fxq's clamp exactly. The written model is loaded by onnxruntime befor
 
 onnxruntime runs the graph as written with optimizations off; with them on (the default) it fuses
 DQ -> Conv/Gemm/Add -> Q groups into int8 kernels (QLinearConv, QGemm, QLinearAdd) where the output is
-quantized, and quantizes FP32 biases to int32 itself — so a few codes per thousand can differ by one from
-fxq's float simulation (see ``tests/test_export_onnx.py``).
+quantized. Those add an int32 bias to the integer accumulator (quantizing an FP32 bias themselves), which the
+``ort_int8`` platform simulates, so both paths reproduce fxq's codes; models quantized for a platform with FP32
+biases, and attention softmax (QLinearSoftmax's fixed-point table), can be one code off here and there
+(see ``tests/test_export_onnx.py``).
 """
 from __future__ import annotations
 
