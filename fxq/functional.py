@@ -18,6 +18,7 @@ __all__ = [
     "round_with_policy",
     "quantize_to_int",
     "dequantize",
+    "dequantize_linear",
     "fake_quantize",
     "linear_fake_quantize_reference",
     "float_fake_quantize_reference",
@@ -292,11 +293,18 @@ def dequantize(q: torch.Tensor, cfg: TensorQuantConfig, dtype: torch.dtype = tor
     """Real values of integer (or FP8-grid) codes ``q``: ``(q - offset) * scale``."""
     _require_qparams(cfg, q)
     wide = torch.float64 if integer_range_for_compute(cfg) else torch.float32
-    qf = q.to(wide)
-    s = broadcast_qparam(cfg.scale.to(q.device, wide), qf, cfg.channel_axis)
     if cfg.is_floating:
-        return (qf * s).to(dtype)
-    o = broadcast_qparam(cfg.offset.to(q.device, wide), qf, cfg.channel_axis)
+        qf = q.to(wide)
+        return (qf * broadcast_qparam(cfg.scale.to(q.device, wide), qf, cfg.channel_axis)).to(dtype)
+    return dequantize_linear(q, cfg.scale, cfg.offset, cfg.channel_axis, dtype, wide)
+
+
+def dequantize_linear(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, axis: int,
+                      dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(q - offset) * scale`` in ``compute_dtype`` (the arithmetic of the fake-quant's last step), as ``dtype``."""
+    qf = q.to(compute_dtype)
+    s = broadcast_qparam(scale.to(q.device, compute_dtype), qf, axis)
+    o = broadcast_qparam(offset.to(q.device, compute_dtype), qf, axis)
     return ((qf - o) * s).to(dtype)
 
 

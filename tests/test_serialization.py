@@ -113,6 +113,40 @@ def test_unknown_module_class_is_a_clear_error(tmp_path):
         assert torch.equal(gm(x), again(x))
 
 
+def test_baked_weights_are_stored_as_codes(saved, tmp_path):
+    """Each baked 8-bit weight is saved as int8 codes beside its FP32 backup, not as a second float copy."""
+    gm, path = saved
+    blob = torch.load(path, weights_only=True)
+    infos = gm.meta["fxq_quantizer_infos"]
+    weights = {infos[n].param for n, fq in iter_quantizers(gm) if getattr(fq, "_fp32_backup", None) is not None
+               and infos[n].role == "weight"}
+    assert len(weights) >= 3
+    assert all(blob["tensors"][w].dtype == torch.int8 for w in weights)
+    # the same model with its weights kept as floats (version-1 files) is bigger and loads to the same model
+    old = tmp_path / "v1.fxq"
+    unpacked = dict(blob, version=1, tensors={k: gm.get_parameter(k).detach() if k in weights else t
+                                              for k, t in blob["tensors"].items()})
+    unpacked["spec"] = blob["spec"].replace('"packed": {', '"unused": {')
+    torch.save(unpacked, old)
+    assert path.stat().st_size < old.stat().st_size
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(fxq.load(old)(x), gm(x)) and torch.equal(fxq.load(path)(x), gm(x))
+
+
+def test_a_weight_off_its_grid_stays_float(tmp_path):
+    """Packing never changes a value: a baked weight edited off the grid is saved as it is."""
+    gm = small_quantized("trt_int8")
+    infos = gm.meta["fxq_quantizer_infos"]
+    name = next(n for n, fq in iter_quantizers(gm) if getattr(fq, "_fp32_backup", None) is not None)
+    weight = gm.get_parameter(infos[name].param)
+    with torch.no_grad():
+        weight.view(-1)[0] += 1e-3 * float(gm.fxq_quantizers[name].scale.reshape(-1)[0])
+    path = fxq.save(gm, tmp_path / "m.fxq")
+    assert torch.load(path, weights_only=True)["tensors"][infos[name].param].dtype == torch.float32
+    assert torch.equal(fxq.load(path).get_parameter(infos[name].param), weight.detach())
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(fxq.FrontendError, match="does not exist"):
         fxq.load(tmp_path / "missing.fxq")

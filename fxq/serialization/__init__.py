@@ -1,8 +1,9 @@
 """Native save / load of quantized GraphModules, without pickling objects.
 
 ``fxq.save(model, path)`` writes one file with ``torch.save``: a plain dict of tensors (parameters, buffers,
-quantizer scales, FP32 backups of baked weights) and a JSON string describing the module tree, the graph
-(node by node, targets by name) and the meta records fxq and its exporters read. ``fxq.load(path)`` reads it
+quantizer scales, FP32 backups of baked weights; baked weights as their integer codes, see
+:mod:`fxq.serialization.packing`) and a JSON string describing the module tree, the graph (node by node,
+targets by name) and the meta records fxq and its exporters read. ``fxq.load(path)`` reads it
 with ``torch.load(weights_only=True)`` and resolves every class and function through an allow-list
 (:mod:`fxq.serialization.allowlist`); extend it with :func:`register_serializable`.
 """
@@ -23,13 +24,15 @@ from fxq.serialization.allowlist import register_serializable
 from fxq.serialization.codec import TensorTable, Unencodable
 from fxq.serialization.graph import decode_graph, decode_meta, encode_graph, encode_meta
 from fxq.serialization.modules import decode_modules, encode_modules
+from fxq.serialization.packing import pack_baked_parameters, unpack_parameters
 
 __all__ = ["save", "load", "register_serializable", "FORMAT", "VERSION"]
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "fxq.graphmodule"
-VERSION = 1
+VERSION = 2  # 2: baked weights as integer codes ("packed"); version 1 files are read too
+_READABLE = (1, 2)
 
 
 def save(model: nn.Module, path: str | os.PathLike) -> Path:
@@ -58,6 +61,7 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
         "training": bool(model.training),
         "torch": torch.__version__,
     }
+    doc["packed"] = pack_baked_parameters(model, table)
     with atomic_path(target) as tmp:  # streamed to the temp file: no second in-memory copy of the model
         torch.save({"format": FORMAT, "version": VERSION, "spec": json.dumps(doc), "tensors": table.tensors}, tmp)
     logger.info("saved %s (%d tensors)", target, len(table.tensors))
@@ -80,11 +84,13 @@ def load(path: str | os.PathLike, map_location: Any = "cpu") -> fx.GraphModule:
         raise FrontendError(f"{str(p)!r} is not a readable fxq model file ({type(exc).__name__}: {exc})") from exc
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         raise FrontendError(f"{str(p)!r} is not an fxq model file (saved with fxq.save)")
-    if blob.get("version") != VERSION:
-        raise FrontendError(f"{str(p)!r} has format version {blob.get('version')}; this fxq reads version {VERSION}")
+    if blob.get("version") not in _READABLE:
+        raise FrontendError(f"{str(p)!r} has format version {blob.get('version')}; this fxq reads versions "
+                            f"{', '.join(map(str, _READABLE))} (save it again with the fxq that wrote it)")
     try:
         doc = json.loads(blob["spec"])
         table = TensorTable(blob["tensors"])
+        unpack_parameters(doc.get("packed", {}), table)
         gm = fx.GraphModule(nn.Module(), fx.Graph(), class_name="GraphModule")
         decode_modules(doc["modules"], gm, table)
         gm.graph = decode_graph(doc["graph"], table)

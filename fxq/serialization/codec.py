@@ -52,6 +52,10 @@ class TensorTable:
     def get(self, key: str) -> torch.Tensor:
         return self.tensors[key]
 
+    def key_of(self, t: torch.Tensor) -> str | None:
+        """Key under which the tensor object ``t`` was put, if it was."""
+        return self._keys.get(id(t))
+
 
 def encode(value: Any, table: TensorTable, hint: str = "t", *, tensor_spec_only: bool = False) -> Any:
     """JSON-ready form of ``value``; tensors go to ``table`` (or only their shape/dtype when ``tensor_spec_only``)."""

@@ -1,0 +1,79 @@
+"""Baked weights stored as their integer codes.
+
+A baked model holds each quantized weight twice: the values on the grid (what forward reads) and the FP32
+backup (for ``fp32_mode``, unbaking, NCNN's own weight quantization). Saving both as float32 made an fxq file
+twice the size of the float model; the on-grid values are stored instead as their codes (int8 / uint8 /
+int16, 1-2 bytes per weight) and rebuilt on load as ``(codes - offset) * scale``. A weight is packed only when
+that rebuild reproduces it bit for bit, so loading never changes a value; anything else stays float.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import fx
+
+from fxq.functional import broadcast_qparam, dequantize_linear
+from fxq.graph.info import iter_quantizers
+from fxq.graph.passes import get_attr_value
+from fxq.serialization.codec import TensorTable
+
+__all__ = ["pack_baked_parameters", "unpack_parameters"]
+
+logger = logging.getLogger(__name__)
+
+_CODE_DTYPES = (torch.int8, torch.uint8, torch.int16)
+_FLOAT_DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
+
+
+def _code_dtype(quant_min: int, quant_max: int) -> torch.dtype | None:
+    for dtype in _CODE_DTYPES:
+        info = torch.iinfo(dtype)
+        if info.min <= quant_min and quant_max <= info.max:
+            return dtype
+    return None
+
+
+def _rebuild(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, axis: int,
+             dtype: torch.dtype) -> torch.Tensor:
+    """The weight back from its codes, in the arithmetic fxq bakes with (float64 for float64 weights)."""
+    return dequantize_linear(codes, scale, offset, axis, dtype, torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def pack_baked_parameters(gm: fx.GraphModule, table: TensorTable) -> dict[str, dict[str, Any]]:
+    """Replace the baked weights in ``table`` by their codes; returns what :func:`unpack_parameters` needs."""
+    infos = gm.meta.get("fxq_quantizer_infos", {})
+    packed: dict[str, dict[str, Any]] = {}
+    for name, fq in iter_quantizers(gm):
+        info, cfg = infos.get(name), fq.config
+        if getattr(fq, "_fp32_backup", None) is None or info is None or info.param is None or cfg.is_floating:
+            continue
+        code_dtype = _code_dtype(cfg.quant_min, cfg.quant_max)
+        param = get_attr_value(gm, info.param)
+        key = table.key_of(param)
+        if code_dtype is None or key is None or key in packed or fq.scale is None or fq.offset is None:
+            continue
+        stored = table.get(key)
+        axis = cfg.channel_axis if cfg.per_channel else 0
+        scale, offset = fq.scale.detach().cpu(), fq.offset.detach().cpu()
+        s = broadcast_qparam(scale.to(torch.float64), stored, axis)
+        o = broadcast_qparam(offset.to(torch.float64), stored, axis)
+        codes = torch.round(stored.to(torch.float64) / s + o).clamp_(cfg.quant_min, cfg.quant_max).to(code_dtype)
+        if not torch.equal(_rebuild(codes, scale, offset, axis, stored.dtype), stored):
+            logger.debug("weight %r of quantizer %r is not on its grid; saved as %s", info.param, name, stored.dtype)
+            continue
+        table.tensors[key] = codes
+        packed[key] = {"scale": table.put(fq.scale, f"{name}.scale"), "offset": table.put(fq.offset, f"{name}.offset"),
+                       "axis": axis, "dtype": str(stored.dtype).replace("torch.", "")}
+    return packed
+
+
+def unpack_parameters(packed: dict[str, dict[str, Any]], table: TensorTable) -> None:
+    """Rebuild the weights :func:`pack_baked_parameters` stored as codes, in ``table``."""
+    for key, rec in packed.items():
+        codes = table.get(key)
+        if codes.dtype not in _CODE_DTYPES or rec["dtype"] not in _FLOAT_DTYPES:
+            raise ValueError(f"packed weight {key!r} holds {codes.dtype} codes for {rec['dtype']!r}")
+        table.tensors[key] = _rebuild(codes, table.get(rec["scale"]), table.get(rec["offset"]), int(rec["axis"]),
+                                      _FLOAT_DTYPES[rec["dtype"]])
