@@ -237,6 +237,21 @@ def test_concat_inputs_aligned_to_output_and_add_inputs_to_large():
         assert len(scales) == 1
 
 
+def test_alignment_takes_the_largest_member_and_is_idempotent():
+    """Symmetric add inputs take the largest scale as it is; aligning again (as every algorithm does on exit)
+    changes nothing — re-deriving it from its own range [-128 s, 127 s] grew it by 256/255 per pass."""
+    from fxq.graph.convert import apply_alignment
+
+    q = fxq.quantize(small_cnn(), _data(), "trt_int8", progress=False)
+    group = q.meta["fxq"].align_large[0]
+    members = [q.fxq_quantizers[i] for i in group]
+    for k, m in enumerate(members):
+        m.set_qparams(torch.tensor([0.01 * (k + 1)]), torch.zeros(1), state=m.config.state)
+    for _ in range(3):
+        apply_alignment(q)
+        assert all(float(m.scale) == pytest.approx(0.01 * len(members), rel=1e-7) for m in members)
+
+
 # ------------------------------------------------------------------------------------------ dispatch
 def test_dispatchers():
     model, data = small_cnn(), _data()

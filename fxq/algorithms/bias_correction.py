@@ -5,11 +5,16 @@ inputs to the block (all earlier corrections applied) and the FP32 model's input
 mean output error ``E[y_q - y_fp]`` over the calibration batches is subtracted from its bias. Ops are
 corrected one after the other inside the block, so later ops see the corrected earlier ones. Ops without
 a bias parameter are left alone.
+
+The FP32 side is the model as it was: its runs use the biases from before correction (the quantized and
+the FP32 views share one bias parameter), so a correction is never measured against itself downstream.
+After the pass, ``fxq.fp32_mode`` runs with the corrected biases, as PPQ's dequantized graph does.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx
@@ -59,13 +64,16 @@ def bias_correction(gm: fx.GraphModule, data: Any, setting: QuantizationSetting,
         bar = tqdm(total=total, desc="bias correction", leave=False, disable=None)
         for bd in runner:
             block = bd.block
+            bd.fp_outputs  # the FP32 block outputs later blocks start from: computed before any bias below moves
+            original: dict[str, torch.Tensor] = {}
             for op in block.computing:
                 bar.update(1)
                 target = param_target(op, 2)
                 if target is None:
                     continue
                 probe = block.build(extra_outputs=[op])
-                fp = run_block(probe, bd, quantized=False)
+                with _swapped_in(gm, original):
+                    fp = run_block(probe, bd, quantized=False)
                 q = run_block(probe, bd, quantized=True)
                 err = None
                 for f, qq in zip(fp, q):
@@ -76,6 +84,7 @@ def bias_correction(gm: fx.GraphModule, data: Any, setting: QuantizationSetting,
                 if err is None or err.numel() != bias.numel():
                     logger.debug("bias correction: %s output channels do not match its bias; skipped", op.name)
                     continue
+                original[target] = bias.detach().clone()
                 bias.data.sub_((err / len(fp)).to(bias.device, bias.dtype).reshape(bias.shape))
                 corrected += 1
         bar.close()
@@ -83,3 +92,16 @@ def bias_correction(gm: fx.GraphModule, data: Any, setting: QuantizationSetting,
                 runner.peak_cache_bytes / 2**20)
     gm.meta.setdefault("fxq_algorithm_stats", {})["bias_correct"] = {"peak_cache_bytes": runner.peak_cache_bytes}
     return gm
+
+
+@contextlib.contextmanager
+def _swapped_in(gm: fx.GraphModule, values: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Parameters ``values`` (by target) in place of the current ones inside the block, restored after."""
+    current = {t: get_attr_value(gm, t).detach().clone() for t in values}
+    for t, v in values.items():
+        get_attr_value(gm, t).data.copy_(v)
+    try:
+        yield
+    finally:
+        for t, v in current.items():
+            get_attr_value(gm, t).data.copy_(v)

@@ -35,7 +35,13 @@ def _infos(gm: fx.GraphModule):
 
 
 def apply_alignment(gm: fx.GraphModule) -> None:
-    """Elementwise inputs share the largest range; concat/resize inputs take the output's parameters."""
+    """Elementwise inputs share the largest range; concat/resize inputs take the output's parameters.
+
+    When one member's grid already covers every other member's range (always, for symmetric members) all
+    take that member's parameters, so aligning again changes nothing; otherwise the union of the ranges
+    is mapped onto the grid. (Re-deriving a symmetric scale from its own range ``[-128 s, 127 s]`` would
+    grow it by 256/255 on every pass: the algorithms re-align after each run.)
+    """
     gq = graph_quant(gm)
     qs = _quantizers(gm)
     for group in gq.align_large:
@@ -45,8 +51,12 @@ def apply_alignment(gm: fx.GraphModule) -> None:
         ranges = [representable_range(m.config, m.scale, m.offset) for m in members]
         lo = torch.stack([r[0] for r in ranges]).min(0).values
         hi = torch.stack([r[1] for r in ranges]).max(0).values
+        widest = next((m for m, r in zip(members, ranges) if bool((r[0] <= lo).all() and (r[1] >= hi).all())), None)
         for m in members:
-            scale, offset = qparams_from_minmax(lo, hi, m.config)
+            if widest is not None and widest.offset is not None and _scheme(m) == _scheme(widest):
+                scale, offset = widest.scale.detach().clone(), widest.offset.detach().clone()
+            else:
+                scale, offset = qparams_from_minmax(lo, hi, m.config)
             m.set_qparams(scale, offset, state=m.config.state)
     for inputs, out in gq.align_output:
         target = qs[out]
