@@ -11,7 +11,9 @@ Files written for ``path = "out/net"`` (a trailing ``.param`` is dropped):
 * ``net.fp32.param`` / ``net.fp32.bin`` — the FP32 model with the original weights (``fp32=True``, default);
   with ``net.table`` it is what ncnn's own ``ncnn2int8`` tool takes.
 
-Blobs: inputs ``in0, in1...``, outputs ``out0, out1...``; layers carry the original layer names.
+Blobs: inputs ``in0, in1...``, outputs ``out0, out1...``; layers carry the original layer names. CNNs and
+transformers export (LayerNorm, attention as InnerProduct / Crop / Reshape / Permute / MatMul / Softmax); a graph
+that moves or folds the batch (``nn.MultiheadAttention``) only when traced with batch 1 (see ``ncnn_convert``).
 
 Example:
     >>> qmodel = fxq.quantize(model, calib, "ncnn_int8")

@@ -2,7 +2,12 @@
 
 Layer converters (one per canonical op type, :mod:`fxq.backends.ncnn_layers`) are registered with
 :func:`register_ncnn_converter` and receive the :class:`NcnnBuilder` and the node. Blobs follow ncnn's
-batch-less layout: a torch value of shape ``(N, *rest)`` is an ncnn blob of shape ``rest``.
+batch-less layout: a torch value of shape ``(N, *rest)`` is an ncnn blob of shape ``rest`` (graph inputs and
+outputs always). Inside the graph a batch of 1 may move: ``x.transpose(0, 1)`` of a ``(1, T, D)`` value is
+``(T, 1, D)``, still the blob ``(T, D)``, and torch's attention folds the batch into the heads,
+``(T, B * H, Dh)``, a blob with every dim. :meth:`NcnnBuilder.batch_dim` records which torch dim a value's
+blob leaves out (``None``: none); converters registered with ``any_batch_dim=True`` read it, every other
+converter gets only values whose batch is dim 0.
 
 Naming: a layer is named after the original layer (``node.meta["caffe"]["layer"]``,
 ``node.meta["onnx"]["node_name"]``) or else the fx node's name; a layer's output blob carries the layer's
@@ -38,17 +43,25 @@ logger = logging.getLogger(__name__)
 
 Converter = Callable[["NcnnBuilder", fx.Node], None]
 NCNN_CONVERTERS: Registry[Converter] = Registry("ncnn layer converter")
+_ANY_BATCH_DIM: set[str] = set()  # op types whose converter maps any batch dim (lower case, as the registry)
+_INHERIT = object()
 
 _NCNN_ROUNDING = (RoundingPolicy.HALF_FAR_FROM_ZERO, RoundingPolicy.TO_NEAR_INT)
 _PENDING = (QuantState.INITIAL, QuantState.PASSIVE_INIT)
 
 
-def register_ncnn_converter(*op_types: str, override: bool = False) -> Callable[[Converter], Converter]:
-    """Register ``fn(builder, node)`` as the ncnn converter of the canonical ``op_types`` (``"Conv"``...)."""
+def register_ncnn_converter(*op_types: str, override: bool = False, any_batch_dim: bool = False
+                            ) -> Callable[[Converter], Converter]:
+    """Register ``fn(builder, node)`` as the ncnn converter of the canonical ``op_types`` (``"Conv"``...).
+
+    ``any_batch_dim``: the converter maps its inputs through :meth:`NcnnBuilder.batch_dim` / ``ncnn_axis``, so
+    it also takes values whose batch is not dim 0; without it the builder refuses such inputs before calling it.
+    """
 
     def deco(fn: Converter) -> Converter:
         for t in op_types:
             NCNN_CONVERTERS.register(t, fn, override=override)
+            (_ANY_BATCH_DIM.add if any_batch_dim else _ANY_BATCH_DIM.discard)(t.lower())
         return fn
 
     return deco
@@ -84,6 +97,7 @@ class NcnnBuilder:
         self.modules = dict(gm.named_modules())
         self.model = NcnnModel()
         self.blob_of: dict[fx.Node, str] = {}
+        self._batch_dims: dict[fx.Node, int | None] = {}  # the torch dim a value's blob leaves out (default 0)
         self._layer_names: set[str] = set()
         self._blob_names: set[str] = set()
         self.used_quantizers: set[tuple[fx.Node, fx.Node]] = set()  # (quantizer node, consumer node)
@@ -113,19 +127,26 @@ class NcnnBuilder:
                               "inputs (fxq.prepare / fxq.quantize record node.meta['val'])")
         return tuple(int(d) for d in val.shape)
 
+    def batch_dim(self, node: fx.Node) -> int | None:
+        """The torch dim of ``node``'s value that its ncnn blob leaves out: 0 unless a converter moved a batch of
+        1 (``x.transpose(0, 1)``); ``None`` when the blob keeps every dim (the batch was folded into another)."""
+        return self._batch_dims.get(self.strip(node), 0)
+
     def blob_shape(self, node: fx.Node) -> tuple[int, ...]:
-        """ncnn shape of a value: the torch shape without the batch dimension."""
+        """ncnn shape of a value: the torch shape without its batch dimension (see :meth:`batch_dim`)."""
         shape = self.shape(node)
         if not shape:
             raise ExportError(f"node {node.name!r} is a scalar tensor; ncnn blobs have a batch-less shape (C, H, W)")
-        return shape[1:]
+        return drop_dim(shape, self.batch_dim(node))
 
-    def ncnn_axis(self, node: fx.Node, dim: int, rank: int) -> int:
+    def ncnn_axis(self, node: fx.Node, dim: int, value: fx.Node) -> int:
+        """The blob axis of torch dim ``dim`` of ``value`` (an input of ``node``, whose layer works along it)."""
+        rank, bd = len(self.shape(value)), self.batch_dim(value)
         d = dim + rank if dim < 0 else dim
-        if d <= 0 or d >= rank:
-            raise ExportError(f"node {node.name!r} ({self.op(node)}) works along dim {dim} of a rank-{rank} tensor; "
-                              "ncnn blobs have no batch dimension, so only dims >= 1 can be exported")
-        return d - 1
+        if not 0 <= d < rank or d == bd:
+            raise self.fail(node, f"it works along dim {dim} of a rank-{rank} tensor whose batch dimension is dim "
+                            f"{bd}; ncnn blobs have no batch dimension", "work along the other dims")
+        return d if bd is None or d < bd else d - 1
 
     def op(self, node: fx.Node) -> str:
         return op_type(node, self.modules)
@@ -179,21 +200,61 @@ class NcnnBuilder:
         if src not in self.blob_of:
             what = "a stored tensor (get_attr)" if src.op == "get_attr" else f"node {src.name!r}"
             raise self.fail(node, f"its input {what} has no ncnn blob",
-                            "only values computed by exported layers can feed a layer; constant tensors are "
-                            "not supported by the ncnn writer")
+                            "only values computed by exported layers can feed a layer; stored tensors are "
+                            "exported only as operands of elementwise arithmetic (ncnn MemoryData)")
         return self.blob_of[src]
 
     def emit(self, node: fx.Node, layer_type: str, bottoms: list[str], params: dict[int, Any] | None = None,
              weights: list[tuple[str, np.ndarray]] | None = None, *, int8: Int8Scales | None = None,
-             int8_term: int = 2) -> NcnnLayer:
-        """Append the layer computing ``node``; its output blob becomes the node's blob."""
+             int8_term: int = 2, batch_dim: Any = _INHERIT) -> NcnnLayer:
+        """Append the layer computing ``node``; its output blob becomes the node's blob.
+
+        ``batch_dim``: the output's :meth:`batch_dim`; by default that of the node's first input with a blob
+        (a layer keeps its input's layout), 0 without one.
+        """
         name = self.layer_name(node)
         top = self._new_blob(name)
         layer = NcnnLayer(layer_type, name, list(bottoms), [top], dict(params or {}), list(weights or []),
                           int8=int8, int8_term=int8_term, source=node.name)
         self.model.layers.append(layer)
-        self.blob_of[node] = top
+        self._set_blob(node, top, self._input_batch_dim(node) if batch_dim is _INHERIT else batch_dim)
         return layer
+
+    def alias(self, node: fx.Node, src: fx.Node, batch_dim: int | None) -> None:
+        """``node`` is ``src``'s blob unchanged (a reshape / permute that moves only a batch of 1): no layer."""
+        self._set_blob(node, self.blob(src, node), batch_dim)
+
+    def _set_blob(self, node: fx.Node, blob: str, batch_dim: int | None) -> None:
+        self.blob_of[node] = blob
+        self._batch_dims[node] = batch_dim
+
+    def _input_batch_dim(self, node: fx.Node) -> int | None:
+        src = next((s for s in map(self.strip, node.all_input_nodes) if s in self.blob_of), None)
+        return 0 if src is None else self.batch_dim(src)
+
+    def constant(self, arg: fx.Node, node: fx.Node, like: fx.Node) -> str:
+        """A stored tensor operand of ``node`` as an ncnn ``MemoryData`` blob laid out like the operand ``like``.
+
+        It must have ``like``'s rank and size 1 along its batch dim (torch broadcasts it over the batch).
+        """
+        src = self.strip(arg)
+        if src in self.blob_of:
+            return self.blob(arg, node)
+        value = self.param(src, node, "constant operand")
+        shape, bd = tuple(value.shape), self.batch_dim(like)
+        if len(shape) != len(self.shape(like)) or (bd is not None and shape[bd] != 1):
+            raise self.fail(node, f"its constant operand {src.name!r} of shape {shape} does not match the "
+                            f"layout of {like.name!r} (shape {self.shape(like)}, batch dim {bd})",
+                            "store the constant with the tensor's rank and size 1 along the batch dimension")
+        blob_shape = drop_dim(shape, bd)
+        if not 1 <= len(blob_shape) <= 4:
+            raise self.fail(node, f"its constant operand {src.name!r} has rank {len(blob_shape)} without the batch "
+                            "dimension", "ncnn blobs have rank 1 to 4")
+        name = self.layer_name(src)
+        self.model.layers.append(NcnnLayer("MemoryData", name, [], [self._new_blob(name)],
+                                           _shape_params(blob_shape), [("raw", value.numpy())], source=src.name))
+        self._set_blob(src, self.model.layers[-1].tops[0], bd)
+        return self.blob(arg, node)
 
     # ------------------------------------------------------------------ weights and int8
     def weight(self, arg: Any, node: fx.Node) -> WeightInfo:
@@ -331,6 +392,8 @@ class NcnnBuilder:
                                     f"(it converts {', '.join(NCNN_CONVERTERS.names())})",
                                     "register one with fxq.backends.ncnn_convert.register_ncnn_converter, or "
                                     "rewrite this op with supported ones")
+                if t.lower() not in _ANY_BATCH_DIM:
+                    self._check_batch_first(node)
                 try:
                     NCNN_CONVERTERS.get(t)(self, node)
                 except ExportError:
@@ -345,6 +408,14 @@ class NcnnBuilder:
         _insert_splits(self.model)
         self.model.validate()
         return self.model
+
+    def _check_batch_first(self, node: fx.Node) -> None:
+        for arg in node.all_input_nodes:
+            if self.strip(arg) in self.blob_of and self.batch_dim(arg) != 0:
+                raise self.fail(node, f"its input {self.strip(arg).name!r} of shape {self.shape(arg)} has its batch "
+                                f"dimension at dim {self.batch_dim(arg)} (moved by a transpose / reshape); the ncnn "
+                                "converter of this op needs it at dim 0",
+                                "transpose / reshape the value back to batch-first before this op")
 
     def _input(self, node: fx.Node) -> None:
         if not node.users:
@@ -362,20 +433,32 @@ class NcnnBuilder:
         self.blob_of[node] = name
 
     def _outputs(self) -> None:
+        """Graph outputs are blobs of ``shape[1:]``: a value whose batch of 1 moved is reshaped back."""
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
         values: list[fx.Node] = []
         fx.node.map_arg(out.args, lambda n: values.append(n) or n)
         for i, v in enumerate(values):
             src = self.strip(v)
-            if src not in self.blob_of or src.op == "placeholder":
+            if src not in self.blob_of or self.blob_of[src] in self.model.inputs:
                 raise ExportError(f"ncnn export: graph output {i} ({src.name!r}) is not computed by an exported "
                                   "layer. Fix: return tensors computed by the network")
+            if self.batch_dim(src) != 0:
+                shape = self.shape(src)
+                if shape[0] != 1 or not 1 <= len(shape) - 1 <= 4:
+                    raise self.fail(src, f"it is graph output {i}, of shape {shape}, whose dim 0 is not the batch "
+                                    "dimension; ncnn outputs drop dim 0", "return a batch-first tensor")
+                self.emit(src, "Reshape", [self.blob_of[src]], _shape_params(shape[1:]), batch_dim=0)
             self.model.outputs.append(self.blob_of[src])
 
 
 def _target(node: fx.Node) -> str:
     t = node.target
     return getattr(t, "__name__", None) or str(t)
+
+
+def drop_dim(shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
+    """``shape`` without ``dim`` (a value's blob shape given its batch dim; ``None`` keeps every dim)."""
+    return shape if dim is None else shape[:dim] + shape[dim + 1:]
 
 
 def _shape_params(shape: tuple[int, ...]) -> dict[int, int]:

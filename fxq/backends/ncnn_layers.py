@@ -1,11 +1,14 @@
 """ncnn layer converters for fxq's canonical op types (registered in :mod:`fxq.backends.ncnn_convert`).
 
 Each converter reads its node (module, function or method form), checks that ncnn's layer computes the same
-thing, and emits one or more layers. Parameter ids follow ncnn's operator reference.
+thing, and emits one or more layers. Parameter ids follow ncnn's operator reference. Converters registered
+with ``any_batch_dim=True`` map torch dims to blob axes through ``b.ncnn_axis`` / ``b.batch_dim`` (transformer
+graphs move a batch of 1 and fold it into the heads; see :mod:`fxq.backends.ncnn_convert`).
 """
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import numpy as np
@@ -13,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxq.backends.ncnn_convert import NcnnBuilder, _shape_params, register_ncnn_converter
+from fxq.backends.ncnn_convert import NcnnBuilder, _shape_params, drop_dim, register_ncnn_converter
 
 __all__: list[str] = []
 
@@ -40,7 +43,20 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().float().cpu().contiguous().numpy()
 
 
+def _static(value: Any) -> Any:
+    """The recorded number of a shape-arithmetic node (``x.shape[-1] ** -0.5``), else ``value`` itself.
+
+    The exported model has static shapes, so such numbers are constants there (the builder skips their nodes).
+    """
+    if isinstance(value, fx.Node):
+        val = value.meta.get("val")
+        if isinstance(val, (int, float)) and not isinstance(val, bool):
+            return val
+    return value
+
+
 def _const(b: NcnnBuilder, node: fx.Node, value: Any, what: str) -> Any:
+    value = _static(value)
     if isinstance(value, fx.Node):
         raise b.fail(node, f"its {what} is computed in the graph", f"make {what} a Python constant")
     return value
@@ -135,8 +151,9 @@ def _deconv(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, layer_type, [b.blob(x, node)], params, [("tagged", _np(ncnn_w))] + tail)
 
 
-@register_ncnn_converter("Gemm")
+@register_ncnn_converter("Gemm", any_batch_dim=True)
 def _linear(b: NcnnBuilder, node: fx.Node) -> None:
+    """``InnerProduct``: ncnn multiplies a 1-D blob, or each row of a 2-D blob (``(N, T, F)`` -> rows T)."""
     mod = b.module(node)
     if mod is not None:
         x, w_arg, bias_arg = node.args[0], mod.weight, mod.bias
@@ -144,10 +161,11 @@ def _linear(b: NcnnBuilder, node: fx.Node) -> None:
         x, w_arg, bias_arg = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias", None)
     else:
         raise b.fail(node, "only F.linear / nn.Linear are exported as InnerProduct", "use nn.Linear")
-    rank = len(b.shape(x))
-    if rank not in (2, 3):
-        raise b.fail(node, f"its input has rank {rank}; ncnn's InnerProduct maps a (N, F) or (N, T, F) input",
-                     "flatten the input first")
+    shape, bd = b.shape(x), b.batch_dim(x)
+    if len(b.blob_shape(x)) not in (1, 2) or bd == len(shape) - 1:
+        raise b.fail(node, f"its input of shape {shape} (batch dim {bd}) is a rank-{len(b.blob_shape(x))} blob; "
+                     "ncnn's InnerProduct maps the last dim of a (N, F) or (N, T, F) input",
+                     "reshape the input to (N, F) or (N, T, F) first")
     w = b.weight(w_arg, node)
     out_ch = int(w.fp32.shape[0])
     bias = b.param(bias_arg, node, "bias") if bias_arg is not None else None
@@ -180,35 +198,35 @@ def _unary(layer_type: str, params: dict[int, Any] | None = None):
     return convert
 
 
-register_ncnn_converter("Relu")(_unary("ReLU"))
-register_ncnn_converter("Sigmoid")(_unary("Sigmoid"))
-register_ncnn_converter("Tanh")(_unary("TanH"))
-register_ncnn_converter("Silu")(_unary("Swish"))
-register_ncnn_converter("HardSwish")(_unary("HardSwish", {0: 1.0 / 6.0, 1: 0.5}))
+register_ncnn_converter("Relu", any_batch_dim=True)(_unary("ReLU"))
+register_ncnn_converter("Sigmoid", any_batch_dim=True)(_unary("Sigmoid"))
+register_ncnn_converter("Tanh", any_batch_dim=True)(_unary("TanH"))
+register_ncnn_converter("Silu", any_batch_dim=True)(_unary("Swish"))
+register_ncnn_converter("HardSwish", any_batch_dim=True)(_unary("HardSwish", {0: 1.0 / 6.0, 1: 0.5}))
 
 
-@register_ncnn_converter("HardSigmoid")
+@register_ncnn_converter("HardSigmoid", any_batch_dim=True)
 def _hardsigmoid(b: NcnnBuilder, node: fx.Node) -> None:
     mod = b.module(node)  # torch: relu6(x + 3) / 6; ONNX (onnx2torch's module): alpha, beta attributes
     alpha, beta = getattr(mod, "alpha", 1.0 / 6.0), getattr(mod, "beta", 0.5)
     b.emit(node, "HardSigmoid", [b.blob(node.args[0], node)], {0: float(alpha), 1: float(beta)})
 
 
-@register_ncnn_converter("LeakyRelu")
+@register_ncnn_converter("LeakyRelu", any_batch_dim=True)
 def _leaky(b: NcnnBuilder, node: fx.Node) -> None:
     mod = b.module(node)
     slope = mod.negative_slope if mod is not None else _arg(node, 1, "negative_slope", 0.01)
     b.emit(node, "ReLU", [b.blob(node.args[0], node)], {0: float(_const(b, node, slope, "negative_slope"))})
 
 
-@register_ncnn_converter("Elu")
+@register_ncnn_converter("Elu", any_batch_dim=True)
 def _elu(b: NcnnBuilder, node: fx.Node) -> None:
     mod = b.module(node)
     alpha = mod.alpha if mod is not None else _arg(node, 1, "alpha", 1.0)
     b.emit(node, "ELU", [b.blob(node.args[0], node)], {0: float(_const(b, node, alpha, "alpha"))})
 
 
-@register_ncnn_converter("Gelu")
+@register_ncnn_converter("Gelu", any_batch_dim=True)
 def _gelu(b: NcnnBuilder, node: fx.Node) -> None:
     mod = b.module(node)
     approx = mod.approximate if mod is not None else node.kwargs.get("approximate", "none")
@@ -222,7 +240,7 @@ def _prelu(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, "PReLU", [b.blob(node.args[0], node)], {0: int(slope.numel())}, [("raw", _np(slope))])
 
 
-@register_ncnn_converter("Clip")
+@register_ncnn_converter("Clip", any_batch_dim=True)
 def _clip(b: NcnnBuilder, node: fx.Node) -> None:
     mod = b.module(node)
     if mod is not None:  # ReLU6 is a Hardtanh
@@ -241,7 +259,7 @@ def _clip(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, "Clip", [b.blob(node.args[0], node)], params)
 
 
-@register_ncnn_converter("Softmax")
+@register_ncnn_converter("Softmax", any_batch_dim=True)
 def _softmax(b: NcnnBuilder, node: fx.Node) -> None:
     mod = b.module(node)
     rank = len(b.shape(node))
@@ -253,8 +271,48 @@ def _softmax(b: NcnnBuilder, node: fx.Node) -> None:
         dim = mod.dim if mod is not None else _arg(node, 1, "dim", None)
     if dim is None:
         raise b.fail(node, "softmax has no explicit dim", "pass dim=...")
-    axis = b.ncnn_axis(node, int(dim), rank)
+    axis = b.ncnn_axis(node, int(dim), node.args[0])
     b.emit(node, "Softmax", [b.blob(node.args[0], node)], {0: axis, 1: 1})
+
+
+@register_ncnn_converter("LayerNormalization", any_batch_dim=True)
+def _layernorm(b: NcnnBuilder, node: fx.Node) -> None:
+    """``LayerNorm`` (0 affine_size, 1 eps, 2 affine; gamma, beta): ncnn normalizes the innermost w, w * h or
+    w * h * d of a blob (affine_size tells which), so over fewer dims than the blob has unless it is 1-D."""
+    mod = b.module(node)
+    if mod is not None:
+        x, norm_shape, weight, bias, eps = node.args[0], mod.normalized_shape, mod.weight, mod.bias, mod.eps
+    else:  # F.layer_norm(input, normalized_shape, weight, bias, eps)
+        x, norm_shape = _arg(node, 0, "input"), _const(b, node, _arg(node, 1, "normalized_shape"), "normalized_shape")
+        weight, bias = _arg(node, 2, "weight", None), _arg(node, 3, "bias", None)
+        eps = _const(b, node, _arg(node, 4, "eps", 1e-5), "eps")
+    k = 1 if isinstance(norm_shape, int) else len(norm_shape)
+    shape, bd, blob_rank = b.shape(x), b.batch_dim(x), len(b.blob_shape(x))
+    if (bd is not None and bd >= len(shape) - k) or k > max(blob_rank - 1, 1):
+        raise b.fail(node, f"it normalizes the last {k} dims of a tensor of shape {shape} (batch dim {bd}), a "
+                     f"rank-{blob_rank} blob; ncnn's LayerNorm normalizes the innermost 1-3 axes of a blob, fewer "
+                     "than its rank unless it is 1-D", "normalize over fewer trailing dims")
+    size = math.prod(shape[len(shape) - k:])
+    weights = []
+    if weight is not None or bias is not None:
+        gamma = b.param(weight, node, "weight") if weight is not None else torch.ones(size)
+        beta = b.param(bias, node, "bias") if bias is not None else torch.zeros(size)
+        weights = [("raw", _np(gamma)), ("raw", _np(beta))]
+    b.emit(node, "LayerNorm", [b.blob(x, node)], {0: size, 1: float(eps), 2: int(bool(weights))}, weights)
+
+
+@register_ncnn_converter("MatMul", any_batch_dim=True)
+def _matmul(b: NcnnBuilder, node: fx.Node) -> None:
+    """``MatMul`` of two blobs laid out alike: ncnn multiplies the two innermost axes, batched over the rest."""
+    lhs, rhs = _arg(node, 0, "input"), _arg(node, 1, "mat2" if "mat2" in node.kwargs else "other")
+    if not isinstance(lhs, fx.Node) or not isinstance(rhs, fx.Node):
+        raise b.fail(node, "an operand is not a tensor", "multiply two tensors computed in the graph")
+    (sa, ba), (sb, bb) = ((b.shape(t), b.batch_dim(t)) for t in (lhs, rhs))
+    if len(sa) != len(sb) or len(sa) < 2 or sa[:-2] != sb[:-2] or ba != bb or (ba is not None and ba >= len(sa) - 2):
+        raise b.fail(node, f"operands of shapes {sa} and {sb} (batch dims {ba}, {bb}) are not two equally batched "
+                     "matrices; ncnn's MatMul here multiplies blobs of one layout", "broadcast or reshape the "
+                     "operands to one shape (..., M, K) @ (..., K, N) with the batch outside the last two dims")
+    b.emit(node, "MatMul", [b.blob(lhs, node), b.blob(rhs, node)], {0: 0})
 
 
 # --------------------------------------------------------------------------- pooling
@@ -324,18 +382,25 @@ def _global_pool(b: NcnnBuilder, node: fx.Node) -> None:
     _adaptive(b, node, 1 if b.op(node) == "GlobalAveragePool" else 0)
 
 
-@register_ncnn_converter("ReduceMean")
+@register_ncnn_converter("ReduceMean", any_batch_dim=True)
 def _mean(b: NcnnBuilder, node: fx.Node) -> None:
+    """The spatial mean of (N, C, H, W) as global average ``Pooling``; other means as ``Reduction`` (0 operation
+    3 = mean, 1 reduce_all 0, 3 axes, 4 keepdims, 5 fixbug0 = 1: axes count without the batch)."""
     x = node.args[0]
-    rank = len(b.shape(x))
+    shape, bd = b.shape(x), b.batch_dim(x)
     dims = _arg(node, 1, "dim", None)
-    dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
-    if rank != 4 or sorted(d % 4 for d in dims) != [2, 3]:
-        raise b.fail(node, f"mean over dims {dims} of a rank-{rank} tensor", "only the spatial mean of a 4-D "
-                     "tensor (dims 2 and 3) is exported, as global average pooling")
+    dims = sorted({d % len(shape) for d in ((dims,) if isinstance(dims, int) else tuple(dims or ()))})
     keep = bool(_arg(node, 2, "keepdim", False))
-    params = {0: 1, 7: 1, 8: 1, 18: 1} if keep else {0: 1, 4: 1}
-    b.emit(node, "Pooling", [b.blob(x, node)], params)
+    if len(shape) == 4 and bd == 0 and dims == [2, 3]:
+        params = {0: 1, 7: 1, 8: 1, 18: 1} if keep else {0: 1, 4: 1}
+        b.emit(node, "Pooling", [b.blob(x, node)], params)
+        return
+    out_bd = bd if keep or bd is None else bd - sum(d < bd for d in dims)
+    if not dims or not drop_dim(b.shape(node), out_bd):
+        raise b.fail(node, f"mean over dims {tuple(dims) or 'all'} of a tensor of shape {shape} (batch dim {bd}) "
+                     "leaves no blob", "keep a non-batch dim (or keepdim=True)")
+    axes = [b.ncnn_axis(node, d, x) for d in dims]
+    b.emit(node, "Reduction", [b.blob(x, node)], {0: 3, 1: 0, 3: axes, 4: int(keep), 5: 1}, batch_dim=out_bd)
 
 
 # --------------------------------------------------------------------------- tensor ops
@@ -343,17 +408,24 @@ _BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3}
 _REVERSED = {0: 0, 1: 7, 2: 2, 3: 8}  # scalar (op) tensor -> ncnn op with the tensor first
 
 
-@register_ncnn_converter("Add", "Sub", "Mul", "Div")
+@register_ncnn_converter("Add", "Sub", "Mul", "Div", any_batch_dim=True)
 def _binary(b: NcnnBuilder, node: fx.Node) -> None:
+    """``BinaryOp`` of two blobs of one layout (a stored tensor becomes a ``MemoryData``), or with a scalar
+    (1 with_scalar, 2 b); shape arithmetic such as ``head_dim ** -0.5`` counts as a scalar."""
     op = _BINARY[b.op(node)]
-    lhs, rhs = _arg(node, 0, "input"), _arg(node, 1, "other")
+    lhs, rhs = _static(_arg(node, 0, "input")), _static(_arg(node, 1, "other"))
     if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("rounding_mode") is not None:
         raise b.fail(node, "alpha / rounding_mode are not 1 / None", "write the arithmetic explicitly")
     if isinstance(lhs, fx.Node) and isinstance(rhs, fx.Node):
         if len(b.shape(lhs)) != len(b.shape(rhs)):
             raise b.fail(node, f"operands of shapes {b.shape(lhs)} and {b.shape(rhs)} broadcast across ranks; ncnn "
                          "broadcasts batch-less blobs by its own rules", "reshape the operands to the same rank")
-        b.emit(node, "BinaryOp", [b.blob(lhs, node), b.blob(rhs, node)], {0: op})
+        blobs = [b.constant(t, node, like=o) if b.strip(t).op == "get_attr" else b.blob(t, node)
+                 for t, o in ((lhs, rhs), (rhs, lhs))]
+        if b.batch_dim(lhs) != b.batch_dim(rhs):
+            raise b.fail(node, f"its operands have their batch dimension at dims {b.batch_dim(lhs)} and "
+                         f"{b.batch_dim(rhs)}", "transpose the operands to one layout first")
+        b.emit(node, "BinaryOp", blobs, {0: op})
     elif isinstance(lhs, fx.Node) and isinstance(rhs, (int, float)):
         b.emit(node, "BinaryOp", [b.blob(lhs, node)], {0: op, 1: 1, 2: float(rhs)})
     elif isinstance(rhs, fx.Node) and isinstance(lhs, (int, float)):
@@ -372,21 +444,108 @@ def _concat(b: NcnnBuilder, node: fx.Node) -> None:
         tensors, dim = list(node.args), int(mod.axis)
     else:
         tensors, dim = list(_arg(node, 0, "tensors")), int(_arg(node, 1, "dim", 0))
-    axis = b.ncnn_axis(node, dim, len(b.shape(node)))
+    axis = b.ncnn_axis(node, dim, tensors[0])
     b.emit(node, "Concat", [b.blob(t, node) for t in tensors], {0: axis})
 
 
-@register_ncnn_converter("Flatten", "Reshape", "Squeeze", "Unsqueeze")
+@register_ncnn_converter("Flatten", "Reshape", "Squeeze", "Unsqueeze", any_batch_dim=True)
 def _reshape(b: NcnnBuilder, node: fx.Node) -> None:
+    """``Reshape`` (``Flatten`` to 1-D; nothing when the blob keeps its shape). A batch > 1 stays dim 0; a batch
+    of 1 may merge into other dims (attention's ``(T, B * H, Dh)``): a blob keeps torch's element order, so any
+    size-1 dim of the result can be the one its blob leaves out (the first is), or none."""
     x = node.args[0]
-    in_shape, out_shape = b.shape(x), b.shape(node)
-    if not in_shape or not out_shape or in_shape[0] != out_shape[0] or not 1 <= len(out_shape) - 1 <= 4:
-        raise b.fail(node, f"reshape {in_shape} -> {out_shape} changes the batch dimension or gives rank > 5",
-                     "keep dim 0 as the batch dimension")
-    if len(out_shape) == 2:
-        b.emit(node, "Flatten", [b.blob(x, node)])
+    in_shape, out_shape, bd = b.shape(x), b.shape(node), b.batch_dim(x)
+    if bd is not None and in_shape and in_shape[bd] != 1:
+        out_bd = 0
+        if bd != 0 or out_shape[:1] != in_shape[:1]:
+            raise b.fail(node, f"reshape {in_shape} -> {out_shape} changes the batch dimension (size {in_shape[bd]})",
+                         "keep dim 0 as the batch dimension, or export with batch 1")
     else:
-        b.emit(node, "Reshape", [b.blob(x, node)], _shape_params(out_shape[1:]))
+        out_bd = next((d for d, n in enumerate(out_shape) if n == 1), None)
+    blob_shape = drop_dim(out_shape, out_bd)
+    if not 1 <= len(blob_shape) <= 4:
+        raise b.fail(node, f"reshape {in_shape} -> {out_shape} gives a rank-{len(blob_shape)} blob",
+                     "ncnn blobs have rank 1 to 4 without the batch dimension")
+    if blob_shape == b.blob_shape(x):
+        b.alias(node, x, out_bd)
+    elif len(blob_shape) == 1:
+        b.emit(node, "Flatten", [b.blob(x, node)], batch_dim=out_bd)
+    else:
+        b.emit(node, "Reshape", [b.blob(x, node)], _shape_params(blob_shape), batch_dim=out_bd)
+
+
+@register_ncnn_converter("Slice", any_batch_dim=True)
+def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
+    """``x[...]`` with ints, unit-step slices and ``...``, and the pieces of ``split`` / ``chunk``: a ``Crop``
+    (9 starts, 10 ends, 11 axes) of the blob, then a ``Reshape`` when an int index drops a non-batch dim."""
+    src, index = node.args[0], node.args[1]
+    val = src.meta.get("val") if isinstance(src, fx.Node) else None
+    if isinstance(val, (tuple, list)) and b.op(src) == "Split" and isinstance(index, int):
+        x = _arg(src, 0, "input")
+        dim = int(_const(b, node, _arg(src, 2, "dim", 0), "dim")) % len(b.shape(x))
+        sizes = [int(t.shape[dim]) for t in val]
+        start = sum(sizes[:index % len(sizes)])
+        index = (slice(None),) * dim + (slice(start, start + sizes[index]),)
+    elif isinstance(val, torch.Tensor):
+        x = src
+    else:
+        raise b.fail(node, f"it takes item {index!r} of {getattr(src, 'name', src)!r}, a {type(val).__name__} the "
+                     "ncnn writer cannot split", "index tensors, or take the pieces of split / chunk")
+    ranges, dropped = _index_ranges(b, node, b.shape(x), index)
+    _crop(b, node, x, ranges, dropped)
+
+
+def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: Any
+                  ) -> tuple[list[tuple[int, int]], set[int]]:
+    """``[start, end)`` per dim of ``shape`` taken by ``index``, and the dims an int index drops."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if sum(i is Ellipsis for i in items) > 1 or len(items) - (Ellipsis in items) > len(shape):
+        raise b.fail(node, f"index {index!r} does not fit a tensor of shape {shape}", "index each dim once")
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items[at:at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
+    items += [slice(None)] * (len(shape) - len(items))
+    ranges, dropped = [], set()
+    for d, (item, size) in enumerate(zip(items, shape)):
+        if isinstance(item, slice):
+            start, stop, step = (_const(b, node, v, "slice bound") for v in (item.start, item.stop, item.step))
+            lo, hi, step = slice(start, stop, step).indices(size)
+            if step != 1 or hi <= lo:
+                raise b.fail(node, f"slice {item!r} of dim {d} has step {step} or is empty",
+                             "ncnn's Crop takes non-empty unit-step ranges")
+            ranges.append((lo, hi))
+        elif isinstance(_static(item), int) and not isinstance(_static(item), bool):
+            i = _static(item) % size
+            ranges.append((i, i + 1))
+            dropped.add(d)
+        else:
+            raise b.fail(node, f"index {item!r} of dim {d} is not an int, a slice or ...",
+                         "index with ints and unit-step slices (no None, tensors or lists)")
+    return ranges, dropped
+
+
+def _crop(b: NcnnBuilder, node: fx.Node, x: fx.Node, ranges: list[tuple[int, int]], dropped: set[int]) -> None:
+    """Take ``ranges`` of ``x`` (``Crop`` of the blob axes cut short) and drop the ``dropped`` dims."""
+    shape, bd = b.shape(x), b.batch_dim(x)
+    cut = {d: r for d, r in enumerate(ranges) if r != (0, shape[d])}
+    if bd is not None and bd in cut:
+        raise b.fail(node, f"it slices the batch dimension (dim {bd} of shape {shape})",
+                     "slice the other dims; ncnn blobs have no batch dimension")
+    out_bd = None if bd is None or bd in dropped else bd - sum(d < bd for d in dropped)
+    target = drop_dim(b.shape(node), out_bd)
+    cropped = drop_dim(tuple(hi - lo for lo, hi in ranges), bd)
+    blob = b.blob(x, node)
+    if cut:
+        params = {9: [lo for lo, _ in cut.values()], 10: [hi for _, hi in cut.values()],
+                  11: [b.ncnn_axis(node, d, x) for d in cut]}
+        blob = b.emit(node, "Crop", [blob], params, batch_dim=out_bd).tops[0]
+    if cropped != target:
+        if not 1 <= len(target) <= 4:
+            raise b.fail(node, f"the result of shape {b.shape(node)} is a rank-{len(target)} blob",
+                         "ncnn blobs have rank 1 to 4 without the batch dimension")
+        b.emit(node, "Reshape", [blob], _shape_params(target), batch_dim=out_bd)
+    elif not cut:
+        b.alias(node, x, out_bd)
 
 
 _PAD_TYPES = {"constant": 0, "replicate": 1, "reflect": 2}
@@ -410,15 +569,16 @@ def _pad(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, "Padding", [b.blob(x, node)], params)
 
 
-@register_ncnn_converter("Transpose")
+@register_ncnn_converter("Transpose", any_batch_dim=True)
 def _permute(b: NcnnBuilder, node: fx.Node) -> None:
-    """``Permute`` (0 order_type) of a batch-less blob of rank 1 to 4.
+    """``Permute`` (0 order_type) of a batch-less blob of rank 2 to 4; nothing when only a batch of 1 moves.
 
     ncnn numbers the orders of a rank-r blob like ``itertools.permutations(range(r))``, in torch's
     outermost-first dim order (the tests run every order of ranks 3 and 4 through ncnn).
     """
     x = node.args[0]
-    rank = len(b.shape(x))
+    shape, bd = b.shape(x), b.batch_dim(x)
+    rank = len(shape)
     if node.target in ("transpose", torch.transpose):
         dims = list(range(rank))
         d0, d1 = (int(_arg(node, i, k)) % rank for i, k in ((1, "dim0"), (2, "dim1")))
@@ -426,12 +586,20 @@ def _permute(b: NcnnBuilder, node: fx.Node) -> None:
     else:  # permute(x, *dims) / permute(x, dims) / torch.permute(x, dims)
         dims = list(node.args[1:]) if len(node.args) > 2 else _arg(node, 1, "dims")
     dims = [int(_const(b, node, d, "the permutation")) % rank for d in dims]
-    if not 2 <= rank <= 5 or dims[0] != 0:
-        raise b.fail(node, f"permutation {tuple(dims)} of a rank-{rank} tensor moves the batch dimension or the "
-                     "blob has rank > 4; ncnn blobs have no batch dimension",
-                     "keep dim 0 first (or fold the batch into another dim with a reshape first)")
-    order = list(itertools.permutations(range(rank - 1))).index(tuple(d - 1 for d in dims[1:]))
-    b.emit(node, "Permute", [b.blob(x, node)], {0: order})
+    out_bd = None if bd is None else dims.index(bd)
+    if bd is not None and out_bd != bd and shape[bd] != 1:
+        raise b.fail(node, f"permutation {tuple(dims)} of a tensor of shape {shape} moves its batch dimension "
+                     f"(dim {bd}, size {shape[bd]}); ncnn blobs have no batch dimension, only a batch of 1 can move",
+                     "keep the batch dimension in place, or export the model traced with batch 1")
+    order = tuple(b.ncnn_axis(node, d, x) for d in dims if d != bd)
+    if order == tuple(sorted(order)):
+        b.alias(node, x, out_bd)
+        return
+    if len(order) > 4:
+        raise b.fail(node, f"permutation {tuple(dims)} of a tensor of shape {shape} permutes a rank-{len(order)} "
+                     "blob", "ncnn's Permute takes blobs of rank 2 to 4")
+    b.emit(node, "Permute", [b.blob(x, node)], {0: list(itertools.permutations(range(len(order)))).index(order)},
+           batch_dim=out_bd)
 
 
 @register_ncnn_converter("Resize")

@@ -2,7 +2,8 @@
 
 * ``.param`` — text: magic ``7767517``, ``<layer count> <blob count>``, then one line per layer:
   ``<type> <name> <#bottoms> <#tops> <bottoms...> <tops...> <id>=<value>...``. Float values always carry an
-  exponent (ncnn tells floats from ints by a ``.`` or ``e`` in the token, at most 15 characters long).
+  exponent (ncnn tells floats from ints by a ``.`` or ``e`` in the token, at most 15 characters long); an
+  array is written ``<-23300 - id>=<count>,<v0>,<v1>...`` (the form every ncnn version reads, one element too).
 * ``.bin`` — the layers' weight buffers, in layer order, little-endian. A *tagged* buffer (what ncnn reads
   with ``ModelBin::load(n, 0)``: conv / inner-product weights) starts with a 4-byte flag, 0 for raw float32;
   a *raw* buffer (``load(n, 1)``: biases, int8 scales, BatchNorm statistics) is bare float32.
@@ -30,7 +31,7 @@ _NAME_RE = re.compile(r"^\S{1,255}$")
 
 
 def format_param_value(value: ParamValue) -> str:
-    """One ``.param`` value: ints as ints, floats with an exponent, arrays as ``n,v0,v1``-less modern lists."""
+    """One ``.param`` value: ints as ints, floats with an exponent, arrays as ``count,v0,v1...``."""
     if isinstance(value, bool):
         return str(int(value))
     if isinstance(value, (int, np.integer)):
@@ -41,7 +42,7 @@ def format_param_value(value: ParamValue) -> str:
     if isinstance(value, (list, tuple)):
         if not value:
             raise ExportError("ncnn param arrays cannot be empty")
-        return ",".join(format_param_value(v) for v in value)
+        return ",".join([str(len(value))] + [format_param_value(v) for v in value])
     raise ExportError(f"cannot write ncnn param value {value!r} of type {type(value).__name__}")
 
 
