@@ -507,6 +507,16 @@ class Tiled(nn.Module):
         return self.conv(x).repeat(1, 2, 1, 1)
 
 
+class MovedConcat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x).transpose(0, 1)  # (T, 1, 5): the batch of 1 moved, which Concat's converter does not map
+        return torch.cat([y, y], dim=2).transpose(0, 1)
+
+
 class CircularPad(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -535,10 +545,12 @@ class Grouped(nn.Module):
     (Normed, (1, 3, 8, 8), r"node 'norm' \(op LayerNormalization.*normalizes the last 3 dims of a tensor of shape "
                            r"\(1, 4, 6, 6\) \(batch dim 0\), a rank-3 blob.*Fix: normalize over fewer"),
     (Tiled, (1, 3, 8, 8), r"node 'repeat' \(op Tile.*no converter"),
+    (MovedConcat, (1, 8, 16), r"node 'cat' \(op Concat.*its input 'transpose' of shape \(8, 1, 5\) has its batch "
+                              r"dimension at dim 1.*Fix: transpose / reshape the value back to batch-first"),
     (CircularPad, (1, 3, 8, 8), r"node 'pad' \(op Pad.*'circular' padding"),
     (Grouped, (1, 4, 8, 8), r"node 'conv' \(op Conv.*one weight scale per group"),
 ], ids=["batch-permute", "batch-1-output", "transformer-batch-2", "layernorm-whole-blob", "unsupported-op",
-        "circular-pad", "grouped-conv"])
+        "moved-batch-concat", "circular-pad", "grouped-conv"])
 def test_inexpressible_graph(tmp_path: Path, model: Any, shape: tuple[int, ...], message: str) -> None:
     torch.manual_seed(0)
     gm = fxq.quantize(model().eval(), [torch.randn(*shape)], "ncnn_int8", progress=False)
