@@ -43,6 +43,10 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().float().cpu().contiguous().numpy()
 
 
+_BATCH_FIX = ("keep the batch dimension in place, or take the batch size from the input (x.shape[0], -1) instead "
+              "of writing it into the model: the exporter runs the graph at batch 1, where a batch can move")
+
+
 def _static(value: Any) -> Any:
     """The recorded number of a shape-arithmetic node (``x.shape[-1] ** -0.5``), else ``value`` itself.
 
@@ -459,7 +463,7 @@ def _reshape(b: NcnnBuilder, node: fx.Node) -> None:
         out_bd = 0
         if bd != 0 or out_shape[:1] != in_shape[:1]:
             raise b.fail(node, f"reshape {in_shape} -> {out_shape} changes the batch dimension (size {in_shape[bd]})",
-                         "keep dim 0 as the batch dimension, or export with batch 1")
+                         _BATCH_FIX)
     else:
         out_bd = next((d for d, n in enumerate(out_shape) if n == 1), None)
     blob_shape = drop_dim(out_shape, out_bd)
@@ -590,7 +594,7 @@ def _permute(b: NcnnBuilder, node: fx.Node) -> None:
     if bd is not None and out_bd != bd and shape[bd] != 1:
         raise b.fail(node, f"permutation {tuple(dims)} of a tensor of shape {shape} moves its batch dimension "
                      f"(dim {bd}, size {shape[bd]}); ncnn blobs have no batch dimension, only a batch of 1 can move",
-                     "keep the batch dimension in place, or export the model traced with batch 1")
+                     _BATCH_FIX)
     order = tuple(b.ncnn_axis(node, d, x) for d in dims if d != bd)
     if order == tuple(sorted(order)):
         b.alias(node, x, out_bd)
