@@ -239,17 +239,19 @@ def test_algorithm_raises_snr_over_plain_calibration(name):
 
 
 class InplaceNet(nn.Module):
-    """torchvision's habit: conv-bn followed by a shared ``nn.ReLU(inplace=True)``, then a residual add."""
+    """torchvision's habit: conv-bn followed by a shared ``nn.ReLU(inplace=True)``, an in-place LeakyReLU, a residual
+    add."""
 
     def __init__(self) -> None:
         super().__init__()
         self.c1, self.c2, self.c3 = (nn.Conv2d(c, 8, 3, padding=1) for c in (1, 8, 8))
         self.b2 = nn.BatchNorm2d(8)
         self.relu = nn.ReLU(inplace=True)
+        self.leaky = nn.LeakyReLU(0.1, inplace=True)  # not fused: it writes into c2's output quantizer's value
 
     def forward(self, x):
         x = self.relu(self.c1(x))
-        return self.relu(self.c3(self.relu(self.b2(self.c2(x)))) + x)
+        return self.relu(self.c3(self.leaky(self.b2(self.c2(x)))) + x)
 
 
 def test_bias_correction_zeroes_each_mean_error_against_the_fp32_model():

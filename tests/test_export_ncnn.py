@@ -574,8 +574,8 @@ class Grouped(nn.Module):
     (Grouped, (1, 4, 8, 8), r"node 'conv' \(op Conv.*one weight scale per group"),
     (FixedBatch, (2, 3, 8, 8), r"node 'permute' \(op Transpose.*permutation \(1, 0, 2, 3\) of a tensor of shape "
                                r"\(2, 4, 6, 6\) moves its batch dimension \(dim 0, size 2\).*Fix: keep the batch"),
-], ids=["batch-first-output", "batch-2-moved", "layernorm-whole-blob", "unsupported-op", "moved-batch-concat", "circular-pad",
-        "grouped-conv"])
+], ids=["batch-first-output", "layernorm-whole-blob", "unsupported-op", "moved-batch-concat", "circular-pad",
+        "grouped-conv", "batch-2-moved"])
 def test_inexpressible_graph(tmp_path: Path, model: Any, shape: tuple[int, ...], message: str) -> None:
     torch.manual_seed(0)
     gm = fxq.quantize(model().eval(), [torch.randn(*shape)], "ncnn_int8", progress=False)

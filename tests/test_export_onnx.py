@@ -35,6 +35,7 @@ from _export_helpers import (
     end_to_end,
     ort_session,
     output_lsb,
+    quantize_model,
     segment_check,
     small_quantized,
     torchvision_quantized,
@@ -209,6 +210,20 @@ def test_fp8_export_runs_in_onnxruntime(tmp_path):
     sess = ort_session(path, False)
     got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
     assert end_to_end(ref, got, None).cosine >= 0.9999
+
+
+def test_grouped_conv_transpose_int32_bias(tmp_path):
+    """ORT_INT8's int32 bias of a grouped ConvTranspose: its C_out / groups weight scales serve every group."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ConvTranspose2d(4, 6, 2, stride=2, groups=2))
+    gm = quantize_model(model, "ort_int8", shape=(2, 3, 8, 8))
+    path = fxq.export(gm, "ort_int8", tmp_path / "deconv.onnx")[0]
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        ref = gm(x)
+    for optimize in (False, True):
+        sess = ort_session(path, optimize)
+        got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+        assert end_to_end(ref, got, output_lsb(gm)).within_1_lsb >= 0.999
 
 
 def test_dynamic_batch(tmp_path):

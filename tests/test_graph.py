@@ -250,6 +250,11 @@ def test_alignment_takes_the_largest_member_and_is_idempotent():
     for _ in range(3):
         apply_alignment(q)
         assert all(float(m.scale) == pytest.approx(0.01 * len(members), rel=1e-7) for m in members)
+    # a power-of-2 member keeps a power-of-2 scale (it is not handed the widest member's scale)
+    members[0].config.power_of_2 = True
+    members[0].set_qparams(torch.tensor([2.0 ** -7]), torch.zeros(1), state=members[0].config.state)
+    apply_alignment(q)
+    assert float(members[0].scale).hex().startswith("0x1.0000000000000p")
 
 
 # ------------------------------------------------------------------------------------------ dispatch

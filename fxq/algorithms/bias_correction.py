@@ -64,7 +64,7 @@ def bias_correction(gm: fx.GraphModule, data: Any, setting: QuantizationSetting,
         bar = tqdm(total=total, desc="bias correction", leave=False, disable=None)
         for bd in runner:
             block = bd.block
-            bd.fp_outputs  # the FP32 block outputs later blocks start from: computed before any bias below moves
+            _ = bd.fp_outputs  # the FP32 block outputs later blocks start from: computed before any bias moves
             original: dict[str, torch.Tensor] = {}
             for op in block.computing:
                 bar.update(1)
@@ -84,7 +84,7 @@ def bias_correction(gm: fx.GraphModule, data: Any, setting: QuantizationSetting,
                 if err is None or err.numel() != bias.numel():
                     logger.debug("bias correction: %s output channels do not match its bias; skipped", op.name)
                     continue
-                original[target] = bias.detach().clone()
+                original.setdefault(target, bias.detach().clone())  # a shared module: its first value
                 bias.data.sub_((err / len(fp)).to(bias.device, bias.dtype).reshape(bias.shape))
                 corrected += 1
         bar.close()
@@ -98,9 +98,9 @@ def bias_correction(gm: fx.GraphModule, data: Any, setting: QuantizationSetting,
 def _swapped_in(gm: fx.GraphModule, values: dict[str, torch.Tensor]) -> Iterator[None]:
     """Parameters ``values`` (by target) in place of the current ones inside the block, restored after."""
     current = {t: get_attr_value(gm, t).detach().clone() for t in values}
-    for t, v in values.items():
-        get_attr_value(gm, t).data.copy_(v)
     try:
+        for t, v in values.items():
+            get_attr_value(gm, t).data.copy_(v)
         yield
     finally:
         for t, v in current.items():

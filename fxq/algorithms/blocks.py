@@ -27,7 +27,6 @@ from fxq.errors import CalibrationError, GraphError
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
 from fxq.graph.data import iter_batches, model_device, placeholder_values, to_device
 from fxq.graph.info import QUANTIZERS_ATTR, NodeQuant, QuantizerInfo, graph_quant, is_quantizer_node, iter_quantizers
-from fxq.graph.op_types import mutates_first_argument
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize, fake_quant_mode
 from fxq.qconfig.base import COMPUTING_OPS
@@ -164,7 +163,8 @@ class Block:
         """The block as a ``GraphModule``; ``overrides`` maps module targets to replacement modules.
 
         ``extra_outputs`` (values inside the block, e.g. one op's output) are appended to the outputs as they
-        were when computed: a later in-place op of the block (``nn.ReLU(inplace=True)``) changes a copy.
+        were when computed (a copy): a later in-place op of the block (``nn.ReLU(inplace=True)``) may write into
+        them, directly or through an alias (a disabled quantizer returns its input).
         """
         return _build_module(self.gm, self.nodes, self.inputs, list(self.outputs), overrides or {},
                              list(extra_outputs))
@@ -175,8 +175,6 @@ def _build_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     root: dict[str, Any] = {}
-    modules = dict(gm.named_modules())
-    mutated = {n.args[0] for n in nodes if n.args and mutates_first_argument(n, modules)}
     snapshot: dict[fx.Node, fx.Node] = {}
     for n in inputs:
         env[n] = graph.placeholder(n.name)
@@ -194,7 +192,7 @@ def _build_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node
             if target not in root:
                 root[target] = overrides.get(target) if target in overrides else get_attr_value(gm, target)
         env[n] = graph.node_copy(n, lambda a: env[a])
-        if n in extra_outputs and n in mutated:
+        if n in extra_outputs:  # a later in-place op may write into it, also through an alias
             snapshot[n] = graph.call_method("clone", (env[n],))
         return env[n]
 

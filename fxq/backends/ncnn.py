@@ -69,10 +69,13 @@ def _shapes_at_batch_one(gm: fx.GraphModule) -> Iterator[None]:
         return
     saved = {n: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
     try:
-        propagate_tensor_meta(gm, [torch.zeros((1, *v.shape[1:]), dtype=v.dtype) for v in vals])
+        propagate_tensor_meta(gm, [torch.zeros((1, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in vals])
+        at_batch_one = True
     except Exception as exc:  # noqa: BLE001  (any failure: keep the model's own shapes)
         logger.debug("ncnn export: the graph does not run at batch 1 (%s); using its calibration shapes", exc)
+        at_batch_one = False
         _restore(gm, saved)
+    if not at_batch_one:  # outside the except: export errors must not read as caused by this failure
         yield
         return
     try:

@@ -73,7 +73,7 @@ def apply_alignment(gm: fx.GraphModule) -> None:
 
 def _scheme(fq: FakeQuantize) -> tuple:
     c = fq.config
-    return (c.num_bits, c.symmetric, c.quant_min, c.quant_max, c.fp_format)
+    return (c.num_bits, c.symmetric, c.quant_min, c.quant_max, c.fp_format, c.power_of_2)
 
 
 def derive_passive_parameters(gm: fx.GraphModule) -> None:
@@ -90,7 +90,18 @@ def derive_passive_parameters(gm: fx.GraphModule) -> None:
         scale = torch.clamp(s_in.reshape(-1)[:1] * s_w.reshape(-1), min=1e-30)
         if not bias.config.per_channel:
             scale = scale[:1]
+        else:  # grouped ConvTranspose: C_out / groups weight scales (axis 1), repeated for each group's outputs
+            n_bias = _bias_channels(gm, bias_name)
+            if n_bias and n_bias != scale.numel() and n_bias % scale.numel() == 0:
+                scale = scale.repeat(n_bias // scale.numel())
         bias.set_qparams(scale, torch.zeros_like(scale), state=QuantState.PASSIVE)
+
+
+def _bias_channels(gm: fx.GraphModule, bias_name: str) -> int | None:
+    info = _infos(gm).get(bias_name)
+    if info is None or info.param is None:
+        return None
+    return int(get_attr_value(gm, info.param).numel())
 
 
 _CLIP_BOUNDS = {  # function name -> (position, keyword) of its lower and upper bound

@@ -86,7 +86,8 @@ def load(path: str | os.PathLike, map_location: Any = "cpu") -> fx.GraphModule:
         raise FrontendError(f"{str(p)!r} is not an fxq model file (saved with fxq.save)")
     if blob.get("version") not in _READABLE:
         raise FrontendError(f"{str(p)!r} has format version {blob.get('version')}; this fxq reads versions "
-                            f"{', '.join(map(str, _READABLE))} (save it again with the fxq that wrote it)")
+                            f"{', '.join(map(str, _READABLE))} (a newer file: upgrade fxq; an older one: save it "
+                            f"again with the fxq that wrote it)")
     try:
         doc = json.loads(blob["spec"])
         table = TensorTable(blob["tensors"])
