@@ -20,3 +20,13 @@ def device(request) -> str:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """Small convs are far faster on one thread on a busy 2-core machine (modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

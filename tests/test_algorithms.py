@@ -20,13 +20,7 @@ from fxq.setting import LSQSetting, QuantizationSetting
 from fxq.spec import QuantState
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small convs are far faster on one thread on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Net(nn.Module):

@@ -21,12 +21,7 @@ from fxq.spec import QuantState
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Net(nn.Module):
