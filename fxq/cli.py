@@ -291,13 +291,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_analyse(args: argparse.Namespace) -> int:
-    """Quantize MODEL and print the graphwise (and layerwise) error tables."""
-    fxq = _fxq()
+def _quantized_for_analysis(args: argparse.Namespace) -> tuple[_Loaded, Any, Any]:
+    """The loaded model, its quantized GraphModule and the batches to analyse (``--data``, else the calibration)."""
     loaded = load_model(args.model, args.caffemodel, _input_shapes(args))
     data = load_data(args, loaded)
     gm = _quantize(args, loaded, data)
-    eval_data = load_data(args, loaded, args.data) if args.data else data
+    return loaded, gm, (load_data(args, loaded, args.data) if args.data else data)
+
+
+def cmd_analyse(args: argparse.Namespace) -> int:
+    """Quantize MODEL and print the graphwise (and layerwise) error tables."""
+    fxq = _fxq()
+    loaded, gm, eval_data = _quantized_for_analysis(args)
     graphwise = fxq.graphwise_error_analyse(gm, eval_data, method=args.method, steps=args.analyse_steps,
                                             ops=args.ops, progress=not args.quiet)
     print(graphwise.table(limit=args.top))
@@ -317,14 +322,11 @@ def cmd_analyse(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     """Quantize MODEL and write an HTML / markdown report with plots."""
     fxq = _fxq()
-    loaded = load_model(args.model, args.caffemodel, _input_shapes(args))
-    data = load_data(args, loaded)
-    gm = _quantize(args, loaded, data)
-    eval_data = load_data(args, loaded, args.data) if args.data else data
+    loaded, gm, eval_data = _quantized_for_analysis(args)
     out = _out_dir(args.out)
-    page = fxq.write_report(gm, eval_data, out, steps=args.analyse_steps, method=args.method,
-                                     fmt=args.format, layerwise=args.layerwise, top_k=args.top_k, ops=args.ops,
-                                     progress=not args.quiet, title=f"fxq report: {loaded.name} ({args.platform})")
+    page = fxq.write_report(gm, eval_data, out, steps=args.analyse_steps, method=args.method, fmt=args.format,
+                            layerwise=args.layerwise, top_k=args.top_k, ops=args.ops, progress=not args.quiet,
+                            title=f"fxq report: {loaded.name} ({args.platform})")
     print(f"wrote {page}")
     return EXIT_OK
 
