@@ -1,6 +1,7 @@
 """fxq.save / fxq.load: identical outputs, usable quantizers and meta, no pickled objects, clear errors."""
 from __future__ import annotations
 
+import copy
 import io
 import warnings
 
@@ -132,6 +133,21 @@ def test_baked_weights_are_stored_as_codes(saved, tmp_path):
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         assert torch.equal(fxq.load(old)(x), gm(x)) and torch.equal(fxq.load(path)(x), gm(x))
+
+
+def test_packed_weights_keep_their_dtype(tmp_path):
+    """A model quantized in float64 has its baked weights packed and rebuilt as the same float64 values."""
+    torch.manual_seed(0)
+    gm = fxq.quantize(SmallCNN().eval().double(), [torch.randn(2, 3, 16, 16, dtype=torch.float64)], "trt_int8",
+                      progress=False)
+    path = fxq.save(gm, tmp_path / "m.fxq")
+    infos = gm.meta["fxq_quantizer_infos"]
+    weights = [infos[n].param for n, fq in iter_quantizers(gm) if getattr(fq, "_fp32_backup", None) is not None]
+    blob = torch.load(path, weights_only=True)
+    assert weights and all(blob["tensors"][w].dtype == torch.int8 for w in weights)
+    again = fxq.load(path)
+    assert all(again.get_parameter(w).dtype == torch.float64 for w in weights)
+    assert all(torch.equal(again.get_parameter(w), gm.get_parameter(w)) for w in weights)
 
 
 def test_a_weight_off_its_grid_stays_float(tmp_path):

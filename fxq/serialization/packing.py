@@ -14,17 +14,16 @@ from typing import Any
 import torch
 from torch import fx
 
-from fxq.functional import broadcast_qparam, dequantize_linear
+from fxq.functional import dequantize_linear, quantize_to_int
 from fxq.graph.info import iter_quantizers
 from fxq.graph.passes import get_attr_value
-from fxq.serialization.codec import TensorTable
+from fxq.serialization.codec import TensorTable, decode, encode
 
 __all__ = ["pack_baked_parameters", "unpack_parameters"]
 
 logger = logging.getLogger(__name__)
 
 _CODE_DTYPES = (torch.int8, torch.uint8, torch.int16)
-_FLOAT_DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
 
 
 def _code_dtype(quant_min: int, quant_max: int) -> torch.dtype | None:
@@ -56,24 +55,21 @@ def pack_baked_parameters(gm: fx.GraphModule, table: TensorTable) -> dict[str, d
             continue
         stored = table.get(key)
         axis = cfg.channel_axis if cfg.per_channel else 0
-        scale, offset = fq.scale.detach().cpu(), fq.offset.detach().cpu()
-        s = broadcast_qparam(scale.to(torch.float64), stored, axis)
-        o = broadcast_qparam(offset.to(torch.float64), stored, axis)
-        codes = torch.round(stored.to(torch.float64) / s + o).clamp_(cfg.quant_min, cfg.quant_max).to(code_dtype)
-        if not torch.equal(_rebuild(codes, scale, offset, axis, stored.dtype), stored):
+        codes = quantize_to_int(stored, cfg).to(code_dtype)
+        if not torch.equal(_rebuild(codes, fq.scale.detach().cpu(), fq.offset.detach().cpu(), axis, stored.dtype),
+                           stored):
             logger.debug("weight %r of quantizer %r is not on its grid; saved as %s", info.param, name, stored.dtype)
             continue
         table.tensors[key] = codes
         packed[key] = {"scale": table.put(fq.scale, f"{name}.scale"), "offset": table.put(fq.offset, f"{name}.offset"),
-                       "axis": axis, "dtype": str(stored.dtype).replace("torch.", "")}
+                       "axis": axis, "dtype": encode(stored.dtype, table)}
     return packed
 
 
 def unpack_parameters(packed: dict[str, dict[str, Any]], table: TensorTable) -> None:
     """Rebuild the weights :func:`pack_baked_parameters` stored as codes, in ``table``."""
     for key, rec in packed.items():
-        codes = table.get(key)
-        if codes.dtype not in _CODE_DTYPES or rec["dtype"] not in _FLOAT_DTYPES:
-            raise ValueError(f"packed weight {key!r} holds {codes.dtype} codes for {rec['dtype']!r}")
-        table.tensors[key] = _rebuild(codes, table.get(rec["scale"]), table.get(rec["offset"]), int(rec["axis"]),
-                                      _FLOAT_DTYPES[rec["dtype"]])
+        codes, dtype = table.get(key), decode(rec["dtype"], table)
+        if codes.dtype not in _CODE_DTYPES or not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"packed weight {key!r} holds {codes.dtype} codes for {dtype!r}")
+        table.tensors[key] = _rebuild(codes, table.get(rec["scale"]), table.get(rec["offset"]), int(rec["axis"]), dtype)
