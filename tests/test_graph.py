@@ -445,6 +445,50 @@ def test_passive_clip_bounds_quantized_on_ppl_and_restored_in_fp32():
     assert trt.get_submodule("act").max_val == 6.0  # TensorRT keeps clip bounds as they are
 
 
+class _Writes(nn.Module):
+    """Every in-place form, each written value read again afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        a = x * 2
+        b = self.relu(a)
+        a = a + 1  # a is b: reads the ReLU's result
+        c = torch.relu_(a - 3)
+        c.mul_(2)
+        d = torch.nn.functional.leaky_relu(c, 0.1, inplace=True)
+        e = d * 1
+        e.zero_()  # no out-of-place twin: written into a copy
+        return a + b + c + d + e + x
+
+
+def test_rewrite_out_of_place_keeps_the_result_and_writes_nothing():
+    from fxq.graph.passes import rewrite_out_of_place
+
+    model = _Writes()
+    traced = torch.fx.symbolic_trace(model)  # the reference: tracing keeps relu/mul_/leaky_relu/zero_ in place
+    gm = torch.fx.symbolic_trace(model)
+    modules = dict(gm.named_modules())
+    rewrite_out_of_place(gm.graph, modules)
+    out = torch.fx.GraphModule(modules, gm.graph)
+    x = torch.randn(2, 3)
+    probe, original = {}, {n.name for n in traced.graph.nodes}
+
+    class _Keep(torch.fx.Interpreter):  # every value as computed, compared with itself after the run
+        def run_node(self, n):
+            v = super().run_node(n)
+            if isinstance(v, torch.Tensor) and n.name in original:  # not the copies made to be written into
+                probe[n.name] = (v, v.clone())
+            return v
+
+    torch.testing.assert_close(_Keep(out).run(x.clone()), traced(x.clone()))
+    assert all(torch.equal(v, kept) for v, kept in probe.values())  # nothing was written after it was computed
+    mods = dict(out.named_modules())
+    assert not any(getattr(mods.get(str(n.target)), "inplace", False) for n in out.graph.nodes if n.op == "call_module")
+
+
 def test_inplace_function_forms_have_op_types():
     class InPlace(nn.Module):
         def __init__(self):

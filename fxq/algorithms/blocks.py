@@ -27,7 +27,7 @@ from fxq.errors import CalibrationError, GraphError
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
 from fxq.graph.data import iter_batches, model_device, placeholder_values, to_device
 from fxq.graph.info import QUANTIZERS_ATTR, NodeQuant, QuantizerInfo, graph_quant, is_quantizer_node, iter_quantizers
-from fxq.graph.passes import get_attr_value
+from fxq.graph.passes import get_attr_value, rewrite_out_of_place
 from fxq.nn.fake_quantize import FakeQuantize, fake_quant_mode
 from fxq.qconfig.base import COMPUTING_OPS
 from fxq.spec import QuantState
@@ -163,8 +163,9 @@ class Block:
         """The block as a ``GraphModule``; ``overrides`` maps module targets to replacement modules.
 
         ``extra_outputs`` (values inside the block, e.g. one op's output) are appended to the outputs as they
-        were when computed (a copy): a later in-place op of the block (``nn.ReLU(inplace=True)``) may write into
-        them, directly or through an alias (a disabled quantizer returns its input).
+        were when computed. The block writes into no value (:func:`fxq.graph.passes.rewrite_out_of_place`), so
+        cached inputs and probed outputs stay as computed, also through aliases (a disabled quantizer returns
+        its input).
         """
         return _build_module(self.gm, self.nodes, self.inputs, list(self.outputs), overrides or {},
                              list(extra_outputs))
@@ -175,7 +176,6 @@ def _build_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     root: dict[str, Any] = {}
-    snapshot: dict[fx.Node, fx.Node] = {}
     for n in inputs:
         env[n] = graph.placeholder(n.name)
 
@@ -192,13 +192,18 @@ def _build_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node
             if target not in root:
                 root[target] = overrides.get(target) if target in overrides else get_attr_value(gm, target)
         env[n] = graph.node_copy(n, lambda a: env[a])
-        if n in extra_outputs:  # a later in-place op may write into it, also through an alias
-            snapshot[n] = graph.call_method("clone", (env[n],))
         return env[n]
 
     for n in nodes:
         copy(n)
-    graph.output(tuple([env[o] for o in outputs] + [snapshot.get(o, env[o]) for o in extra_outputs]))
+    moved = rewrite_out_of_place(graph, root)
+
+    def final(v: fx.Node) -> fx.Node:  # the value a later block reads: after the block's writes into it
+        while v in moved:
+            v = moved[v]
+        return v
+
+    graph.output(tuple([final(env[o]) for o in outputs] + [env[o] for o in extra_outputs]))
     return fx.GraphModule(root, graph, class_name="FxqBlock")
 
 

@@ -5,14 +5,16 @@ fold BatchNorm -> propagate tensor metadata.
 """
 from __future__ import annotations
 
+import copy
 import logging
+import operator
 from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxq.graph.op_types import WEIGHTED_FUNCTIONS, mutates_first_argument, op_type
+from fxq.graph.op_types import WEIGHTED_FUNCTIONS, mutates_first_argument, op_type, out_of_place_twin
 
 __all__ = [
     "standardize",
@@ -23,6 +25,7 @@ __all__ = [
     "get_attr_value",
     "reuse_node_name",
     "set_attr_value",
+    "rewrite_out_of_place",
 ]
 
 logger = logging.getLogger(__name__)
@@ -242,3 +245,54 @@ def standardize(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
     if example_inputs is not None:
         propagate_tensor_meta(gm, example_inputs)
     return gm
+
+
+def rewrite_out_of_place(graph: fx.Graph, modules: dict[str, Any]) -> dict[fx.Node, fx.Node]:
+    """Rewrite ``graph`` so that no node writes into an existing value; returns ``{value: node now holding it}``.
+
+    For sub-graphs whose values outlive a run (cached block inputs, probed outputs) or alias each other (a
+    disabled quantizer returns its input): ``nn.ReLU(inplace=True)``, ``x += y``, ``relu_()`` become their
+    out-of-place forms (a module gets a non-in-place copy in ``modules``, under a new target); ops without one
+    (``setitem``, ``fill_``) write into a clone. Later readers of the written value read the new node, so
+    the graph computes what it did. A write through a view (``x.view(-1).add_(1)``) is not followed.
+    """
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    moved: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        if not n.args or not isinstance(n.args[0], fx.Node) or not mutates_first_argument(n, modules):
+            continue
+        written = n.args[0]
+        new_value = n if _drop_in_place(n, modules) else None
+        if new_value is None:  # no out-of-place form: write into a copy
+            with graph.inserting_before(n):
+                new_value = graph.call_method("clone", (written,))
+            n.args = (new_value, *n.args[1:])
+        for user in [u for u in written.users if order.get(u, -1) > order[n]]:
+            user.replace_input_with(written, new_value)
+        moved[written] = new_value
+    return moved
+
+
+def _drop_in_place(n: fx.Node, modules: dict[str, Any]) -> bool:
+    """Turn ``n`` into its out-of-place form where there is one (True)."""
+    if n.op == "call_module":
+        mod = copy.copy(modules[str(n.target)])
+        mod.inplace = False
+        n.target = f"{n.target}__out_of_place"
+        modules[n.target] = mod
+        return True
+    if n.op == "call_function":
+        if n.kwargs.get("inplace") is True:
+            n.kwargs = {**n.kwargs, "inplace": False}
+            return True
+        twin = out_of_place_twin(n.target) if n.target is not operator.setitem else None
+        if twin is not None:
+            n.target = twin
+            return True
+        return False
+    name = str(n.target)[:-1]
+    if hasattr(torch.Tensor, name):
+        n.target = name
+        return True
+    return False
