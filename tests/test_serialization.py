@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import io
+import operator
 import warnings
 
 import onnx
@@ -182,6 +183,41 @@ def test_files_cannot_name_io_functions():
     from fxq.serialization.allowlist import function_name, resolve_function
 
     assert resolve_function(function_name(torch.conv2d)) is torch.conv2d
-    for name in ("torch:save", "torch:load", "torch:from_file"):
+    refused = ("torch:save", "torch:load", "torch:from_file", "operator:attrgetter", "operator:methodcaller",
+               "operator:call", "torch:set_default_tensor_type", "torch:set_rng_state", "torch:_load_global_deps",
+               "torch:Tensor", "torch:Generator", "builtins:eval", "torch:__import__")
+    for name in refused:
         with pytest.raises(fxq.NotSupportedError):
             resolve_function(name)
+    assert function_name(operator.attrgetter) is None  # refused at save time too
+
+
+class _Shape(nn.Module):
+    def forward(self, x):
+        return x * x.shape[0]
+
+
+@pytest.mark.parametrize("edit", [
+    ('"shape"', '"__class__"'),           # getattr(x, "__class__"): the first step to __globals__
+    ('"shape"', '"_version"'),            # any private attribute
+    ('"$function": "builtins:getattr"', '"$function": "operator:attrgetter"'),
+])
+def test_a_file_cannot_walk_to_arbitrary_objects(tmp_path, edit):
+    """A crafted file must not reach an object's __globals__ (and call os.system from there) through getattr,
+    attrgetter or dunder get_attr paths: the node is refused when the file is read."""
+    gm = torch.fx.symbolic_trace(_Shape())
+    path = fxq.save(gm, tmp_path / "m.fxq")
+    blob = torch.load(path, weights_only=True)
+    assert edit[0] in blob["spec"]
+    blob["spec"] = blob["spec"].replace(*edit)
+    torch.save(blob, tmp_path / "crafted.fxq")
+    with pytest.raises(fxq.NotSupportedError, match="not allowed"):
+        fxq.load(tmp_path / "crafted.fxq")
+
+
+def test_get_attr_paths_through_dunders_are_refused():
+    from fxq.serialization.allowlist import check_node
+
+    with pytest.raises(fxq.NotSupportedError, match="dunder"):
+        check_node("get_attr", "conv.__class__.__init__.__globals__", ())
+    check_node("get_attr", "_tensor_constant0", ())  # fx's own constants are fine

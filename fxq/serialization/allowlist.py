@@ -5,8 +5,14 @@ Loading never unpickles objects: classes and functions are looked up by qualifie
 * module classes from ``torch.nn``, ``fxq`` and ``onnx2torch`` (the ONNX frontend's modules), and classes
   registered with :func:`register_serializable`;
 * functions of ``torch``, ``torch.nn.functional``, ``operator``, ``math``, a few builtins (``getattr``...),
-  ``torch.ops`` overloads, and functions registered with :func:`register_serializable`;
-* method names of ``torch.Tensor`` (``call_method`` targets).
+  ``torch.ops`` overloads, and functions registered with :func:`register_serializable` — exactly the names
+  :func:`function_name` gives, never classes, private (``_``) names, setters of global state (``set_*``,
+  ``register_*``), I/O (``save``, ``load``...) or calls by name (``operator.attrgetter / methodcaller / call``);
+* method names of ``torch.Tensor`` (``call_method`` targets);
+* attribute names without a leading underscore (``getattr`` nodes) and module / attribute paths without
+  dunder parts (``get_attr`` / ``call_module`` targets),
+
+so a file cannot reach an object's ``__globals__`` and call what it finds there (:func:`check_node`).
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from fxq.errors import NotSupportedError
 from fxq.registry import Registry
 
 __all__ = ["register_serializable", "class_name", "resolve_class", "function_name", "resolve_function",
-           "check_method", "SERIALIZABLE"]
+           "check_method", "check_node", "SERIALIZABLE"]
 
 SERIALIZABLE: Registry[Any] = Registry("serializable class or function")
 """User-registered module classes and functions, keyed by ``module:qualname``."""
@@ -88,7 +94,7 @@ def _function_index() -> dict[int, str]:
     index: dict[int, str] = {}
     for ns_name, ns in _FUNCTION_NAMESPACES.items():
         for attr in dir(ns):
-            if attr.startswith("__"):
+            if not _allowed_attr(attr):
                 continue
             obj = getattr(ns, attr, None)
             if callable(obj) and not isinstance(obj, type):
@@ -124,28 +130,44 @@ def resolve_function(name: str) -> Callable[..., Any]:
         except (AttributeError, RuntimeError) as exc:
             raise NotSupportedError(f"op {attr!r} is not registered in this process (import the library that "
                                     f"defines it before fxq.load)") from exc
-    if ns_name == "builtins" and attr in _BUILTINS:
-        return getattr(builtins, attr)
-    ns = _FUNCTION_NAMESPACES.get(ns_name)
-    if attr in _DENIED:
-        ns = None  # files must not be able to name I/O or code-loading functions
-    obj = getattr(ns, attr, None) if ns is not None and not attr.startswith("__") else None
-    if ns is None or obj is None or not callable(obj):
+    if name not in _allowed_names():
         raise NotSupportedError(f"function {name!r} is not allowed in fxq files; register it with "
                                 f"fxq.serialization.register_serializable before fxq.load")
-    return obj
+    ns = builtins if ns_name == "builtins" else _FUNCTION_NAMESPACES[ns_name]
+    return getattr(ns, attr)
+
+
+@functools.lru_cache(maxsize=1)
+def _allowed_names() -> frozenset[str]:
+    return frozenset(_function_index().values())
 
 
 _DENIED = frozenset({
-    "save", "load", "from_file", "load_library", "compile", "jit", "hub", "package", "set_default_device",
-    "set_default_dtype", "set_num_threads", "manual_seed", "seed", "use_deterministic_algorithms", "set_printoptions",
-    "export", "onnx",
+    "save", "load", "from_file", "load_library", "compile", "jit", "hub", "package", "manual_seed", "seed",
+    "use_deterministic_algorithms", "export", "onnx", "attrgetter", "methodcaller", "call",
 })
-"""Names refused in every namespace, even where the namespace is otherwise allowed (torch.save, torch.load...)."""
+"""Names refused in every namespace: I/O, code loading, global state, calls by name (operator.call...)."""
+_DENIED_PREFIXES = ("_", "set_", "register_")
+_PRIVATE_ALLOWED = frozenset({"_assert"})  # torch.fx writes torch._assert for traced asserts
+
+
+def _allowed_attr(attr: str) -> bool:
+    return attr in _PRIVATE_ALLOWED or (attr not in _DENIED and not attr.startswith(_DENIED_PREFIXES))
+
+
+def check_node(op: str, target: Any, args: tuple) -> None:
+    """Refuse what could walk from a value to arbitrary objects: ``getattr`` of a private / dunder name, and
+    ``get_attr`` / ``call_module`` paths through dunder attributes."""
+    if op == "call_function" and target is builtins.getattr:
+        attr = args[1] if len(args) > 1 else None
+        if not isinstance(attr, str) or attr.startswith("_"):
+            raise NotSupportedError(f"getattr of {attr!r} is not allowed in fxq files (only public attribute names)")
+    if op in ("get_attr", "call_module") and any(p.startswith("__") for p in str(target).split(".")):
+        raise NotSupportedError(f"{op} target {target!r} is not allowed in fxq files (dunder attribute)")
 
 
 def check_method(name: str) -> str:
     """``name`` if it is a ``torch.Tensor`` method (a valid ``call_method`` target)."""
-    if not isinstance(name, str) or (name.startswith("__") and name != "__getitem__") or not hasattr(torch.Tensor, name):
+    if not isinstance(name, str) or (name.startswith("_") and name != "__getitem__") or not hasattr(torch.Tensor, name):
         raise NotSupportedError(f"call_method target {name!r} is not a torch.Tensor method")
     return name

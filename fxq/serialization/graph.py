@@ -7,7 +7,7 @@ from typing import Any
 from torch import fx
 
 from fxq.errors import NotSupportedError
-from fxq.serialization.allowlist import check_method, function_name, resolve_function
+from fxq.serialization.allowlist import check_method, check_node, function_name, resolve_function
 from fxq.serialization.codec import TensorTable, Unencodable, decode, encode
 
 __all__ = ["encode_graph", "decode_graph", "encode_meta", "decode_meta"]
@@ -58,6 +58,7 @@ def encode_graph(gm: fx.GraphModule, table: TensorTable) -> list[dict[str, Any]]
         except Unencodable as exc:
             raise NotSupportedError(f"cannot save node {node.name!r} ({node.op} {node.target}): an argument holds "
                                     f"a {exc}") from None
+        check_node(node.op, node.target, node.args)
         records.append({"name": node.name, "op": node.op, "target": _encode_target(node), "args": args,
                         "kwargs": kwargs, "meta": encode_meta(node.meta, table, f"node {node.name}")})
     return records
@@ -74,6 +75,7 @@ def decode_graph(records: list[dict[str, Any]], table: TensorTable) -> fx.Graph:
             target = check_method(target)
         args = decode(rec["args"], table, nodes)
         kwargs = decode(rec["kwargs"], table, nodes)
+        check_node(op, target, tuple(args))
         node = graph.create_node(op, target, tuple(args), dict(kwargs), name=rec["name"])
         if node.name != rec["name"]:
             raise NotSupportedError(f"node {rec['name']!r} could not keep its name (got {node.name!r})")
