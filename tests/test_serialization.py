@@ -221,3 +221,12 @@ def test_get_attr_paths_through_dunders_are_refused():
     with pytest.raises(fxq.NotSupportedError, match="dunder"):
         check_node("get_attr", "conv.__class__.__init__.__globals__", ())
     check_node("get_attr", "_tensor_constant0", ())  # fx's own constants are fine
+
+
+def test_module_attributes_cannot_be_dunders(saved, tmp_path):
+    _, path = saved
+    blob = torch.load(path, weights_only=True)
+    blob["spec"] = blob["spec"].replace('"attrs": {', '"attrs": {"__class__": 1, ', 1)
+    torch.save(blob, tmp_path / "crafted.fxq")
+    with pytest.raises(fxq.NotSupportedError, match="not allowed"):
+        fxq.load(tmp_path / "crafted.fxq")

@@ -111,6 +111,8 @@ def decode_modules(records: list[dict[str, Any]], root: nn.Module, table: Tensor
             mod = cls.__new__(cls)
             nn.Module.__init__(mod)
             for key, value in rec["attrs"].items():
+                if key.startswith("__"):
+                    raise NotSupportedError(f"module {path!r}: attribute {key!r} is not allowed in fxq files")
                 object.__setattr__(mod, key, decode(value, table))
             if isinstance(mod, FakeQuantize):
                 mod.observer = None
