@@ -15,7 +15,8 @@ setting, exported, and run in the real runtimes:
   >= 98 % and <= 3 LSB, and the test checks that the float64 run indeed stays below 99.9 %.
   Per tensor, fed identical codes, every quantized tensor agrees within 1 LSB, and ORT_INT8 (int32 biases,
   as onnxruntime's int8 kernels run them) reproduces 100 % of the codes on both paths (test_export_onnx.py);
-* NCNN_INT8 param/bin in ncnn (int8 inference): outputs are FP32 in NCNN, so cosine >= 0.9999 over the batch.
+* NCNN_INT8 param/bin in ncnn (int8 inference): outputs are FP32 in NCNN, so cosine >= 0.9999 over the batch, and
+  ncnn-vs-simulation noise at most 0.3x the simulation-vs-FP32 noise (catches a 3 % input-scale error on both).
 
 The per-tensor (teacher-forced) comparisons live in test_export_onnx.py and test_export_ncnn.py.
 """
@@ -100,5 +101,14 @@ def test_ncnn_matches_simulation(name, tmp_path):
     outs = np.concatenate([o["out0"].ravel() for o in run_ncnn(param, bin_, data, int8=True)])
     with torch.no_grad():
         sim = np.concatenate([q(x).numpy().ravel() for x in data])
+        with fxq.fp32_mode(q):
+            fp32 = np.concatenate([q(x).numpy().ravel() for x in data])
     cosine = float(np.dot(outs, sim) / np.linalg.norm(outs) / np.linalg.norm(sim))
     assert cosine >= 0.9999, cosine
+
+    def noise(a: np.ndarray, ref: np.ndarray) -> float:
+        return float(((a - ref) ** 2).sum() / (ref ** 2).sum())
+
+    # ncnn is much closer to the simulation than the simulation is to FP32 (measured 0.018x ResNet-18,
+    # 0.20x MobileNetV2): a cosine alone let a 10 % error in every int8 input scale pass on MobileNetV2
+    assert noise(outs, sim) <= 0.3 * noise(sim, fp32), (noise(outs, sim), noise(sim, fp32))
