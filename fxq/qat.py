@@ -46,6 +46,7 @@ from torch import fx, nn
 from fxq.errors import ConfigError
 from fxq.functional import fake_quantize, qparams_from_minmax, representable_range
 from fxq.graph.calibrate import calibrate
+from fxq.graph.convert import passive_bias_scale, quant_scheme
 from fxq.graph.info import QUANTIZERS_ATTR, graph_quant, iter_quantizers
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.observers.base import channel_rows
@@ -186,10 +187,8 @@ class QATBiasQuantize(FakeQuantize):
 
     def _current_scale(self) -> torch.Tensor:
         s_in, s_w = self._parameters["input_scale"], self._parameters["weight_scale"]
-        scale = s_in.detach().abs().reshape(-1)[:1] * s_w.detach().abs().reshape(-1)
-        if not self.config.per_channel:
-            scale = scale[:1]
-        return torch.clamp(scale, min=1e-30)
+        return passive_bias_scale(s_in.detach().abs(), s_w.detach().abs(), self.scale.numel(),
+                                  self.config.per_channel, self.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.quant_enabled or not self.config.is_quantizing or self.config.state in _BAKED:
@@ -268,8 +267,7 @@ def _tie_aligned(gm: fx.GraphModule) -> int:
     def same_scheme(a: FakeQuantize, b: FakeQuantize) -> bool:
         ca, cb = a.config, b.config
         return (not ca.per_channel and not cb.per_channel and ca.is_quantizing and cb.is_quantizing
-                and (ca.num_bits, ca.symmetric, ca.quant_min, ca.quant_max, ca.fp_format)
-                == (cb.num_bits, cb.symmetric, cb.quant_min, cb.quant_max, cb.fp_format))
+                and quant_scheme(a) == quant_scheme(b))
 
     groups = [list(g) for g in gq.align_large] + [[out, *ins] for ins, out in gq.align_output]
     for group in groups:

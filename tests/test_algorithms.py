@@ -19,7 +19,6 @@ from fxq.algorithms.equalization import find_equalization_groups
 from fxq.setting import LSQSetting, QuantizationSetting
 from fxq.spec import QuantState
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -286,6 +285,28 @@ def test_adaround_weights_on_grid_and_interested_layers():
     assert torch.equal(q.c3.weight, base.c3.weight) and torch.equal(q.fc1.weight, base.fc1.weight)
     s = q.fxq_quantizers["c2_weight"].scale
     assert torch.allclose(q.c2.weight / s, torch.round(q.c2.weight / s), atol=1e-4)
+
+
+def test_brecq_trains_activation_scales_of_a_block_without_weights():
+    """A block of activation x activation matmuls has nothing to round: only its scales learn (no regularizer)."""
+    from _models import tiny_encoder
+
+    model = tiny_encoder()
+    data = [torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    q = _quantize(model, data, "academic_int8", blockwise_reconstruction=True,
+                  blockwise_reconstruction_setting={"steps": 6, "block_size": 1, "is_scale_trainable": True,
+                                                    "interested_layers": [r"matmul.*"]})
+    assert sum(n.name.startswith("matmul") for n in q.graph.nodes) == 4  # attention's x @ x products
+
+
+def test_interested_layers_take_original_onnx_names():
+    from fxq.algorithms.blocks import matches_layer
+
+    gm = fxq.quantize(_model(), _data(1), "academic_int8", progress=False)
+    node = next(n for n in gm.graph.nodes if n.name == "c2")
+    node.meta["onnx"] = {"node_name": "/c2/Conv"}
+    assert matches_layer(node, ["/c2/Conv"]) and matches_layer(node, [r"/c\d/Conv"])
+    assert not matches_layer(node, ["/c3/Conv"])
 
 
 def test_lsq_epochs_alias():

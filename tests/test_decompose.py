@@ -103,6 +103,13 @@ def test_calls_it_does_not_cover_stay_leaves():
         torch.testing.assert_close(gm(x, mask), model(x, mask))
     kept = trace(SelfAttention(True, True, False).eval(), leaf_modules=[nn.MultiheadAttention])
     assert nn.MultiheadAttention in _module_types(kept)
+    zero_attn = SelfAttention(False, True, False)
+    zero_attn.attn = nn.MultiheadAttention(8, 2, add_zero_attn=True)
+    gm = trace(zero_attn.eval())
+    assert nn.MultiheadAttention in _module_types(gm)  # not decomposed: kept whole, exact
+    x = torch.randn(4, 2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), zero_attn(x))
 
 
 def test_register_decomposition_for_a_user_module():

@@ -80,8 +80,13 @@ def test_qat_trains_and_converts(platform, method):
         assert groups and all(quantizers[a] is quantizers[b] for g in groups for a, b in zip(g, g[1:]))
     else:
         assert any(isinstance(fq, QATBiasQuantize) for fq in quantizers.values())
+    before = {id(fq): fq.scale.detach().clone() for fq in trainable}
     losses = _train(qat, 25, x, y)
     assert losses[-1] < 0.7 * losses[0]
+    moved = [not torch.equal(fq.scale.detach(), before[id(fq)]) for fq in trainable]
+    assert all(moved) if method != "ema" else any(moved)  # learned (LSQ) or tracked (EMA); not just the weights
+    if method != "ema":
+        assert all(fq.scale.grad is not None and bool(fq.scale.grad.abs().sum() > 0) for fq in trainable)
     qat.eval()
     with torch.no_grad():
         out = qat(x)
@@ -203,6 +208,17 @@ def test_fold_bn_false_and_freeze_bn():
     assert torch.equal(qat.b1.running_mean, mean)
     _train(qat.train(), 2, x, y, lr=1e-3)  # BN affine parameters still learn, statistics stay
     assert torch.equal(qat.b1.running_mean, mean)
+
+
+def test_grouped_conv_transpose_int32_bias():
+    """Its C_out / groups weight scales serve every group's outputs: the QAT bias grid is PTQ's."""
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ConvTranspose2d(4, 8, 2, stride=2, groups=2))
+    x = torch.randn(4, 1, 8, 8)
+    qat = fxq.prepare_qat(model, "ort_int8", x)
+    bias_q = [fq for name, fq in qat.fxq_quantizers.items() if name.endswith("_bias")][-1]  # the ConvTranspose's
+    assert bias_q.scale.numel() == 8
+    qat(x).sum().backward()
+    fxq.convert(qat.eval())(x)
 
 
 def test_prepare_qat_errors():

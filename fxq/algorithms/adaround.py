@@ -88,7 +88,7 @@ def rounding_regularizer(quantizers: list[AdaRoundQuantizer], step: int, steps: 
                          beta_range: tuple[float, float], warm_up: float) -> torch.Tensor:
     """``weight * sum(1 - |2h - 1|^beta)``: 0 during warm-up, then beta annealed linearly over the rest."""
     start = int(warm_up * steps)
-    if step < start or weight == 0:
+    if step < start or weight == 0 or not quantizers:
         return torch.zeros(())
     rel = (step - start) / max(1, steps - start)
     beta = beta_range[0] + (beta_range[1] - beta_range[0]) * rel

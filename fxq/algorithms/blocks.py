@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import re
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -26,7 +25,15 @@ from torch import fx, nn
 from fxq.errors import CalibrationError, GraphError
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
 from fxq.graph.data import iter_batches, model_device, placeholder_values, to_device
-from fxq.graph.info import QUANTIZERS_ATTR, NodeQuant, QuantizerInfo, graph_quant, is_quantizer_node, iter_quantizers
+from fxq.graph.info import (
+    QUANTIZERS_ATTR,
+    NodeQuant,
+    QuantizerInfo,
+    graph_quant,
+    is_quantizer_node,
+    iter_quantizers,
+    match_node_name,
+)
 from fxq.graph.passes import get_attr_value, rewrite_out_of_place
 from fxq.nn.fake_quantize import FakeQuantize, fake_quant_mode
 from fxq.qconfig.base import COMPUTING_OPS
@@ -104,21 +111,9 @@ def param_target(node: fx.Node, index: int) -> str | None:
 
 
 def matches_layer(node: fx.Node, patterns: Sequence[str]) -> bool:
-    """True when ``patterns`` is empty or names ``node`` (node name or module path, exactly or as regex)."""
-    if not patterns:
-        return True
-    names = {node.name, node.meta.get("module_path") or ""}
-    names.discard("")
-    for pat in patterns:
-        if pat in names:
-            return True
-        try:
-            rx = re.compile(pat)
-        except re.error:
-            continue
-        if any(rx.fullmatch(n) for n in names):
-            return True
-    return False
+    """True when ``patterns`` is empty or names ``node`` (as a dispatching table would, see
+    :func:`fxq.graph.info.match_node_name`: node name, module path, original ONNX / caffe name; exact or regex)."""
+    return not patterns or match_node_name(node, patterns) is not None
 
 
 def _param_like(gm: fx.GraphModule) -> set[fx.Node]:

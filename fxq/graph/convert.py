@@ -16,6 +16,8 @@ from fxq.spec import QuantState
 
 __all__ = [
     "apply_alignment",
+    "passive_bias_scale",
+    "quant_scheme",
     "derive_passive_parameters",
     "bake_parameters",
     "unbake_parameters",
@@ -53,7 +55,7 @@ def apply_alignment(gm: fx.GraphModule) -> None:
         hi = torch.stack([r[1] for r in ranges]).max(0).values
         widest = next((m for m, r in zip(members, ranges) if bool((r[0] <= lo).all() and (r[1] >= hi).all())), None)
         for m in members:
-            if widest is not None and widest.offset is not None and _scheme(m) == _scheme(widest):
+            if widest is not None and widest.offset is not None and quant_scheme(m) == quant_scheme(widest):
                 scale, offset = widest.scale.detach().clone(), widest.offset.detach().clone()
             else:
                 scale, offset = qparams_from_minmax(lo, hi, m.config)
@@ -66,12 +68,13 @@ def apply_alignment(gm: fx.GraphModule) -> None:
             m = qs[name]
             if m is target or not m.config.is_quantizing or m.config.per_channel:
                 continue
-            if _scheme(m) != _scheme(target):
+            if quant_scheme(m) != quant_scheme(target):
                 continue
             m.set_qparams(target.scale.detach().clone(), target.offset.detach().clone(), state=m.config.state)
 
 
-def _scheme(fq: FakeQuantize) -> tuple:
+def quant_scheme(fq: FakeQuantize) -> tuple:
+    """What two quantizers must share to share parameters: bits, symmetry, range, FP format, power-of-2 scales."""
     c = fq.config
     return (c.num_bits, c.symmetric, c.quant_min, c.quant_max, c.fp_format, c.power_of_2)
 
@@ -86,22 +89,27 @@ def derive_passive_parameters(gm: fx.GraphModule) -> None:
                 or not qs[weight_q].config.is_quantizing):
             bias.config.state = QuantState.FP32
             continue
-        s_in, s_w = qs[data_q].scale.detach(), qs[weight_q].scale.detach()
-        scale = torch.clamp(s_in.reshape(-1)[:1] * s_w.reshape(-1), min=1e-30)
-        if not bias.config.per_channel:
-            scale = scale[:1]
-        else:  # grouped ConvTranspose: C_out / groups weight scales (axis 1), repeated for each group's outputs
-            n_bias = _bias_channels(gm, bias_name)
-            if n_bias and n_bias != scale.numel() and n_bias % scale.numel() == 0:
-                scale = scale.repeat(n_bias // scale.numel())
+        info = _infos(gm).get(bias_name)
+        n_bias = get_attr_value(gm, info.param).numel() if info is not None and info.param is not None else None
+        scale = passive_bias_scale(qs[data_q].scale.detach(), qs[weight_q].scale.detach(), n_bias,
+                                   bias.config.per_channel, bias_name)
         bias.set_qparams(scale, torch.zeros_like(scale), state=QuantState.PASSIVE)
 
 
-def _bias_channels(gm: fx.GraphModule, bias_name: str) -> int | None:
-    info = _infos(gm).get(bias_name)
-    if info is None or info.param is None:
-        return None
-    return int(get_attr_value(gm, info.param).numel())
+def passive_bias_scale(s_in: torch.Tensor, s_w: torch.Tensor, n_bias: int | None, per_channel: bool,
+                       name: str = "bias") -> torch.Tensor:
+    """``s_in * s_w`` per output channel (one value per tensor when not ``per_channel``), the one bias grid of
+    PTQ and QAT. A grouped ConvTranspose has C_out / groups weight scales (axis 1) for C_out outputs: output
+    ``o`` uses weight scale ``o % (C_out / groups)``."""
+    scale = torch.clamp(s_in.reshape(-1)[:1] * s_w.reshape(-1), min=1e-30)
+    if not per_channel:
+        return scale[:1]
+    if n_bias is None or n_bias == scale.numel():
+        return scale
+    if n_bias % scale.numel():
+        raise ConfigError(f"{name}: {n_bias} bias channels for {scale.numel()} weight scales; quantize this "
+                          f"weight per channel along its output channels, or the bias per tensor")
+    return scale.repeat(n_bias // scale.numel())
 
 
 _CLIP_BOUNDS = {  # function name -> (position, keyword) of its lower and upper bound

@@ -61,10 +61,10 @@ def _multihead_attention(m: nn.MultiheadAttention, query: Any, key: Any, value: 
                          need_weights: bool = True, attn_mask: Any = None, average_attn_weights: bool = True,
                          is_causal: bool = False) -> Any:
     """Self-attention over ``m``'s projections, as ``F.multi_head_attention_forward`` computes it in eval mode
-    (no masks, packed in-projection, no extra key/value bias)."""
+    (no masks, packed in-projection, no extra key/value bias, no zero attention)."""
     self_attention = query is key and key is value
     if (key_padding_mask is not None or attn_mask is not None or is_causal or m.bias_k is not None
-            or not m._qkv_same_embed_dim or not self_attention):
+            or m.add_zero_attn or not m._qkv_same_embed_dim or not self_attention):
         return NotImplemented  # cross-attention would need split weights: not plain get_attr weights
     if m.batch_first:
         query = query.transpose(0, 1)

@@ -6,14 +6,13 @@ per-layer overrides) has the last word. Shape/index computations are never quant
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Callable
 
 import torch
 from torch import fx, nn
 
 from fxq.errors import ConfigError
-from fxq.graph.info import source_names
+from fxq.graph.info import match_node_name
 from fxq.graph.op_types import op_type
 from fxq.qconfig.base import COMPUTING_OPS, SHAPE_OPS, Platform, get_platform
 from fxq.registry import Registry
@@ -83,19 +82,8 @@ def _allin(t: str, platform: Platform, fed_by_quantized: bool) -> bool:
 
 
 def _table_lookup(node: fx.Node, table: dict[str, Any]) -> Any:
-    names = {node.name, str(node.target), *source_names(node)}
-    names.discard("")
-    for key, value in table.items():
-        if key in names:
-            return value
-    for key, value in table.items():
-        try:
-            rx = re.compile(key)
-        except re.error:
-            continue
-        if any(rx.fullmatch(n) for n in names):
-            return value
-    return None
+    key = match_node_name(node, table)
+    return None if key is None else table[key]
 
 
 def dispatch(

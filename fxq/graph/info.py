@@ -13,7 +13,8 @@ Dispatch, prepare, calibration, analysis and every exporter read these records:
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+import re
+from typing import Iterable, Iterator
 
 from torch import fx, nn
 
@@ -80,6 +81,25 @@ def source_names(node: fx.Node, module_path: bool = True) -> list[str]:
     if module_path and node.meta.get("module_path"):
         names.append(str(node.meta["module_path"]))
     return names
+
+
+def match_node_name(node: fx.Node, keys: Iterable[str]) -> str | None:
+    """The first of ``keys`` naming ``node`` — its fx name, target, module path or original ONNX / caffe name —
+    exactly, else the first that matches one of them as a regex (fullmatch); None when none does."""
+    names = {node.name, str(node.target), *source_names(node)}
+    names.discard("")
+    keys = list(keys)
+    for key in keys:
+        if key in names:
+            return key
+    for key in keys:
+        try:
+            rx = re.compile(key)
+        except re.error:
+            continue
+        if any(rx.fullmatch(n) for n in names):
+            return key
+    return None
 
 
 def is_quantizer_node(node: fx.Node) -> bool:
