@@ -6,15 +6,15 @@ mean output error ``E[y_q - y_fp]`` over the calibration batches is subtracted f
 corrected one after the other inside the block, so later ops see the corrected earlier ones. Ops without
 a bias parameter are left alone.
 
-The FP32 side is the model as it was: its runs use the biases from before correction (the quantized and
-the FP32 views share one bias parameter), so a correction is never measured against itself downstream.
+The FP32 side is the model as it was: one FP32 run per block, before any of its biases moves (the quantized
+and the FP32 views share one bias parameter), gives every op's reference and the next block's inputs, so a
+correction is never measured against itself downstream.
 After the pass, ``fxq.fp32_mode`` runs with the corrected biases, as PPQ's dequantized graph does.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import fx
@@ -64,27 +64,18 @@ def bias_correction(gm: fx.GraphModule, data: Any, setting: QuantizationSetting,
         bar = tqdm(total=total, desc="bias correction", leave=False, disable=None)
         for bd in runner:
             block = bd.block
-            _ = bd.fp_outputs  # the FP32 block outputs later blocks start from: computed before any bias moves
-            original: dict[str, torch.Tensor] = {}
-            for op in block.computing:
+            ops = [op for op in block.computing if param_target(op, 2) is not None]
+            bar.update(len(block.computing) - len(ops))
+            # the FP32 reference, before any bias of this block moves (FP32 and quantized views share biases)
+            fp = bd.fp32_with(ops)
+            for k, op in enumerate(ops):
                 bar.update(1)
-                target = param_target(op, 2)
-                if target is None:
-                    continue
-                probe = block.build(extra_outputs=[op])
-                with _swapped_in(gm, original):
-                    fp = run_block(probe, bd, quantized=False)
-                q = run_block(probe, bd, quantized=True)
-                err = None
-                for f, qq in zip(fp, q):
-                    a, b = qq[-1], f[-1]
-                    e = _mean_per_channel(a - b, channel_axis(op, a))
-                    err = e if err is None else err + e
-                bias = get_attr_value(gm, target)
-                if err is None or err.numel() != bias.numel():
+                q = run_block(block.build(extra_outputs=[op]), bd, quantized=True)
+                err = sum(_mean_per_channel(qq[-1] - f[k], channel_axis(op, qq[-1])) for f, qq in zip(fp, q))
+                bias = get_attr_value(gm, param_target(op, 2))
+                if err.numel() != bias.numel():
                     logger.debug("bias correction: %s output channels do not match its bias; skipped", op.name)
                     continue
-                original.setdefault(target, bias.detach().clone())  # a shared module: its first value
                 bias.data.sub_((err / len(fp)).to(bias.device, bias.dtype).reshape(bias.shape))
                 corrected += 1
         bar.close()
@@ -93,15 +84,3 @@ def bias_correction(gm: fx.GraphModule, data: Any, setting: QuantizationSetting,
     gm.meta.setdefault("fxq_algorithm_stats", {})["bias_correct"] = {"peak_cache_bytes": runner.peak_cache_bytes}
     return gm
 
-
-@contextlib.contextmanager
-def _swapped_in(gm: fx.GraphModule, values: dict[str, torch.Tensor]) -> Iterator[None]:
-    """Parameters ``values`` (by target) in place of the current ones inside the block, restored after."""
-    current = {t: get_attr_value(gm, t).detach().clone() for t in values}
-    try:
-        for t, v in values.items():
-            get_attr_value(gm, t).data.copy_(v)
-        yield
-    finally:
-        for t, v in current.items():
-            get_attr_value(gm, t).data.copy_(v)

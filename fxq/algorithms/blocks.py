@@ -297,6 +297,15 @@ class BlockData:
             self._fp_outputs = run_block(self.block.module, self, quantized=False, store=self._store)
         return self._fp_outputs
 
+    def fp32_with(self, extra_outputs: Sequence[fx.Node]) -> list[tuple]:
+        """FP32 values of ``extra_outputs`` (nodes inside the block) per batch, from one FP32 run of the block
+        that also provides :attr:`fp_outputs` when they are not computed yet."""
+        n_out = len(self.block.outputs)
+        runs = run_block(self.block.build(extra_outputs=extra_outputs), self, quantized=False, store=self._store)
+        if self._fp_outputs is None:
+            self._fp_outputs = [r[:n_out] for r in runs]
+        return [r[n_out:] for r in runs]
+
     def target(self, b: int) -> tuple:
         return tuple(to_device(v, self.device) for v in self.fp_outputs[b])
 
