@@ -30,7 +30,7 @@ from torch import fx, nn
 from fxq.errors import ConfigError
 from fxq.graph.data import placeholder_values
 from fxq.graph.info import NodeQuant, QuantizerInfo, graph_quant, is_quantizer_node, iter_quantizers
-from fxq.graph.op_types import mutates_first_argument, out_of_place_twin
+from fxq.graph.op_types import mutates_first_argument, out_of_place_form
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import QuantState
@@ -85,6 +85,7 @@ class GraphRunner:
         for value, user in last_use.items():
             self.frees.setdefault(user, []).append(value)
         self.mutating = {n for n in self.nodes if n not in self.quantizers and mutates_first_argument(n, self.modules)}
+        self.out_of_place = {n: out_of_place_form(n, self.modules) for n in self.mutating}
         self.max_pools = {n for n in self.nodes if self._is_plain_max_pool2d(n)}
         # quantizers whose forward is FakeQuantize's own (a subclass, e.g. QAT's, may compute differently)
         self.in_place_quantizers = {n for n, fq in self.quantizers.items()
@@ -253,19 +254,15 @@ class GraphRunner:
                 env[first] = copy
                 args = (copy, *args[1:])
             return self._call_original(node, args, kwargs)
-        if node.op == "call_module":
-            mod = self.modules[str(node.target)]
-            with _not_inplace(mod):
-                return mod(*args, **kwargs)
-        if node.op == "call_function":
-            if kwargs.get("inplace") is True:
-                return node.target(*args, **{**kwargs, "inplace": False})
-            twin = out_of_place_twin(node.target)
-            if twin is not None:
-                return twin(*args, **kwargs)
-        if node.op == "call_method" and hasattr(torch.Tensor, str(node.target)[:-1]):
-            return getattr(args[0], str(node.target)[:-1])(*args[1:], **kwargs)
-        return self._call_original(node, (args[0].clone(), *args[1:]), kwargs)
+        form = self.out_of_place[node]
+        if form is None:
+            return self._call_original(node, (args[0].clone(), *args[1:]), kwargs)
+        op, target, inplace_off = form
+        if inplace_off:
+            kwargs = {**kwargs, "inplace": False}
+        if op == "call_method":
+            return getattr(args[0], target)(*args[1:], **kwargs)
+        return target(*args, **kwargs)
 
     def _call_original(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         if node.op == "call_module":
@@ -372,15 +369,6 @@ class _Overlay:
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.top[key] = value
-
-
-@contextlib.contextmanager
-def _not_inplace(mod: nn.Module) -> Iterator[None]:
-    mod.inplace = False
-    try:
-        yield
-    finally:
-        mod.inplace = True
 
 
 @contextlib.contextmanager

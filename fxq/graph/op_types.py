@@ -6,6 +6,7 @@ their op type in ``node.meta["onnx"]``; that is used when the module/function is
 """
 from __future__ import annotations
 
+import copy
 import operator
 from typing import Any, Callable
 
@@ -167,3 +168,22 @@ def mutates_first_argument(node: fx.Node, modules: dict[str, nn.Module]) -> bool
         name = str(node.target)
         return name.endswith("_") and not name.endswith("__")
     return False
+
+
+def out_of_place_form(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[str, Any, bool] | None:
+    """How to compute an in-place ``node`` without writing into its first argument: ``(op, target,
+    inplace_off)`` — a non-in-place copy of the module (the model's own stays as it is), the out-of-place twin
+    function or method, or the same target with ``inplace=False`` (``inplace_off``). None: there is no such
+    form (``setitem``, ``fill_``...): write into a copy instead."""
+    if node.op == "call_module":
+        mod = copy.copy(modules[str(node.target)])
+        mod.inplace = False
+        return "call_module", mod, False
+    if node.op == "call_function":
+        if node.kwargs.get("inplace") is True:
+            return "call_function", node.target, True
+        twin = out_of_place_twin(node.target)
+        return ("call_function", twin, False) if twin is not None else None
+    if node.op == "call_method" and hasattr(torch.Tensor, str(node.target)[:-1]):
+        return "call_method", str(node.target)[:-1], False
+    return None

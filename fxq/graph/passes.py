@@ -5,16 +5,14 @@ fold BatchNorm -> propagate tensor metadata.
 """
 from __future__ import annotations
 
-import copy
 import logging
-import operator
 from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxq.graph.op_types import WEIGHTED_FUNCTIONS, mutates_first_argument, op_type, out_of_place_twin
+from fxq.graph.op_types import WEIGHTED_FUNCTIONS, mutates_first_argument, op_type, out_of_place_form
 
 __all__ = [
     "standardize",
@@ -276,23 +274,14 @@ def rewrite_out_of_place(graph: fx.Graph, modules: dict[str, Any]) -> dict[fx.No
 
 def _drop_in_place(n: fx.Node, modules: dict[str, Any]) -> bool:
     """Turn ``n`` into its out-of-place form where there is one (True)."""
-    if n.op == "call_module":
-        mod = copy.copy(modules[str(n.target)])
-        mod.inplace = False
-        n.target = f"{n.target}__out_of_place"
-        modules[n.target] = mod
-        return True
-    if n.op == "call_function":
-        if n.kwargs.get("inplace") is True:
-            n.kwargs = {**n.kwargs, "inplace": False}
-            return True
-        twin = out_of_place_twin(n.target) if n.target is not operator.setitem else None
-        if twin is not None:
-            n.target = twin
-            return True
+    form = out_of_place_form(n, modules)
+    if form is None:
         return False
-    name = str(n.target)[:-1]
-    if hasattr(torch.Tensor, name):
-        n.target = name
-        return True
-    return False
+    op, target, inplace_off = form
+    if op == "call_module":
+        modules[f"{n.target}__out_of_place"] = target
+        target = f"{n.target}__out_of_place"
+    n.target = target
+    if inplace_off:
+        n.kwargs = {**n.kwargs, "inplace": False}
+    return True
