@@ -12,7 +12,7 @@ from fxq.algorithms import run_algorithms
 from fxq.errors import CalibrationError, ConfigError
 from fxq.graph.calibrate import calibrate
 from fxq.graph.convert import convert
-from fxq.graph.data import iter_batches, to_call_args
+from fxq.graph.data import first_batch_errors, iter_batches, to_call_args
 from fxq.graph.dispatch import dispatch
 from fxq.graph.info import iter_quantizers
 from fxq.graph.passes import standardize
@@ -91,7 +91,8 @@ def prepare(
     gm.eval()
     device = next((t.device for t in gm.parameters()), torch.device("cpu"))
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-    standardize(gm, args, fold_bn=fold_bn)
+    with first_batch_errors("example", True):  # the data does not fit the model: say so, not a torch trace
+        standardize(gm, args, fold_bn=fold_bn)
     plan = dispatch(gm, p, setting.dispatcher, setting.dispatching_table)
     insert_quantizers(gm, plan, setting, p)
     infos = gm.meta["fxq_quantizer_infos"]

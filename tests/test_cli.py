@@ -147,7 +147,7 @@ def test_error_paths(work, capsys):
     bad.mkdir()
     np.save(bad / "0.npy", np.zeros((1, 4, 16, 16), np.float32))
     assert main(["quantize", "cli_small_model:build", "--calib", "bad"]) == 1
-    assert "does not run on the first batch" in _error_line(capsys)
+    assert "first example batch failed in the model" in _error_line(capsys)
     assert main(["quantize", "cli_small_model:not_a_model", "--calib", "calib"]) == 1
     assert "nn.Module" in _error_line(capsys)
     assert main(["quantize", "model.prototxt", "--calib", "calib"]) == 1
