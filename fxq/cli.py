@@ -15,7 +15,9 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
+
+from fxq.io import atomic_write_text
 
 __all__ = ["main", "build_parser"]
 
@@ -29,16 +31,6 @@ def _fxq() -> Any:
     import fxq
 
     return fxq
-
-
-def _feature(name: str, what: str) -> Callable[..., Any]:
-    """A public fxq function that another part of the toolkit provides, or a clear error."""
-    fn = getattr(_fxq(), name, None)
-    if fn is None:
-        from fxq.errors import NotSupportedError
-
-        raise NotSupportedError(f"this fxq build has no {what} (fxq.{name}); update fxq")
-    return fn
 
 
 def _parse_shape(text: str) -> tuple[str | None, list[int]]:
@@ -91,18 +83,16 @@ def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None) -> 
         if not path.is_file():
             raise FrontendError(f"model file {spec!r} not found")
         if suffix == ".onnx":
-            return _Loaded(_feature("load_onnx", "ONNX frontend")(path), "onnx", path.stem)
+            return _Loaded(_fxq().load_onnx(path), "onnx", path.stem)
         if suffix == ".prototxt":
             weights = Path(caffemodel) if caffemodel else path.with_suffix(".caffemodel")
             if not weights.is_file():
                 hint = f"{str(weights)!r} not found" if caffemodel else f"no {weights.name!r} beside it"
                 raise FrontendError(f"caffe model {spec!r}: {hint}; pass --caffemodel PATH")
             caffe_shapes = shapes if isinstance(shapes, dict) else None  # unnamed: the prototxt's shapes
-            load = _feature("load_caffe", "caffe frontend")
-            return _Loaded(load(path, weights, input_shapes=caffe_shapes), "caffe", path.stem)
-        loader = getattr(_fxq(), "load", None)
-        if loader is not None:
-            return _Loaded(loader(path), "fxq", path.stem, quantized=True)
+            return _Loaded(_fxq().load_caffe(path, weights, input_shapes=caffe_shapes), "caffe", path.stem)
+        if suffix == ".fxq":
+            return _Loaded(_fxq().load(path), "fxq", path.stem, quantized=True)
         raise FrontendError(f"model {spec!r}: unknown model file type {suffix!r}; use .onnx, .prototxt, .fxq or "
                             f"module:factory")
     module_name, sep, factory = spec.partition(":")
@@ -163,14 +153,21 @@ def _setting(args: argparse.Namespace) -> Any:
         raise ConfigError(f"setting file {args.setting!r} is not valid JSON: {exc}") from exc
 
 
+def _platform(args: argparse.Namespace, loaded: _Loaded) -> str:
+    """``--platform``, else the platform a saved model was quantized for, else trt_int8."""
+    if args.platform:
+        return args.platform
+    quant = getattr(loaded.module, "meta", {}).get("fxq") if loaded.quantized else None
+    return getattr(quant, "platform", None) or "trt_int8"
+
+
 def _quantize(args: argparse.Namespace, loaded: _Loaded, data: Any) -> Any:
-    fxq = _fxq()
     if loaded.quantized:
         return loaded.module
     t0 = time.perf_counter()
-    gm = fxq.quantize(loaded.module, data, platform=args.platform, setting=_setting(args), steps=args.steps,
-                      progress=not args.quiet)
-    logger.info("quantized %s for %s in %.1f s", loaded.name, args.platform, time.perf_counter() - t0)
+    gm = _fxq().quantize(loaded.module, data, platform=_platform(args, loaded), setting=_setting(args),
+                         steps=args.steps, progress=not args.quiet)
+    logger.info("quantized %s for %s in %.1f s", loaded.name, _platform(args, loaded), time.perf_counter() - t0)
     return gm
 
 
@@ -200,38 +197,14 @@ def _export_options(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
-def _export(gm: Any, platform: str, out: Path, stem: str, exporter: str | None, options: dict[str, Any],
-            required: bool) -> list[Path]:
-    """Write the deployable files; a missing exporter is a warning unless ``required``."""
-    export = getattr(_fxq(), "export", None)
-    if export is None:
-        if required:
-            _feature("export", "exporters")
-        logger.warning("this fxq build has no exporters (fxq.export): skipped the export")
-        return []
-    return list(export(gm, exporter or platform, out / stem, **options))
-
-
-def _save(gm: Any, out: Path, stem: str) -> list[Path]:
-    save = getattr(_fxq(), "save", None)
-    if save is None:
-        logger.info("fxq.save is not available in this build: the quantized model itself is not saved")
-        return []
-    written = save(gm, out / f"{stem}.fxq")
-    if isinstance(written, (list, tuple)):
-        return [Path(p) for p in written]
-    return [Path(written) if written is not None else out / f"{stem}.fxq"]
+def _export(gm: Any, platform: str, out: Path, stem: str, exporter: str | None, options: dict[str, Any]) -> list[Path]:
+    return list(_fxq().export(gm, exporter or platform, out / stem, **options))
 
 
 def _stem(loaded: _Loaded, platform: str) -> str:
-    """Output file stem ``<model>_<platform>``: never the input model's own file name."""
-    return f"{loaded.name}_{platform}".replace("/", "_").replace(os.sep, "_")
-
-
-def _write_text(path: Path, text: str) -> Path:
-    from fxq.io import atomic_write_text
-
-    return atomic_write_text(path, text)
+    """Output file stem ``<model>_<platform>`` (a saved ``<model>_<platform>.fxq`` keeps its name)."""
+    name = loaded.name if loaded.quantized and loaded.name.endswith(f"_{platform}") else f"{loaded.name}_{platform}"
+    return name.replace("/", "_").replace(os.sep, "_")
 
 
 # ------------------------------------------------------------------------------------------- commands
@@ -243,11 +216,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     out = _out_dir(args.out)
     gm = _quantize(args, loaded, data)
     summary = fxq.summary(gm)
-    stem = _stem(loaded, args.platform)
-    files = [_write_text(out / f"{stem}.summary.txt", str(summary) + "\n")]
-    files += _save(gm, out, stem)
+    platform = _platform(args, loaded)
+    stem = _stem(loaded, platform)
+    files = [atomic_write_text(out / f"{stem}.summary.txt", str(summary) + "\n"), fxq.save(gm, out / f"{stem}.fxq")]
     if not args.no_export:
-        files += _export(gm, args.platform, out, stem, args.exporter, _export_options(args), required=False)
+        files += _export(gm, platform, out, stem, args.exporter, _export_options(args))
     if not args.quiet:
         print(summary)
     print("wrote:\n" + "\n".join(f"  {p}" for p in files))
@@ -266,15 +239,23 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise ConfigError("export of a float model needs calibration data: pass --calib DIR")
         gm = _quantize(args, loaded, load_data(args, loaded))
     out = _out_dir(args.out)
-    files = _export(gm, args.platform, out, _stem(loaded, args.platform), args.exporter, _export_options(args),
-                    required=True)
+    platform = _platform(args, loaded)
+    files = _export(gm, platform, out, _stem(loaded, platform), args.exporter, _export_options(args))
     print("wrote:\n" + "\n".join(f"  {p}" for p in files))
     return EXIT_OK
 
 
 def _quantized_for_analysis(args: argparse.Namespace) -> tuple[_Loaded, Any, Any]:
     """The loaded model, its quantized GraphModule and the batches to analyse (``--data``, else the calibration)."""
+    from fxq.errors import ConfigError
+
     loaded = load_model(args.model, args.caffemodel, _input_shapes(args))
+    if loaded.quantized:  # a saved model: only the analysis data
+        if not (args.data or args.calib):
+            raise ConfigError("give the analysis data: --data DIR (or --calib DIR)")
+        return loaded, loaded.module, load_data(args, loaded, args.data or args.calib)
+    if not args.calib:
+        raise ConfigError("quantizing a float model needs calibration data: pass --calib DIR")
     data = load_data(args, loaded)
     gm = _quantize(args, loaded, data)
     return loaded, gm, (load_data(args, loaded, args.data) if args.data else data)
@@ -295,7 +276,7 @@ def cmd_analyse(args: argparse.Namespace) -> int:
         print(layerwise.table(limit=args.top))
         result["layerwise"] = layerwise.to_dict()
     if args.json:
-        _write_text(Path(args.json), json.dumps(result, indent=2, default=float) + "\n")
+        atomic_write_text(Path(args.json), json.dumps(result, indent=2, default=float) + "\n")
         print(f"wrote {args.json}")
     return EXIT_OK
 
@@ -307,7 +288,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     out = _out_dir(args.out)
     page = fxq.write_report(gm, eval_data, out, steps=args.analyse_steps, method=args.method, fmt=args.format,
                             layerwise=args.layerwise, top_k=args.top_k, ops=args.ops, progress=not args.quiet,
-                            title=f"fxq report: {loaded.name} ({args.platform})")
+                            title=f"fxq report: {loaded.name} ({_platform(args, loaded)})")
     print(f"wrote {page}")
     return EXIT_OK
 
@@ -317,12 +298,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
     fxq = _fxq()
-    from fxq.errors import FxqError, NotSupportedError
+    import torchvision
 
-    try:
-        import torchvision
-    except ImportError:
-        raise NotSupportedError("the demo needs torchvision: pip install torchvision") from None
+    from fxq.errors import FxqError
     size, batches, batch = (64, 2, 2) if args.fast else (224, 8, 4)
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None).eval()
@@ -334,23 +312,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     gm = fxq.quantize(model, calib, platform=args.platform, progress=not args.quiet)
     print(f"quantized in {time.perf_counter() - t0:.1f} s\n")
-    print(fxq.summary(gm))
+    summary = fxq.summary(gm)
+    print(summary)
     report = fxq.graphwise_error_analyse(gm, held_out, method="snr", steps=None)
     for r in report.outputs:
         print(f"\noutput SNR vs FP32 ({r.name}): {r.formatted} (noise power / signal power, lower is better)")
     print(report.table(limit=5, outputs=False))
     out = _out_dir(args.out)
     stem = f"resnet18_{args.platform}"
-    files = [_write_text(out / f"{stem}.summary.txt", str(fxq.summary(gm)) + "\n")]
+    files = [atomic_write_text(out / f"{stem}.summary.txt", str(summary) + "\n")]
     if not args.no_export:
+        files.append(fxq.save(gm, out / f"{stem}.fxq"))
         try:
-            files += _save(gm, out, stem)
-        except FxqError as exc:
-            logger.warning("saving the quantized model failed: %s", exc)
-        try:
-            options = _demo_export_options(args.platform)
-            files += _export(gm, args.platform, out, stem, None, options, required=False)
-        except FxqError as exc:
+            files += _export(gm, args.platform, out, stem, None, _demo_export_options(args.platform))
+        except FxqError as exc:  # e.g. a user platform without an exporter
             logger.warning("export skipped: %s", exc)
     print("\nwrote:\n" + "\n".join(f"  {p}" for p in files))
     return EXIT_OK
@@ -400,7 +375,8 @@ def _model_args(p: argparse.ArgumentParser, calib_required: bool = True) -> None
     p.add_argument("model", help="model.onnx, model.prototxt (+ --caffemodel), module:factory, or a quantized "
                                  "model.fxq (fxq.save) for analyse / export / report")
     p.add_argument("--caffemodel", help="caffe weights (default: the .caffemodel beside the .prototxt)")
-    p.add_argument("--platform", default="trt_int8", help="target platform (see `fxq platforms`; default trt_int8)")
+    p.add_argument("--platform", default=None,
+                   help="target platform (see `fxq platforms`; default: a saved model's own, else trt_int8)")
     p.add_argument("--calib", required=calib_required, metavar="DIR",
                    help="calibration folder: .npy / .bin / .pt / images, one batch per file "
                         "(one sub-folder per input for multi-input models)")
@@ -440,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("analyse", aliases=["analyze"], help="quantize and print per-layer quantization error")
-    _model_args(p)
+    _model_args(p, calib_required=False)
     _analysis_args(p)
     p.add_argument("--measure", default="network", choices=["network", "layer"],
                    help="layerwise: compare at the network outputs (default) or at each layer's output")
@@ -458,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("report", help="quantize and write an HTML / markdown report with plots")
-    _model_args(p)
+    _model_args(p, calib_required=False)
     _analysis_args(p)
     p.add_argument("--out", default="fxq_report", help="report folder (default ./fxq_report)")
     p.add_argument("--format", default="html", choices=["html", "md"], help="page format (default html)")

@@ -88,6 +88,32 @@ def test_quantize_python_factory(work, capsys):
     assert "graphwise error" in capsys.readouterr().out
 
 
+def test_saved_model_keeps_its_platform_and_needs_only_analysis_data(work, capsys):
+    assert main(["quantize", "cli_small_model:build", "--calib", "calib", "--platform", "ncnn_int8", "--out", "out",
+                 "--no-export", "-q"]) == 0
+    saved = "out/build_ncnn_int8.fxq"
+    assert main(["export", saved, "--out", "exp", "-q"]) == 0  # no --platform: the file's own (ncnn_int8)
+    assert (work / "exp" / "build_ncnn_int8.param").is_file()
+    capsys.readouterr()
+    assert main(["analyse", saved, "--data", "calib", "--analyse-steps", "1", "-q"]) == 0  # no --calib needed
+    assert "graphwise error" in capsys.readouterr().out
+    assert main(["analyse", saved, "-q"]) == 1
+    assert "--data DIR" in _error_line(capsys)
+    assert main(["analyse", "cli_small_model:build", "-q"]) == 1
+    assert "--calib DIR" in _error_line(capsys)
+
+
+def test_data_steps_and_export_options_are_used(work, capsys):
+    (work / "eval").mkdir()
+    np.save(work / "eval" / "0.npy", np.random.default_rng(1).standard_normal((2, 3, 16, 16)).astype(np.float32))
+    assert main(["analyse", "cli_small_model:build", "--calib", "calib", "--data", "eval", "--steps", "1",
+                 "--json", "a.json", "-q"]) == 0
+    assert json.loads((work / "a.json").read_text())["graphwise"]["batches"] == 1  # the one --data batch
+    assert main(["quantize", "cli_small_model:build", "--calib", "calib", "--out", "out", "--export-option",
+                 "legacy=true", "-q"]) == 0
+    assert (work / "out" / "build_trt_int8.cache").is_file()  # TensorRT's legacy files only with legacy=true
+
+
 def test_onnx_quantize_and_analyse(work, capsys):
     import cli_small_model
 
