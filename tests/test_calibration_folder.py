@@ -48,6 +48,21 @@ def test_images(tmp_path):
     assert tuple(gray[0].shape) == (1, 1, 10, 12) and float(gray[0].min()) < 0
 
 
+def test_bmp_and_16_bit_png_read_into_unit_range(tmp_path):
+    """BMP goes through Pillow (torchvision does not decode it); a 16-bit PNG scales by 65535, not 255."""
+    from PIL import Image
+
+    pixels = np.array([[0, 128], [255, 64]], np.uint8)
+    Image.fromarray(np.stack([pixels] * 3, -1)).save(tmp_path / "a.bmp")
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    Image.fromarray(np.array([[0, 65535], [32768, 1000]], np.uint16)).save(deep / "a.png")
+    bmp = fxq.load_calibration_folder(tmp_path, input_shape=[1, 3, 2, 2])[0]
+    np.testing.assert_allclose(bmp[0, 0].numpy(), pixels / 255.0, rtol=1e-6)
+    png16 = fxq.load_calibration_folder(deep, input_shape=[1, 1, 2, 2])[0]
+    assert float(png16.max()) == 1.0 and float(png16.min()) == 0.0
+
+
 def test_multi_input_subfolders(tmp_path):
     for i in range(2):
         _npy(tmp_path / "image", f"{i}.npy", (2, 3, 4, 4))

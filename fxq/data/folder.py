@@ -133,16 +133,15 @@ class _InputFiles:
         channels = None
         if self.shape is not None and len(self.shape) == 4:
             channels = self.shape[1] if self.layout == "NCHW" else self.shape[3]
-        try:
-            from torchvision.io import ImageReadMode, decode_image, read_file
+        from torchvision.io import ImageReadMode, decode_image, read_file
+        from torchvision.transforms.v2.functional import to_dtype
 
+        try:
             mode = {1: ImageReadMode.GRAY, 3: ImageReadMode.RGB}.get(channels, ImageReadMode.UNCHANGED)
             img = decode_image(read_file(str(f)), mode=mode)
-        except ImportError:
+        except RuntimeError:  # formats torchvision does not decode (BMP...): Pillow, which torchvision brings
             img = _pil_image(f, channels)
-        except RuntimeError as exc:
-            raise CalibrationError(f"{f}: cannot decode the image ({exc})") from exc
-        x = img.float().div(255.0).unsqueeze(0)  # 1 x C x H x W in [0, 1]
+        x = to_dtype(img, torch.float32, scale=True).unsqueeze(0)  # 1 x C x H x W in [0, 1] (8- or 16-bit)
         if self.shape is not None and len(self.shape) == 4:
             h, w = (self.shape[2], self.shape[3]) if self.layout == "NCHW" else (self.shape[1], self.shape[2])
             if tuple(x.shape[2:]) != (h, w):
@@ -154,13 +153,14 @@ class _InputFiles:
 
 
 def _pil_image(f: Path, channels: int | None) -> torch.Tensor:
+    from PIL import Image, UnidentifiedImageError
+
     try:
-        from PIL import Image
-    except ImportError:
-        raise CalibrationError(f"{f}: reading images needs torchvision or Pillow") from None
-    with Image.open(f) as im:
-        im = im.convert({1: "L", 3: "RGB"}.get(channels, im.mode))
-        arr = np.asarray(im)
+        with Image.open(f) as im:
+            im = im.convert({1: "L", 3: "RGB"}.get(channels, im.mode))
+            arr = np.asarray(im)
+    except (OSError, UnidentifiedImageError) as exc:
+        raise CalibrationError(f"{f}: cannot decode the image ({exc})") from exc
     t = torch.from_numpy(arr.copy())
     return t.unsqueeze(0) if t.dim() == 2 else t.permute(2, 0, 1)
 
