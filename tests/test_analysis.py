@@ -1,6 +1,7 @@
 """Analysis: graphwise / layerwise error, statistics and the report, on a small quantized CNN."""
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import math
@@ -310,6 +311,27 @@ def test_statistics(setup):
     assert w.fp32.min == pytest.approx(float(backup.min())) and w.fp32.max == pytest.approx(float(backup.max()))
     assert w.quantized.count == backup.numel() and sum(w.quant_hist) == backup.numel()
     assert "c1_weight" in str(stats)
+
+
+def test_statistics_clipped_mean_std_and_non_finite(setup):
+    """``clipped`` is the share of FP32 values outside the grid; mean / std are the data's; inf / NaN values
+    are left out of the histograms and moments instead of making the histogram range infinite."""
+    _, gm, data = setup
+    gm = copy.deepcopy(gm)
+    fq = gm.fxq_quantizers.x_q
+    fq.set_qparams(fq.scale / 4, fq.offset, state=fq.config.state)  # a grid that clips the inputs
+    lo, hi = fq.scale.item() * fq.config.quant_min, fq.scale.item() * fq.config.quant_max
+    x = torch.cat(data[:2])
+    x_q = fxq.statistics(gm, data, steps=2).by_name("x_q")
+    assert x_q.clipped == pytest.approx(float(((x < lo) | (x > hi)).double().mean()), abs=1e-9)
+    assert x_q.clipped > 0.05
+    assert x_q.fp32.mean == pytest.approx(float(x.double().mean()), abs=1e-6)
+    assert x_q.fp32.std == pytest.approx(float(x.double().std(unbiased=False)), rel=1e-5)
+    bad = [d.clone() for d in data[:2]]
+    bad[0][0, 0, 0, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    x_q = fxq.statistics(gm, bad, steps=2).by_name("x_q")
+    assert x_q.fp32.count == x.numel() - 3 and sum(x_q.fp32_hist) == x_q.fp32.count
+    assert x_q.fp32.max < float("inf") and len(x_q.edges) > 2
 
 
 def test_write_report(setup, tmp_path):

@@ -109,21 +109,22 @@ class _Running:
         self.sq: torch.Tensor | float = 0.0
         self.hist: torch.Tensor | None = None
 
-    def add(self, x: torch.Tensor, edges: tuple[float, float, int]) -> None:
-        v = x.detach().reshape(-1)
-        if v.numel() == 0:
-            return
-        if v.dtype != torch.float32:
-            v = v.float()
+    def add(self, x: torch.Tensor, edges: tuple[float, float, int]) -> tuple[float, float] | None:
+        """Take the finite values of ``x`` (histogram over ``edges``); returns their ``(min, max)``, read from the
+        device once, or None when there are none."""
+        v = _finite(x)
+        if v is None:
+            return None
+        lo, hi = torch.stack(torch.aminmax(v)).tolist()
         self.count += v.numel()
-        lo, hi = (float(t) for t in torch.aminmax(v))
         self.min, self.max = min(self.min, lo), max(self.max, hi)
         self.sum = self.sum + v.sum(dtype=torch.float64)
-        self.sq = self.sq + torch.linalg.vector_norm(v).double() ** 2
+        self.sq = self.sq + torch.linalg.vector_norm(v, dtype=torch.float64) ** 2
         if lo < edges[0] or hi > edges[1]:
             v = v.clamp(edges[0], edges[1])  # outliers of later batches: counted in the edge bins
         h = torch.histc(v, bins=edges[2], min=edges[0], max=edges[1])
         self.hist = h if self.hist is None else self.hist + h
+        return lo, hi
 
     def stats(self) -> ValueStats:
         if self.count == 0:
@@ -151,22 +152,20 @@ class _StatsProbe:
         self.clipped = {n: 0 for n in self.nodes}
         self.grid = {n: grid_range(fq) for n, fq in self.nodes.items()}
 
-    def _edges(self, node: fx.Node, x: torch.Tensor) -> tuple[float, float, int]:
-        if node not in self.edges:  # fixed on the first batch: FP32 range joined with the grid
-            lo, hi = torch.aminmax(x.detach().float())
-            g = self.grid[node]
-            a, b = min(float(lo), g[0]), max(float(hi), g[1])
-            if not b > a:
-                b = a + 1.0
-            self.edges[node] = (a, b, self.bins)
-        return self.edges[node]
-
     def fp32_watch(self) -> dict[fx.Node, Callable[[Any], None]]:
         def make(node: fx.Node) -> Callable[[Any], None]:
             def cb(x: Any) -> None:
-                if isinstance(x, torch.Tensor) and x.is_floating_point():
-                    self.fp32[node].add(x, self._edges(node, x))
-                    g = self.grid[node]
+                if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+                    return
+                g = self.grid[node]
+                if node not in self.edges:  # fixed on the first batch: its FP32 range joined with the grid
+                    v = _finite(x)
+                    if v is None:
+                        return
+                    lo, hi = torch.stack(torch.aminmax(v)).tolist()
+                    self.edges[node] = _range_edges(lo, hi, g, self.bins)
+                seen = self.fp32[node].add(x, self.edges[node])
+                if seen is not None and (seen[0] < g[0] or seen[1] > g[1]):  # only then count what the grid clips
                     self.clipped[node] += int(((x < g[0]) | (x > g[1])).sum())
             return cb
 
@@ -217,10 +216,9 @@ def _weight_statistics(runner: GraphRunner, bins: int) -> dict[str, TensorStatis
         else:
             fp32, quant = current, fq(current)
         grid = grid_range(fq)
-        lo, hi = float(fp32.min()), float(fp32.max())
-        edges = (min(lo, grid[0]), max(hi, grid[1]), bins)
-        if not edges[1] > edges[0]:
-            edges = (edges[0], edges[0] + 1.0, bins)
+        finite = _finite(fp32)
+        lo, hi = torch.stack(torch.aminmax(finite)).tolist() if finite is not None else grid
+        edges = _range_edges(lo, hi, grid, bins)
         f, q = _Running(), _Running()
         f.add(fp32, edges)
         q.add(quant, edges)
@@ -230,6 +228,22 @@ def _weight_statistics(runner: GraphRunner, bins: int) -> dict[str, TensorStatis
             clipped = int(((fp32 < grid[0]) | (fp32 > grid[1])).sum())
         out[info.name] = _make(info, f, q, grid, clipped, edges)
     return out
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` flat in float32 without inf / NaN (those would make the histogram range infinite); None if empty."""
+    v = x.detach().reshape(-1)
+    if v.dtype != torch.float32:
+        v = v.float()
+    if not bool(torch.isfinite(v).all()):
+        v = v[torch.isfinite(v)]
+    return v if v.numel() else None
+
+
+def _range_edges(lo: float, hi: float, grid: tuple[float, float], bins: int) -> tuple[float, float, int]:
+    """Histogram edges over ``[lo, hi]`` joined with the quantization grid (never empty)."""
+    a, b = min(lo, grid[0]), max(hi, grid[1])
+    return (a, b if b > a else a + 1.0, bins)
 
 
 def collect_statistics(runner: GraphRunner, probe: _StatsProbe, batches: int) -> StatisticsReport:
