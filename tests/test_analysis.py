@@ -283,6 +283,10 @@ def test_layerwise(setup):
     assert all(r.value > 0 and r.outputs and set(r.outputs) == {"output"} for r in net)
     graphwise_out = fxq.graphwise_error_analyse(gm, data, steps=2).outputs[0].value
     assert max(r.value for r in net) <= graphwise_out * 1.5  # one layer alone is not worse than all together
+    # only that layer is quantized: c1 alone is far below all together (measured 0.005x; 1x if the layers after it
+    # were quantized too), and the layers' errors add up to about the whole (measured 0.81x)
+    assert next(r for r in net if r.name == "c1").value < 0.1 * graphwise_out
+    assert 0.5 * graphwise_out < sum(r.value for r in net) < 1.5 * graphwise_out
     # measured at the layer: c1 alone = quantized input and weight, nothing else
     own = fxq.layerwise_error_analyse(gm, data, steps=1, measure="layer")
     with torch.no_grad():
@@ -380,6 +384,14 @@ def test_metric_math():
     cos.compare(torch.zeros(2, 3))
     assert cos.value == 1.0
     assert math.isnan(MetricAccumulator("mse").value)
+    # exact values on a 2-sample batch: MSE over all elements, cosine per sample then averaged
+    f2, q2 = torch.tensor([[1.0, 0.0], [3.0, 4.0]]), torch.tensor([[0.0, 1.0], [3.0, 4.0]])
+    expected = {"mse": 2 / 4, "cosine": (0.0 + 1.0) / 2, "snr": 2 / 26}
+    for method, value in expected.items():
+        acc = MetricAccumulator(method)
+        acc.reference(f2)
+        acc.compare(q2)
+        assert acc.value == pytest.approx(value), method
 
 
 def test_analyse_errors_example(tmp_path):
