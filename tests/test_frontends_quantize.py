@@ -21,7 +21,7 @@ from torch import fx, nn
 
 import fxq
 from fxq.frontends.caffe import proto
-from fxq.graph.info import NodeQuant, source_names
+from fxq.graph.info import NodeQuant
 from fxq.graph.passes import get_attr_value
 from fxq.spec import QuantState
 
@@ -227,8 +227,10 @@ def by_role(q: fx.GraphModule, role: str) -> dict[str, nn.Module]:
 
 
 def source_name(node: fx.Node) -> str:
-    """The ONNX node name / caffe layer name a node came from."""
-    (name,) = source_names(node, module_path=False)
+    """The ONNX node name / caffe layer name a node came from, read from the frontends' records directly (not
+    through fxq's source_names, which the code under test uses)."""
+    (name,) = [str(node.meta[k][f]) for k, f in (("onnx", "node_name"), ("caffe", "layer"))
+               if isinstance(node.meta.get(k), dict) and node.meta[k].get(f)]
     return name
 
 
