@@ -22,13 +22,11 @@ Example:
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-import torch
 from torch import fx, nn
 
 from fxq.backends import ncnn_layers  # noqa: F401  (registers the layer converters)
@@ -37,7 +35,6 @@ from fxq.backends.ncnn_convert import build_ncnn_model
 from fxq.backends.ncnn_writer import NcnnModel
 from fxq.errors import ExportError, GraphError
 from fxq.graph.info import graph_quant
-from fxq.graph.passes import propagate_tensor_meta
 from fxq.io import atomic_write_bytes, atomic_write_text, check_writable_dir
 
 __all__ = ["NcnnExporter", "ncnn_paths"]
@@ -52,44 +49,6 @@ def ncnn_paths(path: str | os.PathLike) -> dict[str, Path]:
     base = str(stem)
     return {"param": Path(base + ".param"), "bin": Path(base + ".bin"), "table": Path(base + ".table"),
             "fp32_param": Path(base + ".fp32.param"), "fp32_bin": Path(base + ".fp32.bin")}
-
-
-@contextlib.contextmanager
-def _shapes_at_batch_one(gm: fx.GraphModule) -> Iterator[None]:
-    """The graph's value shapes (``meta["val"]``) at batch 1 inside the block, the model's own restored after.
-
-    The converters read shapes from the meta of the calibration batches; ncnn has no batch dimension, and a
-    graph that folds the batch into other dims (attention's ``(T, B * H, Dh)``) is expressible at batch 1
-    only. A graph that cannot run at batch 1 keeps its shapes (and exports if it never moves its batch).
-    """
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    vals = [n.meta.get("val") for n in placeholders]
-    if not vals or not all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] > 1 for v in vals):
-        yield
-        return
-    saved = {n: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
-    try:
-        propagate_tensor_meta(gm, [torch.zeros((1, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in vals])
-        at_batch_one = True
-    except Exception as exc:  # noqa: BLE001  (any failure: keep the model's own shapes)
-        logger.debug("ncnn export: the graph does not run at batch 1 (%s); using its calibration shapes", exc)
-        at_batch_one = False
-        _restore(gm, saved)
-    if not at_batch_one:  # outside the except: export errors must not read as caused by this failure
-        yield
-        return
-    try:
-        yield
-    finally:
-        _restore(gm, saved)
-
-
-def _restore(gm: fx.GraphModule, saved: dict[fx.Node, Any]) -> None:
-    for n in gm.graph.nodes:
-        if n in saved:
-            n.meta["val"] = saved[n]
-        else:
-            n.meta.pop("val", None)
 
 
 @register_exporter("ncnn")
@@ -115,8 +74,7 @@ class NcnnExporter(Exporter):
         self._check_model(model)
         files = ncnn_paths(path)
         check_writable_dir(files["param"].parent)
-        with _shapes_at_batch_one(model):
-            ncnn_model, _ = build_ncnn_model(model)
+        ncnn_model, _ = build_ncnn_model(model)
         rendered = self._render(ncnn_model, write_fp32)
         written = []
         for key, data in rendered.items():

@@ -32,7 +32,7 @@ from fxq.errors import ExportError
 from fxq.functional import fake_quantize
 from fxq.graph.info import QUANTIZERS_ATTR
 from fxq.graph.op_types import op_type
-from fxq.graph.passes import get_attr_value
+from fxq.graph.passes import get_attr_value, propagate_tensor_meta
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.registry import Registry
 from fxq.spec import QUANTIZING_STATES, QuantState, RoundingPolicy
@@ -506,8 +506,33 @@ def _insert_splits(model: NcnnModel) -> None:
 
 
 def build_ncnn_model(gm: fx.GraphModule) -> tuple[NcnnModel, NcnnBuilder]:
-    """Convert a prepared (and calibrated) GraphModule; raises :class:`ExportError` naming the node."""
+    """Convert a prepared (and calibrated) GraphModule, at batch 1; raises :class:`ExportError` naming the node."""
     import fxq.backends.ncnn_layers  # noqa: F401  (registers the built-in converters)
 
-    builder = NcnnBuilder(gm)
+    builder = NcnnBuilder(_at_batch_one(gm))
     return builder.build(), builder
+
+
+def _at_batch_one(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm``'s graph over the same modules and weights with its value shapes taken at batch 1; ``gm`` itself
+    is not touched.
+
+    ncnn runs one sample, and a graph that folds the batch into other dims (attention's ``(T, B * H, Dh)``) is
+    expressible at batch 1 only. ``gm`` as it is when its inputs have batch 1 already, or when the graph does
+    not run at batch 1 (a batch size written into it): then a converter names the node that moves the batch.
+    """
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    if not vals or not all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] > 1 for v in vals):
+        return gm
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))  # node meta copied shallowly: the new nodes get new values
+    view = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    for name, child in gm.named_children():  # the quantizer holder and modules as they are, not rebuilt paths
+        setattr(view, name, child)
+    view.meta = gm.meta
+    try:
+        propagate_tensor_meta(view, [torch.zeros((1, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in vals])
+    except Exception as exc:  # noqa: BLE001  (any failure: the model's own shapes)
+        logger.debug("ncnn export: the graph does not run at batch 1 (%s); using its calibration shapes", exc)
+        return gm
+    return view
