@@ -106,3 +106,15 @@ def test_errors(tmp_path):
     (tmp_path / "npy" / "b.npy").write_bytes(b"garbage")
     with pytest.raises(CalibrationError, match="b.npy"):
         fxq.load_calibration_folder(tmp_path / "npy")
+
+
+def test_multi_input_rebatching_needs_equal_sample_counts(tmp_path):
+    for i in range(2):
+        _npy(tmp_path / "a", f"{i}.npy", (2, 3, 4, 4), fill=i)
+        _npy(tmp_path / "b", f"{i}.npy", (2 if i else 4, 1, 4, 4), fill=i)
+    with pytest.raises(fxq.CalibrationError, match="different numbers of samples"):
+        fxq.load_calibration_folder(tmp_path, batch_size=2)[0]
+    _npy(tmp_path / "b", "0.npy", (2, 1, 4, 4), fill=0)
+    batches = fxq.load_calibration_folder(tmp_path, batch_size=2)
+    assert all(float(b["a"].max()) == float(b["b"].max()) for b in batches)  # samples stay paired by file
+

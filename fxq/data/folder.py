@@ -205,6 +205,10 @@ class CalibrationFolder(Sequence):
                                        f"({exc})") from exc
 
         if self.multi_input:
+            totals = {k: sum(int(b[k].shape[0]) for b in items) for k in items[0]}
+            if len(set(totals.values())) > 1:  # re-batched, unequal counts would pair samples of different files
+                raise CalibrationError(f"{self.path}: the inputs hold different numbers of samples {totals}; give "
+                                       f"each input the same number of samples, or leave batch_size unset")
             cols = {k: cat([b[k] for b in items]) for k in items[0]}
             return [{k: cols[k][j] for k in cols} for j in range(len(next(iter(cols.values()))))]
         return cat(items)
