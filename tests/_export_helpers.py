@@ -45,6 +45,12 @@ def ort_session(model_or_path, optimize: bool = True):
     return ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
 
 
+def run_ort(model_or_path, x: torch.Tensor, optimize: bool = True) -> np.ndarray:
+    """The first output of the exported model on ``x`` (its single input), in onnxruntime."""
+    sess = ort_session(model_or_path, optimize)
+    return sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+
+
 def fx_values(gm: fx.GraphModule, *args) -> dict[str, torch.Tensor]:
     """Every tensor value of one fxq forward pass, by fx node name."""
     values: dict[str, torch.Tensor] = {}

@@ -33,9 +33,9 @@ import torch
 from _export_helpers import (
     SHAPE,
     end_to_end,
-    ort_session,
     output_lsb,
     quantize_model,
+    run_ort,
     segment_check,
     small_quantized,
     torchvision_quantized,
@@ -103,8 +103,7 @@ def test_transformer_exports_run_in_onnxruntime(platform, tmp_path):
     for optimize, exact in ((False, 0.99999), (True, 0.99)):
         stats = segment_check(model_proto, gm, (data[2],), optimize=optimize)
         assert stats.tensors >= 40 and stats.max_code_diff <= 1 and stats.exact >= exact, (optimize, stats)
-        sess = ort_session(path, optimize)
-        got = sess.run(None, {sess.get_inputs()[0].name: data[2].numpy()})[0]
+        got = run_ort(path, data[2], optimize)
         assert end_to_end(ref, got, output_lsb(gm)).cosine >= 0.9995
 
 
@@ -125,8 +124,7 @@ def test_end_to_end(exported, sample, arch, platform):
     assert lsb is not None  # both platforms quantize the classifier's output
     results, noises = {}, {}
     for optimize in (False, True):
-        sess = ort_session(path, optimize)
-        got = sess.run(None, {sess.get_inputs()[0].name: sample.numpy()})[0]
+        got = run_ort(path, sample, optimize)
         results[optimize], noises[optimize] = end_to_end(ref, got, lsb), noise(got)
         print(f"\n{arch} {platform} end to end, {'int8 kernels' if optimize else 'reference path'}: "
               f"{results[optimize]}, noise/signal vs FP32 {noises[optimize]:.4f} (fxq {noise(ref):.4f})")
@@ -143,8 +141,7 @@ def test_output_not_quantized_cosine(tmp_path):
     with torch.no_grad():
         ref = gm(x)
     for optimize in (False, True):
-        sess = ort_session(path, optimize)
-        got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+        got = run_ort(path, x, optimize)
         assert end_to_end(ref, got, None).cosine >= 0.9999
 
 
@@ -177,8 +174,7 @@ def test_int4_weights_at_opset_21(tmp_path):
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         ref = gm(x)
-    sess = ort_session(path, False)
-    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    got = run_ort(path, x, False)
     assert end_to_end(ref, got, None).cosine >= 0.9999
 
 
@@ -191,8 +187,7 @@ def test_narrow_activation_range_is_clipped_exactly(tmp_path):
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         ref = gm(x)
-    sess = ort_session(path, False)
-    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    got = run_ort(path, x, False)
     e = end_to_end(ref, got, output_lsb(gm))
     assert e.within_1_lsb >= 0.999 and e.max_lsb <= 1.0 + 1e-3
 
@@ -207,8 +202,7 @@ def test_fp8_export_runs_in_onnxruntime(tmp_path):
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         ref = gm(x)
-    sess = ort_session(path, False)
-    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    got = run_ort(path, x, False)
     assert end_to_end(ref, got, None).cosine >= 0.9999
 
 
@@ -221,8 +215,7 @@ def test_grouped_conv_transpose_int32_bias(tmp_path):
     with torch.no_grad():
         ref = gm(x)
     for optimize in (False, True):
-        sess = ort_session(path, optimize)
-        got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+        got = run_ort(path, x, optimize)
         assert end_to_end(ref, got, output_lsb(gm)).within_1_lsb >= 0.999
 
 
@@ -232,6 +225,5 @@ def test_dynamic_batch(tmp_path):
     x = torch.randn(5, 3, 16, 16)
     with torch.no_grad():
         ref = gm(x)
-    sess = ort_session(path, False)
-    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    got = run_ort(path, x, False)
     assert got.shape == (5, 10) and end_to_end(ref, got, output_lsb(gm)).within_1_lsb >= 0.999
