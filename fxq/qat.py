@@ -47,7 +47,7 @@ from fxq.errors import ConfigError
 from fxq.functional import fake_quantize, qparams_from_minmax, representable_range
 from fxq.graph.calibrate import calibrate
 from fxq.graph.convert import passive_bias_scale, quant_scheme
-from fxq.graph.info import QUANTIZERS_ATTR, graph_quant, iter_quantizers
+from fxq.graph.info import QUANTIZERS_ATTR, graph_quant, iter_quantizers, quantizer_infos
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.observers.base import channel_rows
 from fxq.setting import QuantizationSetting
@@ -340,7 +340,7 @@ def prepare_qat(
                  symmetrical=symmetrical, per_channel=per_channel, fold_bn=fold_bn)
     gm = run_algorithms("pre", gm, calib_data, setting, steps=calib_steps, collate_fn=collate_fn)
     calibrate(gm, calib_data, steps=calib_steps, collate_fn=collate_fn, progress=False, bake=False)
-    infos = gm.meta.get("fxq_quantizer_infos", {})
+    infos = quantizer_infos(gm)
     nodes = {n.meta["fxq_quantizer"].name: n for n in gm.graph.nodes if "fxq_quantizer" in n.meta}
     holder = getattr(gm, QUANTIZERS_ATTR)
     swapped = 0

@@ -23,16 +23,22 @@ import torch
 from torch import fx, nn
 
 from fxq.errors import CalibrationError, GraphError
-from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
+from fxq.graph.convert import (
+    apply_alignment,
+    bake_parameters,
+    derive_passive_parameters,
+    is_baked,
+    unbake_parameters,
+)
 from fxq.graph.data import iter_batches, model_device, placeholder_values, to_device
 from fxq.graph.info import (
     QUANTIZERS_ATTR,
     NodeQuant,
-    QuantizerInfo,
     graph_quant,
     is_quantizer_node,
     iter_quantizers,
     match_node_name,
+    quantizer_infos,
 )
 from fxq.graph.passes import get_attr_value, rewrite_out_of_place
 from fxq.nn.fake_quantize import FakeQuantize, fake_quant_mode
@@ -66,16 +72,13 @@ def computing_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return out
 
 
-def _infos(gm: fx.GraphModule) -> dict[str, QuantizerInfo]:
-    return gm.meta.get("fxq_quantizer_infos", {})
-
 
 def weight_quantizer_of(gm: fx.GraphModule, node: fx.Node) -> tuple[str, FakeQuantize] | None:
     """(name, FakeQuantize) of the weight quantizer of a computing op with a parameter weight."""
     nq = node.meta.get("fxq")
     if not isinstance(nq, NodeQuant):
         return None
-    infos = _infos(gm)
+    infos = quantizer_infos(gm)
     quantizers = dict(iter_quantizers(gm))
     for qname in nq.inputs.values():
         info = infos.get(qname) if qname else None
@@ -86,7 +89,7 @@ def weight_quantizer_of(gm: fx.GraphModule, node: fx.Node) -> tuple[str, FakeQua
 
 def activation_quantizers(gm: fx.GraphModule, block: "Block") -> list[tuple[str, FakeQuantize]]:
     """The block's own activation quantizers that quantize with their own parameters (state ACTIVATED)."""
-    infos = _infos(gm)
+    infos = quantizer_infos(gm)
     quantizers = dict(iter_quantizers(gm))
     out = []
     for name in block.quantizer_names:
@@ -311,15 +314,14 @@ class BlockData:
 
 
 @torch.no_grad()
-def run_block(module: fx.GraphModule, data: BlockData, quantized: bool, store: str | torch.device = "cpu",
-              fp_inputs: bool | None = None) -> list[tuple]:
+def run_block(module: fx.GraphModule, data: BlockData, quantized: bool, store: str | torch.device = "cpu"
+              ) -> list[tuple]:
     """Run ``module`` on every cached batch: FP32 (quantizers off) on FP32 inputs, or quantized on quantized inputs."""
-    use_fp = (not quantized) if fp_inputs is None else fp_inputs
     ctx = contextlib.nullcontext() if quantized else fake_quant_mode(data.block.gm, "disabled")
     out = []
     with ctx:
         for b in range(data.num_batches):
-            res = module(*data.inputs(b, quantized=not use_fp))
+            res = module(*data.inputs(b, quantized=quantized))
             out.append(tuple(to_device(v.detach() if isinstance(v, torch.Tensor) else v, store) for v in res))
     return out
 
@@ -413,7 +415,7 @@ def unbaked(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
     what they train. Aligned quantizers are re-aligned and passive (bias) parameters re-derived on exit,
     since learned scales may have moved.
     """
-    was_baked = any(getattr(fq, "_fp32_backup", None) is not None for _, fq in iter_quantizers(gm))
+    was_baked = is_baked(gm)
     grads = {p: p.requires_grad for p in gm.parameters()}
     unbake_parameters(gm)
     for p in grads:

@@ -102,8 +102,7 @@ def train_block(
     One calibration batch per step, chosen at random; modules keep their train/eval mode (BatchNorm left
     in the graph is not updated). Returns the last reconstruction loss.
     """
-    params: Iterable = [p for g in param_groups for p in g["params"]]
-    if not list(params) or steps <= 0:
+    if not any(g["params"] for g in param_groups) or steps <= 0:
         return float("nan")
     opt = torch.optim.Adam(param_groups)
     gen = torch.Generator().manual_seed(seed)

@@ -29,7 +29,7 @@ from torch import fx, nn
 
 from fxq.errors import ConfigError
 from fxq.graph.data import placeholder_values
-from fxq.graph.info import NodeQuant, QuantizerInfo, graph_quant, is_quantizer_node, iter_quantizers
+from fxq.graph.info import NodeQuant, QuantizerInfo, graph_quant, is_quantizer_node, iter_quantizers, quantizer_infos
 from fxq.graph.op_types import mutates_first_argument, out_of_place_form
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize
@@ -96,7 +96,7 @@ class GraphRunner:
     # ------------------------------------------------------------------ model facts
     def refresh(self) -> None:
         """Re-read which parameters are baked (call after baking / unbaking the model)."""
-        infos: Mapping[str, QuantizerInfo] = self.gm.meta.get("fxq_quantizer_infos", {})
+        infos: Mapping[str, QuantizerInfo] = quantizer_infos(self.gm)
         self.fp32_params = {}
         for name, fq in iter_quantizers(self.gm):
             info = infos.get(name)

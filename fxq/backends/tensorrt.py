@@ -21,6 +21,7 @@ from torch import nn
 
 from fxq.backends.base import Exporter, register_exporter
 from fxq.errors import ExportError
+from fxq.graph.info import quantizer_infos
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import FloatFormat, RoundingPolicy
 
@@ -113,7 +114,7 @@ class TensorRTExporter(Exporter):
         gm = quantized_graph(model)
         paths = plan_paths(path, ".onnx", {"fp32": "_fp32.onnx", "cache": ".cache", "json": ".json"} if legacy else {})
         quantizers, roles = quantizer_tables(gm)
-        sources = {k: v.source for k, v in gm.meta.get("fxq_quantizer_infos", {}).items()}
+        sources = {k: v.source for k, v in quantizer_infos(gm).items()}
         fp8 = _check_configs(quantizers, roles, sources)
         if legacy and fp8:
             raise ExportError("tensorrt: legacy=True writes INT8 calibration caches; this model is FP8")

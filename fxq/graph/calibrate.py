@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from fxq.errors import CalibrationError
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
 from fxq.graph.data import call_model, count_batches, first_batch_errors, iter_batches
-from fxq.graph.info import graph_quant, iter_quantizers
+from fxq.graph.info import graph_quant, iter_quantizers, quantizer_infos
 from fxq.graph.passes import get_attr_value
 from fxq.spec import QuantState
 
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 @torch.no_grad()
 def calibrate_parameters(gm: fx.GraphModule) -> None:
     """Compute the parameters of every weight quantizer straight from the weight values."""
-    infos = gm.meta.get("fxq_quantizer_infos", {})
+    infos = quantizer_infos(gm)
     unbake_parameters(gm)
     for name, fq in iter_quantizers(gm):
         info = infos.get(name)
@@ -56,7 +56,7 @@ def calibrate(
         CalibrationError: empty data, wrong input count or shape (naming the input).
     """
     graph_quant(model)
-    infos = model.meta.get("fxq_quantizer_infos", {})
+    infos = quantizer_infos(model)
     was_training = model.training
     model.eval()
     calibrate_parameters(model)

@@ -9,13 +9,14 @@ from torch import fx
 
 from fxq.errors import ConfigError
 from fxq.functional import fake_quantize, qparams_from_minmax, representable_range
-from fxq.graph.info import GraphQuant, graph_quant, iter_quantizers
+from fxq.graph.info import GraphQuant, graph_quant, iter_quantizers, quantizer_infos
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import QuantState
 
 __all__ = [
     "apply_alignment",
+    "is_baked",
     "passive_bias_scale",
     "quant_scheme",
     "derive_passive_parameters",
@@ -31,9 +32,6 @@ __all__ = [
 def _quantizers(gm: fx.GraphModule) -> dict[str, FakeQuantize]:
     return dict(iter_quantizers(gm))
 
-
-def _infos(gm: fx.GraphModule):
-    return gm.meta.get("fxq_quantizer_infos", {})
 
 
 def apply_alignment(gm: fx.GraphModule) -> None:
@@ -55,7 +53,7 @@ def apply_alignment(gm: fx.GraphModule) -> None:
         hi = torch.stack([r[1] for r in ranges]).max(0).values
         widest = next((m for m, r in zip(members, ranges) if bool((r[0] <= lo).all() and (r[1] >= hi).all())), None)
         for m in members:
-            if widest is not None and widest.offset is not None and quant_scheme(m) == quant_scheme(widest):
+            if widest is not None and quant_scheme(m) == quant_scheme(widest):
                 scale, offset = widest.scale.detach().clone(), widest.offset.detach().clone()
             else:
                 scale, offset = qparams_from_minmax(lo, hi, m.config)
@@ -89,7 +87,7 @@ def derive_passive_parameters(gm: fx.GraphModule) -> None:
                 or not qs[weight_q].config.is_quantizing):
             bias.config.state = QuantState.FP32
             continue
-        info = _infos(gm).get(bias_name)
+        info = quantizer_infos(gm).get(bias_name)
         n_bias = get_attr_value(gm, info.param).numel() if info is not None and info.param is not None else None
         scale = passive_bias_scale(qs[data_q].scale.detach(), qs[weight_q].scale.detach(), n_bias,
                                    bias.config.per_channel, bias_name)
@@ -200,7 +198,7 @@ def bake_parameters(gm: fx.GraphModule) -> None:
     their tensor's parameters here too (PASSIVE, as in PPQ), and restored by :func:`unbake_parameters`.
     """
     _bake_constants(gm)
-    infos = _infos(gm)
+    infos = quantizer_infos(gm)
     for name, fq in iter_quantizers(gm):
         info = infos.get(name)
         if info is None or info.param is None or fq.config.state not in (QuantState.ACTIVATED, QuantState.PASSIVE):
@@ -215,7 +213,7 @@ def bake_parameters(gm: fx.GraphModule) -> None:
 def unbake_parameters(gm: fx.GraphModule) -> None:
     """Restore the FP32 parameters saved by :func:`bake_parameters`; states go back to ACTIVATED/PASSIVE."""
     _unbake_constants(gm)
-    infos = _infos(gm)
+    infos = quantizer_infos(gm)
     for name, fq in iter_quantizers(gm):
         info = infos.get(name)
         backup = getattr(fq, "_fp32_backup", None)
@@ -226,7 +224,8 @@ def unbake_parameters(gm: fx.GraphModule) -> None:
         fq.config.state = QuantState.ACTIVATED if fq.config.state is QuantState.BAKED else QuantState.PASSIVE
 
 
-def _is_baked(gm: fx.GraphModule) -> bool:
+def is_baked(gm: fx.GraphModule) -> bool:
+    """Whether the model's quantized parameters are baked (their FP32 copies kept aside)."""
     return any(getattr(fq, "_fp32_backup", None) is not None for _, fq in iter_quantizers(gm))
 
 
@@ -251,7 +250,7 @@ def convert(gm: fx.GraphModule, bake: bool = True) -> fx.GraphModule:
         fq.observer = None
         if fq.learnable:
             fq.freeze()
-    if isinstance(gm.meta.get("fxq"), GraphQuant) and not _is_baked(gm):
+    if isinstance(gm.meta.get("fxq"), GraphQuant) and not is_baked(gm):
         derive_passive_parameters(gm)
     if bake:
         bake_parameters(gm)
@@ -279,7 +278,7 @@ def switch_to_quantized(gm: fx.GraphModule, bake: bool = True) -> fx.GraphModule
 def fp32_mode(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
     """Run ``gm`` in FP32 inside the block, quantized again after it (modes and baking restored)."""
     saved = {n: (fq.observe_enabled, fq.quant_enabled) for n, fq in iter_quantizers(gm)}
-    was_baked = _is_baked(gm)
+    was_baked = is_baked(gm)
     switch_to_fp32(gm)
     try:
         yield gm

@@ -83,6 +83,11 @@ def source_names(node: fx.Node, module_path: bool = True) -> list[str]:
     return names
 
 
+def quantizer_infos(gm: nn.Module) -> dict[str, QuantizerInfo]:
+    """``{quantizer name: QuantizerInfo}`` of a prepared model (empty for any other module)."""
+    return getattr(gm, "meta", {}).get("fxq_quantizer_infos", {})
+
+
 def match_node_name(node: fx.Node, keys: Iterable[str]) -> str | None:
     """The first of ``keys`` naming ``node`` — its fx name, target, module path or original ONNX / caffe name —
     exactly, else the first that matches one of them as a regex (fullmatch); None when none does."""

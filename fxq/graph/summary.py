@@ -6,7 +6,7 @@ import dataclasses
 
 from torch import fx
 
-from fxq.graph.info import NodeQuant, graph_quant, iter_quantizers
+from fxq.graph.info import NodeQuant, graph_quant, iter_quantizers, quantizer_infos
 from fxq.spec import QuantState
 
 __all__ = ["QuantSummary", "summary"]
@@ -57,7 +57,7 @@ def summary(gm: fx.GraphModule) -> QuantSummary:
     """Count quantized / passive / overlapped / FP32 / shape nodes and list per-layer schemes."""
     gq = graph_quant(gm)
     qs = dict(iter_quantizers(gm))
-    infos = gm.meta.get("fxq_quantizer_infos", {})
+    infos = quantizer_infos(gm)
     counts: collections.Counter[str] = collections.Counter()
     layers: list[LayerRow] = []
     for node in gm.graph.nodes:

@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from fxq.functional import dequantize_linear, quantize_to_int
-from fxq.graph.info import iter_quantizers
+from fxq.graph.info import iter_quantizers, quantizer_infos
 from fxq.graph.passes import get_attr_value
 from fxq.serialization.codec import TensorTable, decode, encode
 
@@ -42,7 +42,7 @@ def _rebuild(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, axi
 
 def pack_baked_parameters(gm: fx.GraphModule, table: TensorTable) -> dict[str, dict[str, Any]]:
     """Replace the baked weights in ``table`` by their codes; returns what :func:`unpack_parameters` needs."""
-    infos = gm.meta.get("fxq_quantizer_infos", {})
+    infos = quantizer_infos(gm)
     packed: dict[str, dict[str, Any]] = {}
     for name, fq in iter_quantizers(gm):
         info, cfg = infos.get(name), fq.config

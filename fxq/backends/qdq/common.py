@@ -9,7 +9,7 @@ from typing import Any
 from torch import fx, nn
 
 from fxq.errors import ExportError, GraphError
-from fxq.graph.info import graph_quant, iter_quantizers
+from fxq.graph.info import graph_quant, iter_quantizers, quantizer_infos
 from fxq.io import atomic_write_bytes, atomic_write_text, check_writable_dir
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import QuantState
@@ -46,7 +46,7 @@ def quantized_graph(model: nn.Module) -> fx.GraphModule:
 def quantizer_tables(gm: fx.GraphModule) -> tuple[dict[str, FakeQuantize], dict[str, str]]:
     """(name -> FakeQuantize, name -> role) of a quantized GraphModule."""
     quantizers = dict(iter_quantizers(gm))
-    infos = gm.meta.get("fxq_quantizer_infos", {})
+    infos = quantizer_infos(gm)
     roles = {name: getattr(infos.get(name), "role", "activation") for name in quantizers}
     return quantizers, roles
 
