@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
         qmodel = fxq.quantize(model, calib, platform="trt_int8")
 
         # error accumulated through the quantized graph (one FP32 + one quantized pass per batch)
-        graphwise = fxq.graphwise_error_analyse(qmodel, calib, method="snr", steps=8)
+        graphwise = fxq.graphwise_error_analyse(qmodel, calib, method="snr", steps=steps)
         print(graphwise.table(limit=8))
         # each layer alone, measured at the network output (PPQ's layerwise)
         layerwise = fxq.layerwise_error_analyse(qmodel, calib, method="snr", steps=steps)

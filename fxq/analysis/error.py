@@ -124,7 +124,8 @@ def sort_records(records: Iterable[LayerError], method: str) -> list[LayerError]
     return sorted(records, key=lambda r: (math.isnan(r.value), sign * r.value if not math.isnan(r.value) else 0.0))
 
 
-def _badness(method: str, value: float) -> float:
+def badness(method: str, value: float) -> float:
+    """How bad a value is, >= 0 (a bar's length): 1 - cosine, or the error itself; NaN counts as 0."""
     if math.isnan(value):
         return 0.0
     return max(0.0, 1.0 - value) if method == "cosine" else max(0.0, value)
@@ -137,12 +138,12 @@ def format_table(records: list[LayerError], method: str, width: int = 30) -> str
     labels = [r.name if r.source in (None, r.name) else f"{r.name} ({r.source})" for r in records]
     name_w = max(5, max(len(label) for label in labels))
     op_w = max(2, max(len(r.op_type) for r in records))
-    worst = max(_badness(method, r.value) for r in records)
+    worst = max(badness(method, r.value) for r in records)
     finite_worst = worst if math.isfinite(worst) else max(
-        (_badness(method, r.value) for r in records if math.isfinite(_badness(method, r.value))), default=0.0)
+        (badness(method, r.value) for r in records if math.isfinite(badness(method, r.value))), default=0.0)
     rows = [f"  {'layer'.ljust(name_w)}  {'op'.ljust(op_w)}  {method.upper():>12}"]
     for r, label in zip(records, labels):
-        b = _badness(method, r.value)
+        b = badness(method, r.value)
         frac = 1.0 if not math.isfinite(b) else (b / finite_worst if finite_worst > 0 else 0.0)
         bar = "\u2588" * int(round(frac * width))
         rows.append(f"  {label.ljust(name_w)}  {r.op_type.ljust(op_w)}  {r.formatted:>12} | {bar}")

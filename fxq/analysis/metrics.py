@@ -130,9 +130,7 @@ class MetricAccumulator:
         if self._count == 0:
             return float("nan")
         noise = float(self._noise)
-        if self.method == "cosine":
-            return noise / self._count
-        if self.method == "mse":
+        if self.method in ("cosine", "mse"):  # running sum of per-sample cosines / squared errors: a mean
             return noise / self._count
         signal = float(self._signal)
         if signal == 0.0:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 from torch import fx
 
 from fxq.analysis.engine import run_two_pass
-from fxq.analysis.error import ErrorReport, LayerError, _LayerProbe, layerwise_error_analyse, select_layers
+from fxq.analysis.error import ErrorReport, LayerError, _LayerProbe, badness, layerwise_error_analyse, select_layers
 from fxq.analysis.metrics import check_metric, format_value
 from fxq.analysis.runner import GraphRunner
 from fxq.analysis.statistics import StatisticsReport, TensorStatistics, _StatsProbe, collect_statistics
@@ -162,7 +162,7 @@ def _md_table(records: list[LayerError]) -> list[str]:
 
 
 def _html_table(records: list[LayerError], method: str) -> str:
-    bad = [(1 - r.value) if method == "cosine" else r.value for r in records]
+    bad = [badness(method, r.value) for r in records]  # NaN rows get no bar, as in the text table
     finite = [b for b in bad if math.isfinite(b)]
     top = max(finite, default=0.0) or 1.0
     rows = []
