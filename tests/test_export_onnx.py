@@ -219,6 +219,25 @@ def test_grouped_conv_transpose_int32_bias(tmp_path):
         assert end_to_end(ref, got, output_lsb(gm)).within_1_lsb >= 0.999
 
 
+def test_zero_weight_channel_keeps_its_int32_bias(tmp_path):
+    """An all-zero weight channel (pruned / zero-gamma BatchNorm folded in) got the smallest weight scale, so
+    its int32 bias (grid s_in * s_w) clipped: 2.0 became 0.57. The channel's weight scale is raised instead."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)).eval()
+    with torch.no_grad():
+        model[0].weight[1].zero_()
+        model[0].bias[1] = 2.0
+    x = torch.randn(2, 3, 8, 8)
+    gm = fxq.quantize(model, [x], "ort_int8", progress=False)
+    with torch.no_grad():
+        sim = gm(x)
+    lsb = output_lsb(gm)
+    assert abs(float(sim[0, 1, 0, 0]) - 2.0) <= lsb
+    path = fxq.export(gm, "ort_int8", tmp_path / "zero.onnx")[0]
+    for optimize in (False, True):
+        assert end_to_end(sim, run_ort(path, x, optimize), lsb).exact == 1.0
+
+
 def test_dynamic_batch(tmp_path):
     gm = small_quantized("ort_int8")
     path = fxq.export(gm, "ort_int8", tmp_path / "dyn.onnx", dynamic_batch=True)[0]

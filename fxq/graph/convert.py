@@ -8,10 +8,11 @@ import torch
 from torch import fx
 
 from fxq.errors import ConfigError
-from fxq.functional import fake_quantize, qparams_from_minmax, representable_range
+from fxq.functional import fake_quantize, qparams_from_minmax, representable_range, round_scale_to_power_of_2
 from fxq.graph.info import GraphQuant, graph_quant, iter_quantizers, quantizer_infos
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize
+from fxq.observers.base import channel_rows
 from fxq.spec import QuantState
 
 __all__ = [
@@ -88,10 +89,44 @@ def derive_passive_parameters(gm: fx.GraphModule) -> None:
             bias.config.state = QuantState.FP32
             continue
         info = quantizer_infos(gm).get(bias_name)
-        n_bias = get_attr_value(gm, info.param).numel() if info is not None and info.param is not None else None
-        scale = passive_bias_scale(qs[data_q].scale.detach(), qs[weight_q].scale.detach(), n_bias,
+        value = get_attr_value(gm, info.param) if info is not None and info.param is not None else None
+        s_in, wq = qs[data_q].scale.detach(), qs[weight_q]
+        scale = passive_bias_scale(s_in, wq.scale.detach(), None if value is None else value.numel(),
                                    bias.config.per_channel, bias_name)
+        if value is not None and _widen_zero_weight_channels(gm, wq, value, scale, bias.config.quant_max):
+            scale = passive_bias_scale(s_in, wq.scale.detach(), value.numel(), bias.config.per_channel, bias_name)
         bias.set_qparams(scale, torch.zeros_like(scale), state=QuantState.PASSIVE)
+
+
+def _widen_zero_weight_channels(gm: fx.GraphModule, wq: FakeQuantize, bias: torch.Tensor, scale: torch.Tensor,
+                                limit: float) -> bool:
+    """Raise the weight scale of all-zero output channels whose bias does not fit the bias grid ``s_in * s_w``.
+
+    An all-zero weight channel (a pruned or zero-gamma BatchNorm channel folded in) gets the smallest scale,
+    so its bias would clip at the integer limit; any scale represents zeros exactly, so the channel takes the
+    smallest that fits its bias. True when a scale changed.
+    """
+    if not wq.config.per_channel or scale.numel() != bias.numel() or wq.scale.numel() != bias.numel():
+        return False
+    need = bias.detach().abs().reshape(-1).to(scale) / limit
+    over = need > scale
+    if not bool(over.any()):
+        return False
+    info = quantizer_infos(gm).get(wq.name)
+    if info is None or info.param is None:
+        return False
+    weight = getattr(wq, "_fp32_backup", None)
+    weight = get_attr_value(gm, info.param) if weight is None else weight
+    zero = channel_rows(weight, wq.config).abs().amax(dim=1) == 0
+    fix = over & zero.to(over.device)
+    if not bool(fix.any()):
+        return False
+    s_w = wq.scale.detach().clone().reshape(-1)
+    s_w[fix] = torch.maximum(s_w[fix], need[fix] / scale[fix] * s_w[fix] * (1 + 1e-6))
+    if wq.config.power_of_2:
+        s_w = round_scale_to_power_of_2(s_w)
+    wq.set_qparams(s_w.reshape(wq.scale.shape), wq.offset.detach().clone(), state=wq.config.state)
+    return True
 
 
 def passive_bias_scale(s_in: torch.Tensor, s_w: torch.Tensor, n_bias: int | None, per_channel: bool,
