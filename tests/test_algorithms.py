@@ -309,6 +309,27 @@ def test_interested_layers_take_original_onnx_names():
     assert not matches_layer(node, ["/c3/Conv"])
 
 
+def test_an_optimization_that_makes_a_block_worse_is_undone():
+    """AdaRound, BRECQ and LSQ run inside kept_if_better: a block whose error grew gets its snapshot back."""
+    from fxq.algorithms.blocks import param_target
+    from fxq.algorithms.training import Snapshot, block_error, kept_if_better
+    from fxq.graph.passes import get_attr_value
+
+    model, data = _model(), _data(2)
+    gm = _quantize(model, data, "academic_int8")
+    with unbaked(gm):
+        bd = next(iter(BlockRunner(gm, data, None, None, block_size=1)))
+        weight = get_attr_value(gm, param_target(bd.block.computing[0], 1))
+        kept = weight.detach().clone()
+        before = block_error(bd, bd.block.module)
+        with kept_if_better(bd, Snapshot([weight]), "test"), torch.no_grad():
+            weight.mul_(3.0)  # clearly worse
+        assert torch.equal(weight, kept) and block_error(bd, bd.block.module) == before
+        with kept_if_better(bd, Snapshot([weight]), "test"), torch.no_grad():
+            weight.mul_(1.0 + 1e-7)  # the same codes, not worse: kept as it is
+        assert not torch.equal(weight, kept)
+
+
 def test_lsq_epochs_alias():
     s = QuantizationSetting.from_dict({"lsq_optimization": True, "lsq_optimization_setting": {"epochs": 7}})
     assert s.lsq_optimization_setting.steps == 7

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from fxq.algorithms.blocks import BlockRunner, matches_layer, param_target, unbaked, weight_quantizer_of
 from fxq.algorithms.pipeline import register_algorithm
-from fxq.algorithms.training import Snapshot, block_error, train_block
+from fxq.algorithms.training import Snapshot, kept_if_better, record_run, train_block
 from fxq.errors import ConfigError
 from fxq.functional import broadcast_qparam
 from fxq.graph.info import QUANTIZERS_ATTR
@@ -146,22 +146,17 @@ def adaround(gm: fx.GraphModule, data: Any, setting: QuantizationSetting, steps:
             module = bd.block.build(overrides)
             quantizers = list(overrides.values())
             snap = Snapshot([get_attr_value(gm, q.param_target) for q in quantizers])
-            before = block_error(bd, bd.block.module)
-            loss = train_block(
-                bd, module, [{"params": [q.alpha for q in quantizers], "lr": st.lr}], st.steps,
-                regularizer=functools.partial(rounding_regularizer, quantizers, steps=st.steps, weight=st.reg_weight,
-                                              beta_range=tuple(st.beta_range), warm_up=st.warm_up),
-                progress=lambda _: bar.update(1))
-            write_hard_weights(gm, overrides)
-            after = block_error(bd, bd.block.module)
-            if after > before:  # learned rounding did not beat rounding to nearest on the calibration data
-                snap.restore()
-                logger.info("adaround %s: error %.4g > %.4g with nearest rounding; kept nearest", ops[0].name,
-                            after, before)
+            with kept_if_better(bd, snap, f"adaround {ops[0].name}"):  # else rounding to nearest stays
+                loss = train_block(
+                    bd, module, [{"params": [q.alpha for q in quantizers], "lr": st.lr}], st.steps,
+                    regularizer=functools.partial(rounding_regularizer, quantizers, steps=st.steps,
+                                                  weight=st.reg_weight, beta_range=tuple(st.beta_range),
+                                                  warm_up=st.warm_up),
+                    progress=lambda _: bar.update(1))
+                write_hard_weights(gm, overrides)
             bar.set_postfix(layer=ops[0].name, loss=f"{loss:.4g}")
             logger.debug("adaround %s: reconstruction loss %.4g", [o.name for o in ops], loss)
         bar.close()
-    logger.info("adaround: %d layer(s), peak cache %.1f MB", todo, runner.peak_cache_bytes / 2**20)
-    gm.meta.setdefault("fxq_algorithm_stats", {})["adaround"] = {"peak_cache_bytes": runner.peak_cache_bytes}
+    record_run(gm, "adaround", runner, todo, unit="layer")
     return gm
 

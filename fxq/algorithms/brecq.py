@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from fxq.algorithms.adaround import adaround_overrides, rounding_regularizer, write_hard_weights
 from fxq.algorithms.blocks import BlockRunner, activation_quantizers, matches_layer, unbaked
 from fxq.algorithms.pipeline import register_algorithm
-from fxq.algorithms.training import DropQuantize, Snapshot, block_error, train_block
+from fxq.algorithms.training import DropQuantize, Snapshot, kept_if_better, record_run, train_block
 from fxq.graph.info import QUANTIZERS_ATTR
 from fxq.graph.passes import get_attr_value
 from fxq.setting import QuantizationSetting
@@ -66,7 +66,6 @@ def blockwise_reconstruction(gm: fx.GraphModule, data: Any, setting: Quantizatio
             overrides: dict[str, Any] = dict(rounding)
             rounders = list(rounding.values())
             snap = Snapshot([get_attr_value(gm, q.param_target) for q in rounders], [fq for _, fq in acts])
-            before = block_error(bd, bd.block.module)
             groups = []
             if rounders:
                 groups.append({"params": [q.alpha for q in rounders], "lr": st.lr})
@@ -79,24 +78,18 @@ def blockwise_reconstruction(gm: fx.GraphModule, data: Any, setting: Quantizatio
                 for name, fq in acts:
                     overrides[f"{QUANTIZERS_ATTR}.{name}"] = DropQuantize(fq, st.drop_prob)
             module = bd.block.build(overrides)
-            loss = train_block(
-                bd, module, groups, st.steps,
-                regularizer=functools.partial(rounding_regularizer, rounders, steps=st.steps,
-                                              weight=ADAROUND_LAMBDA * st.gamma, beta_range=tuple(ada.beta_range),
-                                              warm_up=ada.warm_up),
-                drop_prob=st.drop_prob, positive=learned, progress=lambda _: bar.update(1), seed=bd.block.index)
-            write_hard_weights(gm, rounding)
-            for fq in learned:
-                fq.freeze()
-            after = block_error(bd, bd.block.module)
-            if after > before:
-                snap.restore()
-                logger.info("block %d: error %.4g > %.4g before reconstruction; reverted", bd.block.index, after,
-                            before)
+            with kept_if_better(bd, snap, f"block {bd.block.index} reconstruction"):
+                loss = train_block(
+                    bd, module, groups, st.steps,
+                    regularizer=functools.partial(rounding_regularizer, rounders, steps=st.steps,
+                                                  weight=ADAROUND_LAMBDA * st.gamma, beta_range=tuple(ada.beta_range),
+                                                  warm_up=ada.warm_up),
+                    drop_prob=st.drop_prob, positive=learned, progress=lambda _: bar.update(1), seed=bd.block.index)
+                write_hard_weights(gm, rounding)
+                for fq in learned:
+                    fq.freeze()
             bar.set_postfix(block=bd.block.index, loss=f"{loss:.4g}")
             logger.debug("block %d %s: reconstruction loss %.4g", bd.block.index, [o.name for o in ops], loss)
         bar.close()
-    logger.info("block reconstruction: %d block(s), peak cache %.1f MB", len(todo), runner.peak_cache_bytes / 2**20)
-    gm.meta.setdefault("fxq_algorithm_stats", {})["blockwise_reconstruction"] = {
-        "peak_cache_bytes": runner.peak_cache_bytes}
+    record_run(gm, "blockwise_reconstruction", runner, len(todo))
     return gm

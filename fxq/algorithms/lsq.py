@@ -31,7 +31,7 @@ from fxq.algorithms.blocks import (
     weight_quantizer_of,
 )
 from fxq.algorithms.pipeline import register_algorithm
-from fxq.algorithms.training import Snapshot, block_error, train_block
+from fxq.algorithms.training import Snapshot, kept_if_better, record_run, train_block
 from fxq.graph.passes import get_attr_value
 from fxq.setting import QuantizationSetting
 
@@ -72,7 +72,6 @@ def lsq_optimization(gm: fx.GraphModule, data: Any, setting: QuantizationSetting
             weight_fqs = [f[1] for f in (weight_quantizer_of(gm, op) for op in ops) if f is not None]
             snap = Snapshot([get_attr_value(gm, t) for t in (param_target(op, 1) for op in ops) if t is not None],
                             weight_fqs + acts)
-            before = block_error(bd, bd.block.module)
             weights, originals, scaled = [], [], []
             for op in ops:
                 target = param_target(op, 1)
@@ -90,20 +89,16 @@ def lsq_optimization(gm: fx.GraphModule, data: Any, setting: QuantizationSetting
             if scaled:
                 groups.append({"params": [fq.scale for fq in scaled], "lr": st.lr})
 
-            loss = train_block(bd, bd.block.module, groups, st.steps,
-                               regularizer=functools.partial(weight_drift, weights, originals, st.gamma),
-                               positive=scaled, progress=lambda _: bar.update(1), seed=bd.block.index)
-            for w in weights:
-                w.requires_grad_(False)
-            for fq in scaled:
-                fq.freeze()
-            after = block_error(bd, bd.block.module)
-            if after > before:
-                snap.restore()
-                logger.info("lsq block %d: error %.4g > %.4g before training; reverted", bd.block.index, after, before)
+            with kept_if_better(bd, snap, f"lsq block {bd.block.index}"):
+                loss = train_block(bd, bd.block.module, groups, st.steps,
+                                   regularizer=functools.partial(weight_drift, weights, originals, st.gamma),
+                                   positive=scaled, progress=lambda _: bar.update(1), seed=bd.block.index)
+                for w in weights:
+                    w.requires_grad_(False)
+                for fq in scaled:
+                    fq.freeze()
             bar.set_postfix(block=bd.block.index, loss=f"{loss:.4g}")
             logger.debug("lsq block %d %s: reconstruction loss %.4g", bd.block.index, [o.name for o in ops], loss)
         bar.close()
-    logger.info("lsq: %d block(s), peak cache %.1f MB", len(todo), runner.peak_cache_bytes / 2**20)
-    gm.meta.setdefault("fxq_algorithm_stats", {})["lsq_optimization"] = {"peak_cache_bytes": runner.peak_cache_bytes}
+    record_run(gm, "lsq_optimization", runner, len(todo))
     return gm

@@ -7,7 +7,9 @@ the block leaves a random ``drop_prob`` share of its values un-quantized (:class
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+import contextlib
+import logging
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
@@ -16,6 +18,8 @@ from fxq.algorithms.blocks import BlockData
 from fxq.errors import GraphError
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import MIN_SCALE
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DropQuantize", "train_block", "block_error", "Snapshot", "reconstruction_loss"]
 
@@ -127,3 +131,21 @@ def train_block(
         if progress is not None:
             progress(last)
     return float("nan") if last is None else float(last)
+
+
+@contextlib.contextmanager
+def kept_if_better(data: BlockData, snapshot: Snapshot, what: str) -> Iterator[None]:
+    """Optimize the block inside; restore ``snapshot`` when the block's error on the cached batches got worse
+    (the reconstruction did not beat plain rounding on the calibration data)."""
+    before = block_error(data, data.block.module)
+    yield
+    after = block_error(data, data.block.module)
+    if after > before:
+        snapshot.restore()
+        logger.info("%s: error %.4g > %.4g before the optimization; reverted", what, after, before)
+
+
+def record_run(gm: fx.GraphModule, name: str, runner: Any, units: int, unit: str = "block") -> None:
+    """Log what an algorithm did and keep its peak cache size in ``gm.meta["fxq_algorithm_stats"]``."""
+    logger.info("%s: %d %s(s), peak cache %.1f MB", name, units, unit, runner.peak_cache_bytes / 2**20)
+    gm.meta.setdefault("fxq_algorithm_stats", {})[name] = {"peak_cache_bytes": runner.peak_cache_bytes}
