@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import threading
 from typing import Any, Iterable
 
 from torch import fx, nn
@@ -21,9 +22,20 @@ _HINTS = (
 )
 
 
+_TRACE_LOCK = threading.RLock()
+"""torch.fx patches ``nn.Module.__call__`` / ``__getattr__`` process-wide while it traces and restores what it found
+when it ends; two traces overlapping in time would restore each other's patches out of order (leaving a finished
+tracer installed for good), so fxq's traces take turns."""
+
+
 class _Tracer(fx.Tracer):
+    """Symbolic tracer with fxq's leaves and decompositions that leaves other threads alone: module calls and
+    attribute reads made by another thread while this one traces (through torch.fx's process-wide patches) run
+    as plain eager code instead of being recorded into this graph."""
+
     def __init__(self, leaf_modules: Iterable[type[nn.Module] | str] = ()) -> None:
         super().__init__()
+        self._owner = threading.get_ident()
         leaves = list(leaf_modules)
         self._leaf_types = tuple(t for t in leaves if isinstance(t, type))
         self._leaf_names = {t for t in leaves if isinstance(t, str)}
@@ -35,7 +47,14 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return self._user_leaf(m, qualname) or super().is_leaf_module(m, qualname)
 
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if threading.get_ident() != self._owner:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
     def call_module(self, m, forward, args, kwargs):
+        if threading.get_ident() != self._owner:  # another thread's eager forward, not part of this trace
+            return forward(*args, **kwargs)
         decompose = decomposition_for(m)
         if decompose is not None and not self._user_leaf(m, self.path_of_module(m)):
             out = decompose(m, *args, **kwargs)  # traced through: its insides become graph nodes
@@ -77,7 +96,8 @@ def trace(
         return model
     tracer = _Tracer(leaf_modules)
     try:
-        graph = tracer.trace(model, concrete_args=concrete_args)
+        with _TRACE_LOCK:
+            graph = tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:  # torch.fx raises many types here
         where = tracer.failed_module or type(model).__name__
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
