@@ -95,3 +95,27 @@ def test_two_threads_quantize_different_models():
         for got, want in zip(results, alone):
             assert isinstance(got, torch.Tensor), got
             assert torch.equal(got, want)
+
+
+def test_two_threads_export_at_once(tmp_path):
+    """torch.onnx keeps process-wide export state: without fxq's lock the second export fails inside torch."""
+    torch.manual_seed(2)
+    model = small_cnn().eval()
+    data = [torch.randn(2, 3, 16, 16)]
+    qmodel = fxq.quantize(model, data, platform="trt_int8", progress=False)
+    errors: list = []
+
+    def work(i):
+        try:
+            fxq.export(qmodel, "trt_int8", tmp_path / f"m{i}.onnx")
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    for _ in range(2):
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert not errors, errors
+    assert (tmp_path / "m0.onnx").read_bytes() == (tmp_path / "m1.onnx").read_bytes()

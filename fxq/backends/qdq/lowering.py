@@ -10,6 +10,7 @@ import dataclasses
 import io
 import logging
 import re
+import threading
 import warnings
 from typing import Any, Sequence
 
@@ -25,6 +26,10 @@ from fxq.errors import ExportError
 __all__ = ["Lowered", "lower", "example_inputs_for", "dynamic_axes_for", "mark_nodes"]
 
 logger = logging.getLogger(__name__)
+
+_TORCH_ONNX_LOCK = threading.Lock()
+"""torch.onnx's TorchScript exporter keeps process-wide state (``GLOBALS``: opset, in-export flag) and
+``warnings.catch_warnings`` is process-wide too: two threads exporting at once fail inside torch, so they take turns."""
 
 
 @dataclasses.dataclass
@@ -100,7 +105,7 @@ def _export(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | 
     was_training = marked.module.training
     marked.module.eval()
     try:
-        with warnings.catch_warnings(), torch.no_grad():
+        with _TORCH_ONNX_LOCK, warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 marked.module, args, buf, dynamo=False, opset_version=export_opset,
