@@ -4,6 +4,23 @@ Public API, re-exported name by name; everything not listed here is private.
 """
 import logging as _logging
 
+from fxq.algorithms import register_algorithm
+
+# --- analysis and calibration data
+from fxq.analysis import (
+    ErrorReport,
+    StatisticsReport,
+    graphwise_error_analyse,
+    layerwise_error_analyse,
+    statistics,
+    write_report,
+)
+from fxq.api import prepare, quantize
+
+# --- export and native save / load
+from fxq.backends import export, register_exporter
+from fxq.data import load_calibration_folder
+
 # --- spec and errors
 from fxq.errors import (
     CalibrationError,
@@ -17,40 +34,26 @@ from fxq.errors import (
     RegistryError,
     TraceError,
 )
-from fxq.spec import FloatFormat, QuantState, RoundingPolicy, TensorQuantConfig
+from fxq.frontends.caffe import load_caffe
+from fxq.frontends.onnx import load_onnx
 
 # --- functional math (one definition) and modules
 from fxq.functional import dequantize, fake_quantize, quantize_to_int, round_with_policy
-from fxq.nn import FakeQuantize, fake_quant_mode
-from fxq.observers import Observer, register_observer
-
-# --- platforms, settings and the quantization flow
-from fxq.qconfig import Platform, get_platform, register_platform
-from fxq.setting import QuantizationSetting, QuantizationSettingFactory
-from fxq.api import prepare, quantize
 from fxq.graph.calibrate import calibrate
 from fxq.graph.convert import convert, fp32_mode, switch_to_fp32, switch_to_quantized
 from fxq.graph.decompose import register_decomposition
 from fxq.graph.dispatch import register_dispatcher
 from fxq.graph.op_types import register_op_type
 from fxq.graph.summary import QuantSummary, summary
-from fxq.algorithms import register_algorithm
+from fxq.nn import FakeQuantize, fake_quant_mode
+from fxq.observers import Observer, register_observer
 from fxq.qat import freeze_bn, prepare_qat
-from fxq.frontends.onnx import load_onnx
-from fxq.frontends.caffe import load_caffe
-# --- export and native save / load
-from fxq.backends import export, register_exporter
+
+# --- platforms, settings and the quantization flow
+from fxq.qconfig import Platform, get_platform, register_platform
 from fxq.serialization import load, save
-# --- analysis and calibration data
-from fxq.analysis import (
-    ErrorReport,
-    StatisticsReport,
-    graphwise_error_analyse,
-    layerwise_error_analyse,
-    statistics,
-    write_report,
-)
-from fxq.data import load_calibration_folder
+from fxq.setting import QuantizationSetting, QuantizationSettingFactory
+from fxq.spec import FloatFormat, QuantState, RoundingPolicy, TensorQuantConfig
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
