@@ -5,8 +5,6 @@ Public API, re-exported name by name; everything not listed here is private.
 import logging as _logging
 
 from fxq.algorithms import register_algorithm
-
-# --- analysis and calibration data
 from fxq.analysis import (
     ErrorReport,
     StatisticsReport,
@@ -16,12 +14,8 @@ from fxq.analysis import (
     write_report,
 )
 from fxq.api import prepare, quantize
-
-# --- export and native save / load
 from fxq.backends import export, register_exporter
 from fxq.data import load_calibration_folder
-
-# --- spec and errors
 from fxq.errors import (
     CalibrationError,
     ConfigError,
@@ -36,8 +30,6 @@ from fxq.errors import (
 )
 from fxq.frontends.caffe import load_caffe
 from fxq.frontends.onnx import load_onnx
-
-# --- functional math (one definition) and modules
 from fxq.functional import dequantize, fake_quantize, quantize_to_int, round_with_policy
 from fxq.graph.calibrate import calibrate
 from fxq.graph.convert import convert, fp32_mode, switch_to_fp32, switch_to_quantized
@@ -48,8 +40,6 @@ from fxq.graph.summary import QuantSummary, summary
 from fxq.nn import FakeQuantize, fake_quant_mode
 from fxq.observers import Observer, register_observer
 from fxq.qat import freeze_bn, prepare_qat
-
-# --- platforms, settings and the quantization flow
 from fxq.qconfig import Platform, get_platform, register_platform
 from fxq.serialization import load, save
 from fxq.setting import QuantizationSetting, QuantizationSettingFactory
