@@ -15,7 +15,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from fxq.io import atomic_write_text
 
@@ -33,27 +33,58 @@ def _fxq() -> Any:
     return fxq
 
 
-def _parse_shape(text: str) -> tuple[str | None, list[int]]:
-    """``1,3,224,224`` or ``name=1,3,224,224`` (``x`` also separates dims)."""
-    from fxq.errors import ConfigError
+_SHAPE_FORM = "[NAME=]N,C,H,W with positive integer dims, e.g. 1,3,224,224 or image=1,3,224,224"
 
-    name, _, dims = text.rpartition("=")
-    try:
-        shape = [int(d) for d in dims.replace("x", ",").split(",") if d.strip()]
-    except ValueError:
-        raise ConfigError(f"--input-shape {text!r}: expected comma-separated integers such as 1,3,224,224") from None
-    if not shape or any(d <= 0 for d in shape):
-        raise ConfigError(f"--input-shape {text!r}: dimensions must be positive integers")
-    return (name or None), shape
+
+def _parse_shape(text: str) -> tuple[str | None, list[int]]:
+    """``1,3,224,224``, ``1x3x224x224`` or ``name=1,3,224,224``: ``(name or None, dims)``.
+
+    Raises ``argparse.ArgumentTypeError`` (argparse names the flag): empty, non-integer or non-positive dims.
+    """
+    name, sep, dims = text.rpartition("=")
+    parts = [d.strip() for d in dims.replace("x", ",").replace("X", ",").split(",")]
+    if (sep and not name.strip()) or not all(p.isascii() and p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {_SHAPE_FORM}")
+    return (name.strip() or None), [int(p) for p in parts]
+
+
+def _int_at_least(low: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            what = "a positive integer" if low == 1 else f"an integer >= {low}"
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {what}")
+        return value
+
+    parse.__name__ = "positive int" if low == 1 else f"int >= {low}"
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
+
+
+def _dtype_name(text: str) -> str:
+    """A torch dtype name (``float32``, ``torch.float16``...)."""
+    import torch
+
+    if not isinstance(getattr(torch, text.replace("torch.", ""), None), torch.dtype):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a torch dtype such as float32, float16, int64")
+    return text
 
 
 def _input_shapes(args: argparse.Namespace) -> list[int] | dict[str, list[int]] | None:
     from fxq.errors import ConfigError
 
-    items = [_parse_shape(t) for t in (args.input_shape or [])]
+    items = list(args.input_shape or [])
     if not items:
         return None
     named = {n: s for n, s in items if n}
+    if len(named) != len([n for n, _ in items if n]):
+        raise ConfigError("--input-shape: the same input name is given twice")
     if named and len(named) != len(items):
         raise ConfigError("--input-shape: name every shape (name=1,3,224,224) when giving several inputs")
     if named:
@@ -61,6 +92,18 @@ def _input_shapes(args: argparse.Namespace) -> list[int] | dict[str, list[int]] 
     if len(items) > 1:
         raise ConfigError("--input-shape given several times without input names; use name=dims for each input")
     return items[0][1]
+
+
+def _readable_file(path: Path, what: str) -> None:
+    """:class:`FrontendError` naming ``what`` unless ``path`` is a readable file."""
+    from fxq.errors import FrontendError
+
+    if path.is_dir():
+        raise FrontendError(f"{what} {str(path)!r} is a folder, not a file")
+    if not path.is_file():
+        raise FrontendError(f"{what} {str(path)!r} not found")
+    if not os.access(path, os.R_OK):
+        raise FrontendError(f"{what} {str(path)!r} is not readable (permission denied)")
 
 
 class _Loaded:
@@ -75,20 +118,27 @@ def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None) -> 
     ``module:factory``."""
     from torch import nn
 
-    from fxq.errors import FrontendError
+    from fxq.errors import ConfigError, FrontendError
 
     path = Path(spec)
     suffix = path.suffix.lower()
+    if caffemodel and suffix != ".prototxt":
+        raise ConfigError(f"--caffemodel {caffemodel!r} applies only to a .prototxt model, not to {spec!r}")
+    if path.is_dir():
+        raise FrontendError(f"model {spec!r} is a folder; give a model file (.onnx, .prototxt, .fxq) or "
+                            f"module:factory")
     if suffix in (".onnx", ".prototxt", ".fxq") or (suffix and path.exists()):
-        if not path.is_file():
-            raise FrontendError(f"model file {spec!r} not found")
+        _readable_file(path, "model file")
         if suffix == ".onnx":
             return _Loaded(_fxq().load_onnx(path), "onnx", path.stem)
         if suffix == ".prototxt":
             weights = Path(caffemodel) if caffemodel else path.with_suffix(".caffemodel")
+            if weights.is_dir():
+                raise FrontendError(f"--caffemodel {str(weights)!r} is a folder, not a caffemodel file")
             if not weights.is_file():
                 hint = f"{str(weights)!r} not found" if caffemodel else f"no {weights.name!r} beside it"
                 raise FrontendError(f"caffe model {spec!r}: {hint}; pass --caffemodel PATH")
+            _readable_file(weights, "--caffemodel")
             caffe_shapes = shapes if isinstance(shapes, dict) else None  # unnamed: the prototxt's shapes
             return _Loaded(_fxq().load_caffe(path, weights, input_shapes=caffe_shapes), "caffe", path.stem)
         if suffix == ".fxq":
@@ -103,12 +153,15 @@ def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None) -> 
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise FrontendError(f"cannot import {module_name!r} for model {spec!r}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001  (ImportError, or whatever the module raises while importing)
+        raise FrontendError(f"cannot import {module_name!r} for model {spec!r}: {type(exc).__name__}: {exc}") from exc
     fn = getattr(module, factory, None)
     if fn is None or not callable(fn):
         raise FrontendError(f"{module_name!r} has no callable {factory!r} (model {spec!r})")
-    model = fn()
+    try:
+        model = fn()
+    except Exception as exc:  # noqa: BLE001  (the user's factory failed: say which)
+        raise FrontendError(f"model factory {spec}() raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, nn.Module):
         raise FrontendError(f"{spec}() returned a {type(model).__name__}, expected a torch.nn.Module")
     return _Loaded(model.eval(), "python", factory)
@@ -134,23 +187,54 @@ def load_data(args: argparse.Namespace, loaded: _Loaded, folder: str | None = No
     from fxq.data import load_calibration_folder
 
     shapes = _input_shapes(args) or _model_input_shapes(loaded)
+    kwargs = {"max_image_pixels": args.max_image_pixels} if args.max_image_pixels else {}
     return load_calibration_folder(folder or args.calib, input_shape=shapes, dtype=args.dtype, layout=args.layout,
-                                   batch_size=args.batch_size)
+                                   batch_size=args.batch_size, **kwargs)
 
 
 def _setting(args: argparse.Namespace) -> Any:
-    from fxq.errors import ConfigError
+    from fxq.errors import ConfigError, FxqError
     from fxq.setting import QuantizationSetting
 
     if not getattr(args, "setting", None):
         return None
+    if getattr(args, "_setting_obj", None) is not None:
+        return args._setting_obj
     p = Path(args.setting)
+    if p.is_dir():
+        raise ConfigError(f"--setting {args.setting!r} is a folder, not a JSON file")
     if not p.is_file():
-        raise ConfigError(f"setting file {args.setting!r} not found")
+        raise ConfigError(f"--setting file {args.setting!r} not found")
     try:
-        return QuantizationSetting.from_json(p.read_text(encoding="utf-8"))
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"--setting file {args.setting!r} cannot be read: {why or exc}") from None
+    try:
+        args._setting_obj = QuantizationSetting.from_json(text)
+        return args._setting_obj
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"setting file {args.setting!r} is not valid JSON: {exc}") from exc
+        raise ConfigError(f"--setting file {args.setting!r} is not valid JSON: {exc}") from exc
+    except FxqError as exc:
+        raise type(exc)(f"--setting file {args.setting!r}: {exc}") from exc
+
+
+def _preflight(args: argparse.Namespace) -> Path | None:
+    """Check the cheap arguments (setting file, --json, --out, folders) before any model is loaded; return --out."""
+    from fxq.errors import ConfigError
+
+    _setting(args)
+    for flag, folder in (("--calib", getattr(args, "calib", None)), ("--data", getattr(args, "data", None))):
+        if folder and Path(folder).is_file():
+            raise ConfigError(f"{flag} {folder!r} is a file; give a folder of batches (one file per batch)")
+    target = getattr(args, "json", None)
+    if isinstance(target, str):
+        t = Path(target)
+        if t.is_dir():
+            raise ConfigError(f"--json {target!r} is a folder; give a file name")
+        if not t.parent.is_dir():
+            raise ConfigError(f"--json {target!r}: folder {str(t.parent)!r} does not exist")
+    return _out_dir(args.out) if getattr(args, "out", None) else None
 
 
 def _platform(args: argparse.Namespace, loaded: _Loaded) -> str:
@@ -175,6 +259,8 @@ def _out_dir(path: str) -> Path:
     from fxq.errors import ExportError
 
     out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {path!r} is a file; give a folder (it is created when missing)")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -211,9 +297,9 @@ def _stem(loaded: _Loaded, platform: str) -> str:
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Quantize MODEL on the calibration folder, save it and export it for the platform."""
     fxq = _fxq()
+    out = _preflight(args)
     loaded = load_model(args.model, args.caffemodel, _input_shapes(args))
     data = load_data(args, loaded)
-    out = _out_dir(args.out)
     gm = _quantize(args, loaded, data)
     summary = fxq.summary(gm)
     platform = _platform(args, loaded)
@@ -229,6 +315,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Quantize MODEL (unless it is a saved fxq model) and write the exporter's files only."""
+    out = _preflight(args)
     loaded = load_model(args.model, args.caffemodel, _input_shapes(args))
     if loaded.quantized:
         gm = loaded.module
@@ -238,7 +325,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
             raise ConfigError("export of a float model needs calibration data: pass --calib DIR")
         gm = _quantize(args, loaded, load_data(args, loaded))
-    out = _out_dir(args.out)
     platform = _platform(args, loaded)
     files = _export(gm, platform, out, _stem(loaded, platform), args.exporter, _export_options(args))
     print("wrote:\n" + "\n".join(f"  {p}" for p in files))
@@ -264,6 +350,7 @@ def _quantized_for_analysis(args: argparse.Namespace) -> tuple[_Loaded, Any, Any
 def cmd_analyse(args: argparse.Namespace) -> int:
     """Quantize MODEL and print the graphwise (and layerwise) error tables."""
     fxq = _fxq()
+    _preflight(args)
     loaded, gm, eval_data = _quantized_for_analysis(args)
     graphwise = fxq.graphwise_error_analyse(gm, eval_data, method=args.method, steps=args.analyse_steps,
                                             ops=args.ops, progress=not args.quiet)
@@ -284,8 +371,8 @@ def cmd_analyse(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     """Quantize MODEL and write an HTML / markdown report with plots."""
     fxq = _fxq()
+    out = _preflight(args)
     loaded, gm, eval_data = _quantized_for_analysis(args)
-    out = _out_dir(args.out)
     page = fxq.write_report(gm, eval_data, out, steps=args.analyse_steps, method=args.method, fmt=args.format,
                             layerwise=args.layerwise, top_k=args.top_k, ops=args.ops, progress=not args.quiet,
                             title=f"fxq report: {loaded.name} ({_platform(args, loaded)})")
@@ -301,6 +388,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import torchvision
 
     from fxq.errors import FxqError
+    out = _out_dir(args.out)
     size, batches, batch = (64, 2, 2) if args.fast else (224, 8, 4)
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None).eval()
@@ -318,7 +406,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for r in report.outputs:
         print(f"\noutput SNR vs FP32 ({r.name}): {r.formatted} (noise power / signal power, lower is better)")
     print(report.table(limit=5, outputs=False))
-    out = _out_dir(args.out)
     stem = f"resnet18_{args.platform}"
     files = [atomic_write_text(out / f"{stem}.summary.txt", str(summary) + "\n")]
     if not args.no_export:
@@ -380,29 +467,39 @@ def _model_args(p: argparse.ArgumentParser, calib_required: bool = True) -> None
     p.add_argument("--calib", required=calib_required, metavar="DIR",
                    help="calibration folder: .npy / .bin / .pt / images, one batch per file "
                         "(one sub-folder per input for multi-input models)")
-    p.add_argument("--input-shape", action="append", metavar="[NAME=]N,C,H,W",
+    p.add_argument("--input-shape", action="append", metavar="[NAME=]N,C,H,W", type=_parse_shape,
                    help="input shape (needed for raw .bin files; checked against the data); repeat with NAME= "
                         "for several inputs")
-    p.add_argument("--dtype", default=None, help="convert calibration tensors to this dtype (default: keep; "
+    p.add_argument("--dtype", default=None, type=_dtype_name, help="convert calibration tensors to this dtype (default: keep; "
                                                  "float64 -> float32; raw files float32)")
     p.add_argument("--layout", default="NCHW", choices=["NCHW", "NHWC"], help="image layout (default NCHW)")
-    p.add_argument("--batch-size", type=int, default=None, help="re-batch the calibration samples to this size")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="re-batch the calibration samples to this size")
     p.add_argument("--setting", metavar="JSON", help="QuantizationSetting as JSON (QuantizationSetting.to_json)")
-    p.add_argument("--steps", type=int, default=None, help="calibration batches to use (default: all)")
+    p.add_argument("--steps", type=_positive_int, default=None, help="calibration batches to use (default: all)")
+    p.add_argument("--max-image-pixels", type=_positive_int, default=None, metavar="N",
+                   help="largest width x height of a calibration image, checked before decoding "
+                        "(default 2**26, 64 megapixels)")
 
 
 def _analysis_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", metavar="DIR", help="analysis data folder (default: the calibration folder)")
     p.add_argument("--method", default="snr", choices=["snr", "cosine", "mse"], help="error metric (default snr)")
-    p.add_argument("--analyse-steps", type=int, default=8, help="batches to analyse (default 8)")
+    p.add_argument("--analyse-steps", type=_positive_int, default=8, help="batches to analyse (default 8)")
     p.add_argument("--ops", default="computing", choices=["computing", "quantized"],
                    help="layers to analyse: computing ops (default) or every quantized op")
     p.add_argument("--layerwise", action="store_true", help="also run the layerwise analysis (slower)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line on stderr (exit 2), like fxq's other errors."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"fxq: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``fxq`` argument parser."""
-    parser = argparse.ArgumentParser(prog="fxq", description="fxq: PyTorch-native torch.fx quantization toolkit")
+    parser = _Parser(prog="fxq", description="fxq: PyTorch-native torch.fx quantization toolkit")
     parser.add_argument("--version", action="version", version=f"fxq {_fxq().__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -420,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
     _analysis_args(p)
     p.add_argument("--measure", default="network", choices=["network", "layer"],
                    help="layerwise: compare at the network outputs (default) or at each layer's output")
-    p.add_argument("--top", type=int, default=20, help="rows per table (default 20)")
+    p.add_argument("--top", type=_positive_int, default=20, help="rows per table (default 20)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     _common(p)
     p.set_defaults(func=cmd_analyse)
@@ -438,7 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
     _analysis_args(p)
     p.add_argument("--out", default="fxq_report", help="report folder (default ./fxq_report)")
     p.add_argument("--format", default="html", choices=["html", "md"], help="page format (default html)")
-    p.add_argument("--top-k", type=int, default=4, help="worst layers that get histograms (default 4)")
+    p.add_argument("--top-k", type=_non_negative_int, default=4,
+                   help="worst layers that get histograms (default 4; 0: none)")
     _common(p)
     p.set_defaults(func=cmd_report)
 

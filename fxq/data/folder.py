@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -21,7 +22,7 @@ import torch
 
 from fxq.errors import CalibrationError
 
-__all__ = ["CalibrationFolder", "load_calibration_folder", "DATA_SUFFIXES", "IMAGE_SUFFIXES"]
+__all__ = ["CalibrationFolder", "load_calibration_folder", "DATA_SUFFIXES", "IMAGE_SUFFIXES", "MAX_IMAGE_PIXELS"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 RAW_SUFFIXES = (".bin", ".raw")
 DATA_SUFFIXES = (".npy", ".pt", ".pth", *RAW_SUFFIXES, *IMAGE_SUFFIXES)
 LAYOUTS = ("NCHW", "NHWC")
+MAX_IMAGE_PIXELS = 2**26  # 64 megapixels: the default cap on width x height, read from the header before decoding
 
 Shape = Sequence[int]
 
@@ -47,9 +49,117 @@ def _natural_key(p: Path) -> list[Any]:
     return [(0, int(t), t) if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", p.name) if t]
 
 
+def _listing(folder: Path) -> list[Path]:
+    try:
+        return list(folder.iterdir())
+    except OSError as exc:
+        raise CalibrationError(f"calibration folder {str(folder)!r} cannot be listed: {exc.strerror or exc}") from None
+
+
 def _data_files(folder: Path) -> list[Path]:
-    return sorted((p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")
+    return sorted((p for p in _listing(folder) if p.is_file() and not p.name.startswith(".")
                    and p.suffix.lower() in DATA_SUFFIXES), key=_natural_key)
+
+
+def _npy_header(f: Path) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and dtype of a ``.npy`` file from its header; object (pickled) and non-numeric arrays are refused."""
+    try:
+        with open(f, "rb") as fh:
+            fmt = np.lib.format
+            version = fmt.read_magic(fh)
+            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, _, dtype = read(fh)
+    except (ValueError, OSError, EOFError, SyntaxError) as exc:
+        raise CalibrationError(f"{f}: not a readable .npy array ({exc})") from exc
+    if dtype.hasobject:
+        raise CalibrationError(f"{f}: a .npy of Python objects (dtype {dtype}), which only unpickling could read; fxq "
+                               f"never unpickles data files: save a numeric array (np.save of a float/int array)")
+    if dtype.kind not in "biuf" or dtype.names is not None:
+        raise CalibrationError(f"{f}: a .npy of dtype {dtype}; calibration data must be a numeric (float/int/bool) "
+                               f"array")
+    return tuple(int(d) for d in shape), dtype
+
+
+def _image_pixels(f: Path, max_pixels: int, verify: bool = False) -> tuple[int, int]:
+    """Width and height of an image from its header (no decoding); :class:`CalibrationError` above ``max_pixels``.
+
+    ``verify`` also runs Pillow's structural check (a PNG's chunk CRCs, without decompressing).
+    """
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():  # fxq applies its own cap below; Pillow's warning would be noise
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(f) as im:
+                width, height = im.size
+                if verify and width * height <= max_pixels:
+                    im.verify()
+    except Image.DecompressionBombError as exc:  # Pillow's hard limit: its message holds the pixel count
+        found = re.search(r"\((\d+) pixels\)", str(exc))
+        pixels = int(found.group(1)) if found else None
+        if pixels is None or pixels > max_pixels:
+            raise CalibrationError(f"{f}: the image has {pixels or 'too many'} pixels, over the cap of {max_pixels} "
+                                   f"(max_image_pixels); downscale it, or raise the cap if it is genuine") from None
+        raise CalibrationError(f"{f}: Pillow refuses images of {pixels} pixels (a decompression-bomb guard); "
+                               f"downscale it") from None
+    except Exception as exc:  # noqa: BLE001  (Pillow plugins raise OSError, SyntaxError, struct.error...)
+        raise CalibrationError(f"{f}: not a readable image, or corrupt or truncated "
+                               f"({type(exc).__name__}: {exc})") from None
+    if width * height > max_pixels:
+        raise CalibrationError(f"{f}: the image has {width}x{height} = {width * height} pixels, over the cap of "
+                               f"{max_pixels} (max_image_pixels); downscale it, or raise the cap if it is genuine")
+    return width, height
+
+
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # by PNG colour type
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+
+
+def _check_png_data(f: Path) -> None:
+    """:class:`CalibrationError` unless ``f``'s compressed pixel data inflates to the size its header declares.
+
+    Streams the data (bounded memory): torchvision's PNG decoder crashes the process on a truncated file.
+    """
+    import struct
+    import zlib
+
+    def rows_bytes(w: int, h: int) -> int:
+        return h * (1 + -(-w * channels * depth // 8)) if w and h else 0
+
+    try:
+        with open(f, "rb") as fh:
+            fh.read(8)
+            inflater, expected, got = zlib.decompressobj(), None, 0
+            while True:
+                head = fh.read(8)
+                if len(head) < 8:
+                    break
+                length, kind = struct.unpack(">I4s", head)
+                data = fh.read(length)
+                fh.read(4)  # crc: Pillow's verify() checks it
+                if kind == b"IHDR":
+                    width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", data[:13])
+                    channels = _PNG_CHANNELS.get(colour, 4)
+                    if interlace:
+                        expected = sum(rows_bytes(-(-(width - x0) // dx), -(-(height - y0) // dy))
+                                       for x0, y0, dx, dy in _ADAM7)
+                    else:
+                        expected = rows_bytes(width, height)
+                elif kind == b"IDAT":
+                    while data:
+                        got += len(inflater.decompress(data, 1 << 20))
+                        data = inflater.unconsumed_tail
+                elif kind == b"IEND":
+                    break
+            got += len(inflater.flush())
+    except (OSError, struct.error, zlib.error) as exc:
+        raise CalibrationError(f"{f}: corrupt PNG pixel data ({exc})") from None
+    if expected is not None and got < expected:
+        raise CalibrationError(f"{f}: truncated PNG: {got} of {expected} bytes of pixel data; re-create the file")
+
+
+def _effective_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype == torch.float64 else dtype
 
 
 def _as_shape(shape: Any, what: str) -> tuple[int, ...]:
@@ -66,14 +176,22 @@ class _InputFiles:
     """The files of one model input and how to read them."""
 
     def __init__(self, name: str | None, folder: Path, files: list[Path], shape: tuple[int, ...] | None,
-                 dtype: torch.dtype | None, layout: str) -> None:
+                 dtype: torch.dtype | None, layout: str, max_pixels: int = MAX_IMAGE_PIXELS) -> None:
         self.name, self.folder, self.files, self.shape, self.dtype, self.layout = name, folder, files, shape, dtype, layout
+        self.max_pixels = max_pixels
+        self._dtypes: dict[torch.dtype, Path] = {}  # the dtype each file will load as (known from headers)
         for f in files:
             self._check_header(f)
+        if len(self._dtypes) > 1:
+            found = ", ".join(f"{str(d).replace('torch.', '')} ({p.name})" for d, p in self._dtypes.items())
+            raise CalibrationError(f"{folder}: files hold different dtypes: {found}; convert them to one, or give "
+                                   f"dtype= (--dtype) to convert every file")
 
     def _check_header(self, f: Path) -> None:
-        """Cheap checks before any batch is loaded: raw sizes and .npy shapes."""
+        """Cheap checks before any batch is loaded: raw sizes, .npy shapes and dtypes, image sizes."""
         suffix = f.suffix.lower()
+        if not os.access(f, os.R_OK):
+            raise CalibrationError(f"{f}: calibration file is not readable (permission denied)")
         if suffix in RAW_SUFFIXES:
             if self.shape is None:
                 raise CalibrationError(f"{f}: raw {suffix} files carry no shape; give the input shape "
@@ -85,12 +203,23 @@ class _InputFiles:
                 raise CalibrationError(
                     f"{f}: {size} bytes is not a whole number of samples of shape {list(self.shape[1:])} "
                     f"({sample} bytes each as {self.dtype or torch.float32}); check the input shape and dtype")
+            self._dtypes.setdefault(self.dtype or torch.float32, f)
         elif suffix == ".npy":
+            shape, dtype = _npy_header(f)
             try:
-                arr = np.load(f, mmap_mode="r", allow_pickle=False)
+                arr = np.load(f, mmap_mode="r", allow_pickle=False)  # also checks the data fills the header's shape
             except (ValueError, OSError) as exc:
                 raise CalibrationError(f"{f}: not a readable .npy array ({exc})") from exc
-            self._shaped(f, tuple(arr.shape))
+            del arr
+            self._shaped(f, shape)
+            try:
+                torch_dtype = torch.from_numpy(np.empty(0, dtype)).dtype
+            except TypeError:
+                raise CalibrationError(f"{f}: torch has no dtype for the array's {dtype}; save it as float32") from None
+            self._dtypes.setdefault(self.dtype or _effective_dtype(torch_dtype), f)
+        elif suffix in IMAGE_SUFFIXES:
+            _image_pixels(f, self.max_pixels)
+            self._dtypes.setdefault(self.dtype or torch.float32, f)
 
     def _shaped(self, f: Path, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The batch shape of a tensor with ``shape`` read from ``f`` (adds a batch dim to one sample)."""
@@ -108,7 +237,10 @@ class _InputFiles:
         f = self.files[i]
         suffix = f.suffix.lower()
         if suffix == ".npy":
-            t = torch.from_numpy(np.ascontiguousarray(np.load(f, allow_pickle=False)))
+            try:
+                t = torch.from_numpy(np.ascontiguousarray(np.load(f, allow_pickle=False)))
+            except (ValueError, OSError) as exc:
+                raise CalibrationError(f"{f}: not a readable .npy array ({exc})") from exc
         elif suffix in RAW_SUFFIXES:
             dt = self.dtype or torch.float32
             t = torch.from_numpy(np.fromfile(f, dtype=torch.empty((), dtype=dt).numpy().dtype).copy())
@@ -136,6 +268,9 @@ class _InputFiles:
         from torchvision.io import ImageReadMode, decode_image, read_file
         from torchvision.transforms.v2.functional import to_dtype
 
+        _image_pixels(f, self.max_pixels, verify=True)  # from the header, before a decoder allocates the pixels
+        if f.suffix.lower() == ".png":
+            _check_png_data(f)
         try:
             mode = {1: ImageReadMode.GRAY, 3: ImageReadMode.RGB}.get(channels, ImageReadMode.UNCHANGED)
             img = decode_image(read_file(str(f)), mode=mode)
@@ -153,14 +288,16 @@ class _InputFiles:
 
 
 def _pil_image(f: Path, channels: int | None) -> torch.Tensor:
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     try:
-        with Image.open(f) as im:
-            im = im.convert({1: "L", 3: "RGB"}.get(channels, im.mode))
-            arr = np.asarray(im)
-    except (OSError, UnidentifiedImageError) as exc:
-        raise CalibrationError(f"{f}: cannot decode the image ({exc})") from exc
+        with warnings.catch_warnings():  # the size was checked against fxq's cap from the header already
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(f) as im:
+                im = im.convert({1: "L", 3: "RGB"}.get(channels, im.mode))
+                arr = np.asarray(im)
+    except Exception as exc:  # noqa: BLE001  (Pillow plugins raise OSError, SyntaxError, struct.error...)
+        raise CalibrationError(f"{f}: cannot decode the image ({type(exc).__name__}: {exc})") from exc
     t = torch.from_numpy(arr.copy())
     return t.unsqueeze(0) if t.dim() == 2 else t.permute(2, 0, 1)
 
@@ -185,6 +322,12 @@ class CalibrationFolder(Sequence):
     def multi_input(self) -> bool:
         return self.inputs[0].name is not None
 
+    def batch_source(self, i: int) -> str | None:
+        """The file(s) batch ``i`` comes from (None once re-batched), for error messages."""
+        if self._batches is not None or not 0 <= i < len(self):
+            return None
+        return ", ".join(str(inp.files[i]) for inp in self.inputs)
+
     def _load(self, i: int) -> Any:
         if self.multi_input:
             batch: Any = {inp.name: inp.load(i) for inp in self.inputs}
@@ -198,6 +341,10 @@ class CalibrationFolder(Sequence):
         items = [self._load(i) for i in range(len(self.inputs[0].files))]
 
         def cat(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+            dtypes = sorted({str(t.dtype).replace("torch.", "") for t in parts})
+            if len(dtypes) > 1:
+                raise CalibrationError(f"{self.path}: files hold different dtypes {dtypes}; convert them to one, or "
+                                       f"give dtype= (--dtype) to convert every file")
             try:
                 return list(torch.cat(parts, 0).split(size, 0))
             except RuntimeError as exc:
@@ -241,6 +388,7 @@ def load_calibration_folder(
     *,
     batch_size: int | None = None,
     transform: Callable[[Any], Any] | None = None,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
 ) -> CalibrationFolder:
     """Calibration batches from a folder, one batch per file, in sorted file-name order.
 
@@ -258,12 +406,15 @@ def load_calibration_folder(
         layout: ``"NCHW"`` or ``"NHWC"`` — how images are laid out (and how ``input_shape`` reads for them).
         batch_size: concatenate samples and re-split them into batches of this size (loads everything).
         transform: applied to each batch (e.g. mean/std normalisation).
+        max_image_pixels: largest width x height of an image (default 2**26, 64 megapixels), checked from the file
+            header before decoding, so a decompression bomb is refused without allocating its pixels.
 
     Returns:
         a lazy :class:`CalibrationFolder` sequence, usable wherever fxq takes calibration data.
 
     Raises:
-        CalibrationError: missing or empty folder, unreadable file, shape or size mismatch (naming the file).
+        CalibrationError: missing, unreadable or empty folder; unreadable, corrupt or pickled (object) file;
+            image over ``max_image_pixels``; shape, size or dtype mismatch (naming the file).
 
     Example:
         >>> calib = fxq.load_calibration_folder("calib/", input_shape=[1, 3, 224, 224])
@@ -277,9 +428,11 @@ def load_calibration_folder(
     layout = str(layout).upper()
     if layout not in LAYOUTS:
         raise CalibrationError(f"layout {layout!r}: use one of {list(LAYOUTS)}")
+    if isinstance(max_image_pixels, bool) or not isinstance(max_image_pixels, int) or max_image_pixels <= 0:
+        raise CalibrationError(f"max_image_pixels={max_image_pixels!r}: give a positive number of pixels")
     dt = _dtype(dtype)
     files = _data_files(folder)
-    subdirs = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    subdirs = sorted(p for p in _listing(folder) if p.is_dir() and not p.name.startswith("."))
     if files:
         if isinstance(input_shape, Mapping):
             if len(input_shape) != 1:
@@ -287,7 +440,7 @@ def load_calibration_folder(
                                        f"put each input's files in a sub-folder named after it")
             input_shape = next(iter(input_shape.values()))
         shape = _as_shape(input_shape, str(folder)) if input_shape is not None else None
-        inputs = [_InputFiles(None, folder, files, shape, dt, layout)]
+        inputs = [_InputFiles(None, folder, files, shape, dt, layout, max_image_pixels)]
     elif subdirs:
         shapes = dict(input_shape) if isinstance(input_shape, Mapping) else {}
         if input_shape is not None and not isinstance(input_shape, Mapping):
@@ -303,7 +456,7 @@ def load_calibration_folder(
                 raise CalibrationError(f"calibration folder {str(d)!r} (input {d.name!r}) has no data files "
                                        f"({', '.join(DATA_SUFFIXES)})")
             shape = _as_shape(shapes[d.name], str(d)) if d.name in shapes else None
-            inputs.append(_InputFiles(d.name, d, sub_files, shape, dt, layout))
+            inputs.append(_InputFiles(d.name, d, sub_files, shape, dt, layout, max_image_pixels))
         counts = {inp.name: len(inp.files) for inp in inputs}
         if len(set(counts.values())) > 1:
             raise CalibrationError(f"{folder}: the input sub-folders hold different numbers of files {counts}; "

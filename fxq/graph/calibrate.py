@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from fxq.errors import CalibrationError
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
-from fxq.graph.data import call_model, count_batches, first_batch_errors, iter_batches
+from fxq.graph.data import call_model, check_steps, count_batches, first_batch_errors, iter_batches
 from fxq.graph.info import graph_quant, iter_quantizers, quantizer_infos
 from fxq.graph.passes import get_attr_value
 from fxq.spec import QuantState
@@ -53,8 +53,11 @@ def calibrate(
     are derived and — with ``bake`` — weights are replaced by their quantized values.
 
     Raises:
-        CalibrationError: empty data, wrong input count or shape (naming the input).
+        ConfigError: ``steps`` is not None or a positive int.
+        CalibrationError: empty data, wrong input count or shape (naming the input), a later batch with another
+            input rank or dtype than the first (naming the batch), or one with other sizes that the model fails on.
     """
+    check_steps(steps)
     graph_quant(model)
     infos = quantizer_infos(model)
     was_training = model.training

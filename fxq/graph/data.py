@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
+import logging
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import fx, nn
 
-from fxq.errors import CalibrationError, FxqError
+from fxq.errors import CalibrationError, ConfigError, FxqError
 
 __all__ = [
     "to_device",
@@ -19,7 +21,14 @@ __all__ = [
     "count_batches",
     "placeholder_values",
     "first_batch_errors",
+    "check_steps",
 ]
+
+logger = logging.getLogger(__name__)
+
+# Set by iter_batches while the batch it just yielded has other non-batch sizes than the first one: first_batch_errors
+# then reports a model failure on it as a CalibrationError naming the batch and the shapes.
+_RESIZED_BATCH: contextvars.ContextVar[str | None] = contextvars.ContextVar("fxq_resized_batch", default=None)
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -46,9 +55,80 @@ def count_batches(data: Any, steps: int | None) -> int | None:
     return n if steps is None else min(n, steps)
 
 
+def check_steps(steps: Any) -> int | None:
+    """``steps`` as given when it is ``None`` or a positive int, else :class:`ConfigError`."""
+    if steps is None or (isinstance(steps, int) and not isinstance(steps, bool) and steps > 0):
+        return steps
+    raise ConfigError(f"steps={steps!r}: give a positive number of batches, or None for all of them")
+
+
+def _tensor_leaves(batch: Any, path: str = "") -> dict[str, Any]:
+    """``{input label: tensor or type name}`` for the leaves of a batch (tensor, tuple/list, dict, nested)."""
+    if isinstance(batch, torch.Tensor):
+        return {path or "input": batch}
+    if isinstance(batch, dict):
+        items: Iterable[tuple[str, Any]] = ((f"{path}[{k!r}]" if path else f"input {k!r}", v) for k, v in batch.items())
+    elif isinstance(batch, (tuple, list)):
+        items = ((f"{path}[{i}]" if path else f"input {i}", v) for i, v in enumerate(batch))
+    else:
+        return {path or "input": type(batch).__name__}
+    out: dict[str, Any] = {}
+    for label, value in items:
+        out.update(_tensor_leaves(value, label))
+    return out
+
+
+class _BatchConsistency:
+    """Every batch must have the first batch's inputs, ranks and dtypes; other non-batch sizes are logged once."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+        self.first: dict[str, Any] | None = None
+        self.logged = False
+
+    def _where(self, index: int) -> str:
+        source = getattr(self.data, "batch_source", None)
+        name = source(index) if callable(source) else None
+        return f"batch {index}" + (f" ({name})" if name else "")
+
+    def __call__(self, index: int, batch: Any) -> str | None:
+        """Check batch ``index``; return a note when a non-batch size differs from the first batch, else None."""
+        leaves = _tensor_leaves(batch)
+        if self.first is None:
+            self.first = leaves
+            return None
+        first, where = self.first, self._where(index)
+        if set(leaves) != set(first):
+            raise CalibrationError(f"{where} has inputs {list(leaves)} but batch 0 had {list(first)}; "
+                                   f"give every batch the same inputs")
+        note = None
+        for label, value in leaves.items():
+            ref = first[label]
+            if not isinstance(value, torch.Tensor) or not isinstance(ref, torch.Tensor):
+                continue
+            if value.dim() != ref.dim() or value.dtype != ref.dtype:
+                raise CalibrationError(
+                    f"{where}, {label}: expected a {str(ref.dtype).replace('torch.', '')} tensor of rank "
+                    f"{ref.dim()} like batch 0 {list(ref.shape)}, found {str(value.dtype).replace('torch.', '')} "
+                    f"{list(value.shape)}; every batch needs the first batch's rank and dtype (only sizes may vary)")
+            if tuple(value.shape[1:]) != tuple(ref.shape[1:]) and note is None:
+                note = f"{where}, {label}, has shape {list(value.shape)} but batch 0 {list(ref.shape)}"
+        if note is not None and not self.logged:
+            self.logged = True
+            logger.info("%s (non-batch sizes vary; fine if the model accepts them)", note)
+        return note
+
+
 def iter_batches(data: Any, steps: int | None = None,
                  collate_fn: Callable[[Any], Any] | None = None) -> Iterator[Any]:
-    """Yield at most ``steps`` batches of ``data`` (a bare tensor or dict is one batch)."""
+    """Yield at most ``steps`` batches of ``data`` (a bare tensor or dict is one batch).
+
+    Raises:
+        ConfigError: ``steps`` is not None or a positive int.
+        CalibrationError: no data, or a batch whose inputs, ranks or dtypes differ from the first batch's (the
+            batch dimension and other sizes may differ).
+    """
+    check_steps(steps)
     if data is None:
         raise CalibrationError("no calibration data given: pass a list of batches or a DataLoader")
     if isinstance(data, (torch.Tensor, dict)):
@@ -58,8 +138,14 @@ def iter_batches(data: Any, steps: int | None = None,
     it = iter(data)
     if steps is not None:
         it = itertools.islice(it, steps)
-    for batch in it:
-        yield collate_fn(batch) if collate_fn is not None else batch
+    consistent = _BatchConsistency(data)
+    try:
+        for index, batch in enumerate(it):
+            batch = collate_fn(batch) if collate_fn is not None else batch
+            _RESIZED_BATCH.set(consistent(index, batch))
+            yield batch
+    finally:
+        _RESIZED_BATCH.set(None)
 
 
 def to_device(value: Any, device: torch.device | str) -> Any:
@@ -156,7 +242,8 @@ def placeholder_values(gm: fx.GraphModule, batch: Any, check: bool = False) -> d
 def first_batch_errors(what: str, first: bool) -> Iterator[None]:
     """Turn a model failure on the ``first`` batch into a :class:`CalibrationError` (the data does not fit).
 
-    Later batches re-raise as they are: the data fitted once, so the failure is something else.
+    A later batch's failure re-raises as it is (the data fitted once, so it is something else), unless that
+    batch, from :func:`iter_batches`, has other non-batch sizes than the first one: then it names batch and shapes.
     """
     try:
         yield
@@ -165,9 +252,16 @@ def first_batch_errors(what: str, first: bool) -> Iterator[None]:
     except (RuntimeError, TypeError, ValueError) as exc:
         if first:
             raise CalibrationError(f"the first {what} batch failed in the model: {exc}") from exc
+        resized = _RESIZED_BATCH.get()
+        if resized is not None:
+            raise CalibrationError(f"{what} {resized}, and the model failed on it: {exc}; "
+                                   f"give every batch the first batch's non-batch sizes") from exc
         raise
 
 
 def call_model(model: nn.Module, batch: Any, check: bool = True) -> Any:
+    """``model`` on one batch; a GraphModule is called past torch.fx's wrapper, which prints failures to stderr."""
     args, kwargs = to_call_args(model, batch, check)
+    if isinstance(model, fx.GraphModule):
+        return nn.Module.__call__(model, *args, **kwargs)
     return model(*args, **kwargs)

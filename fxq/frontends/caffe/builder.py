@@ -19,7 +19,11 @@ from torch import nn
 from fxq.errors import FrontendError
 from fxq.frontends.caffe.reader import CaffeWeights
 
-__all__ = ["GraphBuilder", "LayerContext", "sanitize_name"]
+__all__ = ["GraphBuilder", "LayerContext", "sanitize_name", "MAX_ELEMENTS"]
+
+# The most elements an input blob or a learned weight may have (2**28: 1 GiB of float32), checked before anything is
+# allocated, so that a prototxt declaring a 100000 x 100000 input fails at once; load_caffe(max_elements=) raises it.
+MAX_ELEMENTS = 2**28
 
 _RESERVED = set(dir(torch.fx.GraphModule))
 
@@ -46,8 +50,9 @@ class GraphBuilder:
     """Holds the graph under construction, its submodules, the blob -> node map and each node's meta-tensor value."""
 
     def __init__(self, prototxt_label: str, weights: CaffeWeights | None,
-                 input_shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+                 input_shapes: dict[str, tuple[int, ...]] | None = None, max_elements: int = MAX_ELEMENTS) -> None:
         self.prototxt_label = prototxt_label
+        self.max_elements = max_elements
         self.weights = weights
         self.graph = torch.fx.Graph()
         self.root = nn.Module()
@@ -75,7 +80,11 @@ class GraphBuilder:
             )
         shape = [int(d) for d in shape]
         if any(d <= 0 for d in shape):
-            raise FrontendError(f"{where} has a non-positive dimension in its shape {shape}")
+            raise FrontendError(f"{where} has a non-positive dimension in its shape {shape}; give positive dims in "
+                                f"the prototxt or in input_shapes")
+        if math.prod(shape) > self.max_elements:
+            raise FrontendError(f"{where} has shape {shape}, {math.prod(shape)} elements, over the limit of "
+                                f"{self.max_elements} per input (max_elements); check the prototxt's input dims")
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         if placeholders:
             ctx = self.graph.inserting_after(placeholders[-1])
@@ -208,6 +217,13 @@ class LayerContext:
             if count < low or (high is not None and count > high):
                 expected = str(low) if low == high else f"{low}..{'' if high is None else high}"
                 raise self.error(f"expects {expected} {what}(s), got {count}")
+
+    def check_size(self, what: str, shape: Sequence[int]) -> None:
+        """:class:`FrontendError` before allocating a tensor of ``shape`` above the builder's element limit."""
+        n = math.prod(int(d) for d in shape)
+        if n > self.builder.max_elements:
+            raise self.error(f"its {what} would have shape {tuple(shape)}, {n} elements, over the limit of "
+                             f"{self.builder.max_elements} (max_elements); check the layer's parameters")
 
     def canonical_axis(self, axis: int, rank: int) -> int:
         if not -rank <= axis < rank:

@@ -9,7 +9,7 @@ import torch.fx
 
 import fxq.frontends.caffe.layers  # noqa: F401  (registers the converters)
 from fxq.errors import FrontendError
-from fxq.frontends.caffe.builder import GraphBuilder
+from fxq.frontends.caffe.builder import MAX_ELEMENTS, GraphBuilder
 from fxq.frontends.caffe.reader import layer_in_test_phase, read_caffemodel, read_prototxt
 from fxq.frontends.caffe.registry import CAFFE_LAYERS, supported_layer_types
 
@@ -35,7 +35,8 @@ def _net_level_inputs(net, label: str) -> list[tuple[str, list[int] | None]]:
 
 
 def load_caffe(prototxt: str | os.PathLike, caffemodel: str | os.PathLike | None = None, *,
-               input_shapes: Mapping[str, Sequence[int]] | None = None) -> torch.fx.GraphModule:
+               input_shapes: Mapping[str, Sequence[int]] | None = None,
+               max_elements: int = MAX_ELEMENTS) -> torch.fx.GraphModule:
     """Convert a caffe deploy net into a ``torch.fx.GraphModule`` (in eval mode).
 
     Layers become ``nn`` submodules named after the (sanitised) caffe layer names, or torch-op nodes for routing
@@ -53,12 +54,15 @@ def load_caffe(prototxt: str | os.PathLike, caffemodel: str | os.PathLike | None
             variance 1, Scale is 1 and 0; a warning is logged. Useful for structure and shape work only.
         input_shapes: shapes by input blob name, overriding or completing those of the prototxt (e.g. another
             batch size). Every input needs a shape: each layer is run once on shape-only (meta) tensors.
+        max_elements: the most elements an input or a learned weight may have (default 2**28), checked before
+            anything is allocated.
 
     Returns:
         The ``GraphModule``; call it with the inputs in ``gm.meta["caffe"]["inputs"]`` order.
 
     Raises:
-        FrontendError: unreadable or malformed files, V1 (``layers``) prototxts, unsupported layer types (naming
+        FrontendError: unreadable, binary-as-text or malformed files (with the line of a syntax error), inputs with
+            non-positive dims or over ``max_elements``, V1 (``layers``) prototxts, unsupported layer types (naming
             the file, layer and type and listing the supported ones), missing or mis-shaped blobs (naming the
             layer), layers that cannot run on their bottoms.
 
@@ -78,8 +82,12 @@ def load_caffe(prototxt: str | os.PathLike, caffemodel: str | os.PathLike | None
     weights = read_caffemodel(caffemodel) if caffemodel is not None else None
     if weights is None:
         logger.warning("%s: no caffemodel given; learned layers keep random initial weights", label)
-    shapes = {str(k): tuple(int(d) for d in v) for k, v in (input_shapes or {}).items()}
-    builder = GraphBuilder(label, weights, shapes)
+    try:
+        shapes = {str(k): tuple(int(d) for d in v) for k, v in (input_shapes or {}).items()}
+    except (TypeError, ValueError):
+        raise FrontendError(f"{label}: input_shapes must map input names to lists of ints, got {input_shapes!r}"
+                            ) from None
+    builder = GraphBuilder(label, weights, shapes, max_elements)
     for name, shape in _net_level_inputs(net, label):
         builder.add_input(name, shape)
     for layer in net.layer:

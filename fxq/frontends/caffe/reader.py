@@ -1,9 +1,11 @@
 """Read a prototxt (text format) and a caffemodel (binary) with fxq's caffe schema subset."""
 from __future__ import annotations
 
+import codecs
 import logging
 import math
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -19,18 +21,53 @@ logger = logging.getLogger(__name__)
 _TEST = 1  # caffe Phase.TEST
 
 
-def read_prototxt(path: str | os.PathLike) -> Any:
-    """Parse a prototxt into a ``caffe.NetParameter``; fields fxq does not model are skipped."""
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+
+
+def _looks_like_caffemodel(data: bytes) -> bool:
+    """Whether ``data`` parses as a binary NetParameter holding layers (a caffemodel given as the prototxt)."""
+    net = proto.NetParameter()
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        net.ParseFromString(data)
+    except message.DecodeError:
+        return False
+    return bool(len(net.layer) or len(net.layers))
+
+
+def read_prototxt(path: str | os.PathLike) -> Any:
+    """Parse a prototxt into a ``caffe.NetParameter``; fields fxq does not model are skipped.
+
+    Raises:
+        FrontendError: unreadable file, binary or non-UTF-8 content (a caffemodel passed as the prototxt...), or a
+            syntax error (with its line and column).
+    """
+    label = os.fspath(path)
+    if os.path.isdir(path):
+        raise FrontendError(f"prototxt {label!r} is a folder, not a file")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as exc:
-        raise FrontendError(f"cannot read prototxt {os.fspath(path)!r}: {exc}") from None
+        raise FrontendError(f"cannot read prototxt {label!r}: {exc.strerror or exc}") from None
+    if data.startswith(_UTF16_BOMS):
+        raise FrontendError(f"{label}: the prototxt is UTF-16 text; save it as UTF-8 (or ASCII) text")
+    try:
+        text = data.decode("utf-8-sig")
+        binary = "\x00" in text
+    except UnicodeDecodeError:
+        binary = True
+    if binary:
+        kind = "a binary caffemodel" if _looks_like_caffemodel(data) else "binary data"
+        raise FrontendError(f"{label}: not a text prototxt, it holds {kind}; check the file, or whether the "
+                            f"prototxt and caffemodel are swapped")
     net = proto.NetParameter()
     try:
         text_format.Parse(text, net, allow_unknown_field=True, allow_unknown_extension=True)
     except text_format.ParseError as exc:
-        raise FrontendError(f"{os.fspath(path)}: not a valid caffe prototxt: {exc}") from None
+        line, column = exc.GetLine(), exc.GetColumn()
+        where = f" (line {line}, column {column})" if line is not None else ""
+        why = re.sub(r"^\d+:\d+ : ", "", str(exc))
+        raise FrontendError(f"{label}: not a valid caffe prototxt{where}: {why}") from None
     return net
 
 
@@ -79,16 +116,23 @@ class CaffeWeights:
 def read_caffemodel(path: str | os.PathLike) -> CaffeWeights:
     """Parse a binary caffemodel; only the layers' names and blobs are used."""
     label = os.fspath(path)
+    if os.path.isdir(path):
+        raise FrontendError(f"caffemodel {label!r} is a folder, not a file")
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
-        raise FrontendError(f"cannot read caffemodel {label!r}: {exc}") from None
+        raise FrontendError(f"cannot read caffemodel {label!r}: {exc.strerror or exc}") from None
     net = proto.NetParameter()
     try:
         net.ParseFromString(data)
     except message.DecodeError as exc:
-        raise FrontendError(f"{label}: not a valid caffemodel (protobuf decode failed: {exc})") from None
+        hint = "; it is text: are the prototxt and caffemodel swapped?" if _is_text(data) else \
+            " (truncated or corrupt?)"
+        raise FrontendError(f"{label}: not a valid caffemodel (protobuf decode failed: {exc}){hint}") from None
+    if data and not (len(net.layer) or len(net.layers)) and _is_text(data):
+        raise FrontendError(f"{label}: not a binary caffemodel, it is text (a prototxt?); are the prototxt and "
+                            f"caffemodel swapped?")
     by_layer: dict[str, list[Any]] = {}
     for layer in list(net.layers) + list(net.layer):
         if layer.name in by_layer and len(layer.blobs):
@@ -98,6 +142,16 @@ def read_caffemodel(path: str | os.PathLike) -> CaffeWeights:
     if not any(by_layer.values()):
         logger.warning("%s: the caffemodel holds no blobs at all", label)
     return CaffeWeights(label, by_layer)
+
+
+def _is_text(data: bytes) -> bool:
+    """Whether ``data`` starts as non-empty UTF-8 text (a prototxt, say)."""
+    head = data[:4096]
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return False
+    return "\x00" not in text and bool(text.strip())
 
 
 def _meets_rule(rule: Any, state: Any) -> bool:

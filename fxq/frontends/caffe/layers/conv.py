@@ -41,6 +41,7 @@ def _convolution(ctx: LayerContext, transposed: bool) -> None:
         raise ctx.error("num_output must be positive")
     if groups <= 0 or c_in % groups or c_out % groups:
         raise ctx.error(f"group {groups} must divide both input channels {c_in} and num_output {c_out}")
+    ctx.check_size("weight", (c_in, c_out // groups, *kernel) if transposed else (c_out, c_in // groups, *kernel))
     if transposed:
         module = nn.ConvTranspose2d(c_in, c_out, kernel, stride, pad, groups=groups, bias=p.bias_term,
                                     dilation=dilation)
@@ -75,6 +76,7 @@ def inner_product(ctx: LayerContext) -> None:
     k, n = math.prod(shape[axis:]), int(p.num_output)
     if n <= 0:
         raise ctx.error("num_output must be positive")
+    ctx.check_size("weight", (n, k))
     module = nn.Linear(k, n, bias=p.bias_term)
     blob_shape = (k, n) if p.transpose else (n, k)
     _load(ctx, module.weight, module.bias, blob_shape, transpose=p.transpose)
