@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from fxq.errors import GraphError
 from fxq.graph.op_types import WEIGHTED_FUNCTIONS, mutates_first_argument, op_type, out_of_place_form
 
 __all__ = [
@@ -57,13 +58,27 @@ def set_attr_value(gm: fx.GraphModule, target: str, value: Any) -> None:
 
 
 _COPYING_METHODS = ("clone", "contiguous")
+_LAYOUT_STRICT = {"view": "reshape", "view_as": "reshape_as"}
+_RESHAPING_METHODS = ("reshape", "reshape_as", "flatten")
+_RESHAPING_FUNCTIONS = (torch.reshape, torch.flatten)
+"""``x.contiguous()`` read only by reshaping ops computes what they compute on ``x`` (``view`` / ``view_as`` become
+``reshape`` / ``reshape_as``, which copy when they must); read by anything else its layout may matter downstream
+(strides flow through elementwise ops to the outputs, where the caller may ``.view`` them), so it stays."""
+
+
+def _only_reshaped(node: fx.Node) -> bool:
+    return all((u.op == "call_method" and u.target in (*_LAYOUT_STRICT, *_RESHAPING_METHODS)
+                or u.op == "call_function" and u.target in _RESHAPING_FUNCTIONS) and u.args[0] is node
+               for u in node.users)
 
 
 def remove_identity_nodes(gm: fx.GraphModule) -> fx.GraphModule:
-    """Drop identity-like nodes (``nn.Identity``, dropout in eval, ``contiguous``...).
+    """Drop identity-like nodes (``nn.Identity``, dropout in eval, ``contiguous``...) without changing what the
+    model computes.
 
     Copies (``clone``, ``contiguous``) stay when the graph mutates anything in place: ``y = x.clone();
-    y.relu_()`` must not turn into ``x.relu_()``.
+    y.relu_()`` must not turn into ``x.relu_()``. A ``contiguous`` goes only when reshaping ops alone read it
+    (``view`` / ``view_as`` then become ``reshape`` / ``reshape_as``).
     """
     modules = dict(gm.named_modules())
     mutating = any(mutates_first_argument(n, modules) for n in gm.graph.nodes)
@@ -71,8 +86,15 @@ def remove_identity_nodes(gm: fx.GraphModule) -> fx.GraphModule:
         if node.op in ("call_module", "call_function", "call_method") and op_type(node, modules) == "Identity":
             if not node.args or not isinstance(node.args[0], fx.Node):
                 continue
-            if mutating and node.op == "call_method" and node.target in _COPYING_METHODS:
+            copying = node.op == "call_method" and node.target in _COPYING_METHODS
+            if copying and mutating:
                 continue
+            if copying and node.target == "contiguous":
+                if not _only_reshaped(node):
+                    continue
+                for user in node.users:
+                    if user.op == "call_method" and user.target in _LAYOUT_STRICT:
+                        user.target = _LAYOUT_STRICT[str(user.target)]
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
     return _finish(gm)
@@ -211,7 +233,8 @@ def _fold_one(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.Nod
 def propagate_tensor_meta(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
     """Record each node's output value description in ``node.meta["val"]`` (fake tensors, no compute).
 
-    Falls back to one real forward pass when a module cannot run on fake tensors.
+    Falls back to one real forward pass when a module cannot run on fake tensors. An exception from a node
+    carries that node's name in ``exc.fxq_node``.
     """
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -228,20 +251,70 @@ def propagate_tensor_meta(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
 
 class _RealProp(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
+        try:
+            result = super().run_node(n)
+        except Exception as exc:
+            if not hasattr(exc, "fxq_node"):
+                try:
+                    exc.fxq_node = n.name  # type: ignore[attr-defined]
+                except AttributeError:  # an exception type without a __dict__
+                    pass
+            raise
         n.meta["val"] = result
         return result
 
 
+class _GraphSnapshot:
+    """The graph as traced, over the same modules and tensors: run only to tell whether a failure after fxq's
+    rewrites is fxq's (the traced graph runs the batch) or the data's (it does not either)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.graph = fx.Graph()
+        self.graph.output(self.graph.graph_copy(gm.graph, {}))
+        self.owners: dict[str, Any] = {}
+        for n in self.graph.nodes:
+            if n.op == "call_module":
+                self.owners[str(n.target)] = gm.get_submodule(str(n.target))
+            elif n.op == "get_attr":
+                self.owners[str(n.target)] = get_attr_value(gm, str(n.target))
+
+    def runs(self, example_inputs: Sequence[Any]) -> bool:
+        try:
+            with torch.no_grad():
+                fx.GraphModule(self.owners, self.graph)(*example_inputs)
+        except Exception:
+            return False
+        return True
+
+
 def standardize(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
                 fold_bn: bool = True) -> fx.GraphModule:
-    """The preparation pipeline every model goes through before dispatch."""
+    """The preparation pipeline every model goes through before dispatch.
+
+    Raises:
+        GraphError: fxq's own rewrites broke a graph that runs ``example_inputs`` as traced (naming the node);
+            a batch the traced graph cannot run either raises torch's error as it is (the caller names the data).
+    """
+    snapshot = _GraphSnapshot(gm) if example_inputs is not None else None
     remove_identity_nodes(gm)
     functionalize_weighted_modules(gm)
     if fold_bn:
         fold_batchnorm(gm)
     if example_inputs is not None:
-        propagate_tensor_meta(gm, example_inputs)
+        try:
+            propagate_tensor_meta(gm, example_inputs)
+        except Exception as exc:
+            if snapshot is None or not snapshot.runs(example_inputs):
+                raise
+            node = getattr(exc, "fxq_node", None)
+            where = f"node {node!r}" if node else "the graph"
+            raise GraphError(
+                f"fxq's graph preparation (identity removal, functionalized weights, BatchNorm folding) broke "
+                f"{where}: the traced model runs this batch, the prepared graph does not ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}). This is fxq's fault, not the data's; please "
+                f"report it. Meanwhile try fold_bn=False, or keep the module around {where} whole with "
+                f"leaf_modules=[...]"
+            ) from exc
     return gm
 
 

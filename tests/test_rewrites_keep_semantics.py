@@ -1,0 +1,60 @@
+"""fxq's graph preparation never changes what the model computes, and says so when it breaks a graph."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxq
+from fxq.graph import passes
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class PermuteFlatten(nn.Module):
+    """The common idiom: ``x.permute(...).contiguous().view(n, -1)`` (``view`` needs the copy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x):
+        y = self.conv(x)
+        n = y.shape[0]
+        return self.fc(y.permute(0, 3, 2, 1).contiguous().view(n, -1))
+
+
+class ContiguousOutput(nn.Module):
+    def forward(self, x):
+        return torch.relu(x.transpose(1, 2).contiguous())
+
+
+def test_contiguous_before_view_keeps_the_model_working():
+    model = PermuteFlatten().eval()
+    data = [torch.randn(2, 3, 8, 8) for _ in range(2)]
+    qmodel = fxq.quantize(model, data, platform="trt_int8", progress=False)
+    with fxq.fp32_mode(qmodel):
+        torch.testing.assert_close(qmodel(data[0]), model(data[0]))
+    methods = [n.target for n in qmodel.graph.nodes if n.op == "call_method"]
+    assert "contiguous" not in methods and "view" not in methods and "reshape" in methods
+
+
+def test_contiguous_read_by_the_output_stays():
+    gm = fxq.prepare(ContiguousOutput(), "trt_int8", example_inputs=torch.randn(2, 3, 4))
+    out = gm(torch.randn(2, 3, 4))
+    assert out.is_contiguous()
+    out.view(-1)  # the caller's own view of the result still works
+
+
+def test_a_broken_rewrite_is_fxqs_error_naming_the_node(monkeypatch):
+    # a broken rewrite: drop contiguous without turning its view into reshape
+    monkeypatch.setattr(passes, "_only_reshaped", lambda node: True)
+    monkeypatch.setattr(passes, "_LAYOUT_STRICT", {})
+    with pytest.raises(fxq.GraphError, match=r"fxq's graph preparation .* broke node 'view'.*not the data's"):
+        fxq.prepare(PermuteFlatten().eval(), "trt_int8", example_inputs=torch.randn(2, 3, 8, 8))
+
+
+def test_data_that_does_not_fit_still_blames_the_data():
+    with pytest.raises(fxq.CalibrationError):
+        fxq.prepare(PermuteFlatten().eval(), "trt_int8", example_inputs=torch.randn(2, 3, 9, 9))
