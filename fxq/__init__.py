@@ -2,6 +2,7 @@
 
 Public API, re-exported name by name; everything not listed here is private.
 """
+# isort: skip_file  (grouped by topic, spec first; the order is deliberate)
 import logging as _logging
 
 from fxq.algorithms import register_algorithm

@@ -41,14 +41,17 @@ def _resolve_platform(platform: "str | Platform | type[Platform]", setting: Quan
                       bit_width: int | None, symmetrical: bool | None, per_channel: bool | None) -> Platform:
     p = get_platform(platform)
     if bit_width is not None or symmetrical is not None or per_channel is not None:
-        p = p.with_overrides(bit_width=bit_width, symmetrical=symmetrical, per_channel=per_channel)
+        given = {"bit_width": bit_width, "symmetrical": symmetrical, "per_channel": per_channel}
+        args = ", ".join(f"{k}={v!r}" for k, v in given.items() if v is not None)
+        p = p.with_overrides(bit_width=bit_width, symmetrical=symmetrical, per_channel=per_channel,
+                             where=f"fxq.prepare/quantize(platform={p.name!r}, {args})")
     changes: dict[str, Any] = {}
     if setting.quantize_activation_setting.calib_algorithm:
         changes["activation_observer"] = setting.quantize_activation_setting.calib_algorithm
     if setting.quantize_parameter_setting.calib_algorithm:
         changes["weight_observer"] = setting.quantize_parameter_setting.calib_algorithm
     if changes:
-        p = p.with_overrides(**changes)
+        p = p.with_overrides(**changes, where="setting.quantize_*_setting.calib_algorithm")
     return p
 
 
@@ -80,9 +83,10 @@ def prepare(
         fold_bn: fold eval-mode BatchNorm into the preceding conv/linear.
 
     Raises:
-        TraceError, ConfigError: naming the module/node and the fix.
+        TraceError, ConfigError: naming the module/node and the fix; a bad setting or override, or a scheme the
+            platform's exporter cannot express (:attr:`fxq.Platform.capability`), before any tracing.
     """
-    setting = setting or QuantizationSetting()
+    setting = _checked_setting(setting)
     p = _resolve_platform(platform, setting, bit_width, symmetrical, per_channel)
     args = _as_args(example_inputs)
     if not args:
@@ -105,6 +109,17 @@ def prepare(
     gm.meta["fxq_setting"] = setting.to_dict()
     gm.to(device)
     return gm
+
+
+def _checked_setting(setting: QuantizationSetting | None) -> QuantizationSetting:
+    if setting is None:
+        return QuantizationSetting()
+    if isinstance(setting, dict):
+        return QuantizationSetting.from_dict(setting)
+    if not isinstance(setting, QuantizationSetting):
+        raise ConfigError(f"setting must be a fxq.QuantizationSetting, a dict of its fields or None, got {type(setting).__name__}; "
+                          f"build one with QuantizationSetting.from_dict / from_json")
+    return setting.validate()
 
 
 def _first_batch_args(model: nn.Module, data: Any, collate_fn: Callable[[Any], Any] | None) -> tuple:
@@ -143,11 +158,15 @@ def quantize(
 ) -> fx.GraphModule:
     """Quantize ``model`` for ``platform`` in one call: prepare, (equalize), calibrate, (optimize), convert.
 
+    Order: validate ``setting`` and the overrides, :func:`prepare` (dispatch, capability checks, quantizers),
+    the ``"pre"`` algorithms (built-ins, then ``setting.custom_algorithms`` of that stage), calibration, the
+    ``"post"`` algorithms (likewise), :func:`convert`. See :func:`fxq.register_algorithm`.
+
     Example:
         >>> qmodel = fxq.quantize(model, [torch.randn(8, 3, 224, 224) for _ in range(8)], platform="trt_int8")
         >>> print(fxq.summary(qmodel))
     """
-    setting = setting or QuantizationSetting()
+    setting = _checked_setting(setting)
     if example_inputs is None:
         example_inputs = _first_batch_args(model, calib_data, collate_fn)
     gm = prepare(model, platform, example_inputs, setting, leaf_modules=leaf_modules, concrete_args=concrete_args,

@@ -75,7 +75,8 @@ class QuantState(enum.Enum):
     BAKED = "baked"  # the tensor was quantized in place; its values are already on the grid
     PASSIVE_BAKED = "passive_baked"  # passive and baked
     FP32 = "fp32"  # never quantized
-    DEACTIVATED = "deactivated"  # switched off for comparison (the seeds' ``dequantize()``)
+    # PPQ's DEACTIVATED (the seeds' ``op.dequantize()``) is not a state in fxq: switching quantization off is a
+    # FakeQuantize mode (``fxq.switch_to_fp32`` / ``fxq.fp32_mode``), which keeps each quantizer's own state.
 
     @classmethod
     def parse(cls, value: "QuantState | str") -> "QuantState":
@@ -87,8 +88,10 @@ class QuantState(enum.Enum):
             try:
                 return cls[str(value).upper()]
             except KeyError:
+                hint = ("; fxq has no DEACTIVATED state: use fxq.switch_to_fp32(model) or fxq.fp32_mode(model) "
+                        "to run without quantization" if str(value).lower().endswith("deactivated") else "")
                 raise ConfigError(
-                    f"unknown quant state {value!r}; use one of {[m.name for m in cls]}"
+                    f"unknown quant state {value!r}; use one of {[m.name for m in cls]}{hint}"
                 ) from None
 
 

@@ -289,7 +289,7 @@ def test_shape_computations_never_quantized():
 
 def test_dispatching_table_by_name_regex_and_overrides():
     setting = fxq.QuantizationSetting(dispatching_table={"conv2": "fp32", "up.*": {"bit_width": 4}})
-    q = fxq.quantize(small_cnn(), _data(), "trt_int8", setting, progress=False)
+    q = fxq.quantize(small_cnn(), _data(), "ort_int8", setting, progress=False)  # trt_int8 exports int8 only
     assert _node(q, "conv2").meta["fxq"].platform == "fp32"
     w = _quantizers_by_role(q, "weight")
     assert "conv2_weight" not in w
@@ -297,7 +297,7 @@ def test_dispatching_table_by_name_regex_and_overrides():
 
 
 def test_per_call_low_bit_overrides():
-    q = fxq.quantize(small_cnn(), _data(), "trt_int8", bit_width=4, symmetrical=True, per_channel=False,
+    q = fxq.quantize(small_cnn(), _data(), "ort_int8", bit_width=4, symmetrical=True, per_channel=False,
                      progress=False)
     for fq in _quantizers_by_role(q, "weight").values():
         assert fq.config.num_bits == 4 and fq.config.quant_max == 7 and not fq.config.per_channel

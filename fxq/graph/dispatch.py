@@ -6,28 +6,44 @@ per-layer overrides) has the last word. Shape/index computations are never quant
 """
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any, Callable
 
 import torch
 from torch import fx, nn
 
 from fxq.errors import ConfigError
-from fxq.graph.info import match_node_name
+from fxq.graph.info import match_node_name, source_names
 from fxq.graph.op_types import op_type
 from fxq.qconfig.base import COMPUTING_OPS, SHAPE_OPS, Platform, get_platform
 from fxq.registry import Registry
+from fxq.setting import close_names
 
 __all__ = ["dispatch", "DISPATCHERS", "register_dispatcher", "is_float_tensor", "shape_nodes", "Dispatch"]
 
 Dispatch = dict[fx.Node, "Platform | str"]
 """node -> Platform (quantized), "fp32", or "shape"."""
 
+logger = logging.getLogger(__name__)
+
 DISPATCHERS: Registry[Callable[..., bool]] = Registry("dispatcher")
 
 
-def register_dispatcher(name: str):
-    """Register ``rule(node_type, platform, quantized_inputs: bool) -> bool`` under ``name``."""
-    return DISPATCHERS.register(name)
+def register_dispatcher(name: str, *, override: bool = False):
+    """Register ``rule(node_type, platform, fed_by_quantized: bool) -> bool`` under ``name``.
+
+    The rule decides, node by node in graph order, whether an op of ``node_type`` runs quantized on ``platform``;
+    ``fed_by_quantized`` says whether one of its data inputs runs quantized. Shape / index math is excluded before
+    the rule is asked, and the dispatching table has the last word.
+
+    Example:
+        >>> @fxq.register_dispatcher("convs_only")
+        ... def convs_only(t, platform, fed):
+        ...     return t == "Conv"
+        >>> setting = fxq.QuantizationSetting(dispatcher="convs_only")
+    """
+    return DISPATCHERS.register(name, override=override)
 
 
 def is_float_tensor(value: Any) -> bool:
@@ -81,9 +97,31 @@ def _allin(t: str, platform: Platform, fed_by_quantized: bool) -> bool:
     return t in platform.quantized_ops
 
 
-def _table_lookup(node: fx.Node, table: dict[str, Any]) -> Any:
-    key = match_node_name(node, table)
-    return None if key is None else table[key]
+def _node_names(node: fx.Node) -> set[str]:
+    """The names a table key may match (as :func:`fxq.graph.info.match_node_name` reads them)."""
+    names = {node.name, str(node.target), *source_names(node)}
+    names.discard("")
+    return names
+
+
+def _check_table_keys(gm: fx.GraphModule, table: dict[str, Any]) -> None:
+    """Invalid regexes are errors; a key that names no node is a warning with the closest node names."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    all_names = sorted({name for n in nodes for name in _node_names(n)})
+    exact = set(all_names)
+    for key in table:
+        if key in exact:
+            continue
+        try:
+            rx = re.compile(key)
+        except re.error as exc:
+            raise ConfigError(f"setting.dispatching_table key {key!r} is neither a node name nor a valid regex "
+                              f"({exc}); escape it with re.escape or fix the pattern") from None
+        if not any(rx.fullmatch(name) for name in all_names):
+            near = close_names(key, all_names)
+            logger.warning("setting.dispatching_table entry %r matches no node%s; keys match node names, module "
+                           "paths and original ONNX / caffe names exactly or as a full regex", key,
+                           near or " (no close node names)")
 
 
 def dispatch(
@@ -94,9 +132,14 @@ def dispatch(
 ) -> Dispatch:
     """Decide, node by node, the platform each op runs on."""
     modules = dict(gm.named_modules())
+    if dispatcher not in DISPATCHERS:
+        raise ConfigError(f"setting.dispatcher={dispatcher!r} is not a registered dispatcher"
+                          f"{close_names(dispatcher, DISPATCHERS.names())}; registered: {', '.join(DISPATCHERS.names())}")
     rule = DISPATCHERS.get(dispatcher)
     shape = set() if dispatcher == "allin" else shape_nodes(gm, modules)
     table = dispatching_table or {}
+    if table:
+        _check_table_keys(gm, table)
     variants: dict[str, Platform] = {}
     result: Dispatch = {}
     quantized: set[fx.Node] = set()
@@ -109,9 +152,9 @@ def dispatch(
         t = op_type(node, modules)
         fed = any(i in quantized for i in _data_inputs(node))
         chosen: Platform | str = platform if rule(t, platform, fed) else "fp32"
-        override = _table_lookup(node, table) if table else None
-        if override is not None:
-            chosen = _resolve_override(override, platform, variants, node)
+        key = match_node_name(node, table) if table else None
+        if key is not None:
+            chosen = _resolve_override(key, table[key], platform, variants)
             if isinstance(chosen, Platform) and t not in chosen.quantized_ops and t not in chosen.input_quantized_ops:
                 chosen = "fp32"
         result[node] = chosen
@@ -126,7 +169,8 @@ def _has_float(val: Any) -> bool:
     return is_float_tensor(val)
 
 
-def _resolve_override(value: Any, default: Platform, cache: dict[str, Platform], node: fx.Node) -> Platform | str:
+def _resolve_override(key: str, value: Any, default: Platform, cache: dict[str, Platform]) -> Platform | str:
+    where = f"setting.dispatching_table[{key!r}]"
     if isinstance(value, Platform):
         return value
     if isinstance(value, str):
@@ -136,14 +180,9 @@ def _resolve_override(value: Any, default: Platform, cache: dict[str, Platform],
             cache[value.lower()] = get_platform(value)
         return cache[value.lower()]
     if isinstance(value, dict):
-        key = repr(sorted(value.items()))
-        if key not in cache:
-            try:
-                cache[key] = default.with_overrides(**value)
-            except TypeError as exc:
-                raise ConfigError(f"dispatching_table entry for node {node.name!r}: {exc}") from None
-        return cache[key]
-    raise ConfigError(
-        f"dispatching_table value for node {node.name!r} must be 'fp32', a platform name or a dict of overrides, "
-        f"got {value!r}"
-    )
+        ck = repr(sorted(value.items()))  # one Platform per distinct override: fusion needs the same object
+        if ck not in cache:
+            Platform.check_overrides(value, where)
+            cache[ck] = default.with_overrides(**value, where=f"{where} on platform {default.name!r}")
+        return cache[ck]
+    raise ConfigError(f"{where} must be 'fp32', a platform name or a dict of overrides, got {value!r}")

@@ -12,7 +12,11 @@ Rules, in order:
   share one input quantizer;
 * **bias** quantizers are passive: scale = input scale x weight scale, filled in after calibration;
 * **alignment** groups (elementwise inputs aligned to the largest, concat inputs to the output) are
-  recorded here and applied after calibration.
+  recorded here and applied after calibration; an aligned input is its producer's quantizer, so alignment
+  always overlaps (PPQ's ``force_alignment_overlap=True``) and no tensor is quantized twice (PPQ's
+  ``remove_useless_quantization=True``): both are how fxq works, not settings;
+* every activation / weight config is checked against its platform's :attr:`~fxq.Platform.capability`
+  before its quantizer is made, so a scheme the exporter cannot write fails here, not at export.
 """
 from __future__ import annotations
 
@@ -90,6 +94,12 @@ class _Builder:
     def platform_of(self, node: fx.Node) -> Platform | None:
         p = self.plan.get(node)
         return p if isinstance(p, Platform) else None
+
+    @staticmethod
+    def _capable(p: Platform, role: str, cfg: TensorQuantConfig, node: fx.Node) -> TensorQuantConfig:
+        """``cfg`` if ``p``'s exporter can express it (:attr:`Platform.capability`), else a ConfigError."""
+        p.check_config(role, cfg, f"node {node.name!r} ({role} config from platform {p.name!r})")
+        return cfg
 
     def _new_quantizer(self, base: str, cfg: TensorQuantConfig, role: str, source: fx.Node,
                        param: str | None = None) -> str:
@@ -205,7 +215,7 @@ class _Builder:
             if passive_enabled and t in p.passive_ops and upstream is not None:
                 self.covering[node] = (upstream[0], QuantState.PASSIVE)
             else:
-                cfg = p.activation_config(t, node.name)
+                cfg = self._capable(p, "activation", p.activation_config(t, node.name), node)
                 q = self._new_quantizer(f"{node.name}_out", cfg, "activation", node)
                 users = [u for u in node.users]
                 self._insert_after(node, q, users)
@@ -250,10 +260,11 @@ class _Builder:
             cfg = p.weight_config(t, node.name, shape, _conv_attrs(node))
             if cfg.per_channel and shape is not None and len(shape) < 2:
                 cfg = cfg.replace(per_channel=False)
+            cfg = self._capable(p, "weight", cfg, node)
             base = (inp.target.replace(".", "_") if inp.op == "get_attr" else inp.name)
             param = inp.target if inp.op == "get_attr" else None
         else:
-            cfg = p.activation_config(t, node.name)
+            cfg = self._capable(p, "activation", p.activation_config(t, node.name), node)
             base, param = f"{inp.name}_q", None
         key = (inp, _scheme_key(role, cfg))
         if key in self.shared_inputs:

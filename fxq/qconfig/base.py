@@ -9,14 +9,20 @@ with :meth:`Platform.with_overrides` (seed 002).
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
+import typing
 from typing import Any, ClassVar
 
 from fxq.errors import ConfigError
 from fxq.registry import Registry
+from fxq.setting import check_value, close_names
 from fxq.spec import QuantState, RoundingPolicy, TensorQuantConfig
 
 __all__ = [
     "Platform",
+    "Capability",
+    "RoleCapability",
     "PLATFORMS",
     "register_platform",
     "get_platform",
@@ -49,6 +55,87 @@ def _int_config(bits: int, symmetric: bool, narrow: bool = False, **kw: Any) -> 
     return cfg
 
 
+def _bits_text(bits: frozenset[int]) -> str:
+    b = sorted(bits)
+    if len(b) == 1:
+        return str(b[0])
+    if b == list(range(b[0], b[-1] + 1)):
+        return f"{b[0]}..{b[-1]}"
+    return f"one of {b}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleCapability:
+    """What an exporter can write for one tensor role (activation or weight); ``None`` allows any valid value.
+
+    Args:
+        bits: allowed bit widths.
+        symmetric: True: symmetric only (offset 0); False: asymmetric only.
+        narrow: True: the range is ``[-quant_max, quant_max]``; False: the full signed range ``[-2^(b-1), 2^(b-1)-1]``.
+        per_channel: False: per-tensor only.
+        formats: ``"int"`` and / or FP8 format names (``"e4m3"``).
+        rounding: rounding policies the runtime applies.
+    """
+
+    bits: frozenset[int] | None = None
+    symmetric: bool | None = None
+    narrow: bool | None = None
+    per_channel: bool | None = None
+    formats: frozenset[str] | None = None
+    rounding: frozenset[RoundingPolicy] | None = None
+
+    def problems(self, cfg: TensorQuantConfig) -> list[str]:
+        """What ``cfg`` asks that this role cannot express, one phrase per rule."""
+        out: list[str] = []
+        fmt = cfg.fp_format.value if cfg.is_floating else "int"
+        if self.formats is not None and fmt not in self.formats:
+            want = " or ".join("integer" if f == "int" else f"FP8 {f.upper()}" for f in sorted(self.formats))
+            out.append(f"must be {want}, got {'integer' if fmt == 'int' else 'FP8 ' + fmt.upper()}")
+        if self.bits is not None and cfg.num_bits not in self.bits:
+            out.append(f"bit_width must be {_bits_text(self.bits)}, got {cfg.num_bits}")
+        if self.symmetric is not None and cfg.symmetric != self.symmetric:
+            out.append("must be symmetric (symmetrical=True)" if self.symmetric else "must be asymmetric")
+        if self.narrow is not None and cfg.symmetric and not cfg.is_floating:
+            is_narrow = cfg.quant_min == -cfg.quant_max
+            full = (-(2 ** (cfg.num_bits - 1)), 2 ** (cfg.num_bits - 1) - 1)
+            if self.narrow and not is_narrow:
+                out.append(f"must use the narrow range [-qmax, qmax], got [{cfg.quant_min}, {cfg.quant_max}]")
+            elif not self.narrow and (cfg.quant_min, cfg.quant_max) != full:
+                out.append(f"must use the full range {list(full)}, got [{cfg.quant_min}, {cfg.quant_max}]")
+        if self.per_channel is False and cfg.per_channel:
+            out.append("must be per-tensor (per_channel=False)")
+        if self.rounding is not None and cfg.rounding not in self.rounding:
+            out.append(f"must round {' or '.join(sorted(r.name for r in self.rounding))}, got {cfg.rounding.name}")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """What a platform's exporter can express; :func:`fxq.prepare` checks every scheme against it before any
+    calibration (per call, per dispatching-table entry and per quantizer).
+
+    Args:
+        rule: the backend, as messages name it (``"trt_int8 exports TensorRT INT8 Q/DQ"``).
+        activation, weight: per-role rules.
+        quantized_bias: False when the exporter keeps biases in FP32 (``bias_bits`` must stay None).
+        hint: what to do instead (another platform, an override to drop).
+    """
+
+    rule: str
+    activation: RoleCapability = RoleCapability()
+    weight: RoleCapability = RoleCapability()
+    quantized_bias: bool = True
+    hint: str = ""
+
+    def check(self, role: str, cfg: TensorQuantConfig, where: str) -> None:
+        """Raise :class:`ConfigError` if ``cfg`` (of ``role``) is not expressible."""
+        rules = getattr(self, role, None)
+        problems = rules.problems(cfg) if isinstance(rules, RoleCapability) else []
+        if problems:
+            hint = f"; {self.hint}" if self.hint else ""
+            raise ConfigError(f"{where}: {self.rule}: {role} quantization {'; '.join(problems)}{hint}")
+
+
 class Platform:
     """Base platform: TensorRT-like INT8 defaults; subclasses set class attributes and override rules.
 
@@ -70,6 +157,8 @@ class Platform:
         activation_observer / weight_observer: default observer names.
         quantize_passive_constants: quantize clip bounds / pad values with the input's scale.
         exporter: the registered exporter :func:`fxq.export` uses for this platform.
+        capability: what that exporter can express (:class:`Capability`), checked at prepare; None (the base,
+            academic and user platforms) accepts every valid scheme.
     """
 
     TRT_INT8: ClassVar[str] = "trt_int8"
@@ -97,23 +186,71 @@ class Platform:
     quantize_passive_constants: bool = False
     exporter: str = "onnxruntime"  # registered exporter name used by fxq.export(model, platform, ...)
     description: str = ""
+    capability: Capability | None = None
+
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "activation", "weight", "bias_bits", "quantized_ops", "quantize_outputs", "input_quantized_ops",
+        "fusable_activations", "passive_ops", "activation_observer", "weight_observer", "rounding",
+        "quantize_passive_constants")
+    """Fields a dispatching-table entry or :meth:`with_overrides` may change (besides the three scheme keys)."""
+    SCHEME_KEYS: ClassVar[tuple[str, ...]] = ("bit_width", "symmetrical", "per_channel")
 
     def __init__(self, **fields: Any) -> None:
+        cls = type(self)
+        known = [k for k in dir(cls) if not k.startswith("_") and not k.isupper() and not callable(getattr(cls, k))]
         for key, value in fields.items():
-            if key.startswith("_") or not hasattr(type(self), key) or callable(getattr(type(self), key)):
-                raise ConfigError(f"unknown platform field {key!r} for {type(self).__name__}")
+            if key not in known:
+                raise ConfigError(f"unknown platform field {key!r} for {type(self).__name__}"
+                                  f"{close_names(key, known)}; fields: {', '.join(known)}")
             setattr(self, key, value)
-        self._validate()
+        self._validate(f"platform {self.name!r}")
 
-    def _validate(self) -> None:
+    def _validate(self, where: str) -> None:
         self.rounding = RoundingPolicy.parse(self.rounding)
         self.quantized_ops = frozenset(self.quantized_ops)
         self.input_quantized_ops = frozenset(self.input_quantized_ops)
         if self.bias_bits is not None and not 8 <= self.bias_bits <= 32:
-            raise ConfigError(f"platform {self.name!r}: bias_bits={self.bias_bits} outside 8..32")
+            raise ConfigError(f"{where}: bias_bits={self.bias_bits} outside 8..32")
         for role in ("activation", "weight"):
             cfg = getattr(self, role).replace(rounding=self.rounding)
             setattr(self, role, cfg)
+            self.check_config(role, cfg, where)
+        if self.capability is not None and self.bias_bits is not None and not self.capability.quantized_bias:
+            raise ConfigError(f"{where}: {self.capability.rule}: biases stay FP32 (bias_bits=None), got "
+                              f"bias_bits={self.bias_bits}")
+
+    def check_config(self, role: str, cfg: TensorQuantConfig, where: str) -> None:
+        """Raise :class:`ConfigError` if this platform's exporter cannot express ``cfg`` (see :attr:`capability`)."""
+        if self.capability is not None and role in ("activation", "weight"):
+            self.capability.check(role, cfg, where)
+
+    @classmethod
+    def check_overrides(cls, overrides: dict[str, Any], where: str) -> None:
+        """Check the keys and value types of a dict of overrides (a dispatching-table entry)."""
+        known = [*cls.SCHEME_KEYS, *cls.FIELDS]
+        for key, value in overrides.items():
+            if key not in known:
+                raise ConfigError(f"{where}: unknown override {key!r}{close_names(key, known)}; "
+                                  f"overrides: {', '.join(known)}")
+            path = f"{where}: {key}"
+            if key == "bit_width":
+                if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 16:
+                    raise ConfigError(f"{path} must be an integer number of bits in 2..16, "
+                                      f"got {value!r} ({type(value).__name__})")
+            elif key in ("symmetrical", "per_channel"):
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{path} must be True or False, got {value!r} ({type(value).__name__})")
+            elif key == "rounding":
+                RoundingPolicy.parse(value)
+            else:
+                check_value(value, _platform_hints()[key], path)
+                if key in ("activation_observer", "weight_observer"):
+                    from fxq.observers import OBSERVERS  # noqa: PLC0415
+
+                    if value not in OBSERVERS:
+                        raise ConfigError(f"{path}={value!r} is not a registered observer"
+                                          f"{close_names(value, OBSERVERS.names())}; registered: "
+                                          f"{', '.join(OBSERVERS.names())}")
 
     # ------------------------------------------------------------------ rules (override these)
     def activation_config(self, op_type: str, node_name: str) -> TensorQuantConfig:
@@ -146,14 +283,27 @@ class Platform:
 
     # ------------------------------------------------------------------ overrides
     def with_overrides(self, bit_width: int | None = None, symmetrical: bool | None = None,
-                       per_channel: bool | None = None, **fields: Any) -> "Platform":
-        """A copy with bit width / symmetry / per-channel changed (seed 002's low-bit extension)."""
+                       per_channel: bool | None = None, *, where: str = "", **fields: Any) -> "Platform":
+        """A copy with bit width / symmetry / per-channel (seed 002's low-bit extension) or fields changed.
+
+        Raises:
+            ConfigError: an unknown key, a value of the wrong type, or a scheme the platform's exporter cannot
+                express (:attr:`capability`); ``where`` names the input in the message.
+        """
+        where = where or f"platform {self.name!r} overrides"
+        schemes = {"bit_width": bit_width, "symmetrical": symmetrical, "per_channel": per_channel}
+        self.check_overrides({**{k: v for k, v in schemes.items() if v is not None}, **fields}, where)
         new = copy.copy(self)
         for key, value in fields.items():
             setattr(new, key, value)
-        new.activation = _rescheme(self.activation, bit_width, symmetrical, None)
-        new.weight = _rescheme(self.weight, bit_width, symmetrical, per_channel)
-        new._validate()
+        try:
+            new.activation = _rescheme(new.activation, bit_width, symmetrical, None)
+            new.weight = _rescheme(new.weight, bit_width, symmetrical, per_channel)
+        except ConfigError as exc:
+            cap = self.capability
+            rule = f" ({cap.rule}{'; ' + cap.hint if cap.hint else ''})" if cap else ""
+            raise ConfigError(f"{where}: platform {self.name!r}: {exc}{rule}") from None
+        new._validate(where)
         return new
 
     def describe(self) -> dict[str, Any]:
@@ -170,12 +320,19 @@ class Platform:
         }
 
 
+@functools.lru_cache(maxsize=None)
+def _platform_hints() -> dict[str, Any]:
+    return typing.get_type_hints(Platform)
+
+
 def _rescheme(cfg: TensorQuantConfig, bits: int | None, symmetric: bool | None,
               per_channel: bool | None) -> TensorQuantConfig:
     if bits is None and symmetric is None and per_channel is None:
         return cfg.replace()
     if cfg.is_floating and bits not in (None, 8):
-        raise ConfigError("floating (FP8) platforms only take bit_width=8")
+        raise ConfigError(f"floating (FP8) quantization takes bit_width=8 only, got {bits}")
+    if cfg.is_floating and symmetric is False:
+        raise ConfigError("floating (FP8) quantization is symmetric only: symmetrical must be True")
     narrow = cfg.symmetric and cfg.quant_min == -cfg.quant_max
     b = cfg.num_bits if bits is None else int(bits)
     sym = cfg.symmetric if symmetric is None else bool(symmetric)
@@ -212,6 +369,4 @@ def get_platform(platform: "str | Platform | type[Platform]") -> Platform:
     if isinstance(platform, type) and issubclass(platform, Platform):
         return platform()
     cls = PLATFORMS.get(str(platform))
-    inst = cls()
-    inst.name = str(platform).lower()
-    return inst
+    return cls(name=str(platform).lower())

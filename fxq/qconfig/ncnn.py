@@ -1,7 +1,7 @@
 """NCNN INT8: only the inputs of conv/gemm are quantized ([-127,127], half away from zero)."""
 from typing import Any
 
-from fxq.qconfig.base import Platform, _int_config, register_platform
+from fxq.qconfig.base import Capability, Platform, RoleCapability, _int_config, register_platform
 from fxq.spec import RoundingPolicy, TensorQuantConfig
 
 NCNN_OPS = frozenset({"Conv", "Gemm"})
@@ -18,6 +18,15 @@ class NcnnInt8(Platform):
     input_quantized_ops = NCNN_OPS
     quantize_outputs = False
     rounding = RoundingPolicy.HALF_FAR_FROM_ZERO
+    capability = Capability(  # rounding is not a rule: ncnn's ties differ by one step at most (a warning at export)
+        rule="ncnn_int8 exports ncnn int8 layers (inputs per tensor, symmetric, [-127, 127]; weights symmetric, "
+             "at most 8 bits, [-qmax, qmax]; FP32 biases)",
+        activation=RoleCapability(bits=frozenset({8}), symmetric=True, narrow=True, per_channel=False,
+                                  formats=frozenset({"int"})),
+        weight=RoleCapability(bits=frozenset(range(2, 9)), symmetric=True, narrow=True, formats=frozenset({"int"})),
+        quantized_bias=False,
+        hint="use platform='academic_int8' / 'academic_int4' for simulation-only schemes",
+    )
 
     def weight_config(self, op_type: str, node_name: str, weight_shape: tuple[int, ...] | None,
                       op_attrs: dict[str, Any]) -> TensorQuantConfig:

@@ -6,8 +6,9 @@ accumulator and quantize an FP32 bias themselves when the model has one. Simulat
 ~2 codes in 10^4 one LSB off on BatchNorm-folded models; with the int32 bias the runtime's codes are the
 simulation's (tests/test_export_onnx.py).
 """
-from fxq.qconfig.base import Platform, _int_config, register_platform
+from fxq.qconfig.base import Capability, Platform, RoleCapability, _int_config, register_platform
 from fxq.qconfig.tensorrt import TRT_QUANTIZED_OPS
+from fxq.spec import RoundingPolicy
 
 
 @register_platform("ort_int8")
@@ -19,3 +20,7 @@ class OrtInt8(Platform):
     quantized_ops = frozenset(TRT_QUANTIZED_OPS - {"LayerNormalization", "Softmax", "Gelu", "Silu", "HardSwish",
                                                    "HardSigmoid", "Elu", "Tanh", "PRelu"})
     bias_bits = 32
+    capability = Capability(  # 2..8 bits as (u)int8 with a clip, 4 / 16 bits as (u)int4 / (u)int16 at opset 21, FP8
+        rule="ort_int8 exports ONNX QDQ, whose QuantizeLinear rounds activations half to even",
+        activation=RoleCapability(rounding=frozenset({RoundingPolicy.HALF_EVEN})),
+    )

@@ -1,5 +1,5 @@
 """OpenPPL CUDA INT8: sym per-tensor activations, per-channel weights, int32 passive bias."""
-from fxq.qconfig.base import COMPUTING_OPS, Platform, register_platform
+from fxq.qconfig.base import COMPUTING_OPS, Capability, Platform, RoleCapability, register_platform
 from fxq.spec import RoundingPolicy
 
 
@@ -16,3 +16,10 @@ class PPLCudaInt8(Platform):
     quantize_passive_constants = True  # clip bounds / pad values share their input's scale
     bias_bits = 32
     rounding = RoundingPolicy.HALF_EVEN
+    capability = Capability(
+        rule="ppl_cuda_int8 exports an FP32 ONNX plus ppl.nn quantization json (integer grids, activations rounded "
+             "half to even)",
+        activation=RoleCapability(formats=frozenset({"int"}), rounding=frozenset({RoundingPolicy.HALF_EVEN})),
+        weight=RoleCapability(formats=frozenset({"int"})),
+        hint="use 'trt_fp8' for FP8",
+    )
