@@ -1,7 +1,6 @@
 """fxq.save / fxq.load: identical outputs, usable quantizers and meta, no pickled objects, clear errors."""
 from __future__ import annotations
 
-import copy
 import io
 import operator
 import warnings
@@ -68,7 +67,7 @@ def test_exports_of_the_reloaded_model_are_identical(saved, tmp_path):
 def test_file_is_weights_only(saved):
     _, path = saved
     blob = torch.load(path, weights_only=True)
-    assert set(blob) == {"format", "version", "spec", "tensors"}
+    assert set(blob) == {"format", "version", "spec", "tensors", "sha256"}
     assert all(isinstance(t, torch.Tensor) for t in blob["tensors"].values())
 
 
@@ -129,6 +128,7 @@ def test_baked_weights_are_stored_as_codes(saved, tmp_path):
     unpacked = dict(blob, version=1, tensors={k: gm.get_parameter(k).detach() if k in weights else t
                                               for k, t in blob["tensors"].items()})
     unpacked["spec"] = blob["spec"].replace('"packed": {', '"unused": {')
+    del unpacked["sha256"]
     torch.save(unpacked, old)
     assert path.stat().st_size < old.stat().st_size
     x = torch.randn(2, 3, 16, 16)
@@ -192,6 +192,12 @@ def test_files_cannot_name_io_functions():
     assert function_name(operator.attrgetter) is None  # refused at save time too
 
 
+def _resave(blob, path):
+    """Write an edited blob with a matching sha256, so only the check under test can refuse it."""
+    blob["sha256"] = fxq.serialization.file_digest(blob["spec"], blob["tensors"])
+    torch.save(blob, path)
+
+
 class _Shape(nn.Module):
     def forward(self, x):
         return x * x.shape[0]
@@ -210,7 +216,7 @@ def test_a_file_cannot_walk_to_arbitrary_objects(tmp_path, edit):
     blob = torch.load(path, weights_only=True)
     assert edit[0] in blob["spec"]
     blob["spec"] = blob["spec"].replace(*edit)
-    torch.save(blob, tmp_path / "crafted.fxq")
+    _resave(blob, tmp_path / "crafted.fxq")
     with pytest.raises(fxq.NotSupportedError, match="not allowed"):
         fxq.load(tmp_path / "crafted.fxq")
 
@@ -227,6 +233,45 @@ def test_module_attributes_cannot_be_dunders(saved, tmp_path):
     _, path = saved
     blob = torch.load(path, weights_only=True)
     blob["spec"] = blob["spec"].replace('"attrs": {', '"attrs": {"__class__": 1, ', 1)
-    torch.save(blob, tmp_path / "crafted.fxq")
+    _resave(blob, tmp_path / "crafted.fxq")
     with pytest.raises(fxq.NotSupportedError, match="not allowed"):
         fxq.load(tmp_path / "crafted.fxq")
+
+
+def test_same_model_same_bytes(saved, tmp_path):
+    """No temp file name, object id or dict order in the file: two saves, and a save of the loaded model, agree."""
+    gm, path = saved
+    other = fxq.save(gm, tmp_path / "another_name.fxq")
+    assert other.read_bytes() == path.read_bytes()
+    again = fxq.save(fxq.load(path), tmp_path / "again.fxq")
+    assert again.read_bytes() == path.read_bytes()
+    assert b".tmp" not in path.read_bytes() and b"another_name" not in other.read_bytes()
+
+
+def test_version_2_files_without_checksum_still_load(saved, tmp_path):
+    gm, path = saved
+    blob = torch.load(path, weights_only=True)
+    del blob["sha256"]
+    blob["version"] = 2
+    torch.save(blob, tmp_path / "v2.fxq")
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(fxq.load(tmp_path / "v2.fxq")(x), gm(x))
+
+
+def test_save_to_a_directory_is_refused(saved, tmp_path):
+    gm, _ = saved
+    (tmp_path / "out").mkdir()
+    for target in (tmp_path / "out", f"{tmp_path / 'out'}/", f"{tmp_path / 'missing'}/"):
+        with pytest.raises(fxq.ExportError, match="directory"):
+            fxq.save(gm, target)
+    assert list((tmp_path / "out").iterdir()) == [] and not (tmp_path / "missing").exists()
+    with pytest.raises(fxq.FrontendError, match="directory"):
+        fxq.load(tmp_path / "out")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_map_location_cuda_without_cuda_is_explained(saved):
+    _, path = saved
+    with pytest.raises(fxq.ConfigError, match="CUDA is not available.*map_location=\"cpu\""):
+        fxq.load(path, map_location="cuda")

@@ -1,26 +1,31 @@
-"""What a saved fxq model may name: module classes, functions, ops and tensor methods — nothing else.
+"""What a saved fxq model may name: a closed, explicit table of module classes, functions, ops, tensor methods.
 
-Loading never unpickles objects: classes and functions are looked up by qualified name, and only among
+Loading never unpickles objects and never looks a name from the file up by walking attributes or importing
+modules. Every class, function, op and method a file may name is listed below by us; the tables are built from
+those lists (our names, never the file's) and a file's names are only looked up in them:
 
-* module classes from ``torch.nn``, ``fxq`` and ``onnx2torch`` (the ONNX frontend's modules), and classes
-  registered with :func:`register_serializable`;
-* functions of ``torch``, ``torch.nn.functional``, ``operator``, ``math``, a few builtins (``getattr``...),
-  ``torch.ops`` overloads, and functions registered with :func:`register_serializable` — exactly the names
-  :func:`function_name` gives, never classes, private (``_``) names, setters of global state (``set_*``,
-  ``register_*``), I/O (``save``, ``load``...) or calls by name (``operator.attrgetter / methodcaller / call``);
-* method names of ``torch.Tensor`` (``call_method`` targets);
-* attribute names without a leading underscore (``getattr`` nodes) and module / attribute paths without
-  dunder parts (``get_attr`` / ``call_module`` targets),
+* module classes: the ``torch.nn`` classes of :data:`_NN_CLASSES`, fxq's own (:data:`_FXQ_CLASSES`), classes
+  defined in ``onnx2torch`` (indexed once from its already imported modules) and classes registered with
+  :func:`register_serializable`;
+* functions: pure compute functions of ``torch``, ``torch.nn.functional``, ``torch.fft/linalg/special``,
+  ``operator``, ``math`` and a few builtins; the ``aten`` overloads of pure compute ops (torch.export graphs);
+  fxq's ``fxq::`` ops and its own wrapped functions; and functions registered with :func:`register_serializable`;
+* tensor methods (``call_method`` targets) of :data:`TENSOR_METHODS`, attribute names of :data:`GETATTR_NAMES`
+  (``getattr`` nodes);
+* names: identifiers (not keywords, not dunders) and dotted paths of them (see :func:`check_identifier`).
 
-so a file cannot reach an object's ``__globals__`` and call what it finds there (:func:`check_node`).
+Nothing that loads libraries, imports modules, reads or writes files, touches global state or calls a name
+(``operator.attrgetter``, ``torch.from_file``, ``torch.ops.load_library``, ``Tensor.set_``...) is listed.
 """
 from __future__ import annotations
 
 import builtins
 import functools
-import importlib
+import keyword
 import math
 import operator
+import re
+import sys
 from typing import Any, Callable
 
 import torch
@@ -31,17 +36,221 @@ from fxq.errors import NotSupportedError
 from fxq.registry import Registry
 
 __all__ = ["register_serializable", "class_name", "resolve_class", "function_name", "resolve_function",
-           "check_method", "check_node", "SERIALIZABLE"]
+           "check_method", "check_node", "check_identifier", "check_part", "check_path", "SERIALIZABLE", "TENSOR_METHODS",
+           "GETATTR_NAMES"]
 
 SERIALIZABLE: Registry[Any] = Registry("serializable class or function")
 """User-registered module classes and functions, keyed by ``module:qualname``."""
 
-_MODULE_PREFIXES = ("torch.nn.", "fxq.", "onnx2torch.")
+# ---------------------------------------------------------------------------------------------- the lists
+_ELEMENTWISE = (
+    "abs", "absolute", "acos", "acosh", "add", "addcdiv", "addcmul", "angle", "arccos", "arccosh", "arcsin",
+    "arcsinh", "arctan", "arctan2", "arctanh", "asin", "asinh", "atan", "atan2", "atanh", "bitwise_and",
+    "bitwise_left_shift", "bitwise_not", "bitwise_or", "bitwise_right_shift", "bitwise_xor", "ceil", "clamp",
+    "clamp_max", "clamp_min", "clip", "copysign", "cos", "cosh", "deg2rad", "div", "divide", "erf", "erfc",
+    "erfinv", "exp", "exp2", "expm1", "fix", "float_power", "floor", "floor_divide", "fmax", "fmin", "fmod", "frac",
+    "hypot", "i0", "lerp", "lgamma", "digamma", "log", "log10", "log1p", "log2", "logaddexp", "logaddexp2",
+    "logical_and", "logical_not", "logical_or", "logical_xor", "logit", "maximum", "minimum", "mul", "multiply",
+    "nan_to_num", "neg", "negative", "nextafter", "positive", "pow", "rad2deg", "reciprocal", "remainder", "round",
+    "rsqrt", "sgn", "sigmoid", "sign", "signbit", "sin", "sinc", "sinh", "sqrt", "square", "sub", "subtract",
+    "tan", "tanh", "true_divide", "trunc", "xlogy", "relu", "hardshrink", "celu", "selu", "rrelu", "prelu",
+    "threshold", "eq", "ne", "lt", "le", "gt", "ge", "equal", "greater", "greater_equal", "less", "less_equal",
+    "not_equal", "isclose", "allclose", "isfinite", "isinf", "isnan", "isneginf", "isposinf", "isreal", "where",
+    "heaviside", "gcd", "lcm", "conj", "real", "imag", "polar", "complex", "view_as_real", "view_as_complex",
+)
+_REDUCTIONS = (
+    "all", "amax", "amin", "aminmax", "any", "argmax", "argmin", "argsort", "count_nonzero", "cummax", "cummin",
+    "cumprod", "cumsum", "logcumsumexp", "logsumexp", "max", "mean", "median", "min", "mode", "nanmean",
+    "nanmedian", "nansum", "norm", "prod", "quantile", "nanquantile", "sort", "std", "std_mean", "sum", "topk",
+    "kthvalue", "var", "var_mean", "unique", "unique_consecutive", "bincount", "histc", "bucketize",
+    "searchsorted", "dist", "cdist", "msort",
+)
+_SHAPES = (
+    "atleast_1d", "atleast_2d", "atleast_3d", "broadcast_tensors", "broadcast_to", "broadcast_shapes", "cat",
+    "concat", "concatenate", "chunk", "column_stack", "diag", "diag_embed", "diagonal", "dsplit", "dstack",
+    "expand_copy", "flatten", "flip", "fliplr", "flipud", "gather", "hsplit", "hstack", "index_add", "index_copy",
+    "index_fill", "index_put", "index_select", "masked_fill", "masked_scatter", "masked_select", "movedim",
+    "moveaxis", "narrow", "narrow_copy", "nonzero", "permute", "ravel", "repeat_interleave", "reshape", "roll",
+    "rot90", "scatter", "scatter_add", "scatter_reduce", "select", "select_scatter", "slice_scatter", "split",
+    "squeeze", "stack", "swapaxes", "swapdims", "t", "take", "take_along_dim", "tensor_split", "tile", "transpose",
+    "tril", "triu", "unbind", "unflatten", "unsqueeze", "vsplit", "vstack", "meshgrid", "numel", "clone",
+    "detach", "tril_indices", "triu_indices", "combinations", "cartesian_prod", "block_diag", "kron",
+    "diagonal_scatter", "argwhere", "result_type", "promote_types", "can_cast", "is_tensor",
+    "is_floating_point", "is_complex", "is_nonzero",
+)
+_LINEAR_ALGEBRA = (
+    "addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm", "chain_matmul", "cross", "dot", "einsum", "inner",
+    "matmul", "mm", "mv", "outer", "ger", "tensordot", "trace", "vdot", "cholesky", "det", "logdet", "slogdet",
+    "inverse", "pinverse", "qr", "svd", "matrix_power", "matrix_exp",
+)
+_CREATION = (
+    "arange", "empty", "empty_like", "eye", "full", "full_like", "linspace", "logspace", "ones", "ones_like",
+    "rand", "rand_like", "randint", "randint_like", "randn", "randn_like", "randperm", "range", "scalar_tensor",
+    "tensor", "as_tensor", "zeros", "zeros_like", "bernoulli", "multinomial", "normal", "poisson", "complex",
+)
+_NN_OPS = (
+    "adaptive_avg_pool1d", "adaptive_max_pool1d", "avg_pool1d", "batch_norm", "bilinear", "channel_shuffle",
+    "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "convolution", "cosine_similarity", "dropout", "alpha_dropout", "feature_alpha_dropout", "feature_dropout",
+    "embedding", "embedding_bag", "group_norm", "instance_norm", "layer_norm", "rms_norm", "max_pool1d",
+    "max_pool2d", "max_pool3d", "native_layer_norm", "native_batch_norm", "pairwise_distance", "pdist",
+    "pixel_shuffle", "pixel_unshuffle", "softmax", "log_softmax", "constant_pad_nd", "relu_", "sigmoid_",
+    "tanh_", "clamp_", "clamp_min_", "clamp_max_", "exp_", "dropout_", "hardshrink", "native_dropout",
+)
+_TORCH = _ELEMENTWISE + _REDUCTIONS + _SHAPES + _LINEAR_ALGEBRA + _CREATION + _NN_OPS + ("_assert",)
+_FUNCTIONAL = (
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d",
+    "adaptive_max_pool2d", "adaptive_max_pool3d", "affine_grid", "alpha_dropout", "avg_pool1d", "avg_pool2d",
+    "avg_pool3d", "batch_norm", "bilinear", "celu", "celu_", "channel_shuffle", "conv1d", "conv2d", "conv3d",
+    "conv_tbc", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "cosine_similarity", "dropout",
+    "dropout1d", "dropout2d", "dropout3d", "elu", "elu_", "embedding", "embedding_bag", "feature_alpha_dropout",
+    "fold", "fractional_max_pool2d", "fractional_max_pool3d", "gelu", "glu", "grid_sample", "group_norm",
+    "gumbel_softmax", "hardshrink", "hardsigmoid", "hardswish", "hardtanh", "hardtanh_", "instance_norm",
+    "interpolate", "layer_norm", "leaky_relu", "leaky_relu_", "linear", "local_response_norm", "log_softmax",
+    "logsigmoid", "lp_pool1d", "lp_pool2d", "lp_pool3d", "max_pool1d", "max_pool2d", "max_pool3d",
+    "max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices", "max_unpool1d",
+    "max_unpool2d", "max_unpool3d", "mish", "normalize", "one_hot", "pad", "pairwise_distance", "pdist",
+    "pixel_shuffle", "pixel_unshuffle", "prelu", "relu", "relu6", "relu_", "rms_norm", "rrelu", "rrelu_", "selu",
+    "selu_", "sigmoid", "silu", "softmax", "softmin", "softplus", "softshrink", "softsign", "tanh", "tanhshrink",
+    "threshold", "threshold_", "unfold", "upsample", "upsample_bilinear", "upsample_nearest",
+    "scaled_dot_product_attention", "multi_head_attention_forward", "cross_entropy", "nll_loss", "mse_loss",
+    "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+    "kl_div",
+)
+_FFT = ("fft", "ifft", "rfft", "irfft", "fft2", "ifft2", "rfft2", "irfft2", "fftn", "ifftn", "rfftn", "irfftn",
+        "fftshift", "ifftshift", "hfft", "ihfft", "fftfreq", "rfftfreq")
+_LINALG = ("norm", "vector_norm", "matrix_norm", "det", "slogdet", "inv", "pinv", "solve", "cholesky", "qr",
+           "svd", "svdvals", "eigh", "eigvalsh", "matmul", "cross", "vecdot", "multi_dot", "matrix_power",
+           "diagonal", "lstsq")
+_SPECIAL = ("erf", "erfc", "erfinv", "expit", "logit", "expm1", "exp2", "log1p", "softmax", "log_softmax",
+            "sinc", "round", "i0", "xlogy", "entr", "ndtr", "ndtri", "log_ndtr", "gammaln", "digamma", "logsumexp")
+_OPERATOR = (
+    "abs", "add", "and_", "concat", "contains", "eq", "floordiv", "ge", "getitem", "gt", "iadd", "iand",
+    "ifloordiv", "ilshift", "imatmul", "imod", "imul", "index", "inv", "invert", "ior", "ipow", "irshift", "is_",
+    "is_not", "isub", "itruediv", "ixor", "le", "lshift", "lt", "matmul", "mod", "mul", "ne", "neg", "not_", "or_",
+    "pos", "pow", "rshift", "setitem", "sub", "truediv", "truth", "xor",
+)
+_MATH = ("ceil", "floor", "trunc", "sqrt", "exp", "log", "log2", "log10", "pow", "fabs", "sin", "cos", "tan",
+         "tanh", "erf", "isfinite", "isinf", "isnan", "prod", "gcd", "copysign", "fmod", "hypot", "atan2")
 _BUILTINS = ("getattr", "len", "abs", "min", "max", "int", "float", "bool", "round", "slice", "range", "tuple",
-             "list")
-_FUNCTION_NAMESPACES: dict[str, Any] = {"torch": torch, "torch.nn.functional": F, "operator": operator,
-                                        "math": math, "torch.fft": torch.fft, "torch.linalg": torch.linalg,
-                                        "torch.special": torch.special}
+             "list", "sum", "pow", "divmod")
+_FXQ_FUNCTIONS = (("fxq.frontends.caffe.modules", ("caffe_pool2d", "caffe_interp")),
+                  ("fxq.ops", ("fake_quant_linear", "fake_quant_float")))
+_ONNX2TORCH_FUNCTIONS = (("onnx2torch.node_converters.binary_math_operations", ("_onnx_div",)),
+                         ("onnx2torch.node_converters.reduce", ("_log_sum", "_log_sum_exp", "_sum_square")))
+"""onnx2torch's own functions its modules hold as attributes (``OnnxBinaryMathOperation.math_op_function``)."""
+_FXQ_OPS = ("fake_quant_linear", "fake_quant_linear_backward", "fake_quant_float", "fake_quant_float_backward")
+
+_ATEN_OPS = tuple(sorted({
+    *(n for n in _ELEMENTWISE + _REDUCTIONS + _SHAPES + _LINEAR_ALGEBRA + _NN_OPS if not n.startswith("_")),
+    "add_", "mul_", "sub_", "div_", "relu_", "hardtanh", "hardtanh_", "hardswish", "hardswish_", "hardsigmoid",
+    "hardsigmoid_", "gelu", "silu", "silu_", "elu", "leaky_relu", "leaky_relu_", "mish", "softplus", "glu",
+    "log_sigmoid_forward", "_softmax", "_log_softmax", "_to_copy", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional", "native_group_norm",
+    "linear", "addmm", "view", "_unsafe_view", "expand", "contiguous", "alias", "slice",
+    "sym_size", "sym_numel", "sym_stride", "max_pool2d_with_indices", "max_pool3d_with_indices", "avg_pool2d",
+    "avg_pool3d", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+    "adaptive_max_pool2d", "upsample_nearest2d", "upsample_bilinear2d", "upsample_bicubic2d", "upsample_nearest1d",
+    "upsample_linear1d", "upsample_nearest3d", "upsample_trilinear3d", "_upsample_nearest_exact2d",
+    "reflection_pad1d", "reflection_pad2d", "reflection_pad3d", "replication_pad1d", "replication_pad2d",
+    "replication_pad3d", "pad", "zeros", "ones", "full", "empty", "arange", "scalar_tensor", "new_zeros",
+    "new_ones", "new_full", "new_empty", "zeros_like", "ones_like", "full_like", "empty_like", "copy", "copy_",
+    "fill", "fill_", "lift_fresh_copy", "item", "_local_scalar_dense", "clamp_min", "clamp_max", "clone",
+    "t", "mean", "sum", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "embedding", "split_with_sizes", "unsafe_split",
+    "unsafe_split_with_sizes", "squeeze_copy", "unsqueeze_copy", "permute_copy", "view_copy", "rsub", "sym_not",
+    "_assert_scalar", "_assert_tensor_metadata", "index", "dropout", "native_dropout", "bernoulli",
+}))
+"""``aten`` ops (every overload but ``out=`` ones) that torch.export graphs of fxq models contain."""
+
+_NN_CLASSES = (
+    "Module", "Sequential", "ModuleList", "ModuleDict", "ParameterList", "ParameterDict", "Identity", "Linear",
+    "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "Fold",
+    "Unfold", "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d",
+    "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d",
+    "LPPool1d", "LPPool2d", "LPPool3d", "FractionalMaxPool2d", "FractionalMaxPool3d", "MaxUnpool1d",
+    "MaxUnpool2d", "MaxUnpool3d", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d", "InstanceNorm2d",
+    "InstanceNorm3d", "LayerNorm", "GroupNorm", "LocalResponseNorm", "CrossMapLRN2d", "RMSNorm", "Dropout",
+    "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout", "ReLU", "ReLU6", "LeakyReLU",
+    "PReLU", "RReLU", "ELU", "SELU", "CELU", "GELU", "SiLU", "Mish", "Sigmoid", "Tanh", "Hardtanh", "Hardswish",
+    "Hardsigmoid", "Hardshrink", "Softshrink", "Tanhshrink", "Softplus", "Softsign", "LogSigmoid", "Softmax",
+    "Softmax2d", "LogSoftmax", "Softmin", "GLU", "Threshold", "MultiheadAttention", "Embedding", "EmbeddingBag",
+    "Flatten", "Unflatten", "Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d", "PixelShuffle",
+    "PixelUnshuffle", "ChannelShuffle", "ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "ConstantPad1d", "ConstantPad2d",
+    "ConstantPad3d", "ReflectionPad1d", "ReflectionPad2d", "ReflectionPad3d", "ReplicationPad1d",
+    "ReplicationPad2d", "ReplicationPad3d", "CircularPad1d", "CircularPad2d", "CircularPad3d", "CosineSimilarity",
+    "PairwiseDistance", "Transformer", "TransformerEncoder", "TransformerDecoder", "TransformerEncoderLayer",
+    "TransformerDecoderLayer", "RNN", "LSTM", "GRU", "RNNCell", "LSTMCell", "GRUCell",
+)
+_FXQ_CLASSES = (
+    ("fxq.nn.fake_quantize", ("FakeQuantize",)),
+    ("fxq.qat", ("QATFakeQuantize", "QATBiasQuantize", "FrozenBatchNorm")),
+    ("fxq.algorithms.adaround", ("AdaRoundQuantizer",)),
+    ("fxq.algorithms.training", ("DropQuantize",)),
+    ("fxq.frontends.caffe.modules", ("CaffePooling2d", "CaffeScale", "CaffeChannelScale1d", "CaffeChannelScale2d",
+                                     "CaffeChannelScale3d", "CaffePower", "CaffeLRNWithinChannel", "CaffeInterp")),
+    ("fxq.frontends.onnx.converters.pad", ("OnnxPad",)),
+    ("fxq.frontends.onnx.converters.reduce", ("OnnxReduce",)),
+    ("fxq.frontends.onnx.converters.reshape", ("OnnxReshape",)),
+    ("fxq.frontends.onnx.converters.split", ("OnnxSplit",)),
+)
+
+TENSOR_METHODS = frozenset({
+    *(n for n in _ELEMENTWISE + _REDUCTIONS + _SHAPES + _LINEAR_ALGEBRA if not n.startswith("_")),
+    "abs_", "add_", "addcmul_", "clamp_", "clamp_min_", "clamp_max_", "copy_", "div_", "exp_", "fill_",
+    "masked_fill_", "mul_", "neg_", "pow_", "relu_", "sigmoid_", "sqrt_", "sub_", "tanh_", "zero_", "round_",
+    "floor_", "ceil_", "clip_", "index_put_", "scatter_", "scatter_add_", "unsqueeze_", "squeeze_", "t_",
+    "transpose_", "hardtanh_", "leaky_relu_", "bool", "byte", "char", "contiguous", "cpu", "cuda", "dim",
+    "double", "element_size", "expand", "expand_as", "float", "half", "bfloat16", "int", "long", "short",
+    "is_contiguous", "item", "ndimension", "nelement", "new_empty", "new_full", "new_ones", "new_tensor",
+    "new_zeros", "numel", "repeat", "reshape_as", "resize_as_", "size", "softmax", "log_softmax", "stride",
+    "to", "tolist", "type_as", "view", "view_as", "unfold", "flatten", "relu", "hardtanh", "requires_grad_",
+    "get_device", "type", "sum_to_size", "as_subclass", "nan_to_num", "bernoulli", "uniform_", "normal_",
+    "exponential_", "random_", "cauchy_", "log_normal_", "geometric_",
+} - {"as_subclass", "type"})
+"""``call_method`` targets: pure tensor methods (never ``storage``, ``set_``, ``share_memory_``, ``apply_``...)."""
+
+GETATTR_NAMES = frozenset({"shape", "dtype", "device", "ndim", "T", "mT", "H", "mH", "data", "is_cuda",
+                           "is_quantized", "is_sparse", "layout", "requires_grad", "real", "imag", "itemsize",
+                           "nbytes", "is_leaf", "grad"})
+"""Attributes a ``getattr`` node may read: data, never a bound method."""
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_PATH_PART = re.compile(r"[A-Za-z0-9_/:+\-@#\[\]()<>,=~! ]{1,200}\Z")
+"""A module / attribute name that is not an identifier (``0``, onnx2torch's ``stem/0/Conv``): torch.fx writes it
+as ``getattr(self, "...")``, so it may hold no quote, backslash or line break."""
+
+
+# ---------------------------------------------------------------------------------------------- names
+def check_identifier(name: Any, what: str) -> str:
+    """``name`` if it is a plain identifier (ASCII, not a keyword, not a dunder); else :class:`NotSupportedError`."""
+    why = None
+    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+        why = "not a plain identifier"
+    elif name.startswith("__"):
+        why = "dunder name"
+    elif keyword.iskeyword(name) or name == "self":
+        why = "Python keyword"
+    if why:
+        raise NotSupportedError(f"{what} {name!r:.100} is not allowed in fxq files ({why})")
+    return name
+
+
+def check_part(name: Any, what: str) -> str:
+    """``name`` if it can name a submodule, parameter or buffer: an identifier (see :func:`check_identifier`) or
+    a name of digits, letters and ``_/:+-@#[]()<>,=~!`` and spaces (``0``, ``stem/0/Conv``)."""
+    if isinstance(name, str) and _PATH_PART.match(name) and not name.isidentifier():
+        return name
+    return check_identifier(name, what)
+
+
+def check_path(path: Any, what: str) -> str:
+    """``path`` if it is a dotted path of :func:`check_part` names (``layer1.0.conv1``)."""
+    if not isinstance(path, str) or not path:
+        raise NotSupportedError(f"{what} {path!r} is not allowed in fxq files (not a dotted path)")
+    for part in path.split("."):
+        check_part(part, f"{what} {path!r}: part")
+    return path
 
 
 def _qualified(obj: Any) -> str:
@@ -55,119 +264,179 @@ def register_serializable(obj: Any) -> Any:
         >>> @register_serializable
         ... class MyBlock(nn.Module): ...
     """
-    if not (isinstance(obj, type) and issubclass(obj, nn.Module)) and not callable(obj):
+    is_module = isinstance(obj, type) and issubclass(obj, nn.Module)
+    if isinstance(obj, type) and not is_module or not callable(obj):
         raise NotSupportedError(f"register_serializable takes an nn.Module subclass or a function, got {obj!r}")
     SERIALIZABLE.register(_qualified(obj), obj, override=True)
     return obj
 
 
 # ---------------------------------------------------------------------------------------------- classes
+@functools.lru_cache(maxsize=1)
+def _class_table() -> dict[str, type]:
+    classes: list[type] = [getattr(nn, n) for n in _NN_CLASSES if isinstance(getattr(nn, n, None), type)]
+    classes.append(nn.modules.linear.NonDynamicallyQuantizableLinear)
+    for module_name, names in _FXQ_CLASSES:
+        module = _import_ours(module_name)
+        classes += [getattr(module, n) for n in names] if module is not None else []
+    return {_qualified(c): c for c in classes}
+
+
+def _import_ours(module_name: str) -> Any:
+    """One of fxq's own modules named in this file (never a name from a saved file)."""
+    import importlib  # noqa: PLC0415
+
+    try:
+        return importlib.import_module(module_name)
+    except ImportError:  # optional dependency (onnx2torch) missing
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _onnx2torch_classes() -> dict[str, type]:
+    """Index of the module classes onnx2torch defines, keyed by ``module:qualname`` (built once)."""
+    if _import_ours("onnx2torch") is None:
+        return {}
+    out: dict[str, type] = {}
+    for module_name in sorted(m for m in list(sys.modules) if m == "onnx2torch" or m.startswith("onnx2torch.")):
+        module = sys.modules.get(module_name)
+        for value in list(vars(module).values()) if module is not None else ():
+            if isinstance(value, type) and issubclass(value, nn.Module) and value.__module__ == module_name:
+                out[_qualified(value)] = value
+    return out
+
+
 def class_name(cls: type) -> str | None:
     """``module:qualname`` of an allowed module class, else None."""
     name = _qualified(cls)
-    if name in SERIALIZABLE:
+    if name in SERIALIZABLE and SERIALIZABLE.get(name) is cls:
         return name
-    if issubclass(cls, nn.Module) and cls.__module__.startswith(_MODULE_PREFIXES) and "<locals>" not in cls.__qualname__:
-        return name
-    return None
+    return name if _lookup_class(name) is cls else None
 
 
-def resolve_class(name: str) -> type:
-    """The class saved as ``name``, if it is allowed; otherwise :class:`NotSupportedError`."""
-    if name in SERIALIZABLE:
-        return SERIALIZABLE.get(name)
-    module, _, qual = name.partition(":")
-    if not module.startswith(_MODULE_PREFIXES) or not qual:
-        raise NotSupportedError(f"module class {name!r} is not allowed in fxq files; register it with "
-                                f"fxq.serialization.register_serializable before fxq.load")
-    obj: Any = importlib.import_module(module)
-    for part in qual.split("."):
-        obj = getattr(obj, part, None)
-    if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
-        raise NotSupportedError(f"{name!r} does not name an nn.Module class")
-    return obj
+def _lookup_class(name: str) -> type | None:
+    if name.startswith("onnx2torch."):  # indexed on first use: importing onnx2torch is slow
+        return _onnx2torch_classes().get(name)
+    return _class_table().get(name)
+
+
+def resolve_class(name: Any) -> type:
+    """The class saved as ``name``, if it is in the class table; otherwise :class:`NotSupportedError`."""
+    if isinstance(name, str):
+        if name in SERIALIZABLE and isinstance(SERIALIZABLE.get(name), type):
+            return SERIALIZABLE.get(name)
+        cls = _lookup_class(name)
+        if cls is not None:
+            return cls
+    raise NotSupportedError(f"module class {name!r} is not allowed in fxq files; register it with "
+                            f"fxq.serialization.register_serializable before fxq.load")
 
 
 # ---------------------------------------------------------------------------------------------- functions
 @functools.lru_cache(maxsize=1)
-def _function_index() -> dict[int, str]:
-    index: dict[int, str] = {}
-    for ns_name, ns in _FUNCTION_NAMESPACES.items():
-        for attr in dir(ns):
-            if not _allowed_attr(attr):
-                continue
-            obj = getattr(ns, attr, None)
+def _function_table() -> dict[str, Callable[..., Any]]:
+    table: dict[str, Callable[..., Any]] = {}
+
+    def add(prefix: str, namespace: Any, names: tuple[str, ...]) -> None:
+        for attr in names:
+            obj = getattr(namespace, attr, None)
             if callable(obj) and not isinstance(obj, type):
-                index.setdefault(id(obj), f"{ns_name}:{attr}")
+                table[f"{prefix}:{attr}"] = obj
+
+    add("torch", torch, _TORCH)
+    add("torch.nn.functional", F, _FUNCTIONAL)
+    add("operator", operator, _OPERATOR)
+    add("math", math, _MATH)
+    add("torch.fft", torch.fft, _FFT)
+    add("torch.linalg", torch.linalg, _LINALG)
+    add("torch.special", torch.special, _SPECIAL)
     for attr in _BUILTINS:
-        index.setdefault(id(getattr(builtins, attr)), f"builtins:{attr}")
-    return index
+        table[f"builtins:{attr}"] = getattr(builtins, attr)
+    for module_name, names in _FXQ_FUNCTIONS:
+        module = _import_ours(module_name)
+        if module is not None:
+            add(module_name, module, names)
+    for namespace, ops in (("aten", _ATEN_OPS), ("fxq", _FXQ_OPS)):
+        for op in ops:
+            packet = getattr(getattr(torch.ops, namespace), op, None) if hasattr(torch.ops, namespace) else None
+            if not isinstance(packet, torch._ops.OpOverloadPacket):
+                continue
+            table[f"torch.ops:{namespace}::{op}"] = packet
+            for overload in packet.overloads():
+                if not overload.endswith("out"):
+                    table[f"torch.ops:{namespace}::{op}.{overload}"] = getattr(packet, overload)
+    return table
+
+
+@functools.lru_cache(maxsize=1)
+def _onnx2torch_functions() -> dict[str, Callable[..., Any]]:
+    table: dict[str, Callable[..., Any]] = {}
+    for module_name, names in _ONNX2TORCH_FUNCTIONS:
+        module = _import_ours(module_name)
+        for attr in names if module is not None else ():
+            fn = getattr(module, attr, None)
+            if callable(fn) and not isinstance(fn, type):
+                table[f"{module_name}:{attr}"] = fn
+    return table
+
+
+def _lookup_function(name: str) -> Callable[..., Any] | None:
+    if name.startswith("onnx2torch."):  # imported on first use: importing onnx2torch is slow
+        return _onnx2torch_functions().get(name)
+    return _function_table().get(name)
+
+
+@functools.lru_cache(maxsize=1)
+def _function_names() -> dict[int, str]:
+    names: dict[int, str] = {}
+    for name, fn in _function_table().items():  # first listed name wins: torch before torch.nn.functional
+        names.setdefault(id(fn), name)
+    return names
 
 
 def function_name(fn: Callable[..., Any]) -> str | None:
     """A name :func:`resolve_function` turns back into ``fn``, or None if ``fn`` is not allowed."""
-    if isinstance(fn, torch._ops.OpOverload):
-        return f"torch.ops:{fn._schema.name}.{fn._overloadname}"
-    if isinstance(fn, torch._ops.OpOverloadPacket):
-        return f"torch.ops:{fn._qualified_op_name}"
     for key, obj in SERIALIZABLE.items():
         if obj is fn:
             return key
-    return _function_index().get(id(fn))
+    if isinstance(fn, torch._ops.OpOverload):
+        name = f"torch.ops:{fn._schema.name}.{fn._overloadname}"
+    elif isinstance(fn, torch._ops.OpOverloadPacket):
+        name = f"torch.ops:{fn._qualified_op_name}"
+    elif str(getattr(fn, "__module__", "")).startswith("onnx2torch."):
+        return next((k for k, v in _onnx2torch_functions().items() if v is fn), None)
+    else:
+        return _function_names().get(id(fn))
+    return name if _function_table().get(name) is fn else None
 
 
-def resolve_function(name: str) -> Callable[..., Any]:
-    """The function saved as ``name``, looked up only in the allowed namespaces."""
-    if name in SERIALIZABLE:
-        return SERIALIZABLE.get(name)
-    ns_name, _, attr = name.partition(":")
-    if ns_name == "torch.ops":
-        ns, _, rest = attr.partition("::")
-        op, _, overload = rest.partition(".")
-        try:
-            packet = getattr(getattr(torch.ops, ns), op)
-            return getattr(packet, overload) if overload else packet
-        except (AttributeError, RuntimeError) as exc:
-            raise NotSupportedError(f"op {attr!r} is not registered in this process (import the library that "
-                                    f"defines it before fxq.load)") from exc
-    if name not in _allowed_names():
-        raise NotSupportedError(f"function {name!r} is not allowed in fxq files; register it with "
-                                f"fxq.serialization.register_serializable before fxq.load")
-    ns = builtins if ns_name == "builtins" else _FUNCTION_NAMESPACES[ns_name]
-    return getattr(ns, attr)
-
-
-@functools.lru_cache(maxsize=1)
-def _allowed_names() -> frozenset[str]:
-    return frozenset(_function_index().values())
-
-
-_DENIED = frozenset({
-    "save", "load", "from_file", "load_library", "compile", "jit", "hub", "package", "manual_seed", "seed",
-    "use_deterministic_algorithms", "export", "onnx", "attrgetter", "methodcaller", "call",
-})
-"""Names refused in every namespace: I/O, code loading, global state, calls by name (operator.call...)."""
-_DENIED_PREFIXES = ("_", "set_", "register_")
-_PRIVATE_ALLOWED = frozenset({"_assert"})  # torch.fx writes torch._assert for traced asserts
-
-
-def _allowed_attr(attr: str) -> bool:
-    return attr in _PRIVATE_ALLOWED or (attr not in _DENIED and not attr.startswith(_DENIED_PREFIXES))
+def resolve_function(name: Any) -> Callable[..., Any]:
+    """The function saved as ``name``, looked up only in the function table (and registrations)."""
+    if isinstance(name, str):
+        if name in SERIALIZABLE:
+            return SERIALIZABLE.get(name)
+        fn = _lookup_function(name)
+        if fn is not None:
+            return fn
+    raise NotSupportedError(f"function {name!r} is not allowed in fxq files; register it with "
+                            f"fxq.serialization.register_serializable before fxq.load")
 
 
 def check_node(op: str, target: Any, args: tuple) -> None:
-    """Refuse what could walk from a value to arbitrary objects: ``getattr`` of a private / dunder name, and
-    ``get_attr`` / ``call_module`` paths through dunder attributes."""
+    """Refuse a ``getattr`` node of an attribute outside :data:`GETATTR_NAMES` (a bound method, ``__class__``...)."""
     if op == "call_function" and target is builtins.getattr:
         attr = args[1] if len(args) > 1 else None
-        if not isinstance(attr, str) or attr.startswith("_"):
-            raise NotSupportedError(f"getattr of {attr!r} is not allowed in fxq files (only public attribute names)")
-    if op in ("get_attr", "call_module") and any(p.startswith("__") for p in str(target).split(".")):
-        raise NotSupportedError(f"{op} target {target!r} is not allowed in fxq files (dunder attribute)")
+        if len(args) != 2:
+            raise NotSupportedError(f"getattr with {len(args)} arguments is not allowed in fxq files (only getattr(x, name))")
+        if attr not in GETATTR_NAMES:
+            raise NotSupportedError(f"getattr of {attr!r} is not allowed in fxq files (only {sorted(GETATTR_NAMES)})")
+    if op in ("get_attr", "call_module"):
+        check_path(target, f"{op} target")
 
 
-def check_method(name: str) -> str:
-    """``name`` if it is a ``torch.Tensor`` method (a valid ``call_method`` target)."""
-    if not isinstance(name, str) or (name.startswith("_") and name != "__getitem__") or not hasattr(torch.Tensor, name):
-        raise NotSupportedError(f"call_method target {name!r} is not a torch.Tensor method")
+def check_method(name: Any) -> str:
+    """``name`` if it is an allowed ``torch.Tensor`` method (a ``call_method`` target)."""
+    if not isinstance(name, str) or name not in TENSOR_METHODS or not hasattr(torch.Tensor, name):
+        raise NotSupportedError(f"call_method target {name!r} is not allowed in fxq files (not an allowed "
+                                f"torch.Tensor method)")
     return name

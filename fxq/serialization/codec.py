@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 from typing import Any, Callable
 
 import torch
@@ -19,7 +20,7 @@ from fxq.graph.info import GraphQuant, NodeQuant, QuantizerInfo
 from fxq.serialization.allowlist import function_name, resolve_function
 from fxq.spec import FloatFormat, QuantState, RoundingPolicy, TensorQuantConfig
 
-__all__ = ["Unencodable", "TensorTable", "encode", "decode"]
+__all__ = ["Unencodable", "TensorTable", "encode", "decode", "decode_config", "dtype_of", "dtype_name", "check_shape", "GRAPH_TAGS"]
 
 _ENUMS: dict[str, type[enum.Enum]] = {c.__name__: c for c in (QuantState, RoundingPolicy, FloatFormat)}
 _RECORDS: dict[str, type] = {c.__name__: c for c in (NodeQuant, QuantizerInfo, GraphQuant)}
@@ -114,67 +115,151 @@ def encode(value: Any, table: TensorTable, hint: str = "t", *, tensor_spec_only:
     raise Unencodable(f"{type(value).__module__}.{type(value).__qualname__} value")
 
 
-def decode(data: Any, table: TensorTable, nodes: dict[str, fx.Node] | None = None) -> Any:
-    """Inverse of :func:`encode` (``nodes`` resolves ``$node`` references)."""
-    rec = lambda v: decode(v, table, nodes)  # noqa: E731
+_DTYPES: dict[str, torch.dtype] = {
+    n: getattr(torch, n) for n in (
+        "float32", "float64", "float16", "bfloat16", "complex32", "complex64", "complex128", "uint8", "int8",
+        "int16", "int32", "int64", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2",
+        "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "qint8", "quint8", "qint32", "quint4x2",
+    ) if isinstance(getattr(torch, n, None), torch.dtype)
+}
+_CONSTANTS: dict[str, Any] = {
+    n: getattr(torch, n) for n in (
+        "contiguous_format", "channels_last", "channels_last_3d", "preserve_format", "strided", "sparse_coo",
+        "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "per_tensor_affine", "per_channel_affine",
+        "per_tensor_symmetric", "per_channel_symmetric", "per_channel_affine_float_qparams",
+    ) if isinstance(getattr(torch, n, None), _TORCH_CONSTANTS)
+}
+_DEVICE = re.compile(r"(cpu|cuda|meta|mps|xpu)(:[0-9]{1,4})?\Z")
+_MAX_NUMEL = 2**48
+GRAPH_TAGS = frozenset({"$node", "$float", "$size", "$tuple", "$dict", "$set", "$slice", "$ellipsis", "$dtype",
+                        "$device", "$torch", "$function"})
+"""What node arguments may hold: no tensors, records or configs (torch.fx would print their repr as code)."""
+
+
+def dtype_of(name: Any) -> torch.dtype:
+    """The dtype named ``name`` (``"float32"``), from an explicit table."""
+    if not isinstance(name, str) or name not in _DTYPES:
+        raise Unencodable(f"unknown dtype {name!r}")
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"float32"`` for ``torch.float32``."""
+    return str(dtype).replace("torch.", "")
+
+
+def check_shape(shape: Any, what: str = "tensor") -> list[int]:
+    """``shape`` as a list of sizes, if it is one (non-negative ints, at most 2**48 elements)."""
+    if not isinstance(shape, (list, tuple)) or len(shape) > 64 or not all(
+            type(d) is int and 0 <= d <= _MAX_NUMEL for d in shape) or math.prod(shape) > _MAX_NUMEL:
+        raise Unencodable(f"{what} shape {shape!r} is not a valid tensor shape (at most 2**48 elements)")
+    return list(shape)
+
+
+def _expect(body: Any, kind: type | tuple[type, ...], key: str, length: int | None = None) -> Any:
+    if not isinstance(body, kind) or isinstance(body, bool) and bool not in (kind if isinstance(kind, tuple)
+                                                                             else (kind,)):
+        raise Unencodable(f"{key} holds {type(body).__name__}, not {getattr(kind, '__name__', kind)}")
+    if length is not None and len(body) != length:
+        raise Unencodable(f"{key} holds {len(body)} items, not {length}")
+    return body
+
+
+def decode(data: Any, table: TensorTable, nodes: dict[str, fx.Node] | None = None,
+           tags: frozenset[str] | None = None) -> Any:
+    """Inverse of :func:`encode` (``nodes`` resolves ``$node`` references; ``tags``: the ``$`` forms allowed)."""
+    rec = lambda v: decode(v, table, nodes, tags)  # noqa: E731
     if data is None or isinstance(data, (bool, int, float, str)):
         return data
     if isinstance(data, list):
         return [rec(v) for v in data]
     if not isinstance(data, dict):
         raise Unencodable(f"unexpected JSON value {data!r}")
-    if len(data) == 1:
-        (key, body), = data.items()
-        if key == "$node":
-            if nodes is None or body not in nodes:
-                raise Unencodable(f"reference to unknown node {body!r}")
-            return nodes[body]
-        if key == "$tensor":
-            return table.get(body)
-        if key == "$tensor_spec":
-            shape, dtype = body
-            return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
-        if key == "$float":
-            return float(body)
-        if key == "$size":
-            return torch.Size(body)
-        if key == "$tuple":
-            return tuple(rec(v) for v in body)
-        if key == "$dict":
-            return {_hashable(rec(k)): rec(v) for k, v in body}
-        if key == "$set":
-            return {_hashable(rec(v)) for v in body}
-        if key == "$slice":
-            return slice(*(rec(v) for v in body))
-        if key == "$ellipsis":
-            return Ellipsis
-        if key == "$dtype":
-            value = getattr(torch, str(body), None)
-            if not isinstance(value, torch.dtype):
-                raise Unencodable(f"unknown dtype {body!r}")
-            return value
-        if key == "$device":
-            return torch.device(body)
-        if key == "$torch":
-            value = getattr(torch, str(body), None)
-            if not isinstance(value, _TORCH_CONSTANTS):
-                raise Unencodable(f"unknown torch constant {body!r}")
-            return value
-        if key == "$enum":
-            cls = _ENUMS.get(body[0])
-            if cls is None:
-                raise Unencodable(f"unknown enum {body[0]!r}")
-            return cls[body[1]]
-        if key == "$config":
-            return TensorQuantConfig.from_dict(dict(body))
-        if key == "$record":
-            cls = _RECORDS.get(body[0])
-            if cls is None:
-                raise Unencodable(f"unknown record type {body[0]!r}")
-            return cls(**{k: rec(v) for k, v in body[1].items()})
-        if key == "$function":
-            return resolve_function(body)
-    return {k: rec(v) for k, v in data.items()}
+    if not any(isinstance(k, str) and k.startswith("$") for k in data):
+        return {k: rec(v) for k, v in data.items()}
+    if len(data) != 1:
+        raise Unencodable(f"unexpected keys {sorted(data)[:5]}")
+    (key, body), = data.items()
+    if tags is not None and key not in tags:
+        raise Unencodable(f"{key} is not allowed here")
+    if key == "$node":
+        if nodes is None or not isinstance(body, str) or body not in nodes:
+            raise Unencodable(f"reference to unknown (or later) node {body!r}")
+        return nodes[body]
+    if key == "$tensor":
+        if not isinstance(body, str) or body not in table.tensors:
+            raise Unencodable(f"reference to missing tensor {body!r}")
+        return table.get(body)
+    if key == "$tensor_spec":
+        shape, dtype = _expect(body, list, key, 2)
+        return torch.empty(check_shape(shape), dtype=dtype_of(dtype), device="meta")
+    if key == "$float":
+        return float(_expect(body, str, key))
+    if key == "$size":
+        return torch.Size(check_shape(_expect(body, list, key), "torch.Size"))
+    if key == "$tuple":
+        return tuple(rec(v) for v in _expect(body, list, key))
+    if key == "$dict":
+        return {_hashable(rec(k)): rec(v) for k, v in (_expect(p, list, key, 2) for p in _expect(body, list, key))}
+    if key == "$set":
+        return {_hashable(rec(v)) for v in _expect(body, list, key)}
+    if key == "$slice":
+        return slice(*(rec(v) for v in _expect(body, list, key, 3)))
+    if key == "$ellipsis":
+        return Ellipsis
+    if key == "$dtype":
+        return dtype_of(body)
+    if key == "$device":
+        if not isinstance(body, str) or not _DEVICE.match(body):
+            raise Unencodable(f"unknown device {body!r}")
+        return torch.device(body)
+    if key == "$torch":
+        if not isinstance(body, str) or body not in _CONSTANTS:
+            raise Unencodable(f"unknown torch constant {body!r}")
+        return _CONSTANTS[body]
+    if key == "$enum":
+        name, member = _expect(body, list, key, 2)
+        cls = _ENUMS.get(name) if isinstance(name, str) else None
+        if cls is None or not isinstance(member, str) or member not in cls.__members__:
+            raise Unencodable(f"unknown enum member {name!r}.{member!r}")
+        return cls.__members__[member]
+    if key == "$config":
+        return decode_config(body)
+    if key == "$record":
+        name, fields = _expect(body, list, key, 2)
+        cls = _RECORDS.get(name) if isinstance(name, str) else None
+        if cls is None:
+            raise Unencodable(f"unknown record type {name!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(fields, dict) or not set(fields) <= known:
+            raise Unencodable(f"record {name} has unknown fields {sorted(set(fields) - known)[:5]}")
+        return cls(**{k: rec(v) for k, v in fields.items()})
+    if key == "$function":
+        return resolve_function(body)
+    raise Unencodable(f"unknown tag {key!r}")
+
+
+_CONFIG_TYPES: dict[str, tuple[type, ...]] = {
+    "num_bits": (int,), "symmetric": (bool,), "per_channel": (bool,), "channel_axis": (int,),
+    "power_of_2": (bool,), "fp_format": (str, type(None)), "quant_min": (int, float, type(None)), "quant_max": (int, float, type(None)),
+    "rounding": (str,), "scale": (list, type(None)), "offset": (list, type(None)), "state": (str,),
+    "observer": (str, type(None)),
+}
+
+
+def decode_config(body: Any) -> TensorQuantConfig:
+    """A :class:`TensorQuantConfig` from its ``to_dict`` form, every field type checked first."""
+    if not isinstance(body, dict):
+        raise Unencodable(f"$config holds {type(body).__name__}, not an object")
+    for name, value in body.items():
+        kinds = _CONFIG_TYPES.get(name)
+        if kinds is None:
+            raise Unencodable(f"unknown TensorQuantConfig field {name!r}")
+        if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
+            raise Unencodable(f"TensorQuantConfig field {name!r} holds {type(value).__name__}")
+        if isinstance(value, list) and not all(type(v) in (int, float) for v in value):
+            raise Unencodable(f"TensorQuantConfig field {name!r} must hold numbers")
+    return TensorQuantConfig.from_dict(dict(body))
 
 
 def _hashable(value: Any) -> Any:

@@ -7,18 +7,20 @@ the graph never calls them (they only hold parameters), and are an error otherwi
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-from fxq.errors import NotSupportedError
+from fxq.errors import FrontendError, NotSupportedError
 from fxq.nn.fake_quantize import FakeQuantize
-from fxq.serialization.allowlist import class_name, resolve_class
+from fxq.serialization.allowlist import check_identifier, check_part, check_path, class_name, resolve_class
 from fxq.serialization.codec import TensorTable, Unencodable, decode, encode
 
-__all__ = ["encode_modules", "decode_modules"]
+__all__ = ["encode_modules", "decode_modules", "Defined"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +35,7 @@ def _skip(mod: nn.Module) -> frozenset[str]:
 def _attrs(path: str, mod: nn.Module, table: TensorTable) -> dict[str, Any]:
     out: dict[str, Any] = {}
     skip = _skip(mod)
-    for key, value in vars(mod).items():
+    for key, value in sorted(vars(mod).items()):  # sorted: the same bytes after a load, whatever __init__ did
         if key in _MODULE_INTERNALS or key in skip:
             continue
         if isinstance(mod, FakeQuantize) and key == "config":
@@ -87,50 +89,115 @@ def encode_modules(gm: fx.GraphModule, table: TensorTable) -> list[dict[str, Any
     return records
 
 
-def _fill(mod: nn.Module, rec: dict[str, Any], table: TensorTable) -> None:
-    for key, (tkey, grad) in rec["params"].items():
-        mod.register_parameter(key, nn.Parameter(table.get(tkey), requires_grad=grad))
-    for key in rec.get("none_params", []):
-        mod.register_parameter(key, None)
-    for key, (tkey, persistent) in rec["buffers"].items():
-        mod.register_buffer(key, table.get(tkey), persistent=persistent)
-    for key in rec.get("none_buffers", []):
-        mod.register_buffer(key, None)
+@dataclasses.dataclass
+class Defined:
+    """What a file's module tree defines: the targets its graph may name."""
+
+    modules: set[str] = dataclasses.field(default_factory=set)
+    attrs: set[str] = dataclasses.field(default_factory=set)  # parameters, buffers, tensor attributes
 
 
-def decode_modules(records: list[dict[str, Any]], root: nn.Module, table: TensorTable) -> None:
+def _record(rec: Any, where: str) -> dict[str, Any]:
+    if not isinstance(rec, dict):
+        raise FrontendError(f"{where} is a {type(rec).__name__}, not an object")
+    for key, kind in (("params", dict), ("buffers", dict), ("none_params", list), ("none_buffers", list),
+                      ("children", list), ("attrs", dict), ("tensor_attrs", dict)):
+        if not isinstance(rec.get(key, kind()), kind):
+            raise FrontendError(f"{where}: {key!r} is a {type(rec[key]).__name__}, not a {kind.__name__}")
+    return rec
+
+
+def _tensor_ref(value: Any, table: TensorTable, where: str) -> tuple[torch.Tensor, bool]:
+    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], bool)):
+        raise FrontendError(f"{where}: expected [tensor key, flag], got {value!r:.80}")
+    if value[0] not in table.tensors:
+        raise FrontendError(f"{where}: tensor {value[0]!r} is missing from the file")
+    return table.get(value[0]), value[1]
+
+
+_name = check_part  # a parameter / buffer / child name: an identifier, an index (Sequential's 0), onnx2torch's
+
+def _check_attr_name(cls: type, key: Any, where: str) -> str:
+    check_identifier(key, f"{where}: attribute")
+    if key in _MODULE_INTERNALS:
+        raise NotSupportedError(f"{where}: attribute {key!r} is not allowed in fxq files (module internals)")
+    static = inspect.getattr_static(cls, key, None)
+    if static is not None and (callable(static) or hasattr(type(static), "__get__")):
+        raise NotSupportedError(f"{where}: attribute {key!r} is not allowed in fxq files (it would replace "
+                                f"{cls.__qualname__}.{key})")
+    return key
+
+
+def decode_modules(records: list[dict[str, Any]], root: nn.Module, table: TensorTable) -> Defined:
     """Rebuild the saved tree under ``root`` (a fresh GraphModule), sharing tensors saved once."""
+    if not isinstance(records, list) or not records or not isinstance(records[0], dict) or records[0].get("path"):
+        raise FrontendError("the module tree does not start with the root module")
     built: dict[str, nn.Module] = {"": root}
     shared: dict[str, nn.Parameter] = {}
-    for rec in records:
-        path = rec["path"]
+    defined = Defined()
+    for i, raw in enumerate(records):
+        rec = _record(raw, f"module record {i}")
+        path = rec.get("path")
+        where = f"module {path!r}"
+        if i and path == "" or not isinstance(path, str) or path in built and i:
+            raise FrontendError(f"{where} is saved twice or has no path")
         if not path:
             mod = root
         else:
-            cls = resolve_class(rec["class"])
+            check_path(path, "module path")
+            parent_path, _, name = path.rpartition(".")
+            if parent_path not in built:
+                raise FrontendError(f"{where} comes before its parent module")
+            cls = resolve_class(rec.get("class"))
             mod = cls.__new__(cls)
             nn.Module.__init__(mod)
-            for key, value in rec["attrs"].items():
-                if key.startswith("__"):
-                    raise NotSupportedError(f"module {path!r}: attribute {key!r} is not allowed in fxq files")
-                object.__setattr__(mod, key, decode(value, table))
+            for key, value in rec.get("attrs", {}).items():
+                _check_attr_name(cls, key, where)
+                value = decode(value, table)
+                object.__setattr__(mod, key, value)
+                if isinstance(value, torch.Tensor):
+                    defined.attrs.add(f"{path}.{key}")
             if isinstance(mod, FakeQuantize):
                 mod.observer = None
-        for key, (tkey, grad) in rec["params"].items():  # a parameter saved under two paths stays one object
-            p = shared.get(tkey)
+        prefix = f"{path}." if path else ""
+        for key, ref in rec["params"].items():  # a parameter saved under two paths stays one object
+            _name(key, f"{where}: parameter")
+            tensor, grad = _tensor_ref(ref, table, f"{where}: parameter {key!r}")
+            p = shared.get(ref[0])
             if p is None:
-                p = shared[tkey] = nn.Parameter(table.get(tkey), requires_grad=grad)
+                p = shared[ref[0]] = nn.Parameter(tensor, requires_grad=grad)
             mod.register_parameter(key, p)
-        rest = dict(rec, params={})
-        _fill(mod, rest, table)
+            defined.attrs.add(prefix + key)
+        for key in rec.get("none_params", []):
+            mod.register_parameter(_name(key, f"{where}: parameter"), None)
+            defined.attrs.add(prefix + key)
+        for key, ref in rec["buffers"].items():
+            tensor, persistent = _tensor_ref(ref, table, f"{where}: buffer {key!r}")
+            mod.register_buffer(_name(key, f"{where}: buffer"), tensor, persistent=persistent)
+            defined.attrs.add(prefix + key)
+        for key in rec.get("none_buffers", []):
+            mod.register_buffer(_name(key, f"{where}: buffer"), None)
+            defined.attrs.add(prefix + key)
         if isinstance(mod, FakeQuantize):
             mod._sync_config()
         if path:
-            parent_path, _, name = path.rpartition(".")
             built[parent_path].add_module(name, mod)
             built[path] = mod
+            defined.modules.add(path)
         for key, tkey in rec.get("tensor_attrs", {}).items():
+            if path:
+                raise FrontendError(f"{where}: only the root module holds tensor attributes")
+            check_identifier(key, "tensor attribute")
+            if hasattr(type(root), key) or key in vars(root):
+                raise NotSupportedError(f"tensor attribute {key!r} is not allowed in fxq files (it would replace "
+                                        f"GraphModule.{key})")
+            if not isinstance(tkey, str) or tkey not in table.tensors:
+                raise FrontendError(f"tensor attribute {key!r}: tensor {tkey!r} is missing from the file")
             setattr(mod, key, table.get(tkey))
-    missing = [r["path"] for r in records if any(f"{r['path']}.{c}".lstrip(".") not in built for c in r["children"])]
-    if missing:
-        raise NotSupportedError(f"saved module tree is incomplete under {missing[:3]}")
+            defined.attrs.add(key)
+    for rec in records:
+        prefix = f"{rec['path']}." if rec["path"] else ""
+        missing = [c for c in rec["children"] if not isinstance(c, str) or prefix + c not in built]
+        if missing:
+            raise FrontendError(f"saved module tree is incomplete: {rec['path']!r} misses children {missing[:3]}")
+    return defined

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from fxq.errors import FrontendError
 from fxq.functional import dequantize_linear, quantize_to_int
 from fxq.graph.info import iter_quantizers, quantizer_infos
 from fxq.graph.passes import get_attr_value
@@ -66,10 +67,20 @@ def pack_baked_parameters(gm: fx.GraphModule, table: TensorTable) -> dict[str, d
     return packed
 
 
-def unpack_parameters(packed: dict[str, dict[str, Any]], table: TensorTable) -> None:
+def unpack_parameters(packed: dict[str, Any], table: TensorTable) -> None:
     """Rebuild the weights :func:`pack_baked_parameters` stored as codes, in ``table``."""
     for key, rec in packed.items():
-        codes, dtype = table.get(key), decode(rec["dtype"], table)
+        if not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) and rec[k] in table.tensors
+                                                for k in ("scale", "offset")) or key not in table.tensors \
+                or type(rec.get("axis")) is not int:
+            raise FrontendError(f"packed weight {key!r}: damaged record {rec!r:.120}")
+        codes, dtype = table.get(key), decode(rec.get("dtype"), table)
         if codes.dtype not in _CODE_DTYPES or not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"packed weight {key!r} holds {codes.dtype} codes for {dtype!r}")
-        table.tensors[key] = _rebuild(codes, table.get(rec["scale"]), table.get(rec["offset"]), int(rec["axis"]), dtype)
+            raise FrontendError(f"packed weight {key!r} holds {codes.dtype} codes for {dtype!r}")
+        scale, offset = table.get(rec["scale"]), table.get(rec["offset"])
+        axis = rec["axis"]
+        if scale.numel() != offset.numel() or codes.dim() and not -codes.dim() <= axis < codes.dim() or \
+                scale.numel() not in (1, codes.shape[axis] if codes.dim() else 1):
+            raise FrontendError(f"packed weight {key!r}: {scale.numel()} scales for shape {list(codes.shape)} "
+                                f"(axis {axis})")
+        table.tensors[key] = _rebuild(codes, scale, offset, axis, dtype)
