@@ -384,11 +384,11 @@ def test_dispatching_table_by_source_name(source, model_dir):
     gemm = by_type(ref, "Gemm")[-1]
     # exact source name -> fp32; regex over source names -> per-layer overrides
     table = {names[1]: "fp32", f"{source_name(gemm)[:-1]}.": {"bit_width": 4}}
-    q = fxq.quantize(gm, data, "trt_int8", fxq.QuantizationSetting(dispatching_table=table), progress=False)
+    q = fxq.quantize(gm, data, "ort_int8", fxq.QuantizationSetting(dispatching_table=table), progress=False)
     conv2 = next(n for n in op_nodes(q) if n.name == convs[1].name)
     assert conv2.meta["fxq"].platform == "fp32" and weight_quantizer(q, conv2) is None
     conv1 = next(n for n in op_nodes(q) if n.name == convs[0].name)
-    assert conv1.meta["fxq"].platform == "trt_int8" and weight_quantizer(q, conv1).config.num_bits == 8
+    assert conv1.meta["fxq"].platform == "ort_int8" and weight_quantizer(q, conv1).config.num_bits == 8
     last = next(n for n in op_nodes(q) if n.name == gemm.name)
     assert weight_quantizer(q, last).config.num_bits == 4 and weight_quantizer(q, last).config.quant_max == 7
 
