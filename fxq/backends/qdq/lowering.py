@@ -101,6 +101,13 @@ def _max_torchscript_opset() -> int:
 def _export(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | None) -> onnx.ModelProto:
     """torch.onnx (TorchScript exporter) at ``opset``, or at its highest opset and then onnx's version converter."""
     export_opset = min(opset, _max_torchscript_opset())
+    # torch.onnx refuses some names (an all-digit one like '536', which torch.onnx itself gives unnamed outputs):
+    # export under safe stand-ins, then give the graph the names the model wants
+    io_names = {f"fxq_input_{i}": name for i, name in enumerate(marked.input_names)}
+    io_names.update({f"fxq_output_{i}": name for i, name in enumerate(marked.output_names)})
+    stand_in = {name: key for key, name in io_names.items()}
+    if dynamic_axes:
+        dynamic_axes = {stand_in.get(k, k): v for k, v in dynamic_axes.items()}
     buf = io.BytesIO()
     was_training = marked.module.training
     marked.module.eval()
@@ -109,7 +116,8 @@ def _export(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | 
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 marked.module, args, buf, dynamo=False, opset_version=export_opset,
-                input_names=list(marked.input_names), output_names=list(marked.output_names),
+                input_names=[f"fxq_input_{i}" for i in range(len(marked.input_names))],
+                output_names=[f"fxq_output_{i}" for i in range(len(marked.output_names))],
                 dynamic_axes=dynamic_axes, do_constant_folding=True,
                 custom_opsets={MARK_DOMAIN: 1},
             )
@@ -131,6 +139,7 @@ def _export(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | 
     finally:
         marked.module.train(was_training)
     model = onnx.load_from_string(buf.getvalue())
+    _restore_io_names(model.graph, io_names)
     if export_opset < opset:
         from onnx import version_converter
 
@@ -142,6 +151,17 @@ def _export(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | 
                               ) from exc
         logger.info("exported at opset %d and converted to opset %d", export_opset, opset)
     return model
+
+
+def _restore_io_names(graph: onnx.GraphProto, io_names: dict[str, str]) -> None:
+    """Rename the stand-in input/output names to the wanted ones; an internal tensor that torch.onnx happened to
+    give a wanted name (torch numbers its intermediates: '8') moves aside first."""
+    present = all_tensor_names(graph)
+    wanted = {name for stand, name in io_names.items() if stand in present}
+    used = present | wanted
+    aside = {name: unique_name(f"{name}_", used) for name in wanted & present if name not in io_names}
+    rename_tensors(graph, aside)
+    rename_tensors(graph, {stand: name for stand, name in io_names.items() if stand in present})
 
 
 def mark_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
