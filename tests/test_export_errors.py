@@ -19,10 +19,29 @@ def models():
 
 
 @pytest.mark.parametrize("platform,exporter", EXPORTS, ids=[e for _, e in EXPORTS])
-def test_missing_directory(models, tmp_path, platform, exporter):
-    with pytest.raises(fxq.ExportError, match="does not exist"):
-        fxq.export(models[platform], exporter, tmp_path / "nowhere" / "model.onnx")
+def test_missing_directory_is_created(models, tmp_path, platform, exporter):
+    written = fxq.export(models[platform], exporter, tmp_path / "new" / "deeper" / "model.onnx")
+    assert written[0] == tmp_path / "new" / "deeper" / "model.onnx"
+    assert sorted(p.name for p in (tmp_path / "new" / "deeper").iterdir()) == sorted(p.name for p in written)
+
+
+def test_missing_directory_not_created_when_the_export_fails(tmp_path):
+    gm = fxq.prepare(SmallCNN().eval(), "trt_int8", torch.randn(2, 3, 16, 16))
+    with pytest.raises(fxq.ExportError, match="not calibrated"):
+        fxq.export(gm, "tensorrt", tmp_path / "new" / "model.onnx")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("platform,exporter", EXPORTS + [("ncnn_int8", "ncnn")],
+                         ids=[e for _, e in EXPORTS] + ["ncnn"])
+def test_parent_is_a_file(tmp_path, platform, exporter):
+    (tmp_path / "afile").write_text("x")
+    gm = small_quantized(platform)
+    for path in (tmp_path / "afile" / "model.onnx", tmp_path / "afile" / "sub" / "model.onnx"):
+        with pytest.raises(fxq.ExportError, match=r"cannot create output folder .*afile.* is a file, not a folder; "
+                                                  r"remove it or choose another output path"):
+            fxq.export(gm, exporter, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
 @pytest.mark.parametrize("platform,exporter", EXPORTS, ids=[e for _, e in EXPORTS])
@@ -38,6 +57,12 @@ def test_unwritable_directory(models, tmp_path, platform, exporter, monkeypatch)
 def test_path_is_a_directory(models, tmp_path):
     with pytest.raises(fxq.ExportError, match="is a directory"):
         fxq.export(models["trt_int8"], "tensorrt", tmp_path)
+    with pytest.raises(fxq.ExportError, match="is a directory; give a file stem"):
+        fxq.export(small_quantized("ncnn_int8"), "ncnn", tmp_path)
+    (tmp_path / "m.json").mkdir()  # a companion file's name taken by a folder
+    with pytest.raises(fxq.ExportError, match=r"m\.json' is an existing directory; remove it"):
+        fxq.export(models["ppl_cuda_int8"], "openppl", tmp_path / "m")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]
 
 
 @pytest.mark.parametrize("platform,exporter", EXPORTS, ids=[e for _, e in EXPORTS])

@@ -1,7 +1,8 @@
 """Exporter registry: one exporter per backend, looked up by name or through a platform.
 
 An exporter is a class with ``name`` and ``export(model, path, **options) -> list[Path]`` (the files it
-wrote). It checks everything it needs *before* writing anything and writes atomically (:mod:`fxq.io`).
+wrote). It checks everything it needs *before* writing anything, creates a missing output folder, and writes
+its files as one atomic set (:func:`fxq.io.atomic_file_set`): old set or new set, never a mix.
 """
 from __future__ import annotations
 
@@ -66,11 +67,16 @@ def export(model: nn.Module, platform: Any, path: str | os.PathLike, **options: 
     Args:
         model: the quantized GraphModule from :func:`fxq.quantize`.
         platform: a platform (its exporter is used) or an exporter name.
-        path: output file path or stem; exporters that write several files derive their names from it.
+        path: output file path or stem; exporters that write several files derive their names from it. A missing
+            folder is created (parents too).
         options: exporter-specific options (unknown ones raise).
 
     Returns:
         the paths written.
+
+    Raises:
+        ExportError: the model cannot be expressed, the path is a folder or lies under a file, or a write fails
+            (disk full, file size limit, permissions); the previous files are then left as they were.
     """
     exporter = exporter_for(platform)
     exporter.check_options(options)

@@ -35,7 +35,7 @@ from fxq.backends.ncnn_convert import build_ncnn_model
 from fxq.backends.ncnn_writer import NcnnModel
 from fxq.errors import ExportError, GraphError
 from fxq.graph.info import graph_quant
-from fxq.io import atomic_write_bytes, atomic_write_text, check_writable_dir
+from fxq.io import atomic_file_set, check_output_dir, ensure_dir
 
 __all__ = ["NcnnExporter", "ncnn_paths"]
 
@@ -58,32 +58,30 @@ class NcnnExporter(Exporter):
     options = ("fp32",)
 
     def export(self, model: nn.Module, path: str | os.PathLike, **options: Any) -> list[Path]:
-        """Check everything, render all files in memory, then write each atomically.
+        """Check everything, render all files in memory, then write them as one atomic set (:mod:`fxq.io`).
 
         Args:
             model: the GraphModule from :func:`fxq.quantize` (calibrated).
-            path: output stem, e.g. ``"out/net"`` (the directory must exist).
+            path: output stem, e.g. ``"out/net"`` (a missing directory is created).
             fp32: also write ``<stem>.fp32.param`` / ``.fp32.bin`` (default True).
 
         Raises:
             ExportError: unknown option, not an fxq model, uncalibrated quantizers, an op or a quantizer ncnn
-                cannot express (naming the node), or an output directory that is missing / not writable.
+                cannot express (naming the node), an output directory that cannot be created or is not writable, or a
+                failed write (disk full, file size limit).
         """
         self.check_options(options)
         write_fp32 = bool(options.get("fp32", True))
         self._check_model(model)
+        if Path(path).is_dir():
+            raise ExportError(f"ncnn export path {str(path)!r} is a directory; give a file stem such as "
+                              f"{str(Path(path) / 'net')!r}")
         files = ncnn_paths(path)
-        check_writable_dir(files["param"].parent)
+        check_output_dir(files["param"].parent)
         ncnn_model, _ = build_ncnn_model(model)
         rendered = self._render(ncnn_model, write_fp32)
-        written = []
-        for key, data in rendered.items():
-            target = files[key]
-            if isinstance(data, str):
-                atomic_write_text(target, data)
-            else:
-                atomic_write_bytes(target, data)
-            written.append(target)
+        ensure_dir(files["param"].parent)
+        written = atomic_file_set({files[key]: data for key, data in rendered.items()})
         n_int8 = sum(layer.int8 is not None for layer in ncnn_model.layers)
         logger.info("ncnn export: %d layers (%d int8), inputs %s, outputs %s -> %s", len(ncnn_model.layers), n_int8,
                     ncnn_model.inputs, ncnn_model.outputs, files["param"])

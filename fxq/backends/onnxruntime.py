@@ -106,5 +106,5 @@ class OnnxRuntimeExporter(Exporter):
         if check:
             _ort_load_check(data)
         logger.info("onnxruntime: %d quantized tensors, opset %d", len(records), opset)
-        # 4. write atomically
+        # 4. write as one atomic set (the folder is created if missing)
         return write_files({paths["main"]: data})

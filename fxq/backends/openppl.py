@@ -124,5 +124,5 @@ class OpenPPLExporter(Exporter):
         # 3. the json, keyed by the model's tensor and node names
         doc = ppl_json(records, lowered, quantizers, gm, onnx_model)
         logger.info("openppl: %d quantized tensors", len(doc["quant_info"]))
-        # 4. write atomically
+        # 4. write as one atomic set (the folder is created if missing)
         return write_files({paths["main"]: serialize(onnx_model), paths["json"]: json.dumps(doc, indent=1) + "\n"})

@@ -143,5 +143,5 @@ class TensorRTExporter(Exporter):
             files[paths["cache"]] = calibration_cache(scales, trt_version)
             files[paths["json"]] = act_quant_json(scales)
         logger.info("tensorrt: %d quantized tensors, opset %d", len(records), opset)
-        # 5. write, each file atomically
+        # 5. write, all files as one atomic set (the folder is created if missing)
         return write_files(files)

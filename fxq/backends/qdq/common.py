@@ -1,4 +1,4 @@
-"""Steps every ONNX-based exporter shares: validate the model, plan the files, finalize, write atomically."""
+"""Steps every ONNX-based exporter shares: validate the model, plan the files, finalize, write them as one set."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +10,7 @@ from torch import fx, nn
 
 from fxq.errors import ExportError, GraphError
 from fxq.graph.info import graph_quant, iter_quantizers, quantizer_infos
-from fxq.io import atomic_write_bytes, atomic_write_text, check_writable_dir
+from fxq.io import atomic_file_set, check_output_dir, ensure_dir
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import QuantState
 
@@ -54,17 +54,21 @@ def quantizer_tables(gm: fx.GraphModule) -> tuple[dict[str, FakeQuantize], dict[
 def plan_paths(path: str | os.PathLike, suffix: str, extras: dict[str, str] | None = None) -> dict[str, Path]:
     """The main file (``path``, given ``suffix`` when it has none) and companions ``stem + ext`` beside it.
 
-    Checks that the folder exists and is writable, before anything is computed or written.
+    Checks that the folder is writable or can be created (:func:`write_files` creates it), before anything is
+    computed or written.
     """
     p = Path(path)
     if p.is_dir():
         raise ExportError(f"export path {str(p)!r} is a directory; give a file path such as {str(p / ('model' + suffix))!r}")
     if not p.suffix:
         p = p.with_suffix(suffix)
-    check_writable_dir(p.parent if str(p.parent) else ".")
+    check_output_dir(p.parent)
     out = {"main": p}
     for key, ext in (extras or {}).items():
         out[key] = p.with_name(p.stem + ext)
+    for q in out.values():
+        if q.is_dir():
+            raise ExportError(f"export file {str(q)!r} is an existing directory; remove it or choose another path")
     return out
 
 
@@ -137,13 +141,11 @@ def serialize(model: Any) -> bytes:
 
 
 def write_files(files: dict[Path, bytes | str]) -> list[Path]:
-    """Write every file atomically (temp file + rename), in order; returns the paths."""
-    written = []
-    for path, data in files.items():
-        if isinstance(data, bytes):
-            atomic_write_bytes(path, data)
-        else:
-            atomic_write_text(path, data)
+    """Create the folder if missing, then write every file as one atomic set (:func:`fxq.io.atomic_file_set`)."""
+    paths = list(files)
+    if paths:
+        ensure_dir(paths[0].parent)
+    written = atomic_file_set(files)
+    for path in written:
         logger.info("wrote %s", path)
-        written.append(path)
     return written
