@@ -1,0 +1,363 @@
+"""Model-zoo conformance: every torchvision model through fxq's capture paths, platforms, exporters and runtimes.
+
+    python bench/zoo.py                                   # all 109 models, every path (hours on 2 cores)
+    python bench/zoo.py --models resnet18,googlenet --paths native,legacy13 --platforms trt_int8
+    python bench/zoo.py --subset                          # the dozen models the tests run (tests/test_zoo_subset.py)
+
+Each model is built with seeded random init at the smallest input it accepts and, for each capture path, run in its
+own subprocess with a timeout:
+
+* paths: ``native`` (the ``nn.Module`` itself), ``legacy13`` / ``legacy17`` (``torch.onnx.export(dynamo=False)`` at
+  that opset, then :func:`fxq.load_onnx`), ``dynamo`` (``torch.onnx.export(dynamo=True)``, then ``load_onnx``);
+* per platform (``trt_int8``, ``ort_int8``, ``ncnn_int8``): ``quantize`` (:func:`fxq.quantize`, two calibration
+  batches), ``export`` (:func:`fxq.export`), ``runtime`` — the exported file in onnxruntime (default session and
+  ``ORT_DISABLE_ALL``) or ncnn against fxq's simulation on a fresh input, passing at cosine >= 0.999.
+
+Every step records ``ok``, ``skipped`` (an earlier step failed) or the error's class and first line; the CSV has one
+row per model x path x platform x step, and the markdown table counts passes per family and step.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+PATHS = ("native", "legacy13", "legacy17", "dynamo")
+PLATFORMS = ("trt_int8", "ort_int8", "ncnn_int8")
+STEPS = ("capture", "quantize", "export", "runtime")
+COSINE_BAR = 0.999
+SUBSET = ("alexnet", "resnet18", "mobilenet_v2", "mobilenet_v3_small", "shufflenet_v2_x0_5", "squeezenet1_1",
+          "googlenet", "mnasnet0_5", "regnet_x_400mf", "densenet121", "efficientnet_b0", "vgg11")
+"""Small models of distinct families (residual, depthwise, channel shuffle, fire/concat, inception, SE,
+grouped, dense concat, plain): the tests run these at 32x32 (tests/test_zoo_subset.py)."""
+
+
+# --------------------------------------------------------------------------------------------- the models
+def families() -> dict[str, str]:
+    """Model name -> family, for the 109 float torchvision models (the pre-quantized ``quantized_*`` excluded)."""
+    import torchvision.models as M
+
+    out = {}
+    for fam, mod in (("detection", M.detection), ("segmentation", M.segmentation), ("video", M.video),
+                     ("optical_flow", M.optical_flow)):
+        for name in M.list_models(mod):
+            out[name] = fam
+    for name in M.list_models():
+        if not name.startswith("quantized_"):
+            out.setdefault(name, "classification")
+    return out
+
+
+_FIXED_SIZE = {"vit": 224, "maxvit": 224, "swin_v2": 256, "mvit": 224, "inception_v3": 299}
+
+
+def example_input(name: str, family: str) -> Any:
+    """The smallest input the model accepts (random, seeded by the caller)."""
+    import torch
+
+    if family == "video":
+        size = 224 if name.startswith("mvit") else 64
+        frames = 16 if name.startswith("mvit") else 8
+        return (torch.randn(1, 3, frames, size, size),)
+    if family == "optical_flow":
+        return (torch.randn(1, 3, 128, 128), torch.randn(1, 3, 128, 128))
+    if family == "detection":
+        return ([torch.rand(3, 320, 320)],)
+    size = next((s for prefix, s in _FIXED_SIZE.items() if name.startswith(prefix)), None)
+    if size is None:
+        size = 64 if family == "segmentation" else 32
+    return (torch.randn(1, 3, size, size),)
+
+
+def build(name: str) -> Any:
+    import torch
+    import torchvision
+
+    torch.manual_seed(0)
+    kwargs = {"weights": None}
+    if name.startswith(("googlenet", "inception_v3")):
+        kwargs["aux_logits"] = False
+        kwargs["init_weights"] = True
+    return torchvision.models.get_model(name, **kwargs).eval()
+
+
+# --------------------------------------------------------------------------------------------- one worker
+def _flat(out: Any) -> "Any":
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out.detach().float().reshape(-1)
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        parts = [_flat(o) for o in out]
+        parts = [p for p in parts if p is not None and p.numel()]
+        return torch.cat(parts) if parts else None
+    return None
+
+
+def cosine(a: Any, b: Any) -> float:
+    import numpy as np
+
+    a = np.asarray(a, dtype=np.float64).reshape(-1)
+    b = np.asarray(b, dtype=np.float64).reshape(-1)
+    if a.shape != b.shape:
+        return float("nan")
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    if na == 0 and nb == 0:
+        return 1.0
+    return float(a @ b / (na * nb)) if na and nb else 0.0
+
+
+def _error(exc: BaseException) -> str:
+    import fxq
+
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    kind = type(exc).__name__ + ("" if isinstance(exc, fxq.FxqError) else " (raw)")
+    return f"{kind}: {msg[:300]}"
+
+
+def _capture(name: str, path: str, model: Any, args: tuple, tmp: Path) -> Any:
+    import torch
+
+    import fxq
+
+    if path == "native":
+        return model
+    onnx_path = tmp / f"{name}_{path}.onnx"
+    if path.startswith("legacy"):
+        torch.onnx.export(model, args, onnx_path, opset_version=int(path[len("legacy"):]), dynamo=False)
+    else:
+        torch.onnx.export(model, args, onnx_path, dynamo=True)
+    return fxq.load_onnx(onnx_path)
+
+
+def _run_ort(file: Path, args: tuple, optimize: bool) -> Any:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    if not optimize:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(str(file), opts, providers=["CPUExecutionProvider"])
+    feeds = {i.name: a.numpy() for i, a in zip(sess.get_inputs(), args)}
+    outs = sess.run(None, feeds)
+    import numpy as np
+
+    return np.concatenate([np.asarray(o, dtype=np.float64).reshape(-1) for o in outs])
+
+
+def _run_ncnn(files: list[Path], args: tuple, n_outputs: int) -> Any:
+    import ncnn
+    import numpy as np
+
+    param = next(f for f in files if f.name.endswith(".param") and not f.name.endswith(".fp32.param"))
+    binf = next(f for f in files if f.name.endswith(".bin") and not f.name.endswith(".fp32.bin"))
+    net = ncnn.Net()
+    o = net.opt
+    o.use_vulkan_compute = False
+    o.num_threads = 1
+    o.use_fp16_storage = o.use_fp16_packed = o.use_fp16_arithmetic = o.use_bf16_storage = False
+    if net.load_param(str(param)) != 0 or net.load_model(str(binf)) != 0:
+        raise RuntimeError("ncnn could not load the exported files")
+    ex = net.create_extractor()
+    for i, a in enumerate(args):
+        ex.input(f"in{i}", ncnn.Mat(np.ascontiguousarray(a[0].numpy())).clone())
+    outs = []
+    for i in range(n_outputs):
+        ret, m = ex.extract(f"out{i}")
+        if ret != 0:
+            raise RuntimeError(f"ncnn could not compute out{i}")
+        outs.append(np.array(m, dtype=np.float64).reshape(-1))
+    return np.concatenate(outs)
+
+
+def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[str, Any]]:
+    """Run one model through one capture path and every platform; one record per step."""
+    import torch
+
+    import fxq
+
+    torch.set_num_threads(1)
+    rows: list[dict[str, Any]] = []
+
+    def row(platform: str, step: str, status: str, **extra: Any) -> None:
+        rows.append({"model": name, "family": family, "path": path, "platform": platform, "step": step,
+                     "status": status, **extra})
+
+    model = build(name)
+    torch.manual_seed(1)
+    args = example_input(name, family)
+    calib = [args, tuple(a + 0.1 * torch.randn_like(a) if isinstance(a, torch.Tensor) else a for a in args)]
+    fresh = tuple(torch.randn_like(a) if isinstance(a, torch.Tensor) else a for a in args)
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        t0 = time.perf_counter()
+        try:
+            source = _capture(name, path, model, args, tmp)
+        except Exception as exc:
+            row("-", "capture", _error(exc))
+            return rows
+        row("-", "capture", "ok", seconds=round(time.perf_counter() - t0, 2))
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            try:
+                model(*args)
+                fp32_s = time.perf_counter() - t0
+            except Exception:
+                fp32_s = float("nan")
+        for platform in platforms:
+            t0 = time.perf_counter()
+            try:
+                qmodel = fxq.quantize(source, calib, platform=platform, progress=False)
+            except Exception as exc:
+                row(platform, "quantize", _error(exc))
+                continue
+            ptq_s = time.perf_counter() - t0
+            row(platform, "quantize", "ok", seconds=round(ptq_s, 2),
+                ptq_over_fp32=round(ptq_s / fp32_s, 2) if fp32_s == fp32_s and fp32_s > 0 else "")
+            try:
+                files = fxq.export(qmodel, platform, tmp / f"{name}_{path}_{platform}.onnx")
+            except Exception as exc:
+                row(platform, "export", _error(exc))
+                continue
+            row(platform, "export", "ok")
+            try:
+                with torch.no_grad():
+                    sim = _flat(qmodel(*fresh))
+                if sim is None:
+                    raise RuntimeError("the model has no tensor outputs to compare")
+                if platform == "ncnn_int8":
+                    outs = qmodel(*fresh)
+                    n_out = len(outs) if isinstance(outs, (list, tuple)) else 1
+                    cos = {"ncnn": cosine(_run_ncnn(files, fresh, n_out), sim.numpy())}
+                else:
+                    cos = {"ort": cosine(_run_ort(files[0], fresh, True), sim.numpy()),
+                           "ort_disable_all": cosine(_run_ort(files[0], fresh, False), sim.numpy())}
+            except Exception as exc:
+                row(platform, "runtime", _error(exc))
+                continue
+            worst = min(cos.values())
+            status = "ok" if worst >= COSINE_BAR else f"Mismatch: cosine {worst:.5f} < {COSINE_BAR}"
+            row(platform, "runtime", status, **{f"cosine_{k}": round(v, 6) for k, v in cos.items()})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- the driver
+def run_one(name: str, family: str, path: str, platforms: list[str], timeout: float) -> list[dict[str, Any]]:
+    cmd = [sys.executable, __file__, "--worker", name, "--family", family, "--paths", path,
+           "--platforms", ",".join(platforms)]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return [{"model": name, "family": family, "path": path, "platform": "-", "step": "timeout",
+                 "status": f"Timeout: over {timeout:.0f} s", "seconds": round(time.perf_counter() - t0, 1)}]
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("ZOO-ROWS "):
+            return json.loads(line[len("ZOO-ROWS "):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
+    return [{"model": name, "family": family, "path": path, "platform": "-", "step": "crash",
+             "status": f"Crash (exit {proc.returncode}): {tail}"}]
+
+
+def summarize(rows: list[dict[str, Any]], paths: list[str], platforms: list[str]) -> str:
+    """Markdown: per family, for each path, models passing every step of each platform; then the failure classes."""
+    fams: dict[str, set[str]] = defaultdict(set)
+    for r in rows:
+        fams[r["family"]].add(r["model"])
+    by_key: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_key[(r["model"], r["path"], r["platform"])].append(r)
+
+    def passed(model: str, path: str, platform: str) -> bool:
+        cap = by_key.get((model, path, "-"), [])
+        if not cap or any(r["status"] != "ok" for r in cap):
+            return False
+        steps = by_key.get((model, path, platform), [])
+        return {r["step"] for r in steps if r["status"] == "ok"} >= {"quantize", "export", "runtime"}
+
+    def captured(model: str, path: str) -> bool:
+        cap = by_key.get((model, path, "-"), [])
+        return bool(cap) and all(r["status"] == "ok" for r in cap)
+
+    head = "| family | models | " + " | ".join(
+        f"{p} capture | " + " | ".join(f"{p} {pl}" for pl in platforms) for p in paths) + " |"
+    lines = [head, "|" + "---|" * (2 + len(paths) * (1 + len(platforms)))]
+    total = sorted({r["model"] for r in rows})
+    for fam in sorted(fams) + ["all"]:
+        models = sorted(fams[fam]) if fam != "all" else total
+        cells = []
+        for p in paths:
+            cells.append(f"{sum(captured(m, p) for m in models)}")
+            cells.extend(f"{sum(passed(m, p, pl) for m in models)}" for pl in platforms)
+        lines.append(f"| {fam} | {len(models)} | " + " | ".join(cells) + " |")
+    failures: dict[str, int] = defaultdict(int)
+    for r in rows:
+        if r["status"] not in ("ok",):
+            failures[f"{r['step']}: {r['status'].split(':')[0]}"] += 1
+    lines += ["", "| failure (step: class) | count |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in sorted(failures.items(), key=lambda kv: -kv[1])]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", help="comma-separated model names (default: all 109)")
+    parser.add_argument("--subset", action="store_true", help="the dozen models the tests run")
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--platforms", default=",".join(PLATFORMS))
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per model and path")
+    parser.add_argument("--csv", default="bench/zoo.csv")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--family", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    paths = [p for p in args.paths.split(",") if p]
+    platforms = [p for p in args.platforms.split(",") if p]
+    if args.worker:
+        try:
+            rows = work(args.worker, args.family, paths[0], platforms)
+        except Exception as exc:  # a failure outside the recorded steps
+            traceback.print_exc()
+            rows = [{"model": args.worker, "family": args.family, "path": paths[0], "platform": "-",
+                     "step": "setup", "status": f"{type(exc).__name__} (raw): {str(exc)[:300]}"}]
+        print("ZOO-ROWS " + json.dumps(rows, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v))
+        return 0
+    fams = families()
+    names = list(SUBSET) if args.subset else (args.models.split(",") if args.models else sorted(fams))
+    unknown = [n for n in names if n not in fams]
+    if unknown:
+        parser.error(f"unknown models {unknown}")
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        for path in paths:
+            t0 = time.perf_counter()
+            got = run_one(name, fams[name], path, platforms, args.timeout)
+            rows.extend(got)
+            bad = [f"{r['platform']}/{r['step']}: {r['status']}" for r in got if r["status"] != "ok"]
+            print(f"{name:32s} {path:9s} {time.perf_counter() - t0:6.1f} s  "
+                  f"{'ok' if not bad else bad[0][:150]}", flush=True)
+    fields = ["model", "family", "path", "platform", "step", "status", "seconds", "ptq_over_fp32", "cosine_ort",
+              "cosine_ort_disable_all", "cosine_ncnn"]
+    Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.csv, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    print()
+    print(summarize(rows, paths, platforms))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
