@@ -58,11 +58,12 @@ def families() -> dict[str, str]:
     return out
 
 
-_FIXED_SIZE = {"vit": 224, "maxvit": 224, "swin_v2": 256, "mvit": 224, "inception_v3": 299}
+_SIZES = (32, 64, 96, 128, 160, 224, 256, 299)
 
 
-def example_input(name: str, family: str) -> Any:
-    """The smallest input the model accepts (random, seeded by the caller)."""
+def example_input(name: str, family: str, model: Any = None) -> Any:
+    """The smallest input the model accepts (random, seeded by the caller): image models try square sizes from 32
+    up until the FP32 model runs."""
     import torch
 
     if family == "video":
@@ -73,10 +74,18 @@ def example_input(name: str, family: str) -> Any:
         return (torch.randn(1, 3, 128, 128), torch.randn(1, 3, 128, 128))
     if family == "detection":
         return ([torch.rand(3, 320, 320)],)
-    size = next((s for prefix, s in _FIXED_SIZE.items() if name.startswith(prefix)), None)
-    if size is None:
-        size = 64 if family == "segmentation" else 32
-    return (torch.randn(1, 3, size, size),)
+    last: Exception | None = None
+    for size in _SIZES:
+        args = (torch.randn(1, 3, size, size),)
+        if model is None:
+            return args
+        try:
+            with torch.no_grad():
+                model(*args)
+            return args
+        except Exception as exc:  # too small for this model: try the next size
+            last = exc
+    raise RuntimeError(f"{name} runs at none of the sizes {_SIZES}: {last}")
 
 
 def build(name: str) -> Any:
@@ -196,7 +205,7 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
 
     model = build(name)
     torch.manual_seed(1)
-    args = example_input(name, family)
+    args = example_input(name, family, model)
     calib = [args, tuple(a + 0.1 * torch.randn_like(a) if isinstance(a, torch.Tensor) else a for a in args)]
     fresh = tuple(torch.randn_like(a) if isinstance(a, torch.Tensor) else a for a in args)
     with tempfile.TemporaryDirectory() as tmpdir:
