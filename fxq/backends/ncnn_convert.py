@@ -135,6 +135,8 @@ class NcnnBuilder:
     def blob_shape(self, node: fx.Node) -> tuple[int, ...]:
         """ncnn shape of a value: the torch shape without its batch dimension (see :meth:`batch_dim`)."""
         shape = self.shape(node)
+        if not shape and self.strip(node) in self.blob_of:
+            return (1,)  # a 0-d value computed by a layer (a mean of everything): ncnn's one-element blob
         if not shape:
             raise ExportError(f"node {node.name!r} is a scalar tensor; ncnn blobs have a batch-less shape (C, H, W)")
         return drop_dim(shape, self.batch_dim(node))
@@ -220,6 +222,15 @@ class NcnnBuilder:
         self._set_blob(node, top, self._input_batch_dim(node) if batch_dim is _INHERIT else batch_dim)
         return layer
 
+    def helper(self, node: fx.Node, layer_type: str, bottoms: list[str], params: dict[int, Any] | None = None,
+               weights: list[tuple[str, np.ndarray]] | None = None) -> str:
+        """Append a layer that computes an intermediate value of ``node`` (not its result); returns its blob."""
+        name = self.layer_name(node)
+        top = self._new_blob(name)
+        self.model.layers.append(NcnnLayer(layer_type, name, list(bottoms), [top], dict(params or {}),
+                                           list(weights or []), source=node.name))
+        return top
+
     def alias(self, node: fx.Node, src: fx.Node, batch_dim: int | None) -> None:
         """``node`` is ``src``'s blob unchanged (a reshape / permute that moves only a batch of 1): no layer."""
         self._set_blob(node, self.blob(src, node), batch_dim)
@@ -235,12 +246,16 @@ class NcnnBuilder:
     def constant(self, arg: fx.Node, node: fx.Node, like: fx.Node) -> str:
         """A stored tensor operand of ``node`` as an ncnn ``MemoryData`` blob laid out like the operand ``like``.
 
-        It must have ``like``'s rank and size 1 along its batch dim (torch broadcasts it over the batch).
+        A lower rank gains leading dims of 1 (torch's broadcasting), so ncnn sees both operands at one rank; the
+        constant must have size 1 along ``like``'s batch dim (torch broadcasts it over the batch).
         """
         src = self.strip(arg)
         if src in self.blob_of:
             return self.blob(arg, node)
         value = self.param(src, node, "constant operand")
+        rank = len(self.shape(like))
+        if value.dim() < rank:
+            value = value.reshape((1,) * (rank - value.dim()) + tuple(value.shape))
         shape, bd = tuple(value.shape), self.batch_dim(like)
         if len(shape) != len(self.shape(like)) or (bd is not None and shape[bd] != 1):
             raise self.fail(node, f"its constant operand {src.name!r} of shape {shape} does not match the "

@@ -203,6 +203,16 @@ def _unary(layer_type: str, params: dict[int, Any] | None = None):
 
 
 register_ncnn_converter("Relu", any_batch_dim=True)(_unary("ReLU"))
+# ONNX forms (onnx2torch modules; torch's own functions have no canonical type for these): ncnn UnaryOp types
+for _onnx_type, _unary_type in (("Abs", 0), ("Neg", 1), ("Sqrt", 5), ("Exp", 7), ("Log", 8), ("Reciprocal", 15)):
+    register_ncnn_converter(_onnx_type, any_batch_dim=True)(_unary("UnaryOp", {0: _unary_type}))
+
+
+@register_ncnn_converter("Identity", any_batch_dim=True)
+def _identity(b: NcnnBuilder, node: fx.Node) -> None:
+    """``contiguous`` / ``clone`` / ``detach`` / dropout: the input's blob, no layer."""
+    x = node.args[0]
+    b.alias(node, x, b.batch_dim(x))
 register_ncnn_converter("Sigmoid", any_batch_dim=True)(_unary("Sigmoid"))
 register_ncnn_converter("Tanh", any_batch_dim=True)(_unary("TanH"))
 register_ncnn_converter("Silu", any_batch_dim=True)(_unary("Swish"))
@@ -239,9 +249,35 @@ def _gelu(b: NcnnBuilder, node: fx.Node) -> None:
 
 @register_ncnn_converter("PRelu")
 def _prelu(b: NcnnBuilder, node: fx.Node) -> None:
-    mod = b.module(node)
-    slope = b.param(mod.weight if mod is not None else _arg(node, 1, "weight"), node, "slope")
-    b.emit(node, "PReLU", [b.blob(node.args[0], node)], {0: int(slope.numel())}, [("raw", _np(slope))])
+    """``PReLU`` (0 num_slope; slopes): one slope, or one per channel (dim 1, the blob's outermost axis).
+
+    ``nn.PReLU`` / ``F.prelu`` hold slopes along dim 1; ONNX's ``PRelu`` (onnx2torch's module, no ``.weight``)
+    takes its slope as an input broadcast numpy-style, e.g. ``(C, 1, 1)`` or ``(1,)``.
+    """
+    x, mod = node.args[0], b.module(node)
+    torch_form = mod is None or hasattr(mod, "weight")
+    slope = b.param(mod.weight if mod is not None and torch_form else _arg(node, 1, "weight"), node, "slope")
+    shape = (1, *b.shape(x)[1:])
+    if len(shape) < 2:
+        raise b.fail(node, f"its input of shape {b.shape(x)} has no channel dim", "apply PReLU to (N, C, ...)")
+    if torch_form and slope.numel() > 1:
+        slope = slope.reshape(-1, *([1] * (len(shape) - 2)))  # F.prelu: weight along dim 1
+    try:
+        full = slope.expand(shape) if slope.dim() <= len(shape) else None
+    except RuntimeError:
+        full = None
+    if full is None:
+        raise b.fail(node, f"its slope of shape {tuple(slope.shape)} does not broadcast to the input {b.shape(x)}",
+                     "give one slope or one per channel")
+    per_channel = full.reshape(shape[1], -1)
+    if bool((full == full.reshape(-1)[0]).all()):
+        slopes = full.reshape(-1)[:1]
+    elif bool((per_channel == per_channel[:, :1]).all()):
+        slopes = per_channel[:, 0]
+    else:
+        raise b.fail(node, f"its slope of shape {tuple(slope.shape)} varies along dims other than the channels (dim 1)",
+                     "ncnn's PReLU takes one slope or one per channel")
+    b.emit(node, "PReLU", [b.blob(x, node)], {0: int(slopes.numel())}, [("raw", _np(slopes))])
 
 
 @register_ncnn_converter("Clip", any_batch_dim=True)
@@ -366,8 +402,20 @@ def _pool(b: NcnnBuilder, node: fx.Node) -> None:
     if (extra_h > 0 or extra_w > 0) and not is_max:
         raise b.fail(node, "average pooling with ceil_mode changes the window count at the border",
                      "use ceil_mode=False or pad explicitly")
-    params = {0: 0 if is_max else 1, 1: kw, 11: kh, 2: sw, 12: sh, 3: pw, 13: ph, 14: pw + max(extra_w, 0),
-              15: ph + max(extra_h, 0), 5: 1}
+    params = {0: 0 if is_max else 1, 1: kw, 11: kh, 2: sw, 12: sh, 3: pw, 13: ph, 14: pw, 15: ph, 5: 1}
+    if is_max and a.get("ceil_mode"):
+        if kh >= ph + sh and kw >= pw + sw:
+            # ncnn's full padding (pad_mode 0) pads the tail to a whole stride: ceil((n + 2p - k) / s) + 1 windows,
+            # torch's ceil_mode at every input size (its drop of a window starting in the right padding cannot
+            # fire when k >= p + s)
+            params[5] = 0
+        else:
+            params.update({14: pw + max(extra_w, 0), 15: ph + max(extra_h, 0)})
+            b.warn_once(f"ceil:{node.name}", "ncnn export: max pooling %s (kernel %s, stride %s, padding %s) in ceil "
+                        "mode is written with the tail padding of the export-time input size %s; torch's ceil_mode "
+                        "drops a last window starting in the padding, which ncnn's full padding does not, so other "
+                        "input sizes may get one more output row / column", node.name, (kh, kw), (sh, sw),
+                        (ph, pw), (h, w))
     if not is_max:
         params[6] = int(bool(a.get("count_include_pad", True)))
     b.emit(node, "Pooling", [b.blob(x, node)], params)
@@ -389,20 +437,36 @@ def _global_pool(b: NcnnBuilder, node: fx.Node) -> None:
 @register_ncnn_converter("ReduceMean", any_batch_dim=True)
 def _mean(b: NcnnBuilder, node: fx.Node) -> None:
     """The spatial mean of (N, C, H, W) as global average ``Pooling``; other means as ``Reduction`` (0 operation
-    3 = mean, 1 reduce_all 0, 3 axes, 4 keepdims, 5 fixbug0 = 1: axes count without the batch)."""
+    3 = mean, 1 reduce_all, 3 axes, 4 keepdims, 5 fixbug0 = 1: axes count without the batch). A mean over every
+    non-batch dim (``x.mean()``, ``x.mean((1, 2, 3))``; the batch of 1 too) is ``reduce_all``: one value."""
     x = node.args[0]
     shape, bd = b.shape(x), b.batch_dim(x)
-    dims = _arg(node, 1, "dim", None)
-    dims = sorted({d % len(shape) for d in ((dims,) if isinstance(dims, int) else tuple(dims or ()))})
-    keep = bool(_arg(node, 2, "keepdim", False))
+    mod = b.module(node)
+    if mod is not None:  # onnx2torch's OnnxReduceStaticAxes(axes, keepdims)
+        if getattr(mod, "operation_type", "ReduceMean") != "ReduceMean" or not hasattr(mod, "axes"):
+            raise b.fail(node, f"reduce module {type(mod).__name__} is not a ReduceMean with static axes",
+                         "use ReduceMean with constant axes")
+        dims, keep = mod.axes, bool(mod.keepdims)
+    else:
+        dims, keep = _arg(node, 1, "dim", None), bool(_arg(node, 2, "keepdim", False))
+    rank = len(shape)
+    dims = sorted({d % rank for d in ((dims,) if isinstance(dims, int) else tuple(dims or range(rank)))})
     if len(shape) == 4 and bd == 0 and dims == [2, 3]:
         params = {0: 1, 7: 1, 8: 1, 18: 1} if keep else {0: 1, 4: 1}
         b.emit(node, "Pooling", [b.blob(x, node)], params)
         return
+    rest = [d for d in range(rank) if d != bd]
+    if set(rest) <= set(dims):  # every value of the sample: ncnn's reduce_all (with the batch only at batch 1)
+        if bd is not None and bd in dims and shape[bd] != 1:
+            raise b.fail(node, f"mean over dims {tuple(dims)} of shape {shape} averages over the batch "
+                         f"(dim {bd}, size {shape[bd]})", _BATCH_FIX)
+        out_bd = bd if keep or (bd is not None and bd not in dims) else None
+        b.emit(node, "Reduction", [b.blob(x, node)], {0: 3, 1: 1, 4: int(keep), 5: 1}, batch_dim=out_bd)
+        return
     out_bd = bd if keep or bd is None else bd - sum(d < bd for d in dims)
-    if not dims or not drop_dim(b.shape(node), out_bd):
-        raise b.fail(node, f"mean over dims {tuple(dims) or 'all'} of a tensor of shape {shape} (batch dim {bd}) "
-                     "leaves no blob", "keep a non-batch dim (or keepdim=True)")
+    if bd is not None and bd in dims:
+        raise b.fail(node, f"mean over dims {tuple(dims)} of shape {shape} averages over the batch (dim {bd})",
+                     "average the other dims; ncnn blobs have no batch dimension")
     axes = [b.ncnn_axis(node, d, x) for d in dims]
     b.emit(node, "Reduction", [b.blob(x, node)], {0: 3, 1: 0, 3: axes, 4: int(keep), 5: 1}, batch_dim=out_bd)
 
@@ -414,29 +478,89 @@ _REVERSED = {0: 0, 1: 7, 2: 2, 3: 8}  # scalar (op) tensor -> ncnn op with the t
 
 @register_ncnn_converter("Add", "Sub", "Mul", "Div", any_batch_dim=True)
 def _binary(b: NcnnBuilder, node: fx.Node) -> None:
-    """``BinaryOp`` of two blobs of one layout (a stored tensor becomes a ``MemoryData``), or with a scalar
-    (1 with_scalar, 2 b); shape arithmetic such as ``head_dim ** -0.5`` counts as a scalar."""
+    """``BinaryOp``: with a scalar (1 with_scalar, 2 b; ``3 - x`` / ``6 / x`` as RSUB / RDIV), which a stored
+    one-element tensor (ONNX initializers) and shape arithmetic (``head_dim ** -0.5``) count as; else of two
+    blobs brought to one rank (a stored tensor becomes a ``MemoryData``), where ncnn broadcasts size-1 axes."""
     op = _BINARY[b.op(node)]
-    lhs, rhs = _static(_arg(node, 0, "input")), _static(_arg(node, 1, "other"))
+    lhs, rhs = (_scalar_operand(b, node, _static(_arg(node, i, k))) for i, k in ((0, "input"), (1, "other")))
     if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("rounding_mode") is not None:
         raise b.fail(node, "alpha / rounding_mode are not 1 / None", "write the arithmetic explicitly")
     if isinstance(lhs, fx.Node) and isinstance(rhs, fx.Node):
-        if len(b.shape(lhs)) != len(b.shape(rhs)):
-            raise b.fail(node, f"operands of shapes {b.shape(lhs)} and {b.shape(rhs)} broadcast across ranks; ncnn "
-                         "broadcasts batch-less blobs by its own rules", "reshape the operands to the same rank")
-        blobs = [b.constant(t, node, like=o) if b.strip(t).op == "get_attr" else b.blob(t, node)
-                 for t, o in ((lhs, rhs), (rhs, lhs))]
-        if b.batch_dim(lhs) != b.batch_dim(rhs):
-            raise b.fail(node, f"its operands have their batch dimension at dims {b.batch_dim(lhs)} and "
-                         f"{b.batch_dim(rhs)}", "transpose the operands to one layout first")
-        b.emit(node, "BinaryOp", blobs, {0: op})
+        b.emit(node, "BinaryOp", _broadcast_operands(b, node, lhs, rhs), {0: op},
+               batch_dim=b.batch_dim(_full_operand(b, node, lhs, rhs)))
     elif isinstance(lhs, fx.Node) and isinstance(rhs, (int, float)):
-        b.emit(node, "BinaryOp", [b.blob(lhs, node)], {0: op, 1: 1, 2: float(rhs)})
+        b.emit(node, "BinaryOp", [_operand(b, node, lhs)], {0: op, 1: 1, 2: float(rhs)})
     elif isinstance(rhs, fx.Node) and isinstance(lhs, (int, float)):
-        b.emit(node, "BinaryOp", [b.blob(rhs, node)], {0: _REVERSED[op], 1: 1, 2: float(lhs)})
+        b.emit(node, "BinaryOp", [_operand(b, node, rhs)], {0: _REVERSED[op], 1: 1, 2: float(lhs)})
     else:
         raise b.fail(node, f"operands {type(lhs).__name__} and {type(rhs).__name__} are not tensors / numbers",
                      "use tensor-tensor or tensor-scalar arithmetic")
+
+
+def _scalar_operand(b: NcnnBuilder, node: fx.Node, value: Any) -> Any:
+    """A one-element stored tensor whose broadcast leaves the other operand's shape as its number, else ``value``."""
+    src = b.strip(value) if isinstance(value, fx.Node) else value
+    if isinstance(src, fx.Node) and src.op == "get_attr":
+        t = b.param(src, node, "constant operand")
+    elif isinstance(src, torch.Tensor):
+        t = src.detach().float().cpu()
+    else:
+        return value
+    if t.numel() != 1 or t.dim() > len(b.shape(node)):
+        return value
+    other = next((a for a in node.all_input_nodes if b.strip(a) is not src), None)
+    if other is None or b.shape(other) != b.shape(node):
+        return value
+    return float(t.reshape(-1)[0])
+
+
+def _operand(b: NcnnBuilder, node: fx.Node, arg: fx.Node) -> str:
+    """The blob of a computed operand whose shape is the result's."""
+    if b.shape(arg) != b.shape(node):
+        raise b.fail(node, f"its operand of shape {b.shape(arg)} broadcasts to {b.shape(node)} with a scalar",
+                     "expand the tensor operand first")
+    return b.blob(arg, node)
+
+
+def _full_operand(b: NcnnBuilder, node: fx.Node, lhs: fx.Node, rhs: fx.Node) -> fx.Node:
+    """The operand whose layout the result keeps: a computed one of the result's rank (lhs first)."""
+    rank = len(b.shape(node))
+    for t in (lhs, rhs):
+        if b.strip(t).op != "get_attr" and len(b.shape(t)) == rank:
+            return t
+    raise b.fail(node, f"operands of shapes {b.shape(lhs)} and {b.shape(rhs)} broadcast to {b.shape(node)}, and "
+                 "no tensor computed in the graph has the result's rank", "reshape an operand to the result's rank")
+
+
+def _broadcast_operands(b: NcnnBuilder, node: fx.Node, lhs: fx.Node, rhs: fx.Node) -> list[str]:
+    """Both operands as blobs of the result's rank: ncnn's BinaryOp broadcasts size-1 axes of equal-rank blobs
+    either way (its implicit rules for blobs of lower rank differ from torch's, so none are left to it)."""
+    full = _full_operand(b, node, lhs, rhs)
+    out_shape, bd = b.shape(node), b.batch_dim(full)
+    blobs = []
+    for t in (lhs, rhs):
+        if t is full:
+            blobs.append(b.blob(t, node))
+            continue
+        if b.strip(t).op == "get_attr":
+            blobs.append(b.constant(t, node, like=full))
+            continue
+        shape, t_bd = b.shape(t), b.batch_dim(t)
+        aligned = (1,) * (len(out_shape) - len(shape)) + shape
+        same_layout = t_bd == bd if len(shape) == len(out_shape) else t_bd is None or shape[t_bd] == 1
+        if not same_layout:
+            raise b.fail(node, f"its operands have shapes {b.shape(lhs)} and {b.shape(rhs)} with their batch "
+                         f"dimensions at dims {b.batch_dim(lhs)} and {b.batch_dim(rhs)}",
+                         "transpose / reshape the operands to one batch-first layout first")
+        target = drop_dim(aligned, bd)
+        blob = b.blob(t, node)
+        if target != b.blob_shape(t):
+            if math.prod(target) != math.prod(b.blob_shape(t)) or not 1 <= len(target) <= 4:
+                raise b.fail(node, f"its operand of shape {shape} broadcast to {out_shape} is not a blob of rank "
+                             "1 to 4 without the batch dimension", "reshape the operands to one batch-first layout")
+            blob = b.helper(node, "Reshape", [blob], _shape_params(target))
+        blobs.append(blob)
+    return blobs
 
 
 @register_ncnn_converter("Concat")
@@ -482,7 +606,8 @@ def _reshape(b: NcnnBuilder, node: fx.Node) -> None:
 def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
     """``x[...]`` with ints, unit-step slices and ``...``, and the pieces of ``split`` / ``chunk``: a ``Crop``
     (9 starts, 10 ends, 11 axes) of the blob, then a ``Reshape`` when an int index drops a non-batch dim."""
-    src, index = node.args[0], node.args[1]
+    src = node.args[0]
+    index = _onnx_slice_index(b, node) if b.module(node) is not None else node.args[1]
     val = src.meta.get("val") if isinstance(src, fx.Node) else None
     if isinstance(val, (tuple, list)) and b.op(src) == "Split" and isinstance(index, int):
         x = _arg(src, 0, "input")
@@ -495,28 +620,63 @@ def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
     else:
         raise b.fail(node, f"it takes item {index!r} of {getattr(src, 'name', src)!r}, a {type(val).__name__} the "
                      "ncnn writer cannot split", "index tensors, or take the pieces of split / chunk")
-    ranges, dropped = _index_ranges(b, node, b.shape(x), index)
-    _crop(b, node, x, ranges, dropped)
+    ranges, dropped, new_axes = _index_ranges(b, node, b.shape(x), index, b.batch_dim(x))
+    _crop(b, node, x, ranges, dropped, new_axes)
 
 
-def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: Any
-                  ) -> tuple[list[tuple[int, int]], set[int]]:
-    """``[start, end)`` per dim of ``shape`` taken by ``index``, and the dims an int index drops."""
+def _onnx_slice_index(b: NcnnBuilder, node: fx.Node) -> tuple[slice, ...]:
+    """onnx2torch's ``OnnxSlice(x, starts, ends, axes=None, steps=None)`` with stored bounds as a torch index."""
+    rank = len(b.shape(node.args[0]))
+    starts, ends, axes, steps = (
+        [int(v) for v in b.param(a, node, "slice bound").reshape(-1).tolist()] if a is not None else None
+        for a in (list(node.args[1:5]) + [None] * 4)[:4])
+    if starts is None or ends is None:
+        raise b.fail(node, "its starts / ends are not stored tensors", "give the ONNX Slice constant bounds")
+    axes = [a % rank for a in (axes or range(len(starts)))]
+    steps = steps or [1] * len(starts)
+    index = [slice(None)] * rank
+    for a, lo, hi, st in zip(axes, starts, ends, steps):
+        index[a] = slice(lo, hi, st)
+    return tuple(index)
+
+
+def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: Any, batch_dim: int | None = None
+                  ) -> tuple[list[tuple[int, int]], set[int], list[int]]:
+    """``[start, end)`` per dim of ``shape`` taken by ``index``, the dims an int index drops, and per dim the
+    number of new axes (``None``) the index puts before it.
+
+    ncnn's ``Crop`` takes non-empty unit-step ranges. A slice of the batch dim that is empty here (the exporter
+    takes shapes at batch 1: ``x[1:3]`` of a batch of 4) means the model picks samples, which ncnn cannot do.
+    """
     items = list(index) if isinstance(index, tuple) else [index]
-    if sum(i is Ellipsis for i in items) > 1 or len(items) - (Ellipsis in items) > len(shape):
+    used = len(items) - (Ellipsis in items) - sum(i is None for i in items)
+    if sum(i is Ellipsis for i in items) > 1 or used > len(shape):
         raise b.fail(node, f"index {index!r} does not fit a tensor of shape {shape}", "index each dim once")
     if Ellipsis in items:
         at = items.index(Ellipsis)
-        items[at:at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
-    items += [slice(None)] * (len(shape) - len(items))
+        items[at:at + 1] = [slice(None)] * (len(shape) - used)
+    items += [slice(None)] * (len(shape) - used - (Ellipsis in items))
+    new_axes: list[int] = []
+    while None in items:  # a new axis of size 1 before the next indexed dim
+        at = items.index(None)
+        new_axes.append(at)
+        del items[at]
     ranges, dropped = [], set()
     for d, (item, size) in enumerate(zip(items, shape)):
         if isinstance(item, slice):
             start, stop, step = (_const(b, node, v, "slice bound") for v in (item.start, item.stop, item.step))
             lo, hi, step = slice(start, stop, step).indices(size)
-            if step != 1 or hi <= lo:
-                raise b.fail(node, f"slice {item!r} of dim {d} has step {step} or is empty",
-                             "ncnn's Crop takes non-empty unit-step ranges")
+            if step != 1:
+                raise b.fail(node, f"slice {item!r} of dim {d} (size {size}) has step {step}; ncnn's Crop takes "
+                             "unit-step ranges", "slice with step 1 (or subsample with a strided conv / pooling)")
+            if hi <= lo and d == batch_dim:
+                raise b.fail(node, f"slice {item!r} of dim {d}, the batch dimension, selects samples: ncnn runs one "
+                             f"sample (its blobs have no batch dim; exported at batch 1, dim {d} has size {size} "
+                             "and the slice is empty)", "slice the other dims, or keep the samples in a non-batch "
+                             "dim (e.g. x.reshape(1, N, ...)) before slicing")
+            if hi <= lo:
+                raise b.fail(node, f"slice {item!r} of dim {d} (size {size}) is empty", "ncnn blobs cannot be empty; "
+                             "remove the empty slice")
             ranges.append((lo, hi))
         elif isinstance(_static(item), int) and not isinstance(_static(item), bool):
             i = _static(item) % size
@@ -524,18 +684,21 @@ def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: 
             dropped.add(d)
         else:
             raise b.fail(node, f"index {item!r} of dim {d} is not an int, a slice or ...",
-                         "index with ints and unit-step slices (no None, tensors or lists)")
-    return ranges, dropped
+                         "index with ints, unit-step slices, None and ... (no tensors or lists)")
+    return ranges, dropped, [sum(a <= d for a in new_axes) for d in range(len(shape))]
 
 
-def _crop(b: NcnnBuilder, node: fx.Node, x: fx.Node, ranges: list[tuple[int, int]], dropped: set[int]) -> None:
-    """Take ``ranges`` of ``x`` (``Crop`` of the blob axes cut short) and drop the ``dropped`` dims."""
+def _crop(b: NcnnBuilder, node: fx.Node, x: fx.Node, ranges: list[tuple[int, int]], dropped: set[int],
+          new_axes: list[int] | None = None) -> None:
+    """Take ``ranges`` of ``x`` (``Crop`` of the blob axes cut short), drop the ``dropped`` dims and add the new
+    axes (``new_axes[d]`` of them before dim ``d``)."""
     shape, bd = b.shape(x), b.batch_dim(x)
     cut = {d: r for d, r in enumerate(ranges) if r != (0, shape[d])}
     if bd is not None and bd in cut:
         raise b.fail(node, f"it slices the batch dimension (dim {bd} of shape {shape})",
                      "slice the other dims; ncnn blobs have no batch dimension")
-    out_bd = None if bd is None or bd in dropped else bd - sum(d < bd for d in dropped)
+    added = new_axes or [0] * len(shape)
+    out_bd = None if bd is None or bd in dropped else bd - sum(d < bd for d in dropped) + added[bd]
     target = drop_dim(b.shape(node), out_bd)
     cropped = drop_dim(tuple(hi - lo for lo, hi in ranges), bd)
     blob = b.blob(x, node)
@@ -580,16 +743,9 @@ def _permute(b: NcnnBuilder, node: fx.Node) -> None:
     ncnn numbers the orders of a rank-r blob like ``itertools.permutations(range(r))``, in torch's
     outermost-first dim order (the tests run every order of ranks 3 and 4 through ncnn).
     """
-    x = node.args[0]
+    x = _arg(node, 0, "input")
     shape, bd = b.shape(x), b.batch_dim(x)
-    rank = len(shape)
-    if node.target in ("transpose", torch.transpose):
-        dims = list(range(rank))
-        d0, d1 = (int(_arg(node, i, k)) % rank for i, k in ((1, "dim0"), (2, "dim1")))
-        dims[d0], dims[d1] = d1, d0
-    else:  # permute(x, *dims) / permute(x, dims) / torch.permute(x, dims)
-        dims = list(node.args[1:]) if len(node.args) > 2 else _arg(node, 1, "dims")
-    dims = [int(_const(b, node, d, "the permutation")) % rank for d in dims]
+    dims = [int(_const(b, node, d, "the permutation")) % len(shape) for d in _permutation(b, node, len(shape))]
     out_bd = None if bd is None else dims.index(bd)
     if bd is not None and out_bd != bd and shape[bd] != 1:
         raise b.fail(node, f"permutation {tuple(dims)} of a tensor of shape {shape} moves its batch dimension "
@@ -604,6 +760,27 @@ def _permute(b: NcnnBuilder, node: fx.Node) -> None:
                      "blob", "ncnn's Permute takes blobs of rank 2 to 4")
     b.emit(node, "Permute", [b.blob(x, node)], {0: list(itertools.permutations(range(len(order)))).index(order)},
            batch_dim=out_bd)
+
+
+def _permutation(b: NcnnBuilder, node: fx.Node, rank: int) -> list[Any]:
+    """The dims of a transpose / permute in any of its forms: ``x.transpose(0, 1)``, ``torch.transpose``,
+    ``x.permute(0, 2, 1)``, ``x.permute((0, 2, 1))``, ``torch.permute(x, dims=...)``, ``x.mT`` aside, and
+    onnx2torch's ``OnnxTranspose`` (``perm``, reversed dims when absent)."""
+    mod = b.module(node)
+    if mod is not None:
+        perm = getattr(mod, "perm", _MISSING)
+        if perm is _MISSING:
+            raise b.fail(node, f"transpose module {type(mod).__name__} has no 'perm'", "use permute / transpose")
+        return list(range(rank))[::-1] if perm is None else list(perm)
+    if node.target in ("transpose", torch.transpose, "swapaxes", torch.swapaxes, "swapdims", torch.swapdims):
+        dims = list(range(rank))
+        d0, d1 = (int(_const(b, node, _arg(node, i, k), k)) % rank for i, k in ((1, "dim0"), (2, "dim1")))
+        dims[d0], dims[d1] = d1, d0
+        return dims
+    if len(node.args) > 2:  # x.permute(0, 2, 1)
+        return list(node.args[1:])
+    dims = _arg(node, 1, "dims")
+    return [dims] if isinstance(dims, int) else list(_const(b, node, dims, "the permutation"))
 
 
 @register_ncnn_converter("Resize")

@@ -11,6 +11,12 @@
   activation lines ``<layer> s``; every number ``%f``-formatted and followed by a space. Scales multiply
   (``q = round(x * s)``), so ``s = 1 / fxq_scale``.
 
+Int8 inference must stay on for the int8 files: ncnn quantizes the weights of every layer whose param has
+``8=`` (``int8_scale_term``) to int8 when it loads the bin, whatever ``Option.use_int8_inference`` says, and with
+int8 inference off its FP32 kernels then read those int8 bytes as floats (NaN / huge outputs); ncnn2int8's files
+behave the same. With ``use_int8_inference = False`` run the ``.fp32.param`` / ``.fp32.bin`` pair (no ``8=``),
+which is correct under either setting.
+
 Nothing here knows about torch.fx; :mod:`fxq.backends.ncnn_convert` builds an :class:`NcnnModel`.
 """
 from __future__ import annotations
