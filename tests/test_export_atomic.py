@@ -137,9 +137,13 @@ def test_save_disk_full_keeps_the_old_file(models, tmp_path, monkeypatch):
     fxq.save(models["trt_int8"][0], target)
     old = target.read_bytes()
 
-    def full_disk(obj, path, *args, **kwargs):  # torch.save streams into the temp file, then the disk fills up
-        Path(path).write_bytes(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    def full_disk(obj, f, *args, **kwargs):  # torch.save streams into the temp file, then the disk fills up
+        if hasattr(f, "write"):
+            f.write(b"partial")
+            f.flush()
+        else:
+            Path(f).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(fxq.ExportError, match=r"no space left on device while writing '.*m\.fxq'; free space or "
