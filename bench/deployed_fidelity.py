@@ -116,7 +116,8 @@ def measure(name: str, model: nn.Module, x_train: torch.Tensor, x_test: torch.Te
     for plat in PLATFORMS:
         t0 = time.perf_counter()
         qmodel = fxq.quantize(model, calib, platform=plat, setting=setting, progress=False)
-        files = fxq.export(qmodel, plat, out_dir / f"{name}_{plat}.onnx")
+        options = {} if plat == "ncnn_int8" else {"dynamic_batch": True}
+        files = fxq.export(qmodel, plat, out_dir / f"{name}_{plat}.onnx", **options)
         with torch.no_grad():
             sim = torch.cat([qmodel(x_test[i:i + 32]) for i in range(0, len(x_test), 32)]).numpy()
         sim_top1 = sim.argmax(1)
