@@ -43,3 +43,41 @@ def test_numeric_output_names(tmp_path, platform, opset):
         got = run_ort(files[0], x, optimize=optimize)
         assert got.shape == ref.shape
         assert float(abs(got - ref).max()) <= 1e-4 * max(1.0, float(abs(ref).max()))
+
+
+_GATHER_EXPORT = """
+import torchvision  # first, as users do: onnx2torch then binds torch.onnx's public symbolic_helper shim
+import sys, torch, fxq
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y[:, 1] + y.mean(dim=1)  # Gather and ReduceMean: onnx2torch modules with their own ONNX form
+
+x = torch.randn(2, 3, 8, 8)
+src, out = sys.argv[1], sys.argv[2]
+torch.onnx.export(Net().eval(), (x,), src, opset_version=13, dynamo=False)
+qmodel = fxq.quantize(fxq.load_onnx(src), [x], platform="trt_int8", progress=False)
+print(fxq.export(qmodel, "trt_int8", out))
+"""
+
+
+def test_onnx2torch_modules_export_whatever_was_imported_first(tmp_path):
+    """onnx2torch's Gather/Shape/Reduce modules read the export's opset from torch.onnx.symbolic_helper; after
+    ``import torchvision`` that is torch's public shim without it, and every export failed (AttributeError
+    '_export_onnx_opset_version')."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _GATHER_EXPORT, str(tmp_path / "g.onnx"), str(tmp_path / "q.onnx")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "q.onnx").is_file()
+    from torch.onnx import symbolic_helper
+
+    assert not hasattr(symbolic_helper, "_export_onnx_opset_version") or hasattr(symbolic_helper, "GLOBALS")

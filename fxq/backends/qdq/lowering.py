@@ -6,6 +6,7 @@ from), graph inputs/outputs are named, and :class:`Lowered` says which ONNX tens
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import logging
@@ -98,6 +99,28 @@ def _max_torchscript_opset() -> int:
     return int(getattr(_constants, "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET", 17))
 
 
+@contextlib.contextmanager
+def _opset_visible_to_onnx2torch(opset: int):
+    """Let onnx2torch's modules read the opset of the running export.
+
+    onnx2torch (1.5.15) modules with their own ONNX form (Gather, Shape, Squeeze, Reduce*, ScatterND, NMS...)
+    ask ``torch.onnx.symbolic_helper`` for it: ``GLOBALS.export_onnx_opset_version``, else the legacy
+    ``_export_onnx_opset_version``. Which module onnx2torch bound depends on import order: after ``import
+    torchvision`` it is torch's public shim, which has neither, and every export of such a model failed. While
+    fxq exports (under :data:`_TORCH_ONNX_LOCK`), the shim gets the legacy attribute; afterwards it is removed.
+    """
+    from torch.onnx import symbolic_helper
+
+    if hasattr(symbolic_helper, "GLOBALS") or hasattr(symbolic_helper, "_export_onnx_opset_version"):
+        yield
+        return
+    symbolic_helper._export_onnx_opset_version = opset
+    try:
+        yield
+    finally:
+        del symbolic_helper._export_onnx_opset_version
+
+
 def _export(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | None) -> onnx.ModelProto:
     """torch.onnx (TorchScript exporter) at ``opset``, or at its highest opset and then onnx's version converter."""
     export_opset = min(opset, _max_torchscript_opset())
@@ -112,7 +135,7 @@ def _export(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | 
     was_training = marked.module.training
     marked.module.eval()
     try:
-        with _TORCH_ONNX_LOCK, warnings.catch_warnings(), torch.no_grad():
+        with _TORCH_ONNX_LOCK, _opset_visible_to_onnx2torch(export_opset), warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 marked.module, args, buf, dynamo=False, opset_version=export_opset,
