@@ -330,10 +330,26 @@ class Grouped(nn.Module):
         return self.conv(x)
 
 
+def test_grouped_conv_exports_with_the_platforms_scales(tmp_path: Path) -> None:
+    """ncnn's int8 ConvolutionDepthWise reads one weight scale per group: ncnn_int8 quantizes a grouped conv with
+    several channels a group per tensor (RegNet/ResNeXt exported; per-channel scales were refused at export)."""
+    gm, _ = check(Grouped().eval(), (1, 4, 8, 8), tmp_path / "net")
+    conv = next(n for n in gm.graph.nodes if n.meta.get("fxq") is not None and n.meta["fxq"].op_type == "Conv")
+    w_q = gm.get_submodule(str(conv.args[1].target))
+    assert not w_q.config.per_channel
+
+
 def test_grouped_conv_with_per_channel_scales_names_the_rule(tmp_path: Path) -> None:
-    """ncnn's int8 ConvolutionDepthWise reads one weight scale per group: per-channel scales inside a group are
-    refused with the settings that make the layer expressible."""
+    """Per-channel scales inside a group (forced by the user) are refused with the settings that make the layer
+    expressible."""
     torch.manual_seed(0)
     gm = fxq.quantize(Grouped().eval(), [torch.randn(1, 4, 8, 8)], "ncnn_int8", progress=False)
+    conv = next(n for n in gm.graph.nodes if n.meta.get("fxq") is not None and n.meta["fxq"].op_type == "Conv")
+    w_q = gm.get_submodule(str(conv.args[1].target))
+    weight = gm.get_parameter(str(conv.args[1].args[0].target)) if conv.args[1].args[0].op == "get_attr" else None
+    assert weight is not None
+    w_q.config = w_q.config.replace(per_channel=True, channel_axis=0)
+    amax = weight.detach().abs().amax(dim=(1, 2, 3)).clamp_min(1e-8)
+    w_q.scale = (amax / 127).reshape(-1)
     with pytest.raises(ExportError, match=r"one weight scale per group.*per_channel=False\) or dispatch it to fp32"):
         export(gm, "ncnn", tmp_path / "net")

@@ -58,3 +58,34 @@ def test_a_broken_rewrite_is_fxqs_error_naming_the_node(monkeypatch):
 def test_data_that_does_not_fit_still_blames_the_data():
     with pytest.raises(fxq.CalibrationError):
         fxq.prepare(PermuteFlatten().eval(), "trt_int8", example_inputs=torch.randn(2, 3, 9, 9))
+
+
+class StochasticResidual(nn.Module):
+    """EfficientNet/ConvNeXt's residual with torchvision's stochastic depth (identity in eval)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torchvision
+
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.drop = torchvision.ops.StochasticDepth(0.2, "row")
+
+    def forward(self, x):
+        return x + self.drop(self.conv(x))
+
+
+def test_stochastic_depth_in_eval_is_an_identity(tmp_path):
+    """Traced in eval, torchvision's stochastic_depth(..., training=False) had no op type, so the ncnn export of
+    EfficientNet failed ('no converter for op type Unknown'); it is an identity and leaves the graph."""
+    from fxq.graph.op_types import op_type
+
+    model = StochasticResidual().eval()
+    data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
+    qmodel = fxq.quantize(model, data, platform="ncnn_int8", progress=False)
+    assert not any("stochastic_depth" in str(n.target) for n in qmodel.graph.nodes)
+    with fxq.fp32_mode(qmodel):
+        torch.testing.assert_close(qmodel(data[0]), model(data[0]))
+    assert fxq.export(qmodel, "ncnn_int8", tmp_path / "net")
+    training = torch.fx.symbolic_trace(StochasticResidual().train())
+    node = next(n for n in training.graph.nodes if "stochastic_depth" in str(n.target))
+    assert op_type(node) != "Identity"  # in training it drops rows: not an identity

@@ -70,6 +70,23 @@ _MODULES: dict[type, str] = {
     nn.Identity: "Identity", nn.Dropout: "Identity", nn.Dropout2d: "Identity", nn.Embedding: "Gather",
 }
 
+def _training_flag_at(index: int) -> Callable[[fx.Node], bool]:
+    def is_training(node: fx.Node) -> bool:
+        flag = node.args[index] if len(node.args) > index else node.kwargs.get("training", True)
+        return flag is not False
+    return is_training
+
+
+_EVAL_IDENTITIES: dict[Callable[..., Any], Callable[[fx.Node], bool]] = {}
+"""Functions that are the identity when called with ``training=False`` (traced from a model in eval mode), with
+the test of a node's training flag; in training they keep their type ("Unknown" unless registered)."""
+try:  # torchvision's stochastic depth (EfficientNet, ConvNeXt, Swin, MaxViT) is a torch.fx-wrapped function
+    from torchvision.ops import stochastic_depth as _stochastic_depth
+
+    _EVAL_IDENTITIES[_stochastic_depth] = _training_flag_at(3)
+except ImportError:  # pragma: no cover - torchvision is a dependency
+    pass
+
 WEIGHTED_FUNCTIONS = frozenset(
     f for f, t in _FUNCTIONS.items() if t in ("Conv", "ConvTranspose", "Gemm") and f is not torch.addmm
 )
@@ -97,6 +114,9 @@ def op_type(node: fx.Node, modules: dict[str, nn.Module] | None = None) -> str:
     found: str | None = None
     if node.op == "call_function":
         found = _FUNCTIONS.get(node.target)
+        is_training = _EVAL_IDENTITIES.get(node.target)  # type: ignore[arg-type]
+        if found is None and is_training is not None and not is_training(node):
+            found = "Identity"
         if found is None and getattr(node.target, "__name__", None) in ("conv2d", "conv1d", "conv3d"):
             found = "Conv"
     elif node.op == "call_method":

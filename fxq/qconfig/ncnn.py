@@ -11,7 +11,8 @@ NCNN_OPS = frozenset({"Conv", "Gemm"})
 class NcnnInt8(Platform):
     exporter = "ncnn"
     description = ("NCNN INT8: inputs of Conv/Gemm sym [-127,127], weights per-channel (6-bit for 3x3 s1 d1 g1 "
-                   "convs), outputs FP32, rounding half away from zero")
+                   "convs; per-tensor for grouped convs with several channels a group), outputs FP32, rounding half "
+                   "away from zero")
     activation = _int_config(8, True, narrow=True)
     weight = _int_config(8, True, narrow=True, per_channel=True)
     quantized_ops = NCNN_OPS
@@ -33,6 +34,11 @@ class NcnnInt8(Platform):
         cfg = super().weight_config(op_type, node_name, weight_shape, op_attrs)
         if op_type == "Conv" and _is_3x3_s1_d1_g1(weight_shape, op_attrs):
             cfg = cfg.replace(num_bits=6, quant_min=-31, quant_max=31)
+        groups = int(op_attrs.get("groups", 1))
+        if op_type == "Conv" and groups > 1 and weight_shape and weight_shape[0] != groups and cfg.per_channel:
+            # ncnn's int8 ConvolutionDepthWise takes one weight scale per group; a group of several output
+            # channels (RegNet, ResNeXt) gets one scale for the whole conv, which ncnn can express
+            cfg = cfg.replace(per_channel=False)
         return cfg
 
 
