@@ -61,9 +61,26 @@ def families() -> dict[str, str]:
 _SIZES = (32, 64, 96, 128, 160, 224, 256, 299)
 
 
+def _exportable(model: Any, args: tuple) -> bool:
+    """Whether ONNX can express the model at this input size: adaptive pooling to a size that does not divide the
+    input (VGG's and AlexNet's 7x7 / 6x6 at small inputs) is not expressible; other models are not probed."""
+    import io
+
+    import torch
+
+    pools = [m for m in model.modules() if isinstance(m, (torch.nn.AdaptiveAvgPool2d, torch.nn.AdaptiveMaxPool2d))]
+    if all(m.output_size in (1, (1, 1)) for m in pools):
+        return True
+    try:
+        torch.onnx.export(model, args, io.BytesIO(), opset_version=13, dynamo=False)
+    except Exception:
+        return False
+    return True
+
+
 def example_input(name: str, family: str, model: Any = None) -> Any:
     """The smallest input the model accepts (random, seeded by the caller): image models try square sizes from 32
-    up until the FP32 model runs."""
+    up until the FP32 model runs and ONNX can express it."""
     import torch
 
     if family == "video":
@@ -82,9 +99,12 @@ def example_input(name: str, family: str, model: Any = None) -> Any:
         try:
             with torch.no_grad():
                 model(*args)
-            return args
         except Exception as exc:  # too small for this model: try the next size
             last = exc
+            continue
+        if _exportable(model, args):
+            return args
+        last = RuntimeError(f"ONNX cannot express the model at {size}x{size}")
     raise RuntimeError(f"{name} runs at none of the sizes {_SIZES}: {last}")
 
 
