@@ -9,6 +9,10 @@ Files, from ``path`` = ``out/model.onnx``:
 * with ``legacy=True`` (implicit quantization, TensorRT <= 10): ``model_fp32.onnx`` (same graph and tensor
   names, no Q/DQ, weights already on their grid), ``model.cache`` (calibration cache) and ``model.json``
   (PPQ's ``{"act_quant_info": {tensor: amax}}``).
+
+FP32 biases are written as fxq simulates them; a default onnxruntime session rounds them to int32 codes of input
+scale x weight scale, and where those overflow (vanishing activations) the export logs a WARNING naming the nodes
+(:func:`fxq.backends.onnxruntime.ort_bias_issues`).
 """
 from __future__ import annotations
 
@@ -95,6 +99,7 @@ class TensorRTExporter(Exporter):
                dynamic_batch: bool = False) -> list[Path]:
         import onnx
 
+        from fxq.backends.onnxruntime import warn_ort_bias_issues
         from fxq.backends.qdq.common import (
             finalize,
             plan_paths,
@@ -132,6 +137,7 @@ class TensorRTExporter(Exporter):
                               "write it anyway, with warnings):\n  " + "\n  ".join(problems))
         for p in problems:
             logger.warning("TensorRT rule: %s", p)
+        warn_ort_bias_issues(qdq_model, "tensorrt")
         files: dict[Path, bytes | str] = {paths["main"]: serialize(qdq_model)}
         # 4. legacy side files, keyed by the FP32 model's tensor names
         if legacy:

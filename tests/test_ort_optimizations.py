@@ -1,0 +1,187 @@
+"""QDQ exports in onnxruntime's default session (graph optimizations on) against fxq's simulation.
+
+onnxruntime's ``WeightBiasQuantization`` pass (level 1, so already in ``ORT_ENABLE_BASIC``) rewrites the FP32 bias
+of a Conv/Gemm with a dequantized input and a quantized output as int32 codes of input scale x weight scale.
+A bias fxq simulates in FP32 (``trt_int8``) is then rounded to that grid: well under an output step on
+ordinary models, but where activations vanish (input scale at the 1e-8 floor) the codes overflow int32 and the
+session computes garbage. The exporters say so with a WARNING naming the nodes; the file stays what fxq
+simulates (``ORT_DISABLE_ALL`` and a session without that pass reproduce it).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from _export_helpers import quantize_model
+from torch import nn
+
+import fxq
+from fxq.backends.onnxruntime import ort_bias_issues
+
+from _models import with_bn_statistics
+
+ort = pytest.importorskip("onnxruntime")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PLATFORMS = ("trt_int8", "ort_int8")
+
+
+class Inception(nn.Module):
+    """Stem, then an inception block: 1x1, 1x1 -> 3x3, MaxPool -> 1x1 and a bare MaxPool branch, concatenated,
+    MaxPool, a second concat of a conv and a pool branch, global average pool, linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        def cbr(i: int, o: int, k: int = 1, s: int = 1) -> nn.Sequential:
+            return nn.Sequential(nn.Conv2d(i, o, k, s, k // 2, bias=False), nn.BatchNorm2d(o), nn.ReLU())
+
+        self.stem = cbr(3, 16, 3, 2)
+        self.b1, self.b2 = cbr(16, 8), nn.Sequential(cbr(16, 8), cbr(8, 12, 3))
+        self.b3 = nn.Sequential(nn.MaxPool2d(3, 1, 1), cbr(16, 8))
+        self.b4 = nn.MaxPool2d(3, 1, 1)
+        self.c1 = cbr(44, 24, 3)
+        self.fc = nn.Linear(68, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], 1)
+        x = F.max_pool2d(x, 2)
+        x = torch.cat([self.c1(x), F.max_pool2d(x, 3, 1, 1)], 1)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class Vanishing(nn.Module):
+    """Conv -> ReLU whose output is ~1e-12 (its quantizer's scale sits at the 1e-8 floor), then Conv with a real
+    bias -> ReLU, pooled, and a Linear with a bias reading the pooled value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 4)
+        with torch.no_grad():
+            self.conv1.weight.mul_(1e-12)
+            self.conv1.bias.zero_()
+            self.conv2.bias.uniform_(0.05, 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv2(F.relu(self.conv1(x))))
+        return F.relu(self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)))
+
+
+def _inception() -> nn.Module:
+    torch.manual_seed(0)
+    return with_bn_statistics(Inception().eval(), (4, 3, 32, 32), mix=0.5)
+
+
+def _run(path, x: torch.Tensor, level: str, disabled: tuple[str, ...] = ()) -> np.ndarray:
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.intra_op_num_threads = 1
+    opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"],
+                                disabled_optimizers=list(disabled))
+    return sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+
+
+def _run_model(model: onnx.ModelProto, x: torch.Tensor, level: str) -> np.ndarray:
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return sess.run(["y"], {"x": x.numpy()})[0]
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    return 1.0 if na == nb == 0 else float(a @ b / (na * nb)) if na and nb else 0.0
+
+
+def _export(model: nn.Module, platform: str, tmp_path, caplog) -> tuple:
+    q = quantize_model(model, platform, shape=(2, 3, 32, 32))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fxq.backends"):
+        path = fxq.export(q, platform, tmp_path / f"{platform}.onnx")[0]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    torch.manual_seed(5)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        sim = q(x).numpy()
+    return path, x, sim, warnings
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_inception_concat_of_pool_and_conv_branches_matches_in_every_session_mode(platform, tmp_path, caplog):
+    path, x, sim, warnings = _export(_inception(), platform, tmp_path, caplog)
+    assert not [w for w in warnings if "onnxruntime" in w], warnings
+    assert ort_bias_issues(onnx.load(path)) == []
+    for level in ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_ALL"):
+        assert _cosine(_run(path, x, level), sim) >= 0.999, level
+
+
+def test_vanishing_activations_trt_export_warns_and_names_the_nodes(tmp_path, caplog):
+    torch.manual_seed(0)
+    path, x, sim, warnings = _export(Vanishing().eval(), "trt_int8", tmp_path, caplog)
+    found = [w for w in warnings if "WeightBiasQuantization" in w]
+    assert len(found) == 1, warnings
+    assert "'conv2.bias'" in found[0] and "beyond int32" in found[0] and "1e-08" in found[0], found[0]
+    assert "calibrate with representative data" in found[0]
+    issues = ort_bias_issues(onnx.load(path))
+    assert any("conv2.bias" in i for i in issues) and not any("conv1.bias" in i for i in issues), issues
+    # the file is what fxq simulates: as written, and in a default session without that one pass
+    assert _cosine(_run(path, x, "ORT_DISABLE_ALL"), sim) >= 0.999
+    for level in ("ORT_ENABLE_BASIC", "ORT_ENABLE_ALL"):
+        assert _cosine(_run(path, x, level, ("WeightBiasQuantization",)), sim) >= 0.999, level
+
+
+def test_vanishing_activations_ort_export_carries_int32_biases_and_matches(tmp_path, caplog):
+    torch.manual_seed(0)
+    path, x, sim, warnings = _export(Vanishing().eval(), "ort_int8", tmp_path, caplog)
+    assert not [w for w in warnings if "WeightBiasQuantization" in w], warnings
+    for level in ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_ALL"):
+        assert _cosine(_run(path, x, level), sim) >= 0.999, level
+
+
+def test_bias_rounding_check_on_a_hand_written_graph():
+    """DQ -> Conv(FP32 bias) -> Relu -> Q: flagged only where the int32 codes overflow."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    def model(s_in: float, branch: bool) -> onnx.ModelProto:
+        inits = [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in
+                 (("s_in", s_in), ("s_w", [1e-2, 1e-2]), ("s_out", 1e-2), ("b", [0.5, -0.5]),
+                  ("w", np.ones((2, 1, 1, 1))))]
+        inits += [numpy_helper.from_array(np.array(0, np.int8), "z"), numpy_helper.from_array(np.zeros(2, np.int8), "zc")]
+        nodes = [helper.make_node("QuantizeLinear", ["x", "s_in", "z"], ["xq"]),
+                 helper.make_node("DequantizeLinear", ["xq", "s_in", "z"], ["xd"]),
+                 helper.make_node("QuantizeLinear", ["w", "s_w", "zc"], ["wq"], axis=0),
+                 helper.make_node("DequantizeLinear", ["wq", "s_w", "zc"], ["wd"], axis=0),
+                 helper.make_node("Conv", ["xd", "wd", "b"], ["c"], name="conv"),
+                 helper.make_node("Relu", ["c"], ["r"]),
+                 helper.make_node("QuantizeLinear", ["r", "s_out", "z"], ["rq"]),
+                 helper.make_node("DequantizeLinear", ["rq", "s_out", "z"], ["y"])]
+        outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+        if branch:  # a second node reading the Conv output: onnxruntime leaves the bias alone
+            nodes.append(helper.make_node("Sigmoid", ["c"], ["sig"]))
+            outputs.append(helper.make_tensor_value_info("sig", TensorProto.FLOAT, None))
+        inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 2, 2])]
+        m = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, inits),
+                              opset_imports=[helper.make_opsetid("", 13)])
+        m.ir_version = 10
+        return m
+
+    x = torch.zeros(1, 1, 2, 2)
+    for s_in, branch, flagged in ((1e-2, False, False), (1e-8, False, True), (1e-8, True, False)):
+        m = model(s_in, branch)
+        issues = ort_bias_issues(m)
+        assert len(issues) == int(flagged), issues
+        if flagged:
+            assert "Conv 'conv'" in issues[0] and "'b'" in issues[0] and "'x'" in issues[0], issues
+        # the check flags exactly what onnxruntime changes (here the overflowing +0.5 bias is lost)
+        as_written = _run_model(m, x, "ORT_DISABLE_ALL")
+        assert as_written.ravel()[0] == pytest.approx(0.5)
+        assert bool(np.any(_run_model(m, x, "ORT_ENABLE_BASIC") != as_written)) == flagged
