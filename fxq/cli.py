@@ -2,7 +2,11 @@
 
 Every command exits 0 on success; on bad input (missing file, empty calibration folder, shape
 mismatch...) it prints one line ``fxq: error: ...`` to stderr and exits 1 (2 for usage errors).
-``--verbose`` adds debug logging and tracebacks.
+``fxq quantize`` exits 3 when the deployment files were written but an optional file (the ``.fxq`` save or
+the summary) could not be: a warning names the file and the reason. ``--verbose`` adds debug logging and tracebacks.
+
+``--input-shape`` also fixes the symbolic / unknown dims of an ONNX model's inputs for loading
+(``fxq.load_onnx(..., input_shapes=...)``); exports keep the dims the file has symbolic dynamic.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ __all__ = ["main", "build_parser"]
 
 logger = logging.getLogger("fxq.cli")
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_PARTIAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -130,7 +134,7 @@ def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None) -> 
     if suffix in (".onnx", ".prototxt", ".fxq") or (suffix and path.exists()):
         _readable_file(path, "model file")
         if suffix == ".onnx":
-            return _Loaded(_fxq().load_onnx(path), "onnx", path.stem)
+            return _Loaded(_fxq().load_onnx(path, input_shapes=_onnx_open_shapes(path, shapes)), "onnx", path.stem)
         if suffix == ".prototxt":
             weights = Path(caffemodel) if caffemodel else path.with_suffix(".caffemodel")
             if weights.is_dir():
@@ -165,6 +169,34 @@ def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None) -> 
     if not isinstance(model, nn.Module):
         raise FrontendError(f"{spec}() returned a {type(model).__name__}, expected a torch.nn.Module")
     return _Loaded(model.eval(), "python", factory)
+
+
+def _onnx_open_shapes(path: Path, shapes: Any) -> dict[str, list[int]] | None:
+    """The ``--input-shape`` entries for ONNX inputs with symbolic / unknown dims (static inputs keep the file's
+    shape for loading; ``--input-shape`` then only describes the calibration data)."""
+    if not shapes:
+        return None
+    import onnx
+
+    from fxq.errors import FrontendError
+    from fxq.frontends.onnx.shapes import source_dims
+
+    try:
+        declared = source_dims(onnx.load(str(path), load_external_data=False))
+    except Exception as exc:  # noqa: BLE001  (load_onnx reports unreadable files with their reason)
+        logger.debug("could not read the inputs of %s before loading: %s", path, exc)
+        return None
+    if not isinstance(shapes, dict):
+        if len(declared) != 1:
+            raise FrontendError(f"{str(path)!r} has inputs {list(declared)}: give --input-shape NAME=dims for each")
+        shapes = {next(iter(declared)): shapes}
+    open_dims = {k: v for k, v in shapes.items()
+                 if k in declared and (not declared[k] or any(not (isinstance(d, int) and d > 0) for d in declared[k]))}
+    unknown = sorted(set(shapes) - set(declared))
+    if unknown:
+        raise FrontendError(f"--input-shape names {unknown}, which are not inputs of {str(path)!r} "
+                            f"(its inputs: {list(declared)})")
+    return open_dims or None
 
 
 def _model_input_shapes(loaded: _Loaded) -> list[int] | dict[str, list[int]] | None:
@@ -304,12 +336,28 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     summary = fxq.summary(gm)
     platform = _platform(args, loaded)
     stem = _stem(loaded, platform)
-    files = [atomic_write_text(out / f"{stem}.summary.txt", str(summary) + "\n"), fxq.save(gm, out / f"{stem}.fxq")]
+    files: list[Path] = []
+    failed: list[str] = []
+    optional = [("summary", lambda: atomic_write_text(out / f"{stem}.summary.txt", str(summary) + "\n")),
+                ("saved model", lambda: fxq.save(gm, out / f"{stem}.fxq"))]
+    for what, write in optional:
+        try:
+            files.append(write())
+        except Exception as exc:  # noqa: BLE001  (an optional file never stops the exports)
+            if args.no_export:
+                raise
+            logger.warning("could not write the %s (%s: %s); writing the exports anyway", what,
+                           type(exc).__name__, _one_line(exc))
+            failed.append(what)
     if not args.no_export:
         files += _export(gm, platform, out, stem, args.exporter, _export_options(args))
     if not args.quiet:
         print(summary)
     print("wrote:\n" + "\n".join(f"  {p}" for p in files))
+    if failed:
+        print(f"fxq: warning: not written: {', '.join(failed)} (see the warning above); exit code {EXIT_PARTIAL}",
+              file=sys.stderr)
+        return EXIT_PARTIAL
     return EXIT_OK
 
 
@@ -409,7 +457,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     stem = f"resnet18_{args.platform}"
     files = [atomic_write_text(out / f"{stem}.summary.txt", str(summary) + "\n")]
     if not args.no_export:
-        files.append(fxq.save(gm, out / f"{stem}.fxq"))
+        try:
+            files.append(fxq.save(gm, out / f"{stem}.fxq"))
+        except Exception as exc:  # noqa: BLE001  (the optional save never stops the exports)
+            logger.warning("could not save the model (%s: %s); exporting anyway", type(exc).__name__, _one_line(exc))
         try:
             files += _export(gm, args.platform, out, stem, None, _demo_export_options(args.platform))
         except FxqError as exc:  # e.g. a user platform without an exporter
@@ -468,8 +519,8 @@ def _model_args(p: argparse.ArgumentParser, calib_required: bool = True) -> None
                    help="calibration folder: .npy / .bin / .pt / images, one batch per file "
                         "(one sub-folder per input for multi-input models)")
     p.add_argument("--input-shape", action="append", metavar="[NAME=]N,C,H,W", type=_parse_shape,
-                   help="input shape (needed for raw .bin files; checked against the data); repeat with NAME= "
-                        "for several inputs")
+                   help="input shape (needed for raw .bin files; checked against the data; fixes an ONNX file's "
+                        "symbolic dims for loading, exports stay dynamic); repeat with NAME= for several inputs")
     p.add_argument("--dtype", default=None, type=_dtype_name, help="convert calibration tensors to this dtype (default: keep; "
                                                  "float64 -> float32; raw files float32)")
     p.add_argument("--layout", default="NCHW", choices=["NCHW", "NHWC"], help="image layout (default NCHW)")

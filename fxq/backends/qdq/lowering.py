@@ -73,13 +73,19 @@ def example_inputs_for(gm: fx.GraphModule, example_inputs: Any = None) -> tuple:
 
 def dynamic_axes_for(gm: fx.GraphModule, input_names: Sequence[str], output_names: Sequence[str],
                      dynamic_batch: bool) -> dict[str, dict[int, str]] | None:
-    """Dynamic axes: symbolic dims of the source ONNX file's inputs, and axis 0 when ``dynamic_batch``."""
+    """Dynamic axes: the source ONNX file's symbolic and unknown input dims, and axis 0 when ``dynamic_batch``.
+
+    The file's dims (``source_input_shapes``) count, not the shapes it was loaded or calibrated at. A dim name
+    that is an identifier is kept (shared across inputs); others (``"-1"``, ``"?"``, none) get ``<input>_dim<i>``.
+    """
     axes: dict[str, dict[int, str]] = {}
     meta = gm.meta.get("onnx") if isinstance(getattr(gm, "meta", None), dict) else None
-    shapes = (meta or {}).get("input_shapes") or {}
+    meta = meta if isinstance(meta, dict) else {}
+    shapes = meta.get("source_input_shapes") or meta.get("input_shapes") or {}
     for name in input_names:
         dims = shapes.get(name) or []
-        sym = {i: d for i, d in enumerate(dims) if isinstance(d, str) and d}
+        sym = {i: (d if d.isidentifier() else f"{name}_dim{i}") if isinstance(d, str) and d else f"{name}_dim{i}"
+               for i, d in enumerate(dims) if not (isinstance(d, int) and d > 0)}
         if sym:
             axes[name] = sym
     if dynamic_batch:

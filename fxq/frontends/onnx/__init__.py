@@ -1,9 +1,11 @@
 """ONNX frontend: ``load_onnx(path_or_ModelProto) -> torch.fx.GraphModule`` through onnx2torch.
 
 Pipeline (``loader.py``): read the file and its external data (``reader.py``) -> clean the graph (``cleanup.py``:
-default-domain spelling, initializer inputs, Constant and Identity-of-initializer folding, shape inference) ->
+default-domain spelling, initializer inputs, Constant and Identity-of-initializer folding) -> shape inference,
+at the ``input_shapes`` given for symbolic dims with shape subgraphs folded for inference only (``shapes.py``) ->
 check every node has a converter, reporting all gaps at once (``support.py``) -> ``onnx2torch.convert`` with
-fxq's converters for the ops and opsets onnx2torch lacks (``converters/``) -> name mapping (``naming.py``).
+fxq's converters for the ops and opsets onnx2torch lacks (``converters/``) -> name mapping (``naming.py``) ->
+one run against onnxruntime on a generated input (``verify.py``).
 
 Name-mapping layout (what exporters read to write back onto the user's tensor names):
 
@@ -11,7 +13,9 @@ Name-mapping layout (what exporters read to write back onto the user's tensor na
 
     {"inputs": [graph input names],            # in placeholder order (initializers excluded)
      "outputs": [graph output names],          # in the order the GraphModule returns them
-     "input_shapes": {name: [dims]},           # int, str (symbolic dim_param) or None (unknown) per dim
+     "input_shapes": {name: [dims]},           # int, str (symbolic dim_param) or None (unknown) per dim;
+                                               # the input_shapes given to load_onnx where given
+     "source_input_shapes": {name: [dims]},    # the file's own dims (exports keep its symbolic ones dynamic)
      "opset": int,                             # default-domain opset
      "opset_imports": {domain: version},       # "ai.onnx" for the default domain
      "ir_version": int, "producer": str, "graph_name": str,

@@ -207,8 +207,8 @@ def alias_dotted_domains(model: onnx.ModelProto) -> dict[str, str]:
     return aliases
 
 
-def clean(model: onnx.ModelProto) -> onnx.ModelProto:
-    """All clean-up passes in order; ``model`` is edited in place and the shape-inferred model returned."""
+def clean(model: onnx.ModelProto, *, infer: bool = True) -> onnx.ModelProto:
+    """All clean-up passes in order; ``model`` is edited in place and returned (shape-inferred when ``infer``)."""
     normalize_domains(model)
     dropped = drop_initializer_inputs(model)
     constants = fold_constants(model)
@@ -218,4 +218,4 @@ def clean(model: onnx.ModelProto) -> onnx.ModelProto:
         "ONNX clean-up: %d initializer inputs dropped, %d Constant and %d Identity/Cast folded, %d allowzero dropped",
         dropped, constants, identities, allowzero,
     )
-    return infer_shapes(model)
+    return infer_shapes(model) if infer else model

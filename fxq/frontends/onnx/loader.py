@@ -4,12 +4,14 @@ from __future__ import annotations
 import keyword
 import logging
 import os
+from typing import Mapping, Sequence
 
 import onnx
 from torch import fx
 
 from fxq.errors import FrontendError
-from fxq.frontends.onnx import cleanup, naming, reader, support
+from fxq.frontends.onnx import cleanup, naming, reader, shapes, support
+from fxq.frontends.onnx import verify as checks
 
 __all__ = ["load_onnx"]
 
@@ -55,27 +57,40 @@ def _locate_failures(
 
 
 def load_onnx(
-    model: str | os.PathLike | onnx.ModelProto, *, base_dir: str | os.PathLike | None = None
+    model: str | os.PathLike | onnx.ModelProto,
+    *,
+    base_dir: str | os.PathLike | None = None,
+    input_shapes: Mapping[str, Sequence[int]] | Sequence[int] | None = None,
+    verify: bool | str = "auto",
 ) -> fx.GraphModule:
     """Load an ONNX model as a ``torch.fx.GraphModule`` whose nodes carry their ONNX names.
 
     The model is cleaned (Constant/Identity-of-initializer folding, shape inference), every node is checked for a
     converter (onnx2torch's or fxq's), converted by onnx2torch, and annotated: ``node.meta["onnx"]`` and
     ``gm.meta["onnx"]`` as laid out in :mod:`fxq.frontends.onnx`. The GraphModule returns the ONNX graph outputs
-    in order (one tensor, or a tuple for several).
+    in order (one tensor, or a tuple for several). Then (``verify``) the conversion is run once against
+    onnxruntime on a generated input.
 
     Args:
         model: path of a ``.onnx`` file (its ``.onnx.data`` external data is read from beside it) or a
             ``ModelProto`` (copied, never modified).
         base_dir: folder holding external data files, when not the model file's folder (or for a ``ModelProto``
             whose tensors still refer to external files).
+        input_shapes: ``{input name: [dims]}`` (or one shape for a single-input model) fixing the symbolic or
+            unknown dims of the file's inputs for loading, shape inference and the check; exports keep the dims
+            the file has symbolic dynamic. Dims the file fixes must match.
+        verify: run the converted graph and onnxruntime on one generated input and raise when they differ;
+            ``"auto"`` (default) does so when onnxruntime is installed, the weights take at most
+            ``VERIFY_AUTO_MAX_BYTES`` (256 MiB) and every input dim is known (from the file or ``input_shapes``).
 
     Returns:
         The converted ``GraphModule`` in eval mode.
 
     Raises:
         FrontendError: missing, corrupt or non-ONNX file, missing external data, ops without a converter (all
-            listed at once, with op type, domain, opset and node names), or a converter failing on a node.
+            listed at once, with op type, domain, opset and node names), a converter failing on a node, ranks
+            shape inference cannot tell without ``input_shapes`` (naming the inputs), or a converted graph that
+            differs from onnxruntime (naming the first differing ONNX node).
 
     Example:
         >>> gm = load_onnx("model.onnx")                              # doctest: +SKIP
@@ -89,9 +104,18 @@ def load_onnx(
 
     load_builtin_converters()
     proto, source = reader.read_model(model, base_dir)
-    proto = cleanup.clean(proto)
+    fixed = shapes.fix_input_shapes(proto, input_shapes, source)
+    original = None
+    if checks.wants_check(proto, verify):
+        original = onnx.ModelProto()
+        original.CopyFrom(proto)
+    declared = shapes.source_dims(proto)
+    proto = shapes.infer_for_conversion(cleanup.clean(proto, infer=False), fixed)
     support.check_wiring(proto, source)
     support.check_supported(proto, source)
+    unknown = shapes.unknown_rank_nodes(proto)
+    if unknown and shapes.symbolic_inputs(proto) and not set(shapes.symbolic_inputs(proto)) <= set(fixed):
+        raise FrontendError(shapes.advice(proto, source, unknown))
     aliases = cleanup.alias_dotted_domains(proto)
     try:
         gm = convert(proto, save_input_names=_placeholder_names_ok(proto), attach_onnx_mapping=True)
@@ -104,6 +128,11 @@ def load_onnx(
             f"converted ONNX model {source!r} but could not map its names onto the graph "
             f"({type(exc).__name__}: {exc}); please report this with the model"
         ) from exc
+    gm.meta["onnx"]["source_input_shapes"] = {k: list(v) for k, v in declared.items()}
+    if fixed:
+        gm.meta["onnx"]["input_shapes"].update({k: list(v) for k, v in fixed.items()})
     gm.eval()
+    if original is not None:
+        checks.check_conversion(gm, original, fixed, source, verify)
     _LOG.info("loaded ONNX model %s: %d nodes, opset %s", source, len(proto.graph.node), gm.meta["onnx"]["opset"])
     return gm

@@ -2,7 +2,9 @@
 
 onnx2torch 1.5.15 converts ``Reshape-14`` for ``allowzero=0`` only; torch's default exporter writes ``allowzero=1``.
 A 0 in ``shape`` copies the input's dimension when ``allowzero=0`` and means an empty dimension when ``allowzero=1``.
-A constant ``shape`` is kept in the module (fx-traceable); a run-time ``shape`` is read in ``forward``.
+A constant ``shape`` is kept in the module (fx-traceable); a run-time ``shape`` is read in ``forward`` and, during
+``torch.onnx`` export, written as an ONNX ``Reshape`` of that tensor (tracing ``shape.tolist()`` would freeze the
+export at the traced size).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OperationConverterResult
+from onnx2torch.utils.custom_export_to_onnx import DefaultExportToOnnx
 from torch import nn
 
 from fxq.frontends.onnx.converters._common import int_list, result
@@ -33,6 +36,12 @@ class OnnxReshape(nn.Module):
         self.copy_dims = [] if shape is None or allowzero else [i for i, s in enumerate(shape) if s == 0]
 
     def forward(self, x: torch.Tensor, shape: torch.Tensor | None = None) -> torch.Tensor:
+        if self.shape is None and torch.onnx.is_in_onnx_export():
+            return DefaultExportToOnnx.export(lambda: self._reshape(x, shape), "Reshape", x, shape,
+                                              {"allowzero_i": 1} if self.allowzero else {})
+        return self._reshape(x, shape)
+
+    def _reshape(self, x: torch.Tensor, shape: torch.Tensor | None) -> torch.Tensor:
         if self.shape is not None:
             target = list(self.shape)
             copy_dims = self.copy_dims

@@ -1,0 +1,228 @@
+"""``load_onnx``'s self-check: one run of the converted graph against onnxruntime on a generated input.
+
+When the outputs differ (or the converted graph fails), the file is run again in onnxruntime with every node
+output exposed, and the first ONNX node (in file order) whose value differs from the matching fx node's is named.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import numpy as np
+import onnx
+import torch
+from torch import fx
+
+from fxq.errors import FrontendError
+from fxq.frontends.onnx.shapes import source_dims
+
+__all__ = ["VERIFY_AUTO_MAX_BYTES", "wants_check", "check_conversion"]
+
+_LOG = logging.getLogger(__name__)
+
+VERIFY_AUTO_MAX_BYTES = 256 * 2**20
+"""``verify="auto"`` checks models whose weights (initializers) take at most this many bytes."""
+
+_ATOL, _RTOL = 1e-4, 1e-3
+_MAX_PROTO_BYTES = 2_000_000_000
+
+
+def _weight_bytes(model: onnx.ModelProto) -> int:
+    total = 0
+    for t in model.graph.initializer:
+        n = int(np.prod(t.dims, dtype=np.int64))
+        size = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize if t.data_type != onnx.TensorProto.STRING else 8
+        total += n * size
+    return total
+
+
+def wants_check(model: onnx.ModelProto, verify: bool | str) -> bool:
+    """Whether to check: ``True``/``False``, or ``"auto"``: onnxruntime importable and weights small enough."""
+    if verify not in (True, False, "auto"):
+        raise FrontendError(f"verify must be True, False or 'auto', got {verify!r}")
+    if verify is False:
+        return False
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        _LOG.debug("onnxruntime is not installed: the converted ONNX graph is not checked")
+        return False
+    if verify == "auto" and _weight_bytes(model) > VERIFY_AUTO_MAX_BYTES:
+        _LOG.debug("ONNX model weights over %d bytes: conversion check skipped (verify=True runs it)",
+                   VERIFY_AUTO_MAX_BYTES)
+        return False
+    return True
+
+
+def _inputs(model: onnx.ModelProto, fixed: Mapping[str, list[int]], verify: bool | str,
+            source: str) -> dict[str, np.ndarray] | None:
+    """Generated inputs: random normal floats, zeros for integers, ones for booleans (seeded)."""
+    rng = np.random.default_rng(0)
+    types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+    feeds: dict[str, np.ndarray] = {}
+    for name, dims in source_dims(model).items():
+        shape = fixed.get(name, dims)
+        if not all(isinstance(d, int) and d > 0 for d in shape) or not types.get(name):
+            log = _LOG.warning if verify is True else _LOG.debug
+            log("conversion check of %r skipped: input %r has open dims %s; pass input_shapes={%r: [...]}",
+                source, name, dims, name)
+            return None
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(types[name])
+        if dtype.kind == "f":
+            feeds[name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind == "b":
+            feeds[name] = np.ones(shape, dtype=dtype)
+        else:
+            feeds[name] = np.zeros(shape, dtype=dtype)
+    return feeds
+
+
+def _ort_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return dict(zip(outputs, sess.run(outputs, feeds)))
+
+
+def _with_all_outputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """A copy whose graph outputs are every node output of known element type (file order)."""
+    typed = onnx.shape_inference.infer_shapes(model) if model.ByteSize() < _MAX_PROTO_BYTES else model
+    types = {v.name: v.type.tensor_type.elem_type for v in list(typed.graph.value_info) + list(typed.graph.output)
+             if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    present = {o.name for o in out.graph.output}
+    names: list[str] = []
+    for node in out.graph.node:
+        for o in node.output:
+            if o and o in types and o not in present:
+                out.graph.output.append(onnx.helper.make_tensor_value_info(o, types[o], None))
+                present.add(o)
+            if o and o in present:
+                names.append(o)
+    return out, names
+
+
+def _fx_values(gm: fx.GraphModule, args: list[torch.Tensor]) -> tuple[dict[str, Any], tuple[fx.Node, Exception] | None]:
+    """Run ``gm`` keeping every value under its ONNX tensor name; the node that raised, if any."""
+    values: dict[str, Any] = {}
+    failed: list[tuple[fx.Node, Exception]] = []
+
+    class _Capture(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            try:
+                value = super().run_node(n)
+            except Exception as exc:
+                failed.append((n, exc))
+                raise
+            names = (n.meta.get("onnx") or {}).get("outputs") if n.op in ("call_module", "call_function") else None
+            if names:
+                if len(names) == 1 and isinstance(value, torch.Tensor):
+                    values[names[0]] = value
+                elif isinstance(value, (tuple, list)) and len(value) == len(names):
+                    values.update({k: v for k, v in zip(names, value) if isinstance(v, torch.Tensor)})
+            return value
+
+    with torch.no_grad():
+        try:
+            _Capture(gm).run(*args)
+        except Exception:  # noqa: BLE001  (reported with the node below)
+            pass
+    return values, (failed[0] if failed else None)
+
+
+def _diff(ours: Any, ref: np.ndarray) -> str | None:
+    """None when equal within tolerance, else what differs."""
+    if not isinstance(ours, torch.Tensor):
+        return f"fxq's value is a {type(ours).__name__}, not a tensor"
+    a = ours.detach().cpu()
+    a = a.to(torch.float64).numpy() if not a.dtype.is_complex else a.numpy()
+    b = np.asarray(ref)
+    b = b.astype(np.float64) if b.dtype.kind in "biuf" else b
+    if a.shape != b.shape:
+        if a.size == b.size and a.size and _close(a.reshape(-1), b.reshape(-1)):
+            return None
+        return f"shape {list(a.shape)} where onnxruntime gives {list(b.shape)}"
+    if a.size == 0 or _close(a, b):
+        return None
+    err = np.abs(a - b)
+    err = np.where(np.isnan(a) & np.isnan(b), 0.0, err)
+    return (f"max abs diff {float(np.nanmax(np.where(np.isnan(err), np.inf, err))):.4g} "
+            f"(onnxruntime's values reach {float(np.nanmax(np.abs(b))) if b.size else 0.0:.4g})")
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> bool:
+    scale = float(np.nanmax(np.abs(b))) if b.size and not np.all(np.isnan(b)) else 0.0
+    nan_ok = np.array_equal(np.isnan(a), np.isnan(b))
+    fin = ~np.isnan(b)
+    return nan_ok and bool(np.all(np.abs(a[fin] - b[fin]) <= _ATOL + _RTOL * scale))
+
+
+def _feeds_desc(feeds: dict[str, np.ndarray]) -> str:
+    return ", ".join(f"{k}: {v.dtype} {list(v.shape)}" for k, v in feeds.items())
+
+
+def check_conversion(gm: fx.GraphModule, original: onnx.ModelProto, fixed: Mapping[str, list[int]],
+                     source: str, verify: bool | str) -> None:
+    """Run ``gm`` and onnxruntime (on ``original``, the file as read) on one generated input and compare.
+
+    Raises:
+        FrontendError: the converted graph fails or differs; names the first differing ONNX node, its op type and
+            the max abs diff.
+    """
+    feeds = _inputs(original, fixed, verify, source)
+    if feeds is None:
+        return
+    outputs = [o.name for o in original.graph.output]
+    try:
+        ref = _ort_run(original, feeds, outputs)
+    except Exception as exc:  # noqa: BLE001  (no reference to check against: not the model's fault)
+        _LOG.info("conversion check of %r skipped: onnxruntime cannot run the file (%s)", source, exc)
+        return
+    args = [torch.from_numpy(feeds[name]) for name in gm.meta["onnx"]["inputs"]]
+    failure: str | None = None
+    try:
+        with torch.no_grad():
+            got = gm(*args)
+        got = list(got) if isinstance(got, (tuple, list)) else [got]
+        bad = [(name, d) for name, value in zip(outputs, got) if (d := _diff(value, ref[name])) is not None]
+        if not bad:
+            _LOG.debug("conversion of %r checked against onnxruntime: outputs match", source)
+            return
+        failure = f"graph output {bad[0][0]!r}: {bad[0][1]}"
+    except Exception as exc:  # noqa: BLE001  (localized below)
+        failure = f"the converted graph fails: {type(exc).__name__}: {exc}"
+    raise FrontendError(_locate(gm, original, feeds, args, source, failure))
+
+
+def _locate(gm: fx.GraphModule, original: onnx.ModelProto, feeds: dict[str, np.ndarray], args: list[torch.Tensor],
+            source: str, failure: str) -> str:
+    head = (f"load_onnx checked its conversion of ONNX model {source!r} against onnxruntime on a generated input "
+            f"({_feeds_desc(feeds)}) and the converted graph differs: ")
+    tail = (" This is a conversion bug in fxq (or onnx2torch), not a problem of your model or data: please report "
+            "it with the model; load_onnx(..., verify=False) skips this check.")
+    values, failed = _fx_values(gm, args)
+    try:
+        exposed, names = _with_all_outputs(original)
+        ref = _ort_run(exposed, feeds, names)
+    except Exception as exc:  # noqa: BLE001  (cannot localize: report what we know)
+        _LOG.debug("could not expose intermediate outputs in onnxruntime: %s", exc)
+        ref = {}
+    for node in original.graph.node:
+        for name in node.output:
+            if name in ref and name in values:
+                d = _diff(values[name], ref[name])
+                if d is not None:
+                    return (head + f"first differing ONNX node {node.name or '(unnamed)'!r} ({node.op_type}), "
+                            f"output {name!r}: {d}." + tail)
+    if failed is not None:
+        n, exc = failed
+        meta = n.meta.get("onnx") or {}
+        what = (f"ONNX node {meta.get('node_name') or '(unnamed)'!r} ({meta.get('op_type')})" if meta
+                else f"fx node {n.name!r}")
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return head + f"{what} fails in fxq: {type(exc).__name__}: {first}." + tail
+    return head + failure + "." + tail
