@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _export_helpers import ort_session, output_lsb, segment_check  # noqa: E402
 from accuracy import DigitsCNN, load_digits, train  # noqa: E402
+from zoo import ncnn_net, ncnn_run  # noqa: E402
 
 PLATFORMS = ("trt_int8", "ort_int8", "ncnn_int8")
 
@@ -85,24 +86,8 @@ def _ort_logits(file: Path, x: torch.Tensor, optimize: bool, batch: int) -> np.n
 
 
 def _ncnn_logits(files: list[Path], x: torch.Tensor) -> np.ndarray:
-    import ncnn
-
-    param = next(f for f in files if f.name.endswith(".param") and not f.name.endswith(".fp32.param"))
-    binf = next(f for f in files if f.name.endswith(".bin") and not f.name.endswith(".fp32.bin"))
-    net = ncnn.Net()
-    o = net.opt
-    o.use_vulkan_compute = False
-    o.num_threads = 1
-    o.use_fp16_storage = o.use_fp16_packed = o.use_fp16_arithmetic = o.use_bf16_storage = False
-    assert net.load_param(str(param)) == 0 and net.load_model(str(binf)) == 0
-    outs = []
-    for sample in x:
-        ex = net.create_extractor()
-        ex.input("in0", ncnn.Mat(np.ascontiguousarray(sample.numpy())).clone())
-        ret, m = ex.extract("out0")
-        assert ret == 0, "ncnn could not compute out0"
-        outs.append(np.array(m).reshape(-1))
-    return np.stack(outs)
+    net = ncnn_net(files)
+    return np.stack([ncnn_run(net, (sample[None],), 1) for sample in x])
 
 
 def measure(name: str, model: nn.Module, x_train: torch.Tensor, x_test: torch.Tensor, y_test: torch.Tensor,

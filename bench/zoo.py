@@ -185,9 +185,9 @@ def _run_ort(file: Path, args: tuple, optimize: bool) -> Any:
     return np.concatenate([np.asarray(o, dtype=np.float64).reshape(-1) for o in outs])
 
 
-def _run_ncnn(files: list[Path], args: tuple, n_outputs: int) -> Any:
+def ncnn_net(files: list[Path]) -> Any:
+    """The exported int8 ``.param/.bin`` loaded in ncnn (CPU, one thread, fp16/bf16 off)."""
     import ncnn
-    import numpy as np
 
     param = next(f for f in files if f.name.endswith(".param") and not f.name.endswith(".fp32.param"))
     binf = next(f for f in files if f.name.endswith(".bin") and not f.name.endswith(".fp32.bin"))
@@ -198,6 +198,14 @@ def _run_ncnn(files: list[Path], args: tuple, n_outputs: int) -> Any:
     o.use_fp16_storage = o.use_fp16_packed = o.use_fp16_arithmetic = o.use_bf16_storage = False
     if net.load_param(str(param)) != 0 or net.load_model(str(binf)) != 0:
         raise RuntimeError("ncnn could not load the exported files")
+    return net
+
+
+def ncnn_run(net: Any, args: tuple, n_outputs: int) -> Any:
+    """The outputs ``out0..`` of one sample (batch 1 inputs ``in0..``), flattened and concatenated."""
+    import ncnn
+    import numpy as np
+
     ex = net.create_extractor()
     for i, a in enumerate(args):
         ex.input(f"in{i}", ncnn.Mat(np.ascontiguousarray(a[0].numpy())).clone())
@@ -268,7 +276,7 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
                 if platform == "ncnn_int8":
                     outs = qmodel(*fresh)
                     n_out = len(outs) if isinstance(outs, (list, tuple)) else 1
-                    cos = {"ncnn": cosine(_run_ncnn(files, fresh, n_out), sim.numpy())}
+                    cos = {"ncnn": cosine(ncnn_run(ncnn_net(files), fresh, n_out), sim.numpy())}
                 else:
                     cos = {"ort": cosine(_run_ort(files[0], fresh, True), sim.numpy()),
                            "ort_disable_all": cosine(_run_ort(files[0], fresh, False), sim.numpy())}
