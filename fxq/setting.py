@@ -338,6 +338,10 @@ class FusionSetting(_Checked):
     align_elementwise_to: str = _opt("Align to Large", choices=ALIGN_ELEMENTWISE)
     align_concat_to: str = _opt("Align to Output", choices=ALIGN_ELEMENTWISE)
     align_resize_to: str = _opt("Align to Output", choices=ALIGN_ELEMENTWISE)
+    # Concats whose inputs' ranges differ more than this keep their output FP32 (None: never); see
+    # fxq.graph.calibrate.MIXED_RANGE_RATIO for the reasoning behind the default.
+    mixed_range_concat_ratio: float | None = _opt(64.0, gt=1.0, why="a ratio of input ranges; None switches "
+                                                                       "the check off")
 
 
 @_setting("setting.lsq_optimization_setting")

@@ -9,15 +9,28 @@ from torch import fx
 from tqdm.auto import tqdm
 
 from fxq.errors import CalibrationError
+from fxq.functional import representable_range
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
 from fxq.graph.data import call_model, check_steps, count_batches, first_batch_errors, iter_batches
-from fxq.graph.info import graph_quant, iter_quantizers, quantizer_infos
+from fxq.graph.info import NodeQuant, graph_quant, iter_quantizers, quantizer_infos
 from fxq.graph.passes import get_attr_value
-from fxq.spec import QuantState
+from fxq.nn.fake_quantize import FakeQuantize
+from fxq.spec import MIN_SCALE, QuantState
 
-__all__ = ["calibrate", "calibrate_parameters"]
+__all__ = ["calibrate", "calibrate_parameters", "protect_mixed_range", "MIXED_RANGE_RATIO", "MIXED_RANGE_KEY"]
 
 logger = logging.getLogger(__name__)
+
+MIXED_RANGE_RATIO = 64.0
+"""Default ``setting.fusion_setting.mixed_range_concat_ratio``: the widest over the narrowest input range of a
+concat above which one shared grid destroys the narrow input. An 8-bit grid has 127 steps per sign; an input 64x
+narrower than the widest keeps at most 127 / 64 < 2 of them (under 2 bits), so its values round to 0 or one step
+(YOLO heads: 0-1 class scores concatenated with 0-640 boxes lose every score)."""
+
+MIXED_RANGE_KEY = "fxq_mixed_range"
+"""``node.meta`` key of a concat found mixed-range: plain values (ratio, input ranges, what was done)."""
+
+JOINING_OPS = frozenset({"Concat"})  # torch.cat / torch.concat / torch.stack and ONNX Concat
 
 
 @torch.no_grad()
@@ -49,8 +62,9 @@ def calibrate(
 
     Weight quantizers are computed from the weights; activation quantizers observe ``data`` (a list,
     a DataLoader, tensors, tuples or dicts of inputs) for at most ``steps`` batches, twice if any of
-    their observers needs a histogram range first. Afterwards alignment and passive (bias) parameters
-    are derived and — with ``bake`` — weights are replaced by their quantized values.
+    their observers needs a histogram range first. Afterwards mixed-range concats are kept FP32
+    (:func:`protect_mixed_range`), alignment and passive (bias) parameters are derived and — with ``bake`` —
+    weights are replaced by their quantized values.
 
     Raises:
         ConfigError: ``steps`` is not None or a positive int.
@@ -59,6 +73,7 @@ def calibrate(
     """
     check_steps(steps)
     graph_quant(model)
+    _undo_protection(model)
     infos = quantizer_infos(model)
     was_training = model.training
     model.eval()
@@ -99,6 +114,7 @@ def calibrate(
     for fq in observing:
         fq.compute_qparams()
         fq.set_mode("quantize")
+    protect_mixed_range(model)
     apply_alignment(model)
     derive_passive_parameters(model)
     for _, fq in iter_quantizers(model):
@@ -108,3 +124,157 @@ def calibrate(
     model.train(was_training)
     logger.info("calibrated %d activation quantizers on %d batches x %d pass(es)", len(observing), seen, passes)
     return model
+
+
+def _ratio_setting(gm: fx.GraphModule) -> float | None:
+    setting = gm.meta.get("fxq_setting")
+    fusion = setting.get("fusion_setting") if isinstance(setting, dict) else None
+    if isinstance(fusion, dict) and "mixed_range_concat_ratio" in fusion:
+        value = fusion["mixed_range_concat_ratio"]
+        return None if value is None else float(value)
+    return MIXED_RANGE_RATIO
+
+
+def _undo_protection(gm: fx.GraphModule) -> None:
+    """Give protected concats back their output quantizer and alignment, so a new calibration decides anew."""
+    gq = graph_quant(gm)
+    qs = dict(iter_quantizers(gm))
+    for node in gm.graph.nodes:
+        record = node.meta.pop(MIXED_RANGE_KEY, None)
+        if not isinstance(record, dict) or record.get("action") != "fp32":
+            continue
+        nq = node.meta.get("fxq")
+        if isinstance(nq, NodeQuant) and record.get("platform"):
+            nq.platform, nq.output_state = record["platform"], QuantState[record["output_state"]]
+        out = record.get("output_quantizer")
+        if out in qs and qs[out].config.state is QuantState.FP32:
+            qs[out].config.state = QuantState.ACTIVATED if qs[out].config.has_qparams else QuantState.INITIAL
+        if record.get("align_output"):
+            ins, target = record["align_output"]
+            gq.align_output.append((list(ins), target))
+        if record.get("align_large"):
+            gq.align_large.append(list(record["align_large"]))
+
+
+def _grid(fq: FakeQuantize) -> tuple[float, float] | None:
+    """Representable ``(lo, hi)`` of a calibrated per-tensor quantizer; None when it has none or saw only 0."""
+    cfg = fq.config
+    if not cfg.is_quantizing or not cfg.has_qparams or cfg.per_channel or fq.scale.numel() != 1:
+        return None
+    if float(fq.scale.detach().reshape(-1)[0]) <= MIN_SCALE * 1.5:
+        return None  # an all-zero input is exact on every grid
+    lo, hi = representable_range(cfg, fq.scale, fq.offset)
+    return float(lo[0]), float(hi[0])
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}"
+
+
+@torch.no_grad()
+def protect_mixed_range(gm: fx.GraphModule, ratio: float | None | str = "setting") -> list[dict[str, Any]]:
+    """Keep concats whose inputs' ranges differ more than ``ratio`` (default: the setting's
+    ``fusion_setting.mixed_range_concat_ratio``) out of one shared grid.
+
+    Run after the activation quantizers have parameters and before :func:`apply_alignment`. A flagged concat
+    loses its alignment group and its output quantizer goes FP32 (the inputs keep their producers' own
+    scales, the node's ``NodeQuant.platform`` becomes ``"fp32"``: exporters write the concat in float) — unless a quantized op other than a passive op or another
+    flagged concat reads that output, where it is only reported. Each flagged node gets a plain-valued record in
+    ``node.meta[MIXED_RANGE_KEY]`` and a WARNING is logged. Returns the records.
+    """
+    threshold = _ratio_setting(gm) if ratio == "setting" else ratio
+    if threshold is None:
+        return []
+    gq = graph_quant(gm)
+    qs = dict(iter_quantizers(gm))
+    infos = quantizer_infos(gm)
+    nodes = [n for n in gm.graph.nodes if isinstance(n.meta.get("fxq"), NodeQuant)]
+    flagged: dict[fx.Node, dict[str, Any]] = {}
+    parts_of: dict[str, list[tuple[str, float, float]]] = {}  # output quantizer of a flagged concat -> its parts
+    for node in nodes:
+        nq: NodeQuant = node.meta["fxq"]
+        if not nq.quantized or nq.op_type not in JOINING_OPS:
+            continue
+        ins = [q for q in nq.inputs.values() if q is not None and (q not in infos or infos[q].role == "activation")]
+        ins = list(dict.fromkeys(ins))
+        own_out = (nq.output in qs and nq.output_state in (QuantState.ACTIVATED, QuantState.OVERLAPPED)
+                   and qs[nq.output].config.is_quantizing)
+        group_out = next((g for g in gq.align_output if g[1] == nq.output), None) if own_out else None
+        group_large = next((g for g in gq.align_large if list(g) == ins), None)
+        if not own_out and group_large is None:
+            continue  # nothing puts the inputs on one grid
+        parts: list[tuple[str, float, float]] = []
+        for name, q in nq.inputs.items():
+            if q is None or q not in ins:
+                continue
+            if q in parts_of:
+                parts += [(f"{name}/{label}", lo, hi) for label, lo, hi in parts_of[q]]
+            elif (grid := _grid(qs[q])) is not None:
+                parts.append((name, *grid))
+        parts = list(dict.fromkeys(parts))
+        if len(parts) < 2:
+            continue
+        widths = [hi - lo for _, lo, hi in parts]
+        found = max(widths) / min(widths)
+        if found <= threshold:
+            continue
+        cfg = qs[nq.output if own_out else ins[0]].config
+        span = int(cfg.quant_max - cfg.quant_min)
+        flagged[node] = {
+            "op_type": nq.op_type, "ratio": found, "threshold": float(threshold),
+            "steps_left": [round(span / found, 2), span],
+            "inputs": [[label, lo, hi] for label, lo, hi in parts],
+            "output_quantizer": nq.output if own_out else None,
+            "align_output": [list(group_out[0]), group_out[1]] if group_out is not None else None,
+            "align_large": list(group_large) if group_large is not None else None,
+        }
+        if own_out:
+            parts_of[nq.output] = parts
+    # decide from the last node back: a flagged concat read by a flagged concat follows that one's decision
+    protect: dict[fx.Node, bool] = {}
+    for node in reversed(list(flagged)):
+        out = flagged[node]["output_quantizer"]
+        blockers = []
+        for user in nodes:
+            unq: NodeQuant = user.meta["fxq"]
+            if user is node or out is None or not unq.quantized or out not in unq.inputs.values():
+                continue
+            if unq.output == out and unq.output_state is QuantState.PASSIVE:
+                continue  # a view of the concat's output: FP32 with it
+            if user in flagged and protect.get(user, False):
+                continue
+            blockers.append(user)
+        protect[node] = not blockers
+        flagged[node]["blocked_by"] = [b.name for b in blockers]
+    records = []
+    for node, record in flagged.items():
+        span = record["steps_left"][1]
+        ranges = ", ".join(f"{label} [{_fmt(lo)}, {_fmt(hi)}]" for label, lo, hi in record["inputs"])
+        what = (f"{record['op_type']} {node.name!r} joins inputs whose ranges differ {record['ratio']:.0f}x (> "
+                f"{threshold:g}, setting.fusion_setting.mixed_range_concat_ratio): {ranges}; one shared grid "
+                f"would leave the narrowest {record['steps_left'][0]:g} of its {span} steps")
+        if protect[node]:
+            record["action"] = "fp32"
+            record["reason"] = (f"kept FP32: input ranges differ {record['ratio']:.0f}x; the inputs keep their "
+                                f"own scales")
+            if record["output_quantizer"] is not None:
+                qs[record["output_quantizer"]].config.state = QuantState.FP32
+            nq = node.meta["fxq"]
+            record["platform"], record["output_state"] = nq.platform, nq.output_state.name
+            nq.platform, nq.output_state = "fp32", QuantState.FP32  # exporters write a float node
+            if record["align_output"] is not None:
+                gq.align_output[:] = [g for g in gq.align_output if g[1] != record["align_output"][1]]
+            if record["align_large"] is not None:
+                gq.align_large[:] = [g for g in gq.align_large if list(g) != record["align_large"]]
+            logger.warning("%s; kept in FP32: its output quantizer %s is off and its inputs keep their own "
+                           "scales (the exporters write it in float)", what, record["output_quantizer"])
+        else:
+            record["action"] = "warned"
+            record["reason"] = (f"left quantized: input ranges differ {record['ratio']:.0f}x but quantized "
+                                f"{', '.join(record['blocked_by'])} read(s) its output on one grid")
+            logger.warning("%s; left quantized because quantized op(s) %s read its output on one grid: keep "
+                           "them in FP32 with setting.dispatching_table or split the output", what,
+                           ", ".join(record["blocked_by"]))
+        node.meta[MIXED_RANGE_KEY] = {"node": node.name, **record}
+        records.append(node.meta[MIXED_RANGE_KEY])
+    return records

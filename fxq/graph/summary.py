@@ -6,6 +6,7 @@ import dataclasses
 
 from torch import fx
 
+from fxq.graph.calibrate import MIXED_RANGE_KEY
 from fxq.graph.info import NodeQuant, graph_quant, iter_quantizers, quantizer_infos
 from fxq.spec import QuantState
 
@@ -29,6 +30,7 @@ class QuantSummary:
     counts: dict[str, int]
     quantizer_states: dict[str, int]
     layers: list[LayerRow]
+    protected: list[dict] = dataclasses.field(default_factory=list)  # mixed-range concats: node, action, reason
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -43,6 +45,9 @@ class QuantSummary:
             lines.append(f"  {'layer'.ljust(w)}  {'type':<14} {'weight':<36} input")
             for r in rows:
                 lines.append(f"  {r.node.ljust(w)}  {r.op_type:<14} {r.weight:<36} {', '.join(r.inputs) or '-'}")
+        for p in self.protected:
+            ranges = ", ".join(f"{label} [{lo:.4g}, {hi:.4g}]" for label, lo, hi in p["inputs"])
+            lines.append(f"  mixed-range {p['op_type']} {p['node']}: {p['reason']} ({ranges})")
         return "\n".join(lines)
 
 
@@ -54,16 +59,21 @@ def _short(cfg) -> str:
 
 
 def summary(gm: fx.GraphModule) -> QuantSummary:
-    """Count quantized / passive / overlapped / FP32 / shape nodes and list per-layer schemes."""
+    """Count quantized / passive / overlapped / FP32 / shape nodes, list per-layer schemes and the mixed-range
+    concats found at calibration (``protected``)."""
     gq = graph_quant(gm)
     qs = dict(iter_quantizers(gm))
     infos = quantizer_infos(gm)
     counts: collections.Counter[str] = collections.Counter()
     layers: list[LayerRow] = []
+    protected: list[dict] = []
     for node in gm.graph.nodes:
         nq = node.meta.get("fxq")
         if not isinstance(nq, NodeQuant):
             continue
+        record = node.meta.get(MIXED_RANGE_KEY)
+        if isinstance(record, dict):
+            protected.append(dict(record))
         if nq.platform == "shape":
             counts["shape"] += 1
         elif not nq.quantized:
@@ -88,4 +98,4 @@ def summary(gm: fx.GraphModule) -> QuantSummary:
         layers.append(LayerRow(node.name, nq.op_type, nq.platform, nq.output_state.name, ins, weight, out))
     states = collections.Counter(fq.config.state.name for fq in qs.values())
     order = ["quantized", "passive", "overlapped", "fp32", "shape"]
-    return QuantSummary(gq.platform, {k: counts.get(k, 0) for k in order}, dict(states), layers)
+    return QuantSummary(gq.platform, {k: counts.get(k, 0) for k in order}, dict(states), layers, protected)
