@@ -553,15 +553,6 @@ class CircularPad(nn.Module):
         return self.conv(F.pad(x, (1, 1, 1, 1), mode="circular"))
 
 
-class Grouped(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(4, 8, 3, groups=2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x)
-
-
 @pytest.mark.parametrize(("model", "shape", "message"), [
     (Permuted, (2, 3, 8, 8), r"node 'permute' .*graph output 0, of shape \(4, 1, 6, 6\), whose dim 0 is not the "
                              r"batch dimension.*Fix: return a batch-first tensor"),
@@ -571,11 +562,10 @@ class Grouped(nn.Module):
     (MovedConcat, (1, 8, 16), r"node 'cat' \(op Concat.*its input 'transpose' of shape \(8, 1, 5\) has its batch "
                               r"dimension at dim 1.*Fix: transpose / reshape the value back to batch-first"),
     (CircularPad, (1, 3, 8, 8), r"node 'pad' \(op Pad.*'circular' padding"),
-    (Grouped, (1, 4, 8, 8), r"node 'conv' \(op Conv.*one weight scale per group"),
     (FixedBatch, (2, 3, 8, 8), r"node 'permute' \(op Transpose.*permutation \(1, 0, 2, 3\) of a tensor of shape "
                                r"\(2, 4, 6, 6\) moves its batch dimension \(dim 0, size 2\).*Fix: keep the batch"),
 ], ids=["batch-first-output", "layernorm-whole-blob", "unsupported-op", "moved-batch-concat", "circular-pad",
-        "grouped-conv", "batch-2-moved"])
+        "batch-2-moved"])
 def test_inexpressible_graph(tmp_path: Path, model: Any, shape: tuple[int, ...], message: str) -> None:
     torch.manual_seed(0)
     gm = fxq.quantize(model().eval(), [torch.randn(*shape)], "ncnn_int8", progress=False)
