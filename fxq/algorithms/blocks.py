@@ -177,20 +177,28 @@ def _build_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node
     for n in inputs:
         env[n] = graph.placeholder(n.name)
 
-    def copy(n: fx.Node) -> fx.Node:
-        if n in env:
-            return env[n]
-        for a in n.all_input_nodes:
-            if a not in env:
-                copy(a)  # a parameter chain (get_attr -> weight quantizer) used here first
-        if n.op in ("placeholder", "output"):
-            raise GraphError(f"block sub-graph needs node {n.name!r} that is not among its inputs")
-        if n.op in ("call_module", "get_attr"):
-            target = str(n.target)
-            if target not in root:
-                root[target] = overrides.get(target) if target in overrides else get_attr_value(gm, target)
-        env[n] = graph.node_copy(n, lambda a: env[a])
-        return env[n]
+    def copy(node: fx.Node) -> fx.Node:
+        # inputs first, depth first (a parameter chain, get_attr -> weight quantizer, used here first); an
+        # explicit stack, not Python recursion, so a missing input far up a deep graph is a GraphError
+        stack = [node]
+        while stack:
+            n = stack[-1]
+            if n in env:
+                stack.pop()
+                continue
+            pending = [a for a in n.all_input_nodes if a not in env]
+            if pending:
+                stack.extend(reversed(pending))
+                continue
+            stack.pop()
+            if n.op in ("placeholder", "output"):
+                raise GraphError(f"block sub-graph needs node {n.name!r} that is not among its inputs")
+            if n.op in ("call_module", "get_attr"):
+                target = str(n.target)
+                if target not in root:
+                    root[target] = overrides.get(target) if target in overrides else get_attr_value(gm, target)
+            env[n] = graph.node_copy(n, lambda a: env[a])
+        return env[node]
 
     for n in nodes:
         copy(n)

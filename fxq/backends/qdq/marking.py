@@ -76,16 +76,23 @@ def _tensor_val(node: fx.Node) -> bool:
 
 
 def _param_only(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
-    if node in memo:
-        return memo[node]
-    if node.op == "get_attr":
-        result = True
-    elif node.op in ("placeholder", "output") or not node.all_input_nodes:
-        result = False
-    else:
-        result = all(_param_only(n, memo) for n in node.all_input_nodes)
-    memo[node] = result
-    return result
+    """A value computed from parameters only; an explicit stack, so any graph depth is walked."""
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        if n in memo:
+            stack.pop()
+        elif n.op == "get_attr":
+            memo[stack.pop()] = True
+        elif n.op in ("placeholder", "output") or not n.all_input_nodes:
+            memo[stack.pop()] = False
+        else:
+            pending = [a for a in n.all_input_nodes if a not in memo]
+            if pending:
+                stack.extend(reversed(pending))
+            else:
+                memo[stack.pop()] = all(memo[a] for a in n.all_input_nodes)
+    return memo[node]
 
 
 def _onnx_output_name(node: fx.Node) -> str | None:
