@@ -185,3 +185,31 @@ def test_bias_rounding_check_on_a_hand_written_graph():
         as_written = _run_model(m, x, "ORT_DISABLE_ALL")
         assert as_written.ravel()[0] == pytest.approx(0.5)
         assert bool(np.any(_run_model(m, x, "ORT_ENABLE_BASIC") != as_written)) == flagged
+
+
+class SqueezeInBranch(nn.Module):
+    """``squeeze(0)`` of a quantized value: with a dynamic batch torch.onnx writes an If whose branches read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv2(torch.relu(self.conv(x))).squeeze(0)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_quantized_value_read_inside_an_if_branch(platform, tmp_path):
+    """Q/DQ replaces a mark whose value an If body reads from the outer scope: the body follows the new name
+    (before, the file was invalid: 'Nodes in a graph must be topologically sorted')."""
+    torch.manual_seed(0)
+    q = quantize_model(SqueezeInBranch(), platform, shape=(1, 3, 8, 8))
+    path = fxq.export(q, platform, tmp_path / "m.onnx", dynamic_batch=True)[0]
+    m = onnx.load(path)
+    onnx.checker.check_model(m, full_check=True)
+    assert any(n.op_type == "If" for n in m.graph.node)
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        sim = q(x).numpy()
+    for level in ("ORT_DISABLE_ALL", "ORT_ENABLE_ALL"):
+        assert _cosine(_run(path, x, level), sim) >= 0.999, level

@@ -112,6 +112,8 @@ class _Inserter:
         self.inits = initializers(self.graph)
         self.prod = producers(self.graph)
         self.cons = consumers(self.graph)
+        self.sub_reads = _outer_reads(self.graph)  # read from inside If/Loop/Scan bodies
+        self.moved: dict[str, str] = {}  # tensors renamed or forwarded here: subgraph readers follow them
         self.g_outputs = {o.name for o in self.graph.output}
         self.records: list[QdqRecord] = []
         self.new_inits: list[onnx.TensorProto] = []
@@ -186,7 +188,7 @@ class _Inserter:
         y_out = y
         users = [n for n in self.cons.get(y, []) if id(n) not in self.removed]
         if (self.policy.fold_weight_transpose and len(users) == 1 and users[0].op_type == "Transpose"
-                and y not in self.g_outputs):
+                and y not in self.g_outputs and y not in self.sub_reads):
             perm = list(attr(users[0], "perm") or reversed(range(codes.ndim)))
             codes = codes.transpose(perm)
             deq = deq.transpose(perm) if deq is not None else None
@@ -223,7 +225,7 @@ class _Inserter:
 
     def _float_init(self, x: str, values: np.ndarray, shape: tuple) -> str:
         """Store ``values`` under ``x`` when nothing else reads ``x`` (and the shape is unchanged), else a new name."""
-        sole_user = len(self.cons.get(x, [])) == 1 and x not in self.g_outputs
+        sole_user = len(self.cons.get(x, [])) == 1 and x not in self.g_outputs and x not in self.sub_reads
         name = x if sole_user and x in self.inits and tuple(values.shape) == tuple(shape) else self._name(
             f"{x}_fakequant")
         self._replace_init(name, values)
@@ -235,6 +237,7 @@ class _Inserter:
                 if name == y:
                     n.input[i] = to
         self.cons.setdefault(to, []).extend(self.cons.pop(y, []))
+        self.moved[y] = to
 
     def _activation(self, x: str, y: str, fq: FakeQuantize, role: str, mark: Mark,
                     where: str) -> list[onnx.NodeProto]:
@@ -290,6 +293,7 @@ class _Inserter:
                 if name == y:
                     n.input[i] = new
         self.cons[new] = self.cons.pop(y, [])
+        self.moved[y] = new
         return new
 
     # ------------------------------------------------------------------ all marks
@@ -308,8 +312,54 @@ class _Inserter:
         del self.graph.node[:]
         self.graph.node.extend(out)
         self.graph.initializer.extend(self.new_inits)
-        drop_unused_initializers(self.graph)
+        _rename_outer_reads(self.graph, self.moved)
+        drop_unused_initializers(self.graph, self.sub_reads)
         return self.records
+
+
+def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    out = []
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            out.append(a.g)
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            out.extend(a.graphs)
+    return out
+
+
+def _local_names(graph: onnx.GraphProto) -> set[str]:
+    return ({i.name for i in graph.input} | {t.name for t in graph.initializer}
+            | {o for n in graph.node for o in n.output if o})
+
+
+def _outer_reads(graph: onnx.GraphProto) -> set[str]:
+    """Names that If/Loop/Scan bodies of ``graph`` (at any depth) read from ``graph``'s scope or above."""
+    reads: set[str] = set()
+    for node in graph.node:
+        for sub in _subgraphs(node):
+            local = _local_names(sub)
+            inner = {i for n in sub.node for i in n.input if i} | {o.name for o in sub.output} | _outer_reads(sub)
+            reads |= inner - local
+    return reads
+
+
+def _rename_outer_reads(graph: onnx.GraphProto, moved: dict[str, str]) -> None:
+    """Point reads of ``moved`` tensors inside If/Loop/Scan bodies (not shadowed there) at their new names."""
+    if not moved:
+        return
+    for node in graph.node:
+        for sub in _subgraphs(node):
+            local = _local_names(sub)
+            here = {k: v for k, v in moved.items() if k not in local}
+            for n in sub.node:
+                for i, name in enumerate(n.input):
+                    if name in here:
+                        n.input[i] = here[name]
+            for o in sub.output:
+                if o.name in here:  # a body output that is an outer value: read it through an Identity
+                    new = here[o.name]
+                    sub.node.append(helper.make_node("Identity", [new], [o.name], name=f"{o.name}_outer_Identity"))
+            _rename_outer_reads(sub, here)
 
 
 def insert_qdq(lowered: Lowered, quantizers: dict[str, FakeQuantize], roles: dict[str, str],
