@@ -21,9 +21,8 @@ import fxq
 from fxq.algorithms.adaround import adaround
 from fxq.algorithms.bias_correction import bias_correction
 from fxq.algorithms.blocks import _build_module
-from fxq.backends.qdq.marking import _param_only
 from fxq.errors import GraphError
-from fxq.graph.prepare import _is_param
+from fxq.graph.info import computed_from_parameters
 from fxq.setting import QuantizationSetting
 
 pytestmark = pytest.mark.usefixtures("one_thread", "default_recursion_limit")
@@ -104,11 +103,10 @@ def _chains() -> tuple[fx.Graph, fx.Node, fx.Node]:
 
 def test_parameter_walks_follow_chains_of_any_length():
     _, data, param = _chains()
-    assert _is_param(param) is True and _is_param(data) is False
+    assert computed_from_parameters(param) is True and computed_from_parameters(data) is False
     memo: dict[fx.Node, bool] = {}
-    assert _param_only(param, memo) is True and _param_only(data, memo) is False
+    assert computed_from_parameters(param, memo) is True and computed_from_parameters(data, memo) is False
     assert len(memo) == 2 * CHAIN + 2  # every node answered once
-    assert _is_param(param, {}) is True and _is_param(data, {}) is False
 
 
 def test_block_copies_a_long_parameter_chain_and_names_a_missing_input():

@@ -34,6 +34,7 @@ from fxq.graph.data import iter_batches, model_device, placeholder_values, to_de
 from fxq.graph.info import (
     QUANTIZERS_ATTR,
     NodeQuant,
+    computed_from_parameters,
     graph_quant,
     is_quantizer_node,
     iter_quantizers,
@@ -121,15 +122,8 @@ def matches_layer(node: fx.Node, patterns: Sequence[str]) -> bool:
 
 def _param_like(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes computed from parameters only (get_attr and e.g. their weight quantizers)."""
-    out: set[fx.Node] = set()
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            out.add(node)
-        elif node.op not in ("placeholder", "output") and node.all_input_nodes and all(
-            n in out for n in node.all_input_nodes
-        ):
-            out.add(node)
-    return out
+    memo: dict[fx.Node, bool] = {}
+    return {node for node in gm.graph.nodes if computed_from_parameters(node, memo)}
 
 
 # --------------------------------------------------------------------------- blocks

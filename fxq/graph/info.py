@@ -21,10 +21,35 @@ from torch import fx, nn
 from fxq.spec import QuantState
 
 __all__ = ["NodeQuant", "QuantizerInfo", "GraphQuant", "QUANTIZERS_ATTR", "node_quant", "iter_quantizers",
-           "graph_quant", "quantizer_nodes", "is_quantizer_node"]
+           "graph_quant", "quantizer_nodes", "is_quantizer_node", "computed_from_parameters"]
 
 QUANTIZERS_ATTR = "fxq_quantizers"
 """Name of the ``nn.ModuleDict`` of a prepared GraphModule that holds every FakeQuantize."""
+
+
+def computed_from_parameters(node: fx.Node, memo: dict[fx.Node, bool] | None = None) -> bool:
+    """Whether ``node``'s value is computed from parameters only (``get_attr``, possibly reshaped or quantized).
+
+    Walks inputs with an explicit stack, so a graph of any depth is fine; ``memo`` keeps the answers across calls
+    (inserting a quantizer on an edge leaves them true).
+    """
+    memo = {} if memo is None else memo
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        if n in memo:
+            stack.pop()
+        elif n.op == "get_attr":
+            memo[stack.pop()] = True
+        elif n.op in ("placeholder", "output") or not n.all_input_nodes:
+            memo[stack.pop()] = False
+        else:
+            pending = [a for a in n.all_input_nodes if a not in memo]
+            if pending:
+                stack.extend(reversed(pending))
+            else:
+                memo[stack.pop()] = all(memo[a] for a in n.all_input_nodes)
+    return memo[node]
 
 
 @dataclasses.dataclass

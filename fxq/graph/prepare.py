@@ -27,7 +27,7 @@ from typing import Any
 from torch import fx, nn
 
 from fxq.graph.dispatch import Dispatch, is_float_tensor
-from fxq.graph.info import QUANTIZERS_ATTR, GraphQuant, NodeQuant, QuantizerInfo
+from fxq.graph.info import QUANTIZERS_ATTR, GraphQuant, NodeQuant, QuantizerInfo, computed_from_parameters
 from fxq.graph.op_types import WEIGHTED_FUNCTIONS, op_type
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize
@@ -49,31 +49,6 @@ def _weight_bias_args(node: fx.Node) -> tuple[Any, Any]:
         b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         return w, b
     return None, None
-
-
-def _is_param(node: fx.Node, memo: dict[fx.Node, bool] | None = None) -> bool:
-    """A value computed from parameters only (get_attr, possibly reshaped).
-
-    Iterative (an explicit stack, not Python recursion): graphs thousands of nodes deep are walked back to their
-    inputs. ``memo`` keeps the answers across calls; inserting a quantizer on an edge leaves them true.
-    """
-    memo = {} if memo is None else memo
-    stack = [node]
-    while stack:
-        n = stack[-1]
-        if n in memo:
-            stack.pop()
-        elif n.op == "get_attr":
-            memo[stack.pop()] = True
-        elif n.op in ("placeholder", "output") or not n.all_input_nodes:
-            memo[stack.pop()] = False
-        else:
-            pending = [a for a in n.all_input_nodes if a not in memo]
-            if pending:
-                stack.extend(reversed(pending))
-            else:
-                memo[stack.pop()] = all(memo[a] for a in n.all_input_nodes)
-    return memo[node]
 
 
 def _conv_attrs(node: fx.Node) -> dict[str, Any]:
@@ -105,7 +80,7 @@ class _Builder:
         self.types = {n: op_type(n, self.modules) for n in gm.graph.nodes}
         self.overlapped_by: dict[fx.Node, fx.Node] = {}  # conv -> the activation that quantizes its output
         self.output_decided: set[fx.Node] = set()  # nodes whose output quantizer was decided as an output
-        self.param_memo: dict[fx.Node, bool] = {}  # _is_param answers
+        self.param_memo: dict[fx.Node, bool] = {}  # computed_from_parameters answers
 
     # ------------------------------------------------------------------ helpers
     def platform_of(self, node: fx.Node) -> Platform | None:
@@ -175,9 +150,9 @@ class _Builder:
                 out.append((inp, "weight"))
             elif inp is b and t in COMPUTING_OPS:
                 out.append((inp, "bias"))
-            elif t == "MatMul" and i > 0 and _is_param(inp, self.param_memo):
+            elif t == "MatMul" and i > 0 and computed_from_parameters(inp, self.param_memo):
                 out.append((inp, "weight"))
-            elif _is_param(inp, self.param_memo) and t not in MULTI_INPUT_OPS:
+            elif computed_from_parameters(inp, self.param_memo) and t not in MULTI_INPUT_OPS:
                 continue  # parameters of LayerNorm, PReLU... stay FP32
             elif t in MULTI_INPUT_OPS or not out:
                 out.append((inp, "activation"))

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, fx
 from torch.onnx import symbolic_helper
 
-from fxq.graph.info import QUANTIZERS_ATTR, NodeQuant, iter_quantizers
+from fxq.graph.info import QUANTIZERS_ATTR, NodeQuant, computed_from_parameters, iter_quantizers
 
 __all__ = ["Mark", "MarkedModule", "build_marked_module", "MARK_DOMAIN", "MARK_OP", "flat_output_count"]
 
@@ -75,26 +75,6 @@ def _tensor_val(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.is_floating_point()
 
 
-def _param_only(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
-    """A value computed from parameters only; an explicit stack, so any graph depth is walked."""
-    stack = [node]
-    while stack:
-        n = stack[-1]
-        if n in memo:
-            stack.pop()
-        elif n.op == "get_attr":
-            memo[stack.pop()] = True
-        elif n.op in ("placeholder", "output") or not n.all_input_nodes:
-            memo[stack.pop()] = False
-        else:
-            pending = [a for a in n.all_input_nodes if a not in memo]
-            if pending:
-                stack.extend(reversed(pending))
-            else:
-                memo[stack.pop()] = all(memo[a] for a in n.all_input_nodes)
-    return memo[node]
-
-
 def _onnx_output_name(node: fx.Node) -> str | None:
     info = node.meta.get("onnx")
     if isinstance(info, dict):
@@ -151,7 +131,7 @@ class _Builder:
                 continue
             if node.op == "call_module" and str(node.target).startswith(prefix):
                 continue
-            if not _tensor_val(node) or _param_only(node, memo):
+            if not _tensor_val(node) or computed_from_parameters(node, memo):
                 continue
             mark = Mark(self._next_id(), "name", node.name, tensor_name=_onnx_output_name(node) or node.name,
                         node_name=_onnx_node_name(node) or node.name)
