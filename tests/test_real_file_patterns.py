@@ -81,3 +81,33 @@ def test_onnx2torch_modules_export_whatever_was_imported_first(tmp_path):
     from torch.onnx import symbolic_helper
 
     assert not hasattr(symbolic_helper, "_export_onnx_opset_version") or hasattr(symbolic_helper, "GLOBALS")
+
+
+def test_renaming_a_tensor_follows_reads_inside_if_bodies():
+    """torch.onnx writes If/Loop bodies that read values of the main graph by name (MViT-v2's exported file); a
+    rename that skipped the bodies left them reading a name nobody produces ('Nodes in a graph must be
+    topologically sorted')."""
+    from onnx import TensorProto, helper
+
+    from fxq.backends.qdq.onnx_graph import rename_tensors
+
+    def branch(name: str, op: str) -> onnx.GraphProto:
+        shadow = [helper.make_node("Neg", ["x"], ["a"])] if name == "else" else []  # 'a' shadowed here
+        reads = "a"
+        return helper.make_graph(shadow + [helper.make_node(op, [reads], [f"{name}_out"])], name, [],
+                                 [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, [2])])
+
+    nodes = [helper.make_node("Relu", ["x"], ["a"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=branch("then", "Abs"),
+                              else_branch=branch("else", "Abs"))]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+                                           helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    rename_tensors(model.graph, {"a": "relu_out"})
+    onnx.checker.check_model(model, full_check=True)
+    if_node = model.graph.node[1]
+    then_g = next(a.g for a in if_node.attribute if a.name == "then_branch")
+    else_g = next(a.g for a in if_node.attribute if a.name == "else_branch")
+    assert list(then_g.node[0].input) == ["relu_out"]  # the outer value, renamed
+    assert list(else_g.node[1].input) == ["a"]  # the body's own 'a' stays

@@ -28,7 +28,9 @@ from fxq.backends.qdq.onnx_graph import (
     float_initializer,
     initializers,
     int_initializer,
+    outer_reads,
     producers,
+    rename_outer_reads,
     unique_name,
 )
 from fxq.errors import ExportError
@@ -112,7 +114,7 @@ class _Inserter:
         self.inits = initializers(self.graph)
         self.prod = producers(self.graph)
         self.cons = consumers(self.graph)
-        self.sub_reads = _outer_reads(self.graph)  # read from inside If/Loop/Scan bodies
+        self.sub_reads = outer_reads(self.graph)  # read from inside If/Loop/Scan bodies
         self.moved: dict[str, str] = {}  # tensors renamed or forwarded here: subgraph readers follow them
         self.g_outputs = {o.name for o in self.graph.output}
         self.records: list[QdqRecord] = []
@@ -312,54 +314,9 @@ class _Inserter:
         del self.graph.node[:]
         self.graph.node.extend(out)
         self.graph.initializer.extend(self.new_inits)
-        _rename_outer_reads(self.graph, self.moved)
+        rename_outer_reads(self.graph, self.moved)
         drop_unused_initializers(self.graph, self.sub_reads)
         return self.records
-
-
-def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
-    out = []
-    for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
-            out.append(a.g)
-        elif a.type == onnx.AttributeProto.GRAPHS:
-            out.extend(a.graphs)
-    return out
-
-
-def _local_names(graph: onnx.GraphProto) -> set[str]:
-    return ({i.name for i in graph.input} | {t.name for t in graph.initializer}
-            | {o for n in graph.node for o in n.output if o})
-
-
-def _outer_reads(graph: onnx.GraphProto) -> set[str]:
-    """Names that If/Loop/Scan bodies of ``graph`` (at any depth) read from ``graph``'s scope or above."""
-    reads: set[str] = set()
-    for node in graph.node:
-        for sub in _subgraphs(node):
-            local = _local_names(sub)
-            inner = {i for n in sub.node for i in n.input if i} | {o.name for o in sub.output} | _outer_reads(sub)
-            reads |= inner - local
-    return reads
-
-
-def _rename_outer_reads(graph: onnx.GraphProto, moved: dict[str, str]) -> None:
-    """Point reads of ``moved`` tensors inside If/Loop/Scan bodies (not shadowed there) at their new names."""
-    if not moved:
-        return
-    for node in graph.node:
-        for sub in _subgraphs(node):
-            local = _local_names(sub)
-            here = {k: v for k, v in moved.items() if k not in local}
-            for n in sub.node:
-                for i, name in enumerate(n.input):
-                    if name in here:
-                        n.input[i] = here[name]
-            for o in sub.output:
-                if o.name in here:  # a body output that is an outer value: read it through an Identity
-                    new = here[o.name]
-                    sub.node.append(helper.make_node("Identity", [new], [o.name], name=f"{o.name}_outer_Identity"))
-            _rename_outer_reads(sub, here)
 
 
 def insert_qdq(lowered: Lowered, quantizers: dict[str, FakeQuantize], roles: dict[str, str],

@@ -21,7 +21,15 @@ from torch import fx
 
 from fxq.backends.qdq.common import fold_initializer_identities
 from fxq.backends.qdq.marking import MARK_DOMAIN, MARK_OP, Mark, MarkedModule
-from fxq.backends.qdq.onnx_graph import all_tensor_names, attr, producers, rename_tensors, unique_name
+from fxq.backends.qdq.onnx_graph import (
+    all_tensor_names,
+    attr,
+    outer_reads,
+    producers,
+    rename_outer_reads,
+    rename_tensors,
+    unique_name,
+)
 from fxq.errors import ExportError
 
 __all__ = ["Lowered", "lower", "example_inputs_for", "dynamic_axes_for", "mark_nodes"]
@@ -245,6 +253,7 @@ def _resolve_names(model: onnx.ModelProto, marked: MarkedModule) -> tuple[dict[s
     for node in graph.node:
         for i, name in enumerate(node.input):
             node.input[i] = resolve(name)
+    rename_outer_reads(graph, {name: resolve(name) for name in outer_reads(graph) if resolve(name) != name})
     rename_tensors(graph, rename)
     graph.node.extend(identities)
     # parameters: the source file's initializer names

@@ -18,6 +18,9 @@ __all__ = [
     "float_initializer",
     "INT_RANGES",
     "attr",
+    "subgraphs",
+    "outer_reads",
+    "rename_outer_reads",
 ]
 
 INT_RANGES: dict[int, tuple[int, int]] = {
@@ -49,7 +52,8 @@ def all_tensor_names(graph: onnx.GraphProto) -> set[str]:
 
 
 def rename_tensors(graph: onnx.GraphProto, mapping: dict[str, str]) -> None:
-    """Rename tensors everywhere (node inputs/outputs, graph inputs/outputs, initializers, value_info)."""
+    """Rename tensors everywhere (node inputs/outputs, graph inputs/outputs, initializers, value_info, and the reads
+    of If/Loop/Scan bodies that do not shadow them)."""
     if not mapping:
         return
     for node in graph.node:
@@ -63,6 +67,7 @@ def rename_tensors(graph: onnx.GraphProto, mapping: dict[str, str]) -> None:
         for item in coll:
             if item.name in mapping:
                 item.name = mapping[item.name]
+    rename_outer_reads(graph, mapping)
 
 
 def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
@@ -125,3 +130,48 @@ def drop_unused_initializers(graph: onnx.GraphProto, keep: Iterable[str] = ()) -
     kept = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
     graph.initializer.extend(kept)
+
+
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    out = []
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            out.append(a.g)
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            out.extend(a.graphs)
+    return out
+
+
+def _local_names(graph: onnx.GraphProto) -> set[str]:
+    return ({i.name for i in graph.input} | {t.name for t in graph.initializer}
+            | {o for n in graph.node for o in n.output if o})
+
+
+def outer_reads(graph: onnx.GraphProto) -> set[str]:
+    """Names that If/Loop/Scan bodies of ``graph`` (at any depth) read from ``graph``'s scope or above."""
+    reads: set[str] = set()
+    for node in graph.node:
+        for sub in subgraphs(node):
+            local = _local_names(sub)
+            inner = {i for n in sub.node for i in n.input if i} | {o.name for o in sub.output} | outer_reads(sub)
+            reads |= inner - local
+    return reads
+
+
+def rename_outer_reads(graph: onnx.GraphProto, moved: dict[str, str]) -> None:
+    """Point reads of ``moved`` tensors inside If/Loop/Scan bodies (not shadowed there) at their new names."""
+    if not moved:
+        return
+    for node in graph.node:
+        for sub in subgraphs(node):
+            local = _local_names(sub)
+            here = {k: v for k, v in moved.items() if k not in local}
+            for n in sub.node:
+                for i, name in enumerate(n.input):
+                    if name in here:
+                        n.input[i] = here[name]
+            for o in sub.output:
+                if o.name in here:  # a body output that is an outer value: read it through an Identity
+                    new = here[o.name]
+                    sub.node.append(helper.make_node("Identity", [new], [o.name], name=f"{o.name}_outer_Identity"))
+            rename_outer_reads(sub, here)
