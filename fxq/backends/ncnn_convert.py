@@ -177,6 +177,10 @@ class NcnnBuilder:
             # whose "produces" is empty) keep their own name so the layer itself gets the caffe name
         elif isinstance(onnx_meta, dict) and onnx_meta.get("node_name"):
             base = str(onnx_meta["node_name"])
+        return self.unique_layer_name(base)
+
+    def unique_layer_name(self, base: str) -> str:
+        """``base`` (sanitized), or ``base_1``, ``base_2``... when a layer has that name already; reserved."""
         name = _sanitize(base)[:240]
         unique, i = name, 1
         while unique in self._layer_names:
@@ -208,28 +212,33 @@ class NcnnBuilder:
 
     def emit(self, node: fx.Node, layer_type: str, bottoms: list[str], params: dict[int, Any] | None = None,
              weights: list[tuple[str, np.ndarray]] | None = None, *, int8: Int8Scales | None = None,
-             int8_term: int = 2, batch_dim: Any = _INHERIT) -> NcnnLayer:
+             int8_term: int = 2, batch_dim: Any = _INHERIT, name: str | None = None) -> NcnnLayer:
         """Append the layer computing ``node``; its output blob becomes the node's blob.
 
         ``batch_dim``: the output's :meth:`batch_dim`; by default that of the node's first input with a blob
-        (a layer keeps its input's layout), 0 without one.
+        (a layer keeps its input's layout), 0 without one. ``name``: a layer name reserved with
+        :meth:`layer_name` / :meth:`unique_layer_name` (default: a new :meth:`layer_name`).
         """
-        name = self.layer_name(node)
-        top = self._new_blob(name)
-        layer = NcnnLayer(layer_type, name, list(bottoms), [top], dict(params or {}), list(weights or []),
-                          int8=int8, int8_term=int8_term, source=node.name)
-        self.model.layers.append(layer)
-        self._set_blob(node, top, self._input_batch_dim(node) if batch_dim is _INHERIT else batch_dim)
+        layer = self.add_layer(node, layer_type, bottoms, params, weights, int8=int8, int8_term=int8_term, name=name)
+        self._set_blob(node, layer.tops[0], self._input_batch_dim(node) if batch_dim is _INHERIT else batch_dim)
         return layer
 
     def helper(self, node: fx.Node, layer_type: str, bottoms: list[str], params: dict[int, Any] | None = None,
                weights: list[tuple[str, np.ndarray]] | None = None) -> str:
         """Append a layer that computes an intermediate value of ``node`` (not its result); returns its blob."""
-        name = self.layer_name(node)
-        top = self._new_blob(name)
-        self.model.layers.append(NcnnLayer(layer_type, name, list(bottoms), [top], dict(params or {}),
-                                           list(weights or []), source=node.name))
-        return top
+        return self.add_layer(node, layer_type, bottoms, params, weights).tops[0]
+
+    def add_layer(self, node: fx.Node, layer_type: str, bottoms: list[str], params: dict[int, Any] | None = None,
+                  weights: list[tuple[str, np.ndarray]] | None = None, *, n_tops: int = 1,
+                  int8: Int8Scales | None = None, int8_term: int = 2, name: str | None = None) -> NcnnLayer:
+        """Append a layer of ``node`` with ``n_tops`` new blobs (named after the layer) that no node owns: an
+        intermediate value, or several (a ``Slice``); :meth:`emit` gives the node its blob."""
+        name = self.layer_name(node) if name is None else name
+        tops = [self._new_blob(name if n_tops == 1 else f"{name}_{k}") for k in range(n_tops)]
+        layer = NcnnLayer(layer_type, name, list(bottoms), tops, dict(params or {}), list(weights or []),
+                          int8=int8, int8_term=int8_term, source=node.name)
+        self.model.layers.append(layer)
+        return layer
 
     def alias(self, node: fx.Node, src: fx.Node, batch_dim: int | None) -> None:
         """``node`` is ``src``'s blob unchanged (a reshape / permute that moves only a batch of 1): no layer."""

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fxq.backends.ncnn_convert import NcnnBuilder, _shape_params, drop_dim, register_ncnn_converter
+from fxq.backends.ncnn_writer import Int8Scales
+from fxq.spec import QUANTIZING_STATES
 
 __all__: list[str] = []
 
@@ -113,6 +115,12 @@ def _conv(b: NcnnBuilder, node: fx.Node) -> None:
         pt, pl = _pair(padding)
         pb, pr = pt, pl
     params.update({4: pl, 15: pr, 14: pt, 16: pb})
+    if groups > 1 and not _depthwise(w.fp32, groups):
+        w_on = w.quantizing
+        x_on = b.is_quantizer(x) and b.quantizer(x).config.state in QUANTIZING_STATES
+        if w_on or x_on:
+            _grouped_int8_conv(b, node, x, w, bias_arg, bias, params, groups)
+            return
     int8 = b.int8_scales(node, x, w, bias_arg, groups)
     layer_type = "Convolution"
     if groups > 1:
@@ -122,6 +130,46 @@ def _conv(b: NcnnBuilder, node: fx.Node) -> None:
                    int8=int8, int8_term=1 if groups > 1 else 2)
     if int8 is not None:
         layer.int8_weights = [("tagged", _np(w.quantized()))] + tail
+
+
+def _depthwise(w: torch.Tensor, groups: int) -> bool:
+    """ncnn's depthwise case of ConvolutionDepthWise: one input and one output channel a group."""
+    return int(w.shape[0]) == groups and int(w.shape[1]) == 1
+
+
+def _grouped_int8_conv(b: NcnnBuilder, node: fx.Node, x: Any, w: Any, bias_arg: Any, bias: torch.Tensor | None,
+                       params: dict[int, Any], groups: int) -> None:
+    """An int8 grouped conv that is not depthwise (RegNet, ResNeXt): ``Slice`` along the channels, one int8
+    ``Convolution`` a group (per-output-channel weight scales, the conv's input scale), ``Concat``.
+
+    ncnn's int8 ``ConvolutionDepthWise`` runs such a conv as one int8 ``Convolution`` a group too, but its x86
+    kernel (packing layout on, the default) loses the groups' outputs when a group has a multiple of 8 output
+    channels: it lays the output out for 4 channels a pack while the group's Convolution writes 8 (AVX) or 16
+    (AVX-512) a pack into a buffer of its own, and the layer returns uninitialised memory (RegNet: cosine ~0 at
+    the first grouped conv). Separate Convolution layers compute the same integers on every ncnn build, and take
+    one weight scale per output channel.
+    """
+    int8 = b.int8_scales(node, x, w, bias_arg, 1)  # checks both quantizers; scales per output channel
+    assert int8 is not None
+    out_ch, in_g = int(w.fp32.shape[0]), int(w.fp32.shape[1])
+    out_g = out_ch // groups
+    name = b.layer_name(node)  # the Concat (the conv's value) carries the conv's name
+    axis = b.ncnn_axis(node, 1, x)
+    parts = b.add_layer(node, "Slice", [b.blob(x, node)], {0: [in_g] * groups, 1: axis}, n_tops=groups,
+                        name=b.unique_layer_name(f"{name}_slice")).tops
+    w_q = w.quantized()
+    tops = []
+    for g, part in enumerate(parts):
+        rows = slice(g * out_g, (g + 1) * out_g)
+        p = dict(params)
+        p[0], p[6] = out_g, int(w.fp32[rows].numel())
+        tail = [("raw", _np(bias[rows]))] if bias is not None else []
+        scales = Int8Scales(weight=int8.weight[rows].copy(), bottom=int8.bottom)
+        layer = b.add_layer(node, "Convolution", [part], p, [("tagged", _np(w.fp32[rows]))] + tail, int8=scales,
+                            name=b.unique_layer_name(f"{name}_g{g}"))
+        layer.int8_weights = [("tagged", _np(w_q[rows]))] + tail
+        tops.append(layer.tops[0])
+    b.emit(node, "Concat", tops, {0: axis}, name=name)
 
 
 @register_ncnn_converter("ConvTranspose")

@@ -10,9 +10,9 @@ NCNN_OPS = frozenset({"Conv", "Gemm"})
 @register_platform("ncnn_int8")
 class NcnnInt8(Platform):
     exporter = "ncnn"
-    description = ("NCNN INT8: inputs of Conv/Gemm sym [-127,127], weights per-channel (6-bit for 3x3 s1 d1 g1 "
-                   "convs; per-tensor for grouped convs with several channels a group), outputs FP32, rounding half "
-                   "away from zero")
+    description = ("NCNN INT8: inputs of Conv/Gemm sym [-127,127], weights per-channel (6-bit for 3x3 s1 d1 convs "
+                   "that ncnn runs as Convolution: groups 1, and each group of a grouped conv that is not depthwise), "
+                   "outputs FP32, rounding half away from zero")
     activation = _int_config(8, True, narrow=True)
     weight = _int_config(8, True, narrow=True, per_channel=True)
     quantized_ops = NCNN_OPS
@@ -32,22 +32,22 @@ class NcnnInt8(Platform):
     def weight_config(self, op_type: str, node_name: str, weight_shape: tuple[int, ...] | None,
                       op_attrs: dict[str, Any]) -> TensorQuantConfig:
         cfg = super().weight_config(op_type, node_name, weight_shape, op_attrs)
-        if op_type == "Conv" and _is_3x3_s1_d1_g1(weight_shape, op_attrs):
+        if op_type == "Conv" and _is_3x3_s1_d1_convolution(weight_shape, op_attrs):
             cfg = cfg.replace(num_bits=6, quant_min=-31, quant_max=31)
-        groups = int(op_attrs.get("groups", 1))
-        if op_type == "Conv" and groups > 1 and weight_shape and weight_shape[0] != groups and cfg.per_channel:
-            # ncnn's int8 ConvolutionDepthWise takes one weight scale per group; a group of several output
-            # channels (RegNet, ResNeXt) gets one scale for the whole conv, which ncnn can express
-            cfg = cfg.replace(per_channel=False)
         return cfg
 
 
-def _is_3x3_s1_d1_g1(shape: tuple[int, ...] | None, attrs: dict[str, Any]) -> bool:
+def _is_3x3_s1_d1_convolution(shape: tuple[int, ...] | None, attrs: dict[str, Any]) -> bool:
+    """A 3x3 stride-1 dilation-1 conv that ncnn runs as int8 ``Convolution`` (its int8 winograd kernel): groups 1,
+    or a grouped conv that is not depthwise (the exporter writes one Convolution a group; ncnn's own
+    ConvolutionDepthWise runs such a conv as one Convolution a group too)."""
     if shape is None or len(shape) != 4 or tuple(shape[2:]) != (3, 3):
         return False
     ones = (1, 1)
-    return (_pair(attrs.get("stride", 1)) == ones and _pair(attrs.get("dilation", 1)) == ones
-            and int(attrs.get("groups", 1)) == 1)
+    if _pair(attrs.get("stride", 1)) != ones or _pair(attrs.get("dilation", 1)) != ones:
+        return False
+    groups = int(attrs.get("groups", 1))
+    return groups == 1 or not (shape[0] == groups and shape[1] == 1)
 
 
 def _pair(v: Any) -> tuple[int, int]:
