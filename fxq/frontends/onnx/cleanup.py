@@ -30,7 +30,7 @@ __all__ = ["clean", "alias_dotted_domains", "normalize_domains", "drop_initializ
 
 _LOG = logging.getLogger(__name__)
 _DEFAULT_DOMAINS = ("", "ai.onnx")
-_INFER_LIMIT_BYTES = 2_000_000_000
+INFER_LIMIT_BYTES = 2_000_000_000
 _T = onnx.TensorProto
 _PLAIN_CASTS = {_T.FLOAT, _T.DOUBLE, _T.FLOAT16, _T.BOOL, _T.INT8, _T.INT16, _T.INT32, _T.INT64, _T.UINT8, _T.UINT16,
                 _T.UINT32, _T.UINT64}  # onnx serializes the model for shape inference: protobuf's 2 GB limit
@@ -180,7 +180,7 @@ def _used_names(graph: onnx.GraphProto) -> set[str]:
 
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """onnx's shape inference; the model unchanged (with a warning logged) when it fails or is over 2 GB."""
-    if model.ByteSize() > _INFER_LIMIT_BYTES:
+    if model.ByteSize() > INFER_LIMIT_BYTES:
         _LOG.info("model is over 2 GB: shape inference is left to onnx2torch")
         return model
     try:

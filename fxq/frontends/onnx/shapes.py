@@ -14,6 +14,7 @@ import onnx
 from onnx import numpy_helper
 
 from fxq.errors import FrontendError
+from fxq.frontends.onnx.cleanup import INFER_LIMIT_BYTES, infer_shapes
 
 __all__ = ["Dims", "source_dims", "fix_input_shapes", "infer_for_conversion", "unknown_rank_nodes", "RANK_OPS"]
 
@@ -27,7 +28,6 @@ RANK_OPS = frozenset({"BatchNormalization", "MaxPool", "AveragePool", "LpPool", 
 _SKELETON_MIN_ELEMENTS = 4096  # larger initializers become typed graph inputs in the inference copy
 _FOLD_MAX_ELEMENTS = 1 << 16  # constant inputs and outputs folded for inference only: shape-sized tensors
 _FOLD_ROUNDS = 64
-_INFER_LIMIT_BYTES = 2_000_000_000
 _NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
                      "Bernoulli", "Dropout"}
 
@@ -139,16 +139,6 @@ def _skeleton(model: onnx.ModelProto, shapes: Mapping[str, list[int]]) -> onnx.M
     return skel
 
 
-def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
-    if model.ByteSize() > _INFER_LIMIT_BYTES:
-        return model
-    try:
-        return onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception as exc:  # noqa: BLE001  (inference is a help, not a requirement)
-        _LOG.warning("ONNX shape inference failed (%s); converting without inferred shapes", exc)
-        return model
-
-
 def _infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     g = model.graph
     return {v.name: v for v in list(g.input) + list(g.value_info) + list(g.output)}
@@ -247,19 +237,19 @@ def infer_for_conversion(model: onnx.ModelProto, fixed: Mapping[str, list[int]])
     ``fixed``), inference also runs at those dims with constant shape subgraphs folded, and fills the ranks and
     sizes the symbolic run could not tell (sizes named by a symbolic dim keep their name).
     """
-    sym = _infer(model)
+    sym = infer_shapes(model)
     shapes = _static_inputs(model, fixed)
-    if shapes is None or model.ByteSize() > _INFER_LIMIT_BYTES:
+    if shapes is None or model.ByteSize() > INFER_LIMIT_BYTES:
         return sym
     sym_infos = _infos(sym)
     if not fixed and all(_static(v) for v in list(sym.graph.value_info) + list(sym.graph.output)):
         return sym  # static file, fully inferred: nothing to add
     skel = _skeleton(model, shapes)
-    inferred = _infer(skel)
+    inferred = infer_shapes(skel)
     for _ in range(_FOLD_ROUNDS):
         if _fold_round(skel, inferred) == 0:
             break
-        inferred = _infer(skel)
+        inferred = infer_shapes(skel)
     fixed_infos = _infos(inferred)
     fixed_infos.update({k: v for k, v in _folded_infos(skel).items() if k not in fixed_infos})
     graph_inputs = {i.name for i in model.graph.input}
