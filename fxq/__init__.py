@@ -11,6 +11,7 @@ from fxq.analysis import (
     StatisticsReport,
     graphwise_error_analyse,
     layerwise_error_analyse,
+    locate_mismatch,
     statistics,
     write_report,
 )
@@ -111,6 +112,7 @@ __all__ = [
     # analysis and calibration data
     "graphwise_error_analyse",
     "layerwise_error_analyse",
+    "locate_mismatch",
     "statistics",
     "write_report",
     "ErrorReport",

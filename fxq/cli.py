@@ -428,6 +428,30 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Compare an exported ONNX file, run in onnxruntime, with the saved model's simulation, tensor by tensor."""
+    from fxq.errors import ConfigError, NotSupportedError
+
+    _preflight(args)
+    exported = Path(args.exported)
+    _readable_file(exported, "exported file")
+    if exported.suffix.lower() != ".onnx":
+        raise NotSupportedError(f"exported file {args.exported!r}: only ONNX Q/DQ files (.onnx from trt_int8 / "
+                                f"ort_int8 exports) can be verified")
+    if Path(args.model).suffix.lower() != ".fxq":
+        raise ConfigError(f"model {args.model!r}: give the quantized model saved with fxq.save (.fxq) that the file "
+                          f"was exported from")
+    loaded = load_model(args.model, None, _input_shapes(args))
+    data = load_data(args, loaded, args.data)
+    report = _fxq().locate_mismatch(loaded.module, exported, data, teacher_forced=args.teacher_forced,
+                                    optimize=not args.no_optimize, steps=args.steps)
+    print(report.table(limit=args.top))
+    if args.json:
+        atomic_write_text(Path(args.json), json.dumps(report.to_dict(), indent=2, default=float) + "\n")
+        print(f"wrote {args.json}")
+    return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Quantize a seeded, randomly initialised torchvision ResNet-18 on synthetic data, analyse and export it."""
     import torch
@@ -590,6 +614,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worst layers that get histograms (default 4; 0: none)")
     _common(p)
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("verify", help="compare an exported ONNX file (onnxruntime) with the simulation, per tensor")
+    p.add_argument("model", help="the quantized model.fxq (fxq.save) the file was exported from")
+    p.add_argument("exported", help="the exported .onnx file (trt_int8 / ort_int8 Q/DQ export)")
+    p.add_argument("--data", required=True, metavar="DIR", help="data folder: one batch per file (as --calib)")
+    p.add_argument("--teacher-forced", action="store_true",
+                   help="feed every DequantizeLinear with the simulation's codes (local mismatches only)")
+    p.add_argument("--no-optimize", action="store_true", help="onnxruntime with ORT_DISABLE_ALL (default ENABLE_ALL)")
+    p.add_argument("--top", type=_positive_int, default=30, help="rows of the table (default 30)")
+    p.add_argument("--steps", type=_positive_int, default=4, help="batches to compare (default 4)")
+    p.add_argument("--input-shape", action="append", metavar="[NAME=]N,C,H,W", type=_parse_shape,
+                   help="input shape (needed for raw .bin files); repeat with NAME= for several inputs")
+    p.add_argument("--dtype", default=None, type=_dtype_name, help="convert data tensors to this dtype")
+    p.add_argument("--layout", default="NCHW", choices=["NCHW", "NHWC"], help="image layout (default NCHW)")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="re-batch the samples to this size")
+    p.add_argument("--max-image-pixels", type=_positive_int, default=None, metavar="N",
+                   help="largest width x height of an image, checked before decoding")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    _common(p)
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("demo", help="quantize a seeded random ResNet-18 for TensorRT INT8 and export it")
     p.add_argument("--platform", default="trt_int8", help="target platform (default trt_int8)")

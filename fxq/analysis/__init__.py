@@ -4,6 +4,7 @@ Every tool runs the quantized model as it is, through :class:`~fxq.analysis.runn
 batch one FP32 pass and one quantized pass (layerwise: one FP32 pass and a partial pass per layer).
 """
 from fxq.analysis.error import ErrorReport, LayerError, graphwise_error_analyse, layerwise_error_analyse
+from fxq.analysis.mismatch import MismatchReport, TensorMismatch, locate_mismatch
 from fxq.analysis.report import ReportData, write_report
 from fxq.analysis.statistics import StatisticsReport, TensorStatistics, ValueStats, statistics
 
@@ -18,4 +19,7 @@ __all__ = [
     "ValueStats",
     "write_report",
     "ReportData",
+    "locate_mismatch",
+    "MismatchReport",
+    "TensorMismatch",
 ]
