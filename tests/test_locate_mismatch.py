@@ -147,3 +147,18 @@ def test_cli_verify_bad_input(saved, capsys, argv, needle):
 def test_cli_verify_usage(saved, capsys):
     assert main(["verify", "small.fxq", "bad.onnx"]) == 2  # --data is required
     assert "--data" in _error_line(capsys)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_onnx_sourced_model_names(tmp_path):
+    """A model loaded from ONNX: Q inputs carry the source tensor names (the output one renamed by the export)."""
+    from _export_helpers import SmallCNN, quantize_model
+
+    torch.manual_seed(0)
+    torch.onnx.export(SmallCNN().eval(), torch.randn(1, 3, 16, 16), str(tmp_path / "src.onnx"),
+                      input_names=["image"], output_names=["logits"], dynamo=False)
+    q = quantize_model(fxq.load_onnx(tmp_path / "src.onnx"), "trt_int8", shape=(1, 3, 16, 16))
+    path = fxq.export(q, "trt_int8", tmp_path / "q")[0]
+    report = fxq.locate_mismatch(q, path, [torch.randn(1, 3, 16, 16)], teacher_forced=True, optimize=False)
+    assert not report.unmatched and report.identical == 1.0
+    assert report[0].name == "image" and report[-1].op_type == "Gemm" and len(report) == 9

@@ -188,6 +188,16 @@ def _node_by_tensor(gm: fx.GraphModule) -> dict[str, fx.Node]:
     return names
 
 
+def _named_by_dq(graph: Any, codes: str, by_tensor: dict[str, fx.Node]) -> fx.Node | None:
+    """The fx node named by the output of the DequantizeLinear reading ``codes`` (a renamed graph output)."""
+    for user in graph.node:
+        if user.op_type == "DequantizeLinear" and user.input[0] == codes:
+            n = by_tensor.get(user.output[0])
+            if n is not None and n.op != "output":
+                return n
+    return None
+
+
 def _quantizer_for(gm: fx.GraphModule, node: fx.Node, scale: np.ndarray, quantizers: dict[str, Any]) -> Any:
     """The FakeQuantize whose grid the value of ``node`` is exported on (nearest scale among candidates)."""
     from fxq.graph.info import NodeQuant
@@ -292,7 +302,7 @@ def locate_mismatch(
             continue
         any_q = True
         elem = inits[node.input[2]].data_type
-        fxnode = by_tensor.get(node.input[0])
+        fxnode = by_tensor.get(node.input[0]) or _named_by_dq(g, node.output[0], by_tensor)
         if fxnode is None or elem not in _INT_TYPES:
             unmatched.append(node.input[0])
             continue
