@@ -356,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--platforms", default=",".join(PLATFORMS))
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per model and path")
     parser.add_argument("--csv", default="bench/zoo.csv")
+    parser.add_argument("--families", help="comma-separated families (classification, detection, segmentation, "
+                                           "video, optical_flow)")
+    parser.add_argument("--summarize", metavar="CSV", help="print the table of an earlier (or running) run's CSV")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--family", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -370,27 +373,35 @@ def main(argv: list[str] | None = None) -> int:
                      "step": "setup", "status": f"{type(exc).__name__} (raw): {str(exc)[:300]}"}]
         print("ZOO-ROWS " + json.dumps(rows, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v))
         return 0
+    if args.summarize:
+        with open(args.summarize, newline="") as fh:
+            done = list(csv.DictReader(fh))
+        print(summarize(done, [p for p in paths if any(r["path"] == p for r in done)], platforms))
+        return 0
     fams = families()
     names = list(SUBSET) if args.subset else (args.models.split(",") if args.models else sorted(fams))
+    if args.families:
+        names = [n for n in names if fams.get(n) in args.families.split(",")]
     unknown = [n for n in names if n not in fams]
     if unknown:
         parser.error(f"unknown models {unknown}")
-    rows: list[dict[str, Any]] = []
-    for name in names:
-        for path in paths:
-            t0 = time.perf_counter()
-            got = run_one(name, fams[name], path, platforms, args.timeout)
-            rows.extend(got)
-            bad = [f"{r['platform']}/{r['step']}: {r['status']}" for r in got if r["status"] != "ok"]
-            print(f"{name:32s} {path:9s} {time.perf_counter() - t0:6.1f} s  "
-                  f"{'ok' if not bad else bad[0][:150]}", flush=True)
     fields = ["model", "family", "path", "platform", "step", "status", "seconds", "ptq_over_fp32", "cosine_ort",
               "cosine_ort_disable_all", "cosine_ncnn"]
     Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as fh:
+    rows: list[dict[str, Any]] = []
+    with open(args.csv, "w", newline="") as fh:  # rows are written as they come: a long run can be read midway
         writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        for name in names:
+            for path in paths:
+                t0 = time.perf_counter()
+                got = run_one(name, fams[name], path, platforms, args.timeout)
+                rows.extend(got)
+                writer.writerows(got)
+                fh.flush()
+                bad = [f"{r['platform']}/{r['step']}: {r['status']}" for r in got if r["status"] != "ok"]
+                print(f"{name:32s} {path:9s} {time.perf_counter() - t0:6.1f} s  "
+                      f"{'ok' if not bad else bad[0][:150]}", flush=True)
     print()
     print(summarize(rows, paths, platforms))
     return 0
