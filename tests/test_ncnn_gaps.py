@@ -467,3 +467,65 @@ def test_depthwise_5x5_int8(tmp_path: Path, packing: bool) -> None:
         sim = sim.astype(np.float64).ravel()
         cos = got @ sim / (np.linalg.norm(got) * np.linalg.norm(sim))
         assert cos >= (1 - 1e-9 if not packing else 0.9999), cos
+
+
+# ------------------------------------------------------------------------------------------ shape arithmetic (ONNX)
+class ShapeShuffle(nn.Module):
+    """ShuffleNet's unit as torch.onnx (legacy) writes it with dynamic axes: ``chunk`` slices at bounds computed
+    from Shape -> Gather -> Div -> Mul, the channel shuffle reshapes to Shape -> Gather -> Unsqueeze -> Concat."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.branch, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(8, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        a, c = y.chunk(2, dim=1)
+        y = torch.cat([a, self.branch(c)], 1)
+        n, _, h, w = y.shape
+        y = y.reshape(n, 2, -1, h, w).transpose(1, 2).reshape(n, -1, h, w)
+        return self.conv2(y)
+
+
+class Swapped(nn.Module):
+    """A reshape to (N, C, W, H): two dims follow the input's size and neither is ncnn's same-named dim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.conv2 = nn.Conv2d(3, 4, 1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        n, c, h, w = y.shape
+        return self.conv2(y.reshape(n, c, w, h))
+
+
+def _dynamic_onnx(model: nn.Module, shape: tuple[int, ...], path: Path) -> fx.GraphModule:
+    torch.onnx.export(model.eval(), (torch.randn(*shape),), str(path), dynamo=False, opset_version=13,
+                      input_names=["x"], dynamic_axes={"x": {0: "n", 2: "h", 3: "w"}})
+    return fxq.load_onnx(path, input_shapes=list(shape))
+
+
+def test_onnx_shape_arithmetic(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Shape-only subgraphs are export-time constants (no layers); the Reshapes keep (0) / infer (-1) the spatial
+    dims, so the file also runs at another H x W."""
+    torch.manual_seed(0)
+    gm = _dynamic_onnx(ShapeShuffle(), (1, 3, 8, 8), tmp_path / "m.onnx")
+    assert any(type(m).__name__ == "OnnxShape" for m in gm.modules())
+    with caplog.at_level(logging.WARNING):
+        _, files = check(gm, (1, 3, 8, 8), tmp_path / "net", sizes=((1, 3, 12, 16),))
+    assert "input size" not in caplog.text
+    param = files["fp32_param"].read_text()
+    types = {line.split()[0] for line in param.splitlines()[2:]}
+    assert types <= {"Input", "Convolution", "Crop", "Concat", "Reshape", "Permute", "Split"}, types
+    assert re.search(r"^Reshape\s.* 0=0 1=0 2=2 11=-1$", param, re.M), param
+    assert re.search(r"^Reshape\s.* 0=0 1=0 2=-1$", param, re.M), param
+
+
+def test_onnx_shape_arithmetic_baked(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A target ncnn cannot express without the export-time H x W: exported at that size, with a warning."""
+    torch.manual_seed(0)
+    gm = _dynamic_onnx(Swapped(), (1, 3, 8, 12), tmp_path / "m.onnx")
+    with caplog.at_level(logging.WARNING):
+        check(gm, (1, 3, 8, 12), tmp_path / "net")
+    assert "runs only at the export-time input size" in caplog.text

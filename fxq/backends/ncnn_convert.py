@@ -102,6 +102,8 @@ class NcnnBuilder:
         self._blob_names: set[str] = set()
         self.used_quantizers: set[tuple[fx.Node, fx.Node]] = set()  # (quantizer node, consumer node)
         self._warned: set[str] = set()
+        self.static_nodes: set[fx.Node] = set()  # values computed from tensor shapes and constants only
+        self._static: dict[tuple[fx.Node, bool], Any] = {}
 
     # ------------------------------------------------------------------ graph helpers
     def is_quantizer(self, node: Any) -> bool:
@@ -162,6 +164,13 @@ class NcnnBuilder:
         src = self.strip(arg) if isinstance(arg, fx.Node) else arg
         if isinstance(src, fx.Node) and src.op == "get_attr":
             return get_attr_value(self.gm, str(src.target)).detach().float().cpu()
+        if isinstance(src, fx.Node) and src in self.static_nodes:
+            value = torch.as_tensor(self.static_value(src))
+            if self.resolution_dependent(src).any():
+                self.warn_once(f"baked:{src.name}", "ncnn export: the %s of node %s is computed from the input's "
+                               "spatial size (node %s); the ncnn file keeps its export-time value %s and runs only "
+                               "at that input size", what, node.name, src.name, value.tolist())
+            return value.detach().float().cpu()
         if isinstance(src, torch.Tensor):
             return src.detach().float().cpu()
         raise self.fail(node, f"its {what} is computed in the graph ({src!r}), not a stored parameter",
@@ -203,6 +212,9 @@ class NcnnBuilder:
             raise self.fail(node, f"an input is the constant {arg!r}, not a tensor computed in the graph",
                             "ncnn has no constant tensors here; make it a parameter of a supported layer")
         src = self.strip(arg)
+        if src in self.static_nodes:
+            raise self.fail(node, f"its input {src.name!r} is computed from tensor shapes only (a constant at export "
+                            "time), not a tensor of the network", "use such values only as shapes / slice bounds")
         if src not in self.blob_of:
             what = "a stored tensor (get_attr)" if src.op == "get_attr" else f"node {src.name!r}"
             raise self.fail(node, f"its input {what} has no ncnn blob",
@@ -279,6 +291,67 @@ class NcnnBuilder:
                                            _shape_params(blob_shape), [("raw", value.numpy())], source=src.name))
         self._set_blob(src, self.model.layers[-1].tops[0], bd)
         return self.blob(arg, node)
+
+    # ------------------------------------------------------------------ shape arithmetic
+    def _find_static(self) -> None:
+        """Mark the values computed only from tensor shapes (``Shape`` nodes) and constants: ONNX's
+        Shape -> Gather -> Unsqueeze -> Concat -> Reshape. ncnn has no shape tensors; such values are constants
+        of the exported file (:meth:`static_value`) and produce no layers."""
+        for node in self.gm.graph.nodes:
+            if node.op not in ("call_module", "call_function", "call_method") or self.is_quantizer(node):
+                continue
+            ins = node.all_input_nodes
+            if self.op(node) == "Shape" or (
+                    any(i in self.static_nodes for i in ins)
+                    and all(i in self.static_nodes or i.op == "get_attr" for i in ins)):
+                self.static_nodes.add(node)
+
+    def static_value(self, node: fx.Node, probe: bool = False) -> Any:
+        """The export-time value of a shape-only node, run on stand-ins of the recorded shapes (batch 1).
+
+        ``probe``: with the spatial dims (dims 2+ of rank >= 4 values) doubled, to tell which numbers follow
+        the input's size (:meth:`resolution_dependent`)."""
+        key = (node, probe)
+        if key in self._static:
+            return self._static[key]
+
+        def value(a: Any) -> Any:
+            if not isinstance(a, fx.Node):
+                return a
+            if a in self.static_nodes:
+                return self.static_value(a, probe)
+            if a.op == "get_attr":
+                return get_attr_value(self.gm, str(a.target)).detach()
+            val = a.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                shape = [int(d) for d in val.shape]
+                if probe and len(shape) >= 4:
+                    shape[2:] = [2 * d for d in shape[2:]]
+                return torch.zeros((), dtype=val.dtype).expand(shape)  # the shape, no memory
+            return val
+
+        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), value)
+        with torch.no_grad():
+            if node.op == "call_module":
+                out = self.modules[str(node.target)](*args, **kwargs)
+            elif node.op == "call_function":
+                out = node.target(*args, **kwargs)
+            else:
+                out = getattr(args[0], str(node.target))(*args[1:], **kwargs)
+        self._static[key] = out
+        return out
+
+    def resolution_dependent(self, node: fx.Node) -> torch.Tensor:
+        """Per element of a shape-only value: whether it follows the input's spatial size (all False when the
+        probe fails)."""
+        value = torch.as_tensor(self.static_value(node))
+        try:
+            other = torch.as_tensor(self.static_value(node, probe=True))
+        except Exception:  # noqa: BLE001  (a graph that does not run at another size: nothing follows it)
+            return torch.zeros(value.shape, dtype=torch.bool)
+        if other.shape != value.shape:
+            return torch.ones(value.shape, dtype=torch.bool)
+        return other != value
 
     # ------------------------------------------------------------------ weights and int8
     def weight(self, arg: Any, node: fx.Node) -> WeightInfo:
@@ -390,7 +463,7 @@ class NcnnBuilder:
                 continue
             fq = self.quantizer(q)
             for user in q.users:
-                if (q, user) in self.used_quantizers:
+                if (q, user) in self.used_quantizers or user in self.static_nodes:
                     continue
                 src = self.strip(q)
                 raise ExportError(
@@ -401,11 +474,12 @@ class NcnnBuilder:
 
     def build(self) -> NcnnModel:
         self.check_calibrated()
+        self._find_static()
         graph = self.gm.graph
         for node in graph.nodes:
             if node.op == "placeholder":
                 self._input(node)
-            elif node.op in ("get_attr", "output") or self.is_quantizer(node):
+            elif node.op in ("get_attr", "output") or self.is_quantizer(node) or node in self.static_nodes:
                 continue
             elif not isinstance(node.meta.get("val"), torch.Tensor):
                 continue  # shape / index arithmetic: its consumers read their static output shapes

@@ -646,8 +646,57 @@ def _reshape(b: NcnnBuilder, node: fx.Node) -> None:
         b.alias(node, x, out_bd)
     elif len(blob_shape) == 1:
         b.emit(node, "Flatten", [b.blob(x, node)], batch_dim=out_bd)
+    elif bd == 0 and out_bd == 0:
+        b.emit(node, "Reshape", [b.blob(x, node)], _reshape_params(b, node, x, blob_shape), batch_dim=0)
     else:
         b.emit(node, "Reshape", [b.blob(x, node)], _shape_params(blob_shape), batch_dim=out_bd)
+
+
+_NAMES = {1: "w", 2: "hw", 3: "chw", 4: "cdhw"}  # ncnn's names of a blob's dims, outermost first
+
+
+def _reshape_params(b: NcnnBuilder, node: fx.Node, x: fx.Node, blob_shape: tuple[int, ...]) -> dict[int, int]:
+    """ncnn ``Reshape`` params of a batch-first reshape to ``blob_shape``, written to follow the input's size
+    where they can: a dim equal to the input's same-named ncnn dim (w, h, d; c when it follows the input's size)
+    is 0 (keep), the target's -1 stays -1, or else one dim that follows the input's size is -1 (inferred).
+
+    The target's numbers come from the node (a shape-only value, :meth:`NcnnBuilder.static_value`, tells which
+    follow the input's spatial size); a dim that follows it but can be neither is baked in, with a warning."""
+    target: list[Any] | None = None
+    dep: list[bool] | None = None
+    shape_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("shape")
+    if b.op(node) == "Reshape" and b.module(node) is not None and isinstance(shape_arg, fx.Node):
+        src = b.strip(shape_arg)
+        if src in b.static_nodes:
+            target = [int(v) for v in torch.as_tensor(b.static_value(src)).reshape(-1).tolist()]
+            dep = [bool(v) for v in b.resolution_dependent(src).reshape(-1).tolist()]
+        elif src.op == "get_attr":
+            target = [int(v) for v in b.param(src, node, "shape").reshape(-1).tolist()]
+    elif b.op(node) == "Reshape" and b.module(node) is None:
+        items = node.args[1:] if not isinstance(shape_arg, (list, tuple)) else shape_arg
+        target = [v if isinstance(v, int) else None for v in items]
+    codes = list(blob_shape)
+    if target is None or len(target) != len(blob_shape) + 1 or (dep is not None and len(dep) != len(target)):
+        return _shape_params(blob_shape)
+    target, dep = target[1:], (dep[1:] if dep is not None else None)
+    in_shape = b.blob_shape(x)
+    in_dims = dict(zip(_NAMES.get(len(in_shape), ""), in_shape))
+    for i, name in enumerate(_NAMES[len(blob_shape)]):
+        follows = dep[i] if dep is not None else name != "c"  # unknown: spatial names only
+        if target[i] == -1:
+            codes[i] = -1
+        elif in_dims.get(name) == blob_shape[i] and (follows or target[i] == 0):
+            codes[i] = 0
+    if dep is not None:
+        left = [i for i, c in enumerate(codes) if dep[i] and c > 0]
+        if left and -1 not in codes:
+            codes[left.pop(0)] = -1
+        if left:
+            b.warn_once(f"baked:{node.name}", "ncnn export: reshape %s -> %s of node %s has dims %s that follow the "
+                        "input's spatial size but ncnn's Reshape can neither keep (0) nor infer (-1) them; the file "
+                        "runs only at the export-time input size", b.shape(x), b.shape(node), node.name,
+                        [blob_shape[i] for i in left])
+    return _shape_params(tuple(codes))
 
 
 @register_ncnn_converter("Slice", any_batch_dim=True)
