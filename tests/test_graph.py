@@ -371,7 +371,11 @@ def test_two_pass_observer_and_steps():
     assert counter["n"] == 6  # two passes over three batches
 
 
-def test_unimplemented_algorithm_switch_raises():
+def test_unimplemented_algorithm_switch_raises(monkeypatch):
+    """A switch without a registered implementation (every built-in has one now) says so instead of doing nothing."""
+    from fxq.algorithms.pipeline import ALGORITHMS
+
+    monkeypatch.delitem(ALGORITHMS._items, "ssd_equalization")
     setting = fxq.QuantizationSetting(ssd_equalization=True)
     with pytest.raises(fxq.NotSupportedError, match="ssd_equalization"):
         fxq.quantize(small_cnn(), _data(), "trt_int8", setting, progress=False)
