@@ -529,3 +529,34 @@ def test_onnx_shape_arithmetic_baked(tmp_path: Path, caplog: pytest.LogCaptureFi
     with caplog.at_level(logging.WARNING):
         check(gm, (1, 3, 8, 12), tmp_path / "net")
     assert "runs only at the export-time input size" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------ 3-D conv / pooling
+class Video(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(3, 8, 3, padding=1)
+        self.dw = nn.Conv3d(8, 8, (1, 3, 3), stride=(1, 2, 2), padding=(0, 1, 1), groups=8)
+        self.pool, self.avg = nn.MaxPool3d((1, 2, 2)), nn.AvgPool3d(2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.avg(self.pool(self.dw(torch.relu(self.conv(x)))))
+
+
+def test_conv3d_pool3d(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """ncnn has no int8 3-D convolution: Convolution3D / ConvolutionDepthWise3D in FP32 (warned), Pooling3D."""
+    torch.manual_seed(0)
+    gm = fxq.quantize(Video().eval(), [torch.randn(1, 3, 4, 16, 16) for _ in range(2)], "ncnn_int8", progress=False)
+    with caplog.at_level(logging.WARNING):
+        export(gm, "ncnn", tmp_path / "net")
+    assert "no int8 3-D convolution" in caplog.text
+    files = ncnn_paths(tmp_path / "net")
+    param = files["param"].read_text()
+    assert "Convolution3D" in param and "ConvolutionDepthWise3D" in param and param.count("Pooling3D") == 2
+    x = torch.randn(1, 3, 4, 16, 16)
+    with fxq.fp32_mode(gm):
+        (ref,) = _outputs(gm, x)
+    for key, int8 in (("fp32_param", False), ("param", True)):
+        (got,) = run_ncnn(files[key], files[key.replace("param", "bin")], x, 1, int8=int8)
+        assert got.shape == ref.shape
+        assert np.abs(got - ref).max() <= 1e-4 * max(1.0, float(np.abs(ref).max()))

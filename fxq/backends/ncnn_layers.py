@@ -97,8 +97,42 @@ def _kernel_params(b: NcnnBuilder, node: fx.Node, x: Any, w: torch.Tensor, num_o
             5: int(bias is not None), 6: int(w.numel())}
 
 
+def _triple(v: Any) -> tuple[int, int, int]:
+    if isinstance(v, (list, tuple)):
+        return (int(v[0]),) * 3 if len(v) == 1 else (int(v[0]), int(v[1]), int(v[2]))
+    return (int(v),) * 3
+
+
+def _conv3d(b: NcnnBuilder, node: fx.Node) -> None:
+    """``Convolution3D`` / ``ConvolutionDepthWise3D``: ncnn has no int8 3-D convolution (no int8_scale_term), so
+    the layer runs in FP32 in both files; its quantizers are dropped with a warning."""
+    x, w_arg, bias_arg, a = _conv_args(b, node, nn.Conv3d, _CONV_ARGS)
+    w = b.weight(w_arg, node)
+    bias = b.param(bias_arg, node, "bias") if bias_arg is not None else None
+    if isinstance(a["padding"], str):
+        raise b.fail(node, f"its padding is {a['padding']!r}", "give 3-D convolutions numeric padding")
+    (kd, kh, kw), (sd, sh, sw) = w.fp32.shape[2:], _triple(a["stride"])
+    (dd, dh, dw), (pd, ph, pw) = _triple(a["dilation"]), _triple(a["padding"])
+    groups = int(a["groups"])
+    params = {0: int(w.fp32.shape[0]), 1: int(kw), 11: int(kh), 21: int(kd), 2: dw, 12: dh, 22: dd, 3: sw, 13: sh,
+              23: sd, 4: pw, 15: pw, 14: ph, 16: ph, 24: pd, 17: pd, 5: int(bias is not None), 6: int(w.fp32.numel())}
+    for q in (x, w_arg):
+        if b.is_quantizer(q) and b.quantizer(q).config.state in QUANTIZING_STATES:
+            b.used_quantizers.add((q, node))
+            b.warn_once(f"conv3d:{node.name}", "ncnn export: ncnn has no int8 3-D convolution; %s runs in FP32 "
+                        "(its input / weight quantizers are not applied)", node.name)
+    layer_type = "Convolution3D"
+    if groups > 1:
+        layer_type, params[7] = "ConvolutionDepthWise3D", groups
+    tail = [("raw", _np(bias))] if bias is not None else []
+    b.emit(node, layer_type, [b.blob(x, node)], params, [("tagged", _np(w.fp32))] + tail)
+
+
 @register_ncnn_converter("Conv")
 def _conv(b: NcnnBuilder, node: fx.Node) -> None:
+    if isinstance(b.module(node), nn.Conv3d) or node.target is F.conv3d:
+        _conv3d(b, node)
+        return
     x, w_arg, bias_arg, a = _conv_args(b, node, nn.Conv2d, _CONV_ARGS)
     w = b.weight(w_arg, node)
     padding, groups = a["padding"], int(a["groups"])
@@ -430,6 +464,9 @@ def _pool(b: NcnnBuilder, node: fx.Node) -> None:
             F.adaptive_avg_pool2d, F.adaptive_max_pool2d):
         _adaptive(b, node, 0 if is_max else 1)
         return
+    if isinstance(mod, (nn.MaxPool3d, nn.AvgPool3d)) or node.target in (F.max_pool3d, F.avg_pool3d):
+        _pool3d(b, node, is_max)
+        return
     if len(b.shape(x)) != 4 or (mod is not None and not isinstance(mod, (nn.MaxPool2d, nn.AvgPool2d))) or (
             mod is None and node.target not in (F.max_pool2d, F.avg_pool2d)):
         raise b.fail(node, "only 2-D max / average pooling is exported", "use nn.MaxPool2d / nn.AvgPool2d")
@@ -467,6 +504,31 @@ def _pool(b: NcnnBuilder, node: fx.Node) -> None:
     if not is_max:
         params[6] = int(bool(a.get("count_include_pad", True)))
     b.emit(node, "Pooling", [b.blob(x, node)], params)
+
+
+def _pool3d(b: NcnnBuilder, node: fx.Node, is_max: bool) -> None:
+    """``Pooling3D`` (valid padding, explicit pads; no ceil mode, dilation or divisor override)."""
+    mod = b.module(node)
+    if mod is not None:
+        a = {k: getattr(mod, k, None) for k in ("kernel_size", "stride", "padding", "dilation", "ceil_mode",
+                                               "count_include_pad", "divisor_override", "return_indices")}
+    else:
+        order = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices") if is_max else (
+            "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
+        a = {k: _arg(node, i + 1, k, None) for i, k in enumerate(order)}
+    if a.get("ceil_mode") or a.get("return_indices") or a.get("divisor_override") or _triple(
+            a.get("dilation") or 1) != (1, 1, 1):
+        raise b.fail(node, "3-D pooling with ceil_mode, indices, dilation or divisor_override",
+                     "use plain nn.MaxPool3d / nn.AvgPool3d")
+    kd, kh, kw = _triple(a["kernel_size"])
+    sd, sh, sw = _triple(a.get("stride") or a["kernel_size"])
+    pd, ph, pw = _triple(a.get("padding") or 0)
+    params = {0: 0 if is_max else 1, 1: kw, 11: kh, 21: kd, 2: sw, 12: sh, 22: sd, 3: pw, 14: pw, 13: ph, 15: ph,
+              23: pd, 16: pd, 5: 1}
+    if not is_max:
+        cip = a.get("count_include_pad")
+        params[6] = int(True if cip is None else bool(cip))
+    b.emit(node, "Pooling3D", [b.blob(node.args[0], node)], params)
 
 
 def _adaptive(b: NcnnBuilder, node: fx.Node, pool_type: int) -> None:
