@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import inspect
 import json
 import math
 import os
@@ -114,6 +115,9 @@ def build(name: str) -> Any:
 
     torch.manual_seed(0)
     kwargs = {"weights": None}
+    builder = torchvision.models.get_model_builder(name)
+    if "weights_backbone" in inspect.signature(builder).parameters:  # no pretrained backbone: nothing downloads
+        kwargs["weights_backbone"] = None
     if name.startswith(("googlenet", "inception_v3")):
         kwargs["aux_logits"] = False
         kwargs["init_weights"] = True
