@@ -560,3 +560,35 @@ def test_conv3d_pool3d(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None
         (got,) = run_ncnn(files[key], files[key.replace("param", "bin")], x, 1, int8=int8)
         assert got.shape == ref.shape
         assert np.abs(got - ref).max() <= 1e-4 * max(1.0, float(np.abs(ref).max()))
+
+
+class VideoHead(nn.Module):
+    """r3d / mc3 / r2plus1d's head: 3-D conv, adaptive average pooling to 1x1x1, flatten, linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(3, 8, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool3d((1, 1, 1))
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(torch.relu(self.conv(x))), 1))
+
+
+def test_adaptive_pool3d(tmp_path: Path) -> None:
+    """nn.AdaptiveAvgPool3d had no op type ('Unknown'), so the ncnn export of torchvision's video models failed; it
+    is a global average pool, written as an adaptive Pooling3D."""
+    from fxq.graph.op_types import op_type
+
+    torch.manual_seed(0)
+    gm = fxq.quantize(VideoHead().eval(), [torch.randn(1, 3, 4, 8, 8) for _ in range(2)], "ncnn_int8", progress=False)
+    pool = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "pool")
+    assert op_type(pool, dict(gm.named_modules())) == "GlobalAveragePool"
+    export(gm, "ncnn", tmp_path / "net")
+    files = ncnn_paths(tmp_path / "net")
+    assert "Pooling3D" in files["param"].read_text()
+    x = torch.randn(1, 3, 4, 8, 8)
+    with fxq.fp32_mode(gm):
+        (ref,) = _outputs(gm, x)
+    (got,) = run_ncnn(files["fp32_param"], files["fp32_bin"], x, 1, int8=False)
+    assert np.abs(got.reshape(ref.shape) - ref).max() <= 1e-4 * max(1.0, float(np.abs(ref).max()))

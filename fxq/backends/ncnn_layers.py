@@ -532,9 +532,16 @@ def _pool3d(b: NcnnBuilder, node: fx.Node, is_max: bool) -> None:
 
 
 def _adaptive(b: NcnnBuilder, node: fx.Node, pool_type: int) -> None:
+    """Adaptive pooling: ``Pooling`` for (N, C, H, W), ``Pooling3D`` for (N, C, D, H, W) (7 adaptive, 8/18/28 out
+    w/h/d), so the output keeps its pooled dims as torch's does."""
     x = node.args[0]
+    if len(b.shape(x)) == 5:
+        _, _, od, oh, ow = b.shape(node)
+        b.emit(node, "Pooling3D", [b.blob(x, node)], {0: pool_type, 7: 1, 8: ow, 18: oh, 28: od})
+        return
     if len(b.shape(x)) != 4:
-        raise b.fail(node, "only 2-D adaptive pooling is exported", "use a 4-D (N, C, H, W) input")
+        raise b.fail(node, "only 2-D and 3-D adaptive pooling is exported", "use a (N, C, H, W) or (N, C, D, H, W) "
+                     "input")
     _, _, oh, ow = b.shape(node)
     b.emit(node, "Pooling", [b.blob(x, node)], {0: pool_type, 7: 1, 8: ow, 18: oh})
 

@@ -36,7 +36,8 @@ _FUNCTIONS: dict[Callable[..., Any], str] = {
     F.max_pool1d: "MaxPool", F.max_pool2d: "MaxPool", F.max_pool3d: "MaxPool",
     F.avg_pool1d: "AveragePool", F.avg_pool2d: "AveragePool", F.avg_pool3d: "AveragePool",
     F.adaptive_avg_pool1d: "GlobalAveragePool", F.adaptive_avg_pool2d: "GlobalAveragePool",
-    F.adaptive_max_pool2d: "GlobalMaxPool",
+    F.adaptive_max_pool2d: "GlobalMaxPool", F.adaptive_avg_pool3d: "GlobalAveragePool",
+    F.adaptive_max_pool3d: "GlobalMaxPool",
     torch.flatten: "Flatten", torch.reshape: "Reshape", torch.transpose: "Transpose", torch.permute: "Transpose",
     operator.getitem: "Slice", torch.split: "Split", torch.chunk: "Split", torch.squeeze: "Squeeze",
     torch.unsqueeze: "Unsqueeze", F.interpolate: "Resize", F.pad: "Pad", torch.mean: "ReduceMean",
@@ -66,7 +67,8 @@ _MODULES: dict[type, str] = {
     nn.MaxPool1d: "MaxPool", nn.MaxPool2d: "MaxPool", nn.MaxPool3d: "MaxPool",
     nn.AvgPool1d: "AveragePool", nn.AvgPool2d: "AveragePool", nn.AvgPool3d: "AveragePool",
     nn.AdaptiveAvgPool1d: "GlobalAveragePool", nn.AdaptiveAvgPool2d: "GlobalAveragePool",
-    nn.AdaptiveMaxPool2d: "GlobalMaxPool", nn.Flatten: "Flatten", nn.Upsample: "Resize",
+    nn.AdaptiveMaxPool2d: "GlobalMaxPool", nn.AdaptiveAvgPool3d: "GlobalAveragePool",
+    nn.AdaptiveMaxPool3d: "GlobalMaxPool", nn.Flatten: "Flatten", nn.Upsample: "Resize",
     nn.Identity: "Identity", nn.Dropout: "Identity", nn.Dropout2d: "Identity", nn.Embedding: "Gather",
 }
 
@@ -137,14 +139,18 @@ def op_type(node: fx.Node, modules: dict[str, nn.Module] | None = None) -> str:
                 return str(info["op_type"])
     if found == "GlobalAveragePool" and node.op == "call_function":
         size = node.args[1] if len(node.args) > 1 else node.kwargs.get("output_size")
-        if size not in (1, (1, 1), [1, 1], (1,), [1]):
+        if not _all_ones(size):
             found = "AveragePool"
     return found or "Unknown"
 
 
 def _is_global(mod: nn.Module) -> bool:
-    size = getattr(mod, "output_size", None)
-    return size in (1, (1, 1), (1,), [1, 1], [1])
+    return _all_ones(getattr(mod, "output_size", None))
+
+
+def _all_ones(size: Any) -> bool:
+    """An adaptive pool's output size of 1 in every pooled dim (``1``, ``(1, 1)``, ``(1, 1, 1)``...)."""
+    return size == 1 or (isinstance(size, (tuple, list)) and len(size) > 0 and all(v == 1 for v in size))
 
 
 _INPLACE_OPERATORS: dict[Callable[..., Any], Callable[..., Any]] = {
