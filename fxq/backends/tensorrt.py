@@ -6,6 +6,10 @@ Files, from ``path`` = ``out/model.onnx``:
   ConvTranspose axis 1) as FP32 initializer -> Q -> DQ (``weights="dq"``: INT8 initializer -> DQ),
   per-tensor activations, Q/DQ on the inputs of weighted ops and residual Adds, FP32 biases; FP8 E4M3 at
   opset 19 for ``trt_fp8`` models. Checked with :func:`fxq.backends.trt_check.check_tensorrt`.
+  With ``high_precision_dtype="fp16"`` (for strongly-typed TensorRT builds) every float tensor is FP16 instead:
+  weights of FP32-dispatched ops, biases, constants, Q/DQ scales (so DequantizeLinear outputs FP16), at opset 19;
+  the graph input and output stay FP32 with a Cast at the boundary (:mod:`fxq.backends.qdq.fp16`, whose
+  :func:`~fxq.backends.qdq.fp16.fp16_simulation` is the matching simulation).
 * with ``legacy=True`` (implicit quantization, TensorRT <= 10): ``model_fp32.onnx`` (same graph and tensor
   names, no Q/DQ, weights already on their grid), ``model.cache`` (calibration cache) and ``model.json``
   (PPQ's ``{"act_quant_info": {tensor: amax}}``).
@@ -90,13 +94,16 @@ class TensorRTExporter(Exporter):
         check: run the TensorRT rule checker and raise on violations (default True).
         example_inputs: inputs to trace with (default: random tensors shaped like the calibration batch).
         dynamic_batch: make axis 0 of inputs and outputs dynamic.
+        high_precision_dtype: ``"fp32"`` (default) or ``"fp16"``: the type of everything that is not quantized
+            (opset 19 or more; graph input/output stay FP32 with Cast nodes; not with ``legacy=True``).
     """
 
-    options = ("opset", "weights", "legacy", "trt_version", "check", "example_inputs", "dynamic_batch")
+    options = ("opset", "weights", "legacy", "trt_version", "check", "example_inputs", "dynamic_batch",
+               "high_precision_dtype")
 
     def export(self, model: nn.Module, path: str | os.PathLike, *, opset: int | None = None, weights: str = "qdq",
                legacy: bool = False, trt_version: int | str = 8601, check: bool = True, example_inputs: Any = None,
-               dynamic_batch: bool = False) -> list[Path]:
+               dynamic_batch: bool = False, high_precision_dtype: str = "fp32") -> list[Path]:
         import onnx
 
         from fxq.backends.onnxruntime import warn_ort_bias_issues
@@ -108,6 +115,7 @@ class TensorRTExporter(Exporter):
             serialize,
             write_files,
         )
+        from fxq.backends.qdq.fp16 import HIGH_PRECISION_DTYPES, cast_float_parts, check_fp16_model
         from fxq.backends.qdq.insert import QdqPolicy, insert_qdq, strip_marks
         from fxq.backends.qdq.pipeline import lower_model
         from fxq.backends.trt_check import check_tensorrt
@@ -116,6 +124,16 @@ class TensorRTExporter(Exporter):
         # 1. inputs: model, destination, configs
         if weights not in ("qdq", "dq"):
             raise ExportError(f"tensorrt: weights={weights!r}; use 'qdq' or 'dq'")
+        if high_precision_dtype not in HIGH_PRECISION_DTYPES:
+            raise ExportError(f"tensorrt: high_precision_dtype={high_precision_dtype!r}; allowed values are "
+                              f"{', '.join(repr(d) for d in HIGH_PRECISION_DTYPES)}")
+        fp16 = high_precision_dtype == "fp16"
+        if fp16 and legacy:
+            raise ExportError("tensorrt: legacy=True (implicit quantization) writes FP32 side files; export with "
+                              "high_precision_dtype='fp32' for legacy, or legacy=False for FP16")
+        if fp16 and opset is not None and opset < 19:
+            raise ExportError(f"tensorrt: high_precision_dtype='fp16' needs opset >= 19 (float16 Q/DQ scales), "
+                              f"got opset={opset}")
         gm = quantized_graph(model)
         paths = plan_paths(path, ".onnx", {"fp32": "_fp32.onnx", "cache": ".cache", "json": ".json"} if legacy else {})
         quantizers, roles = quantizer_tables(gm)
@@ -123,13 +141,16 @@ class TensorRTExporter(Exporter):
         fp8 = _check_configs(quantizers, roles, sources)
         if legacy and fp8:
             raise ExportError("tensorrt: legacy=True writes INT8 calibration caches; this model is FP8")
-        opset = opset or (19 if fp8 else 13)
+        opset = opset or (19 if fp8 or fp16 else 13)
         # 2. torch.onnx with marks, then Q/DQ
         lowered = lower_model(gm, opset=opset, example_inputs=example_inputs, dynamic_batch=dynamic_batch)
         fp32_model = onnx.ModelProto()
         fp32_model.CopyFrom(lowered.model)
         records = insert_qdq(lowered, quantizers, roles, QdqPolicy(weights=weights, bias="fp32", clip_subrange=False))
         qdq_model = finalize(lowered.model, opset)
+        if fp16:
+            qdq_model = finalize(cast_float_parts(qdq_model), opset)
+            check_fp16_model(qdq_model)
         # 3. TensorRT's rules
         problems = check_tensorrt(qdq_model)
         if problems and check:
@@ -148,6 +169,7 @@ class TensorRTExporter(Exporter):
             files[paths["fp32"]] = serialize(fp32_model)
             files[paths["cache"]] = calibration_cache(scales, trt_version)
             files[paths["json"]] = act_quant_json(scales)
-        logger.info("tensorrt: %d quantized tensors, opset %d", len(records), opset)
+        logger.info("tensorrt: %d quantized tensors, opset %d, %s float parts", len(records), opset,
+                    high_precision_dtype)
         # 5. write, all files as one atomic set (the folder is created if missing)
         return write_files(files)
