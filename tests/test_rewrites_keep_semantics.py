@@ -89,3 +89,32 @@ def test_stochastic_depth_in_eval_is_an_identity(tmp_path):
     training = torch.fx.symbolic_trace(StochasticResidual().train())
     node = next(n for n in training.graph.nodes if "stochastic_depth" in str(n.target))
     assert op_type(node) != "Identity"  # in training it drops rows: not an identity
+
+
+def _window_and_shift(shift: list, size: list) -> list:
+    shift[0] = min(shift[0], size[0])  # edits its list argument in place, as torchvision's Swin3D helper does
+    return shift
+
+
+torch.fx.wrap("_window_and_shift")
+
+
+class EditsItsListArgument(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        shift = _window_and_shift([3, 3], [y.shape[2] // 4, y.shape[3]])  # a graph node: it reads traced sizes
+        return torch.roll(y, shifts=(shift[0], shift[1]), dims=(2, 3))
+
+
+def test_a_function_editing_its_list_argument_prepares():
+    """torch.fx's interpreter handed the node's immutable list to the function; the generated code gives a fresh
+    list each call. Shape propagation now does too (Swin3D failed to prepare)."""
+    model = EditsItsListArgument().eval()
+    x = torch.randn(1, 3, 8, 8)
+    gm = fxq.prepare(model, "trt_int8", example_inputs=x)
+    with fxq.fp32_mode(gm):
+        torch.testing.assert_close(gm(x), model(x))

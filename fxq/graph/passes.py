@@ -11,6 +11,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxq.errors import GraphError
 from fxq.graph.op_types import WEIGHTED_FUNCTIONS, mutates_first_argument, op_type, out_of_place_form
@@ -237,19 +239,44 @@ def propagate_tensor_meta(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
     carries that node's name in ``exc.fxq_node``.
     """
     try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fake_inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-        FakeTensorProp(gm, mode).propagate(*fake_inputs)
+        _FakeProp(gm, mode).propagate(*fake_inputs)
     except Exception as exc:  # data-dependent modules: run for real
         logger.debug("fake tensor propagation failed (%s); using a real forward pass", exc)
         _RealProp(gm).run(*example_inputs)
     return gm
 
 
-class _RealProp(fx.Interpreter):
+def _thaw(value: Any) -> Any:
+    """Plain lists / dicts for fx's immutable argument containers (nested in tuples too)."""
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+    if isinstance(value, immutable_list):
+        return [_thaw(v) for v in value]
+    if isinstance(value, immutable_dict):
+        return {k: _thaw(v) for k, v in value.items()}
+    if type(value) is tuple:
+        return tuple(_thaw(v) for v in value)
+    return value
+
+
+class _FreshArgs:
+    """Interpreter mixin: every call gets its own mutable copies of list/dict arguments, as the generated code
+    gives them (a literal ``[7, 7, 7]`` is a new list on every call). torch.fx's interpreter passes the node's
+    immutable list itself, which functions that edit their argument in place (torchvision's Swin3D
+    ``_get_window_and_shift_size``) cannot take."""
+
+    def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple, dict]:
+        args, kwargs = super().fetch_args_kwargs_from_env(n)  # type: ignore[misc]
+        return _thaw(args), _thaw(kwargs)
+
+
+class _FakeProp(_FreshArgs, FakeTensorProp):
+    pass
+
+
+class _RealProp(_FreshArgs, fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         try:
             result = super().run_node(n)
