@@ -84,10 +84,19 @@ def example_input(name: str, family: str, model: Any = None) -> Any:
     up until the FP32 model runs and ONNX can express it."""
     import torch
 
-    if family == "video":
-        size = 224 if name.startswith("mvit") else 64
-        frames = 16 if name.startswith("mvit") else 8
-        return (torch.randn(1, 3, frames, size, size),)
+    if family == "video":  # (frames, size) from small up until the model runs (MViT needs 16 x 224, S3D more than 64)
+        last_video: Exception | None = None
+        for frames, size in ((8, 64), (16, 112), (16, 224)):
+            clip = (torch.randn(1, 3, frames, size, size),)
+            if model is None:
+                return clip
+            try:
+                with torch.no_grad():
+                    model(*clip)
+                return clip
+            except Exception as exc:  # too small for this model: try the next size
+                last_video = exc
+        raise RuntimeError(f"{name} runs at none of the clip sizes tried: {last_video}")
     if family == "optical_flow":
         return (torch.randn(1, 3, 128, 128), torch.randn(1, 3, 128, 128))
     if family == "detection":
