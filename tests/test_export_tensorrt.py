@@ -189,3 +189,25 @@ def test_int8_weight_initializers_option(trt_model, tmp_path):
     assert check_tensorrt(model) == []
     int8 = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8 and len(t.dims) == 4]
     assert int8 and all(numpy_helper.to_array(t).min() >= -127 for t in int8)
+
+
+def test_fp32_conv_after_a_quantized_op_exports(tmp_path):
+    """A conv dispatched to FP32 between quantized ops reads a dequantized input with float weights: TensorRT runs
+    it in float after the DQ. The rule checker refused the export ('input is quantized but the weight has no
+    Q/DQ'), so a dispatching table with a middle layer in FP32 could not be exported for TensorRT."""
+    from _export_helpers import output_lsb, run_ort
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 4, 3)).eval()
+    data = [torch.randn(2, 3, 16, 16) for _ in range(2)]
+    setting = fxq.QuantizationSetting(dispatching_table={"2": "fp32"})
+    qmodel = fxq.quantize(model, data, "trt_int8", setting, progress=False)
+    path = fxq.export(qmodel, "trt_int8", tmp_path / "m.onnx")[0]
+    with torch.no_grad():
+        ref = qmodel(data[0]).numpy()
+    assert not check_tensorrt(str(path))
+    lsb = output_lsb(qmodel)
+    for optimize, codes in ((False, 0), (True, 2)):  # as written: exact; fused int8 kernels: a code or two
+        got = run_ort(path, data[0], optimize=optimize)
+        assert float(np.abs(got - ref).max()) <= codes * lsb + 1e-6, optimize

@@ -216,8 +216,8 @@ def check_tensorrt(model: Any) -> list[str]:
         if w_dq and not v.is_dq(data):
             out.append(f"{v.label(node)}: weight is quantized but input {data!r} has no Q/DQ (put Q/DQ on the "
                        f"inputs of weighted ops)")
-        elif v.is_dq(data) and w_const:
-            out.append(f"{v.label(node)}: input is quantized but the weight {weight!r} has no Q/DQ")
+        # a dequantized input with float weights is legal: TensorRT keeps the DQ and runs the op in float (an op
+        # dispatched to FP32 after a quantized producer), which is what fxq simulates
         if w_dq and v.is_dq(data):
             quantized_weighted.add(node.output[0])
     for node in v.graph.node:
