@@ -146,31 +146,26 @@ def cast_float_parts(model: Any) -> Any:
             node.input[2] = cast_out
     for i, cast in reversed(extra):
         graph.node.insert(i, cast)
-    # boundary: float32 in, float32 out
+    # boundary: float32 in, float32 out; the graph's tensors of those names become FP16 ones behind a Cast
+    from fxq.backends.qdq.onnx_graph import rename_tensors
+
     head: list[Any] = []
-    for inp in graph.input:
+    for inp in list(graph.input):
         if inp.type.tensor_type.elem_type != F32 or inp.name in inits:
             continue
-        inner = f"{inp.name}__fp16"
-        for node in graph.node:
-            for k, name in enumerate(node.input):
-                if name == inp.name:
-                    node.input[k] = inner
-        head.append(helper.make_node("Cast", [inp.name], [inner], to=F16, name=f"{inp.name}_to_fp16"))
+        outer, inner = inp.name, f"{inp.name}__fp16"
+        rename_tensors(graph, {outer: inner})
+        inp.name = outer
+        head.append(helper.make_node("Cast", [outer], [inner], to=F16, name=f"{outer}_to_fp16"))
     input_names = {i.name for i in graph.input}
     tail: list[Any] = []
-    for out in graph.output:
+    for out in list(graph.output):
         if out.type.tensor_type.elem_type != F32 or out.name in input_names or out.name in inits:
             continue
-        inner = f"{out.name}__fp16"
-        for node in graph.node:
-            for k, name in enumerate(node.output):
-                if name == out.name:
-                    node.output[k] = inner
-            for k, name in enumerate(node.input):
-                if name == out.name:
-                    node.input[k] = inner
-        tail.append(helper.make_node("Cast", [inner], [out.name], to=F32, name=f"{out.name}_to_fp32"))
+        outer, inner = out.name, f"{out.name}__fp16"
+        rename_tensors(graph, {outer: inner})
+        out.name = outer
+        tail.append(helper.make_node("Cast", [inner], [outer], to=F32, name=f"{outer}_to_fp32"))
     nodes = head + list(graph.node) + tail
     del graph.node[:]
     graph.node.extend(nodes)
