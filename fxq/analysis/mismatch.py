@@ -226,12 +226,15 @@ def _codes(value: torch.Tensor, fq: Any, scale: np.ndarray, zp: np.ndarray, elem
     """Simulation codes: the simulation's own quantizer, else the file's scale on the simulated value."""
     from fxq.functional import quantize_to_int
 
-    _, lo, hi = _INT_TYPES[elem]
     if fq is not None:
         return quantize_to_int(value.float(), fq.config).cpu().numpy().astype(np.int64)
-    x = value.detach().float().cpu().numpy()
-    q = np.rint(x / scale.astype(np.float32)) + zp.astype(np.float32)
-    return np.clip(q, lo, hi).astype(np.int64)
+    from fxq.spec import TensorQuantConfig
+
+    _, lo, hi = _INT_TYPES[elem]  # the file's own grid: ONNX QuantizeLinear rounds half to even
+    cfg = TensorQuantConfig(num_bits=int(np.log2(hi - lo + 1)), symmetric=not np.any(zp), quant_min=lo,
+                            quant_max=hi, scale=torch.as_tensor(scale, dtype=torch.float32).reshape(-1),
+                            offset=torch.as_tensor(zp, dtype=torch.float32).reshape(-1))
+    return quantize_to_int(value.detach().float(), cfg).cpu().numpy().astype(np.int64)
 
 
 def _session(model: Any, optimize: bool) -> Any:
