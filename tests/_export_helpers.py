@@ -14,14 +14,11 @@ import functools
 import numpy as np
 import onnx
 import torch
-from onnx import TensorProto, numpy_helper
 from torch import fx
 
 import fxq
 
 from _models import with_bn_statistics
-
-INT_TYPES = {TensorProto.INT8: (np.int8, -128, 127), TensorProto.UINT8: (np.uint8, 0, 255)}
 
 
 def quantize_model(model: torch.nn.Module, platform: str, shape=(2, 3, 64, 64), batches: int = 2, seed: int = 0,
@@ -85,12 +82,6 @@ def end_to_end(reference: torch.Tensor, got: np.ndarray, lsb: float | None) -> E
     return EndToEnd(float(d.max()), float((d <= 1 + 1e-3).double().mean()), float((d <= 1e-3).double().mean()), cos)
 
 
-def _codes(x: np.ndarray, scale: np.ndarray, zp: np.ndarray, elem: int) -> np.ndarray:
-    dtype, lo, hi = INT_TYPES[elem]
-    q = np.rint(x.astype(np.float32) / scale.astype(np.float32)) + zp.astype(np.float32)
-    return np.clip(q, lo, hi).astype(dtype)
-
-
 @dataclasses.dataclass
 class SegmentStats:
     tensors: int
@@ -98,59 +89,18 @@ class SegmentStats:
     exact: float
     max_code_diff: int
     worst: str
-    per_tensor: dict = dataclasses.field(default_factory=dict, repr=False)  # Q output -> fraction exact
+    per_tensor: dict = dataclasses.field(default_factory=dict, repr=False)  # Q input -> fraction exact
 
 
 def segment_check(model: onnx.ModelProto, gm: fx.GraphModule, args: tuple, optimize: bool = True) -> SegmentStats:
-    """Feed every activation DequantizeLinear with fxq's codes and compare every activation Q's codes.
-
-    Only per-tensor int8/uint8 activation Q/DQ are cut; names of Q inputs are fx node names (or the graph
-    input), as the exporters write them for models built in torch.
-    """
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    g = m.graph
-    inits = {t.name: numpy_helper.to_array(t) for t in g.initializer}
-    values = fx_values(gm, *args)
-    for i, inp in zip([n for n in gm.graph.nodes if n.op == "placeholder"], args):
-        values[i.name] = inp
-    feeds, compare = {}, {}
-    for node in list(g.node):
-        if node.op_type != "QuantizeLinear" or node.input[0] in inits:
-            continue
-        x_name, codes = node.input[0], node.output[0]
-        scale, zp = inits[node.input[1]], inits[node.input[2]]
-        elem = next(t.data_type for t in g.initializer if t.name == node.input[2])
-        if x_name not in values or scale.ndim != 0 or elem not in INT_TYPES:
-            continue
-        ref = _codes(values[x_name].numpy(), scale, zp, elem)
-        fed = codes + "__fed"
-        for user in g.node:
-            if user.op_type == "DequantizeLinear" and user.input[0] == codes:
-                user.input[0] = fed
-        g.input.append(onnx.helper.make_tensor_value_info(fed, elem, list(ref.shape)))
-        g.output.append(onnx.helper.make_tensor_value_info(codes, elem, list(ref.shape)))
-        feeds[fed] = ref
-        compare[codes] = ref
-    sess = ort_session(m, optimize)
-    feed = {i.name: a.numpy() for i, a in zip(model.graph.input, args)}
-    feed.update(feeds)
-    in_names = {i.name for i in sess.get_inputs()}  # a cut may leave a graph input unused
-    feed = {k: v for k, v in feed.items() if k in in_names}
-    names = [o.name for o in sess.get_outputs() if o.name in compare]
-    outs = dict(zip(names, sess.run(names, feed)))
-    total = same = 0
-    worst, worst_name = 0, ""
-    per_tensor = {}
-    for name, ref in compare.items():
-        got = outs[name].astype(np.int64)
-        diff = np.abs(got - ref.astype(np.int64))
-        total += diff.size
-        same += int((diff == 0).sum())
-        per_tensor[name] = float((diff == 0).mean())
-        if diff.max() > worst:
-            worst, worst_name = int(diff.max()), name
-    return SegmentStats(len(compare), total, same / max(total, 1), worst, worst_name, per_tensor)
+    """Every activation DequantizeLinear fed with fxq's codes, every activation Q's codes compared: the library's
+    :func:`fxq.locate_mismatch` in teacher-forced mode, summed up."""
+    report = fxq.locate_mismatch(gm, model, [args], teacher_forced=True, optimize=optimize, steps=1)
+    total = sum(r.elements for r in report)
+    same = sum(r.identical * r.elements for r in report)
+    worst = max(report, key=lambda r: r.max_diff, default=None)
+    return SegmentStats(len(report), total, same / max(total, 1), worst.max_diff if worst else 0,
+                        worst.name if worst and worst.max_diff else "", {r.name: r.identical for r in report})
 
 
 SHAPE = (2, 3, 32, 32)

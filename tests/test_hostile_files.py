@@ -15,6 +15,7 @@ from torch import nn
 
 import fxq
 from fxq.serialization import file_digest
+from fxq.serialization.codec import Unencodable
 
 
 class Toy(nn.Module):
@@ -64,6 +65,10 @@ def _refused(path, tmp_path, marker):
     with pytest.raises(fxq.FxqError) as info:
         fxq.load(path)
     print(f"refused: {type(info.value).__name__}: {info.value}")
+    # refused by a check, not by a check that crashed (load wraps every exception in FrontendError)
+    cause = info.value.__cause__
+    crashed = isinstance(cause, (TypeError, KeyError, AttributeError, IndexError, NameError))
+    assert not crashed or isinstance(cause, Unencodable), repr(cause)
     assert not marker.exists()
     assert _snapshot(tmp_path) == before
     return info.value

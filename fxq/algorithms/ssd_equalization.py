@@ -13,7 +13,7 @@ quantization loss (weight rounding error of ``A`` and ``B`` plus the activation 
 original coordinates and relative to the signal) is at most ``loss_threshold`` x the loss before; else reverted.
 
 Pairs come from :func:`fxq.algorithms.equalization.find_equalization_groups` (one upstream, one downstream, level-1
-relays only), so ConvTranspose is not paired. ``opt_level`` 2 behaves as 1.
+relays only), so ConvTranspose is not paired.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def _act_ranges(gm: fx.GraphModule, nodes: set[fx.Node], data: Any, steps: int |
             out = super().run_node(n)
             if n in nodes and isinstance(out, torch.Tensor):
                 axis = 1 if _op_type(n) == "Conv" else out.dim() - 1
-                r = out.detach().clamp_min(0).movedim(axis, 0).reshape(out.shape[axis], -1).amax(dim=1).float().cpu()
+                r = out.detach().clamp_min(0).movedim(axis, 0).reshape(out.shape[axis], -1).amax(dim=1).float()
                 sums[n] = sums[n] + r if n in sums else r
             return out
 
@@ -90,7 +90,7 @@ def _act_ranges(gm: fx.GraphModule, nodes: set[fx.Node], data: Any, steps: int |
         for batch in iter_batches(data, steps, collate_fn):
             rec.run(*placeholder_values(gm, batch).values())
             count += 1
-    return {n: s / max(count, 1) for n, s in sums.items()}
+    return {n: (s / max(count, 1)).cpu() for n, s in sums.items()}  # one host copy per node, after all batches
 
 
 def _quant_spec(gm: fx.GraphModule, arg: Any) -> tuple[int, bool]:

@@ -142,14 +142,16 @@ class MismatchReport(list):
         return f"<MismatchReport {self.mode}: {len(self)} tensors, {len(self.diverged())} differ>"
 
 
-def simulation_values(gm: fx.GraphModule, inputs: dict[fx.Node, Any]) -> dict[str, torch.Tensor]:
-    """Every tensor value of one simulated (quantized) forward pass, by fx node name."""
+def simulation_values(gm: fx.GraphModule, inputs: dict[fx.Node, Any],
+                      names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Tensor values of one simulated (quantized) forward pass by fx node name: those in ``names`` (default every
+    one), copied (a later in-place op of the graph would write into them)."""
     values: dict[str, torch.Tensor] = {}
 
     class _Capture(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             out = super().run_node(n)
-            if isinstance(out, torch.Tensor):
+            if isinstance(out, torch.Tensor) and (names is None or n.name in names):
                 values[n.name] = out.detach().clone()
             return out
 
@@ -344,13 +346,14 @@ def locate_mismatch(
                for node, fxnode, *_ in cuts]
     in_names = {i.name for i in sess.get_inputs()}
     fetch = [node.output[0] for node, *_ in cuts]
+    wanted = {fxnode.name for _, fxnode, *_ in cuts}
     batches = 0
     qmodel_training = qmodel.training
     qmodel.eval()
     try:
         for inputs in iter_bound_batches(runner, data, steps, collate_fn, progress=False, desc=""):
             with first_batch_errors("mismatch analysis", batches == 0):
-                values = simulation_values(qmodel, inputs)
+                values = simulation_values(qmodel, inputs, wanted)
             feed = {input_of[p]: inputs[p].detach().cpu().numpy() for p in placeholders}
             sim: list[np.ndarray] = []
             for (node, fxnode, fq, scale, zp, elem) in cuts:

@@ -147,9 +147,9 @@ class TensorRTExporter(Exporter):
         fp32_model = onnx.ModelProto()
         fp32_model.CopyFrom(lowered.model)
         records = insert_qdq(lowered, quantizers, roles, QdqPolicy(weights=weights, bias="fp32", clip_subrange=False))
-        qdq_model = finalize(lowered.model, opset)
-        if fp16:
-            qdq_model = finalize(cast_float_parts(qdq_model), opset)
+        qdq_model = finalize(lowered.model, opset, check=not fp16)
+        if fp16:  # checked once, by the stricter full check of the typed model
+            qdq_model = finalize(cast_float_parts(qdq_model), opset, check=False)
             check_fp16_model(qdq_model)
         # 3. TensorRT's rules
         problems = check_tensorrt(qdq_model)

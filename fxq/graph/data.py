@@ -139,13 +139,17 @@ def iter_batches(data: Any, steps: int | None = None,
     if steps is not None:
         it = itertools.islice(it, steps)
     consistent = _BatchConsistency(data)
+    token = _RESIZED_BATCH.set(None)  # restored at the end: an iteration nested in this one leaves this one's note
     try:
         for index, batch in enumerate(it):
             batch = collate_fn(batch) if collate_fn is not None else batch
             _RESIZED_BATCH.set(consistent(index, batch))
             yield batch
     finally:
-        _RESIZED_BATCH.set(None)
+        try:
+            _RESIZED_BATCH.reset(token)
+        except ValueError:  # the generator was closed from another context
+            _RESIZED_BATCH.set(None)
 
 
 def to_device(value: Any, device: torch.device | str) -> Any:

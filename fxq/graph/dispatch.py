@@ -14,7 +14,7 @@ import torch
 from torch import fx, nn
 
 from fxq.errors import ConfigError
-from fxq.graph.info import match_node_name, source_names
+from fxq.graph.info import match_node_name, node_names
 from fxq.graph.op_types import op_type
 from fxq.qconfig.base import COMPUTING_OPS, SHAPE_OPS, Platform, get_platform
 from fxq.registry import Registry
@@ -97,17 +97,10 @@ def _allin(t: str, platform: Platform, fed_by_quantized: bool) -> bool:
     return t in platform.quantized_ops
 
 
-def _node_names(node: fx.Node) -> set[str]:
-    """The names a table key may match (as :func:`fxq.graph.info.match_node_name` reads them)."""
-    names = {node.name, str(node.target), *source_names(node)}
-    names.discard("")
-    return names
-
-
 def _check_table_keys(gm: fx.GraphModule, table: dict[str, Any]) -> None:
     """Invalid regexes are errors; a key that names no node is a warning with the closest node names."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
-    all_names = sorted({name for n in nodes for name in _node_names(n)})
+    all_names = sorted({name for n in nodes for name in node_names(n)})
     exact = set(all_names)
     for key in table:
         if key in exact:

@@ -21,7 +21,7 @@ from torch import fx, nn
 from fxq.spec import QuantState
 
 __all__ = ["NodeQuant", "QuantizerInfo", "GraphQuant", "QUANTIZERS_ATTR", "node_quant", "iter_quantizers",
-           "graph_quant", "quantizer_nodes", "is_quantizer_node", "computed_from_parameters"]
+           "graph_quant", "quantizer_nodes", "is_quantizer_node", "computed_from_parameters", "node_names"]
 
 QUANTIZERS_ATTR = "fxq_quantizers"
 """Name of the ``nn.ModuleDict`` of a prepared GraphModule that holds every FakeQuantize."""
@@ -113,11 +113,17 @@ def quantizer_infos(gm: nn.Module) -> dict[str, QuantizerInfo]:
     return getattr(gm, "meta", {}).get("fxq_quantizer_infos", {})
 
 
-def match_node_name(node: fx.Node, keys: Iterable[str]) -> str | None:
-    """The first of ``keys`` naming ``node`` — its fx name, target, module path or original ONNX / caffe name —
-    exactly, else the first that matches one of them as a regex (fullmatch); None when none does."""
+def node_names(node: fx.Node) -> set[str]:
+    """The names a user may give ``node`` by: its fx name, target, module path and original ONNX / caffe name."""
     names = {node.name, str(node.target), *source_names(node)}
     names.discard("")
+    return names
+
+
+def match_node_name(node: fx.Node, keys: Iterable[str]) -> str | None:
+    """The first of ``keys`` naming ``node`` (:func:`node_names`) exactly, else the first that matches one of them
+    as a regex (fullmatch); None when none does."""
+    names = node_names(node)
     keys = list(keys)
     for key in keys:
         if key in names:

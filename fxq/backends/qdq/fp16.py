@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import fx
 
+from fxq.backends.qdq.onnx_graph import rename_tensors, subgraphs
 from fxq.errors import ExportError
 
 __all__ = ["HIGH_PRECISION_DTYPES", "cast_float_parts", "fp16_simulation"]
@@ -78,7 +79,7 @@ def cast_float_parts(model: Any) -> Any:
     if opset < 19:
         raise ExportError(f"high_precision_dtype='fp16' needs opset >= 19 (float16 Q/DQ scales), got opset {opset}")
     for node in graph.node:
-        if any(a.type in (helper.AttributeProto.GRAPH, helper.AttributeProto.GRAPHS) for a in node.attribute):
+        if subgraphs(node):
             raise ExportError(f"high_precision_dtype='fp16': {node.op_type} {node.name!r} has subgraphs, which the "
                               f"FP16 rewrite does not handle; export with high_precision_dtype='fp32'")
     F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
@@ -147,25 +148,19 @@ def cast_float_parts(model: Any) -> Any:
     for i, cast in reversed(extra):
         graph.node.insert(i, cast)
     # boundary: float32 in, float32 out; the graph's tensors of those names become FP16 ones behind a Cast
-    from fxq.backends.qdq.onnx_graph import rename_tensors
-
-    head: list[Any] = []
-    for inp in list(graph.input):
-        if inp.type.tensor_type.elem_type != F32 or inp.name in inits:
-            continue
-        outer, inner = inp.name, f"{inp.name}__fp16"
-        rename_tensors(graph, {outer: inner})
-        inp.name = outer
-        head.append(helper.make_node("Cast", [outer], [inner], to=F16, name=f"{outer}_to_fp16"))
+    inputs = [i for i in graph.input if i.type.tensor_type.elem_type == F32 and i.name not in inits]
     input_names = {i.name for i in graph.input}
+    outputs = [o for o in graph.output if o.type.tensor_type.elem_type == F32 and o.name not in input_names
+               and o.name not in inits]
+    rename_tensors(graph, {v.name: f"{v.name}__fp16" for v in inputs + outputs})  # one pass over the graph
+    head: list[Any] = []
+    for inp in inputs:
+        inp.name = inp.name[:-len("__fp16")]
+        head.append(helper.make_node("Cast", [inp.name], [f"{inp.name}__fp16"], to=F16, name=f"{inp.name}_to_fp16"))
     tail: list[Any] = []
-    for out in list(graph.output):
-        if out.type.tensor_type.elem_type != F32 or out.name in input_names or out.name in inits:
-            continue
-        outer, inner = out.name, f"{out.name}__fp16"
-        rename_tensors(graph, {outer: inner})
-        out.name = outer
-        tail.append(helper.make_node("Cast", [inner], [outer], to=F32, name=f"{outer}_to_fp32"))
+    for out in outputs:
+        out.name = out.name[:-len("__fp16")]
+        tail.append(helper.make_node("Cast", [f"{out.name}__fp16"], [out.name], to=F32, name=f"{out.name}_to_fp32"))
     nodes = head + list(graph.node) + tail
     del graph.node[:]
     graph.node.extend(nodes)

@@ -14,6 +14,7 @@ import torch
 from torch import fx
 
 from fxq.errors import FrontendError
+from fxq.frontends.onnx.cleanup import infer_shapes
 from fxq.frontends.onnx.shapes import source_dims
 
 __all__ = ["VERIFY_AUTO_MAX_BYTES", "wants_check", "check_conversion"]
@@ -24,7 +25,6 @@ VERIFY_AUTO_MAX_BYTES = 256 * 2**20
 """``verify="auto"`` checks models whose weights (initializers) take at most this many bytes."""
 
 _ATOL, _RTOL = 1e-4, 1e-3
-_MAX_PROTO_BYTES = 2_000_000_000
 
 
 def _weight_bytes(model: onnx.ModelProto) -> int:
@@ -89,7 +89,7 @@ def _ort_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], outputs: list
 
 def _with_all_outputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     """A copy whose graph outputs are every node output of known element type (file order)."""
-    typed = onnx.shape_inference.infer_shapes(model) if model.ByteSize() < _MAX_PROTO_BYTES else model
+    typed = infer_shapes(model)
     types = {v.name: v.type.tensor_type.elem_type for v in list(typed.graph.value_info) + list(typed.graph.output)
              if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
     out = onnx.ModelProto()
