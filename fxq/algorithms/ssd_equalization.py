@@ -37,11 +37,13 @@ from fxq.algorithms.equalization import (
     find_equalization_groups,
 )
 from fxq.algorithms.pipeline import register_algorithm
+from fxq.functional import fake_quantize, qparams_from_minmax
 from fxq.graph.data import iter_batches, placeholder_values
 from fxq.graph.info import is_quantizer_node
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import fake_quant_mode
 from fxq.setting import QuantizationSetting
+from fxq.spec import TensorQuantConfig
 
 __all__ = ["find_ssd_pairs", "ssd_equalization"]
 
@@ -93,21 +95,25 @@ def _act_ranges(gm: fx.GraphModule, nodes: set[fx.Node], data: Any, steps: int |
     return {n: (s / max(count, 1)).cpu() for n, s in sums.items()}  # one host copy per node, after all batches
 
 
-def _quant_spec(gm: fx.GraphModule, arg: Any) -> tuple[int, bool]:
-    """``(num_bits, per_channel)`` of the quantizer node ``arg`` (8-bit per-tensor when not quantized)."""
+def _config_of(gm: fx.GraphModule, arg: Any) -> TensorQuantConfig:
+    """The config of the quantizer node ``arg`` (8-bit symmetric per-tensor when ``arg`` is not quantized)."""
     if isinstance(arg, fx.Node) and is_quantizer_node(arg):
         cfg = getattr(gm.get_submodule(str(arg.target)), "config", None)
-        if cfg is not None:
-            return int(cfg.num_bits), bool(cfg.per_channel)
-    return 8, False
+        if isinstance(cfg, TensorQuantConfig):
+            return cfg
+    return TensorQuantConfig(num_bits=8, symmetric=True)
 
 
-def _round_error(w: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:
-    """Symmetric rounding error of ``w`` on a ``bits`` grid (per row when ``per_channel``)."""
-    qmax = 2 ** (bits - 1) - 1
-    amax = w.abs().reshape(w.shape[0], -1).amax(1) if per_channel else w.abs().amax().reshape(1)
-    step = (amax / qmax).clamp_min(1e-12).reshape(-1, *([1] * (w.dim() - 1)))
-    return torch.round(w / step).clamp(-qmax - 1, qmax) * step - w
+def _round_error(w: torch.Tensor, cfg: TensorQuantConfig) -> torch.Tensor:
+    """Rounding error of ``w`` quantized with the weight quantizer's own scheme (grid, symmetry, granularity,
+    rounding) at its minmax parameters: the loss estimate judges the quantizer that will run."""
+    if cfg.per_channel:
+        flat = w.movedim(cfg.channel_axis, 0).reshape(w.shape[cfg.channel_axis], -1)
+        lo, hi = flat.amin(1), flat.amax(1)
+    else:
+        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+    scale, offset = qparams_from_minmax(lo, hi, cfg)
+    return fake_quantize(w, cfg, scale.to(w.dtype), offset.to(w.dtype)) - w
 
 
 class _Pair:
@@ -121,9 +127,9 @@ class _Pair:
         self.groups = _groups(self.down)
         self.act = act.clamp_min(0)  # original activation ranges
         self.total = torch.ones(group.channels)  # accumulated scale of A's output channels
-        self.spec1 = _quant_spec(gm, self.up.args[1])
-        self.spec2 = _quant_spec(gm, self.down.args[1])
-        self.act_bits = _quant_spec(gm, self.down.args[0])[0]
+        self.cfg1 = _config_of(gm, self.up.args[1])
+        self.cfg2 = _config_of(gm, self.down.args[1])
+        self.act_bits = int(_config_of(gm, self.down.args[0]).num_bits)  # the activation quantizer there
         self.saved = [t.detach().clone() for t in (self.w1, self.w2, self.b1) if t is not None]
 
     def revert(self) -> None:
@@ -144,9 +150,9 @@ class _Pair:
         """Relative quantization noise of A's weight, the activation and B's weight, in original coordinates."""
         t = self.total
         w1, w2 = self.w1.detach().float().cpu(), self.w2.detach().float().cpu()
-        e1 = _round_error(w1, *self.spec1) / t.reshape(-1, *([1] * (w1.dim() - 1)))
+        e1 = _round_error(w1, self.cfg1) / t.reshape(-1, *([1] * (w1.dim() - 1)))
         w1_orig = w1 / t.reshape(-1, *([1] * (w1.dim() - 1)))
-        e2 = _round_error(w2, *self.spec2)
+        e2 = _round_error(w2, self.cfg2)
         e2_view = e2.reshape(self.groups, e2.shape[0] // self.groups, e2.shape[1], *e2.shape[2:])
         e2_orig = e2_view * t.reshape(self.groups, 1, e2.shape[1], *([1] * (e2.dim() - 2)))
         w2_orig = w2.reshape_as(e2_view) * t.reshape(self.groups, 1, e2.shape[1], *([1] * (e2.dim() - 2)))
