@@ -176,13 +176,12 @@ def recover_file_sets(directory: str | os.PathLike) -> int:
 
 # ----------------------------------------------------------------------------------------------- internals
 def _write_data(tmp: Path, data: bytes) -> None:
-    """Write ``data`` to ``tmp`` and fsync it (tests patch this to simulate a full disk)."""
+    """Write ``data`` to ``tmp`` (tests patch this to simulate a full disk); the caller fsyncs it once."""
     fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -294,6 +293,7 @@ def _begin(directory: Path, pairs: list[tuple[Path, Path]]) -> tuple[list[dict],
         journal_tmp = _mktemp(pairs[0][0], _TMP)
         try:
             _write_data(journal_tmp, json.dumps({"fxq_file_set": 1, "members": entries}).encode())
+            _fsync_file(journal_tmp)
             journal = journal_tmp.with_name(journal_tmp.name[: -len(_TMP)] + _JOURNAL)
             os.replace(journal_tmp, journal)
         finally:
