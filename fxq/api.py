@@ -11,13 +11,13 @@ from torch import fx, nn
 from fxq.algorithms import run_algorithms
 from fxq.errors import CalibrationError, ConfigError
 from fxq.graph.calibrate import calibrate
+from fxq.graph.capture import capture as capture_graph
 from fxq.graph.convert import convert
 from fxq.graph.data import first_batch_errors, iter_batches, to_call_args
 from fxq.graph.dispatch import dispatch
 from fxq.graph.info import iter_quantizers
 from fxq.graph.passes import standardize
 from fxq.graph.prepare import insert_quantizers
-from fxq.graph.trace import trace
 from fxq.qconfig.base import Platform, get_platform
 from fxq.setting import QuantizationSetting
 from fxq.spec import QuantState
@@ -67,23 +67,28 @@ def prepare(
     symmetrical: bool | None = None,
     per_channel: bool | None = None,
     fold_bn: bool = True,
+    capture: str = "auto",
 ) -> fx.GraphModule:
-    """Trace (or copy) ``model``, standardize the graph, dispatch it and insert quantizers.
+    """Capture (or copy) ``model``, standardize the graph, dispatch it and insert quantizers.
 
     The caller's model is never modified. The result is a ``GraphModule`` whose quantizers live in
     ``gm.fxq_quantizers``; calibrate it with :func:`fxq.calibrate`.
 
     Args:
-        model: float ``nn.Module`` or a ``GraphModule`` from :func:`fxq.load_onnx` / :func:`fxq.load_caffe`.
+        model: float ``nn.Module``, a ``GraphModule`` from :func:`fxq.load_onnx` / :func:`fxq.load_caffe`, or a
+            ``torch.export.ExportedProgram`` (or its ``.module()``).
         platform: platform name (``"trt_int8"``...), class or instance.
         example_inputs: one batch of inputs (tensor, tuple or dict) — shapes and dtypes drive dispatch.
         setting: :class:`fxq.QuantizationSetting` (dispatcher, fusion, observers, ...).
         leaf_modules, concrete_args: passed to ``torch.fx`` tracing.
         bit_width, symmetrical, per_channel: seed 002's per-call overrides of the platform's schemes.
         fold_bn: fold eval-mode BatchNorm into the preceding conv/linear.
+        capture: ``"auto"`` (symbolic tracing, then ``torch.export``, then FP32 islands for submodules neither
+            reaches; see :mod:`fxq.graph.capture`), ``"fx"`` or ``"export"``.
 
     Raises:
-        TraceError, ConfigError: naming the module/node and the fix; a bad setting or override, or a scheme the
+        TraceError, ConfigError: naming the module/node and the fix (TorchScript input, a model no capture path
+            reaches); a bad setting or override, or a scheme the
             platform's exporter cannot express (:attr:`fxq.Platform.capability`), before any tracing.
     """
     setting = _checked_setting(setting)
@@ -91,7 +96,7 @@ def prepare(
     args = _as_args(example_inputs)
     if not args:
         raise ConfigError("prepare() needs example_inputs (one batch) to learn shapes and dtypes")
-    gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
+    gm = capture_graph(model, args, capture=capture, leaf_modules=leaf_modules, concrete_args=concrete_args)
     gm.eval()
     device = next((t.device for t in gm.parameters()), torch.device("cpu"))
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
@@ -123,6 +128,8 @@ def _checked_setting(setting: QuantizationSetting | None) -> QuantizationSetting
 
 
 def _first_batch_args(model: nn.Module, data: Any, collate_fn: Callable[[Any], Any] | None) -> tuple:
+    if isinstance(model, torch.export.ExportedProgram):
+        model = model.module()
     try:
         batch = next(iter(iter_batches(data, 1, collate_fn)))
     except StopIteration:
@@ -155,6 +162,7 @@ def quantize(
     bit_width: int | None = None,
     symmetrical: bool | None = None,
     per_channel: bool | None = None,
+    capture: str = "auto",
 ) -> fx.GraphModule:
     """Quantize ``model`` for ``platform`` in one call: prepare, (equalize), calibrate, (optimize), convert.
 
@@ -170,7 +178,7 @@ def quantize(
     if example_inputs is None:
         example_inputs = _first_batch_args(model, calib_data, collate_fn)
     gm = prepare(model, platform, example_inputs, setting, leaf_modules=leaf_modules, concrete_args=concrete_args,
-                 bit_width=bit_width, symmetrical=symmetrical, per_channel=per_channel)
+                 bit_width=bit_width, symmetrical=symmetrical, per_channel=per_channel, capture=capture)
     gm = run_algorithms("pre", gm, calib_data, setting, steps=steps, collate_fn=collate_fn)
     calibrate(gm, calib_data, steps=steps, collate_fn=collate_fn, progress=progress,
               bake=setting.quantize_parameter_setting.baking_parameter)

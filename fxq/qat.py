@@ -299,12 +299,13 @@ def prepare_qat(
     bit_width: int | None = None,
     symmetrical: bool | None = None,
     per_channel: bool | None = None,
+    capture: str = "auto",
 ) -> fx.GraphModule:
     """Prepare ``model`` for quantization-aware training; returns a trainable ``GraphModule`` in train mode.
 
     Args:
         model: float model (not modified).
-        platform, setting, leaf_modules, concrete_args, bit_width, symmetrical, per_channel: as for
+        platform, setting, leaf_modules, concrete_args, bit_width, symmetrical, per_channel, capture: as for
             :func:`fxq.prepare`. ``setting.equalization`` runs on ``calib_data`` before initialization.
         example_inputs: one batch (shapes, dtypes; also the initialization data if ``calib_data`` is None).
         method: ``"lsq"``, ``"lsq+"`` (learned offsets too) or ``"ema"``.
@@ -337,7 +338,7 @@ def prepare_qat(
         example_inputs = _first_batch_args(model, calib_data, collate_fn)
     gm = prepare(model, platform, example_inputs,
                  setting, leaf_modules=leaf_modules, concrete_args=concrete_args, bit_width=bit_width,
-                 symmetrical=symmetrical, per_channel=per_channel, fold_bn=fold_bn)
+                 symmetrical=symmetrical, per_channel=per_channel, fold_bn=fold_bn, capture=capture)
     gm = run_algorithms("pre", gm, calib_data, setting, steps=calib_steps, collate_fn=collate_fn)
     calibrate(gm, calib_data, steps=calib_steps, collate_fn=collate_fn, progress=False, bake=False)
     infos = quantizer_infos(gm)

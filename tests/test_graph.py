@@ -57,7 +57,7 @@ class Flagged(nn.Module):
 
 def test_trace_error_names_module_and_fix():
     with pytest.raises(fxq.TraceError) as e:
-        fxq.prepare(Branchy(), "trt_int8", torch.randn(1, 3, 8, 8))
+        fxq.prepare(Branchy(), "trt_int8", torch.randn(1, 3, 8, 8), capture="fx")
     msg = str(e.value)
     assert "'inner'" in msg and "control flow" in msg and "leaf_modules" in msg and "concrete_args" in msg
 

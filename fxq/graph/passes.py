@@ -6,7 +6,7 @@ fold BatchNorm -> propagate tensor metadata.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxq.errors import GraphError
+from fxq.graph.attention import decompose_attention_functions
 from fxq.graph.op_types import WEIGHTED_FUNCTIONS, mutates_first_argument, op_type, out_of_place_form
 
 __all__ = [
@@ -171,19 +172,63 @@ def _weighted_parts(node: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
     return w, b
 
 
+class _BnStats(NamedTuple):
+    """What folding needs of a BatchNorm, whether a module or ``F.batch_norm``'s arguments."""
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    mean: torch.Tensor
+    var: torch.Tensor
+    eps: float
+
+
+def _module_bn(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[_BnStats, str] | None:
+    bn = modules.get(str(node.target)) if node.op == "call_module" else None
+    if not isinstance(bn, nn.modules.batchnorm._BatchNorm) or bn.training or bn.running_mean is None:
+        return None
+    w, b = (bn.weight, bn.bias) if bn.affine else (None, None)
+    return _BnStats(w, b, bn.running_mean, bn.running_var, bn.eps), str(node.target)
+
+
+_BN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+
+
+def _functional_bn(gm: fx.GraphModule, node: fx.Node) -> tuple[_BnStats, str] | None:
+    """``F.batch_norm(x, mean, var, w, b, training=False, momentum, eps)`` with attribute tensors (as torch.export
+    writes eval-mode BatchNorm), named after its module path."""
+    if node.op != "call_function" or node.target is not F.batch_norm:
+        return None
+    given = {**dict(zip(_BN_ARGS, node.args)), **node.kwargs}
+    if given.get("training", False) is not False:
+        return None
+    tensors = {}
+    for key in ("running_mean", "running_var", "weight", "bias"):
+        arg = given.get(key)
+        if arg is not None and not (isinstance(arg, fx.Node) and arg.op == "get_attr"):
+            return None
+        tensors[key] = get_attr_value(gm, str(arg.target)) if arg is not None else None
+    if tensors["running_mean"] is None or tensors["running_var"] is None:
+        return None
+    stats = _BnStats(tensors["weight"], tensors["bias"], tensors["running_mean"], tensors["running_var"],
+                     float(given.get("eps", 1e-5)))
+    mean_node = given["running_mean"]
+    return stats, str(node.meta.get("module_path") or str(mean_node.target).rpartition(".")[0] or node.name)
+
+
 def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
-    """Fold eval-mode BatchNorm into the preceding conv/linear/conv-transpose (functional form).
+    """Fold eval-mode BatchNorm (module, or ``F.batch_norm`` with attribute statistics as torch.export writes it)
+    into the preceding conv/linear/conv-transpose (functional form).
 
     Only when the conv output feeds nothing but the BatchNorm and the weight is not shared. The conv node's
     ``meta["folded_bn"]`` lists the folded modules in order (caffe's BatchNorm + Scale pair folds twice).
     """
     modules = dict(gm.named_modules())
     for node in list(gm.graph.nodes):
-        if node.op != "call_module" or not isinstance(modules.get(node.target), nn.modules.batchnorm._BatchNorm):
+        found = _module_bn(node, modules) or _functional_bn(gm, node)
+        if found is None:
             continue
-        bn: nn.modules.batchnorm._BatchNorm = modules[node.target]
+        stats, bn_name = found
         src = node.args[0]
-        if bn.training or bn.running_mean is None or not isinstance(src, fx.Node) or len(src.users) != 1:
+        if not isinstance(src, fx.Node) or len(src.users) != 1:
             continue
         parts = _weighted_parts(src)
         if parts is None:
@@ -191,19 +236,18 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
         w_node, b_node = parts
         if len(w_node.users) != 1 or sum(1 for n in gm.graph.nodes if n.op == "get_attr" and n.target == w_node.target) != 1:
             continue
-        _fold_one(gm, src, w_node, b_node, bn)
+        _fold_one(gm, src, w_node, b_node, stats)
         node.replace_all_uses_with(src)
-        src.meta["folded_bn"] = [*src.meta.get("folded_bn", []), node.target]
+        src.meta["folded_bn"] = [*src.meta.get("folded_bn", []), bn_name]
         gm.graph.erase_node(node)
     return _finish(gm)
 
 
 @torch.no_grad()
-def _fold_one(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.Node | None,
-              bn: nn.modules.batchnorm._BatchNorm) -> None:
+def _fold_one(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.Node | None, bn: _BnStats) -> None:
     w = get_attr_value(gm, w_node.target)
-    factor = (bn.weight if bn.affine else torch.ones_like(bn.running_var)) / torch.sqrt(bn.running_var + bn.eps)
-    shift = bn.bias if bn.affine else torch.zeros_like(bn.running_mean)
+    factor = (bn.weight if bn.weight is not None else torch.ones_like(bn.var)) / torch.sqrt(bn.var + bn.eps)
+    shift = bn.bias if bn.bias is not None else torch.zeros_like(bn.mean)
     if conv.target in _CONVT_FUNCS.values():
         groups = conv.args[6] if len(conv.args) > 6 else conv.kwargs.get("groups", 1)
         cin, cout_g = w.shape[0], w.shape[1]
@@ -211,8 +255,8 @@ def _fold_one(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.Nod
         new_w = (w.reshape(groups, cin // groups, cout_g, *w.shape[2:]) * f).reshape(w.shape)
     else:
         new_w = w * factor.reshape(-1, *([1] * (w.dim() - 1)))
-    old_b = get_attr_value(gm, b_node.target) if b_node is not None else torch.zeros_like(bn.running_mean)
-    new_b = (old_b - bn.running_mean) * factor + shift
+    old_b = get_attr_value(gm, b_node.target) if b_node is not None else torch.zeros_like(bn.mean)
+    new_b = (old_b - bn.mean) * factor + shift
     set_attr_value(gm, w_node.target, nn.Parameter(new_w.detach().clone()))
     if b_node is not None:
         set_attr_value(gm, b_node.target, nn.Parameter(new_b.detach().clone()))
@@ -323,6 +367,7 @@ def standardize(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
             a batch the traced graph cannot run either raises torch's error as it is (the caller names the data).
     """
     snapshot = _GraphSnapshot(gm) if example_inputs is not None else None
+    decompose_attention_functions(gm)  # SDPA -> matmul / float mask / softmax / matmul, quantizable
     remove_identity_nodes(gm)
     functionalize_weighted_modules(gm)
     if fold_bn:

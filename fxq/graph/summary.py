@@ -31,6 +31,7 @@ class QuantSummary:
     quantizer_states: dict[str, int]
     layers: list[LayerRow]
     protected: list[dict] = dataclasses.field(default_factory=list)  # mixed-range concats: node, action, reason
+    fp32_islands: dict[str, str] = dataclasses.field(default_factory=dict)  # module path -> why capture kept it FP32
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -48,6 +49,8 @@ class QuantSummary:
         for p in self.protected:
             ranges = ", ".join(f"{label} [{lo:.4g}, {hi:.4g}]" for label, lo, hi in p["inputs"])
             lines.append(f"  mixed-range {p['op_type']} {p['node']}: {p['reason']} ({ranges})")
+        for path, why in self.fp32_islands.items():
+            lines.append(f"  FP32 island {path}: {why}")
         return "\n".join(lines)
 
 
@@ -98,4 +101,5 @@ def summary(gm: fx.GraphModule) -> QuantSummary:
         layers.append(LayerRow(node.name, nq.op_type, nq.platform, nq.output_state.name, ins, weight, out))
     states = collections.Counter(fq.config.state.name for fq in qs.values())
     order = ["quantized", "passive", "overlapped", "fp32", "shape"]
-    return QuantSummary(gq.platform, {k: counts.get(k, 0) for k in order}, dict(states), layers, protected)
+    islands = dict(gm.meta.get("fxq_fp32_islands", {})) if hasattr(gm, "meta") else {}
+    return QuantSummary(gq.platform, {k: counts.get(k, 0) for k in order}, dict(states), layers, protected, islands)

@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import copy
 import inspect
+import linecache
+import os
 import threading
+import traceback
 from typing import Any, Iterable
 
+import torch
 from torch import fx, nn
 
 from fxq.errors import TraceError
 from fxq.graph.decompose import decomposition_for
 
-__all__ = ["trace"]
+__all__ = ["trace", "failure_line"]
 
 _HINTS = (
     ("control flow", "data-dependent control flow (an `if`/`while` on a tensor value)"),
@@ -71,6 +75,23 @@ class _Tracer(fx.Tracer):
             raise
 
 
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+                 os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
+
+
+def failure_line(exc: BaseException) -> str | None:
+    """``file:line: code`` of the deepest frame of the user's code in ``exc``'s traceback (torch's and fxq's own
+    frames skipped), or None."""
+    found = None
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        filename = frame.f_code.co_filename
+        if filename.startswith(_LIBRARY_DIRS) or filename.startswith("<"):
+            continue
+        code = (linecache.getline(filename, lineno) or "").strip()
+        found = f"{os.path.basename(filename)}:{lineno}: {code}" if code else f"{os.path.basename(filename)}:{lineno}"
+    return found
+
+
 def trace(
     model: nn.Module,
     leaf_modules: Iterable[type[nn.Module] | str] = (),
@@ -107,11 +128,16 @@ def trace(
                 f"{msg}); wrap it, e.g. nn.Sequential(model), and fxq traces through it"
             ) from exc
         construct = next((c for key, c in _HINTS if key in msg), "an operation torch.fx cannot trace symbolically")
-        raise TraceError(
-            f"torch.fx could not trace module {where!r}: {construct} ({type(exc).__name__}: {msg}). "
-            f"Keep it whole with leaf_modules=[{where!r}] (it then runs in FP32 unless the platform knows its "
-            f"type), or fix the branch with concrete_args={{...}}."
-        ) from exc
+        line = failure_line(exc)
+        err = TraceError(
+            f"torch.fx could not trace module {where!r}: {construct} ({type(exc).__name__}: {msg})"
+            f"{f' at {line}' if line else ''}. Keep it whole with leaf_modules=[{where!r}] (it then runs in FP32 "
+            f"unless the platform knows its type), or fix the branch with concrete_args={{...}}."
+        )
+        err.module_path = tracer.failed_module  # type: ignore[attr-defined]  (None: the model's own forward)
+        err.construct = construct  # type: ignore[attr-defined]
+        err.source_line = line  # type: ignore[attr-defined]
+        raise err from exc
     if concrete_args:  # concrete args become the defaults, so callers may leave them out
         params = list(inspect.signature(model.forward).parameters)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]

@@ -1,0 +1,179 @@
+"""One way into fxq for every model: symbolic tracing, ``torch.export``, and FP32 islands when neither reaches a part.
+
+``capture="auto"`` (the default) tries ``torch.fx`` symbolic tracing first (its graphs keep module calls and are
+what fxq was built on), then ``torch.export`` (aten graphs lifted to the same torch-level calls), then symbolic
+tracing again with each submodule that fails kept whole as an FP32 *island*, innermost first. When all of that
+fails, one :class:`~fxq.errors.TraceError` lists, per path, the first construct that failed and where.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Iterable
+
+import torch
+from torch import fx, nn
+
+from fxq.errors import ConfigError, TraceError
+from fxq.graph.export_capture import export_program, from_exported_program, is_aten_graph, lift_aten_graph
+from fxq.graph.trace import failure_line, trace
+
+__all__ = ["capture", "CAPTURE_PATHS", "ISLANDS_KEY"]
+
+logger = logging.getLogger(__name__)
+
+CAPTURE_PATHS = ("auto", "fx", "export")
+ISLANDS_KEY = "fxq_fp32_islands"
+"""``gm.meta[ISLANDS_KEY]``: ``{module path: why it stayed FP32}`` for the islands capture made."""
+
+_MAX_ISLANDS = 32
+
+
+def capture(model: Any, example_args: tuple, *, capture: str = "auto",
+            leaf_modules: Iterable[type[nn.Module] | str] = (),
+            concrete_args: dict[str, Any] | None = None) -> fx.GraphModule:
+    """A float ``GraphModule`` of ``model`` (never the caller's object: a copy, or new graph over copied weights).
+
+    Args:
+        model: ``nn.Module``, ``GraphModule`` (fx, ONNX/caffe frontends, or ``ExportedProgram.module()``), or
+            ``torch.export.ExportedProgram``.
+        example_args: one batch, positional (``torch.export`` runs the model on it).
+        capture: ``"auto"``, ``"fx"`` or ``"export"`` (see the module docstring).
+        leaf_modules, concrete_args: symbolic tracing's; ``torch.export`` has no leaves and takes the batch as is.
+
+    Raises:
+        TraceError: TorchScript input (with what to pass instead), or no path captured the model.
+        ConfigError: an unknown ``capture``.
+    """
+    if capture not in CAPTURE_PATHS:
+        raise ConfigError(f"capture={capture!r}; use one of {CAPTURE_PATHS}")
+    if isinstance(model, torch.export.ExportedProgram):
+        return from_exported_program(copy.deepcopy(model), _name(model.module()))
+    if isinstance(model, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):
+        raise _torchscript_error(model)
+    if isinstance(model, fx.GraphModule):
+        if is_aten_graph(model):  # ExportedProgram.module(): its aten ops would all be "Unknown"
+            logger.info("lifting the aten graph of %s (torch.export) to torch-level ops", _name(model))
+            return lift_aten_graph(copy.deepcopy(model), _name(model))
+        return trace(model)
+    if capture == "export":
+        return _export(model, example_args)
+    try:
+        return trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
+    except TraceError as fx_error:
+        if capture == "fx":
+            raise
+        return _fallback(model, example_args, fx_error, list(leaf_modules), concrete_args)
+
+
+def _name(model: Any) -> str:
+    return str(getattr(model, "meta", {}).get("fxq_source") or type(model).__name__)
+
+
+def _export(model: nn.Module, args: tuple) -> fx.GraphModule:
+    try:
+        ep = export_program(copy.deepcopy(model), args)
+    except Exception as exc:  # torch.export raises many types
+        raise TraceError(f"torch.export could not capture {type(model).__name__}: {_export_failure(exc, model)}. "
+                         f"Try capture='fx' (with leaf_modules=[...] around the failing part), or fix the "
+                         f"construct (torch.cond for a branch on a tensor value, torch._check for a size)") from exc
+    return from_exported_program(ep, type(model).__name__)
+
+
+def _fallback(model: nn.Module, args: tuple, fx_error: TraceError, leaves: list,
+              concrete_args: dict[str, Any] | None) -> fx.GraphModule:
+    """torch.export, then FP32 islands, then one error naming every path's failure."""
+    logger.info("symbolic tracing failed (%s); capturing %s with torch.export instead", fx_error,
+                type(model).__name__)
+    try:
+        ep = export_program(copy.deepcopy(model), args)
+    except Exception as exc:
+        export_failure = _export_failure(exc, model)
+        logger.info("torch.export failed too (%s); keeping the failing submodules FP32", export_failure)
+    else:
+        if leaves:
+            logger.warning("torch.export has no leaf modules: leaf_modules=%s do not apply to %s", leaves,
+                           type(model).__name__)
+        gm = from_exported_program(ep, type(model).__name__)
+        gm.meta["fxq_capture_note"] = f"torch.export (symbolic tracing failed: {_first_line(fx_error)})"
+        return gm
+    gm, island_failure = _with_islands(model, fx_error, leaves, concrete_args, export_failure)
+    if gm is not None:
+        return gm
+    raise TraceError(
+        f"fxq could not capture {type(model).__name__} by any path:\n"
+        f"  - torch.fx symbolic tracing: {_first_line(fx_error)}\n"
+        f"  - torch.export: {export_failure}\n"
+        f"  - FP32 islands: {island_failure}\n"
+        f"What to do: move the failing code into a submodule (fxq then keeps that submodule FP32 and quantizes "
+        f"the rest), fix a branch on a flag with concrete_args={{...}}, write a branch on a tensor value with "
+        f"torch.where or torch.cond, or export the model to ONNX yourself and use fxq.load_onnx"
+    ) from fx_error
+
+
+def _with_islands(model: nn.Module, error: TraceError, leaves: list, concrete_args: dict[str, Any] | None,
+                  export_failure: str) -> tuple[fx.GraphModule | None, str]:
+    """Symbolic tracing with each failing submodule (innermost first) kept whole; (graph, "") or (None, why)."""
+    islands: dict[str, str] = {}
+    for _ in range(_MAX_ISLANDS):
+        path = getattr(error, "module_path", None)
+        where = getattr(error, "source_line", None)
+        if not path or not _has(model, path):
+            return None, ("the failure is in the model's own forward, not in a submodule that could stay FP32"
+                          + (f" ({where})" if where else ""))
+        if path in leaves:
+            return None, f"module {path!r} fails even as a leaf"
+        islands[path] = getattr(error, "construct", "untraceable code") + (f" at {where}" if where else "")
+        leaves.append(path)
+        try:
+            gm = trace(model, leaf_modules=leaves, concrete_args=concrete_args)
+        except TraceError as again:
+            error = again
+            continue
+        gm.meta[ISLANDS_KEY] = islands
+        for p, why in islands.items():
+            logger.warning("module %r stays FP32 (an island): symbolic tracing cannot enter it (%s) and torch.export "
+                           "cannot capture the model (%s)", p, why, export_failure)
+        return gm, ""
+    return None, f"more than {_MAX_ISLANDS} submodules fail"
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _export_failure(exc: BaseException, model: nn.Module) -> str:
+    """``module 'a.b' (file:line: code): Error: first line`` for a torch.export failure."""
+    path = _failing_module(exc, model)
+    line = failure_line(exc)
+    where = " ".join(p for p in (f"module {path!r}" if path is not None else "", f"({line})" if line else "") if p)
+    return f"{where + ': ' if where else ''}{type(exc).__name__}: {_first_line(exc)}"
+
+
+def _failing_module(exc: BaseException, model: nn.Module) -> str | None:
+    """The innermost submodule of ``model`` whose code is on ``exc``'s traceback (non-strict export runs it)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if id(owner) in names and names[id(owner)]:
+            found = names[id(owner)]
+        tb = tb.tb_next
+    return found
+
+
+def _torchscript_error(model: Any) -> TraceError:
+    return TraceError(
+        f"{type(model).__name__} is TorchScript: its Python code is gone, so neither torch.fx nor torch.export can "
+        f"trace it (making it a leaf would quantize nothing). Pass the Python nn.Module the script was made from, "
+        f"or export the script to ONNX and quantize that: torch.onnx.export(script_module, example_inputs, "
+        f"'model.onnx', dynamo=False); gm = fxq.load_onnx('model.onnx'); fxq.quantize(gm, calib_data, ...)")

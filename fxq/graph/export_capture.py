@@ -1,0 +1,218 @@
+"""``torch.export`` capture: an ``ExportedProgram`` becomes the same kind of graph symbolic tracing gives.
+
+``torch.export`` records aten ops (``aten.conv2d.default``, ``aten.add.Tensor``...). Every later stage of fxq
+(dispatch, prepare, algorithms, analysis, the exporters) reads graphs of torch-level calls (``F.conv2d``,
+``torch.add``, ``F.batch_norm``...), so the aten graph is *lifted*: each aten overload whose arguments are laid
+out like a torch function's becomes a call of that function; other aten ops stay as they are and get their op
+type from :mod:`fxq.graph.op_types`. Node names come from ``nn_module_stack`` (``layer1_0_conv1``), and weighted
+nodes carry ``meta["module_path"]`` like those of the fx path.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+__all__ = ["export_program", "from_exported_program", "lift_aten_graph", "is_aten_graph", "LIFTED"]
+
+logger = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+
+LIFTED: dict[Any, Callable[..., Any]] = {
+    aten.conv1d.default: F.conv1d, aten.conv2d.default: F.conv2d, aten.conv3d.default: F.conv3d,
+    aten.conv1d.padding: F.conv1d, aten.conv2d.padding: F.conv2d, aten.conv3d.padding: F.conv3d,
+    aten.conv_transpose1d.default: F.conv_transpose1d, aten.conv_transpose2d.input: F.conv_transpose2d,
+    aten.conv_transpose3d.input: F.conv_transpose3d,
+    aten.linear.default: F.linear, aten.matmul.default: torch.matmul, aten.bmm.default: torch.bmm,
+    aten.mm.default: torch.mm,
+    aten.add.Tensor: torch.add, aten.sub.Tensor: torch.sub, aten.mul.Tensor: torch.mul, aten.div.Tensor: torch.div,
+    aten.relu.default: torch.relu, aten.sigmoid.default: torch.sigmoid, aten.tanh.default: torch.tanh,
+    aten.hardtanh.default: F.hardtanh, aten.hardswish.default: F.hardswish, aten.hardsigmoid.default: F.hardsigmoid,
+    aten.gelu.default: F.gelu, aten.silu.default: F.silu, aten.leaky_relu.default: F.leaky_relu,
+    aten.elu.default: F.elu, aten.clamp.default: torch.clamp, aten.softmax.int: torch.softmax,
+    aten.layer_norm.default: F.layer_norm,
+    aten.max_pool1d.default: F.max_pool1d, aten.max_pool2d.default: F.max_pool2d,
+    aten.max_pool3d.default: F.max_pool3d,
+    aten.avg_pool1d.default: F.avg_pool1d, aten.avg_pool2d.default: F.avg_pool2d,
+    aten.avg_pool3d.default: F.avg_pool3d,
+    aten.adaptive_avg_pool1d.default: F.adaptive_avg_pool1d,
+    aten.adaptive_avg_pool2d.default: F.adaptive_avg_pool2d,
+    aten.adaptive_avg_pool3d.default: F.adaptive_avg_pool3d,
+    aten.mean.dim: torch.mean, aten.cat.default: torch.cat, aten.stack.default: torch.stack,
+    aten.view.default: torch.reshape, aten.reshape.default: torch.reshape, aten._unsafe_view.default: torch.reshape,
+    aten.flatten.using_ints: torch.flatten, aten.permute.default: torch.permute,
+    aten.transpose.int: torch.transpose, aten.unsqueeze.default: torch.unsqueeze,
+    aten.squeeze.dim: torch.squeeze,
+}
+"""aten overloads whose positional arguments are those of a torch function; the node keeps args and kwargs."""
+
+_BN_NO_TRAINING = aten._native_batch_norm_legit_no_training.default
+_IDENTITIES = {aten.clone.default, aten.alias.default, aten.dropout.default, aten.contiguous.default}
+_CHECKS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default, aten.sym_constrain_range_for_size.default}
+
+
+def export_program(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None = None) -> torch.export.ExportedProgram:
+    """``torch.export`` of ``model`` in eval mode at the example's shapes, the batch dimension left dynamic where the
+    model allows it (calibration batches may differ in size). Non-strict: the model's Python runs as is.
+
+    Raises:
+        TraceError: from the second attempt (static shapes), with torch's message; see :mod:`fxq.graph.capture`.
+    """
+    def batch_dim(a: Any) -> Any:
+        return {0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() else None
+
+    dyn = pytree.tree_map(batch_dim, (tuple(args), dict(kwargs)) if kwargs else tuple(args))
+    try:
+        return torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dyn, strict=False)
+    except Exception as exc:  # a batch-size-dependent model: fall back to the example's shapes
+        logger.debug("torch.export with a dynamic batch failed (%s); exporting at fixed shapes", exc)
+    return torch.export.export(model, tuple(args), kwargs, strict=False)
+
+
+def from_exported_program(ep: torch.export.ExportedProgram, name: str = "ExportedProgram") -> fx.GraphModule:
+    """A plain ``GraphModule`` of torch-level calls from ``ep``: functional aten ops, no guards, lifted targets,
+    readable names. Float modules stay float (BatchNorm appears as ``F.batch_norm`` and is folded later)."""
+    try:
+        ep = ep.run_decompositions({})  # functional form: no in-place ops, BN in its inference form
+    except Exception as exc:  # lift_aten_graph functionalizes what is left
+        logger.debug("run_decompositions failed (%s); lifting the program as exported", exc)
+    return lift_aten_graph(ep.module(), name)
+
+
+def is_aten_graph(model: Any) -> bool:
+    """Whether ``model`` is a GraphModule of aten ops (``ExportedProgram.module()``), not of torch-level calls."""
+    return isinstance(model, fx.GraphModule) and any(
+        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten"
+        and n.target not in _CHECKS for n in model.graph.nodes)
+
+
+def lift_aten_graph(gm: fx.GraphModule, name: str = "ExportedProgram") -> fx.GraphModule:
+    """Lift ``gm`` (``ExportedProgram.module()``, in place) to torch-level calls; see the module docstring."""
+    graph = gm.graph
+    _plain_codegen(gm)
+    for node in list(graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards"):
+            graph.erase_node(node)
+        elif node.op == "call_function" and node.target in _CHECKS and not node.users:
+            graph.erase_node(node)
+        elif node.op == "call_function" and node.target in _IDENTITIES and node.args:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    _functionalize(graph)
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is _BN_NO_TRAINING:
+            _lift_batch_norm(graph, node)
+        elif node.target is aten.batch_norm.default:
+            x, w, b, mean, var, training, momentum, eps = node.args[:8]
+            node.target, node.args = F.batch_norm, (x, mean, var, w, b, training, momentum, eps)
+        elif node.target in LIFTED:
+            node.target = LIFTED[node.target]
+    _readable_names(graph)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm = fx.GraphModule(gm, graph, name)  # a plain GraphModule: ep.module()'s refuses eval()/train()
+    gm.meta["fxq_source"] = name
+    gm.meta["fxq_capture"] = "export"
+    return gm
+
+
+def _functionalize(graph: fx.Graph) -> None:
+    """In-place aten ops of the training IR (``relu_``, ``add_``) become their out-of-place overloads; later
+    readers of the written tensor read the new node, so the graph computes what it did. Writes into inputs or
+    buffers stay as they are (they are state, not arithmetic)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or not op._schema.is_mutable:
+            continue
+        base = op._schema.name.split("::")[-1]
+        written = node.args[0] if node.args else None
+        twin = getattr(getattr(aten, base[:-1], None), op._overloadname, None) if base.endswith("_") else None
+        if twin is None or not isinstance(written, fx.Node) or written.op in ("placeholder", "get_attr"):
+            continue
+        node.target = twin
+        for user in [u for u in written.users if order.get(u, -1) > order[node]]:
+            user.replace_input_with(written, node)
+
+
+def _plain_codegen(gm: fx.GraphModule) -> None:
+    """Replace ``ep.module()``'s pytree calling convention by plain arguments and the output structure written into
+    the output node, so the graph copies into new GraphModules (fxq's passes do) without its ``_in_spec``."""
+    codegen = gm.graph._codegen
+    out_spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
+    gm.graph._codegen = fx.graph.CodeGen()
+    if out_spec is not None:
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        flat = out.args[0]
+        out.args = (pytree.tree_unflatten(list(flat) if isinstance(flat, (list, tuple)) else [flat], out_spec),)
+
+
+def _lift_batch_norm(graph: fx.Graph, node: fx.Node) -> None:
+    """``_native_batch_norm_legit_no_training(x, w, b, mean, var, momentum, eps)[0]`` -> ``F.batch_norm``."""
+    users = list(node.users)
+    if any(u.target is not operator.getitem for u in users) or any(u.args[1] != 0 for u in users if u.users):
+        return
+    x, w, b, mean, var, momentum, eps = node.args
+    with graph.inserting_before(node):
+        bn = graph.call_function(F.batch_norm, (x, mean, var, w, b, False, momentum, eps))
+    bn.meta.update(node.meta)
+    for u in users:
+        if u.args[1] == 0:
+            u.replace_all_uses_with(bn)
+        graph.erase_node(u)
+    graph.erase_node(node)
+
+
+def _module_path(node: fx.Node) -> tuple[str, type | str] | None:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path, cls = list(stack.values())[-1]
+    return str(path), cls
+
+
+def _readable_names(graph: fx.Graph) -> None:
+    """Name nodes after the module they ran in (``layer1_0_conv1``; ``layer1_0_add`` for the block's own ops), as
+    symbolic tracing does; weighted ops record that module in ``meta["module_path"]``."""
+    from fxq.graph.op_types import WEIGHTED_FUNCTIONS  # noqa: PLC0415  (op_types may import this module)
+
+    claimed: set[str] = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        found = _module_path(node)
+        if found is None or not found[0]:
+            continue
+        path = found[0]
+        op = getattr(node.target, "__name__", None) or str(node.target).split(".")[-2]
+        base = path.replace(".", "_") if path not in claimed and _is_module_op(node, found[1]) else \
+            f"{path.replace('.', '_')}_{op.strip('_')}"
+        claimed.add(path)
+        if node.target in WEIGHTED_FUNCTIONS:
+            node.meta["module_path"] = path
+        candidate = "".join(c if c.isalnum() or c == "_" else "_" for c in base)
+        if candidate and candidate != node.name:
+            node._rename(candidate)
+
+
+_MODULE_OPS = {
+    "Conv": (F.conv1d, F.conv2d, F.conv3d), "ConvTranspose": (F.conv_transpose1d, F.conv_transpose2d,
+                                                              F.conv_transpose3d),
+    "Linear": (F.linear,), "BatchNorm": (F.batch_norm,), "ReLU": (torch.relu,), "MaxPool": (F.max_pool1d,
+                                                                                          F.max_pool2d),
+}
+
+
+def _is_module_op(node: fx.Node, cls: Any) -> bool:
+    """``node`` is the op its (leaf) module stands for: a conv in a ``Conv2d``, not an add in a ``BasicBlock``."""
+    cls_name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
+    return any(cls_name.startswith(k) and node.target in fns for k, fns in _MODULE_OPS.items()) or \
+        cls_name.lower() == getattr(node.target, "__name__", "").strip("_").lower()

@@ -1,0 +1,152 @@
+"""Capture paths: torch.export graphs quantize like symbolic traces; auto falls back; FP32 islands; TorchScript."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxq
+from fxq.graph.info import iter_quantizers
+
+
+class Block(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return self.relu(self.bn(self.conv(x)) + x)
+
+
+class Net(nn.Module):
+    """Conv-BN-ReLU stem, a residual block (in-place add/ReLU), pooling, concat, flatten, linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.block = Block(8)
+        self.pool = nn.MaxPool2d(2)
+        self.side = nn.Conv2d(8, 4, 1)
+        self.fc = nn.Linear(12 * 4 * 4, 10)
+
+    def forward(self, x):
+        y = self.pool(self.block(self.stem(x)))
+        y = torch.cat([y, self.side(y)], dim=1)
+        return self.fc(torch.flatten(y, 1))
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    m = Net()
+    for bn in (m.stem[1], m.block.bn):  # non-trivial statistics, so folding matters
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+    return m.eval()
+
+
+def _data(shape=(2, 3, 8, 8), n=2):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(*shape, generator=g) for _ in range(n)]
+
+
+def _weighted(q) -> list[str]:
+    return [r.node for r in fxq.summary(q).layers if r.weight is not None]
+
+
+def test_export_path_quantizes_like_fx():
+    model, data = _net(), _data()
+    q_fx = fxq.quantize(model, data, "trt_int8", capture="fx", progress=False)
+    q_ex = fxq.quantize(model, data, "trt_int8", capture="export", progress=False)
+    q_ep = fxq.quantize(torch.export.export(model, (data[0],)), data, "trt_int8", progress=False)
+    q_mod = fxq.quantize(torch.export.export(model, (data[0],)).module(), data, "trt_int8", progress=False)
+    n_fx = len(list(iter_quantizers(q_fx)))
+    assert n_fx > 0
+    for q in (q_ex, q_ep, q_mod):
+        assert len(list(iter_quantizers(q))) == n_fx  # ExportedProgram.module() used to get 0 quantizers
+        assert len(_weighted(q)) == len(_weighted(q_fx)) == 4
+        assert not any(n.target is F.batch_norm for n in q.graph.nodes)  # BN folded
+    x = _data((3, 3, 8, 8), 1)[0]  # another batch size: the batch dimension stays dynamic
+    with torch.no_grad():
+        ref, out = q_fx(x), q_ex(x)
+        assert torch.allclose(out, ref, atol=1e-5)
+        assert (ref - model(x)).abs().max() > 0  # it is quantized
+    assert set(_weighted(q_ex)) == {"stem_0", "block_conv", "side", "fc"}  # module paths, not aten names
+
+
+def test_export_graph_exports_to_onnx_runtime(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    model, data = _net(), _data()
+    q = fxq.quantize(model, data, "ort_int8", capture="export", progress=False)
+    path = fxq.export(q, "ort_int8", tmp_path / "m.onnx")[0]
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    x = data[0]
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    with torch.no_grad():
+        want = q(x).numpy()
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() < 0.05 * scale
+
+
+class ShapeBranch(nn.Module):
+    """Symbolic tracing cannot branch on a traced size; torch.export can (a guard on the example's shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = self.conv(x)
+        if y.shape[-1] > 4:
+            y = F.avg_pool2d(y, 2)
+        return self.fc(y.mean((2, 3)))
+
+
+def test_auto_falls_back_to_export_and_says_so(caplog):
+    with caplog.at_level(logging.INFO, logger="fxq"):
+        q = fxq.quantize(ShapeBranch().eval(), _data(), "trt_int8", progress=False)
+    assert "torch.export" in caplog.text and "symbolic tracing failed" in caplog.text
+    assert _weighted(q) == ["conv", "fc"]
+    with pytest.raises(fxq.TraceError):
+        fxq.prepare(ShapeBranch().eval(), "trt_int8", _data()[0], capture="fx")
+
+
+class MaskedSum(nn.Module):
+    """A data-dependent output shape (boolean-mask indexing) after quantizable convs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        picked = y[y > 0.1]
+        return picked.sum() / (picked.numel() + 1)
+
+
+def test_data_dependent_shapes_through_export():
+    model, data = MaskedSum().eval(), _data()
+    q = fxq.quantize(model, data, "trt_int8", capture="export", progress=False)
+    assert _weighted(q) == ["conv"]
+    with torch.no_grad():
+        assert torch.allclose(q(data[0]), model(data[0]), rtol=0.05)
+
+
+def test_prepare_qat_takes_an_exported_program():
+    model, data = _net(), _data()
+    qat = fxq.prepare_qat(torch.export.export(model, (data[0],)), "trt_int8", example_inputs=data[0])
+    assert len(_weighted(qat)) == 4
+    out = qat(data[0])
+    out.sum().backward()
+    assert any(p.grad is not None for p in qat.parameters())
+
+
+def test_unknown_capture_is_a_config_error():
+    with pytest.raises(fxq.ConfigError, match="capture"):
+        fxq.prepare(_net(), "trt_int8", _data()[0], capture="dynamo")
