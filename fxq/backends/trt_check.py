@@ -16,7 +16,8 @@ Rules checked:
 6. a Conv / ConvTranspose / Gemm / MatMul with a dequantized weight takes a dequantized data input, and
    one with a dequantized data input takes a dequantized (or no constant) weight.
 7. a residual Add (two non-constant inputs) with one dequantized input has each input dequantized or
-   computed by a quantized weighted op (which TensorRT fuses with the Add).
+   computed by a quantized weighted op (which TensorRT fuses with the Add). An Add that feeds only Softmax
+   adds an attention mask (``-inf`` where masked, never quantized): TensorRT runs it and the softmax in float.
 """
 from __future__ import annotations
 
@@ -226,8 +227,16 @@ def check_tensorrt(model: Any) -> list[str]:
         ins = [i for i in node.input if i and i not in v.consts]
         if len(ins) != 2 or not any(v.is_dq(i) for i in ins):
             continue
+        if _masks_a_softmax(v, node):
+            continue
         for i in ins:
             if not v.is_dq(i) and i not in quantized_weighted:
                 out.append(f"{v.label(node)}: residual input {i!r} has no Q/DQ (TensorRT needs Q/DQ on both "
                            f"inputs of a residual Add, or a quantized Conv/Gemm producing it)")
     return out
+
+
+def _masks_a_softmax(v: _View, node: Any) -> bool:
+    """An Add whose every consumer is a Softmax: attention scores plus a mask, a float step, not a residual."""
+    users = v.cons.get(node.output[0], [])
+    return bool(users) and all(u.op_type == "Softmax" for u in users)

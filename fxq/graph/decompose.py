@@ -8,7 +8,8 @@ that reads the module's own parameters and submodules, so the graph has the node
 
 Decompositions write the eval-mode computation whatever mode the module is in (fxq's graphs are inference
 graphs: preparation removes dropout too), so a model handed over in training mode traces the same way.
-A decomposition returns ``NotImplemented`` for calls it does not cover (masks, ``add_bias_kv``, separate
+Masks go through :mod:`fxq.graph.attention` (one float node, so quantizers never see ``-inf``). A
+decomposition returns ``NotImplemented`` for calls it does not cover (``add_bias_kv``, cross-attention, separate
 key/value sizes...); the module then stays a leaf, as before. Register more with
 :func:`register_decomposition`.
 """
@@ -17,10 +18,10 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fxq.graph.attention import attention
 from fxq.registry import Registry
 
 __all__ = ["DECOMPOSITIONS", "register_decomposition", "decomposition_for"]
@@ -60,11 +61,15 @@ def decomposition_for(module: nn.Module) -> Decomposition | None:
 def _multihead_attention(m: nn.MultiheadAttention, query: Any, key: Any, value: Any, key_padding_mask: Any = None,
                          need_weights: bool = True, attn_mask: Any = None, average_attn_weights: bool = True,
                          is_causal: bool = False) -> Any:
-    """Self-attention over ``m``'s projections, as ``F.multi_head_attention_forward`` computes it in eval mode
-    (no masks, packed in-projection, no extra key/value bias, no zero attention)."""
+    """Self-attention over ``m``'s projections, as ``F.multi_head_attention_forward`` computes it in eval mode.
+
+    Masks (bool or float ``attn_mask`` of 2-D ``(L, S)`` or 3-D ``(N * heads, L, S)``, ``key_padding_mask``,
+    ``is_causal``) go through one float :func:`~fxq.graph.attention.apply_attention_mask` node, so the matmuls
+    around them are quantized and the ``-inf`` they hold never reaches a quantizer. Batched inputs only.
+    """
     self_attention = query is key and key is value
-    if (key_padding_mask is not None or attn_mask is not None or is_causal or m.bias_k is not None
-            or m.add_zero_attn or not m._qkv_same_embed_dim or not self_attention):
+    if (m.bias_k is not None or m.add_zero_attn or not m._qkv_same_embed_dim or not self_attention
+            or (is_causal and attn_mask is None)):  # the last one: torch raises, so the leaf should too
         return NotImplemented  # cross-attention would need split weights: not plain get_attr weights
     if m.batch_first:
         query = query.transpose(0, 1)
@@ -72,51 +77,56 @@ def _multihead_attention(m: nn.MultiheadAttention, query: Any, key: Any, value: 
     head_dim = embed // heads
     q, k, v = F.linear(query, m.in_proj_weight, m.in_proj_bias).chunk(3, dim=-1)  # one packed projection
     tgt_len, bsz = query.size(0), query.size(1)
-    src_len = tgt_len
-    # (L, N, E) -> (N * heads, L, head_dim)
-    q = q.reshape(tgt_len, bsz * heads, head_dim).transpose(0, 1)
-    k = k.reshape(src_len, bsz * heads, head_dim).transpose(0, 1)
-    v = v.reshape(src_len, bsz * heads, head_dim).transpose(0, 1)
-    scores = torch.bmm(q * (1.0 / math.sqrt(head_dim)), k.transpose(-2, -1))
-    weights = torch.softmax(scores, dim=-1)
-    out = torch.bmm(weights, v).transpose(0, 1).reshape(tgt_len * bsz, embed)
+    # (L, N, E) -> (N, heads, L, head_dim)
+    q, k, v = (t.reshape(tgt_len, bsz, heads, head_dim).permute(1, 2, 0, 3) for t in (q, k, v))
+    # torch runs the pure causal kernel (ignoring attn_mask's values) only in this case; otherwise the mask
+    causal = bool(is_causal) and key_padding_mask is None and not need_weights
+    if causal:
+        attn_mask = None
+    out, weights = attention(q, k, v, 1.0 / math.sqrt(head_dim), attn_mask=attn_mask,
+                             key_padding_mask=key_padding_mask, causal=causal, heads_folded=True)
+    out = out.permute(2, 0, 1, 3).reshape(tgt_len * bsz, embed)
     out = m.out_proj(out).reshape(tgt_len, bsz, embed)
     if m.batch_first:
         out = out.transpose(0, 1)
     if not need_weights:
         return out, None
-    weights = weights.reshape(bsz, heads, tgt_len, src_len)
     return out, (weights.mean(dim=1) if average_attn_weights else weights)
 
 
 @register_decomposition(nn.TransformerEncoderLayer)
 def _transformer_encoder_layer(m: nn.TransformerEncoderLayer, src: Any, src_mask: Any = None,
                                src_key_padding_mask: Any = None, is_causal: bool = False) -> Any:
-    """The layer's reference ("slow") path: attention and feed-forward blocks, pre- or post-norm."""
-    if src_mask is not None or src_key_padding_mask is not None or is_causal:
-        return NotImplemented
+    """The layer's reference ("slow") path: attention and feed-forward blocks, pre- or post-norm, masks passed on."""
 
-    def attention(x: Any) -> Any:
-        return m.dropout1(m.self_attn(x, x, x, need_weights=False)[0])
+    def attention_block(x: Any) -> Any:
+        out = m.self_attn(x, x, x, attn_mask=src_mask, key_padding_mask=src_key_padding_mask, need_weights=False,
+                          is_causal=bool(is_causal))[0]
+        return m.dropout1(out)
 
     def feed_forward(x: Any) -> Any:
         return m.dropout2(m.linear2(m.dropout(m.activation(m.linear1(x)))))
 
+    if is_causal and src_mask is None:
+        return NotImplemented  # torch raises: keep the leaf so it does
     x = src
     if m.norm_first:
-        x = x + attention(m.norm1(x))
+        x = x + attention_block(m.norm1(x))
         return x + feed_forward(m.norm2(x))
-    x = m.norm1(x + attention(x))
+    x = m.norm1(x + attention_block(x))
     return m.norm2(x + feed_forward(x))
 
 
 @register_decomposition(nn.TransformerEncoder)
 def _transformer_encoder(m: nn.TransformerEncoder, src: Any, mask: Any = None, src_key_padding_mask: Any = None,
                          is_causal: bool | None = None) -> Any:
-    """The stack of layers, then the final norm."""
-    if mask is not None or src_key_padding_mask is not None or is_causal:
-        return NotImplemented
+    """The stack of layers, then the final norm (the reference path: no nested tensors).
+
+    ``is_causal=None`` (torch's "detect it from the mask") passes the mask itself on, which computes the same.
+    torch's nested-tensor fast path (eval, ``enable_nested_tensor``, a padding mask) writes zeros at padded
+    positions before the final norm; the reference path computes them: values there differ, the rest is equal.
+    """
     x = src
     for layer in m.layers:
-        x = layer(x)
+        x = layer(x, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=bool(is_causal))
     return m.norm(x) if m.norm is not None else x

@@ -135,7 +135,8 @@ _MATH = ("ceil", "floor", "trunc", "sqrt", "exp", "log", "log2", "log10", "pow",
 _BUILTINS = ("getattr", "len", "abs", "min", "max", "int", "float", "bool", "round", "slice", "range", "tuple",
              "list", "sum", "pow", "divmod")
 _FXQ_FUNCTIONS = (("fxq.frontends.caffe.modules", ("caffe_pool2d", "caffe_interp")),
-                  ("fxq.ops", ("fake_quant_linear", "fake_quant_float")))
+                  ("fxq.ops", ("fake_quant_linear", "fake_quant_float")),
+                  ("fxq.graph.attention", ("apply_attention_mask",)))
 _ONNX2TORCH_FUNCTIONS = (("onnx2torch.node_converters.binary_math_operations", ("_onnx_div",)),
                          ("onnx2torch.node_converters.reduce", ("_log_sum", "_log_sum_exp", "_sum_square")))
 """onnx2torch's own functions its modules hold as attributes (``OnnxBinaryMathOperation.math_op_function``)."""

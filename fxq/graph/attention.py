@@ -1,0 +1,145 @@
+"""Attention written with the ops a platform quantizes, and the one step masks need in float.
+
+Masked attention is ``softmax(q @ k^T * scale + mask) @ v``. The two matmuls are what TensorRT and ONNX Runtime
+quantize; the mask is not data a quantizer may see: it holds ``-inf`` (a bool mask becomes ``-inf`` where it
+masks), and a quantizer fed ``-inf`` calibrates an infinite range and turns the whole tensor into NaN. So the
+mask step is one node, :func:`apply_attention_mask`, whose op type ``"AttentionMask"`` no platform quantizes: it
+runs in FP32, the softmax after it is not fed by a quantized op and stays float too (as TensorRT keeps a masked
+softmax), and the ``weights @ v`` matmul quantizes the softmax's finite output. The same node exports as the float
+``Where`` / ``Add`` ops torch writes for it.
+
+:func:`decompose_attention_functions` rewrites ``F.scaled_dot_product_attention`` calls in a graph (fx or
+torch.export) into these ops; the module decompositions in :mod:`fxq.graph.decompose` use :func:`attention`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from fxq.graph.op_types import register_op_type
+
+__all__ = ["apply_attention_mask", "attention", "decompose_attention_functions", "ATTENTION_MASK_OP"]
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_MASK_OP = "AttentionMask"
+"""Op type of :func:`apply_attention_mask` nodes; in no platform's quantized ops, so masks stay float."""
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype, bool_keeps: bool) -> torch.Tensor:
+    """A float mask as is; a bool mask as 0 / -inf (``bool_keeps``: True marks kept positions, as in SDPA)."""
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    masked = ~mask if bool_keeps else mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(masked, float("-inf"))
+
+
+def apply_attention_mask(scores: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                         key_padding_mask: torch.Tensor | None = None, bool_keeps: bool = False,
+                         causal: bool = False, heads_folded: bool = False) -> torch.Tensor:
+    """``scores`` (``(..., L, S)``) plus every given mask, as torch's attention adds them (masks summed first).
+
+    Args:
+        scores: attention logits.
+        attn_mask: bool or float, broadcastable to ``scores``.
+        key_padding_mask: ``(N, S)``, bool (True = padding) or float, for 4-D ``(N, heads, L, S)`` scores.
+        bool_keeps: a bool ``attn_mask`` marks positions to keep (``F.scaled_dot_product_attention``) instead of
+            positions to mask (``nn.MultiheadAttention``).
+        causal: mask keys after each query (top-left aligned, as ``is_causal=True``).
+        heads_folded: a 3-D ``attn_mask`` is ``(N * heads, L, S)`` (``nn.MultiheadAttention``'s layout) for
+            ``(N, heads, L, S)`` scores, instead of broadcasting.
+    """
+    total: torch.Tensor | None = None
+    if causal:
+        rows = torch.arange(scores.shape[-2], device=scores.device).unsqueeze(-1)
+        cols = torch.arange(scores.shape[-1], device=scores.device)
+        total = _additive(cols > rows, scores.dtype, bool_keeps=False)
+    if attn_mask is not None:
+        m = _additive(attn_mask, scores.dtype, bool_keeps)
+        if heads_folded and m.dim() == 3 and scores.dim() == 4:
+            m = m.reshape(scores.shape)
+        total = m if total is None else total + m
+    if key_padding_mask is not None:
+        m = _additive(key_padding_mask, scores.dtype, bool_keeps=False)
+        m = m.reshape(m.shape[0], 1, 1, m.shape[-1])
+        total = m if total is None else total + m
+    return scores if total is None else scores + total
+
+
+register_op_type(apply_attention_mask, ATTENTION_MASK_OP)
+
+
+def _mask_node(scores: Any, attn_mask: Any, key_padding_mask: Any, bool_keeps: bool, causal: bool,
+               heads_folded: bool) -> Any:
+    """One ``apply_attention_mask`` node in the graph ``scores`` is being traced into (eager values run it)."""
+    if attn_mask is None and key_padding_mask is None and not causal:
+        return scores
+    args = (scores, attn_mask, key_padding_mask, bool_keeps, causal, heads_folded)
+    if isinstance(scores, fx.Proxy):
+        return scores.tracer.create_proxy("call_function", apply_attention_mask, args, {})
+    return apply_attention_mask(*args)
+
+
+def attention(q: Any, k: Any, v: Any, scale: Any, attn_mask: Any = None, key_padding_mask: Any = None,
+              bool_keeps: bool = False, causal: bool = False, heads_folded: bool = False) -> tuple[Any, Any]:
+    """``(softmax(q @ k^T * scale + masks) @ v, softmax weights)`` on ``(..., L, E)`` tensors or proxies."""
+    scores = torch.matmul(q * scale, k.transpose(-2, -1))
+    scores = _mask_node(scores, attn_mask, key_padding_mask, bool_keeps, causal, heads_folded)
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights, v), weights
+
+
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS: dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
+                                  "enable_gqa": False}
+
+
+def _sdpa_targets() -> tuple[Any, ...]:
+    targets: list[Any] = [F.scaled_dot_product_attention]
+    aten = getattr(torch.ops.aten, "scaled_dot_product_attention", None)
+    if aten is not None:
+        targets.append(aten.default)
+    return tuple(targets)
+
+
+def _sdpa_arguments(node: fx.Node) -> dict[str, Any]:
+    bound = dict(_SDPA_DEFAULTS)
+    bound.update(zip(_SDPA_PARAMS, node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+def decompose_attention_functions(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite ``F.scaled_dot_product_attention`` nodes into matmul / mask / softmax / matmul, in place.
+
+    Dropout is left out (fxq's graphs are inference graphs); ``enable_gqa`` repeats key/value heads as torch does.
+    """
+    targets = _sdpa_targets()
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in targets:
+            continue
+        a = _sdpa_arguments(node)
+        with gm.graph.inserting_before(node):
+            q, k, v = (fx.Proxy(a[name]) if isinstance(a[name], fx.Node) else a[name]
+                       for name in ("query", "key", "value"))
+            if a["enable_gqa"]:
+                groups = q.size(-3) // k.size(-3)
+                k = k.repeat_interleave(groups, dim=-3)
+                v = v.repeat_interleave(groups, dim=-3)
+            scale = a["scale"] if a["scale"] is not None else q.size(-1) ** -0.5
+            mask = fx.Proxy(a["attn_mask"]) if isinstance(a["attn_mask"], fx.Node) else a["attn_mask"]
+            out, _ = attention(q, k, v, scale, attn_mask=mask, bool_keeps=True, causal=bool(a["is_causal"]))
+        out.node.meta.update({key: value for key, value in node.meta.items() if key in ("stack_trace", "nn_module_stack")})
+        node.replace_all_uses_with(out.node)
+        gm.graph.erase_node(node)
+        changed += 1
+    if changed:
+        logger.debug("decomposed %d scaled_dot_product_attention call(s) into quantizable matmuls", changed)
+        gm.graph.lint()
+        gm.recompile()
+    return gm
