@@ -10,8 +10,9 @@ Rules checked:
    all 0 and INT8 (FLOAT8E4M3FN zeros for FP8 models); scales are finite and > 0.
 3. a QuantizeLinear feeds DequantizeLinear only, with the same scale, zero-point and axis.
 4. activations are per-tensor; per-axis scales only on constant weights that feed the weight input of
-   Conv (axis 0), ConvTranspose (axis 1), Gemm (axis 0 with transB=1, else 1) or MatMul (last axis), with
-   one scale per slice along that axis.
+   Conv (axis 0), ConvTranspose (axis 1), Gemm (axis 0 with transB=1, else 1) or MatMul (last axis), or the
+   W / R inputs of LSTM / GRU (axis 1: gate and channel; the parser multiplies them inside its recurrence
+   loop; not checked against a TensorRT build here), with one scale per slice along that axis.
 5. weight codes lie in [-127, 127] (int8 initializers, or float weights rounded half to even by their Q).
 6. a Conv / ConvTranspose / Gemm / MatMul with a dequantized weight takes a dequantized data input, and
    one with a dequantized data input takes a dequantized (or no constant) weight.
@@ -29,6 +30,15 @@ import numpy as np
 __all__ = ["check_tensorrt", "TRT_WEIGHTED_OPS"]
 
 TRT_WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+_RECURRENT_WEIGHTS = {"LSTM": (1, 2), "GRU": (1, 2)}  # input indices of W and R, per-axis along axis 1
+
+
+def _is_weight_input(user: Any, name: str) -> bool:
+    """Whether ``name`` is a weight input of ``user`` (input 1 of a weighted op, W / R of a recurrent op)."""
+    index = list(user.input).index(name)
+    if user.op_type in _RECURRENT_WEIGHTS:
+        return index in _RECURRENT_WEIGHTS[user.op_type]
+    return user.op_type in TRT_WEIGHTED_OPS and index == 1
 _Q, _DQ = "QuantizeLinear", "DequantizeLinear"
 
 
@@ -127,11 +137,11 @@ def _weight_axis_rule(v: _View, dq: Any, out: list[str]) -> None:
         if not 0 <= axis < const.ndim or scale.size != const.shape[axis]:
             out.append(f"{label}: {scale.size} scales for axis {axis} of a weight shaped {list(const.shape)}")
         for user in users:
-            if user.op_type not in TRT_WEIGHTED_OPS or list(user.input).index(dq.output[0]) != 1:
+            if not _is_weight_input(user, dq.output[0]):
                 out.append(f"{label}: per-axis weight feeds {v.label(user)} other than as its weight (TensorRT "
-                           f"allows per-axis Q/DQ only on weights of Conv/ConvTranspose/Gemm/MatMul)")
+                           f"allows per-axis Q/DQ only on weights of Conv/ConvTranspose/Gemm/MatMul/LSTM/GRU)")
                 continue
-            want = {"Conv": 0, "ConvTranspose": 1, "MatMul": const.ndim - 1}.get(user.op_type)
+            want = {"Conv": 0, "ConvTranspose": 1, "MatMul": const.ndim - 1, "LSTM": 1, "GRU": 1}.get(user.op_type)
             if user.op_type == "Gemm":
                 want = 0 if int(v.attr(user, "transB", 0)) else 1
             if want is not None and axis != want:
@@ -141,7 +151,7 @@ def _weight_axis_rule(v: _View, dq: Any, out: list[str]) -> None:
 
     if len(dq.input) > 2 and v.types.get(dq.input[2]) != TensorProto.INT8:
         return
-    if not any(u.op_type in TRT_WEIGHTED_OPS and list(u.input).index(dq.output[0]) == 1 for u in users):
+    if not any(_is_weight_input(u, dq.output[0]) for u in users):
         return
     if q is None:
         codes = const.astype(np.int64)

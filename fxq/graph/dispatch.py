@@ -16,7 +16,7 @@ from torch import fx, nn
 from fxq.errors import ConfigError
 from fxq.graph.info import match_node_name, node_names
 from fxq.graph.op_types import op_type
-from fxq.qconfig.base import COMPUTING_OPS, SHAPE_OPS, Platform, get_platform
+from fxq.qconfig.base import COMPUTING_OPS, RECURRENT_OPS, SHAPE_OPS, Platform, get_platform
 from fxq.registry import Registry
 from fxq.setting import close_names
 
@@ -77,19 +77,23 @@ def shape_nodes(gm: fx.GraphModule, modules: dict[str, nn.Module]) -> set[fx.Nod
     return shape
 
 
+_STARTING_OPS = COMPUTING_OPS | RECURRENT_OPS
+"""Ops quantized without a quantized producer: the ones with weights."""
+
+
 @register_dispatcher("conservative")
 def _conservative(t: str, platform: Platform, fed_by_quantized: bool) -> bool:
-    return t in platform.quantized_ops and (t in COMPUTING_OPS or fed_by_quantized)
+    return t in platform.quantized_ops and (t in _STARTING_OPS or fed_by_quantized)
 
 
 @register_dispatcher("aggressive")
 def _aggressive(t: str, platform: Platform, fed_by_quantized: bool) -> bool:
-    return (t in COMPUTING_OPS and t in platform.quantized_ops) or fed_by_quantized
+    return (t in _STARTING_OPS and t in platform.quantized_ops) or fed_by_quantized
 
 
 @register_dispatcher("pointwise")
 def _pointwise(t: str, platform: Platform, fed_by_quantized: bool) -> bool:
-    return t in COMPUTING_OPS and t in platform.quantized_ops
+    return t in _STARTING_OPS and t in platform.quantized_ops
 
 
 @register_dispatcher("allin")
@@ -179,3 +183,6 @@ def _resolve_override(key: str, value: Any, default: Platform, cache: dict[str, 
             cache[ck] = default.with_overrides(**value, where=f"{where} on platform {default.name!r}")
         return cache[ck]
     raise ConfigError(f"{where} must be 'fp32', a platform name or a dict of overrides, got {value!r}")
+
+
+from fxq.recurrent import capture as _recurrent_capture  # noqa: E402,F401  (nn.LSTM / nn.GRU decompositions)

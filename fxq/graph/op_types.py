@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-__all__ = ["op_type", "register_op_type", "mutates_first_argument", "out_of_place_twin", "WEIGHTED_FUNCTIONS"]
+__all__ = ["op_type", "register_op_type", "mutates_first_argument", "out_of_place_twin", "WEIGHTED_FUNCTIONS",
+           "WEIGHT_ARGS", "weight_arg_nodes"]
 
 _FUNCTIONS: dict[Callable[..., Any], str] = {
     F.conv1d: "Conv", F.conv2d: "Conv", F.conv3d: "Conv",
@@ -93,6 +94,18 @@ WEIGHTED_FUNCTIONS = frozenset(
     f for f, t in _FUNCTIONS.items() if t in ("Conv", "ConvTranspose", "Gemm") and f is not torch.addmm
 )
 """Functions called as ``f(input, weight, bias, ...)``."""
+
+WEIGHT_ARGS: dict[Any, tuple[int, ...]] = {}
+"""Graph targets with weights at these positional args besides :data:`WEIGHTED_FUNCTIONS`' ``(x, weight, bias)``
+(``fxq::lstm`` / ``fxq::gru``: ``W`` and ``R``), quantized per channel along axis 0 like a conv weight."""
+
+
+def weight_arg_nodes(node: fx.Node) -> tuple[fx.Node, ...]:
+    """The nodes ``node`` reads as weights through :data:`WEIGHT_ARGS` (empty for other nodes)."""
+    if node.op != "call_function":
+        return ()
+    positions = WEIGHT_ARGS.get(node.target, ())
+    return tuple(a for i, a in enumerate(node.args) if i in positions and isinstance(a, fx.Node))
 
 
 def register_op_type(target: Any, op_type_name: str) -> None:
@@ -213,3 +226,15 @@ def out_of_place_form(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[str
     if node.op == "call_method" and hasattr(torch.Tensor, str(node.target)[:-1]):
         return "call_method", str(node.target)[:-1], False
     return None
+
+
+def _register_recurrent() -> None:
+    """Recurrent ops (:mod:`fxq.recurrent`) are one node with weight inputs; importing them also registers the
+    ``nn.LSTM`` / ``nn.GRU`` decompositions and their ONNX forms."""
+    from fxq.recurrent.ops import RECURRENT_TARGETS
+
+    _FUNCTIONS.update(RECURRENT_TARGETS)
+    WEIGHT_ARGS.update({target: (1, 2) for target in RECURRENT_TARGETS})
+
+
+_register_recurrent()

@@ -28,7 +28,7 @@ from torch import fx, nn
 
 from fxq.graph.dispatch import Dispatch, is_float_tensor
 from fxq.graph.info import QUANTIZERS_ATTR, GraphQuant, NodeQuant, QuantizerInfo, computed_from_parameters
-from fxq.graph.op_types import WEIGHTED_FUNCTIONS, op_type
+from fxq.graph.op_types import WEIGHTED_FUNCTIONS, op_type, weight_arg_nodes
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.qconfig.base import COMPUTING_OPS, Platform
@@ -140,13 +140,14 @@ class _Builder:
         """(input node, role) pairs this op quantizes."""
         t = self.types[node]
         w, b = _weight_bias_args(node)
+        weights = weight_arg_nodes(node)  # recurrent ops: W and R
         out: list[tuple[fx.Node, str]] = []
         seen: set[fx.Node] = set()
         for i, inp in enumerate(node.all_input_nodes):
             if inp in seen or not is_float_tensor(inp.meta.get("val")):
                 continue
             seen.add(inp)
-            if inp is w and t in COMPUTING_OPS:
+            if (inp is w and t in COMPUTING_OPS) or inp in weights:
                 out.append((inp, "weight"))
             elif inp is b and t in COMPUTING_OPS:
                 out.append((inp, "bias"))

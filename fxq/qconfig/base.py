@@ -31,6 +31,7 @@ __all__ = [
     "PASSIVE_OPS",
     "ELEMENTWISE_OPS",
     "SHAPE_OPS",
+    "RECURRENT_OPS",
 ]
 
 COMPUTING_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
@@ -42,6 +43,9 @@ PASSIVE_OPS = frozenset(
 )
 """Ops whose output lies on the input's grid: they share their input's quantizer."""
 ELEMENTWISE_OPS = frozenset({"Add", "Sub", "Mul", "Div"})
+RECURRENT_OPS = frozenset({"LSTM", "GRU"})
+"""One node per recurrent layer with weight inputs (:mod:`fxq.recurrent`); like computing ops they start
+quantized regions, and platforms that cannot express them keep them FP32."""
 SHAPE_OPS = frozenset({"Shape", "Size", "Range", "NonZero", "TopK", "ArgMax", "ArgMin", "NonMaxSuppression"})
 FUSABLE_ACTIVATIONS = frozenset({"Relu", "Clip"})
 
@@ -260,8 +264,9 @@ class Platform:
 
     def weight_config(self, op_type: str, node_name: str, weight_shape: tuple[int, ...] | None,
                       op_attrs: dict[str, Any]) -> TensorQuantConfig:
-        """Config of the weight of a computing op; per-channel axis 1 for ConvTranspose, -1 for MatMul."""
-        axis = {"ConvTranspose": 1, "MatMul": -1}.get(op_type, 0)
+        """Config of the weight of a computing op; per-channel axis 1 for ConvTranspose, -1 for MatMul, 1 (gate and
+        channel) for the ``[directions, gates*hidden, k]`` weights of LSTM / GRU."""
+        axis = {"ConvTranspose": 1, "MatMul": -1, "LSTM": 1, "GRU": 1}.get(op_type, 0)
         return self.weight.replace(observer=self.weight_observer, channel_axis=axis, scale=None, offset=None,
                                    state=QuantState.INITIAL)
 

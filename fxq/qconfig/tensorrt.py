@@ -4,6 +4,7 @@ from fxq.qconfig.base import (
     COMPUTING_OPS,
     ELEMENTWISE_OPS,
     PASSIVE_OPS,
+    RECURRENT_OPS,
     Capability,
     Platform,
     RoleCapability,
@@ -15,6 +16,7 @@ TRT_QUANTIZED_OPS = (
     COMPUTING_OPS | ELEMENTWISE_OPS | ACTIVATION_OPS | PASSIVE_OPS
     | {"MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Concat", "Resize", "Softmax",
        "LayerNormalization", "ReduceMean"}
+    | RECURRENT_OPS  # Q/DQ on X and on the W / R weight inputs (per direction, gate and channel)
 )
 
 

@@ -1,0 +1,10 @@
+"""Recurrent layers (``nn.LSTM`` / ``nn.GRU``, ONNX ``LSTM`` / ``GRU``) as quantizable ops with weight inputs.
+
+:mod:`fxq.recurrent.ops` defines the ops and (through :mod:`fxq.recurrent.onnx_export`) their ONNX forms;
+:mod:`fxq.graph.op_types` registers their op types and weight inputs, and :mod:`fxq.graph.dispatch` imports
+:mod:`fxq.recurrent.capture`, the tracing decompositions of ``nn.LSTM`` / ``nn.GRU``.
+"""
+from fxq.recurrent import onnx_export, ops  # noqa: F401  (registrations)
+from fxq.recurrent.ops import RECURRENT_TARGETS
+
+__all__ = ["RECURRENT_TARGETS"]
