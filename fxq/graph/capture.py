@@ -71,10 +71,11 @@ def _name(model: Any) -> str:
 
 
 def _export(model: nn.Module, args: tuple) -> fx.GraphModule:
+    copied = copy.deepcopy(model)
     try:
-        ep = export_program(copy.deepcopy(model), args)
+        ep = export_program(copied, args)
     except Exception as exc:  # torch.export raises many types
-        raise TraceError(f"torch.export could not capture {type(model).__name__}: {_export_failure(exc, model)}. "
+        raise TraceError(f"torch.export could not capture {type(model).__name__}: {_export_failure(exc, copied)}. "
                          f"Try capture='fx' (with leaf_modules=[...] around the failing part), or fix the "
                          f"construct (torch.cond for a branch on a tensor value, torch._check for a size)") from exc
     return from_exported_program(ep, type(model).__name__)
@@ -85,10 +86,11 @@ def _fallback(model: nn.Module, args: tuple, fx_error: TraceError, leaves: list,
     """torch.export, then FP32 islands, then one error naming every path's failure."""
     logger.info("symbolic tracing failed (%s); capturing %s with torch.export instead", fx_error,
                 type(model).__name__)
+    copied = copy.deepcopy(model)
     try:
-        ep = export_program(copy.deepcopy(model), args)
+        ep = export_program(copied, args)
     except Exception as exc:
-        export_failure = _export_failure(exc, model)
+        export_failure = _export_failure(exc, copied)
         logger.info("torch.export failed too (%s); keeping the failing submodules FP32", export_failure)
     else:
         if leaves:

@@ -9,9 +9,11 @@ nodes carry ``meta["module_path"]`` like those of the fx path.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -69,10 +71,25 @@ def export_program(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None 
 
     dyn = pytree.tree_map(batch_dim, (tuple(args), dict(kwargs)) if kwargs else tuple(args))
     try:
-        return torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dyn, strict=False)
+        with _quiet():
+            return torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dyn, strict=False)
     except Exception as exc:  # a batch-size-dependent model: fall back to the example's shapes
         logger.debug("torch.export with a dynamic batch failed (%s); exporting at fixed shapes", exc)
-    return torch.export.export(model, tuple(args), kwargs, strict=False)
+    with _quiet():
+        return torch.export.export(model, tuple(args), kwargs, strict=False)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torch.export prints the partial graph of a failed capture to stderr; fxq's error says what failed, and the
+    graph goes to the debug log."""
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buf):
+            yield
+    finally:
+        if buf.getvalue():
+            logger.debug("torch.export wrote:\n%s", buf.getvalue())
 
 
 def from_exported_program(ep: torch.export.ExportedProgram, name: str = "ExportedProgram") -> fx.GraphModule:

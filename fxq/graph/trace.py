@@ -129,11 +129,19 @@ def trace(
             ) from exc
         construct = next((c for key, c in _HINTS if key in msg), "an operation torch.fx cannot trace symbolically")
         line = failure_line(exc)
-        err = TraceError(
-            f"torch.fx could not trace module {where!r}: {construct} ({type(exc).__name__}: {msg})"
-            f"{f' at {line}' if line else ''}. Keep it whole with leaf_modules=[{where!r}] (it then runs in FP32 "
-            f"unless the platform knows its type), or fix the branch with concrete_args={{...}}."
-        )
+        at = f" at {line}" if line else ""
+        if tracer.failed_module is None:  # the root's own forward: no module to keep whole
+            err = TraceError(
+                f"torch.fx could not trace the forward of {where} itself: {construct} ({type(exc).__name__}: "
+                f"{msg}){at}. Fix the branch with concrete_args={{...}}, or move that code into a submodule and "
+                f"keep it whole with leaf_modules=[...] (it then runs in FP32)."
+            )
+        else:
+            err = TraceError(
+                f"torch.fx could not trace module {where!r}: {construct} ({type(exc).__name__}: {msg}){at}. Keep "
+                f"it whole with leaf_modules=[{where!r}] (it then runs in FP32 unless the platform knows its "
+                f"type), or fix the branch with concrete_args={{...}}."
+            )
         err.module_path = tracer.failed_module  # type: ignore[attr-defined]  (None: the model's own forward)
         err.construct = construct  # type: ignore[attr-defined]
         err.source_line = line  # type: ignore[attr-defined]

@@ -1,0 +1,126 @@
+"""FP32 islands for submodules no capture path reaches, TorchScript input, and the error when nothing works."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fxq
+from fxq.graph.info import iter_quantizers
+
+
+class Gate(nn.Module):
+    """Python control flow on a tensor value: neither symbolic tracing nor torch.export captures it; torch.onnx
+    (TorchScript-based) records the branch the example takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        if x.mean() > -100.0:
+            return torch.sigmoid(self.scale(x)) * x
+        return x
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+        self.gate = Gate()
+        self.tail = nn.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, x):
+        return self.tail(self.gate(self.head(x)))
+
+
+def _data(shape=(1, 3, 8, 8), n=2):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(*shape, generator=g) for _ in range(n)]
+
+
+def _model() -> Gated:
+    torch.manual_seed(0)
+    return Gated().eval()
+
+
+def test_untraceable_submodule_becomes_an_fp32_island(caplog):
+    with caplog.at_level(logging.WARNING, logger="fxq"):
+        q = fxq.quantize(_model(), _data(), "trt_int8", progress=False)
+    assert "'gate' stays FP32" in caplog.text
+    islands = fxq.summary(q).fp32_islands
+    assert list(islands) == ["gate"] and "control flow" in islands["gate"]
+    assert "FP32 island gate" in str(fxq.summary(q))
+    assert any(n.op == "call_module" and n.target == "gate" for n in q.graph.nodes)
+    weighted = [r.node for r in fxq.summary(q).layers if r.weight is not None]
+    assert weighted == ["head_0", "tail"]  # everything around the island is quantized
+    assert not any(name.startswith("gate") for name, _ in iter_quantizers(q) if "weight" in name)
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
+def test_island_exports_as_float_ops_in_one_file(tmp_path, platform):
+    ort = pytest.importorskip("onnxruntime")
+    import onnx
+
+    data = _data()
+    q = fxq.quantize(_model(), data, platform, progress=False)
+    paths = fxq.export(q, platform, tmp_path / "m.onnx")
+    assert len(paths) == 1
+    ops = [n.op_type for n in onnx.load(str(paths[0])).graph.node]
+    assert "Sigmoid" in ops and "QuantizeLinear" in ops  # the island's float ops sit between Q/DQ pairs
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(str(paths[0]), opts, providers=["CPUExecutionProvider"])
+    x = data[1]
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    with torch.no_grad():
+        want = q(x).numpy()
+    assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
+
+
+class RootBranch(nn.Module):
+    """The data-dependent branch is in the model's own forward: there is no submodule to keep FP32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        y = self.conv(x)
+        if y.sum() > 0:
+            return y
+        return -y
+
+
+def test_model_no_path_captures_gives_one_error_per_path():
+    with pytest.raises(fxq.TraceError) as e:
+        fxq.prepare(RootBranch().eval(), "trt_int8", _data()[0])
+    msg = str(e.value)
+    assert "torch.fx symbolic tracing:" in msg and "torch.export:" in msg and "FP32 islands:" in msg
+    assert "if y.sum() > 0:" in msg and "test_capture_islands.py:" in msg  # the source line, per path
+    assert "What to do" in msg and "torch.where" in msg
+
+
+def _tiny() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 1)).eval()
+
+
+def test_torchscript_input_is_refused_with_advice_that_works(tmp_path):
+    x = _data()[0]
+    scripted = torch.jit.script(_tiny())
+    torch.jit.save(scripted, str(tmp_path / "m.pt"))
+    loaded = torch.jit.load(str(tmp_path / "m.pt"))
+    for model in (scripted, loaded, torch.jit.trace(_tiny(), x)):
+        with pytest.raises(fxq.TraceError, match="TorchScript") as e:
+            fxq.quantize(model, _data(), "trt_int8", progress=False)
+        assert "torch.onnx.export" in str(e.value) and "fxq.load_onnx" in str(e.value)
+    # the advice, followed: ONNX export of the script, then fxq.load_onnx
+    torch.onnx.export(loaded, (x,), str(tmp_path / "m.onnx"), dynamo=False)
+    q = fxq.quantize(fxq.load_onnx(str(tmp_path / "m.onnx")), _data(), "trt_int8", progress=False)
+    assert len([r for r in fxq.summary(q).layers if r.weight is not None]) == 2
+    with torch.no_grad():
+        assert torch.allclose(q(x), _tiny()(x), atol=0.1)
