@@ -12,6 +12,7 @@ from torch import fx
 from fxq.errors import FrontendError
 from fxq.frontends.onnx import cleanup, naming, reader, shapes, support
 from fxq.frontends.onnx import verify as checks
+from fxq.recurrent.modules import functionalize_recurrent
 
 __all__ = ["load_onnx"]
 
@@ -128,6 +129,7 @@ def load_onnx(
             f"converted ONNX model {source!r} but could not map its names onto the graph "
             f"({type(exc).__name__}: {exc}); please report this with the model"
         ) from exc
+    functionalize_recurrent(gm)  # LSTM / GRU weights become graph inputs, as for nn.LSTM / nn.GRU
     gm.meta["onnx"]["source_input_shapes"] = {k: list(v) for k, v in declared.items()}
     if fixed:
         gm.meta["onnx"]["input_shapes"].update({k: list(v) for k, v in fixed.items()})

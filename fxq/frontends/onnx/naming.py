@@ -16,7 +16,7 @@ from torch import fx
 
 from fxq.frontends.onnx.support import opset_of
 
-__all__ = ["annotate", "PARAM_INPUTS"]
+__all__ = ["annotate", "PARAM_INPUTS", "output_meta"]
 
 # op type -> module tensor name -> index of the ONNX input it is made from (onnx2torch's built-in converters)
 PARAM_INPUTS: dict[str, dict[str, int]] = {
@@ -26,6 +26,8 @@ PARAM_INPUTS: dict[str, dict[str, int]] = {
     "BatchNormalization": {"weight": 1, "bias": 2, "running_mean": 3, "running_var": 4},
     "InstanceNormalization": {"weight": 1, "bias": 2},
     "LayerNormalization": {"weight": 1, "bias": 2},
+    "LSTM": {"W": 1, "R": 2, "B": 3},  # fxq's RecurrentLayer
+    "GRU": {"W": 1, "R": 2, "B": 3},
 }
 
 
@@ -131,7 +133,7 @@ def annotate(
         if n.op == "call_function" and n.target is operator.getitem:
             parent, index = n.args[0], n.args[1]
             if isinstance(parent, fx.Node) and parent.target in module_node and isinstance(index, int):
-                n.meta["onnx"] = _getitem_meta(parent.meta["onnx"], index)
+                n.meta["onnx"] = output_meta(parent.meta["onnx"], index)
                 tensor_node[n.meta["onnx"]["outputs"][0]] = n
 
     _rebuild_output(gm, graph, tensor_node, module_node)
@@ -141,7 +143,8 @@ def annotate(
     return gm
 
 
-def _getitem_meta(parent: dict[str, Any], index: int) -> dict[str, Any]:
+def output_meta(parent: dict[str, Any], index: int) -> dict[str, Any]:
+    """The ONNX meta of the node that picks output ``index`` of a multi-output node with meta ``parent``."""
     meta = {k: (list(v) if isinstance(v, list) else v) for k, v in parent.items() if k not in ("params", "args")}
     meta["outputs"] = [parent["outputs"][index]]
     meta["output_index"] = index
@@ -160,7 +163,7 @@ def _rebuild_output(
             parent = module_node[producer.unique_name]
             with gm.graph.inserting_after(parent):
                 node = gm.graph.call_function(operator.getitem, (parent, index))
-            node.meta["onnx"] = _getitem_meta(parent.meta["onnx"], index)
+            node.meta["onnx"] = output_meta(parent.meta["onnx"], index)
             tensor_node[name] = node
         values.append(node)
     out = next(n for n in gm.graph.nodes if n.op == "output")

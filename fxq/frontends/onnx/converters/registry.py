@@ -33,7 +33,16 @@ def load_builtin_converters() -> None:
     if _BUILTINS_LOADING:
         return
     _BUILTINS_LOADING.append(True)
-    from fxq.frontends.onnx.converters import activation, norm, pad, reduce, reshape, split, versions  # noqa: F401
+    from fxq.frontends.onnx.converters import (  # noqa: F401
+        activation,
+        norm,
+        pad,
+        recurrent,
+        reduce,
+        reshape,
+        split,
+        versions,
+    )
 
 
 def domain_alias(domain: str) -> str:
