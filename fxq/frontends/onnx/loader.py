@@ -10,7 +10,7 @@ import onnx
 from torch import fx
 
 from fxq.errors import FrontendError
-from fxq.frontends.onnx import cleanup, naming, reader, shapes, support
+from fxq.frontends.onnx import cleanup, control_flow, naming, reader, shapes, support
 from fxq.frontends.onnx import verify as checks
 from fxq.recurrent.modules import functionalize_recurrent
 
@@ -112,6 +112,9 @@ def load_onnx(
         original.CopyFrom(proto)
     declared = shapes.source_dims(proto)
     proto = shapes.infer_for_conversion(cleanup.clean(proto, infer=False), fixed)
+    if control_flow.fold_constant_ifs(proto, source):  # the taken branches' nodes get their shapes
+        proto = shapes.infer_for_conversion(cleanup.clean(proto, infer=False), fixed)
+    control_flow.refuse_loops(proto, source)
     support.check_wiring(proto, source)
     support.check_supported(proto, source)
     unknown = shapes.unknown_rank_nodes(proto)

@@ -1,0 +1,166 @@
+"""ONNX control flow before conversion: ``If`` with a condition that folds to a constant is replaced by the branch
+it takes; ``Loop`` / ``Scan`` are refused with what to do.
+
+Exporters write ``If`` for Python branches on sizes (``if x.shape[1] > 1``) and for scripted code; with the input
+sizes known (the file's, or ``input_shapes=``) such a condition is a constant, and the branch taken is the whole
+story. A condition that reads tensor values (not only shapes) cannot be folded: the loader refuses it, naming the
+node. The condition is evaluated with onnx's reference evaluator on its constant cone, where each ``Shape`` /
+``Size`` of a tensor whose dims shape inference knows is a constant.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from fxq.backends.qdq.onnx_graph import all_tensor_names, outer_reads, rename_tensors, unique_name
+from fxq.errors import FrontendError
+
+__all__ = ["fold_constant_ifs", "refuse_loops"]
+
+_LOG = logging.getLogger(__name__)
+_REFUSED = ("Loop", "Scan")
+
+
+def _static_dims(infos: dict[str, onnx.ValueInfoProto], name: str) -> list[int] | None:
+    info = infos.get(name)
+    if info is None or not info.type.HasField("tensor_type") or not info.type.tensor_type.HasField("shape"):
+        return None
+    dims = info.type.tensor_type.shape.dim
+    return [int(d.dim_value) for d in dims] if all(d.HasField("dim_value") for d in dims) else None
+
+
+def _shape_constant(node: onnx.NodeProto, dims: list[int]) -> np.ndarray:
+    if node.op_type == "Size":
+        return np.array(int(np.prod(dims)), dtype=np.int64)
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return np.array(dims[attrs.get("start", 0):attrs.get("end", len(dims))], dtype=np.int64)
+
+
+def _fold(model: onnx.ModelProto, name: str, infos: dict[str, onnx.ValueInfoProto]) -> tuple[np.ndarray | None, str]:
+    """The value of tensor ``name`` when it depends only on constants and known shapes, else (None, why)."""
+    graph = model.graph
+    produced = {o: n for n in graph.node for o in n.output if o}
+    inits = {t.name: t for t in graph.initializer}
+    feeds: dict[str, onnx.TensorProto] = {}
+    cone: list[onnx.NodeProto] = []
+    seen: set[str] = set()
+    stack = [name]
+    while stack:
+        t = stack.pop()
+        if t in seen or not t:
+            continue
+        seen.add(t)
+        if t in inits:
+            feeds[t] = inits[t]
+            continue
+        node = produced.get(t)
+        if node is None:
+            return None, f"it reads the values of graph input {t!r}"
+        if node.op_type in ("Shape", "Size"):
+            dims = _static_dims(infos, node.input[0])
+            if dims is not None:
+                feeds[t] = numpy_helper.from_array(_shape_constant(node, dims), t)
+                continue
+            if node.input[0] in {i.name for i in graph.input}:
+                return None, f"it reads the size of input {node.input[0]!r}, which the file leaves open"
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            return None, f"it is computed by control flow ({node.op_type} {node.name!r})"
+        if node.op_type not in ("Shape", "Size") or _static_dims(infos, node.input[0]) is None:
+            cone.append(node)
+            stack.extend(node.input)
+    order = {id(n): i for i, n in enumerate(graph.node)}
+    cone.sort(key=lambda n: order[id(n)])
+    small = helper.make_model(
+        helper.make_graph(cone, "condition", [], [helper.make_tensor_value_info(name, onnx.TensorProto.UNDEFINED,
+                                                                                None)],
+                          initializer=list(feeds.values())),
+        opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    from onnx.reference import ReferenceEvaluator
+
+    try:
+        (value,) = ReferenceEvaluator(small).run(None, {})
+    except Exception as exc:  # noqa: BLE001  (the evaluator raises many types)
+        return None, f"evaluating it failed ({type(exc).__name__}: {exc})"
+    return np.asarray(value), ""
+
+
+def _inline(graph: onnx.GraphProto, index: int, branch: onnx.GraphProto, if_node: onnx.NodeProto) -> None:
+    """Replace ``graph.node[index]`` (``if_node``) by the nodes of ``branch``, its outputs named as the If's."""
+    body = onnx.GraphProto()
+    body.CopyFrom(branch)
+    used = all_tensor_names(graph) | all_tensor_names(body)
+    local = {o for n in body.node for o in n.output if o} | {t.name for t in body.initializer}
+    outs = {o.name: target for o, target in zip(body.output, if_node.output)}
+    mapping = {n: (outs[n] if n in outs else unique_name(f"{if_node.name or 'If'}/{n}", used)) for n in local}
+    rename_tensors(body, mapping)
+    nodes = list(body.node)
+    for o, target in zip(body.output, if_node.output):  # an outer value passed through: an Identity makes it
+        if o.name != target and target:
+            nodes.append(helper.make_node("Identity", [o.name], [target], name=f"{if_node.name}/{target}_Identity"))
+    for n in nodes:
+        if n.name:
+            n.name = unique_name(f"{if_node.name}/{n.name}" if if_node.name else n.name, used)
+    graph.initializer.extend(body.initializer)
+    rest = list(graph.node)
+    graph.ClearField("node")
+    graph.node.extend(rest[:index] + nodes + rest[index + 1:])
+
+
+def fold_constant_ifs(model: onnx.ModelProto, source: str) -> int:
+    """Replace every top-level ``If`` whose condition folds to a constant by its taken branch (in place).
+
+    Returns:
+        how many ``If`` nodes were folded (nested ones included: a taken branch's Ifs are folded in turn).
+
+    Raises:
+        FrontendError: an ``If`` whose condition reads run-time values, naming the node and what to do.
+    """
+    folded = 0
+    while True:
+        infos = {v.name: v for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]}
+        index = next((i for i, n in enumerate(model.graph.node) if n.op_type == "If"), None)
+        if index is None:
+            return folded
+        node = model.graph.node[index]
+        value, why = _fold(model, node.input[0], infos)
+        if value is None or value.size != 1:
+            raise FrontendError(
+                f"cannot load ONNX model {source!r}: If node {node.name!r} branches on {node.input[0]!r}, which does "
+                f"not fold to a constant ({why or 'not a single value'}); fxq takes an If only when its condition "
+                "is fixed at load time. What to do: if it depends on input sizes, pass load_onnx(..., "
+                "input_shapes={...}); otherwise re-export the model with the branch decided (torch.onnx.export "
+                "with dynamo=False traces Python ifs into the branch taken)")
+        taken = bool(value.reshape(()))
+        branch = next(helper.get_attribute_value(a) for a in node.attribute
+                      if a.name == ("then_branch" if taken else "else_branch"))
+        _LOG.info("If node %r: condition %r is %s at load time; taking its %s branch (%d nodes)", node.name,
+                  node.input[0], taken, "then" if taken else "else", len(branch.node))
+        _inline(model.graph, index, branch, node)
+        _drop_dead_nodes(model.graph)  # the condition's computation
+        folded += 1
+
+
+def _drop_dead_nodes(graph: onnx.GraphProto) -> None:
+    """Remove nodes none of whose outputs is read (by a node, a body graph or the graph outputs)."""
+    while True:
+        read = ({i for n in graph.node for i in n.input if i} | {o.name for o in graph.output} | outer_reads(graph))
+        keep = [n for n in graph.node if any(o in read for o in n.output if o)]
+        if len(keep) == len(graph.node):
+            return
+        graph.ClearField("node")
+        graph.node.extend(keep)
+
+
+def refuse_loops(model: onnx.ModelProto, source: str) -> None:
+    """Raise :class:`FrontendError` naming every top-level ``Loop`` / ``Scan`` node, with what to do instead."""
+    found = [f"{n.name or '<unnamed>'!r} ({n.op_type})" for n in model.graph.node if n.op_type in _REFUSED]
+    if found:
+        raise FrontendError(
+            f"cannot load ONNX model {source!r}: node(s) {', '.join(found)} loop over a body graph, which fxq does "
+            "not convert (a loop cannot be quantized as one graph). What to do: re-export with the loop unrolled "
+            "(torch.onnx.export(..., dynamo=False) of the model traces Python loops into plain nodes for a fixed "
+            "length), and write recurrent layers as nn.LSTM / nn.GRU, which export as single LSTM / GRU nodes "
+            "that fxq converts and quantizes")
