@@ -34,6 +34,7 @@ from fxq.graph.info import QUANTIZERS_ATTR
 from fxq.graph.op_types import op_type
 from fxq.graph.passes import get_attr_value, propagate_tensor_meta
 from fxq.nn.fake_quantize import FakeQuantize
+from fxq.qconfig.base import RECURRENT_OPS
 from fxq.registry import Registry
 from fxq.spec import QUANTIZING_STATES, QuantState, RoundingPolicy
 
@@ -481,6 +482,11 @@ class NcnnBuilder:
                 self._input(node)
             elif node.op in ("get_attr", "output") or self.is_quantizer(node) or node in self.static_nodes:
                 continue
+            elif self.op(node) in RECURRENT_OPS:
+                raise self.fail(node, f"the ncnn writer has no {self.op(node)} layer yet (ncnn's is batch-free, "
+                                "with its own gate order and state blobs)",
+                                "export this model for 'trt_int8' or 'ort_int8' (one ONNX LSTM / GRU node with Q/DQ "
+                                "weights), or keep the recurrent part out of the ncnn model")
             elif not isinstance(node.meta.get("val"), torch.Tensor):
                 continue  # shape / index arithmetic: its consumers read their static output shapes
             else:

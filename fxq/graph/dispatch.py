@@ -157,6 +157,9 @@ def dispatch(
         result[node] = chosen
         if isinstance(chosen, Platform):
             quantized.add(node)
+        elif t in RECURRENT_OPS:
+            logger.info("%s node %r stays FP32 on platform %r (it does not quantize %s: weights and inputs kept in "
+                        "float, an FP32 island)", t, node.name, platform.name, t)
     return result
 
 
