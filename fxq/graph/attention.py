@@ -120,20 +120,23 @@ def decompose_attention_functions(gm: fx.GraphModule) -> fx.GraphModule:
     """
     targets = _sdpa_targets()
     changed = 0
+    tracer = fx.proxy.GraphAppendingTracer(gm.graph)  # one tracer: proxies of two tracers do not mix
+
+    def proxy(value: Any) -> Any:
+        return fx.Proxy(value, tracer) if isinstance(value, fx.Node) else value
+
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in targets:
             continue
         a = _sdpa_arguments(node)
         with gm.graph.inserting_before(node):
-            q, k, v = (fx.Proxy(a[name]) if isinstance(a[name], fx.Node) else a[name]
-                       for name in ("query", "key", "value"))
+            q, k, v = (proxy(a[name]) for name in ("query", "key", "value"))
             if a["enable_gqa"]:
                 groups = q.size(-3) // k.size(-3)
                 k = k.repeat_interleave(groups, dim=-3)
                 v = v.repeat_interleave(groups, dim=-3)
             scale = a["scale"] if a["scale"] is not None else q.size(-1) ** -0.5
-            mask = fx.Proxy(a["attn_mask"]) if isinstance(a["attn_mask"], fx.Node) else a["attn_mask"]
-            out, _ = attention(q, k, v, scale, attn_mask=mask, bool_keeps=True, causal=bool(a["is_causal"]))
+            out, _ = attention(q, k, v, scale, attn_mask=proxy(a["attn_mask"]), bool_keeps=True, causal=bool(a["is_causal"]))
         out.node.meta.update({key: value for key, value in node.meta.items() if key in ("stack_trace", "nn_module_stack")})
         node.replace_all_uses_with(out.node)
         gm.graph.erase_node(node)
