@@ -16,6 +16,7 @@ from fxq.analysis import (
     write_report,
 )
 from fxq.api import prepare, quantize
+from fxq.auto_quantize import AutoQuantReport, Budget, auto_quantize
 from fxq.backends import export, register_exporter
 from fxq.data import load_calibration_folder
 from fxq.errors import (
@@ -89,6 +90,9 @@ __all__ = [
     "calibrate",
     "convert",
     "quantize",
+    "auto_quantize",
+    "Budget",
+    "AutoQuantReport",
     "switch_to_fp32",
     "switch_to_quantized",
     "fp32_mode",

@@ -256,6 +256,10 @@ def _preflight(args: argparse.Namespace) -> Path | None:
     from fxq.errors import ConfigError
 
     _setting(args)
+    if getattr(args, "budget", None):
+        from fxq.auto_quantize import Budget
+
+        Budget.parse(args.budget)
     for flag, folder in (("--calib", getattr(args, "calib", None)), ("--data", getattr(args, "data", None))):
         if folder and Path(folder).is_file():
             raise ConfigError(f"{flag} {folder!r} is a file; give a folder of batches (one file per batch)")
@@ -279,8 +283,21 @@ def _platform(args: argparse.Namespace, loaded: _Loaded) -> str:
 
 def _quantize(args: argparse.Namespace, loaded: _Loaded, data: Any) -> Any:
     if loaded.quantized:
+        if getattr(args, "budget", None):
+            from fxq.errors import ConfigError
+
+            raise ConfigError(f"--budget searches precisions while quantizing; {loaded.name!r} is already quantized: "
+                              "give the float model (.onnx / .prototxt / module:factory)")
         return loaded.module
     t0 = time.perf_counter()
+    if getattr(args, "budget", None):
+        gm, report = _fxq().auto_quantize(loaded.module, data, platform=_platform(args, loaded),
+                                          budget=args.budget, setting=_setting(args), fallback=args.fallback,
+                                          steps=args.steps)
+        args._auto_report = report
+        logger.info("auto-quantized %s for %s in %.1f s", loaded.name, _platform(args, loaded),
+                    time.perf_counter() - t0)
+        return gm
     gm = _fxq().quantize(loaded.module, data, platform=_platform(args, loaded), setting=_setting(args),
                          steps=args.steps, progress=not args.quiet)
     logger.info("quantized %s for %s in %.1f s", loaded.name, _platform(args, loaded), time.perf_counter() - t0)
@@ -340,6 +357,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     failed: list[str] = []
     optional = [("summary", lambda: atomic_write_text(out / f"{stem}.summary.txt", str(summary) + "\n")),
                 ("saved model", lambda: fxq.save(gm, out / f"{stem}.fxq"))]
+    report = getattr(args, "_auto_report", None)
+    if report is not None:
+        optional.append(("auto_quantize report", lambda: atomic_write_text(
+            out / f"{stem}.auto_quantize.json", json.dumps(report.to_dict(), indent=2) + "\n")))
     for what, write in optional:
         try:
             files.append(write())
@@ -350,9 +371,14 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                            type(exc).__name__, _one_line(exc))
             failed.append(what)
     if not args.no_export:
-        files += _export(gm, platform, out, stem, args.exporter, _export_options(args))
+        options = _export_options(args)
+        if args.fallback == "fp16":
+            options.setdefault("high_precision_dtype", "fp16")
+        files += _export(gm, platform, out, stem, args.exporter, options)
     if not args.quiet:
         print(summary)
+    if report is not None:
+        print(report)
     print("wrote:\n" + "\n".join(f"  {p}" for p in files))
     if failed:
         print(f"fxq: warning: not written: {', '.join(failed)} (see the warning above); exit code {EXIT_PARTIAL}",
@@ -584,6 +610,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exporter", help="exporter name (default: the platform's)")
     p.add_argument("--export-option", action="append", metavar="KEY=VALUE", help="exporter option (repeatable)")
     p.add_argument("--no-export", action="store_true", help="do not write deployment files")
+    p.add_argument("--budget", metavar="SPEC",
+                   help="search per-layer precision (fxq.auto_quantize) for the fewest layers off INT8 that meet "
+                        "SPEC: an output SNR bound (0.01 or 1%%), or comma-separated snr=/cosine=/size= "
+                        "(size: weight bytes as a fraction of FP32's); writes <model>.auto_quantize.json")
+    p.add_argument("--fallback", default="fp32", choices=["fp32", "fp16"],
+                   help="precision of the layers --budget takes off INT8 (fp16: TensorRT FP16 export)")
     _common(p)
     p.set_defaults(func=cmd_quantize)
 

@@ -34,7 +34,17 @@ def test_low_bit_example():
     assert results["W8A8"] <= results["mixed 4/8"] < results["W4A4"]
 
 
-@pytest.mark.parametrize("name", ["quantize_torch_model", "custom_platform", "low_bit"])
+@pytest.mark.parametrize("name", ["quantize_torch_model", "custom_platform", "low_bit", "auto_quantize"])
 def test_examples_have_docstring_and_main(name):
     mod = _load(name)
     assert mod.__doc__ and callable(mod.main)
+
+
+def test_auto_quantize_example():
+    pytest.importorskip("sklearn")
+    reports = _load("auto_quantize").main(["--fast"])
+    ort_report, trt_report = reports["ort_int8"], reports["trt_int8"]
+    assert ort_report.met and ort_report.size_final <= 0.2 * ort_report.size_fp32
+    assert ort_report.lowered  # 4-bit layers were needed for the size budget
+    assert abs(ort_report.deployed_accuracy - ort_report.final_value) <= 2 / 597  # onnxruntime ~ the simulation
+    assert trt_report.met and trt_report.fallback == "fp16" and trt_report.final_value < trt_report.int8_value
