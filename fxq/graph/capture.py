@@ -148,8 +148,9 @@ def _has(model: nn.Module, path: str) -> bool:
     return True
 
 
-def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+def _first_line(exc: BaseException, limit: int = 400) -> str:
+    line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return line if len(line) <= limit else line[:limit] + " ..."  # symbolic-shape guards can run to pages
 
 
 def _export_failure(exc: BaseException, model: nn.Module) -> str:

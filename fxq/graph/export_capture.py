@@ -55,7 +55,8 @@ LIFTED: dict[Any, Callable[..., Any]] = {
 """aten overloads whose positional arguments are those of a torch function; the node keeps args and kwargs."""
 
 _BN_NO_TRAINING = aten._native_batch_norm_legit_no_training.default
-_IDENTITIES = {aten.clone.default, aten.alias.default, aten.dropout.default, aten.contiguous.default}
+_IDENTITIES = {aten.clone.default, aten.alias.default, aten.dropout.default, aten.contiguous.default,
+               aten.detach.default, aten.lift_fresh_copy.default}
 _CHECKS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default, aten.sym_constrain_range_for_size.default}
 
 

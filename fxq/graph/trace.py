@@ -17,7 +17,8 @@ from fxq.graph.decompose import decomposition_for
 
 __all__ = ["trace", "failure_line"]
 
-_HINTS = (
+_HINTS = (  # the first that matches: torch.fx's iteration message mentions "control flow" too
+    ("cannot be iterated", "iteration over a traced value (a loop over it, unpacking it, or *args)"),
     ("control flow", "data-dependent control flow (an `if`/`while` on a tensor value)"),
     ("iterate", "iteration over a traced tensor"),
     ("len(", "len() of a traced tensor"),

@@ -1,0 +1,55 @@
+"""torchvision models symbolic tracing cannot reach: RAFT through torch.export; detection models' limits."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxq
+from fxq.graph.info import iter_quantizers
+
+torchvision = pytest.importorskip("torchvision")
+
+
+class Flow(nn.Module):
+    """RAFT-small with two refinement steps (the loop is unrolled by capture), returning the last flow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.raft = torchvision.models.optical_flow.raft_small(weights=None)
+
+    def forward(self, a, b):
+        return self.raft(a, b, num_flow_updates=2)[-1]
+
+
+def test_raft_is_captured_by_export_and_quantized():
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.rand(1, 3, 128, 128, generator=g), torch.rand(1, 3, 128, 128, generator=g)) for _ in range(2)]
+    model = Flow().eval()
+    with pytest.raises(fxq.TraceError):
+        fxq.prepare(model, "trt_int8", data[0], capture="fx")
+    q = fxq.quantize(model, data, "trt_int8", progress=False)  # auto: symbolic tracing fails, torch.export works
+    assert q.meta.get("fxq_capture") == "export"
+    weighted = [r.node for r in fxq.summary(q).layers if r.weight is not None]
+    assert len(weighted) >= 50 and weighted[0] == "raft_feature_encoder_convnormrelu_0"
+    assert len(list(iter_quantizers(q))) > 100
+    with torch.no_grad():
+        ref = model(*data[1])
+        with fxq.fp32_mode(q):  # the lifted graph computes what the model does
+            assert torch.allclose(q(*data[1]), ref, atol=1e-4)
+        assert not torch.equal(q(*data[1]), ref)
+
+
+def test_detection_model_gets_one_error_and_its_backbone_quantizes_by_both_paths():
+    torch.manual_seed(0)
+    model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_320_fpn(
+        weights=None, weights_backbone=None).eval()
+    with pytest.raises(fxq.TraceError) as e:  # postprocessing (NMS, box filtering) is data-dependent
+        fxq.prepare(model, "trt_int8", ([torch.rand(3, 320, 320)],))
+    msg = str(e.value)
+    assert "for img in images:" in msg and "iteration over a traced value" in msg  # symbolic tracing
+    assert "module 'rpn'" in msg and "boxes.py" in msg  # torch.export: where NMS guards on a data-dependent size
+    x = torch.rand(1, 3, 320, 320)
+    counts = [len(list(iter_quantizers(fxq.prepare(model.backbone, "trt_int8", x, capture=c)))) for c in ("fx", "export")]
+    assert counts[0] == counts[1] > 100
