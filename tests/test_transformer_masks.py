@@ -311,3 +311,53 @@ def test_masked_transformers_quantize_and_export(name, platform, tmp_path):
     # which a tiny random model amplifies end to end; fed fxq's own codes, every quantized tensor agrees
     stats = segment_check(onnx.load(str(path)), q, data[0], optimize=True)
     assert stats.max_code_diff <= 1 and stats.exact >= 0.99, stats
+
+
+# --------------------------------------------------------------------------------------------- a trained model
+def _count_task(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[CLS] then tokens; the label says whether A (1) outnumbers B (2) among the real tokens. Padded positions
+    hold A/B distractors, so a model that attends to them (a wrong mask) miscounts."""
+    lengths = torch.randint(4, SEQ + 1, (n,), generator=g)
+    padding = torch.arange(SEQ)[None] >= lengths[:, None]
+    tokens = torch.where(padding, torch.randint(1, 3, (n, SEQ), generator=g), torch.randint(1, VOCAB, (n, SEQ),
+                                                                                              generator=g))
+    tokens[:, 0] = 0
+    diff = ((tokens == 1) & ~padding).sum(1) - ((tokens == 2) & ~padding).sum(1)
+    keep = diff != 0  # no ties
+    return tokens[keep], padding[keep], (diff[keep] > 0).long()
+
+
+@pytest.fixture(scope="module")
+def trained_counter() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Generator]:
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = TinyBert()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(60):  # ~5 s on two cores
+        tokens, padding, labels = _count_task(128, g)
+        loss = F.cross_entropy(model(tokens, padding), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval(), _count_task(1000, g), g
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
+def test_trained_padding_model_keeps_its_accuracy(trained_counter, platform, tmp_path):
+    model, (tokens, padding, labels), g = trained_counter
+
+    def accuracy(m, pad) -> float:
+        with torch.no_grad():
+            return float((m(tokens, pad).argmax(1) == labels).float().mean())
+
+    float_acc, no_mask_acc = accuracy(model, padding), accuracy(model, torch.zeros_like(padding))
+    assert float_acc >= 0.95 and no_mask_acc <= float_acc - 0.1, (float_acc, no_mask_acc)  # the mask matters
+    q = fxq.quantize(model, [_count_task(64, g)[:2] for _ in range(4)], platform, progress=False)
+    q_acc = accuracy(q, padding)
+    assert q_acc >= float_acc - 0.02, (float_acc, q_acc)
+    assert accuracy(q, torch.zeros_like(padding)) <= q_acc - 0.1  # still the mask that makes it right
+    written = fxq.export(q, platform, tmp_path / "model.onnx", dynamic_batch=True)
+    sess = ort_session(str(next(p for p in written if str(p).endswith("model.onnx"))), optimize=True)
+    names = [i.name for i in sess.get_inputs()]
+    logits = sess.run(None, {names[0]: tokens.numpy(), names[1]: padding.numpy()})[0]
+    assert float((torch.from_numpy(logits).argmax(1) == labels).float().mean()) >= float_acc - 0.02
