@@ -150,3 +150,15 @@ def test_prepare_qat_takes_an_exported_program():
 def test_unknown_capture_is_a_config_error():
     with pytest.raises(fxq.ConfigError, match="capture"):
         fxq.prepare(_net(), "trt_int8", _data()[0], capture="dynamo")
+
+
+def test_export_graph_writes_the_same_ncnn_files(tmp_path):
+    model, data = _net(), _data()
+    files = {}
+    for capture in ("fx", "export"):
+        q = fxq.quantize(model, data, "ncnn_int8", capture=capture, progress=False)
+        paths = fxq.export(q, "ncnn_int8", tmp_path / f"{capture}.param")
+        files[capture] = {p.suffix: p.read_bytes() for p in paths if ".fp32" not in p.name}
+    layers = [[line.split()[0] for line in f[".param"].decode().splitlines()[2:]] for f in files.values()]
+    assert layers[0] == layers[1] and "Convolution" in layers[0]
+    assert files["fx"][".bin"] == files["export"][".bin"]  # same folded, quantized weights

@@ -238,3 +238,29 @@ def _register_recurrent() -> None:
 
 
 _register_recurrent()
+
+
+def _register_aten() -> None:
+    """aten overloads, as ``torch.export`` graphs hold them: the ones :mod:`fxq.graph.export_capture` lifts to torch
+    calls get the type of that call (a graph handed over unlifted is still typed), the rest a type of their own."""
+    from fxq.graph.export_capture import LIFTED  # noqa: PLC0415  (it imports this module lazily)
+
+    aten = torch.ops.aten
+    for overload, fn in LIFTED.items():
+        if fn in _FUNCTIONS:
+            _FUNCTIONS.setdefault(overload, _FUNCTIONS[fn])
+    for overload, name in {
+        aten.sym_size.int: "Shape", aten.sym_numel.default: "Shape", aten.arange.default: "Range",
+        aten.arange.start: "Range", aten.nonzero.default: "NonZero", aten.topk.default: "TopK",
+        aten.argmax.default: "ArgMax", aten.slice.Tensor: "Slice", aten.select.int: "Slice",
+        aten.split.Tensor: "Split", aten.split_with_sizes.default: "Split", aten.chunk.default: "Split",
+        aten.expand.default: "Expand", aten.repeat.default: "Tile", aten._to_copy.default: "Cast",
+        aten.upsample_nearest2d.vec: "Resize", aten.upsample_bilinear2d.vec: "Resize",
+        aten.constant_pad_nd.default: "Pad", aten.pad.default: "Pad", aten.exp.default: "Exp",
+        aten.index.Tensor: "Gather", aten.embedding.default: "Gather", aten.relu6.default: "Clip",
+        aten.hardtanh.default: "Clip", aten.squeeze.dims: "Squeeze", aten.mean.default: "ReduceMean",
+    }.items():
+        _FUNCTIONS.setdefault(overload, name)
+
+
+_register_aten()
