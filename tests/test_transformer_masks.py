@@ -243,6 +243,27 @@ class MHAFloatMasks(nn.Module):
         return out.transpose(0, 1), weights
 
 
+class HandWrittenBert(nn.Module):
+    """Attention written out as HuggingFace's BERT does: an int 0/1 ``attention_mask`` input turned into an
+    additive ``finfo.min`` mask and added to the logits by hand (a quantizer on that add would see -3.4e38)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, DIM)
+        self.qkv, self.out, self.head = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, 2)
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, tokens, attention_mask):
+        x = self.tokens(tokens)
+        b, t = tokens.size(0), tokens.size(1)
+        qkv = self.qkv(x).view(b, t, 3, 4, DIM // 4).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(qkv[0], qkv[1].transpose(-1, -2)) / math.sqrt(DIM // 4)
+        extended = (1.0 - attention_mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+        probs = torch.softmax(scores + extended, dim=-1)
+        y = torch.matmul(probs, qkv[2]).transpose(1, 2).reshape(b, t, DIM)
+        return self.head(self.norm(x + self.out(y))[:, 0])
+
+
 def _tiny_vit() -> nn.Module:
     from torchvision.models import VisionTransformer
 
@@ -263,6 +284,9 @@ def _case(name: str) -> tuple[nn.Module, list[tuple]]:
     g = torch.Generator().manual_seed(0)
     if name == "bert_padding":
         return TinyBert().eval(), [_tokens(g) for _ in range(3)]
+    if name == "hand_written_bert":
+        batches = [_tokens(g) for _ in range(3)]
+        return HandWrittenBert().eval(), [(t, (~p).long()) for t, p in batches]
     if name == "vit":
         return _tiny_vit().eval(), [(torch.randn(4, 3, 16, 16, generator=g),) for _ in range(3)]
     if name in ("gpt_sdpa_causal", "gpt_masked_fill"):
@@ -271,7 +295,7 @@ def _case(name: str) -> tuple[nn.Module, list[tuple]]:
     return MHAFloatMasks().eval(), [(torch.randn(4, SEQ, DIM, generator=g), p) for p in padding]
 
 
-CASES = ["bert_padding", "vit", "gpt_sdpa_causal", "gpt_masked_fill", "mha_float_masks"]
+CASES = ["bert_padding", "hand_written_bert", "vit", "gpt_sdpa_causal", "gpt_masked_fill", "mha_float_masks"]
 
 
 def _first(out):
@@ -361,3 +385,30 @@ def test_trained_padding_model_keeps_its_accuracy(trained_counter, platform, tmp
     names = [i.name for i in sess.get_inputs()]
     logits = sess.run(None, {names[0]: tokens.numpy(), names[1]: padding.numpy()})[0]
     assert float((torch.from_numpy(logits).argmax(1) == labels).float().mean()) >= float_acc - 0.02
+
+
+def test_only_mask_adds_before_a_softmax_are_kept_float():
+    """A learned bias added to the logits (Swin's relative positions) is data: it stays a quantized Add."""
+
+    class Biased(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(DIM, DIM)
+            self.bias = nn.Parameter(torch.randn(SEQ, SEQ))
+            self.register_buffer("causal", torch.zeros(SEQ, SEQ).masked_fill(
+                torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf")))
+
+        def forward(self, x):
+            h = self.fc(x)
+            scores = torch.matmul(h, h.transpose(-1, -2)) + self.bias
+            return torch.matmul(torch.softmax(scores + self.causal, dim=-1), h)
+
+    torch.manual_seed(0)
+    model = Biased().eval()
+    data = [torch.randn(2, SEQ, DIM) for _ in range(2)]
+    q = fxq.quantize(model, data, "trt_int8", progress=False)
+    types = {r.node: (r.op_type, r.platform) for r in fxq.summary(q).layers}
+    assert ("Add", "trt_int8") in types.values()  # the learned bias
+    assert (ATTENTION_MASK_OP, "fp32") in types.values()  # the causal mask
+    with torch.no_grad():
+        assert not q(data[0]).isnan().any()

@@ -14,15 +14,17 @@ torch.export) into these ops; the module decompositions in :mod:`fxq.graph.decom
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import fx
+from torch import fx, nn
 
-from fxq.graph.op_types import register_op_type
+from fxq.graph.op_types import op_type, register_op_type
 
-__all__ = ["apply_attention_mask", "attention", "decompose_attention_functions", "ATTENTION_MASK_OP"]
+__all__ = ["apply_attention_mask", "attention", "decompose_attention_functions", "route_mask_adds",
+           "ATTENTION_MASK_OP"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,9 @@ def attention(q: Any, k: Any, v: Any, scale: Any, attn_mask: Any = None, key_pad
     return torch.matmul(weights, v), weights
 
 
+_KEPT_META = ("stack_trace", "nn_module_stack", "module_path")
+_WEIGHTED_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
+
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS: dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
                                   "enable_gqa": False}
@@ -113,8 +118,68 @@ def _sdpa_arguments(node: fx.Node) -> dict[str, Any]:
     return bound
 
 
+def _is_plain_add(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target in (operator.add, torch.add):
+        return len(node.args) == 2 and not node.kwargs
+    return node.op == "call_method" and node.target == "add" and len(node.args) == 2 and not node.kwargs
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _is_mask_like(value: Any, gm: fx.GraphModule, modules: dict[str, Any]) -> bool:
+    """Computed from graph inputs, buffers and constants only, through no weighted op and no parameter: data a
+    model adds to attention logits as a mask (a learned bias, e.g. Swin's relative positions, is not one)."""
+    if not isinstance(value, fx.Node):
+        return False
+    seen: set[fx.Node] = set()
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "get_attr":
+            if isinstance(_attr(gm, str(node.target)), nn.Parameter):
+                return False
+        elif node.op == "call_module" or (node.op != "placeholder" and op_type(node, modules) in _WEIGHTED_OPS):
+            return False
+        stack.extend(node.all_input_nodes)
+    return True
+
+
+def route_mask_adds(gm: fx.GraphModule) -> int:
+    """``logits + mask`` written by hand (a float ``-inf`` / ``finfo.min`` padding or causal mask), feeding only a
+    softmax, becomes an :func:`apply_attention_mask` node: a quantizer would calibrate on the mask's huge
+    values (NaN for ``-inf``, every logit rounded to zero for ``finfo.min``). Returns how many were rerouted."""
+    modules = dict(gm.named_modules())
+    routed = 0
+    for node in list(gm.graph.nodes):
+        if not _is_plain_add(node) or not node.users:
+            continue
+        if not all(op_type(u, modules) == "Softmax" for u in node.users):
+            continue
+        a, b = node.args
+        masks = [_is_mask_like(a, gm, modules), _is_mask_like(b, gm, modules)]
+        if masks.count(True) != 1:
+            continue
+        scores, mask = (b, a) if masks[0] else (a, b)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(apply_attention_mask, (scores, mask))
+        new.meta.update({k: v for k, v in node.meta.items() if k in _KEPT_META})
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        routed += 1
+    return routed
+
+
 def decompose_attention_functions(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite ``F.scaled_dot_product_attention`` nodes into matmul / mask / softmax / matmul, in place.
+    """Rewrite ``F.scaled_dot_product_attention`` nodes into matmul / mask / softmax / matmul, and hand-written
+    ``logits + mask`` adds before a softmax into the float mask node (:func:`route_mask_adds`), in place.
 
     Dropout is left out (fxq's graphs are inference graphs); ``enable_gqa`` repeats key/value heads as torch does.
     """
@@ -137,12 +202,16 @@ def decompose_attention_functions(gm: fx.GraphModule) -> fx.GraphModule:
                 v = v.repeat_interleave(groups, dim=-3)
             scale = a["scale"] if a["scale"] is not None else q.size(-1) ** -0.5
             out, _ = attention(q, k, v, scale, attn_mask=proxy(a["attn_mask"]), bool_keeps=True, causal=bool(a["is_causal"]))
-        out.node.meta.update({key: value for key, value in node.meta.items() if key in ("stack_trace", "nn_module_stack")})
+        out.node.meta.update({key: value for key, value in node.meta.items() if key in _KEPT_META})
         node.replace_all_uses_with(out.node)
         gm.graph.erase_node(node)
         changed += 1
     if changed:
         logger.debug("decomposed %d scaled_dot_product_attention call(s) into quantizable matmuls", changed)
+    routed = route_mask_adds(gm)
+    if routed:
+        logger.info("%d attention mask add(s) before a softmax kept in float (no quantizer sees the mask)", routed)
+    if changed or routed:
         gm.graph.lint()
         gm.recompile()
     return gm
