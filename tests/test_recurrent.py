@@ -398,3 +398,18 @@ def test_onnx_if_on_values_and_loop_are_refused(vad, tmp_path):
                      numpy_helper.from_array(np.array(True), "go")])
     with pytest.raises(fxq.FrontendError, match=r"'frames_loop' \(Loop\).*unrolled"):
         fxq.load_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def test_save_load_and_qat(vad, tmp_path):
+    """fxq.save / fxq.load keep the recurrent ops (both capture paths); QAT back-propagates into W / R."""
+    model, x, y, calib = vad
+    _torch_onnx(model, x[:4], tmp_path / "vad.onnx", False)
+    for source in (model, fxq.load_onnx(tmp_path / "vad.onnx")):
+        q = quantize(source, [c[:4] for c in calib], "trt_int8")
+        fxq.save(q, tmp_path / "m.fxq")
+        with torch.no_grad():
+            torch.testing.assert_close(fxq.load(tmp_path / "m.fxq")(x[:4]), q(x[:4]), rtol=0, atol=0)
+    qat = fxq.prepare_qat(model, "trt_int8", calib[0])
+    nn.functional.cross_entropy(qat(x[:32]).reshape(-1, 2), y[:32].reshape(-1)).backward()
+    grads = [p.grad for name, p in qat.named_parameters() if name.split(".")[-1] in ("W_l0", "R_l0")]
+    assert len(grads) == 2 and all(g is not None and bool(g.abs().sum() > 0) for g in grads)

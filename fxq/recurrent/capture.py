@@ -94,11 +94,12 @@ def _run_layers(module: nn.LSTM | nn.GRU, x: Any, h0: Any, c0: Any) -> tuple[Any
     for layer in range(module.num_layers):
         w, r, b = _layer_params(module, layer)
         if isinstance(module, nn.LSTM):
-            y, h, c = torch.ops.fxq.lstm(x, w, r, b, _states(h0, layer, dirs, module.num_layers), _states(c0, layer, dirs, module.num_layers),
-                                         module.hidden_size, _direction(module))
+            h, c = _states(h0, layer, dirs, module.num_layers), _states(c0, layer, dirs, module.num_layers)
+            y, h, c = torch.ops.fxq.lstm(x, w, r, b, h, c, module.hidden_size, _direction(module))
             cs.append(c)
         else:
-            y, h = torch.ops.fxq.gru(x, w, r, b, _states(h0, layer, dirs, module.num_layers), module.hidden_size, _direction(module), 1)
+            h = _states(h0, layer, dirs, module.num_layers)
+            y, h = torch.ops.fxq.gru(x, w, r, b, h, module.hidden_size, _direction(module), 1)
         hs.append(h)
         x = y.permute(0, 2, 1, 3).flatten(2)  # [T, D, N, H] -> [T, N, D*H]
     if module.batch_first:

@@ -140,7 +140,8 @@ _FXQ_FUNCTIONS = (("fxq.frontends.caffe.modules", ("caffe_pool2d", "caffe_interp
 _ONNX2TORCH_FUNCTIONS = (("onnx2torch.node_converters.binary_math_operations", ("_onnx_div",)),
                          ("onnx2torch.node_converters.reduce", ("_log_sum", "_log_sum_exp", "_sum_square")))
 """onnx2torch's own functions its modules hold as attributes (``OnnxBinaryMathOperation.math_op_function``)."""
-_FXQ_OPS = ("fake_quant_linear", "fake_quant_linear_backward", "fake_quant_float", "fake_quant_float_backward")
+_FXQ_OPS = ("fake_quant_linear", "fake_quant_linear_backward", "fake_quant_float", "fake_quant_float_backward",
+            "lstm", "gru")
 
 _ATEN_OPS = tuple(sorted({
     *(n for n in _ELEMENTWISE + _REDUCTIONS + _SHAPES + _LINEAR_ALGEBRA + _NN_OPS if not n.startswith("_")),
@@ -185,6 +186,7 @@ _NN_CLASSES = (
 )
 _FXQ_CLASSES = (
     ("fxq.nn.fake_quantize", ("FakeQuantize",)),
+    ("fxq.recurrent.modules", ("RecurrentLayer",)),
     ("fxq.qat", ("QATFakeQuantize", "QATBiasQuantize", "FrozenBatchNorm")),
     ("fxq.algorithms.adaround", ("AdaRoundQuantizer",)),
     ("fxq.algorithms.training", ("DropQuantize",)),
