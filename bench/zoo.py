@@ -3,11 +3,14 @@
     python bench/zoo.py                                   # all 109 models, every path (hours on 2 cores)
     python bench/zoo.py --models resnet18,googlenet --paths native,legacy13 --platforms trt_int8
     python bench/zoo.py --subset                          # the dozen models the tests run (tests/test_zoo_subset.py)
+    python bench/zoo.py --paths native --capture fx,export,auto --platforms trt_int8   # capture paths side by side
 
 Each model is built with seeded random init at the smallest input it accepts and, for each capture path, run in its
 own subprocess with a timeout:
 
-* paths: ``native`` (the ``nn.Module`` itself), ``legacy13`` / ``legacy17`` (``torch.onnx.export(dynamo=False)`` at
+* paths: ``native`` (the ``nn.Module`` itself, captured by :func:`fxq.graph.capture.capture` with ``--capture``:
+  ``auto`` by default; with several, ``native`` becomes ``native-fx``, ``native-export``, ``native-auto``; the
+  ``captured_by`` column says which path ``auto`` took: ``fx``, ``export`` or ``fx+islands``), ``legacy13`` / ``legacy17`` (``torch.onnx.export(dynamo=False)`` at
   that opset, then :func:`fxq.load_onnx`), ``dynamo`` (``torch.onnx.export(dynamo=True)``, then ``load_onnx``);
 * per platform (``trt_int8``, ``ort_int8``, ``ncnn_int8``): ``quantize`` (:func:`fxq.quantize`, two calibration
   batches), ``export`` (:func:`fxq.export`), ``runtime`` — the exported file in onnxruntime (default session and
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 PATHS = ("native", "legacy13", "legacy17", "dynamo")
+CAPTURES = ("auto", "fx", "export")
 PLATFORMS = ("trt_int8", "ort_int8", "ncnn_int8")
 STEPS = ("capture", "quantize", "export", "runtime")
 COSINE_BAR = 0.999
@@ -169,13 +173,27 @@ def _error(exc: BaseException) -> str:
     return f"{kind}: {msg[:300]}"
 
 
+def _native_capture(path: str) -> str | None:
+    """The ``capture=`` mode of a native path (``native`` is ``auto``), None for file paths."""
+    if path == "native":
+        return "auto"
+    return path[len("native-"):] if path.startswith("native-") else None
+
+
+def captured_by(gm: Any) -> str:
+    islands = gm.meta.get("fxq_fp32_islands") or {}
+    return gm.meta.get("fxq_capture", "fx") + (f"+islands({len(islands)})" if islands else "")
+
+
 def _capture(name: str, path: str, model: Any, args: tuple, tmp: Path) -> Any:
     import torch
 
     import fxq
+    from fxq.graph.capture import capture
 
-    if path == "native":
-        return model
+    mode = _native_capture(path)
+    if mode is not None:
+        return capture(model, args, capture=mode)
     onnx_path = tmp / f"{name}_{path}.onnx"
     if path.startswith("legacy"):
         torch.onnx.export(model, args, onnx_path, opset_version=int(path[len("legacy"):]), dynamo=False)
@@ -257,7 +275,8 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
         except Exception as exc:
             row("-", "capture", _error(exc))
             return rows
-        row("-", "capture", "ok", seconds=round(time.perf_counter() - t0, 2))
+        row("-", "capture", "ok", seconds=round(time.perf_counter() - t0, 2),
+            captured_by=captured_by(source) if _native_capture(path) else "")
         with torch.no_grad():
             t0 = time.perf_counter()
             try:
@@ -356,6 +375,14 @@ def summarize(rows: list[dict[str, Any]], paths: list[str], platforms: list[str]
     for r in rows:
         if r["status"] not in ("ok",):
             failures[f"{r['step']}: {r['status'].split(':')[0]}"] += 1
+    by: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for r in rows:
+        if r["step"] == "capture" and r["status"] == "ok" and r.get("captured_by"):
+            by[r["path"]][r["captured_by"].split("(")[0]] += 1
+    if by:
+        lines.append("")
+    for p, counts in sorted(by.items()):
+        lines.append(f"- {p} captured by: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     lines += ["", "| failure (step: class) | count |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in sorted(failures.items(), key=lambda kv: -kv[1])]
     return "\n".join(lines)
@@ -367,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subset", action="store_true", help="the dozen models the tests run")
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--platforms", default=",".join(PLATFORMS))
+    parser.add_argument("--capture", default="auto",
+                        help=f"capture mode(s) of the native path, comma-separated from {CAPTURES}")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per model and path")
     parser.add_argument("--csv", default="bench/zoo.csv")
     parser.add_argument("--families", help="comma-separated families (classification, detection, segmentation, "
@@ -376,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     paths = [p for p in args.paths.split(",") if p]
+    captures = [c for c in args.capture.split(",") if c]
+    if any(c not in CAPTURES for c in captures):
+        parser.error(f"--capture {args.capture}: use {', '.join(CAPTURES)}")
+    if captures != ["auto"] and "native" in paths:
+        i = paths.index("native")
+        paths[i:i + 1] = [f"native-{c}" for c in captures]
     platforms = [p for p in args.platforms.split(",") if p]
     if args.worker:
         try:
@@ -398,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in fams]
     if unknown:
         parser.error(f"unknown models {unknown}")
-    fields = ["model", "family", "path", "platform", "step", "status", "seconds", "ptq_over_fp32", "cosine_ort",
+    fields = ["model", "family", "path", "platform", "step", "status", "seconds", "captured_by", "ptq_over_fp32",
+              "cosine_ort",
               "cosine_ort_disable_all", "cosine_ncnn"]
     Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []

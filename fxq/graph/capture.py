@@ -57,6 +57,8 @@ def capture(model: Any, example_args: tuple, *, capture: str = "auto",
             return lift_aten_graph(copy.deepcopy(model), _name(model))
         return trace(model)
     if capture == "export":
+        if leaf_modules or concrete_args:
+            logger.warning("capture='export': leaf_modules and concrete_args are symbolic tracing's and do not apply")
         return _export(model, example_args)
     try:
         return trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
