@@ -381,3 +381,27 @@ def test_only_mask_adds_before_a_softmax_are_kept_float():
     assert (ATTENTION_MASK_OP, "fp32") in types.values()  # the causal mask
     with torch.no_grad():
         assert not q(data[0]).isnan().any()
+
+
+def test_sdpa_with_a_mask_is_decomposed_on_the_torch_export_path_too():
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+
+        def forward(self, x, keep):
+            q, k, v = self.qkv(x).view(2, SEQ, 3, 4, DIM // 4).permute(2, 0, 3, 1, 4).unbind(0)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+            return self.proj(y.transpose(1, 2).reshape(2, SEQ, DIM))
+
+    torch.manual_seed(0)
+    model = Attention().eval()
+    keep = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    data = [(torch.randn(2, SEQ, DIM), keep) for _ in range(2)]
+    q = fxq.quantize(model, data, "ort_int8", progress=False, capture="export")
+    rows = fxq.summary(q).layers
+    assert [r.platform for r in rows if r.op_type == "MatMul"] == ["ort_int8", "ort_int8"]
+    assert [r.platform for r in rows if r.op_type == ATTENTION_MASK_OP] == ["fp32"]
+    with torch.no_grad():
+        out, ref = q(*data[1]), model(*data[1])
+    assert not out.isnan().any() and float((out - ref).norm() / ref.norm()) < 0.05

@@ -177,6 +177,15 @@ def route_mask_adds(gm: fx.GraphModule) -> int:
     return routed
 
 
+def _default_scale(query: Any, q: Any) -> Any:
+    """``1 / sqrt(E)``: a constant when the graph knows the query's shape (torch.export), else computed."""
+    val = query.meta.get("val") if isinstance(query, fx.Node) else None
+    size = getattr(val, "shape", None)
+    if size is not None and isinstance(size[-1], int):
+        return size[-1] ** -0.5
+    return q.size(-1) ** -0.5
+
+
 def decompose_attention_functions(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite ``F.scaled_dot_product_attention`` nodes into matmul / mask / softmax / matmul, and hand-written
     ``logits + mask`` adds before a softmax into the float mask node (:func:`route_mask_adds`), in place.
@@ -200,7 +209,7 @@ def decompose_attention_functions(gm: fx.GraphModule) -> fx.GraphModule:
                 groups = q.size(-3) // k.size(-3)
                 k = k.repeat_interleave(groups, dim=-3)
                 v = v.repeat_interleave(groups, dim=-3)
-            scale = a["scale"] if a["scale"] is not None else q.size(-1) ** -0.5
+            scale = a["scale"] if a["scale"] is not None else _default_scale(a["query"], q)
             out, _ = attention(q, k, v, scale, attn_mask=proxy(a["attn_mask"]), bool_keeps=True, causal=bool(a["is_causal"]))
         out.node.meta.update({key: value for key, value in node.meta.items() if key in _KEPT_META})
         node.replace_all_uses_with(out.node)
