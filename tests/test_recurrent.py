@@ -450,3 +450,19 @@ def test_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.fxq.lstm.default, lstm_args)
     gru_args = (x, torch.randn(1, 12, 3), torch.randn(1, 12, 4), torch.randn(1, 24), None, 4, "reverse", 0)
     torch.library.opcheck(torch.ops.fxq.gru.default, gru_args)
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_onnx_gru_keyword_spotter_file(kws, dynamo, tmp_path):
+    """The trained 2-layer bidirectional GRU (final states used) through a torch.onnx file, on both platforms."""
+    gen = torch.Generator().manual_seed(7)
+    x, y = keyword_batch(gen, 64)
+    _torch_onnx(kws, x[:4], tmp_path / "kws.onnx", dynamo)
+    gm = fxq.load_onnx(tmp_path / "kws.onnx")
+    assert sum(n.op == "call_function" and n.target in RECURRENT_TARGETS for n in gm.graph.nodes) == 2
+    float_acc = chunked_accuracy(kws, x, y)
+    for platform in PLATFORMS:
+        q = quantize(gm, [keyword_batch(gen, 4)[0] for _ in range(4)], platform)
+        assert abs(chunked_accuracy(q, x, y) - float_acc) < 0.05, platform
+        diffs = check_in_ort(q, platform, tmp_path / f"kws_{platform}.onnx", (x[:4],), "GRU")
+        assert max(diffs) <= output_lsb(q) + 1e-6, (platform, diffs)
