@@ -50,6 +50,7 @@ def test_detection_model_gets_one_error_and_its_backbone_quantizes_by_both_paths
     msg = str(e.value)
     assert "for img in images:" in msg and "iteration over a traced value" in msg  # symbolic tracing
     assert "module 'rpn'" in msg and "boxes.py" in msg  # torch.export: where NMS guards on a data-dependent size
+    assert "Parts that do capture on their own: backbone (fx)" in msg  # what the user can quantize instead
     x = torch.rand(1, 3, 320, 320)
     counts = [len(list(iter_quantizers(fxq.prepare(model.backbone, "trt_int8", x, capture=c)))) for c in ("fx", "export")]
     assert counts[0] == counts[1] > 100

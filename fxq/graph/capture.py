@@ -104,6 +104,7 @@ def _fallback(model: nn.Module, args: tuple, fx_error: TraceError, leaves: list,
     gm, island_failure = _with_islands(model, fx_error, leaves, concrete_args, export_failure)
     if gm is not None:
         return gm
+    parts = _capturable_parts(model, args)
     raise TraceError(
         f"fxq could not capture {type(model).__name__} by any path:\n"
         f"  - torch.fx symbolic tracing: {_first_line(fx_error)}\n"
@@ -111,8 +112,51 @@ def _fallback(model: nn.Module, args: tuple, fx_error: TraceError, leaves: list,
         f"  - FP32 islands: {island_failure}\n"
         f"What to do: move the failing code into a submodule (fxq then keeps that submodule FP32 and quantizes "
         f"the rest), fix a branch on a flag with concrete_args={{...}}, write a branch on a tensor value with "
-        f"torch.where or torch.cond, or export the model to ONNX yourself and use fxq.load_onnx"
+        f"torch.where or torch.cond, or export the model to ONNX yourself and use fxq.load_onnx{parts}"
     ) from fx_error
+
+
+def _capturable_parts(model: nn.Module, args: tuple) -> str:
+    """``; parts that do capture ...`` naming the direct submodules that capture on their own, with the inputs the
+    model gives them (one eager run with hooks), so the user can quantize those (``fxq.quantize(model.backbone,
+    ...)``); empty when none or when the model does not run."""
+    seen: dict[str, tuple] = {}
+    children = [(n, c) for n, c in model.named_children() if any(True for _ in c.parameters())]
+
+    def recorder(name: str):
+        def hook(_module: nn.Module, inputs: tuple) -> None:
+            seen.setdefault(name, inputs)
+        return hook
+
+    handles = [c.register_forward_pre_hook(recorder(n)) for n, c in children]
+    try:
+        with torch.no_grad():
+            model(*args)
+    except Exception:  # the model does not run this batch: nothing to suggest
+        return ""
+    finally:
+        for h in handles:
+            h.remove()
+    found = []
+    for name, child in children:
+        if name not in seen:
+            continue
+        try:
+            trace(child)
+            found.append(f"{name} (fx)")
+            continue
+        except TraceError:
+            pass
+        try:
+            export_program(copy.deepcopy(child), seen[name])
+            found.append(f"{name} (export)")
+        except Exception:  # not capturable on its own either
+            continue
+    if not found:
+        return ""
+    first = found[0].split(" ")[0]
+    return (f". Parts that do capture on their own: {', '.join(found)}; quantize those, e.g. "
+            f"fxq.quantize(model.{first}, ...) on the inputs the model gives it")
 
 
 def _with_islands(model: nn.Module, error: TraceError, leaves: list, concrete_args: dict[str, Any] | None,
