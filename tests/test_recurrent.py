@@ -340,7 +340,7 @@ def test_onnx_gru_file_both_reset_forms(tmp_path):
             np.testing.assert_allclose(g.detach().numpy(), a, atol=1e-5)
 
 
-def _with_if(model: onnx.ModelProto, cond_nodes: list, cond: str) -> onnx.ModelProto:
+def _with_if(model: onnx.ModelProto, cond_nodes: list, cond: str, dim: int = 2) -> onnx.ModelProto:
     """The model's output passed through an If: softmax when ``cond`` holds, negation otherwise."""
     graph = model.graph
     out = graph.output[0].name
@@ -355,6 +355,7 @@ def _with_if(model: onnx.ModelProto, cond_nodes: list, cond: str) -> onnx.ModelP
     graph.node.extend([*cond_nodes, helper.make_node("If", [cond], [out], then_branch=then_g, else_branch=else_g,
                                                      name="pick")])
     graph.initializer.extend([numpy_helper.from_array(np.array(2, dtype=np.int64), "two"),
+                              numpy_helper.from_array(np.array(dim, dtype=np.int64), "dim"),
                               numpy_helper.from_array(np.array(FEATURES, dtype=np.int64), "n_features")])
     return model
 
@@ -466,3 +467,27 @@ def test_onnx_gru_keyword_spotter_file(kws, dynamo, tmp_path):
         assert abs(chunked_accuracy(q, x, y) - float_acc) < 0.05, platform
         diffs = check_in_ort(q, platform, tmp_path / f"kws_{platform}.onnx", (x[:4],), "GRU")
         assert max(diffs) <= output_lsb(q) + 1e-6, (platform, diffs)
+
+
+def test_onnx_if_on_sizes_of_a_dynamic_file(vad, tmp_path):
+    """Dynamic batch and time: an If on the (fixed) feature count folds as is; one on the time length folds once
+    ``input_shapes`` fixes it, and is refused with that advice before."""
+    model, x, y, calib = vad
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x[:4],), str(tmp_path / "vad.onnx"), dynamo=False, input_names=["features"],
+                          output_names=["logits"], opset_version=17,
+                          dynamic_axes={"features": {0: "batch", 1: "time"}, "logits": {0: "batch", 1: "time"}})
+    on_dim = lambda dim: _with_if(onnx.load(str(tmp_path / "vad.onnx")), [  # noqa: E731
+        helper.make_node("Shape", ["features"], ["shape"], name="shape"),
+        helper.make_node("Gather", ["shape", "dim"], ["n"], axis=0, name="pick_dim"),
+        helper.make_node("Equal", ["n", "n_features"], ["cond"], name="eq")], "cond", dim)
+    gm = fxq.load_onnx(on_dim(2))
+    assert "Softmax" in [n.meta.get("onnx", {}).get("op_type") for n in gm.graph.nodes]
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x[:3]), model(x[:3]).softmax(-1), rtol=0, atol=1e-5)
+    with pytest.raises(fxq.FrontendError, match=r"If node 'pick'.*input_shapes"):
+        fxq.load_onnx(on_dim(1))
+    gm = fxq.load_onnx(on_dim(1), input_shapes={"features": [4, FEATURES, FEATURES]})  # time == 8: then branch
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x[:4, :FEATURES]), model(x[:4, :FEATURES]).softmax(-1), rtol=0, atol=1e-5)

@@ -10,6 +10,7 @@ node. The condition is evaluated with onnx's reference evaluator on its constant
 from __future__ import annotations
 
 import logging
+from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -24,12 +25,38 @@ _LOG = logging.getLogger(__name__)
 _REFUSED = ("Loop", "Scan")
 
 
-def _static_dims(infos: dict[str, onnx.ValueInfoProto], name: str) -> list[int] | None:
+def _dims(infos: dict[str, onnx.ValueInfoProto], fixed: Mapping[str, Sequence[int]],
+          name: str) -> list[int | None] | None:
+    """Dims of tensor ``name`` (None for an unknown one; None overall for an unknown rank)."""
+    if name in fixed:
+        return [int(d) for d in fixed[name]]
     info = infos.get(name)
     if info is None or not info.type.HasField("tensor_type") or not info.type.tensor_type.HasField("shape"):
         return None
-    dims = info.type.tensor_type.shape.dim
-    return [int(d.dim_value) for d in dims] if all(d.HasField("dim_value") for d in dims) else None
+    return [int(d.dim_value) if d.HasField("dim_value") else None for d in info.type.tensor_type.shape.dim]
+
+
+def _static_dims(infos: dict[str, onnx.ValueInfoProto], fixed: Mapping[str, Sequence[int]],
+                 name: str) -> list[int] | None:
+    dims = _dims(infos, fixed, name)
+    return None if dims is None or any(d is None for d in dims) else [int(d) for d in dims]  # type: ignore[arg-type]
+
+
+def _gathered_dim(node: onnx.NodeProto, produced: dict[str, onnx.NodeProto], inits: dict[str, onnx.TensorProto],
+                  infos: dict[str, onnx.ValueInfoProto], fixed: Mapping[str, Sequence[int]]) -> np.ndarray | None:
+    """``Gather(Shape(t), i)`` when dim ``i`` of ``t`` is known though others are not (``x.shape[2]`` of a
+    dynamic-batch input)."""
+    shape = produced.get(node.input[0])
+    if node.op_type != "Gather" or shape is None or shape.op_type != "Shape" or shape.attribute:
+        return None
+    index = inits.get(node.input[1])
+    dims = _dims(infos, fixed, shape.input[0])
+    if index is None or dims is None:
+        return None
+    picked = [dims[int(i)] for i in numpy_helper.to_array(index).reshape(-1)]
+    if any(d is None for d in picked):
+        return None
+    return np.array(picked, dtype=np.int64).reshape(numpy_helper.to_array(index).shape)
 
 
 def _shape_constant(node: onnx.NodeProto, dims: list[int]) -> np.ndarray:
@@ -39,7 +66,8 @@ def _shape_constant(node: onnx.NodeProto, dims: list[int]) -> np.ndarray:
     return np.array(dims[attrs.get("start", 0):attrs.get("end", len(dims))], dtype=np.int64)
 
 
-def _fold(model: onnx.ModelProto, name: str, infos: dict[str, onnx.ValueInfoProto]) -> tuple[np.ndarray | None, str]:
+def _fold(model: onnx.ModelProto, name: str, infos: dict[str, onnx.ValueInfoProto],
+          fixed: Mapping[str, Sequence[int]]) -> tuple[np.ndarray | None, str]:
     """The value of tensor ``name`` when it depends only on constants and known shapes, else (None, why)."""
     graph = model.graph
     produced = {o: n for n in graph.node for o in n.output if o}
@@ -59,8 +87,12 @@ def _fold(model: onnx.ModelProto, name: str, infos: dict[str, onnx.ValueInfoProt
         node = produced.get(t)
         if node is None:
             return None, f"it reads the values of graph input {t!r}"
+        picked = _gathered_dim(node, produced, inits, infos, fixed)
+        if picked is not None:
+            feeds[t] = numpy_helper.from_array(picked, t)
+            continue
         if node.op_type in ("Shape", "Size"):
-            dims = _static_dims(infos, node.input[0])
+            dims = _static_dims(infos, fixed, node.input[0])
             if dims is not None:
                 feeds[t] = numpy_helper.from_array(_shape_constant(node, dims), t)
                 continue
@@ -68,7 +100,7 @@ def _fold(model: onnx.ModelProto, name: str, infos: dict[str, onnx.ValueInfoProt
                 return None, f"it reads the size of input {node.input[0]!r}, which the file leaves open"
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
             return None, f"it is computed by control flow ({node.op_type} {node.name!r})"
-        if node.op_type not in ("Shape", "Size") or _static_dims(infos, node.input[0]) is None:
+        if node.op_type not in ("Shape", "Size") or _static_dims(infos, fixed, node.input[0]) is None:
             cone.append(node)
             stack.extend(node.input)
     order = {id(n): i for i, n in enumerate(graph.node)}
@@ -109,8 +141,10 @@ def _inline(graph: onnx.GraphProto, index: int, branch: onnx.GraphProto, if_node
     graph.node.extend(rest[:index] + nodes + rest[index + 1:])
 
 
-def fold_constant_ifs(model: onnx.ModelProto, source: str) -> int:
+def fold_constant_ifs(model: onnx.ModelProto, source: str, fixed: Mapping[str, Sequence[int]] | None = None) -> int:
     """Replace every top-level ``If`` whose condition folds to a constant by its taken branch (in place).
+
+    ``fixed``: input dims given to the loader (``input_shapes``), which count over the file's symbolic ones.
 
     Returns:
         how many ``If`` nodes were folded (nested ones included: a taken branch's Ifs are folded in turn).
@@ -125,7 +159,7 @@ def fold_constant_ifs(model: onnx.ModelProto, source: str) -> int:
         if index is None:
             return folded
         node = model.graph.node[index]
-        value, why = _fold(model, node.input[0], infos)
+        value, why = _fold(model, node.input[0], infos, fixed or {})
         if value is None or value.size != 1:
             raise FrontendError(
                 f"cannot load ONNX model {source!r}: If node {node.name!r} branches on {node.input[0]!r}, which does "

@@ -112,7 +112,7 @@ def load_onnx(
         original.CopyFrom(proto)
     declared = shapes.source_dims(proto)
     proto = shapes.infer_for_conversion(cleanup.clean(proto, infer=False), fixed)
-    if control_flow.fold_constant_ifs(proto, source):  # the taken branches' nodes get their shapes
+    if control_flow.fold_constant_ifs(proto, source, fixed):  # the taken branches' nodes get their shapes
         proto = shapes.infer_for_conversion(cleanup.clean(proto, infer=False), fixed)
     control_flow.refuse_loops(proto, source)
     support.check_wiring(proto, source)
