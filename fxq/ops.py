@@ -2,10 +2,13 @@
 
 The default (CPU and any device) implementation is the torch reference in :mod:`fxq.functional`;
 :mod:`fxq.triton_kernels` registers CUDA kernels for the same ops. Each op has a fake implementation
-and autograd, so ``torch.fx`` traces and ``torch.compile(fullgraph=True)`` graphs keep one node per
-quantizer and differentiate through it.
+and autograd, so eager code and ``torch.fx`` graphs keep one node per quantizer and differentiate through it.
+Inside ``torch.compile`` the wrappers hand dynamo the reference's own aten ops instead (forward and backward),
+which inductor fuses with the ops around them: the same values, fewer memory passes.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -120,17 +123,65 @@ def _float_backward(ctx, grad):
 _fake_quant_float.register_autograd(_float_backward, setup_context=_float_setup_context)
 
 
+# --------------------------------------------------------------------------- the form torch.compile sees
+class _LinearFakeQuantTraced(torch.autograd.Function):
+    """The linear fake-quant as the reference's own aten ops, for graphs that torch.compile builds.
+
+    The ``fxq::`` op is opaque to inductor: nothing fuses across it and its output is one more tensor in memory.
+    Traced through instead, the reference forward and backward (:mod:`fxq.functional`, the same functions the
+    op runs) become pointwise ops that inductor fuses with their neighbours (bias add, ReLU, the next
+    quantizer's division...). Values are those of the reference; the tests compare compiled and eager bit for bit.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, scale: Tensor, offset: Tensor, axis: int, quant_min: int, quant_max: int,
+                rounding: int) -> Tensor:
+        ctx.save_for_backward(x, scale, offset)
+        ctx.args = (axis, quant_min, quant_max, rounding)
+        return F.linear_fake_quantize_reference(x, scale, offset, axis, quant_min, quant_max, rounding)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, scale, offset = ctx.saved_tensors
+        need_x, need_s, need_o = ctx.needs_input_grad[:3]
+        gx, gs, go = F.linear_fake_quantize_backward_reference(grad, x, scale, offset, *ctx.args, need_s, need_o)
+        return (gx if need_x else None), (gs if need_s else None), (go if need_o else None), None, None, None, None
+
+
+class _FloatFakeQuantTraced(torch.autograd.Function):
+    """:class:`_LinearFakeQuantTraced` for the floating (FP8) fake-quant."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, scale: Tensor, axis: int, mantissa_bits: int, min_exponent: int,
+                max_value: float, rounding: int) -> Tensor:
+        ctx.save_for_backward(x, scale)
+        ctx.args = (axis, mantissa_bits, min_exponent, max_value, rounding)
+        return F.float_fake_quantize_reference(x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, scale = ctx.saved_tensors
+        need_x, need_s = ctx.needs_input_grad[:2]
+        gx, gs = F.float_fake_quantize_backward_reference(grad, x, scale, *ctx.args, need_s)
+        return (gx if need_x else None), (gs if need_s else None), None, None, None, None, None
+
+
 def fake_quant_linear(
     x: Tensor, scale: Tensor, offset: Tensor, axis: int, quant_min: int, quant_max: int, rounding: int
 ) -> Tensor:
-    """Linear fake-quant through ``torch.ops.fxq.fake_quant_linear``."""
+    """Linear fake-quant: ``torch.ops.fxq.fake_quant_linear`` eagerly (fused CPU loop, Triton on CUDA); the
+    reference's aten ops inside ``torch.compile`` (:class:`_LinearFakeQuantTraced`), so inductor fuses them."""
+    if torch.compiler.is_compiling():
+        return _LinearFakeQuantTraced.apply(x, scale, offset, axis, quant_min, quant_max, rounding)
     return torch.ops.fxq.fake_quant_linear(x, scale, offset, axis, quant_min, quant_max, rounding)
 
 
 def fake_quant_float(
     x: Tensor, scale: Tensor, axis: int, mantissa_bits: int, min_exponent: int, max_value: float, rounding: int
 ) -> Tensor:
-    """FP8 fake-quant through ``torch.ops.fxq.fake_quant_float``."""
+    """FP8 fake-quant: ``torch.ops.fxq.fake_quant_float`` eagerly, the reference's aten ops inside torch.compile."""
+    if torch.compiler.is_compiling():
+        return _FloatFakeQuantTraced.apply(x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
     return torch.ops.fxq.fake_quant_float(x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
 
 
