@@ -162,3 +162,13 @@ def test_export_graph_writes_the_same_ncnn_files(tmp_path):
     layers = [[line.split()[0] for line in f[".param"].decode().splitlines()[2:]] for f in files.values()]
     assert layers[0] == layers[1] and "Convolution" in layers[0]
     assert files["fx"][".bin"] == files["export"][".bin"]  # same folded, quantized weights
+
+
+def test_batch_of_one_example_still_gives_a_batch_generic_graph():
+    model = _net()
+    data = _data((1, 3, 8, 8))
+    q_fx = fxq.quantize(model, data, "trt_int8", capture="fx", progress=False)
+    q_ex = fxq.quantize(model, data, "trt_int8", capture="export", progress=False)
+    x = _data((4, 3, 8, 8), 1)[0]
+    with torch.no_grad():
+        assert torch.allclose(q_ex(x), q_fx(x), atol=1e-5)

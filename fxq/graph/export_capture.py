@@ -64,20 +64,62 @@ def export_program(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None 
     """``torch.export`` of ``model`` in eval mode at the example's shapes, the batch dimension left dynamic where the
     model allows it (calibration batches may differ in size). Non-strict: the model's Python runs as is.
 
-    Raises:
-        TraceError: from the second attempt (static shapes), with torch's message; see :mod:`fxq.graph.capture`.
-    """
-    def batch_dim(a: Any) -> Any:
-        return {0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() else None
+    A batch of one would be specialized (torch.export fixes sizes 0 and 1), so such an example is exported as a
+    batch of two (repeated) and kept only if the program then gives the model's own result on the batch of one.
 
-    dyn = pytree.tree_map(batch_dim, (tuple(args), dict(kwargs)) if kwargs else tuple(args))
+    Raises:
+        Exception: torch.export's error of the last attempt (fixed shapes); :mod:`fxq.graph.capture` names it.
+    """
+    args, kwargs = tuple(args), dict(kwargs or {})
+    doubled = pytree.tree_map(lambda a: a.repeat(2, *([1] * (a.dim() - 1)))
+                              if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == 1 else a, (args, kwargs))
+    if not _same_structure_values(doubled, (args, kwargs)):
+        try:
+            ep = _export_dynamic(model, *doubled)
+            if _same_result(ep, model, args, kwargs):
+                return ep
+            logger.debug("the program exported at batch 2 differs from the model at batch 1; exporting at batch 1")
+        except Exception as exc:  # batch-size-dependent code: the example's own batch next
+            logger.debug("torch.export at batch 2 failed (%s)", exc)
     try:
-        with _quiet():
-            return torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dyn, strict=False)
+        return _export_dynamic(model, args, kwargs)
     except Exception as exc:  # a batch-size-dependent model: fall back to the example's shapes
         logger.debug("torch.export with a dynamic batch failed (%s); exporting at fixed shapes", exc)
     with _quiet():
-        return torch.export.export(model, tuple(args), kwargs, strict=False)
+        return torch.export.export(model, args, kwargs or None, strict=False)
+
+
+def _export_dynamic(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
+    def batch_dim(a: Any) -> Any:
+        return {0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() else None
+
+    dyn = pytree.tree_map(batch_dim, (args, kwargs) if kwargs else args)
+    with _quiet():
+        return torch.export.export(model, args, kwargs or None, dynamic_shapes=dyn, strict=False)
+
+
+def _same_structure_values(a: Any, b: Any) -> bool:
+    return all(x is y for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b)))
+
+
+def _same_result(ep: torch.export.ExportedProgram, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether ``ep`` computes what ``model`` does on ``args`` (same structure, shapes, close values)."""
+    try:
+        with torch.no_grad():
+            want, got = model(*args, **kwargs), ep.module()(*args, **kwargs)
+    except Exception:  # a guard of the program refuses these inputs
+        return False
+    w_leaves, w_spec = pytree.tree_flatten(want)
+    g_leaves, g_spec = pytree.tree_flatten(got)
+    if w_spec != g_spec:
+        return False
+    for w, g in zip(w_leaves, g_leaves):
+        if isinstance(w, torch.Tensor) != isinstance(g, torch.Tensor):
+            return False
+        if isinstance(w, torch.Tensor) and (w.shape != g.shape or (w.is_floating_point() and not torch.allclose(
+                w, g, rtol=1e-4, atol=1e-5)) or (not w.is_floating_point() and not torch.equal(w, g))):
+            return False
+    return True
 
 
 @contextlib.contextmanager
