@@ -80,10 +80,14 @@ def export_program(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None 
                 return ep
             logger.debug("the program exported at batch 2 differs from the model at batch 1; exporting at batch 1")
         except Exception as exc:  # batch-size-dependent code: the example's own batch next
+            if _data_dependent(exc):
+                raise
             logger.debug("torch.export at batch 2 failed (%s)", exc)
     try:
         return _export_dynamic(model, args, kwargs)
     except Exception as exc:  # a batch-size-dependent model: fall back to the example's shapes
+        if _data_dependent(exc):
+            raise
         logger.debug("torch.export with a dynamic batch failed (%s); exporting at fixed shapes", exc)
     with _quiet():
         return torch.export.export(model, args, kwargs or None, strict=False)
@@ -96,6 +100,11 @@ def _export_dynamic(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> to
     dyn = pytree.tree_map(batch_dim, (args, kwargs) if kwargs else args)
     with _quiet():
         return torch.export.export(model, args, kwargs or None, dynamic_shapes=dyn, strict=False)
+
+
+def _data_dependent(exc: BaseException) -> bool:
+    """A guard on a tensor's value: no choice of input shapes changes it, so the other attempts would fail alike."""
+    return type(exc).__name__ == "GuardOnDataDependentSymNode" or "data-dependent" in str(exc).split("\n", 1)[0]
 
 
 def _same_structure_values(a: Any, b: Any) -> bool:
