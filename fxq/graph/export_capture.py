@@ -245,6 +245,8 @@ def _module_path(node: fx.Node) -> tuple[str, type | str] | None:
     if not stack:
         return None
     path, cls = list(stack.values())[-1]
+    if str(path).startswith("_"):  # torch's placeholder entries (``_empty_nn_module_stack_from_metadata_hook``)
+        return None
     return str(path), cls
 
 
@@ -283,5 +285,8 @@ _MODULE_OPS = {
 def _is_module_op(node: fx.Node, cls: Any) -> bool:
     """``node`` is the op its (leaf) module stands for: a conv in a ``Conv2d``, not an add in a ``BasicBlock``."""
     cls_name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
+    def plain(name: str) -> str:
+        return name.replace("_", "").lower()
+
     return any(cls_name.startswith(k) and node.target in fns for k, fns in _MODULE_OPS.items()) or \
-        cls_name.lower() == getattr(node.target, "__name__", "").strip("_").lower()
+        plain(cls_name) == plain(getattr(node.target, "__name__", ""))
