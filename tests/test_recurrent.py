@@ -280,15 +280,52 @@ def test_variants_deploy(platform, cls, bidirectional, layers, batch_first, tmp_
     assert max(diffs) <= output_lsb(q) + 1e-6, diffs
 
 
+def run_ncnn(files: list, x: torch.Tensor) -> np.ndarray:
+    """The int8 ncnn model's output on one sequence (the first of ``x``), CPU, no fp16."""
+    ncnn = pytest.importorskip("ncnn")
+    net = ncnn.Net()
+    opt = net.opt
+    opt.use_vulkan_compute = False
+    opt.num_threads = 1
+    opt.use_int8_inference = True
+    opt.use_fp16_storage = opt.use_fp16_packed = opt.use_fp16_arithmetic = opt.use_bf16_storage = False
+    param, weights = (next(str(f) for f in files if str(f).endswith(ext) and ".fp32." not in str(f))
+                      for ext in (".param", ".bin"))
+    assert net.load_param(param) == 0 and net.load_model(weights) == 0
+    ex = net.create_extractor()
+    ex.input("in0", ncnn.Mat(np.ascontiguousarray(x[0].numpy())).clone())
+    ret, out = ex.extract("out0")
+    assert ret == 0
+    return np.array(out).copy()
+
+
 def test_ncnn_keeps_recurrent_layers_fp32(vad, caplog, tmp_path):
+    """ncnn_int8: the LSTM stays FP32 (logged) and is written as ncnn's own LSTM layer around the int8 head."""
     model, x, y, calib = vad
     with caplog.at_level(logging.INFO, logger="fxq.graph.dispatch"):
         q = quantize(model, calib[:2], "ncnn_int8")
     (lstm,) = [n for n in q.graph.nodes if getattr(n.meta.get("fxq"), "op_type", None) == "LSTM"]
     assert lstm.meta["fxq"].platform == "fp32" and not lstm.meta["fxq"].inputs
     assert "stays FP32" in caplog.text
-    with pytest.raises(fxq.ExportError, match="no LSTM layer"):
-        fxq.export(q, "ncnn_int8", tmp_path / "vad")
+    files = fxq.export(q, "ncnn_int8", tmp_path / "vad")
+    param = next(f for f in files if str(f).endswith(".param") and ".fp32." not in str(f)).read_text()
+    assert "\nLSTM " in param and "\nInnerProduct " in param
+    with torch.no_grad():
+        want = q(x[:1])[0].numpy()
+    np.testing.assert_allclose(run_ncnn(files, x[:1]), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("cls,bidirectional,layers", [(nn.GRU, False, 1), (nn.GRU, True, 2), (nn.LSTM, True, 2)],
+                         ids=["gru", "gru-bi-2", "lstm-bi-2"])
+def test_ncnn_recurrent_variants(cls, bidirectional, layers, tmp_path):
+    torch.manual_seed(0)
+    model = FrameTagger(cls, bidirectional, layers).eval()
+    q = quantize(model, [torch.randn(1, FRAMES, FEATURES) for _ in range(2)], "ncnn_int8")
+    files = fxq.export(q, "ncnn_int8", tmp_path / "m")
+    x = torch.randn(1, FRAMES, FEATURES)
+    with torch.no_grad():
+        want = q(x)[0].numpy()
+    np.testing.assert_allclose(run_ncnn(files, x), want, atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------ ONNX files

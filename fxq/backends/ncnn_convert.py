@@ -482,11 +482,10 @@ class NcnnBuilder:
                 self._input(node)
             elif node.op in ("get_attr", "output") or self.is_quantizer(node) or node in self.static_nodes:
                 continue
-            elif self.op(node) in RECURRENT_OPS:
-                raise self.fail(node, f"the ncnn writer has no {self.op(node)} layer yet (ncnn's is batch-free, "
-                                "with its own gate order and state blobs)",
-                                "export this model for 'trt_int8' or 'ort_int8' (one ONNX LSTM / GRU node with Q/DQ "
-                                "weights), or keep the recurrent part out of the ncnn model")
+            elif self.op(node) in RECURRENT_OPS:  # one layer, several outputs: gives the getitems their blobs
+                NCNN_CONVERTERS.get(self.op(node))(self, node)
+            elif node in self.blob_of:
+                continue  # an output of a multi-output layer, set by its converter
             elif not isinstance(node.meta.get("val"), torch.Tensor):
                 continue  # shape / index arithmetic: its consumers read their static output shapes
             else:
@@ -612,6 +611,7 @@ def _insert_splits(model: NcnnModel) -> None:
 def build_ncnn_model(gm: fx.GraphModule) -> tuple[NcnnModel, NcnnBuilder]:
     """Convert a prepared (and calibrated) GraphModule, at batch 1; raises :class:`ExportError` naming the node."""
     import fxq.backends.ncnn_layers  # noqa: F401  (registers the built-in converters)
+    import fxq.backends.ncnn_recurrent  # noqa: F401
 
     builder = NcnnBuilder(_at_batch_one(gm))
     return builder.build(), builder

@@ -1,0 +1,86 @@
+"""ncnn ``LSTM`` / ``GRU`` layers for ``fxq::lstm`` / ``fxq::gru`` nodes, in FP32 (ncnn_int8 keeps them FP32).
+
+ncnn runs one sequence: its recurrent layers read a ``(T, input)`` blob (the op's ``[T, 1, I]`` input without its
+batch of 1) and write ``(T, D*H)``, the directions side by side; the states are ``(D, H)`` blobs. Weights are the
+ONNX ones with ncnn's gate order (LSTM: I F O G; GRU: R U N) and biases summed where ncnn has one per gate
+(LSTM: four ``W_b + R_b`` rows; GRU: ``R``, ``U`` summed, ``N``'s two kept apart, as torch's GRU computes them).
+The states come in as extra bottoms (zeros from a ``MemoryData`` when the node takes none but its final states are
+used) and go out as extra tops.
+"""
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+from torch import fx
+
+from fxq.backends.ncnn_convert import NcnnBuilder, register_ncnn_converter
+from fxq.graph.passes import get_attr_value
+
+__all__: list[str] = []
+
+_NCNN_GATES = {"LSTM": (0, 2, 1, 3), "GRU": (1, 0, 2)}  # ONNX gate index of each ncnn gate
+
+
+def _param(b: NcnnBuilder, node: fx.Node, arg: fx.Node, what: str) -> np.ndarray:
+    src = b.strip(arg)
+    if src.op != "get_attr":
+        raise b.fail(node, f"its {what} is computed in the graph", "keep recurrent weights as parameters")
+    return get_attr_value(b.gm, str(src.target)).detach().float().cpu().numpy()
+
+
+def _gates(t: np.ndarray, order: tuple[int, ...], hidden: int) -> np.ndarray:
+    """``[D, G*H, ...]`` rows regrouped gate by gate in ``order``."""
+    return np.concatenate([t[:, g * hidden:(g + 1) * hidden] for g in order], axis=1)
+
+
+def _weights(kind: str, w: np.ndarray, r: np.ndarray, bias: np.ndarray, hidden: int) -> list[tuple[str, np.ndarray]]:
+    order = _NCNN_GATES[kind]
+    gates = len(order)
+    wb, rb = bias[:, :gates * hidden].reshape(-1, gates, hidden), bias[:, gates * hidden:].reshape(-1, gates, hidden)
+    if kind == "LSTM":
+        b = (wb + rb)[:, list(order)]  # [D, 4, H]
+    else:  # R, U summed; N's input and hidden biases apart (the hidden one is scaled by the reset gate)
+        z, rr, n = 0, 1, 2
+        b = np.stack([wb[:, rr] + rb[:, rr], wb[:, z] + rb[:, z], wb[:, n], rb[:, n]], axis=1)
+    return [("tagged", np.ascontiguousarray(_gates(w, order, hidden), dtype=np.float32)),
+            ("tagged", np.ascontiguousarray(b, dtype=np.float32)),
+            ("tagged", np.ascontiguousarray(_gates(r, order, hidden), dtype=np.float32))]
+
+
+@register_ncnn_converter("LSTM", "GRU", any_batch_dim=True)
+def _recurrent(b: NcnnBuilder, node: fx.Node) -> None:
+    kind = b.op(node)
+    args = list(node.args)
+    x, w_arg, r_arg, b_arg = args[:4]
+    states = list(args[4:6] if kind == "LSTM" else args[4:5])
+    hidden, direction = (args[6], args[7]) if kind == "LSTM" else (args[5], args[6])
+    if kind == "GRU" and not args[7]:
+        raise b.fail(node, "ncnn's GRU computes the candidate as torch does (linear_before_reset=1); this node has "
+                     "linear_before_reset=0", "export the model for 'ort_int8' / 'trt_int8'")
+    dirs = 2 if direction == "bidirectional" else 1
+    if b.shape(x)[1] != 1:
+        raise b.fail(node, "ncnn runs one sequence at a time", "export at batch 1")
+    w, r, bias = (_param(b, node, a, what) for a, what in ((w_arg, "W"), (r_arg, "R"), (b_arg, "B")))
+    users = {u.args[1]: u for u in node.users if u.op == "call_function" and u.target is operator.getitem}
+    want_states = any(i in users for i in (1, 2))
+    bottoms = [b.blob(x, node)]
+    if want_states or any(s is not None for s in states):
+        zeros = None
+        for s in states:
+            if s is not None:
+                bottoms.append(b.blob(s, node))
+                continue
+            if zeros is None:
+                zeros = b.helper(node, "MemoryData", [], {0: hidden, 1: dirs},
+                                 [("raw", np.zeros((dirs, hidden), dtype=np.float32))])
+            bottoms.append(zeros)
+    n_tops = len(bottoms)
+    layer = b.add_layer(node, kind, bottoms, {0: hidden, 1: int(w.size), 2: {"forward": 0, "reverse": 1}.get(
+        direction, 2)}, _weights(kind, w, r, bias, hidden), n_tops=n_tops)
+    if 0 in users:  # Y [T, D, 1, H]: ncnn's (T, D*H) as a (T, D, H) blob, the value's own shape without its batch
+        y = b.helper(node, "Reshape", [layer.tops[0]], {0: hidden, 1: dirs, 2: int(b.shape(users[0])[0])})
+        b._set_blob(users[0], y, 2)
+    for index in (1, 2)[: n_tops - 1]:
+        if index in users:  # Y_h / Y_c [D, 1, H]: ncnn's (D, H)
+            b._set_blob(users[index], layer.tops[index], 1)
