@@ -528,3 +528,29 @@ def test_onnx_if_on_sizes_of_a_dynamic_file(vad, tmp_path):
     gm = fxq.load_onnx(on_dim(1), input_shapes={"features": [4, FEATURES, FEATURES]})  # time == 8: then branch
     with torch.no_grad():
         torch.testing.assert_close(gm(x[:4, :FEATURES]), model(x[:4, :FEATURES]).softmax(-1), rtol=0, atol=1e-5)
+
+
+class LastState(nn.Module):
+    """A decision from the final hidden state only (ncnn then needs zero initial states to output it)."""
+
+    def __init__(self, cls: type[nn.Module]) -> None:
+        super().__init__()
+        self.rnn = cls(FEATURES, HIDDEN, batch_first=True)
+        self.head = nn.Linear(HIDDEN, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, state = self.rnn(x)
+        h = state[0] if isinstance(state, tuple) else state
+        return self.head(h[-1])
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+def test_ncnn_final_state_output(cls, tmp_path):
+    torch.manual_seed(0)
+    q = quantize(LastState(cls).eval(), [torch.randn(1, FRAMES, FEATURES) for _ in range(2)], "ncnn_int8")
+    files = fxq.export(q, "ncnn_int8", tmp_path / "m")
+    assert "MemoryData" in next(f for f in files if str(f).endswith(".param")).read_text()
+    x = torch.randn(1, FRAMES, FEATURES)
+    with torch.no_grad():
+        want = q(x)[0].numpy()
+    np.testing.assert_allclose(run_ncnn(files, x).reshape(-1), want.reshape(-1), atol=1e-4)
