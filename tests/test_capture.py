@@ -172,3 +172,14 @@ def test_batch_of_one_example_still_gives_a_batch_generic_graph():
     x = _data((4, 3, 8, 8), 1)[0]
     with torch.no_grad():
         assert torch.allclose(q_ex(x), q_fx(x), atol=1e-5)
+
+
+def test_algorithms_and_analysis_see_the_same_graph():
+    model, data = _net(), _data()
+    setting = fxq.QuantizationSetting(equalization=True, bias_correct=True)
+    qs = {c: fxq.quantize(model, data, "trt_int8", setting=setting, capture=c, progress=False) for c in ("fx", "export")}
+    x = _data((3, 3, 8, 8), 1)[0]
+    with torch.no_grad():
+        assert torch.allclose(qs["fx"](x), qs["export"](x), atol=1e-5)
+    reports = [str(fxq.graphwise_error_analyse(q, data)) for q in qs.values()]
+    assert reports[0] == reports[1] and "block_conv" in reports[0]
