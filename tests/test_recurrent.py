@@ -281,22 +281,13 @@ def test_variants_deploy(platform, cls, bidirectional, layers, batch_first, tmp_
 
 
 def run_ncnn(files: list, x: torch.Tensor) -> np.ndarray:
-    """The int8 ncnn model's output on one sequence (the first of ``x``), CPU, no fp16."""
-    ncnn = pytest.importorskip("ncnn")
-    net = ncnn.Net()
-    opt = net.opt
-    opt.use_vulkan_compute = False
-    opt.num_threads = 1
-    opt.use_int8_inference = True
-    opt.use_fp16_storage = opt.use_fp16_packed = opt.use_fp16_arithmetic = opt.use_bf16_storage = False
-    param, weights = (next(str(f) for f in files if str(f).endswith(ext) and ".fp32." not in str(f))
+    """The int8 ncnn model's output on one sequence (the first of ``x``)."""
+    pytest.importorskip("ncnn")
+    from test_ncnn_gaps import run_ncnn as run  # the ncnn tests' runner (CPU, no fp16)
+
+    param, weights = (next(f for f in files if str(f).endswith(ext) and ".fp32." not in str(f))
                       for ext in (".param", ".bin"))
-    assert net.load_param(param) == 0 and net.load_model(weights) == 0
-    ex = net.create_extractor()
-    ex.input("in0", ncnn.Mat(np.ascontiguousarray(x[0].numpy())).clone())
-    ret, out = ex.extract("out0")
-    assert ret == 0
-    return np.array(out).copy()
+    return run(param, weights, x, 1, int8=True)[0]
 
 
 def test_ncnn_keeps_recurrent_layers_fp32(vad, caplog, tmp_path):
