@@ -44,6 +44,7 @@ from fxq.nn import FakeQuantize, fake_quant_mode
 from fxq.observers import Observer, register_observer
 from fxq.qat import freeze_bn, prepare_qat
 from fxq.qconfig import Platform, get_platform, register_platform
+from fxq.recurrent import capture as _recurrent_capture  # noqa: F401  (registers nn.LSTM / nn.GRU capture)
 from fxq.serialization import load, save
 from fxq.setting import QuantizationSetting, QuantizationSettingFactory
 from fxq.spec import FloatFormat, QuantState, RoundingPolicy, TensorQuantConfig

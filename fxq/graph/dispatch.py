@@ -187,5 +187,3 @@ def _resolve_override(key: str, value: Any, default: Platform, cache: dict[str, 
         return cache[ck]
     raise ConfigError(f"{where} must be 'fp32', a platform name or a dict of overrides, got {value!r}")
 
-
-from fxq.recurrent import capture as _recurrent_capture  # noqa: E402,F401  (nn.LSTM / nn.GRU decompositions)
