@@ -124,3 +124,23 @@ def test_torchscript_input_is_refused_with_advice_that_works(tmp_path):
     assert len([r for r in fxq.summary(q).layers if r.weight is not None]) == 2
     with torch.no_grad():
         assert torch.allclose(q(x), _tiny()(x), atol=0.1)
+
+
+class WithScriptedPart(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Conv2d(3, 4, 3, padding=1)
+        self.scripted = torch.jit.script(nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU()))
+        self.tail = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        return self.tail(self.scripted(self.head(x)))
+
+
+def test_torchscript_submodule_stays_an_fp32_island_and_says_so(caplog):
+    with caplog.at_level(logging.WARNING, logger="fxq"):
+        q = fxq.quantize(WithScriptedPart().eval(), _data(), "trt_int8", progress=False)
+    assert "'scripted' stays FP32" in caplog.text
+    assert "TorchScript" in fxq.summary(q).fp32_islands["scripted"]
+    assert [r.node for r in fxq.summary(q).layers if r.weight is not None] == ["head", "tail"]

@@ -61,11 +61,35 @@ def capture(model: Any, example_args: tuple, *, capture: str = "auto",
             logger.warning("capture='export': leaf_modules and concrete_args are symbolic tracing's and do not apply")
         return _export(model, example_args)
     try:
-        return trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
+        gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
     except TraceError as fx_error:
         if capture == "fx":
             raise
         return _fallback(model, example_args, fx_error, list(leaf_modules), concrete_args)
+    return _note_script_leaves(gm)
+
+
+def _note_script_leaves(gm: fx.GraphModule) -> fx.GraphModule:
+    """TorchScript submodules are kept whole by torch.fx: say they stay FP32, like any island."""
+    for node in gm.graph.nodes:  # torch.fx calls a script's C++ object: get_attr <path>._c, then .forward()
+        target = str(node.target)
+        if node.op != "get_attr" or not target.endswith("._c"):
+            continue
+        owner = target[: -len("._c")]
+        if not isinstance(getattr(_attr(gm, owner), "_c", None), torch._C.ScriptModule):
+            continue
+        gm.meta.setdefault(ISLANDS_KEY, {})[owner] = (
+            "a TorchScript submodule (its Python code is gone); pass its Python module to quantize it")
+        logger.warning("module %r stays FP32 (an island): it is TorchScript; pass its Python module to quantize "
+                       "it", owner)
+    return gm
+
+
+def _attr(root: nn.Module, path: str) -> object:
+    obj: object = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def _name(model: Any) -> str:
