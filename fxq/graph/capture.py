@@ -16,6 +16,7 @@ from torch import fx, nn
 
 from fxq.errors import ConfigError, TraceError
 from fxq.graph.export_capture import export_program, from_exported_program, is_aten_graph, lift_aten_graph
+from fxq.graph.passes import get_attr_value
 from fxq.graph.trace import failure_line, trace
 
 __all__ = ["capture", "CAPTURE_PATHS", "ISLANDS_KEY"]
@@ -76,7 +77,7 @@ def _note_script_leaves(gm: fx.GraphModule) -> fx.GraphModule:
         if node.op != "get_attr" or not target.endswith("._c"):
             continue
         owner = target[: -len("._c")]
-        if not isinstance(getattr(_attr(gm, owner), "_c", None), torch._C.ScriptModule):
+        if not isinstance(get_attr_value(gm, target), torch._C.ScriptModule):
             continue
         gm.meta.setdefault(ISLANDS_KEY, {})[owner] = (
             "a TorchScript submodule (its Python code is gone); pass its Python module to quantize it")
@@ -84,12 +85,6 @@ def _note_script_leaves(gm: fx.GraphModule) -> fx.GraphModule:
                        "it", owner)
     return gm
 
-
-def _attr(root: nn.Module, path: str) -> object:
-    obj: object = root
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-    return obj
 
 
 def _name(model: Any) -> str:
