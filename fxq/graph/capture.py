@@ -92,7 +92,7 @@ def _name(model: Any) -> str:
 
 
 def _export(model: nn.Module, args: tuple) -> fx.GraphModule:
-    copied = copy.deepcopy(model)
+    copied = copy.deepcopy(model).eval()  # as prepare() runs the traced graph: BatchNorm folds, dropout goes
     try:
         ep = export_program(copied, args)
     except Exception as exc:  # torch.export raises many types
@@ -107,7 +107,7 @@ def _fallback(model: nn.Module, args: tuple, fx_error: TraceError, leaves: list,
     """torch.export, then FP32 islands, then one error naming every path's failure."""
     logger.info("symbolic tracing failed (%s); capturing %s with torch.export instead", fx_error,
                 type(model).__name__)
-    copied = copy.deepcopy(model)
+    copied = copy.deepcopy(model).eval()
     try:
         ep = export_program(copied, args)
     except Exception as exc:

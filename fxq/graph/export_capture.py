@@ -53,6 +53,8 @@ LIFTED: dict[Any, Callable[..., Any]] = {
     aten.squeeze.dim: torch.squeeze,
 }
 """aten overloads whose positional arguments are those of a torch function; the node keeps args and kwargs."""
+_ARITY = {F.layer_norm: 5, F.elu: 2}
+"""Lifted functions whose aten overload takes more positional arguments than they do (the rest are defaults)."""
 
 _BN_NO_TRAINING = aten._native_batch_norm_legit_no_training.default
 _IDENTITIES = {aten.clone.default, aten.alias.default, aten.dropout.default, aten.contiguous.default,
@@ -184,6 +186,9 @@ def lift_aten_graph(gm: fx.GraphModule, name: str = "ExportedProgram") -> fx.Gra
             node.target, node.args = F.batch_norm, (x, mean, var, w, b, training, momentum, eps)
         elif node.target in LIFTED:
             node.target = LIFTED[node.target]
+            cap = _ARITY.get(node.target)
+            if cap is not None and len(node.args) > cap:  # aten-only trailing flags (layer_norm's cudnn_enable)
+                node.args = node.args[:cap]
     _readable_names(graph)
     graph.eliminate_dead_code()
     graph.lint()
