@@ -138,3 +138,29 @@ def torch_encoder() -> nn.Module:
     layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, norm_first=True, activation="gelu")
     return nn.Sequential(nn.Linear(16, 32), nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(32),
                                                                   enable_nested_tensor=False), nn.Linear(32, 5)).eval()
+
+
+def digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits as normalized ``(1797, 1, 8, 8)`` images and labels (skips the test without sklearn)."""
+    import pytest
+
+    sk = pytest.importorskip("sklearn.datasets")
+    d = sk.load_digits()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    return (x - x.mean()) / x.std(), torch.tensor(d.target, dtype=torch.long)
+
+
+def train_digits(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int = 6, lr: float = 1e-2,
+                 n_train: int = 1200) -> nn.Module:
+    """Adam on the first ``n_train`` digits, batches of 64 in a seeded order; returns ``model`` in eval mode."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(epochs):
+        perm = torch.randperm(n_train, generator=gen)
+        for i in range(0, n_train, 64):
+            j = perm[i:i + 64]
+            loss = F.cross_entropy(model(x[j]), y[j])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model.eval()

@@ -19,6 +19,8 @@ import fxq
 from fxq.auto_quantize import Budget
 from fxq.graph.info import NodeQuant, iter_quantizers
 
+from _models import digits_tensors, train_digits
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -44,23 +46,9 @@ class Net(nn.Module):
 @pytest.fixture(scope="module")
 def digits() -> tuple[nn.Module, list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """(trained model, calibration batches, test inputs, test labels)."""
-    sk = pytest.importorskip("sklearn.datasets")
-    d = sk.load_digits()
-    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    x = (x - x.mean()) / x.std()
-    y = torch.tensor(d.target, dtype=torch.long)
+    x, y = digits_tensors()
     torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(6):
-        perm = torch.randperm(1200)
-        for i in range(0, 1200, 64):
-            j = perm[i:i + 64]
-            loss = F.cross_entropy(model(x[j]), y[j])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    model.eval()
+    model = train_digits(Net(), x, y)
     calib = [x[i:i + 64] for i in range(0, 512, 64)]
     return model, calib, x[1200:], y[1200:]
 

@@ -15,6 +15,8 @@ import fxq
 from fxq.algorithms.ssd_equalization import find_ssd_pairs
 from fxq.setting import QuantizationSetting, QuantizationSettingFactory
 
+from _models import digits_tensors, train_digits
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -38,25 +40,10 @@ class Net(nn.Module):
 @pytest.fixture(scope="module")
 def digits() -> tuple[nn.Module, list[torch.Tensor], torch.Tensor]:
     """(trained model, calibration batches, test inputs)."""
-    sk = pytest.importorskip("sklearn.datasets")
-    d = sk.load_digits()
-    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    x = (x - x.mean()) / x.std()
-    y = torch.tensor(d.target, dtype=torch.long)
-    x_train, y_train, x_test = x[:1200], y[:1200], x[1200:]
+    x, y = digits_tensors()
+    x_train, x_test = x[:1200], x[1200:]
     torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(6):
-        perm = torch.randperm(len(x_train), generator=gen)
-        for i in range(0, len(x_train), 64):
-            j = perm[i:i + 64]
-            loss = F.cross_entropy(model(x_train[j]), y_train[j])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    model.eval()
+    model = train_digits(Net(), x, y)
     with torch.no_grad():
         assert (model(x[1200:]).argmax(1) == y[1200:]).float().mean() > 0.8
     return model, [x_train[i:i + 64] for i in range(0, 256, 64)], x_test
