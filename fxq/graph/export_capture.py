@@ -222,6 +222,12 @@ def _plain_codegen(gm: fx.GraphModule) -> None:
     the output node, so the graph copies into new GraphModules (fxq's passes do) without its ``_in_spec``."""
     codegen = gm.graph._codegen
     out_spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
+    in_spec = getattr(getattr(codegen, "pytree_info", None), "in_spec", None)
+    if in_spec is not None:
+        n = in_spec.num_leaves
+        if pytree.tree_unflatten(list(range(n)), in_spec) != (tuple(range(n)), {}):
+            logger.warning("the exported model takes nested inputs (lists, dicts or keywords); the captured graph "
+                           "takes its %d inputs flattened in order, so give batches as flat tuples of tensors", n)
     gm.graph._codegen = fx.graph.CodeGen()
     if out_spec is not None:
         out = next(n for n in gm.graph.nodes if n.op == "output")
