@@ -183,3 +183,19 @@ def test_algorithms_and_analysis_see_the_same_graph():
         assert torch.allclose(qs["fx"](x), qs["export"](x), atol=1e-5)
     reports = [str(fxq.graphwise_error_analyse(q, data)) for q in qs.values()]
     assert reports[0] == reports[1] and "block_conv" in reports[0]
+
+
+def test_unfolded_batchnorm_is_a_module_like_the_fx_path():
+    """fold_bn=False: torch.export's functional BatchNorm becomes a BatchNorm module again, so QAT trains it with batch
+    statistics and freeze_bn finds it, as on the fx path."""
+    model, data = _net(), _data()
+    outs = []
+    for capture in ("fx", "export"):
+        qat = fxq.prepare_qat(model, "trt_int8", example_inputs=data[0], fold_bn=False, capture=capture)
+        bns = sorted(n for n, m in qat.named_modules() if isinstance(m, nn.BatchNorm2d))
+        assert bns == ["block.bn", "stem.1"]
+        qat(data[0]).sum().backward()
+        fxq.freeze_bn(qat)
+        with torch.no_grad():
+            outs.append(qat.eval()(data[1]))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)

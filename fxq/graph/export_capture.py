@@ -190,6 +190,7 @@ def lift_aten_graph(gm: fx.GraphModule, name: str = "ExportedProgram") -> fx.Gra
             if cap is not None and len(node.args) > cap:  # aten-only trailing flags (layer_norm's cudnn_enable)
                 node.args = node.args[:cap]
     _readable_names(graph)
+    _batch_norm_modules(gm)
     graph.eliminate_dead_code()
     graph.lint()
     gm = fx.GraphModule(gm, graph, name)  # a plain GraphModule: ep.module()'s refuses eval()/train()
@@ -233,6 +234,51 @@ def _plain_codegen(gm: fx.GraphModule) -> None:
         out = next(n for n in gm.graph.nodes if n.op == "output")
         flat = out.args[0]
         out.args = (pytree.tree_unflatten(list(flat) if isinstance(flat, (list, tuple)) else [flat], out_spec),)
+
+
+_BN_CLASSES = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+
+
+def _batch_norm_modules(gm: fx.GraphModule) -> None:
+    """``F.batch_norm`` over one holder's ``running_mean/var, weight, bias`` becomes a call of a real BatchNorm module
+    at that path, as symbolic tracing gives: folding treats both alike, and with ``fold_bn=False`` QAT trains it
+    with batch statistics (``fxq.freeze_bn`` finds it)."""
+    from fxq.graph.passes import reuse_node_name  # noqa: PLC0415  (passes -> op_types -> this module)
+
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not F.batch_norm or len(node.args) != 8:
+            continue
+        x, mean, var, w, b, training, momentum, eps = node.args
+        stats = (mean, var, w, b)
+        if not all(isinstance(a, fx.Node) and a.op == "get_attr" for a in stats) or any(len(a.users) != 1 for a in stats):
+            continue
+        owners = {str(a.target).rpartition(".")[0] for a in stats}
+        names = [str(a.target).rpartition(".")[2] for a in stats]
+        val = getattr(x, "meta", {}).get("val")
+        owner = next(iter(owners))
+        if len(owners) != 1 or not owner or names != ["running_mean", "running_var", "weight", "bias"] or \
+                not isinstance(val, torch.Tensor) or val.dim() not in _BN_CLASSES:
+            continue
+        holder = gm.get_submodule(owner)
+        if set(dict(holder.named_children())):  # not a plain holder of this BatchNorm's tensors
+            continue
+        bn = _BN_CLASSES[val.dim()](holder.running_mean.numel(), eps=float(eps), momentum=momentum)
+        with torch.no_grad():
+            bn.running_mean.copy_(holder.running_mean)
+            bn.running_var.copy_(holder.running_var)
+            bn.weight.copy_(holder.weight)
+            bn.bias.copy_(holder.bias)
+        bn.train(training is not False)
+        gm.add_submodule(owner, bn)
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_module(owner, (x,))
+        call.meta.update(node.meta)
+        node.replace_all_uses_with(call)
+        name = node.name
+        gm.graph.erase_node(node)
+        for a in stats:
+            gm.graph.erase_node(a)
+        reuse_node_name(call, name)
 
 
 def _lift_batch_norm(graph: fx.Graph, node: fx.Node) -> None:
