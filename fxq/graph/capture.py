@@ -45,6 +45,11 @@ def capture(model: Any, example_args: tuple, *, capture: str = "auto",
     Raises:
         TraceError: TorchScript input (with what to pass instead), or no path captured the model.
         ConfigError: an unknown ``capture``.
+
+    Example:
+        >>> gm = capture(torchvision.models.optical_flow.raft_small(), (img1, img2))  # fx fails, torch.export works
+        >>> gm.meta["fxq_capture"], gm.meta.get("fxq_fp32_islands", {})
+        ('export', {})
     """
     if capture not in CAPTURE_PATHS:
         raise ConfigError(f"capture={capture!r}; use one of {CAPTURE_PATHS}")
