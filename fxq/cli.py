@@ -293,13 +293,13 @@ def _quantize(args: argparse.Namespace, loaded: _Loaded, data: Any) -> Any:
     if getattr(args, "budget", None):
         gm, report = _fxq().auto_quantize(loaded.module, data, platform=_platform(args, loaded),
                                           budget=args.budget, setting=_setting(args), fallback=args.fallback,
-                                          steps=args.steps)
+                                          steps=args.steps, capture=args.capture)
         args._auto_report = report
         logger.info("auto-quantized %s for %s in %.1f s", loaded.name, _platform(args, loaded),
                     time.perf_counter() - t0)
         return gm
     gm = _fxq().quantize(loaded.module, data, platform=_platform(args, loaded), setting=_setting(args),
-                         steps=args.steps, progress=not args.quiet)
+                         steps=args.steps, progress=not args.quiet, capture=args.capture)
     logger.info("quantized %s for %s in %.1f s", loaded.name, _platform(args, loaded), time.perf_counter() - t0)
     return gm
 
@@ -577,6 +577,9 @@ def _model_args(p: argparse.ArgumentParser, calib_required: bool = True) -> None
     p.add_argument("--batch-size", type=_positive_int, default=None, help="re-batch the calibration samples to this size")
     p.add_argument("--setting", metavar="JSON", help="QuantizationSetting as JSON (QuantizationSetting.to_json)")
     p.add_argument("--steps", type=_positive_int, default=None, help="calibration batches to use (default: all)")
+    p.add_argument("--capture", default="auto", choices=["auto", "fx", "export"],
+                   help="how a Python model (module:factory) becomes a graph: symbolic tracing, torch.export, or "
+                        "auto (tracing, then torch.export, then FP32 islands; default)")
     p.add_argument("--max-image-pixels", type=_positive_int, default=None, metavar="N",
                    help="largest width x height of a calibration image, checked before decoding "
                         "(default 2**26, 64 megapixels)")

@@ -193,3 +193,11 @@ def test_python_m_fxq(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(root)})
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("fxq: error:")
+
+
+def test_capture_choice(work, capsys):
+    assert main(["quantize", "cli_small_model:build", "--calib", "calib", "--capture", "export", "--out", "out",
+                 "--no-export", "-q"]) == 0
+    assert "Conv" in (work / "out" / "build_trt_int8.summary.txt").read_text()
+    assert main(["quantize", "cli_small_model:build", "--calib", "calib", "--capture", "jit", "-q"]) == 2
+    assert "--capture" in capsys.readouterr().err
