@@ -1,0 +1,112 @@
+"""Forward of the quantized model against the FP32 model, eager and under ``torch.compile``, CPU.
+
+    python bench/inference.py [--models resnet18 mobilenet_v2 encoder] [--size 224] [--steps 5] [--repeat 2]
+
+For each model and batch size (1 and 8): the median forward time of the torchvision FP32 model (eval, no grad) and
+of ``fxq.quantize(model, calib, "trt_int8")``, each eager and compiled (``torch.compile(fullgraph=True)``), rounds
+interleaved in one process, each after 10 s of warm-up calls (compiles; fxq's fused CPU kernels switch on
+after a few seconds of eager use). Printed: quantized / FP32 ratios (goals: eager <= 1.2x, compiled <= 1.1x). ``encoder``
+is a 4-layer ``nn.TransformerEncoder`` (d=256, 8 heads, 197 tokens) that fxq decomposes. Run on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import platform
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torchvision
+from torch import nn
+
+import fxq
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(256, 8, 1024, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        self.head = nn.Linear(256, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(1))
+
+
+def _model(name: str) -> tuple[nn.Module, Callable[[int], torch.Tensor]]:
+    if name == "encoder":
+        return Encoder().eval(), lambda b: torch.randn(b, 197, 256)
+    return getattr(torchvision.models, name)().eval(), lambda b: torch.randn(b, 3, _SIZE, _SIZE)
+
+
+_SIZE = 224
+_WARMUP_S = 10.0
+
+
+def _timer(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, steps: int) -> Callable[[], float]:
+    """A closure timing ``steps`` forwards; first ``_WARMUP_S`` seconds of calls (compiles, and fxq's fused CPU
+    kernels, which switch on after a few seconds of eager use) so the steady state is what gets timed."""
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < _WARMUP_S:
+            fn(x)
+
+    def run() -> float:
+        times = []
+        with torch.no_grad():
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                fn(x)
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return run
+
+
+def bench(name: str, steps: int, repeat: int) -> list[dict]:
+    torch.manual_seed(0)
+    model, make = _model(name)
+    calib = [make(8) for _ in range(2)]
+    qmodel = fxq.quantize(model, calib, "trt_int8", progress=False)
+    rows = []
+    for batch in (1, 8):
+        x = make(batch)
+        torch._dynamo.reset()
+        variants = {"fp32 eager": _timer(model, x, steps), "fxq eager": _timer(qmodel, x, steps),
+                    "fp32 compiled": _timer(torch.compile(copy.deepcopy(model), fullgraph=True), x, steps),
+                    "fxq compiled": _timer(torch.compile(copy.deepcopy(qmodel), fullgraph=True), x, steps)}
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        for _ in range(repeat):
+            for label, run in variants.items():
+                times[label].append(run())
+        med = {k: statistics.median(v) for k, v in times.items()}
+        row = {"model": name, "batch": batch, **med, "eager ratio": med["fxq eager"] / med["fp32 eager"],
+               "compiled ratio": med["fxq compiled"] / med["fp32 compiled"]}
+        print(f"{name:12s} batch {batch}: eager fp32 {med['fp32 eager'] * 1e3:.1f} ms, fxq "
+              f"{med['fxq eager'] * 1e3:.1f} ms ({row['eager ratio']:.2f}x); compiled fp32 "
+              f"{med['fp32 compiled'] * 1e3:.1f} ms, fxq {med['fxq compiled'] * 1e3:.1f} ms "
+              f"({row['compiled ratio']:.2f}x)", flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    global _SIZE
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2", "encoder"])
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args(argv)
+    _SIZE = args.size
+    logging.basicConfig(level=logging.WARNING)
+    print(f"{time.strftime('%Y-%m-%d')}: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{platform.processor() or platform.machine()}, images {args.size}x{args.size}")
+    return [row for m in args.models for row in bench(m, args.steps, args.repeat)]
+
+
+if __name__ == "__main__":
+    main()
