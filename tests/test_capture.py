@@ -199,3 +199,35 @@ def test_unfolded_batchnorm_is_a_module_like_the_fx_path():
         with torch.no_grad():
             outs.append(qat.eval()(data[1]))
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+@pytest.mark.parametrize("batch_first, bidirectional", [(True, False), (False, True)])
+def test_recurrent_layers_through_export_quantize_like_fx(cls, batch_first, bidirectional):
+    """aten.lstm / aten.gru become one fxq::lstm / fxq::gru per layer: the fx path's graph, quantizers and values."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = cls(4, 8, num_layers=2, batch_first=batch_first, bidirectional=bidirectional)
+            self.fc = nn.Linear(16 if bidirectional else 8, 2)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y, h = self.rnn(x)
+            return self.fc(y), (h[0] if cls is nn.LSTM else h)
+
+    torch.manual_seed(0)
+    model = Net().eval()
+    x = torch.randn(3, 5, 4) if batch_first else torch.randn(5, 3, 4)
+    by_fx = fxq.quantize(model, [x], "trt_int8", progress=False, capture="fx")
+    by_export = fxq.quantize(model, [x], "trt_int8", progress=False, capture="export")
+    ops = [n.target for n in by_export.graph.nodes if n.op == "call_function"]
+    recurrent = torch.ops.fxq.lstm.default if cls is nn.LSTM else torch.ops.fxq.gru.default
+    assert ops.count(recurrent) == 2
+    assert torch.ops.aten.lstm.input not in ops and torch.ops.aten.gru.input not in ops
+    assert len(list(iter_quantizers(by_export))) == len(list(iter_quantizers(by_fx)))
+    for a, b in zip(by_export(x), by_fx(x)):
+        assert torch.equal(a, b)
+    with fxq.fp32_mode(by_export):
+        for a, b in zip(by_export(x), model(x)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

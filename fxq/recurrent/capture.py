@@ -21,7 +21,7 @@ from torch import nn
 from fxq.graph.decompose import register_decomposition
 from fxq.recurrent.ops import GRU_TO_TORCH, LSTM_TO_TORCH
 
-__all__ = ["onnx_layout", "ONNX_PARAM_NAMES"]
+__all__ = ["onnx_layout", "lift_aten_recurrent", "ONNX_PARAM_NAMES"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,3 +126,71 @@ def _lstm(module: nn.LSTM, input: Any, hx: Any = None) -> Any:
 def _gru(module: nn.GRU, input: Any, hx: Any = None) -> Any:
     out, hs, _ = _run_layers(module, input, hx, None)
     return out, _cat(hs)
+
+
+def lift_aten_recurrent(gm: Any, node: Any) -> bool:
+    """Rewrite an ``aten.lstm.input`` / ``aten.gru.input`` node of a torch.export graph (``gm``, in place) as one
+    :class:`~fxq.recurrent.modules.RecurrentLayer` call per layer, the form the ONNX frontend builds, so
+    :func:`~fxq.recurrent.modules.functionalize_recurrent` makes the weights quantizable graph inputs.
+
+    Returns False (graph untouched) for forms the recurrent op does not cover (LSTM projections, an unknown arity).
+    """
+    import operator  # noqa: PLC0415
+
+    from fxq.graph.passes import get_attr_value  # noqa: PLC0415
+    from fxq.recurrent.modules import RecurrentLayer  # noqa: PLC0415
+
+    lstm = node.target is torch.ops.aten.lstm.input
+    if len(node.args) != 9 or any(u.target is not operator.getitem for u in node.users):
+        return False
+    x, hx, params, has_biases, num_layers, _dropout, _train, bidirectional, batch_first = node.args
+    if not all(getattr(p, "op", None) == "get_attr" for p in params):
+        return False
+    values = [get_attr_value(gm, str(p.target)) for p in params]
+    hidden = int(values[1].shape[1])
+    per_dir = 4 if has_biases else 2
+    if len(values) != per_dir * num_layers * (2 if bidirectional else 1) or int(values[1].shape[0]) % hidden:
+        return False  # proj_size adds a weight per direction
+    cls = nn.LSTM if lstm else nn.GRU
+    module = cls(int(values[0].shape[1]), hidden, num_layers, bias=bool(has_biases), batch_first=bool(batch_first),
+                 bidirectional=bool(bidirectional))
+    with torch.no_grad():
+        for p, v in zip(module.parameters(), values):
+            if p.shape != v.shape:
+                return False
+            p.copy_(v)
+    h0, c0 = (hx[0], hx[1]) if lstm else (hx[0] if isinstance(hx, (list, tuple)) else hx, None)
+    dirs = 2 if bidirectional else 1
+    graph = gm.graph
+    base = node.name
+    hs, cs = [], []
+    with graph.inserting_before(node):
+        seq = graph.call_function(torch.transpose, (x, 0, 1)) if batch_first else x
+        for layer in range(num_layers):
+            w, r, b = onnx_layout(module, layer)
+            target = f"{base}_l{layer}"
+            gm.add_submodule(target, RecurrentLayer("LSTM" if lstm else "GRU", w, r, b,
+                                                    "bidirectional" if bidirectional else "forward",
+                                                    has_h=True, has_c=lstm, num_outputs=3 if lstm else 2,
+                                                    linear_before_reset=1))
+            states = [graph.call_function(operator.getitem, (h0, slice(layer * dirs, (layer + 1) * dirs)))]
+            if lstm:
+                states.append(graph.call_function(operator.getitem, (c0, slice(layer * dirs, (layer + 1) * dirs))))
+            call = graph.call_module(target, (seq, *states))
+            call.meta["module_path"] = target
+            y = graph.call_function(operator.getitem, (call, 0))
+            hs.append(graph.call_function(operator.getitem, (call, 1)))
+            if lstm:
+                cs.append(graph.call_function(operator.getitem, (call, 2)))
+            seq = graph.call_function(torch.flatten, (graph.call_function(torch.permute, (y, (0, 2, 1, 3))), 2))
+        out = graph.call_function(torch.transpose, (seq, 0, 1)) if batch_first else seq
+        results = [out, _cat_node(graph, hs)] + ([_cat_node(graph, cs)] if lstm else [])
+    for user in list(node.users):
+        user.replace_all_uses_with(results[user.args[1]])
+        graph.erase_node(user)
+    graph.erase_node(node)
+    return True
+
+
+def _cat_node(graph: Any, states: list[Any]) -> Any:
+    return states[0] if len(states) == 1 else graph.call_function(torch.cat, (states, 0))
