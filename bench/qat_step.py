@@ -5,7 +5,7 @@
 For each model: an SGD step (forward, cross-entropy, backward, update) of the torchvision FP32 model and of
 ``fxq.prepare_qat(model, "trt_int8")`` (LSQ scales, BN folded), each eager and compiled
 (``torch.compile(fullgraph=True)``, inductor). Printed: the median step time of each over ``--steps`` steps after
-warm-up, repeated ``--repeat`` times in one process (rounds interleave the four variants), the ratios QAT / FP32
+10 s of warm-up steps (fxq's fused CPU kernels switch on after a few seconds of eager use), repeated ``--repeat`` times in one process (rounds interleave the four variants), the ratios QAT / FP32
 (goals: eager <= 1.5x, compiled <= 1.3x) and the compile time of each (goal: QAT <= 1.5x FP32's). Run on a quiet
 machine.
 """
@@ -41,8 +41,13 @@ def _step_fn(model: torch.nn.Module, compiled: bool) -> tuple[Callable[[], float
         return time.perf_counter() - t0
 
     first = step()
-    step()  # second call: recompiles for grads now allocated, if any
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < _WARMUP_S:  # recompiles for allocated grads; fxq's fused CPU kernels switch on
+        step()                                   # after a few seconds of eager use: time the steady state
     return step, first
+
+
+_WARMUP_S = 10.0
 
 
 _DATA: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))

@@ -171,12 +171,14 @@ def _canonical(x: torch.Tensor, numels: tuple[int, ...], axis: int) -> tuple[tup
 
 def _eligible(x: torch.Tensor, grad: torch.Tensor | None, *params: torch.Tensor) -> bool:
     """Large contiguous float32/float64 CPU ``x`` (and ``grad``, or any second operand, like it), plain
-    tensors, nothing tracing."""
+    tensors or a weight ``nn.Parameter`` as ``x``, nothing tracing."""
     enabled, min_numel, _ = _state.settings.resolved()
     if not enabled or _state.broken is not None or x.numel() < max(min_numel, 1):
         return False
     if grad is not None and (grad.dtype != x.dtype or grad.shape != x.shape or not grad.is_contiguous()):
         return False
+    if type(x) is torch.nn.Parameter:  # a weight: read only here (the kernels detach it), so as plain as a tensor
+        x = x.detach()
     return _writable_cpu(x, *params, *(() if grad is None else (grad,)))
 
 

@@ -118,6 +118,30 @@ def test_fused_path_through_autograd(forced):
     assert_bit_identical(scale.grad, s2.grad)
 
 
+def test_weight_parameters_take_the_fused_path(forced):
+    """QAT's weight quantizers read an ``nn.Parameter``: fused forward and backward, values of the reference; the
+    parameter itself is never written."""
+    w = torch.nn.Parameter(torch.randn(8, 3, 3, 3))
+    w0 = w.detach().clone()
+    scale = torch.rand(8, requires_grad=True) * 0.05 + 0.01
+    scale.retain_grad()
+    offset = torch.zeros(8)
+    args = (0, -127, 127, int(RoundingPolicy.HALF_EVEN))
+    before = _fused_calls()
+    y = op.fake_quant_linear(w, scale, offset, *args)
+    (y * torch.arange(float(w.numel())).view(w.shape)).sum().backward()
+    assert _fused_calls() == before + 2, "the fused path was not taken"
+    assert torch.equal(w.detach(), w0)
+    with cpu_fusion(enabled=False):
+        w2 = torch.nn.Parameter(w0.clone())
+        s2 = scale.detach().clone().requires_grad_(True)
+        y2 = op.fake_quant_linear(w2, s2, offset, *args)
+        (y2 * torch.arange(float(w.numel())).view(w.shape)).sum().backward()
+    assert_bit_identical(y.detach(), y2.detach())
+    assert_bit_identical(w.grad, w2.grad)
+    assert_bit_identical(scale.grad, s2.grad)
+
+
 def test_overwrite_keeps_gradients(forced):
     """``overwrite=True`` never takes the in-place (no-autograd) path while a gradient is wanted."""
     from fxq.spec import TensorQuantConfig
