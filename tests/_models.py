@@ -140,6 +140,26 @@ def torch_encoder() -> nn.Module:
                                                                   enable_nested_tensor=False), nn.Linear(32, 5)).eval()
 
 
+class DigitsNet(nn.Module):
+    """c1-relu, c2-relu-maxpool, c3-relu, (``residual``: x + relu(c4(x))), global avg pool, fc — for 8x8 digits."""
+
+    def __init__(self, residual: bool = False) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.c2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.c3 = nn.Conv2d(32, 32, 3, padding=1)
+        self.c4 = nn.Conv2d(32, 32, 3, padding=1) if residual else None
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.c1(x))
+        x = F.max_pool2d(F.relu(self.c2(x)), 2)
+        x = F.relu(self.c3(x))
+        if self.c4 is not None:
+            x = x + F.relu(self.c4(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
 def digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's digits as normalized ``(1797, 1, 8, 8)`` images and labels (skips the test without sklearn)."""
     import pytest

@@ -12,35 +12,15 @@ import logging
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 
 import fxq
 from fxq.auto_quantize import Budget
 from fxq.graph.info import NodeQuant, iter_quantizers
 
-from _models import digits_tensors, train_digits
+from _models import DigitsNet, digits_tensors, train_digits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class Net(nn.Module):
-    """c1-relu, c2-relu-maxpool, c3-relu, residual c4, global avg pool, fc."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.c2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.c3 = nn.Conv2d(32, 32, 3, padding=1)
-        self.c4 = nn.Conv2d(32, 32, 3, padding=1)
-        self.fc = nn.Linear(32, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.c1(x))
-        x = F.max_pool2d(F.relu(self.c2(x)), 2)
-        x = F.relu(self.c3(x))
-        x = x + F.relu(self.c4(x))
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +28,7 @@ def digits() -> tuple[nn.Module, list[torch.Tensor], torch.Tensor, torch.Tensor]
     """(trained model, calibration batches, test inputs, test labels)."""
     x, y = digits_tensors()
     torch.manual_seed(0)
-    model = train_digits(Net(), x, y)
+    model = train_digits(DigitsNet(residual=True), x, y)
     calib = [x[i:i + 64] for i in range(0, 512, 64)]
     return model, calib, x[1200:], y[1200:]
 

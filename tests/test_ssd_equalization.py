@@ -8,33 +8,15 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fxq
 from fxq.algorithms.ssd_equalization import find_ssd_pairs
 from fxq.setting import QuantizationSetting, QuantizationSettingFactory
 
-from _models import digits_tensors, train_digits
+from _models import DigitsNet, digits_tensors, train_digits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class Net(nn.Module):
-    """c1-relu, c2-relu-maxpool, c3-relu, global avg pool, fc."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.c2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.c3 = nn.Conv2d(32, 32, 3, padding=1)
-        self.fc = nn.Linear(32, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.c1(x))
-        x = F.max_pool2d(F.relu(self.c2(x)), 2)
-        x = F.relu(self.c3(x))
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +25,7 @@ def digits() -> tuple[nn.Module, list[torch.Tensor], torch.Tensor]:
     x, y = digits_tensors()
     x_train, x_test = x[:1200], x[1200:]
     torch.manual_seed(0)
-    model = train_digits(Net(), x, y)
+    model = train_digits(DigitsNet(), x, y)
     with torch.no_grad():
         assert (model(x[1200:]).argmax(1) == y[1200:]).float().mean() > 0.8
     return model, [x_train[i:i + 64] for i in range(0, 256, 64)], x_test
