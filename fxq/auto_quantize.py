@@ -378,13 +378,12 @@ class _Search:
     def value(self, floats: Iterable[str], low: Iterable[str] = ()) -> float:
         key = (frozenset(floats), frozenset(low))
         if key not in self.cache:
-            gm = self.realize(*key)
-            self.cache[key] = self.judge(gm)
-            self.models = {key: gm}  # keep only the latest model: the final one is re-realized if needed
+            self.cache[key] = self.judge(self.model(*key))
             logger.debug("auto_quantize: %d float, %d low-bit -> %s", len(key[0]), len(key[1]), self.cache[key])
         return self.cache[key]
 
     def model(self, floats: Iterable[str], low: Iterable[str] = ()) -> fx.GraphModule:
+        """The realized model of a configuration; only the latest is kept (the answer is re-realized if needed)."""
         key = (frozenset(floats), frozenset(low))
         if key not in self.models:
             self.models = {key: self.realize(*key)}

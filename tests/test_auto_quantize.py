@@ -6,6 +6,7 @@ named errors; the CLI's ``--budget`` writes the report and the exports.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 
@@ -79,10 +80,14 @@ def test_verified_search_beats_greedy_worst_first(digits):
     assert verified.met and len(verified.fallbacks) < len(greedy.fallbacks)
 
 
-def test_budget_already_met_quantizes_once(digits):
+def test_budget_already_met_quantizes_once(digits, monkeypatch):
+    aq = importlib.import_module("fxq.auto_quantize")  # the module (fxq.auto_quantize is the function)
+    calls = []
+    monkeypatch.setattr(aq, "quantize", lambda *a, **k: calls.append(1) or fxq.quantize(*a, **k))
     model, calib, _, _ = digits
     qmodel, report = fxq.auto_quantize(model, calib, "trt_int8", budget="snr=5%")
     assert report.met and report.fallbacks == [] and report.evaluations == 1
+    assert len(calls) == 1  # the all-INT8 model is quantized once, judged once and returned
     assert report.final_value == report.int8_value
     assert len(report.curve) == 1 and not _float_layers(qmodel)
 
