@@ -60,13 +60,16 @@ def _linear_setup_context(ctx, inputs, output):
     ctx.args = (axis, quant_min, quant_max, rounding)
 
 
-def _linear_backward(ctx, grad):
+def _linear_grads(ctx, grad, backward):
+    """Gradients of the linear fake-quant's inputs from ``backward`` (the op, or the reference when traced)."""
     x, scale, offset = ctx.saved_tensors
     need_x, need_s, need_o = ctx.needs_input_grad[:3]
-    gx, gs, go = torch.ops.fxq.fake_quant_linear_backward(
-        grad.contiguous(), x, scale, offset, *ctx.args, bool(need_s), bool(need_o)
-    )
+    gx, gs, go = backward(grad.contiguous(), x, scale, offset, *ctx.args, bool(need_s), bool(need_o))
     return (gx if need_x else None), (gs if need_s else None), (go if need_o else None), None, None, None, None
+
+
+def _linear_backward(ctx, grad):
+    return _linear_grads(ctx, grad, torch.ops.fxq.fake_quant_linear_backward)
 
 
 _fake_quant_linear.register_autograd(_linear_backward, setup_context=_linear_setup_context)
@@ -113,11 +116,16 @@ def _float_setup_context(ctx, inputs, output):
     ctx.args = (axis, mantissa_bits, min_exponent, max_value, rounding)
 
 
-def _float_backward(ctx, grad):
+def _float_grads(ctx, grad, backward):
+    """Gradients of the floating fake-quant's inputs from ``backward`` (the op, or the reference when traced)."""
     x, scale = ctx.saved_tensors
     need_x, need_s = ctx.needs_input_grad[:2]
-    gx, gs = torch.ops.fxq.fake_quant_float_backward(grad.contiguous(), x, scale, *ctx.args, bool(need_s))
+    gx, gs = backward(grad.contiguous(), x, scale, *ctx.args, bool(need_s))
     return (gx if need_x else None), (gs if need_s else None), None, None, None, None, None
+
+
+def _float_backward(ctx, grad):
+    return _float_grads(ctx, grad, torch.ops.fxq.fake_quant_float_backward)
 
 
 _fake_quant_float.register_autograd(_float_backward, setup_context=_float_setup_context)
@@ -134,36 +142,26 @@ class _LinearFakeQuantTraced(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, scale: Tensor, offset: Tensor, axis: int, quant_min: int, quant_max: int,
-                rounding: int) -> Tensor:
-        ctx.save_for_backward(x, scale, offset)
-        ctx.args = (axis, quant_min, quant_max, rounding)
-        return F.linear_fake_quantize_reference(x, scale, offset, axis, quant_min, quant_max, rounding)
+    def forward(ctx: Any, *inputs: Any) -> Tensor:
+        _linear_setup_context(ctx, inputs, None)
+        return F.linear_fake_quantize_reference(*inputs)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, scale, offset = ctx.saved_tensors
-        need_x, need_s, need_o = ctx.needs_input_grad[:3]
-        gx, gs, go = F.linear_fake_quantize_backward_reference(grad, x, scale, offset, *ctx.args, need_s, need_o)
-        return (gx if need_x else None), (gs if need_s else None), (go if need_o else None), None, None, None, None
+        return _linear_grads(ctx, grad, F.linear_fake_quantize_backward_reference)
 
 
 class _FloatFakeQuantTraced(torch.autograd.Function):
     """:class:`_LinearFakeQuantTraced` for the floating (FP8) fake-quant."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, scale: Tensor, axis: int, mantissa_bits: int, min_exponent: int,
-                max_value: float, rounding: int) -> Tensor:
-        ctx.save_for_backward(x, scale)
-        ctx.args = (axis, mantissa_bits, min_exponent, max_value, rounding)
-        return F.float_fake_quantize_reference(x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
+    def forward(ctx: Any, *inputs: Any) -> Tensor:
+        _float_setup_context(ctx, inputs, None)
+        return F.float_fake_quantize_reference(*inputs)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, scale = ctx.saved_tensors
-        need_x, need_s = ctx.needs_input_grad[:2]
-        gx, gs = F.float_fake_quantize_backward_reference(grad, x, scale, *ctx.args, need_s)
-        return (gx if need_x else None), (gs if need_s else None), None, None, None, None, None
+        return _float_grads(ctx, grad, F.float_fake_quantize_backward_reference)
 
 
 def fake_quant_linear(
