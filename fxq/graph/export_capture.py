@@ -176,14 +176,13 @@ def lift_aten_graph(gm: fx.GraphModule, name: str = "ExportedProgram") -> fx.Gra
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
     _functionalize(graph)
-    recurrent = False
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target in (aten.lstm.input, aten.gru.input):
             from fxq.recurrent.capture import lift_aten_recurrent  # noqa: PLC0415  (recurrent registers on import)
 
-            recurrent |= lift_aten_recurrent(gm, node)
+            lift_aten_recurrent(gm, node)
         elif node.target is _BN_NO_TRAINING:
             _lift_batch_norm(graph, node)
         elif node.target is aten.batch_norm.default:
@@ -199,10 +198,6 @@ def lift_aten_graph(gm: fx.GraphModule, name: str = "ExportedProgram") -> fx.Gra
     graph.eliminate_dead_code()
     graph.lint()
     gm = fx.GraphModule(gm, graph, name)  # a plain GraphModule: ep.module()'s refuses eval()/train()
-    if recurrent:  # one fxq::lstm / fxq::gru per layer over get_attr weights, as nn.LSTM traces to
-        from fxq.recurrent.modules import functionalize_recurrent  # noqa: PLC0415
-
-        functionalize_recurrent(gm)
     gm.meta["fxq_source"] = name
     gm.meta["fxq_capture"] = "export"
     return gm

@@ -13,6 +13,7 @@ Packed sequences and unbatched 2-D input are not traceable as a leaf either; pad
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 import torch
@@ -129,68 +130,65 @@ def _gru(module: nn.GRU, input: Any, hx: Any = None) -> Any:
 
 
 def lift_aten_recurrent(gm: Any, node: Any) -> bool:
-    """Rewrite an ``aten.lstm.input`` / ``aten.gru.input`` node of a torch.export graph (``gm``, in place) as one
-    :class:`~fxq.recurrent.modules.RecurrentLayer` call per layer, the form the ONNX frontend builds, so
-    :func:`~fxq.recurrent.modules.functionalize_recurrent` makes the weights quantizable graph inputs.
+    """Rewrite an ``aten.lstm.input`` / ``aten.gru.input`` node of a torch.export graph (``gm``, in place) as the graph
+    the decompositions above trace ``nn.LSTM`` / ``nn.GRU`` to: one ``fxq::lstm`` / ``fxq::gru`` per layer over
+    ``W_l<k>`` / ``R_l<k>`` / ``B_l<k>`` registered on the module that held the weights, so both capture paths give
+    the same quantizer and node names.
 
     Returns False (graph untouched) for forms the recurrent op does not cover (LSTM projections, an unknown arity).
     """
-    import operator  # noqa: PLC0415
-
     from fxq.graph.passes import get_attr_value  # noqa: PLC0415
-    from fxq.recurrent.modules import RecurrentLayer  # noqa: PLC0415
 
     lstm = node.target is torch.ops.aten.lstm.input
     if len(node.args) != 9 or any(u.target is not operator.getitem for u in node.users):
         return False
     x, hx, params, has_biases, num_layers, _dropout, _train, bidirectional, batch_first = node.args
-    if not all(getattr(p, "op", None) == "get_attr" for p in params):
+    if not params or not all(getattr(p, "op", None) == "get_attr" for p in params):
         return False
     values = [get_attr_value(gm, str(p.target)) for p in params]
-    hidden = int(values[1].shape[1])
-    per_dir = 4 if has_biases else 2
-    if len(values) != per_dir * num_layers * (2 if bidirectional else 1) or int(values[1].shape[0]) % hidden:
+    dirs = 2 if bidirectional else 1
+    if len(values) != (4 if has_biases else 2) * num_layers * dirs:
         return False  # proj_size adds a weight per direction
     cls = nn.LSTM if lstm else nn.GRU
-    module = cls(int(values[0].shape[1]), hidden, num_layers, bias=bool(has_biases), batch_first=bool(batch_first),
-                 bidirectional=bool(bidirectional))
+    module = cls(int(values[0].shape[1]), int(values[1].shape[1]), num_layers, bias=bool(has_biases),
+                 bidirectional=bool(bidirectional))  # only for onnx_layout's reading of the weights
+    if any(p.shape != v.shape for p, v in zip(module.parameters(), values)):
+        return False
     with torch.no_grad():
         for p, v in zip(module.parameters(), values):
-            if p.shape != v.shape:
-                return False
             p.copy_(v)
+        layouts = [onnx_layout(module, layer) for layer in range(num_layers)]
+    path = str(params[0].target).rpartition(".")[0]
+    owner = gm.get_submodule(path)
     h0, c0 = (hx[0], hx[1]) if lstm else (hx[0] if isinstance(hx, (list, tuple)) else hx, None)
-    dirs = 2 if bidirectional else 1
     graph = gm.graph
-    base = node.name
+    get = operator.getitem
     hs, cs = [], []
     with graph.inserting_before(node):
         seq = graph.call_function(torch.transpose, (x, 0, 1)) if batch_first else x
         for layer in range(num_layers):
-            w, r, b = onnx_layout(module, layer)
-            target = f"{base}_l{layer}"
-            gm.add_submodule(target, RecurrentLayer("LSTM" if lstm else "GRU", w, r, b,
-                                                    "bidirectional" if bidirectional else "forward",
-                                                    has_h=True, has_c=lstm, num_outputs=3 if lstm else 2,
-                                                    linear_before_reset=1))
-            states = [graph.call_function(operator.getitem, (h0, slice(layer * dirs, (layer + 1) * dirs)))]
+            names = [n.format(layer) for n in ONNX_PARAM_NAMES]
+            for name, value in zip(names, layouts[layer]):
+                owner.register_parameter(name, nn.Parameter(value, requires_grad=values[0].requires_grad))
+            w, r, b = (graph.get_attr(f"{path}.{n}" if path else n) for n in names)
+            span = slice(layer * dirs, (layer + 1) * dirs)
+            h = h0 if num_layers == 1 else graph.call_function(get, (h0, span))
             if lstm:
-                states.append(graph.call_function(operator.getitem, (c0, slice(layer * dirs, (layer + 1) * dirs))))
-            call = graph.call_module(target, (seq, *states))
-            call.meta["module_path"] = target
-            y = graph.call_function(operator.getitem, (call, 0))
-            hs.append(graph.call_function(operator.getitem, (call, 1)))
-            if lstm:
-                cs.append(graph.call_function(operator.getitem, (call, 2)))
+                c = c0 if num_layers == 1 else graph.call_function(get, (c0, span))
+                call = graph.call_function(torch.ops.fxq.lstm.default,
+                                           (seq, w, r, b, h, c, module.hidden_size, _direction(module)))
+                cs.append(graph.call_function(get, (call, 2)))
+            else:
+                call = graph.call_function(torch.ops.fxq.gru.default,
+                                           (seq, w, r, b, h, module.hidden_size, _direction(module), 1))
+            call.meta["module_path"] = path
+            hs.append(graph.call_function(get, (call, 1)))
+            y = graph.call_function(get, (call, 0))
             seq = graph.call_function(torch.flatten, (graph.call_function(torch.permute, (y, (0, 2, 1, 3))), 2))
         out = graph.call_function(torch.transpose, (seq, 0, 1)) if batch_first else seq
-        results = [out, _cat_node(graph, hs)] + ([_cat_node(graph, cs)] if lstm else [])
+        results = [out] + [s if len(s) == 1 else graph.call_function(torch.cat, (s, 0)) for s in (hs, cs) if s]
     for user in list(node.users):
         user.replace_all_uses_with(results[user.args[1]])
         graph.erase_node(user)
     graph.erase_node(node)
     return True
-
-
-def _cat_node(graph: Any, states: list[Any]) -> Any:
-    return states[0] if len(states) == 1 else graph.call_function(torch.cat, (states, 0))
