@@ -104,6 +104,27 @@ def test_model_no_path_captures_gives_one_error_per_path():
     assert "What to do" in msg and "torch.where" in msg
 
 
+def test_failed_capture_leaves_a_training_model_alone():
+    """The error path runs a copy (to name the parts that capture), never the caller's model in train mode."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+
+        def forward(self, x):
+            y = self.body(x)
+            return y if y.sum() > 0 else -y
+
+    model = Net().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(fxq.TraceError, match="body"):
+        fxq.prepare(model, "trt_int8", _data()[0])
+    assert model.training
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # BatchNorm's running statistics untouched
+
+
 def _tiny() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 1)).eval()

@@ -96,12 +96,20 @@ def _name(model: Any) -> str:
     return str(getattr(model, "meta", {}).get("fxq_source") or type(model).__name__)
 
 
-def _export(model: nn.Module, args: tuple) -> fx.GraphModule:
+def _try_export(model: nn.Module, args: tuple) -> tuple[Any, str, nn.Module, Exception | None]:
+    """``(ExportedProgram or None, why it failed, the eval-mode copy it ran on, the exception)``: the caller's model
+    is never run."""
     copied = copy.deepcopy(model).eval()  # as prepare() runs the traced graph: BatchNorm folds, dropout goes
     try:
-        ep = export_program(copied, args)
+        return export_program(copied, args), "", copied, None
     except Exception as exc:  # torch.export raises many types
-        raise TraceError(f"torch.export could not capture {type(model).__name__}: {_export_failure(exc, copied)}. "
+        return None, _export_failure(exc, copied), copied, exc
+
+
+def _export(model: nn.Module, args: tuple) -> fx.GraphModule:
+    ep, failure, _, exc = _try_export(model, args)
+    if ep is None:
+        raise TraceError(f"torch.export could not capture {type(model).__name__}: {failure}. "
                          f"Try capture='fx' (with leaf_modules=[...] around the failing part), or fix the "
                          f"construct (torch.cond for a branch on a tensor value, torch._check for a size)") from exc
     return from_exported_program(ep, type(model).__name__)
@@ -112,23 +120,19 @@ def _fallback(model: nn.Module, args: tuple, fx_error: TraceError, leaves: list,
     """torch.export, then FP32 islands, then one error naming every path's failure."""
     logger.info("symbolic tracing failed (%s); capturing %s with torch.export instead", fx_error,
                 type(model).__name__)
-    copied = copy.deepcopy(model).eval()
-    try:
-        ep = export_program(copied, args)
-    except Exception as exc:
-        export_failure = _export_failure(exc, copied)
-        logger.info("torch.export failed too (%s); keeping the failing submodules FP32", export_failure)
-    else:
+    ep, export_failure, copied, _ = _try_export(model, args)
+    if ep is not None:
         if leaves:
             logger.warning("torch.export has no leaf modules: leaf_modules=%s do not apply to %s", leaves,
                            type(model).__name__)
         gm = from_exported_program(ep, type(model).__name__)
         gm.meta["fxq_capture_note"] = f"torch.export (symbolic tracing failed: {_first_line(fx_error)})"
         return gm
+    logger.info("torch.export failed too (%s); keeping the failing submodules FP32", export_failure)
     gm, island_failure = _with_islands(model, fx_error, leaves, concrete_args, export_failure)
     if gm is not None:
         return gm
-    parts = _capturable_parts(model, args)
+    parts = _capturable_parts(copied, args)  # the eval-mode copy: the caller's BatchNorm statistics stay as they are
     raise TraceError(
         f"fxq could not capture {type(model).__name__} by any path:\n"
         f"  - torch.fx symbolic tracing: {_first_line(fx_error)}\n"
