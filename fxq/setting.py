@@ -213,8 +213,6 @@ class _Checked:
         fields = cls.field_names()
         out: dict[str, Any] = {}
         for key, value in kwargs.items():
-            if not isinstance(key, str):
-                raise ConfigError(f"{cls.PATH}: field names are strings, got {_kind(key)}")
             if key in cls.REMOVED:
                 _removed(cls, key, value)
                 continue
