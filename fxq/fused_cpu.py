@@ -1,10 +1,10 @@
 """Fused CPU path of the ``fxq::`` ops: the torch reference itself, compiled by inductor into one loop.
 
-The eager reference (:mod:`fxq.functional`) makes one pass over memory per torch op (about ten for the
+The eager reference (:mod:`fxq.numeric.reference`) makes one pass over memory per torch op (about ten for the
 linear fake-quant). For large CPU tensors the ops' CPU kernels instead run ``torch.compile`` of the very
 same reference functions, so there is still one definition of the math; the tests check the compiled
 code bit for bit against eager. Parameter gradients keep the eager reduction
-(:func:`fxq.functional._sum_to_param`): only the elementwise part is compiled, because a compiled
+(:meth:`fxq.numeric.opspec.OpSpec.reduce`): only the elementwise part is compiled, because a compiled
 reduction would sum in another order.
 
 When the fused path is taken (all must hold):
@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from fxq import functional as F
+from fxq.numeric.opspec import FLOAT, LINEAR, OP_SPECS, OpSpec
 
 __all__ = [
     "cpu_fusion",
@@ -262,10 +262,20 @@ def _call_fused(key: tuple[Any, ...], factory: Callable[[], Callable[..., Any]],
     return out
 
 
-def _linear_forward_factory(axis: int, rounding: int) -> Callable[[], Callable[..., Any]]:
+def _graph_factory(fn: Callable[..., Any], n_tensors: int, template: tuple[Any, ...], runtime: tuple[int, ...],
+                   tail: tuple[Any, ...] = ()) -> Callable[[], Callable[..., Any]]:
+    """A factory of ``fused(*tensors, *runtime_attrs) = fn(*tensors, *attrs, *tail)``.
+
+    ``attrs`` is ``template`` with the entries at the ``runtime`` positions taken from the graph's inputs
+    (dynamic numbers), the others constants of the graph.
+    """
+
     def factory() -> Callable[..., Any]:
-        def fused(x, scale, offset, quant_min, quant_max):
-            return F.linear_fake_quantize_reference(x, scale, offset, axis, quant_min, quant_max, rounding)
+        def fused(*args):
+            attrs = list(template)
+            for i, v in zip(runtime, args[n_tensors:]):
+                attrs[i] = v
+            return fn(*args[:n_tensors], *attrs, *tail)
 
         return fused
 
@@ -286,72 +296,97 @@ def _into_input(factory: Callable[[], Callable[..., Any]]) -> Callable[[], Calla
     return in_place_factory
 
 
-def _linear_backward_factory(axis: int, rounding: int, need_s: bool, need_o: bool) -> Callable[[], Callable[..., Any]]:
-    def factory() -> Callable[..., Any]:
-        def fused(grad, x, scale, offset, quant_min, quant_max):
-            return F.linear_fake_quantize_backward_elementwise(
-                grad, x, scale, offset, axis, quant_min, quant_max, rounding, need_s, need_o
-            )
-
-        return fused
-
-    return factory
-
-
-def _float_forward_factory(axis: int, mantissa_bits: int, min_exponent: int, max_value: float, rounding: int):
-    def factory() -> Callable[..., Any]:
-        def fused(x, scale):
-            return F.float_fake_quantize_reference(x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
-
-        return fused
-
-    return factory
-
-
-def _float_backward_factory(
-    axis: int, mantissa_bits: int, min_exponent: int, max_value: float, rounding: int, need_s: bool
-) -> Callable[[], Callable[..., Any]]:
-    def factory() -> Callable[..., Any]:
-        def fused(grad, x, scale):
-            return F.float_fake_quantize_backward_elementwise(
-                grad, x, scale, axis, mantissa_bits, min_exponent, max_value, rounding, need_s
-            )
-
-        return fused
-
-    return factory
-
-
 # --------------------------------------------------------------------------- op kernels (CPU)
-def fake_quant_linear_cpu(
-    x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, axis: int, quant_min: int, quant_max: int, rounding: int
-) -> torch.Tensor:
-    """CPU kernel of ``fxq::fake_quant_linear``: fused for large tensors after warm-up, else the reference."""
-    ref = F.linear_fake_quantize_reference
-    args = (x, scale, offset, axis, quant_min, quant_max, rounding)
-    if not _eligible(x, None, scale, offset):
-        return ref(*args)
-    plan = _linear_plan("linear", x, scale, offset, axis, rounding)
-    if plan is None or not _warmed_up():
-        return _run_eager(ref, *args)
-    key, shape, vaxis = plan
-    out = _call_fused(
-        key,
-        _linear_forward_factory(vaxis, int(rounding)),
-        x.detach().view(shape), scale.detach().reshape(-1), offset.detach().reshape(-1), int(quant_min), int(quant_max),
-    )  # fmt: skip
-    return ref(*args) if out is _FAILED else out.view(x.shape)
+_RUNTIME_ATTRS = {LINEAR.name: ("quant_min", "quant_max")}
+"""Attributes an op's compiled graph takes as inputs; the others (axis, rounding, FP8 format) are its constants."""
 
 
-def _linear_plan(kind: str, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, axis: int,
-                 rounding: int) -> tuple[tuple[Any, ...], tuple[int, ...], int] | None:
-    """(compiled-graph key, view shape, view axis) of a linear fake-quant of ``x``; None: no fused layout."""
-    view = _canonical(x, (scale.numel(), offset.numel()), axis)
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How one call runs fused: the compiled graph's key, the view of the tensors, the graph's attributes."""
+
+    key: tuple[Any, ...]
+    shape: tuple[int, ...]
+    template: tuple[Any, ...]
+    runtime: tuple[int, ...]
+
+    def inputs(self, tensors: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+        """The graph's inputs: ``tensors`` (x, grad) viewed, parameters flattened, the runtime attributes."""
+        views = tuple(t.detach().view(self.shape) for t in tensors)
+        return (*views, *(p.detach().reshape(-1) for p in params), *(self.template[i] for i in self.runtime))
+
+    def factory(self, fn: Callable[..., Any], n_tensors: int, tail: tuple[Any, ...] = ()) -> Callable[..., Any]:
+        template = tuple(None if i in self.runtime else v for i, v in enumerate(self.template))
+        return _graph_factory(fn, n_tensors, template, self.runtime, tail)
+
+
+def _plan(spec: OpSpec, kind: str, x: torch.Tensor, params: tuple[torch.Tensor, ...],
+          attrs: tuple[Any, ...]) -> _Plan | None:
+    """The fused layout of ``spec``'s op on ``x``; None when there is none."""
+    view = _canonical(x, tuple(p.numel() for p in params), attrs[0])
     if view is None:
         return None
     shape, vaxis = view
-    key = (kind, x.dtype, scale.dtype, offset.dtype, len(shape), vaxis, scale.numel() == 1, offset.numel() == 1)
-    return key + (int(rounding),), shape, vaxis
+    runtime_names = _RUNTIME_ATTRS.get(spec.name, ())
+    typed = [_TYPES[t](v) for (_, t), v in zip(spec.attrs, attrs)]
+    template = (vaxis, *typed[1:])
+    runtime = tuple(i for i, (name, _) in enumerate(spec.attrs) if name in runtime_names)
+    constants = tuple(v for i, v in enumerate(template) if i > 0 and i not in runtime)
+    key = (kind, x.dtype, *(p.dtype for p in params), len(shape), vaxis, *(p.numel() == 1 for p in params))
+    return _Plan(key + constants, shape, template, runtime)
+
+
+_TYPES: dict[str, Callable[[Any], Any]] = {"int": int, "float": float}
+
+
+def _forward_kernel(spec: OpSpec) -> Callable[..., torch.Tensor]:
+    """CPU kernel of ``spec``'s forward op: fused for large tensors after warm-up, else the reference."""
+    ref = spec.forward
+
+    def kernel(*args: Any) -> torch.Tensor:
+        x, params, attrs = spec.split(args)
+        if not _eligible(x, None, *params):
+            return ref(*args)
+        plan = _plan(spec, spec.name, x, params, attrs)
+        if plan is None or not _warmed_up():
+            return _run_eager(ref, *args)
+        out = _call_fused(plan.key, plan.factory(ref, spec.num_tensors), *plan.inputs((x,), params))
+        return ref(*args) if out is _FAILED else out.view(x.shape)
+
+    return kernel
+
+
+def _backward_kernel(spec: OpSpec) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """CPU kernel of ``spec``'s backward op: fused elementwise part, eager reduction."""
+    ref = spec.backward
+
+    def kernel(*args: Any) -> tuple[torch.Tensor, ...]:
+        grad, x, params, attrs, needs = spec.split_backward(args)
+        if not _eligible(x, grad, *params):
+            return ref(*args)
+        plan = _plan(spec, spec.backward_name, x, params, attrs)
+        if plan is None or not _warmed_up():
+            return _run_eager(ref, *args)
+        needs = tuple(bool(n) for n in needs)
+        factory = plan.factory(spec.elementwise, 1 + spec.num_tensors, needs)
+        out = _call_fused(plan.key + needs, factory, *plan.inputs((grad, x), params))
+        return ref(*args) if out is _FAILED else spec.reduce(args, out)
+
+    return kernel
+
+
+def _inplace_fused(spec: OpSpec, args: tuple[Any, ...]) -> tuple[bool, bool]:
+    """Overwrite ``args[0]`` with ``spec``'s op in one fused pass: (done, fusable). ``fusable``: the fused
+    path takes this tensor (done or still warming up)."""
+    x, params, attrs = spec.split(args)
+    plan = _plan(spec, f"{spec.name}_inplace", x, params, attrs)
+    if plan is None or not _eligible(x, None, *params):
+        return False, False
+    if not _warmed_up():
+        return False, True
+    factory = _into_input(plan.factory(spec.forward, spec.num_tensors))
+    done = _call_fused(plan.key, factory, *plan.inputs((x,), params))
+    return done is not _FAILED, True
 
 
 def fake_quant_linear_inplace(
@@ -368,96 +403,16 @@ def fake_quant_linear_inplace(
     """
     if x.requires_grad or not _writable_cpu(x, scale, offset):
         return False
-    args = (x, scale, offset, axis, quant_min, quant_max, rounding, True)
-    plan = _linear_plan("linear_inplace", x, scale, offset, axis, rounding)
-    fusable = plan is not None and _eligible(x, None, scale, offset)
-    if fusable and _warmed_up():
-        key, shape, vaxis = plan
-        done = _call_fused(
-            key,
-            _into_input(_linear_forward_factory(vaxis, int(rounding))),
-            x.detach().view(shape), scale.detach().reshape(-1), offset.detach().reshape(-1), int(quant_min),
-            int(quant_max),
-        )  # fmt: skip
-        if done is not _FAILED:
-            return True
+    args = (x, scale, offset, axis, quant_min, quant_max, rounding)
+    done, fusable = _inplace_fused(LINEAR, args)
+    if done:
+        return True
     with torch.no_grad():
         if fusable:
-            _run_eager(F.linear_fake_quantize_reference, *args)
+            _run_eager(LINEAR.forward, *args, True)
         else:
-            F.linear_fake_quantize_reference(*args)
+            LINEAR.forward(*args, True)
     return True
-
-
-def fake_quant_linear_backward_cpu(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    offset: torch.Tensor,
-    axis: int,
-    quant_min: int,
-    quant_max: int,
-    rounding: int,
-    need_scale_grad: bool,
-    need_offset_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CPU kernel of ``fxq::fake_quant_linear_backward``: fused elementwise part, eager reduction."""
-    ref = F.linear_fake_quantize_backward_reference
-    args = (grad, x, scale, offset, axis, quant_min, quant_max, rounding, need_scale_grad, need_offset_grad)
-    if not _eligible(x, grad, scale, offset):
-        return ref(*args)
-    plan = _linear_plan("linear_bwd", x, scale, offset, axis, rounding)
-    if plan is None or not _warmed_up():
-        return _run_eager(ref, *args)
-    need_s, need_o = bool(need_scale_grad), bool(need_offset_grad)
-    key, shape, vaxis = plan
-    key += (need_s, need_o)
-    out = _call_fused(
-        key,
-        _linear_backward_factory(vaxis, int(rounding), need_s, need_o),
-        grad.detach().view(shape), x.detach().view(shape), scale.detach().reshape(-1), offset.detach().reshape(-1),
-        int(quant_min), int(quant_max),
-    )  # fmt: skip
-    if out is _FAILED:
-        return ref(*args)
-    grad_x, prod_s, prod_o = out
-    grad_scale = torch.zeros_like(scale) if prod_s is None else F._sum_to_param(prod_s.view(x.shape), scale, axis)
-    grad_offset = torch.zeros_like(offset) if prod_o is None else F._sum_to_param(prod_o.view(x.shape), offset, axis)
-    return grad_x.view(x.shape), grad_scale, grad_offset
-
-
-def fake_quant_float_cpu(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    axis: int,
-    mantissa_bits: int,
-    min_exponent: int,
-    max_value: float,
-    rounding: int,
-) -> torch.Tensor:
-    """CPU kernel of ``fxq::fake_quant_float``: fused for large tensors after warm-up, else the reference."""
-    ref = F.float_fake_quantize_reference
-    args = (x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
-    if not _eligible(x, None, scale):
-        return ref(*args)
-    plan = _float_plan("float", x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
-    if plan is None or not _warmed_up():
-        return _run_eager(ref, *args)
-    key, shape, vaxis, fmt = plan
-    factory = _float_forward_factory(vaxis, *fmt, int(rounding))
-    out = _call_fused(key, factory, x.detach().view(shape), scale.detach().reshape(-1))
-    return ref(*args) if out is _FAILED else out.view(x.shape)
-
-
-def _float_plan(kind: str, x: torch.Tensor, scale: torch.Tensor, axis: int, mantissa_bits: int, min_exponent: int,
-                max_value: float, rounding: int):
-    """(compiled-graph key, view shape, view axis, format) of a float fake-quant of ``x``; None: no fused layout."""
-    view = _canonical(x, (scale.numel(),), axis)
-    if view is None:
-        return None
-    shape, vaxis = view
-    fmt = (int(mantissa_bits), int(min_exponent), float(max_value))
-    return (kind, x.dtype, scale.dtype, len(shape), vaxis, scale.numel() == 1, *fmt, int(rounding)), shape, vaxis, fmt
 
 
 def fake_quant_float_inplace(
@@ -474,49 +429,9 @@ def fake_quant_float_inplace(
     Fused path only (no in-place eager twin of the FP8 reference): False, ``x`` untouched, whenever the fused
     path does not apply; run the op instead.
     """
-    if x.requires_grad or not _eligible(x, None, scale) or not _warmed_up():
+    if x.requires_grad:
         return False
-    plan = _float_plan("float_inplace", x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
-    if plan is None:
-        return False
-    key, shape, vaxis, fmt = plan
-    done = _call_fused(key, _into_input(_float_forward_factory(vaxis, *fmt, int(rounding))), x.detach().view(shape),
-                       scale.detach().reshape(-1))
-    return done is not _FAILED
-
-
-def fake_quant_float_backward_cpu(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    axis: int,
-    mantissa_bits: int,
-    min_exponent: int,
-    max_value: float,
-    rounding: int,
-    need_scale_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU kernel of ``fxq::fake_quant_float_backward``: fused elementwise part, eager reduction."""
-    ref = F.float_fake_quantize_backward_reference
-    args = (grad, x, scale, axis, mantissa_bits, min_exponent, max_value, rounding, need_scale_grad)
-    if not _eligible(x, grad, scale):
-        return ref(*args)
-    plan = _float_plan("float_bwd", x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
-    if plan is None or not _warmed_up():
-        return _run_eager(ref, *args)
-    need_s = bool(need_scale_grad)
-    key, shape, vaxis, fmt = plan
-    key += (need_s,)
-    out = _call_fused(
-        key,
-        _float_backward_factory(vaxis, *fmt, int(rounding), need_s),
-        grad.detach().view(shape), x.detach().view(shape), scale.detach().reshape(-1),
-    )  # fmt: skip
-    if out is _FAILED:
-        return ref(*args)
-    grad_x, prod_s = out
-    grad_scale = torch.zeros_like(scale) if prod_s is None else F._sum_to_param(prod_s.view(x.shape), scale, axis)
-    return grad_x.view(x.shape), grad_scale
+    return _inplace_fused(FLOAT, (x, scale, axis, mantissa_bits, min_exponent, max_value, rounding))[0]
 
 
 def _squared_error_factory() -> Callable[[], Callable[..., Any]]:
@@ -542,12 +457,10 @@ def squared_error_sums(q: torch.Tensor, f: torch.Tensor) -> tuple[torch.Tensor, 
     return None if out is _FAILED else out
 
 
-_KERNELS = {
-    "fxq::fake_quant_linear": fake_quant_linear_cpu,
-    "fxq::fake_quant_linear_backward": fake_quant_linear_backward_cpu,
-    "fxq::fake_quant_float": fake_quant_float_cpu,
-    "fxq::fake_quant_float_backward": fake_quant_float_backward_cpu,
-}
+_KERNELS: dict[str, Callable[..., Any]] = {}
+for _spec in OP_SPECS:
+    _KERNELS[_spec.qualname] = _forward_kernel(_spec)
+    _KERNELS[f"fxq::{_spec.backward_name}"] = _backward_kernel(_spec)
 _registered = False
 
 

@@ -6,7 +6,7 @@ imports triton until a CUDA tensor reaches an op, so ``import fxq`` works withou
 triton cannot be imported then, the op logs one warning and runs the torch reference.
 
 Kernels live in :mod:`fxq.triton_kernels.linear` and :mod:`fxq.triton_kernels.floating`; they are
-bit-identical to :mod:`fxq.functional` (tests run them under ``TRITON_INTERPRET=1`` on CPU).
+bit-identical to :mod:`fxq.numeric.reference` (tests run them under ``TRITON_INTERPRET=1`` on CPU).
 """
 from __future__ import annotations
 
@@ -17,27 +17,15 @@ from typing import Any, Callable
 
 import torch
 
-from fxq import functional as F
+from fxq.numeric.opspec import FLOAT, LINEAR, OP_SPECS
 
 __all__ = ["register_cuda_kernels", "triton_kernels_available"]
 
 log = logging.getLogger(__name__)
 
-# op name -> (kernel module, kernel function, torch reference used when triton is unavailable)
-_KERNELS: dict[str, tuple[str, str, Callable[..., Any]]] = {
-    "fxq::fake_quant_linear": ("linear", "fake_quant_linear_triton", F.linear_fake_quantize_reference),
-    "fxq::fake_quant_linear_backward": (
-        "linear",
-        "fake_quant_linear_backward_triton",
-        F.linear_fake_quantize_backward_reference,
-    ),
-    "fxq::fake_quant_float": ("floating", "fake_quant_float_triton", F.float_fake_quantize_reference),
-    "fxq::fake_quant_float_backward": (
-        "floating",
-        "fake_quant_float_backward_triton",
-        F.float_fake_quantize_backward_reference,
-    ),
-}
+_MODULES = {LINEAR.name: "linear", FLOAT.name: "floating"}
+"""The kernel module of each op of :data:`~fxq.numeric.opspec.OP_SPECS`; it defines ``<op>_triton`` and
+``<op>_backward_triton``."""
 
 _lock = threading.Lock()
 _registered = False
@@ -91,7 +79,10 @@ def register_cuda_kernels() -> bool:
     with _lock:
         if _registered:
             return True
-        for op, (module, name, reference) in _KERNELS.items():
-            torch.library.register_kernel(op, "cuda", _LazyKernel(op, module, name, reference))
+        for spec in OP_SPECS:
+            module = _MODULES[spec.name]
+            for name, reference in ((spec.name, spec.forward), (spec.backward_name, spec.backward)):
+                op = f"fxq::{name}"
+                torch.library.register_kernel(op, "cuda", _LazyKernel(op, module, f"{name}_triton", reference))
         _registered = True
     return True

@@ -1,6 +1,6 @@
 """Shared pieces of the Triton kernels: exact division, rounding policies, dtype rounding, layouts.
 
-Every ``@triton.jit`` helper here reproduces one step of :mod:`fxq.functional` bit for bit:
+Every ``@triton.jit`` helper here reproduces one step of :mod:`fxq.numeric.reference` bit for bit:
 
 * Division: on NVIDIA, Triton lowers ``a / b`` for float32 to ``div.full.f32`` (an approximation with
   up to 2 ulp error, not IEEE) and only float64 ``/`` to the IEEE ``div.rn.f64``. torch divides with
@@ -14,12 +14,26 @@ Every ``@triton.jit`` helper here reproduces one step of :mod:`fxq.functional` b
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK", "NUM_WARPS", "KERNEL_DTYPES", "ChannelLayout", "channel_layout", "grid"]
+from fxq.numeric.opspec import OpSpec
+
+__all__ = [
+    "BLOCK",
+    "NUM_WARPS",
+    "KERNEL_DTYPES",
+    "ChannelLayout",
+    "channel_layout",
+    "grid",
+    "grad_fits",
+    "op_forward",
+    "op_backward",
+]
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -41,7 +55,7 @@ class ChannelLayout:
 def channel_layout(x: torch.Tensor, numels: tuple[int, ...], axis: int) -> ChannelLayout | None:
     """Layout of parameters with ``numels`` entries broadcast along ``axis`` of ``x``; None if they do not fit.
 
-    A parameter with one entry is a scalar (as in :func:`fxq.functional.broadcast_qparam`); the others must
+    A parameter with one entry is a scalar (as in :func:`fxq.numeric.reference.broadcast_qparam`); the others must
     all have ``x.shape[axis]`` entries.
     """
     channels = max(numels)
@@ -66,6 +80,41 @@ def per_channel_param(p: torch.Tensor, layout: ChannelLayout, device: torch.devi
     if layout.per_channel and flat.numel() == 1:
         flat = flat.expand(layout.channels)
     return flat.contiguous()
+
+
+def grad_fits(grad: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether a backward kernel takes ``grad`` with ``x``: same dtype and shape, contiguous."""
+    return grad.dtype == x.dtype and grad.shape == x.shape and grad.is_contiguous()
+
+
+LayoutFn = Callable[[tuple[Any, ...]], "ChannelLayout | None"]
+"""The kernels' layout for an op's forward arguments, or None when they must take the torch reference."""
+
+
+def op_forward(spec: OpSpec, layout: LayoutFn, launch: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The implementation of ``spec``'s forward op: ``launch(*args, layout)``, the reference where no layout fits."""
+
+    def run(*args: Any) -> torch.Tensor:
+        fits = layout(args)
+        return spec.forward(*args) if fits is None else launch(*args, fits)
+
+    run.__doc__ = f"``{spec.qualname}`` through the kernel; the torch reference for layouts it does not take."
+    return run
+
+
+def op_backward(spec: OpSpec, layout: LayoutFn, launch: Callable[..., tuple[Any, ...]]) -> Callable[..., Any]:
+    """The implementation of ``spec``'s backward op: the elementwise kernel ``launch(*args, layout)``, then the
+    reference's own reduction (:meth:`~fxq.numeric.opspec.OpSpec.reduce`); the reference where no layout fits."""
+
+    def run(*args: Any) -> tuple[torch.Tensor, ...]:
+        grad, x, params, attrs, _ = spec.split_backward(args)
+        fits = layout((x, *params, *attrs))
+        if fits is None or not grad_fits(grad, x):
+            return spec.backward(*args)
+        return spec.reduce(args, launch(*args, fits))
+
+    run.__doc__ = f"``fxq::{spec.backward_name}``: elementwise kernel, then the reference's own reduction."
+    return run
 
 
 # --------------------------------------------------------------------------- jit helpers
@@ -123,7 +172,7 @@ def rint(v, IS_FP64: tl.constexpr):
 
 @triton.jit
 def round_with_policy(v, ROUNDING: tl.constexpr, IS_FP64: tl.constexpr):
-    """:func:`fxq.functional.round_with_policy` for the policy code ``ROUNDING`` (RoundingPolicy int value).
+    """:func:`fxq.numeric.reference.round_with_policy` for the policy code ``ROUNDING`` (RoundingPolicy int value).
 
     Ties are found exactly as ``|v - rint(v)| == 0.5`` and then go to ``floor(v) + tie_goes_up``.
     """

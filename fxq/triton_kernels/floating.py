@@ -1,19 +1,21 @@
 """Triton kernels of the FP8 fake-quant (``fxq::fake_quant_float`` and its backward).
 
-Same steps as :func:`fxq.functional.float_fake_quantize_reference` and
-:func:`fxq.functional.float_fake_quantize_backward_elementwise`: float32 math, the grid step taken from
+Same steps as :func:`fxq.numeric.reference.float_fake_quantize_reference` and
+:func:`fxq.numeric.reference.float_fake_quantize_backward_elementwise`: float32 math, the grid step taken from
 the exponent bits of the clamped value (an int32 bitcast, like the reference's ``view(torch.int32)``),
 the input dtype restored at the end. The scale gradient is reduced by the reference's
-:func:`fxq.functional._sum_to_param`, so results are bit-identical.
+:meth:`fxq.numeric.opspec.OpSpec.reduce`, so results are bit-identical.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from fxq import functional as F
 from fxq.errors import NotSupportedError
+from fxq.numeric.opspec import FLOAT
 from fxq.triton_kernels.common import (
     BLOCK,
     KERNEL_DTYPES,
@@ -21,8 +23,11 @@ from fxq.triton_kernels.common import (
     ChannelLayout,
     channel_layout,
     div_exact,
+    grad_fits,
     grid,
     load_param,
+    op_backward,
+    op_forward,
     per_channel_param,
     round_to,
     round_with_policy,
@@ -136,7 +141,7 @@ def float_forward(
     if layout is None:
         raise NotSupportedError(
             "float_forward: the kernel takes contiguous float16/bfloat16/float32/float64 x with per-tensor or "
-            "per-channel scales; use fxq.functional.float_fake_quantize_reference for other inputs"
+            "per-channel scales; use fxq.numeric.reference.float_fake_quantize_reference for other inputs"
         )
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.numel() == 0:
@@ -162,12 +167,12 @@ def float_backward_elementwise(
     need_scale_grad: bool,
     layout: ChannelLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Kernel version of :func:`fxq.functional.float_fake_quantize_backward_elementwise` (same outputs)."""
+    """Kernel version of :func:`fxq.numeric.reference.float_fake_quantize_backward_elementwise` (same outputs)."""
     layout = layout or float_layout(x, scale, axis)
-    if layout is None or grad.dtype != x.dtype or grad.shape != x.shape or not grad.is_contiguous():
+    if layout is None or not grad_fits(grad, x):
         raise NotSupportedError(
             "float_backward_elementwise: the kernel takes contiguous grad and x of one supported dtype and shape; "
-            "use fxq.functional.float_fake_quantize_backward_elementwise for other inputs"
+            "use fxq.numeric.reference.float_fake_quantize_backward_elementwise for other inputs"
         )
     gx = torch.empty_like(x, memory_format=torch.contiguous_format)
     prod_dtype = torch.promote_types(grad.dtype, torch.float32)
@@ -185,41 +190,9 @@ def float_backward_elementwise(
 
 
 # --------------------------------------------------------------------------- op implementations
-def fake_quant_float_triton(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    axis: int,
-    mantissa_bits: int,
-    min_exponent: int,
-    max_value: float,
-    rounding: int,
-) -> torch.Tensor:
-    """``fxq::fake_quant_float`` through the kernel; the torch reference for layouts the kernel does not take."""
-    layout = float_layout(x, scale, axis)
-    if layout is None:
-        return F.float_fake_quantize_reference(x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
-    return float_forward(x, scale, axis, mantissa_bits, min_exponent, max_value, rounding, layout)
+def _layout(args: tuple[Any, ...]) -> ChannelLayout | None:
+    return float_layout(*args[:3])
 
 
-def fake_quant_float_backward_triton(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    axis: int,
-    mantissa_bits: int,
-    min_exponent: int,
-    max_value: float,
-    rounding: int,
-    need_scale_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fxq::fake_quant_float_backward``: elementwise kernel, then the reference's own reduction."""
-    layout = float_layout(x, scale, axis)
-    if layout is None or grad.dtype != x.dtype or grad.shape != x.shape or not grad.is_contiguous():
-        return F.float_fake_quantize_backward_reference(
-            grad, x, scale, axis, mantissa_bits, min_exponent, max_value, rounding, need_scale_grad
-        )
-    gx, ps = float_backward_elementwise(
-        grad, x, scale, axis, mantissa_bits, min_exponent, max_value, rounding, need_scale_grad, layout
-    )
-    gs = torch.zeros_like(scale) if ps is None else F._sum_to_param(ps, scale, axis)
-    return gx, gs
+fake_quant_float_triton = op_forward(FLOAT, _layout, float_forward)
+fake_quant_float_backward_triton = op_backward(FLOAT, _layout, float_backward_elementwise)

@@ -1,19 +1,21 @@
 """Triton kernels of the linear fake-quant (``fxq::fake_quant_linear`` and its backward).
 
-Same formulas as :func:`fxq.functional.linear_fake_quantize_reference` and
-:func:`fxq.functional.linear_fake_quantize_backward_elementwise`, step by step and in the same dtype;
-the scale/offset gradients are reduced by :func:`fxq.functional._sum_to_param` (the reference's own
-reduction), so results are bit-identical. Kernels take contiguous inputs; per-channel parameters are
+Same formulas as :func:`fxq.numeric.reference.linear_fake_quantize_reference` and
+:func:`fxq.numeric.reference.linear_fake_quantize_backward_elementwise`, step by step and in the same dtype;
+the scale/offset gradients are reduced by the reference's own reduction
+(:meth:`fxq.numeric.opspec.OpSpec.reduce`), so results are bit-identical. Kernels take contiguous inputs; per-channel parameters are
 gathered at ``(flat_index // inner) % channels``.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from fxq import functional as F
 from fxq.errors import NotSupportedError
+from fxq.numeric.opspec import LINEAR
 from fxq.triton_kernels.common import (
     BLOCK,
     KERNEL_DTYPES,
@@ -21,8 +23,11 @@ from fxq.triton_kernels.common import (
     ChannelLayout,
     channel_layout,
     div_exact,
+    grad_fits,
     grid,
     load_param,
+    op_backward,
+    op_forward,
     per_channel_param,
     round_to,
     round_with_policy,
@@ -34,6 +39,28 @@ __all__ = [
     "fake_quant_linear_triton",
     "fake_quant_linear_backward_triton",
 ]
+
+
+@triton.jit
+def _load(x_ptr, s_ptr, o_ptr, offs, mask, C, INNER, PER_CHANNEL: tl.constexpr, IS_FP64: tl.constexpr):
+    """x, scale and offset of each element, in the compute dtype (float64, else float32)."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    s = load_param(s_ptr, offs, mask, C, INNER, PER_CHANNEL)
+    o = load_param(o_ptr, offs, mask, C, INNER, PER_CHANNEL)
+    if not IS_FP64:
+        x = x.to(tl.float32)
+        s = s.to(tl.float32)
+        o = o.to(tl.float32)
+    return x, s, o
+
+
+@triton.jit
+def _codes(x, s, o, ROUNDING: tl.constexpr, IS_FP64: tl.constexpr, DT: tl.constexpr, NARROW: tl.constexpr):
+    """``v = x / s``, ``r = round(v)`` and the unclamped code ``q = r + o``, each rounded like torch."""
+    v = round_to(div_exact(x, s, IS_FP64), DT, NARROW)
+    r = round_with_policy(v, ROUNDING, IS_FP64)
+    q = round_to(r + o, DT, NARROW)
+    return v, r, q
 
 
 @triton.jit(do_not_specialize=["quant_min", "quant_max", "C", "INNER"])
@@ -56,15 +83,8 @@ def _linear_fwd_kernel(
     DT: tl.constexpr = y_ptr.dtype.element_ty
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    s = load_param(s_ptr, offs, mask, C, INNER, PER_CHANNEL)
-    o = load_param(o_ptr, offs, mask, C, INNER, PER_CHANNEL)
-    if not IS_FP64:
-        x = x.to(tl.float32)
-        s = s.to(tl.float32)
-        o = o.to(tl.float32)
-    v = round_to(div_exact(x, s, IS_FP64), DT, NARROW)
-    q = round_to(round_with_policy(v, ROUNDING, IS_FP64) + o, DT, NARROW)
+    x, s, o = _load(x_ptr, s_ptr, o_ptr, offs, mask, C, INNER, PER_CHANNEL, IS_FP64)
+    _, _, q = _codes(x, s, o, ROUNDING, IS_FP64, DT, NARROW)
     q = tl.where(q < quant_min, quant_min, q)  # torch.clamp, NaN stays NaN
     q = tl.where(q > quant_max, quant_max, q)
     y = round_to(round_to(q - o, DT, NARROW) * s, DT, NARROW)
@@ -97,17 +117,10 @@ def _linear_bwd_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    s = load_param(s_ptr, offs, mask, C, INNER, PER_CHANNEL)
-    o = load_param(o_ptr, offs, mask, C, INNER, PER_CHANNEL)
     if not IS_FP64:
         g = g.to(tl.float32)
-        x = x.to(tl.float32)
-        s = s.to(tl.float32)
-        o = o.to(tl.float32)
-    v = round_to(div_exact(x, s, IS_FP64), DT, NARROW)
-    r = round_with_policy(v, ROUNDING, IS_FP64)
-    q = round_to(r + o, DT, NARROW)
+    x, s, o = _load(x_ptr, s_ptr, o_ptr, offs, mask, C, INNER, PER_CHANNEL, IS_FP64)
+    v, r, q = _codes(x, s, o, ROUNDING, IS_FP64, DT, NARROW)
     below = q < quant_min
     above = q > quant_max
     inside = (below | above) == 0
@@ -157,7 +170,7 @@ def linear_forward(
     if layout is None:
         raise NotSupportedError(
             "linear_forward: the kernel takes contiguous float16/bfloat16/float32/float64 x with per-tensor or "
-            "per-channel parameters; use fxq.functional.linear_fake_quantize_reference for other inputs"
+            "per-channel parameters; use fxq.numeric.reference.linear_fake_quantize_reference for other inputs"
         )
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.numel() == 0:
@@ -186,12 +199,12 @@ def linear_backward_elementwise(
     need_offset_grad: bool,
     layout: ChannelLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Kernel version of :func:`fxq.functional.linear_fake_quantize_backward_elementwise` (same outputs)."""
+    """Kernel version of :func:`fxq.numeric.reference.linear_fake_quantize_backward_elementwise` (same outputs)."""
     layout = layout or linear_layout(x, scale, offset, axis, quant_min, quant_max)
-    if layout is None or grad.dtype != x.dtype or grad.shape != x.shape or not grad.is_contiguous():
+    if layout is None or not grad_fits(grad, x):
         raise NotSupportedError(
             "linear_backward_elementwise: the kernel takes contiguous grad and x of one supported dtype and shape; "
-            "use fxq.functional.linear_fake_quantize_backward_elementwise for other inputs"
+            "use fxq.numeric.reference.linear_fake_quantize_backward_elementwise for other inputs"
         )
     gx = torch.empty_like(x, memory_format=torch.contiguous_format)
     ps = torch.empty_like(gx) if need_scale_grad else None
@@ -212,37 +225,9 @@ def linear_backward_elementwise(
 
 
 # --------------------------------------------------------------------------- op implementations
-def fake_quant_linear_triton(
-    x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, axis: int, quant_min: int, quant_max: int, rounding: int
-) -> torch.Tensor:
-    """``fxq::fake_quant_linear`` through the kernel; the torch reference for layouts the kernel does not take."""
-    layout = linear_layout(x, scale, offset, axis, quant_min, quant_max)
-    if layout is None:
-        return F.linear_fake_quantize_reference(x, scale, offset, axis, quant_min, quant_max, rounding)
-    return linear_forward(x, scale, offset, axis, quant_min, quant_max, rounding, layout)
+def _layout(args: tuple[Any, ...]) -> ChannelLayout | None:
+    return linear_layout(*args[:6])
 
 
-def fake_quant_linear_backward_triton(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    offset: torch.Tensor,
-    axis: int,
-    quant_min: int,
-    quant_max: int,
-    rounding: int,
-    need_scale_grad: bool,
-    need_offset_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``fxq::fake_quant_linear_backward``: elementwise kernel, then the reference's own reduction."""
-    layout = linear_layout(x, scale, offset, axis, quant_min, quant_max)
-    if layout is None or grad.dtype != x.dtype or grad.shape != x.shape or not grad.is_contiguous():
-        return F.linear_fake_quantize_backward_reference(
-            grad, x, scale, offset, axis, quant_min, quant_max, rounding, need_scale_grad, need_offset_grad
-        )
-    gx, ps, po = linear_backward_elementwise(
-        grad, x, scale, offset, axis, quant_min, quant_max, rounding, need_scale_grad, need_offset_grad, layout
-    )
-    gs = torch.zeros_like(scale) if ps is None else F._sum_to_param(ps, scale, axis)
-    go = torch.zeros_like(offset) if po is None else F._sum_to_param(po, offset, axis)
-    return gx, gs, go
+fake_quant_linear_triton = op_forward(LINEAR, _layout, linear_forward)
+fake_quant_linear_backward_triton = op_backward(LINEAR, _layout, linear_backward_elementwise)
