@@ -2,8 +2,8 @@
 
 Everything that quantizes (FakeQuantize, observers, exporters) goes through these functions. They pick the
 compute dtype and the parameters from the config and run the ``fxq::`` ops (:mod:`fxq.ops`) or the
-reference math (:mod:`fxq.numeric.reference`, the one definition of rounding and fake-quant, re-exported
-here under its old names).
+reference math (:mod:`fxq.numeric.reference`, the one definition of rounding and fake-quant; its names and
+the reference backwards of :mod:`fxq.numeric.opspec` are re-exported here).
 """
 from __future__ import annotations
 
@@ -11,15 +11,14 @@ import torch
 
 from fxq import fused_cpu, ops
 from fxq.errors import ConfigError
+from fxq.numeric.opspec import float_fake_quantize_backward_reference, linear_fake_quantize_backward_reference
 from fxq.numeric.reference import (
     broadcast_qparam,
     float_fake_quantize_backward_elementwise,
-    float_fake_quantize_backward_reference,
     float_fake_quantize_reference,
     fp_round_to_grid,
     linear_codes,
     linear_fake_quantize_backward_elementwise,
-    linear_fake_quantize_backward_reference,
     linear_fake_quantize_reference,
     round_with_policy,
 )

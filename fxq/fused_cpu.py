@@ -389,9 +389,7 @@ def _inplace_fused(spec: OpSpec, args: tuple[Any, ...]) -> tuple[bool, bool]:
     return done is not _FAILED, True
 
 
-def fake_quant_linear_inplace(
-    x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, axis: int, quant_min: int, quant_max: int, rounding: int
-) -> bool:
+def fake_quant_linear_inplace(*args: Any) -> bool:
     """Overwrite ``x`` with ``fxq::fake_quant_linear(x, ...)``: one fused pass, or the eager reference in place.
 
     For inference on values nobody else reads (no fresh outputs to allocate and fault in: the eager
@@ -399,11 +397,11 @@ def fake_quant_linear_inplace(
     out-of-place fused op). The fused pass is taken on the fused path's terms (large contiguous tensors,
     after warm-up; eager time on large tensors counts towards the warm-up). Returns False, ``x``
     untouched, for tensors it does not handle (gradients, tracing, not a plain float CPU tensor): run the
-    op instead.
+    op instead. ``args``: those of the op.
     """
-    if x.requires_grad or not _writable_cpu(x, scale, offset):
+    x, params, _ = LINEAR.split(args)
+    if x.requires_grad or not _writable_cpu(x, *params):
         return False
-    args = (x, scale, offset, axis, quant_min, quant_max, rounding)
     done, fusable = _inplace_fused(LINEAR, args)
     if done:
         return True
@@ -415,23 +413,15 @@ def fake_quant_linear_inplace(
     return True
 
 
-def fake_quant_float_inplace(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    axis: int,
-    mantissa_bits: int,
-    min_exponent: int,
-    max_value: float,
-    rounding: int,
-) -> bool:
+def fake_quant_float_inplace(*args: Any) -> bool:
     """Overwrite ``x`` with ``fxq::fake_quant_float(x, ...)`` in one fused pass (FP8 formats).
 
     Fused path only (no in-place eager twin of the FP8 reference): False, ``x`` untouched, whenever the fused
-    path does not apply; run the op instead.
+    path does not apply; run the op instead. ``args``: those of the op.
     """
-    if x.requires_grad:
+    if args[0].requires_grad:
         return False
-    return _inplace_fused(FLOAT, (x, scale, axis, mantissa_bits, min_exponent, max_value, rounding))[0]
+    return _inplace_fused(FLOAT, args)[0]
 
 
 def _squared_error_factory() -> Callable[[], Callable[..., Any]]:

@@ -19,7 +19,14 @@ import torch
 
 from fxq.numeric import reference as R
 
-__all__ = ["OpSpec", "LINEAR", "FLOAT", "OP_SPECS"]
+__all__ = [
+    "OpSpec",
+    "LINEAR",
+    "FLOAT",
+    "OP_SPECS",
+    "linear_fake_quantize_backward_reference",
+    "float_fake_quantize_backward_reference",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +37,6 @@ class OpSpec:
     params: tuple[str, ...]
     attrs: tuple[tuple[str, str], ...]
     forward: Callable[..., torch.Tensor]
-    backward: Callable[..., tuple[torch.Tensor, ...]]
     elementwise: Callable[..., tuple[torch.Tensor | None, ...]]
 
     @property
@@ -68,6 +74,10 @@ class OpSpec:
         n_attrs = len(self.attrs)
         return args[0], x, params, tuple(rest[:n_attrs]), tuple(rest[n_attrs:])
 
+    def backward(self, *args: Any) -> tuple[torch.Tensor, ...]:
+        """The reference backward: ``(grad_x, *param_grads)`` summed over every axis but the channel axis."""
+        return self.reduce(args, self.elementwise(*args))
+
     def reduce(self, args: Sequence[Any], elementwise: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
         """The backward's result from its elementwise part ``(grad_x, *products)`` (of a kernel, maybe
         flattened): ``grad_x`` and the parameters' gradients, reduced by the reference
@@ -83,7 +93,6 @@ LINEAR = OpSpec(
     params=("scale", "offset"),
     attrs=(("axis", "int"), ("quant_min", "int"), ("quant_max", "int"), ("rounding", "int")),
     forward=R.linear_fake_quantize_reference,
-    backward=R.linear_fake_quantize_backward_reference,
     elementwise=R.linear_fake_quantize_backward_elementwise,
 )
 FLOAT = OpSpec(
@@ -92,8 +101,12 @@ FLOAT = OpSpec(
     attrs=(("axis", "int"), ("mantissa_bits", "int"), ("min_exponent", "int"), ("max_value", "float"),
            ("rounding", "int")),
     forward=R.float_fake_quantize_reference,
-    backward=R.float_fake_quantize_backward_reference,
     elementwise=R.float_fake_quantize_backward_elementwise,
 )
 OP_SPECS: tuple[OpSpec, ...] = (LINEAR, FLOAT)
 """Every fake-quant op, in registration order."""
+
+linear_fake_quantize_backward_reference = LINEAR.backward
+"""Reference backward of ``fxq::fake_quant_linear``: STE for x, LSQ(+) for scale and offset."""
+float_fake_quantize_backward_reference = FLOAT.backward
+"""Reference backward of ``fxq::fake_quant_float``: STE for x, LSQ for the scale."""

@@ -1,5 +1,8 @@
 """The one numeric definition of fxq's quantization math, in plain torch, on tensors and plain numbers.
 
+A backward is its elementwise part here and the reduction :func:`param_grads`; :mod:`fxq.numeric.opspec`
+joins the two (``linear_fake_quantize_backward_reference``, ``float_fake_quantize_backward_reference``).
+
 Every other implementation (the fused CPU graphs, the Triton kernels, the ``fxq::`` ops, the config-level
 API in :mod:`fxq.functional`) runs or reproduces these functions and is tested bit for bit against them.
 Nothing here knows about configs, ops or devices, so every layer above can import it.
@@ -13,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
 from fxq.spec import RoundingPolicy
 
@@ -24,10 +28,8 @@ __all__ = [
     "fp_round_to_grid",
     "linear_fake_quantize_reference",
     "linear_fake_quantize_backward_elementwise",
-    "linear_fake_quantize_backward_reference",
     "float_fake_quantize_reference",
     "float_fake_quantize_backward_elementwise",
-    "float_fake_quantize_backward_reference",
     "sum_to_param",
     "param_grads",
 ]
@@ -116,15 +118,9 @@ def param_grads(products: Sequence[torch.Tensor | None], params: Sequence[torch.
 
 # --------------------------------------------------------------------------- linear
 def linear_fake_quantize_reference(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    offset: torch.Tensor,
-    axis: int,
-    quant_min: int,
-    quant_max: int,
-    rounding: int,
+    x: Tensor, scale: Tensor, offset: Tensor, axis: int, quant_min: int, quant_max: int, rounding: int,
     inplace: bool = False,
-) -> torch.Tensor:
+) -> Tensor:
     """``(clamp(round(x / s) + o, qmin, qmax) - o) * s`` — the linear fake-quant, forward.
 
     ``inplace``: the same operations written into ``x`` (returned), for eager inference on values nobody
@@ -139,19 +135,14 @@ def linear_fake_quantize_reference(
 
 
 def linear_fake_quantize_backward_elementwise(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    offset: torch.Tensor,
-    axis: int,
-    quant_min: int,
-    quant_max: int,
-    rounding: int,
-    need_scale_grad: bool,
-    need_offset_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Elementwise part of :func:`linear_fake_quantize_backward_reference`.
+    grad: Tensor, x: Tensor, scale: Tensor, offset: Tensor, axis: int, quant_min: int, quant_max: int, rounding: int,
+    need_scale_grad: bool, need_offset_grad: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Elementwise part of the linear fake-quant's backward: straight-through gradient for x (zero outside
+    the clip range), LSQ(+) terms for s and o.
 
+    Inside the range: dx = g, ds = g * (round(x/s) - x/s), do = 0.
+    Below (above): dx = 0, ds = g * (qmin - o) (resp. qmax - o), do = -g * s.
     Returns ``grad_x`` and the per-element products ``g * ds`` and ``g * do`` (None when not needed) whose
     sums (:func:`param_grads`) are the scale and offset gradients. The fused CPU path and the Triton
     kernels compute exactly these and leave the reduction to :func:`param_grads`.
@@ -176,40 +167,10 @@ def linear_fake_quantize_backward_elementwise(
     return grad_x, prod_scale, prod_offset
 
 
-def linear_fake_quantize_backward_reference(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    offset: torch.Tensor,
-    axis: int,
-    quant_min: int,
-    quant_max: int,
-    rounding: int,
-    need_scale_grad: bool,
-    need_offset_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Straight-through gradient for x (zero outside the clip range) and LSQ(+) gradients for s and o.
-
-    Inside the range: dx = g, ds = g * (round(x/s) - x/s), do = 0.
-    Below (above): dx = 0, ds = g * (qmin - o) (resp. qmax - o), do = -g * s.
-    Parameter gradients are summed over every axis but the channel axis.
-    """
-    grad_x, *products = linear_fake_quantize_backward_elementwise(
-        grad, x, scale, offset, axis, quant_min, quant_max, rounding, need_scale_grad, need_offset_grad
-    )
-    return (grad_x, *param_grads(products, (scale, offset), axis))
-
-
 # --------------------------------------------------------------------------- floating (FP8)
 def float_fake_quantize_reference(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    axis: int,
-    mantissa_bits: int,
-    min_exponent: int,
-    max_value: float,
-    rounding: int,
-) -> torch.Tensor:
+    x: Tensor, scale: Tensor, axis: int, mantissa_bits: int, min_exponent: int, max_value: float, rounding: int
+) -> Tensor:
     """FP8 fake-quant: clamp ``x / s`` to +/-max, round its mantissa under ``rounding``, scale back."""
     xf = x.float()
     s = broadcast_qparam(scale.float(), xf, axis)
@@ -218,17 +179,11 @@ def float_fake_quantize_reference(
 
 
 def float_fake_quantize_backward_elementwise(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    axis: int,
-    mantissa_bits: int,
-    min_exponent: int,
-    max_value: float,
-    rounding: int,
-    need_scale_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Elementwise part of :func:`float_fake_quantize_backward_reference`: ``grad_x`` and ``g * ds`` (or None)."""
+    grad: Tensor, x: Tensor, scale: Tensor, axis: int, mantissa_bits: int, min_exponent: int, max_value: float,
+    rounding: int, need_scale_grad: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Elementwise part of the FP8 fake-quant's backward: ``grad_x`` (zero where ``x / s`` is clipped) and the
+    LSQ term ``g * ds`` of the scale (or None)."""
     xf = x.float()
     s = broadcast_qparam(scale.float(), xf, axis)
     v = xf / s
@@ -240,21 +195,3 @@ def float_fake_quantize_backward_elementwise(
         ds = torch.where(inside, fp_round_to_grid(vc, mantissa_bits, min_exponent, rounding) - v, vc)
         prod_scale = grad * ds
     return grad_x, prod_scale
-
-
-def float_fake_quantize_backward_reference(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    axis: int,
-    mantissa_bits: int,
-    min_exponent: int,
-    max_value: float,
-    rounding: int,
-    need_scale_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Straight-through gradient for x (zero where ``x / s`` is clipped) and the LSQ gradient of the scale."""
-    grad_x, *products = float_fake_quantize_backward_elementwise(
-        grad, x, scale, axis, mantissa_bits, min_exponent, max_value, rounding, need_scale_grad
-    )
-    return (grad_x, *param_grads(products, (scale,), axis))

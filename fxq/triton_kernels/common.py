@@ -92,18 +92,19 @@ LayoutFn = Callable[[tuple[Any, ...]], "ChannelLayout | None"]
 
 
 def op_forward(spec: OpSpec, layout: LayoutFn, launch: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """The implementation of ``spec``'s forward op: ``launch(*args, layout)``, the reference where no layout fits."""
+    """The implementation of ``spec``'s forward op: ``launch(*args, layout=...)``, the reference where no layout
+    fits."""
 
     def run(*args: Any) -> torch.Tensor:
         fits = layout(args)
-        return spec.forward(*args) if fits is None else launch(*args, fits)
+        return spec.forward(*args) if fits is None else launch(*args, layout=fits)
 
     run.__doc__ = f"``{spec.qualname}`` through the kernel; the torch reference for layouts it does not take."
     return run
 
 
 def op_backward(spec: OpSpec, layout: LayoutFn, launch: Callable[..., tuple[Any, ...]]) -> Callable[..., Any]:
-    """The implementation of ``spec``'s backward op: the elementwise kernel ``launch(*args, layout)``, then the
+    """The implementation of ``spec``'s backward op: the elementwise kernel ``launch(*args, layout=...)``, then the
     reference's own reduction (:meth:`~fxq.numeric.opspec.OpSpec.reduce`); the reference where no layout fits."""
 
     def run(*args: Any) -> tuple[torch.Tensor, ...]:
@@ -111,7 +112,7 @@ def op_backward(spec: OpSpec, layout: LayoutFn, launch: Callable[..., tuple[Any,
         fits = layout((x, *params, *attrs))
         if fits is None or not grad_fits(grad, x):
             return spec.backward(*args)
-        return spec.reduce(args, launch(*args, fits))
+        return spec.reduce(args, launch(*args, layout=fits))
 
     run.__doc__ = f"``fxq::{spec.backward_name}``: elementwise kernel, then the reference's own reduction."
     return run

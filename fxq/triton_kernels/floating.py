@@ -126,17 +126,10 @@ def float_layout(x: torch.Tensor, scale: torch.Tensor, axis: int) -> ChannelLayo
     return channel_layout(x, (scale.numel(),), axis)
 
 
-def float_forward(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    axis: int,
-    mantissa_bits: int,
-    min_exponent: int,
-    max_value: float,
-    rounding: int,
-    layout: ChannelLayout | None = None,
-) -> torch.Tensor:
-    """Launch the FP8 forward kernel (``x`` contiguous, dtype in ``KERNEL_DTYPES``)."""
+def float_forward(*args: Any, layout: ChannelLayout | None = None) -> torch.Tensor:
+    """Launch the FP8 forward kernel on the arguments of ``fxq::fake_quant_float`` (``x`` contiguous, dtype in
+    ``KERNEL_DTYPES``). ``layout``: :func:`float_layout`'s, if known."""
+    x, (scale,), (axis, mantissa_bits, min_exponent, max_value, rounding) = FLOAT.split(args)
     layout = layout or float_layout(x, scale, axis)
     if layout is None:
         raise NotSupportedError(
@@ -156,18 +149,13 @@ def float_forward(
 
 
 def float_backward_elementwise(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    axis: int,
-    mantissa_bits: int,
-    min_exponent: int,
-    max_value: float,
-    rounding: int,
-    need_scale_grad: bool,
-    layout: ChannelLayout | None = None,
+    *args: Any, layout: ChannelLayout | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Kernel version of :func:`fxq.numeric.reference.float_fake_quantize_backward_elementwise` (same outputs)."""
+    """Kernel version of :func:`fxq.numeric.reference.float_fake_quantize_backward_elementwise` (same arguments,
+    those of ``fxq::fake_quant_float_backward``, and same outputs)."""
+    grad, x, (scale,), (axis, mantissa_bits, min_exponent, max_value, rounding), (need_scale_grad,) = (
+        FLOAT.split_backward(args)
+    )
     layout = layout or float_layout(x, scale, axis)
     if layout is None or not grad_fits(grad, x):
         raise NotSupportedError(

@@ -155,17 +155,10 @@ def linear_layout(
     return channel_layout(x, (scale.numel(), offset.numel()), axis)
 
 
-def linear_forward(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    offset: torch.Tensor,
-    axis: int,
-    quant_min: int,
-    quant_max: int,
-    rounding: int,
-    layout: ChannelLayout | None = None,
-) -> torch.Tensor:
-    """Launch the forward kernel (``x`` contiguous, dtype in ``KERNEL_DTYPES``) and return the fake-quantized x."""
+def linear_forward(*args: Any, layout: ChannelLayout | None = None) -> torch.Tensor:
+    """Launch the forward kernel on the arguments of ``fxq::fake_quant_linear`` (``x`` contiguous, dtype in
+    ``KERNEL_DTYPES``) and return the fake-quantized x. ``layout``: :func:`linear_layout`'s, if known."""
+    x, (scale, offset), (axis, quant_min, quant_max, rounding) = LINEAR.split(args)
     layout = layout or linear_layout(x, scale, offset, axis, quant_min, quant_max)
     if layout is None:
         raise NotSupportedError(
@@ -187,19 +180,12 @@ def linear_forward(
 
 
 def linear_backward_elementwise(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    offset: torch.Tensor,
-    axis: int,
-    quant_min: int,
-    quant_max: int,
-    rounding: int,
-    need_scale_grad: bool,
-    need_offset_grad: bool,
-    layout: ChannelLayout | None = None,
+    *args: Any, layout: ChannelLayout | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Kernel version of :func:`fxq.numeric.reference.linear_fake_quantize_backward_elementwise` (same outputs)."""
+    """Kernel version of :func:`fxq.numeric.reference.linear_fake_quantize_backward_elementwise` (same arguments,
+    those of ``fxq::fake_quant_linear_backward``, and same outputs)."""
+    grad, x, (scale, offset), (axis, quant_min, quant_max, rounding), needs = LINEAR.split_backward(args)
+    need_scale_grad, need_offset_grad = needs
     layout = layout or linear_layout(x, scale, offset, axis, quant_min, quant_max)
     if layout is None or not grad_fits(grad, x):
         raise NotSupportedError(
