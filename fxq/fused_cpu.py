@@ -450,7 +450,7 @@ def squared_error_sums(q: torch.Tensor, f: torch.Tensor) -> tuple[torch.Tensor, 
 _KERNELS: dict[str, Callable[..., Any]] = {}
 for _spec in OP_SPECS:
     _KERNELS[_spec.qualname] = _forward_kernel(_spec)
-    _KERNELS[f"fxq::{_spec.backward_name}"] = _backward_kernel(_spec)
+    _KERNELS[_spec.backward_qualname] = _backward_kernel(_spec)
 _registered = False
 
 

@@ -41,7 +41,7 @@ def _define(spec: OpSpec) -> type[torch.autograd.Function]:
     n_attrs = len(spec.attrs)
     forward = torch.library.custom_op(spec.qualname, spec.forward, mutates_args=(), schema=spec.schema())
     backward = torch.library.custom_op(
-        f"fxq::{spec.backward_name}", spec.backward, mutates_args=(), schema=spec.backward_schema()
+        spec.backward_qualname, spec.backward, mutates_args=(), schema=spec.backward_schema()
     )
     forward.register_fake(lambda x, *rest: torch.empty_like(x))
     backward.register_fake(lambda grad, x, *rest: tuple(torch.empty_like(t) for t in (x, *rest[: len(spec.params)])))

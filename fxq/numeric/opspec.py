@@ -48,6 +48,10 @@ class OpSpec:
         return f"{self.name}_backward"
 
     @property
+    def backward_qualname(self) -> str:
+        return f"fxq::{self.backward_name}"
+
+    @property
     def num_tensors(self) -> int:
         """Tensors in front of the attributes in the forward's arguments: x and the parameters."""
         return 1 + len(self.params)

@@ -81,8 +81,8 @@ def register_cuda_kernels() -> bool:
             return True
         for spec in OP_SPECS:
             module = _MODULES[spec.name]
-            for name, reference in ((spec.name, spec.forward), (spec.backward_name, spec.backward)):
-                op = f"fxq::{name}"
+            for op, name, reference in ((spec.qualname, spec.name, spec.forward),
+                                        (spec.backward_qualname, spec.backward_name, spec.backward)):
                 torch.library.register_kernel(op, "cuda", _LazyKernel(op, module, f"{name}_triton", reference))
         _registered = True
     return True

@@ -114,7 +114,7 @@ def op_backward(spec: OpSpec, layout: LayoutFn, launch: Callable[..., tuple[Any,
             return spec.backward(*args)
         return spec.reduce(args, launch(*args, layout=fits))
 
-    run.__doc__ = f"``fxq::{spec.backward_name}``: elementwise kernel, then the reference's own reduction."
+    run.__doc__ = f"``{spec.backward_qualname}``: elementwise kernel, then the reference's own reduction."
     return run
 
 

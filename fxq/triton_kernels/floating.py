@@ -43,7 +43,7 @@ __all__ = [
 
 @triton.jit
 def _fp_grid_step(v, mantissa_bits, min_exponent):
-    """2^(max(exponent(v), min_exponent) - mantissa_bits) for float32 ``v`` (reference: ``_fp_grid_step``)."""
+    """2^(max(exponent(v), min_exponent) - mantissa_bits) for float32 ``v`` (reference: ``fp_grid_step``)."""
     bits = tl.abs(v).to(tl.int32, bitcast=True)
     exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, min_exponent)
     return ((exponent - mantissa_bits + 127) << 23).to(tl.float32, bitcast=True)
