@@ -1,20 +1,28 @@
-"""The one registry type behind every extension point (platform, observer, exporter, op converter)."""
+"""The one registry type behind every extension point (platform, observer, exporter, op converter, algorithm)."""
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar
+import difflib
+from typing import Callable, Generic, Iterable, Iterator, TypeVar
 
-from fxq.errors import RegistryError
+from fxq.errors import ConfigError, RegistryError
 
 T = TypeVar("T")
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "close_names"]
+
+
+def close_names(name: str, known: Iterable[str]) -> str:
+    """``" (did you mean 'a', 'b'?)"`` for the known names closest to ``name``, or ``""``: every "unknown name"
+    message in fxq ends with the same hint."""
+    near = difflib.get_close_matches(str(name), list(known), n=3, cutoff=0.6)
+    return f" (did you mean {', '.join(repr(n) for n in near)}?)" if near else ""
 
 
 class Registry(Generic[T]):
     """A name -> object table, extended by decorator.
 
     Names are case-insensitive. Registering a taken name raises unless ``override=True``;
-    a failed lookup lists what is registered.
+    a failed lookup names the closest registered names and lists them all.
     """
 
     def __init__(self, kind: str) -> None:
@@ -41,12 +49,26 @@ class Registry(Generic[T]):
             return add(obj)
         return add
 
+    def unknown(self, name: str, where: str | None = None) -> str:
+        """The message for a name that is not registered: ``where`` (e.g. ``setting.dispatcher``) names who asked."""
+        head = f"{where}={name!r} is not a registered {self.kind}" if where else f"unknown {self.kind} {name!r}"
+        known = ", ".join(self.names()) or "(none)"
+        return f"{head}{close_names(name, self.names())}; registered: {known}"
+
     def get(self, name: str) -> T:
+        """The object registered under ``name``; a miss raises :class:`~fxq.errors.RegistryError` with the closest
+        names."""
         try:
             return self._items[self._key(name)]
         except KeyError:
-            known = ", ".join(sorted(self._items)) or "(none)"
-            raise RegistryError(f"unknown {self.kind} {name!r}; registered: {known}") from None
+            raise RegistryError(self.unknown(name)) from None
+
+    def require(self, name: str, where: str) -> T:
+        """:meth:`get` for a name a user wrote in a setting: a miss is a :class:`~fxq.errors.ConfigError` naming
+        ``where``."""
+        if name not in self:
+            raise ConfigError(self.unknown(name, where))
+        return self._items[self._key(name)]
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self._key(name) in self._items

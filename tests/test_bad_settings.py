@@ -294,3 +294,41 @@ def test_bad_algorithm_registration_and_result():
     with pytest.raises(fxq.ConfigError, match="algorithm 'test_returns_none' returned NoneType"):
         fxq.quantize(small_cnn(), _data(), "academic_int8", S(custom_algorithms=["test_returns_none"]),
                      progress=False)
+
+
+def test_user_algorithm_with_its_own_settings_is_a_switch(monkeypatch):
+    """One decorator makes a user algorithm a setting switch with checked, json-round-tripping settings."""
+    from fxq.algorithms.pipeline import ALGORITHMS, SWITCHES
+    from fxq.checked import Checked, checked_setting, opt
+
+    for registry in (ALGORITHMS, SWITCHES):  # the registration is undone after the test
+        monkeypatch.setattr(registry, "_items", dict(registry._items))
+
+    @checked_setting("setting.test_scale_setting")
+    class ScaleSetting(Checked):
+        factor: float = opt(2.0, gt=0.0)
+
+    seen: list[float] = []
+
+    @fxq.register_algorithm("test_scale", stage="pre", order=15, setting=ScaleSetting, override=True)
+    def scale(gm, data, setting, steps=None, collate_fn=None):
+        seen.append(setting.test_scale_setting.factor)
+        return gm
+
+    from fxq.algorithms import ALGORITHM_ORDER
+
+    assert ALGORITHM_ORDER["pre"] == ("equalization", "test_scale", "ssd_equalization")
+    s = S(test_scale=True)
+    s.test_scale_setting.factor = 3.0
+    assert S.from_json(s.to_json()) == s and S.from_dict(s.to_dict()).test_scale_setting.factor == 3.0
+    with pytest.raises(fxq.ConfigError, match=r"setting.test_scale_setting.factor=-1.0 must be > 0"):
+        s.test_scale_setting.factor = -1.0
+    with pytest.raises(fxq.ConfigError, match="built-in 'test_scale'; switch it on with setting.test_scale = True"):
+        S(custom_algorithms=["test_scale"])
+    fxq.quantize(small_cnn(), _data(), "academic_int8", s, progress=False)
+    assert seen == [3.0]
+
+
+def test_registry_lookup_suggests_close_names():
+    with pytest.raises(fxq.RegistryError, match=r"unknown platform 'trt_int9' \(did you mean 'trt_int8'.*registered:"):
+        fxq.qconfig.base.PLATFORMS.get("trt_int9")

@@ -23,15 +23,15 @@ from tqdm.auto import tqdm
 
 from fxq.algorithms.blocks import BlockRunner, matches_layer, param_target, unbaked, weight_quantizer_of
 from fxq.algorithms.pipeline import register_algorithm
-from fxq.algorithms.training import Snapshot, kept_if_better, record_run, train_block
+from fxq.algorithms.training import Snapshot, TrainingSetting, kept_if_better, record_run, train_block
+from fxq.checked import Checked, checked_setting, opt
 from fxq.errors import ConfigError
 from fxq.functional import broadcast_qparam
 from fxq.graph.info import QUANTIZERS_ATTR
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize
-from fxq.setting import QuantizationSetting
 
-__all__ = ["AdaRoundQuantizer", "adaround", "rounding_regularizer"]
+__all__ = ["AdaroundSetting", "AdaRoundQuantizer", "adaround", "rounding_regularizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +119,24 @@ def write_hard_weights(gm: fx.GraphModule, overrides: dict[str, AdaRoundQuantize
         get_attr_value(gm, ada.param_target).data.copy_(ada.hard_weight())
 
 
-@register_algorithm("adaround")
-def adaround(gm: fx.GraphModule, data: Any, setting: QuantizationSetting, steps: int | None = None,
+def _beta_range(value: tuple[float, float], path: str) -> tuple[float, float]:
+    if not value[0] >= value[1] > 0:
+        raise ConfigError(f"{path}={list(value)}: AdaRound anneals beta from the first value down to the second, "
+                          f"both > 0 (default [20, 2])")
+    return value
+
+
+@checked_setting("setting.adaround_setting")
+class AdaroundSetting(TrainingSetting):
+    """``setting.adaround_setting``: AdaRound's regularizer and its annealing (see :func:`adaround`)."""
+
+    reg_weight: float = opt(0.01, ge=0.0)
+    beta_range: tuple[float, float] = opt((20.0, 2.0), check=_beta_range)
+    warm_up: float = opt(0.2, ge=0.0, le=1.0)
+
+
+@register_algorithm("adaround", stage="post", order=30, setting=AdaroundSetting)
+def adaround(gm: fx.GraphModule, data: Any, setting: Checked, steps: int | None = None,
              collate_fn: Callable | None = None) -> fx.GraphModule:
     """``setting.adaround``: learn the rounding of every quantized weight, layer by layer.
 

@@ -22,11 +22,11 @@ from tqdm.auto import tqdm
 
 from fxq.algorithms.blocks import BlockRunner, param_target, run_block, unbaked
 from fxq.algorithms.pipeline import register_algorithm
+from fxq.checked import Checked, checked_setting, opt
 from fxq.graph.info import NodeQuant
 from fxq.graph.passes import get_attr_value
-from fxq.setting import QuantizationSetting
 
-__all__ = ["bias_correction", "channel_axis"]
+__all__ = ["BiasCorrectionSetting", "bias_correction", "channel_axis"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +43,17 @@ def _mean_per_channel(x: torch.Tensor, axis: int) -> torch.Tensor:
     return x.movedim(axis, 0).reshape(x.shape[axis], -1).double().mean(dim=1)
 
 
-@register_algorithm("bias_correct")
+@checked_setting("setting.bias_correct_setting")
+class BiasCorrectionSetting(Checked):
+    """``setting.bias_correct_setting``: how many layers per block and calibration batches it uses."""
+
+    block_size: int = opt(4, ge=1)
+    steps: int = opt(32, ge=1, why="a number of calibration batches")
+
+
+@register_algorithm("bias_correct", stage="post", order=10, setting=BiasCorrectionSetting)
 @torch.no_grad()
-def bias_correction(gm: fx.GraphModule, data: Any, setting: QuantizationSetting, steps: int | None = None,
+def bias_correction(gm: fx.GraphModule, data: Any, setting: Checked, steps: int | None = None,
                     collate_fn: Callable | None = None) -> fx.GraphModule:
     """``setting.bias_correct``: subtract each op's mean quantization error from its bias.
 

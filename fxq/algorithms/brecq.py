@@ -25,12 +25,12 @@ from tqdm.auto import tqdm
 from fxq.algorithms.adaround import adaround_overrides, rounding_regularizer, write_hard_weights
 from fxq.algorithms.blocks import BlockRunner, activation_quantizers, matches_layer, unbaked
 from fxq.algorithms.pipeline import register_algorithm
-from fxq.algorithms.training import DropQuantize, Snapshot, kept_if_better, record_run, train_block
+from fxq.algorithms.training import DropQuantize, Snapshot, TrainingSetting, kept_if_better, record_run, train_block
+from fxq.checked import OPTIMIZATION_STEPS, Checked, checked_setting, opt
 from fxq.graph.info import QUANTIZERS_ATTR
 from fxq.graph.passes import get_attr_value
-from fxq.setting import QuantizationSetting
 
-__all__ = ["blockwise_reconstruction", "ADAROUND_LAMBDA", "SCALE_LR_RATIO"]
+__all__ = ["BlockwiseReconstructionSetting", "blockwise_reconstruction", "ADAROUND_LAMBDA", "SCALE_LR_RATIO"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +40,20 @@ SCALE_LR_RATIO = 1 / 25
 """Learning rate of activation scales relative to ``lr``."""
 
 
-@register_algorithm("blockwise_reconstruction")
-def blockwise_reconstruction(gm: fx.GraphModule, data: Any, setting: QuantizationSetting,
+@checked_setting("setting.blockwise_reconstruction_setting")
+class BlockwiseReconstructionSetting(TrainingSetting):
+    """``setting.blockwise_reconstruction_setting``: BRECQ / QDrop block size, drop rate and schedule."""
+
+    steps: int = opt(5000, **OPTIMIZATION_STEPS)
+    gamma: float = opt(1.0, ge=0.0)
+    block_size: int = opt(4, ge=1)
+    is_scale_trainable: bool = False
+    # QDrop: probability of keeping an activation un-quantized during reconstruction
+    drop_prob: float = opt(0.5, ge=0.0, le=1.0)
+
+
+@register_algorithm("blockwise_reconstruction", stage="post", order=40, setting=BlockwiseReconstructionSetting)
+def blockwise_reconstruction(gm: fx.GraphModule, data: Any, setting: Checked,
                              steps: int | None = None, collate_fn: Callable | None = None) -> fx.GraphModule:
     """``setting.blockwise_reconstruction``: BRECQ / QDrop block reconstruction of weight rounding.
 

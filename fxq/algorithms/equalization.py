@@ -30,13 +30,13 @@ from torch import fx
 
 from fxq.algorithms.blocks import param_target
 from fxq.algorithms.pipeline import register_algorithm
+from fxq.checked import Checked, checked_setting, opt
 from fxq.graph.data import iter_batches, placeholder_values
 from fxq.graph.info import NodeQuant, is_quantizer_node
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import fake_quant_mode
-from fxq.setting import QuantizationSetting
 
-__all__ = ["EqualizationGroup", "find_equalization_groups", "equalize", "cross_layer_equalization"]
+__all__ = ["EqualizationSetting", "EqualizationGroup", "find_equalization_groups", "equalize", "cross_layer_equalization"]
 
 logger = logging.getLogger(__name__)
 
@@ -248,8 +248,21 @@ def equalize(gm: fx.GraphModule, groups: list[EqualizationGroup], iterations: in
                 _scale_down(w, _groups(d), s.to(w.device))
 
 
-@register_algorithm("equalization")
-def cross_layer_equalization(gm: fx.GraphModule, data: Any, setting: QuantizationSetting,
+@checked_setting("setting.equalization_setting")
+class EqualizationSetting(Checked):
+    """``setting.equalization_setting``: cross-layer equalization's reach, iterations and thresholds."""
+
+    opt_level: int = opt(1, choices=(1, 2))
+    iterations: int = opt(10, ge=1)
+    value_threshold: float = opt(0.5, ge=0.0)
+    including_bias: bool = False
+    bias_multiplier: float = opt(0.5, ge=0.0)
+    including_act: bool = False
+    act_multiplier: float = opt(0.5, ge=0.0)
+
+
+@register_algorithm("equalization", stage="pre", order=10, setting=EqualizationSetting)
+def cross_layer_equalization(gm: fx.GraphModule, data: Any, setting: Checked,
                              steps: int | None = None, collate_fn: Callable | None = None) -> fx.GraphModule:
     """``setting.equalization``: equalize per-channel weight ranges of Conv/Linear pairs on FP32 weights.
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import fx
@@ -31,11 +31,11 @@ from fxq.algorithms.blocks import (
     weight_quantizer_of,
 )
 from fxq.algorithms.pipeline import register_algorithm
-from fxq.algorithms.training import Snapshot, kept_if_better, record_run, train_block
+from fxq.algorithms.training import Snapshot, TrainingSetting, kept_if_better, record_run, train_block
+from fxq.checked import LEARNING_RATE, OPTIMIZATION_STEPS, Checked, checked_setting, opt
 from fxq.graph.passes import get_attr_value
-from fxq.setting import QuantizationSetting
 
-__all__ = ["lsq_optimization", "weight_drift"]
+__all__ = ["LSQSetting", "lsq_optimization", "weight_drift"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,29 @@ def weight_drift(weights: list[torch.Tensor], originals: list[torch.Tensor], gam
     return gamma * sum((w - w0).pow(2).sum() / w0.pow(2).sum().clamp_min(1e-12) for w, w0 in zip(weights, originals))
 
 
-@register_algorithm("lsq_optimization")
-def lsq_optimization(gm: fx.GraphModule, data: Any, setting: QuantizationSetting, steps: int | None = None,
+@checked_setting("setting.lsq_optimization_setting")
+class LSQSetting(TrainingSetting):
+    """``setting.lsq_optimization_setting``: block-wise LSQ's schedule and what it learns."""
+
+    ALIASES: ClassVar[dict[str, str]] = {"epochs": "steps"}
+    lr: float = opt(1e-5, **LEARNING_RATE)
+    steps: int = opt(500, **OPTIMIZATION_STEPS)
+    is_scale_trainable: bool = True
+    gamma: float = opt(0.0, ge=0.0)
+    block_size: int = opt(4, ge=1)
+
+    @property
+    def epochs(self) -> int:
+        """The seeds' tutorial spelling of ``steps``."""
+        return self.steps
+
+    @epochs.setter
+    def epochs(self, value: int) -> None:
+        self.steps = value
+
+
+@register_algorithm("lsq_optimization", stage="post", order=20, setting=LSQSetting)
+def lsq_optimization(gm: fx.GraphModule, data: Any, setting: Checked, steps: int | None = None,
                      collate_fn: Callable | None = None) -> fx.GraphModule:
     """``setting.lsq_optimization``: learn weights and quantizer scales block by block.
 

@@ -37,15 +37,15 @@ from fxq.algorithms.equalization import (
     find_equalization_groups,
 )
 from fxq.algorithms.pipeline import register_algorithm
+from fxq.checked import Checked, checked_setting, opt
 from fxq.functional import fake_quantize, qparams_from_minmax
 from fxq.graph.data import iter_batches, placeholder_values
 from fxq.graph.info import is_quantizer_node
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import fake_quant_mode
-from fxq.setting import QuantizationSetting
 from fxq.spec import TensorQuantConfig
 
-__all__ = ["find_ssd_pairs", "ssd_equalization"]
+__all__ = ["SSDEqualizationSetting", "find_ssd_pairs", "ssd_equalization"]
 
 logger = logging.getLogger(__name__)
 
@@ -175,8 +175,18 @@ class _Pair:
         return (s / s.min()).clamp(1.0, 2.0)
 
 
-@register_algorithm("ssd_equalization")
-def ssd_equalization(gm: fx.GraphModule, data: Any, setting: QuantizationSetting,
+@checked_setting("setting.ssd_setting")
+class SSDEqualizationSetting(Checked):
+    """``setting.ssd_setting``: PPQ's SSD equalization's channel share, loss threshold and rounds."""
+
+    opt_level: int = opt(1, choices=(1, 2))
+    channel_ratio: float = opt(0.5, gt=0.0, le=1.0)
+    loss_threshold: float = opt(0.8, ge=0.0)
+    iteration: int = opt(3, ge=1)
+
+
+@register_algorithm("ssd_equalization", stage="pre", order=20, setting=SSDEqualizationSetting)
+def ssd_equalization(gm: fx.GraphModule, data: Any, setting: Checked,
                      steps: int | None = None, collate_fn: Callable | None = None) -> fx.GraphModule:
     """``setting.ssd_equalization``: SSD equalization of Conv/Linear pairs on FP32 weights (kept where it helps).
 

@@ -15,13 +15,27 @@ import torch
 from torch import fx, nn
 
 from fxq.algorithms.blocks import BlockData
+from fxq.checked import LEARNING_RATE, OPTIMIZATION_STEPS, Checked, checked_setting, opt
 from fxq.errors import GraphError
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import MIN_SCALE
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DropQuantize", "train_block", "block_error", "Snapshot", "reconstruction_loss"]
+__all__ = ["TrainingSetting", "DropQuantize", "train_block", "block_error", "Snapshot", "reconstruction_loss"]
+
+
+@checked_setting("setting.<block training>_setting")
+class TrainingSetting(Checked):
+    """What every block-wise training algorithm asks: which layers, how fast, how long, where cached inputs live.
+
+    Subclasses re-declare ``lr`` / ``steps`` for their own defaults and add their fields.
+    """
+
+    interested_layers: list[str] = opt(factory=list)
+    lr: float = opt(1e-3, **LEARNING_RATE)
+    steps: int = opt(1000, **OPTIMIZATION_STEPS)
+    collecting_device: str = opt("cpu", device=True)
 
 
 def reconstruction_loss(outputs: Sequence[Any], targets: Sequence[Any]) -> torch.Tensor:

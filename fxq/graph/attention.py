@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from fxq.graph.nodes import get_attr_value
 from fxq.graph.op_types import op_type, register_op_type
 
 __all__ = ["apply_attention_mask", "attention", "decompose_attention_functions", "route_mask_adds",
@@ -124,13 +125,6 @@ def _is_plain_add(node: fx.Node) -> bool:
     return node.op == "call_method" and node.target == "add" and len(node.args) == 2 and not node.kwargs
 
 
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def _is_mask_like(value: Any, gm: fx.GraphModule, modules: dict[str, Any]) -> bool:
     """Computed from graph inputs, buffers and constants only, through no weighted op and no parameter: data a
     model adds to attention logits as a mask (a learned bias, e.g. Swin's relative positions, is not one)."""
@@ -144,7 +138,7 @@ def _is_mask_like(value: Any, gm: fx.GraphModule, modules: dict[str, Any]) -> bo
             continue
         seen.add(node)
         if node.op == "get_attr":
-            if isinstance(_attr(gm, str(node.target)), nn.Parameter):
+            if isinstance(get_attr_value(gm, str(node.target)), nn.Parameter):
                 return False
         elif node.op == "call_module" or (node.op != "placeholder" and op_type(node, modules) in _WEIGHTED_OPS):
             return False

@@ -17,8 +17,7 @@ from fxq.errors import ConfigError
 from fxq.graph.info import match_node_name, node_names
 from fxq.graph.op_types import op_type
 from fxq.qconfig.base import COMPUTING_OPS, RECURRENT_OPS, SHAPE_OPS, Platform, get_platform
-from fxq.registry import Registry
-from fxq.setting import close_names
+from fxq.registry import Registry, close_names
 
 __all__ = ["dispatch", "DISPATCHERS", "register_dispatcher", "is_float_tensor", "shape_nodes", "Dispatch"]
 
@@ -129,10 +128,7 @@ def dispatch(
 ) -> Dispatch:
     """Decide, node by node, the platform each op runs on."""
     modules = dict(gm.named_modules())
-    if dispatcher not in DISPATCHERS:
-        raise ConfigError(f"setting.dispatcher={dispatcher!r} is not a registered dispatcher"
-                          f"{close_names(dispatcher, DISPATCHERS.names())}; registered: {', '.join(DISPATCHERS.names())}")
-    rule = DISPATCHERS.get(dispatcher)
+    rule = DISPATCHERS.require(dispatcher, "setting.dispatcher")
     shape = set() if dispatcher == "allin" else shape_nodes(gm, modules)
     table = dispatching_table or {}
     if table:

@@ -13,12 +13,16 @@ import contextlib
 import io
 import logging
 import operator
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils import _pytree as pytree
+
+from fxq.graph.nodes import redirect_later_readers
+from fxq.graph.op_types import LIFTED, WEIGHTED_FUNCTIONS
+from fxq.graph.passes import reuse_node_name
 
 __all__ = ["export_program", "from_exported_program", "lift_aten_graph", "is_aten_graph", "LIFTED"]
 
@@ -26,33 +30,6 @@ logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
-LIFTED: dict[Any, Callable[..., Any]] = {
-    aten.conv1d.default: F.conv1d, aten.conv2d.default: F.conv2d, aten.conv3d.default: F.conv3d,
-    aten.conv1d.padding: F.conv1d, aten.conv2d.padding: F.conv2d, aten.conv3d.padding: F.conv3d,
-    aten.conv_transpose1d.default: F.conv_transpose1d, aten.conv_transpose2d.input: F.conv_transpose2d,
-    aten.conv_transpose3d.input: F.conv_transpose3d,
-    aten.linear.default: F.linear, aten.matmul.default: torch.matmul, aten.bmm.default: torch.bmm,
-    aten.mm.default: torch.mm,
-    aten.add.Tensor: torch.add, aten.sub.Tensor: torch.sub, aten.mul.Tensor: torch.mul, aten.div.Tensor: torch.div,
-    aten.relu.default: torch.relu, aten.sigmoid.default: torch.sigmoid, aten.tanh.default: torch.tanh,
-    aten.hardtanh.default: F.hardtanh, aten.hardswish.default: F.hardswish, aten.hardsigmoid.default: F.hardsigmoid,
-    aten.gelu.default: F.gelu, aten.silu.default: F.silu, aten.leaky_relu.default: F.leaky_relu,
-    aten.elu.default: F.elu, aten.clamp.default: torch.clamp, aten.softmax.int: torch.softmax,
-    aten.layer_norm.default: F.layer_norm,
-    aten.max_pool1d.default: F.max_pool1d, aten.max_pool2d.default: F.max_pool2d,
-    aten.max_pool3d.default: F.max_pool3d,
-    aten.avg_pool1d.default: F.avg_pool1d, aten.avg_pool2d.default: F.avg_pool2d,
-    aten.avg_pool3d.default: F.avg_pool3d,
-    aten.adaptive_avg_pool1d.default: F.adaptive_avg_pool1d,
-    aten.adaptive_avg_pool2d.default: F.adaptive_avg_pool2d,
-    aten.adaptive_avg_pool3d.default: F.adaptive_avg_pool3d,
-    aten.mean.dim: torch.mean, aten.cat.default: torch.cat, aten.stack.default: torch.stack,
-    aten.view.default: torch.reshape, aten.reshape.default: torch.reshape, aten._unsafe_view.default: torch.reshape,
-    aten.flatten.using_ints: torch.flatten, aten.permute.default: torch.permute,
-    aten.transpose.int: torch.transpose, aten.unsqueeze.default: torch.unsqueeze,
-    aten.squeeze.dim: torch.squeeze,
-}
-"""aten overloads whose positional arguments are those of a torch function; the node keeps args and kwargs."""
 _ARITY = {F.layer_norm: 5, F.elu: 2}
 """Lifted functions whose aten overload takes more positional arguments than they do (the rest are defaults)."""
 
@@ -218,8 +195,7 @@ def _functionalize(graph: fx.Graph) -> None:
         if twin is None or not isinstance(written, fx.Node) or written.op in ("placeholder", "get_attr"):
             continue
         node.target = twin
-        for user in [u for u in written.users if order.get(u, -1) > order[node]]:
-            user.replace_input_with(written, node)
+        redirect_later_readers(written, node, node, order)
 
 
 def _plain_codegen(gm: fx.GraphModule) -> None:
@@ -247,8 +223,6 @@ def _batch_norm_modules(gm: fx.GraphModule) -> None:
     """``F.batch_norm`` over one holder's ``running_mean/var, weight, bias`` becomes a call of a real BatchNorm module
     at that path, as symbolic tracing gives: folding treats both alike, and with ``fold_bn=False`` QAT trains it
     with batch statistics (``fxq.freeze_bn`` finds it)."""
-    from fxq.graph.passes import reuse_node_name  # noqa: PLC0415  (passes -> op_types -> this module)
-
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not F.batch_norm or len(node.args) != 8:
             continue
@@ -314,8 +288,6 @@ def _module_path(node: fx.Node) -> tuple[str, type | str] | None:
 def _readable_names(graph: fx.Graph) -> None:
     """Name nodes after the module they ran in (``layer1_0_conv1``; ``layer1_0_add`` for the block's own ops), as
     symbolic tracing does; weighted ops record that module in ``meta["module_path"]``."""
-    from fxq.graph.op_types import WEIGHTED_FUNCTIONS  # noqa: PLC0415  (op_types may import this module)
-
     claimed: set[str] = set()
     for node in graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:

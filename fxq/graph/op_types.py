@@ -14,8 +14,39 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-__all__ = ["op_type", "register_op_type", "mutates_first_argument", "out_of_place_twin", "WEIGHTED_FUNCTIONS",
+__all__ = ["LIFTED", "op_type", "register_op_type", "mutates_first_argument", "out_of_place_twin", "WEIGHTED_FUNCTIONS",
            "WEIGHT_ARGS", "weight_arg_nodes"]
+
+aten = torch.ops.aten
+
+LIFTED: dict[Any, Callable[..., Any]] = {
+    aten.conv1d.default: F.conv1d, aten.conv2d.default: F.conv2d, aten.conv3d.default: F.conv3d,
+    aten.conv1d.padding: F.conv1d, aten.conv2d.padding: F.conv2d, aten.conv3d.padding: F.conv3d,
+    aten.conv_transpose1d.default: F.conv_transpose1d, aten.conv_transpose2d.input: F.conv_transpose2d,
+    aten.conv_transpose3d.input: F.conv_transpose3d,
+    aten.linear.default: F.linear, aten.matmul.default: torch.matmul, aten.bmm.default: torch.bmm,
+    aten.mm.default: torch.mm,
+    aten.add.Tensor: torch.add, aten.sub.Tensor: torch.sub, aten.mul.Tensor: torch.mul, aten.div.Tensor: torch.div,
+    aten.relu.default: torch.relu, aten.sigmoid.default: torch.sigmoid, aten.tanh.default: torch.tanh,
+    aten.hardtanh.default: F.hardtanh, aten.hardswish.default: F.hardswish, aten.hardsigmoid.default: F.hardsigmoid,
+    aten.gelu.default: F.gelu, aten.silu.default: F.silu, aten.leaky_relu.default: F.leaky_relu,
+    aten.elu.default: F.elu, aten.clamp.default: torch.clamp, aten.softmax.int: torch.softmax,
+    aten.layer_norm.default: F.layer_norm,
+    aten.max_pool1d.default: F.max_pool1d, aten.max_pool2d.default: F.max_pool2d,
+    aten.max_pool3d.default: F.max_pool3d,
+    aten.avg_pool1d.default: F.avg_pool1d, aten.avg_pool2d.default: F.avg_pool2d,
+    aten.avg_pool3d.default: F.avg_pool3d,
+    aten.adaptive_avg_pool1d.default: F.adaptive_avg_pool1d,
+    aten.adaptive_avg_pool2d.default: F.adaptive_avg_pool2d,
+    aten.adaptive_avg_pool3d.default: F.adaptive_avg_pool3d,
+    aten.mean.dim: torch.mean, aten.cat.default: torch.cat, aten.stack.default: torch.stack,
+    aten.view.default: torch.reshape, aten.reshape.default: torch.reshape, aten._unsafe_view.default: torch.reshape,
+    aten.flatten.using_ints: torch.flatten, aten.permute.default: torch.permute,
+    aten.transpose.int: torch.transpose, aten.unsqueeze.default: torch.unsqueeze,
+    aten.squeeze.dim: torch.squeeze,
+}
+"""aten overloads whose positional arguments are those of a torch function; the node keeps args and kwargs
+(:mod:`fxq.graph.export_capture` lifts them to those functions, and they get the function's op type)."""
 
 _FUNCTIONS: dict[Callable[..., Any], str] = {
     F.conv1d: "Conv", F.conv2d: "Conv", F.conv3d: "Conv",
@@ -241,11 +272,7 @@ _register_recurrent()
 
 
 def _register_aten() -> None:
-    """aten overloads, as ``torch.export`` graphs hold them: the ones :mod:`fxq.graph.export_capture` lifts to torch
-    calls get the type of that call (a graph handed over unlifted is still typed), the rest a type of their own."""
-    from fxq.graph.export_capture import LIFTED  # noqa: PLC0415  (it imports this module lazily)
-
-    aten = torch.ops.aten
+    """aten overloads, as ``torch.export`` graphs hold them: the ones in :data:`LIFTED` get the type of that call (a graph handed over unlifted is still typed), the rest a type of their own."""
     for overload, fn in LIFTED.items():
         if fn in _FUNCTIONS:
             _FUNCTIONS.setdefault(overload, _FUNCTIONS[fn])

@@ -16,6 +16,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxq.errors import GraphError
 from fxq.graph.attention import decompose_attention_functions
+from fxq.graph.nodes import get_attr_value, redirect_later_readers
 from fxq.graph.op_types import WEIGHTED_FUNCTIONS, mutates_first_argument, op_type, out_of_place_form
 
 __all__ = [
@@ -41,13 +42,6 @@ def _finish(gm: fx.GraphModule) -> fx.GraphModule:
     gm.delete_all_unused_submodules()
     gm.recompile()
     return gm
-
-
-def get_attr_value(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def set_attr_value(gm: fx.GraphModule, target: str, value: Any) -> None:
@@ -411,8 +405,7 @@ def rewrite_out_of_place(graph: fx.Graph, modules: dict[str, Any]) -> dict[fx.No
             with graph.inserting_before(n):
                 new_value = graph.call_method("clone", (written,))
             n.args = (new_value, *n.args[1:])
-        for user in [u for u in written.users if order.get(u, -1) > order[n]]:
-            user.replace_input_with(written, new_value)
+        redirect_later_readers(written, new_value, n, order)
         moved[written] = new_value
     return moved
 

@@ -14,9 +14,9 @@ import functools
 import typing
 from typing import Any, ClassVar
 
+from fxq.checked import check_value
 from fxq.errors import ConfigError
-from fxq.registry import Registry
-from fxq.setting import check_value, close_names
+from fxq.registry import Registry, close_names
 from fxq.spec import QuantState, RoundingPolicy, TensorQuantConfig
 
 __all__ = [

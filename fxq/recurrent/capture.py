@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from fxq.graph.decompose import register_decomposition
+from fxq.graph.nodes import get_attr_value
 from fxq.recurrent.ops import GRU_TO_TORCH, LSTM_TO_TORCH
 
 __all__ = ["onnx_layout", "lift_aten_recurrent", "ONNX_PARAM_NAMES"]
@@ -137,7 +138,6 @@ def lift_aten_recurrent(gm: Any, node: Any) -> bool:
 
     Returns False (graph untouched) for forms the recurrent op does not cover (LSTM projections, an unknown arity).
     """
-    from fxq.graph.passes import get_attr_value  # noqa: PLC0415
 
     lstm = node.target is torch.ops.aten.lstm.input
     if len(node.args) != 9 or any(u.target is not operator.getitem for u in node.users):

@@ -318,21 +318,31 @@ def class_name(cls: type) -> str | None:
 
 
 def _lookup_class(name: str) -> type | None:
-    if name.startswith("onnx2torch."):  # indexed on first use: importing onnx2torch is slow
-        return _onnx2torch_classes().get(name)
-    return _class_table().get(name)
+    return _lookup(name, _onnx2torch_classes, _class_table)
+
+
+def _lookup(name: str, onnx2torch_table: Callable[[], dict[str, Any]], table: Callable[[], dict[str, Any]]) -> Any:
+    """``name`` in ``table``, or in ``onnx2torch_table`` for onnx2torch's names (built on first use: importing
+    onnx2torch is slow)."""
+    return (onnx2torch_table() if name.startswith("onnx2torch.") else table()).get(name)
+
+
+def _resolve(name: Any, what: str, lookup: Callable[[str], Any], registered: Callable[[Any], bool]) -> Any:
+    """The object saved as ``name``: a registration that ``registered`` accepts, else the built-in table; anything
+    else is a :class:`NotSupportedError` (a file names only what fxq allows)."""
+    if isinstance(name, str):
+        if name in SERIALIZABLE and registered(SERIALIZABLE.get(name)):
+            return SERIALIZABLE.get(name)
+        obj = lookup(name)
+        if obj is not None:
+            return obj
+    raise NotSupportedError(f"{what} {name!r} is not allowed in fxq files; register it with "
+                            f"fxq.serialization.register_serializable before fxq.load")
 
 
 def resolve_class(name: Any) -> type:
     """The class saved as ``name``, if it is in the class table; otherwise :class:`NotSupportedError`."""
-    if isinstance(name, str):
-        if name in SERIALIZABLE and isinstance(SERIALIZABLE.get(name), type):
-            return SERIALIZABLE.get(name)
-        cls = _lookup_class(name)
-        if cls is not None:
-            return cls
-    raise NotSupportedError(f"module class {name!r} is not allowed in fxq files; register it with "
-                            f"fxq.serialization.register_serializable before fxq.load")
+    return _resolve(name, "module class", _lookup_class, lambda obj: isinstance(obj, type))
 
 
 # ---------------------------------------------------------------------------------------------- functions
@@ -384,9 +394,7 @@ def _onnx2torch_functions() -> dict[str, Callable[..., Any]]:
 
 
 def _lookup_function(name: str) -> Callable[..., Any] | None:
-    if name.startswith("onnx2torch."):  # imported on first use: importing onnx2torch is slow
-        return _onnx2torch_functions().get(name)
-    return _function_table().get(name)
+    return _lookup(name, _onnx2torch_functions, _function_table)
 
 
 @functools.lru_cache(maxsize=1)
@@ -415,14 +423,7 @@ def function_name(fn: Callable[..., Any]) -> str | None:
 
 def resolve_function(name: Any) -> Callable[..., Any]:
     """The function saved as ``name``, looked up only in the function table (and registrations)."""
-    if isinstance(name, str):
-        if name in SERIALIZABLE:
-            return SERIALIZABLE.get(name)
-        fn = _lookup_function(name)
-        if fn is not None:
-            return fn
-    raise NotSupportedError(f"function {name!r} is not allowed in fxq files; register it with "
-                            f"fxq.serialization.register_serializable before fxq.load")
+    return _resolve(name, "function", _lookup_function, lambda obj: True)
 
 
 def check_node(op: str, target: Any, args: tuple) -> None:

@@ -11,7 +11,10 @@ onnx2torch gets a small dispatcher that reads this table when it converts, so a 
 """
 from __future__ import annotations
 
+import importlib
 import logging
+import pkgutil
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from fxq.errors import RegistryError
@@ -29,20 +32,14 @@ _BUILTINS_LOADING: list[bool] = []  # non-empty once fxq's own converters are (b
 
 
 def load_builtin_converters() -> None:
-    """Register fxq's own converters (once). Imports onnx2torch, hence torchvision: called on first use."""
+    """Register fxq's own converters (once): every public module of this package, found on disk, so that adding a
+    converter is adding its file. Imports onnx2torch, hence torchvision: called on first use."""
     if _BUILTINS_LOADING:
         return
     _BUILTINS_LOADING.append(True)
-    from fxq.frontends.onnx.converters import (  # noqa: F401
-        activation,
-        norm,
-        pad,
-        recurrent,
-        reduce,
-        reshape,
-        split,
-        versions,
-    )
+    for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
+        if not info.name.startswith("_") and info.name != "registry":
+            importlib.import_module(f"{__package__}.{info.name}")
 
 
 def domain_alias(domain: str) -> str:
