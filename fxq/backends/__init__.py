@@ -7,6 +7,7 @@ import importlib as _importlib
 import pkgutil as _pkgutil
 
 from fxq.backends.base import EXPORTERS, Exporter, export, exporter_for, register_exporter
+from fxq.backends.tensorrt.check import check_tensorrt
 
 
 def _import_backends() -> None:
@@ -17,7 +18,5 @@ def _import_backends() -> None:
 
 
 _import_backends()
-
-from fxq.backends.tensorrt.check import check_tensorrt  # noqa: E402  (after the backends are registered)
 
 __all__ = ["Exporter", "EXPORTERS", "register_exporter", "export", "exporter_for", "check_tensorrt"]
