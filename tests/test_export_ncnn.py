@@ -34,8 +34,8 @@ from torch.fx.interpreter import Interpreter
 import fxq
 from fxq.backends import export
 from fxq.backends.ncnn import ncnn_paths
-from fxq.backends.ncnn_convert import NcnnBuilder, build_ncnn_model
-from fxq.backends.ncnn_writer import NcnnModel
+from fxq.backends.ncnn.builder import NcnnBuilder, build_ncnn_model
+from fxq.backends.ncnn.writer import NcnnModel
 from fxq.errors import ExportError
 from fxq.functional import fake_quantize, quantize_to_int
 
@@ -489,7 +489,8 @@ def test_errors_before_writing(tmp_path: Path) -> None:
     prepared = fxq.prepare(TinyConv().eval(), "ncnn_int8", torch.randn(1, 3, 8, 8))
     with pytest.raises(ExportError, match=r"not calibrated \(x_q"):
         export(prepared, "ncnn", tmp_path / "net")
-    with pytest.raises(ExportError, match=r"input quantizer 'x_q' has the integer range \[-128, 127\]"):
+    with pytest.raises(ExportError, match=r"quantizer 'x_q' \(activation of 'x'\): ncnn_int8 .*activation quantization "
+                                          r"must use the narrow range \[-qmax, qmax\], got \[-128, 127\]"):
         export(_tiny("trt_int8"), "ncnn", tmp_path / "net")
     outputs_quantized = fxq.get_platform("ncnn_int8").with_overrides(quantize_outputs=True)
     feeds_fp32 = r"quantizer '\w+' on the value of node '\w+' feeds node '\w+' \(op \w+\), which ncnn runs in FP32"

@@ -15,8 +15,8 @@ from _export_helpers import SmallCNN, ort_session, quantize_model, small_quantiz
 from onnx import numpy_helper
 
 import fxq
-from fxq.backends.trt_check import check_tensorrt
-from fxq.backends.trt_legacy import cache_version, parse_calibration_cache
+from fxq.backends.tensorrt.check import check_tensorrt
+from fxq.backends.tensorrt.legacy import cache_version, parse_calibration_cache
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_checker_finds_broken_models(trt_export, breaker, message):
 
 
 def test_exporter_raises_on_violations_and_writes_nothing(trt_model, tmp_path, monkeypatch):
-    import fxq.backends.trt_check as trt_check
+    import fxq.backends.tensorrt.check as trt_check
 
     monkeypatch.setattr(trt_check, "check_tensorrt", lambda model: ["Conv 'x': made-up violation"])
     with pytest.raises(fxq.ExportError, match="made-up violation"):

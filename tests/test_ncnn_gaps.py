@@ -197,7 +197,7 @@ def test_ceil_mode_pooling_at_other_sizes(tmp_path: Path, kernel: int, stride: i
 def test_ceil_mode_pooling_that_drops_a_window_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """kernel < padding + stride: torch drops a last window starting in the padding; ncnn cannot follow."""
     torch.manual_seed(0)
-    with caplog.at_level(logging.WARNING, logger="fxq.backends.ncnn_convert"):
+    with caplog.at_level(logging.WARNING, logger="fxq.backends.ncnn.builder"):
         check(CeilPool(3, 3, 1).eval(), (1, 3, 16, 16), tmp_path / "net")
     assert "export-time input size (16, 16)" in caplog.text
 
@@ -238,7 +238,7 @@ def test_onet(tmp_path: Path, form: str) -> None:
 def test_int8_files_need_int8_inference_and_fp32_files_run_either_way(tmp_path: Path) -> None:
     """ncnn quantizes the weights of a layer with int8_scale_term (8=) at load time whatever the Option says, so
     the int8 files compute garbage with ``use_int8_inference = False``; that setting runs ``.fp32.param/.bin``
-    (documented in fxq.backends.ncnn_writer). If ncnn ever stops doing this, update the documentation."""
+    (documented in fxq.backends.ncnn.writer). If ncnn ever stops doing this, update the documentation."""
     torch.manual_seed(0)
     gm, files = check(Prelu(4).eval(), (1, 3, 8, 8), tmp_path / "net")
     x = torch.randn(1, 3, 8, 8)

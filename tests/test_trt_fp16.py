@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import fxq
 from fxq.backends.qdq.fp16 import cast_float_parts, fp16_simulation
-from fxq.backends.trt_check import check_tensorrt
+from fxq.backends.tensorrt.check import check_tensorrt
 
 
 class _Net(torch.nn.Module):

@@ -1,5 +1,7 @@
-"""Platform qconfig maps. Importing this package registers the built-in platforms."""
-from fxq.qconfig import academic, dsp, ncnn, onnxruntime, openppl, tensorrt  # noqa: F401  (register)
+"""Platform qconfig maps: the :class:`Platform` base, :class:`Capability` and the registry.
+
+The built-in platforms live with their backends (``fxq/backends/<name>/``) and are registered by ``import fxq``.
+"""
 from fxq.qconfig.base import PLATFORMS, Capability, Platform, RoleCapability, get_platform, register_platform
 
 __all__ = ["Platform", "PLATFORMS", "register_platform", "get_platform", "Capability", "RoleCapability"]

@@ -77,6 +77,7 @@ class RoleCapability:
         symmetric: True: symmetric only (offset 0); False: asymmetric only.
         narrow: True: the range is ``[-quant_max, quant_max]``; False: the full signed range ``[-2^(b-1), 2^(b-1)-1]``.
         per_channel: False: per-tensor only.
+        axes: the channel axes a per-channel scheme may use (``{0}``: output channels only).
         formats: ``"int"`` and / or FP8 format names (``"e4m3"``).
         rounding: rounding policies the runtime applies.
     """
@@ -85,6 +86,7 @@ class RoleCapability:
     symmetric: bool | None = None
     narrow: bool | None = None
     per_channel: bool | None = None
+    axes: frozenset[int] | None = None
     formats: frozenset[str] | None = None
     rounding: frozenset[RoundingPolicy] | None = None
 
@@ -108,6 +110,8 @@ class RoleCapability:
                 out.append(f"must use the full range {list(full)}, got [{cfg.quant_min}, {cfg.quant_max}]")
         if self.per_channel is False and cfg.per_channel:
             out.append("must be per-tensor (per_channel=False)")
+        elif self.axes is not None and cfg.per_channel and cfg.channel_axis not in self.axes:
+            out.append(f"must be per-channel along axis {_bits_text(self.axes)}, got axis {cfg.channel_axis}")
         if self.rounding is not None and cfg.rounding not in self.rounding:
             out.append(f"must round {' or '.join(sorted(r.name for r in self.rounding))}, got {cfg.rounding.name}")
         return out
@@ -115,13 +119,16 @@ class RoleCapability:
 
 @dataclasses.dataclass(frozen=True)
 class Capability:
-    """What a platform's exporter can express; :func:`fxq.prepare` checks every scheme against it before any
-    calibration (per call, per dispatching-table entry and per quantizer).
+    """What a platform's exporter can express, written once: :func:`fxq.prepare` checks every scheme against it
+    before any calibration (per call, per dispatching-table entry and per quantizer), and every exporter checks
+    every quantizer of the model it is given against the capabilities of its platforms before it writes anything
+    (:func:`fxq.backends.capability.check_capabilities`).
 
     Args:
         rule: the backend, as messages name it (``"trt_int8 exports TensorRT INT8 Q/DQ"``).
         activation, weight: per-role rules.
-        quantized_bias: False when the exporter keeps biases in FP32 (``bias_bits`` must stay None).
+        quantized_bias: False when the exporter keeps biases in FP32 (``bias_bits`` must stay None, and an
+            exported model may carry no quantizing bias quantizer).
         hint: what to do instead (another platform, an override to drop).
     """
 
@@ -131,10 +138,16 @@ class Capability:
     quantized_bias: bool = True
     hint: str = ""
 
+    def problems(self, role: str, cfg: TensorQuantConfig) -> list[str]:
+        """What ``cfg`` (of ``role``: activation, weight or bias) asks that this capability cannot express."""
+        if role == "bias":
+            return [] if self.quantized_bias else ["must stay FP32 (bias_bits=None)"]
+        rules = getattr(self, role, None)
+        return rules.problems(cfg) if isinstance(rules, RoleCapability) else []
+
     def check(self, role: str, cfg: TensorQuantConfig, where: str) -> None:
         """Raise :class:`ConfigError` if ``cfg`` (of ``role``) is not expressible."""
-        rules = getattr(self, role, None)
-        problems = rules.problems(cfg) if isinstance(rules, RoleCapability) else []
+        problems = self.problems(role, cfg) if role != "bias" else []
         if problems:
             hint = f"; {self.hint}" if self.hint else ""
             raise ConfigError(f"{where}: {self.rule}: {role} quantization {'; '.join(problems)}{hint}")

@@ -14,7 +14,8 @@ import operator
 import numpy as np
 from torch import fx
 
-from fxq.backends.ncnn_convert import NcnnBuilder, register_ncnn_converter
+from fxq.backends.ncnn.builder import NcnnBuilder
+from fxq.backends.ncnn.registry import register_ncnn_converter
 from fxq.graph.passes import get_attr_value
 
 __all__: list[str] = []

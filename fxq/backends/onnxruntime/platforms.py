@@ -6,8 +6,8 @@ accumulator and quantize an FP32 bias themselves when the model has one. Simulat
 ~2 codes in 10^4 one LSB off on BatchNorm-folded models; with the int32 bias the runtime's codes are the
 simulation's (tests/test_export_onnx.py).
 """
+from fxq.backends.tensorrt.platforms import TRT_QUANTIZED_OPS
 from fxq.qconfig.base import Capability, Platform, RoleCapability, _int_config, register_platform
-from fxq.qconfig.tensorrt import TRT_QUANTIZED_OPS
 from fxq.spec import RoundingPolicy
 
 

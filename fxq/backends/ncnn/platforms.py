@@ -21,10 +21,11 @@ class NcnnInt8(Platform):
     rounding = RoundingPolicy.HALF_FAR_FROM_ZERO
     capability = Capability(  # rounding is not a rule: ncnn's ties differ by one step at most (a warning at export)
         rule="ncnn_int8 exports ncnn int8 layers (inputs per tensor, symmetric, [-127, 127]; weights symmetric, "
-             "at most 8 bits, [-qmax, qmax]; FP32 biases)",
+             "at most 8 bits, [-qmax, qmax], per output channel; FP32 biases)",
         activation=RoleCapability(bits=frozenset({8}), symmetric=True, narrow=True, per_channel=False,
                                   formats=frozenset({"int"})),
-        weight=RoleCapability(bits=frozenset(range(2, 9)), symmetric=True, narrow=True, formats=frozenset({"int"})),
+        weight=RoleCapability(bits=frozenset(range(2, 9)), symmetric=True, narrow=True, axes=frozenset({0}),
+                              formats=frozenset({"int"})),
         quantized_bias=False,
         hint="use platform='academic_int8' / 'academic_int4' for simulation-only schemes",
     )

@@ -17,7 +17,7 @@ int8 inference off its FP32 kernels then read those int8 bytes as floats (NaN / 
 behave the same. With ``use_int8_inference = False`` run the ``.fp32.param`` / ``.fp32.bin`` pair (no ``8=``),
 which is correct under either setting.
 
-Nothing here knows about torch.fx; :mod:`fxq.backends.ncnn_convert` builds an :class:`NcnnModel`.
+Nothing here knows about torch.fx; :mod:`fxq.backends.ncnn.builder` builds an :class:`NcnnModel`.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from fxq.errors import ExportError
 
-__all__ = ["NcnnLayer", "NcnnModel", "Int8Scales", "format_param_value", "MAGIC"]
+__all__ = ["NcnnLayer", "NcnnModel", "Int8Scales", "format_param_value", "shape_params", "drop_dim", "MAGIC"]
 
 MAGIC = 7767517
 ParamValue = Union[int, float, str, list, tuple]
@@ -50,6 +50,17 @@ def format_param_value(value: ParamValue) -> str:
             raise ExportError("ncnn param arrays cannot be empty")
         return ",".join([str(len(value))] + [format_param_value(v) for v in value])
     raise ExportError(f"cannot write ncnn param value {value!r} of type {type(value).__name__}")
+
+
+def shape_params(shape: tuple[int, ...]) -> dict[int, int]:
+    """ncnn Input / Reshape params for a batch-less shape: w=0, h=1, d=11, c=2 (innermost first)."""
+    keys = {1: (0,), 2: (1, 0), 3: (2, 1, 0), 4: (2, 11, 1, 0)}[len(shape)]
+    return {k: int(v) for k, v in zip(keys, shape)}
+
+
+def drop_dim(shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
+    """``shape`` without ``dim`` (a value's blob shape given its batch dim; ``None`` keeps every dim)."""
+    return shape if dim is None else shape[:dim] + shape[dim + 1:]
 
 
 @dataclasses.dataclass

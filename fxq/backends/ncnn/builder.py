@@ -1,9 +1,9 @@
-"""fx graph -> :class:`~fxq.backends.ncnn_writer.NcnnModel`: the walk, names, blobs and int8 scales.
+"""fx graph -> :class:`~fxq.backends.ncnn.writer.NcnnModel`: the walk, names, blobs and int8 scales.
 
-Layer converters (one per canonical op type, :mod:`fxq.backends.ncnn_layers`) are registered with
-:func:`register_ncnn_converter` and receive the :class:`NcnnBuilder` and the node. Blobs follow ncnn's
-batch-less layout: a torch value of shape ``(N, *rest)`` is an ncnn blob of shape ``rest`` (graph inputs and
-outputs always). Inside the graph a batch of 1 may move: ``x.transpose(0, 1)`` of a ``(1, T, D)`` value is
+Layer converters (one per canonical op type, :mod:`fxq.backends.ncnn.layers`) are registered with
+:func:`~fxq.backends.ncnn.registry.register_ncnn_converter` (the package imports the built-in ones) and
+receive the :class:`NcnnBuilder` and the node. Blobs follow ncnn's batch-less layout: a torch value of shape
+``(N, *rest)`` is an ncnn blob of shape ``rest`` (graph inputs and outputs always). Inside the graph a batch of 1 may move: ``x.transpose(0, 1)`` of a ``(1, T, D)`` value is
 ``(T, 1, D)``, still the blob ``(T, D)``, and torch's attention folds the batch into the heads,
 ``(T, B * H, Dh)``, a blob with every dim. :meth:`NcnnBuilder.batch_dim` records which torch dim a value's
 blob leaves out (``None``: none); converters registered with ``any_batch_dim=True`` read it, every other
@@ -15,19 +15,21 @@ name; graph inputs are ``in0, in1...`` and outputs ``out0, out1...`` (pnnx's con
 
 Quantization: only Conv / Gemm nodes whose data input *and* weight pass through quantizing FakeQuantize
 nodes become int8 layers. Every other quantizing FakeQuantize in the graph is an error: ncnn cannot
-express it (see :meth:`NcnnBuilder.check_quantizers`).
+express it (see :meth:`NcnnBuilder.check_quantizers`). The schemes themselves (bits, range, symmetry, axis, FP32
+biases) are ``ncnn_int8``'s :class:`~fxq.qconfig.Capability`, checked by the exporter before the build.
 """
 from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from torch import fx, nn
 
-from fxq.backends.ncnn_writer import Int8Scales, NcnnLayer, NcnnModel
+from fxq.backends.ncnn.registry import NCNN_CONVERTERS, takes_any_batch_dim
+from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim, shape_params
 from fxq.errors import ExportError
 from fxq.functional import fake_quantize
 from fxq.graph.info import QUANTIZERS_ATTR
@@ -35,37 +37,26 @@ from fxq.graph.op_types import op_type
 from fxq.graph.passes import get_attr_value, propagate_tensor_meta
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.qconfig.base import RECURRENT_OPS
-from fxq.registry import Registry
 from fxq.spec import QUANTIZING_STATES, QuantState, RoundingPolicy
 
-__all__ = ["NCNN_CONVERTERS", "register_ncnn_converter", "NcnnBuilder", "WeightInfo", "build_ncnn_model"]
+__all__ = ["NcnnBuilder", "WeightInfo", "build_ncnn_model"]
 
 logger = logging.getLogger(__name__)
 
-Converter = Callable[["NcnnBuilder", fx.Node], None]
-NCNN_CONVERTERS: Registry[Converter] = Registry("ncnn layer converter")
-_ANY_BATCH_DIM: set[str] = set()  # op types whose converter maps any batch dim (lower case, as the registry)
 _INHERIT = object()
 
 _NCNN_ROUNDING = (RoundingPolicy.HALF_FAR_FROM_ZERO, RoundingPolicy.TO_NEAR_INT)
 _PENDING = (QuantState.INITIAL, QuantState.PASSIVE_INIT)
 
 
-def register_ncnn_converter(*op_types: str, override: bool = False, any_batch_dim: bool = False
-                            ) -> Callable[[Converter], Converter]:
-    """Register ``fn(builder, node)`` as the ncnn converter of the canonical ``op_types`` (``"Conv"``...).
-
-    ``any_batch_dim``: the converter maps its inputs through :meth:`NcnnBuilder.batch_dim` / ``ncnn_axis``, so
-    it also takes values whose batch is not dim 0; without it the builder refuses such inputs before calling it.
-    """
-
-    def deco(fn: Converter) -> Converter:
-        for t in op_types:
-            NCNN_CONVERTERS.register(t, fn, override=override)
-            (_ANY_BATCH_DIM.add if any_batch_dim else _ANY_BATCH_DIM.discard)(t.lower())
-        return fn
-
-    return deco
+def _reserve(name: str, taken: set[str]) -> str:
+    """``name``, or ``name_1``, ``name_2``... when taken; added to ``taken``."""
+    unique, i = name, 1
+    while unique in taken:
+        unique = f"{name}_{i}"
+        i += 1
+    taken.add(unique)
+    return unique
 
 
 def _sanitize(name: str) -> str:
@@ -191,21 +182,10 @@ class NcnnBuilder:
 
     def unique_layer_name(self, base: str) -> str:
         """``base`` (sanitized), or ``base_1``, ``base_2``... when a layer has that name already; reserved."""
-        name = _sanitize(base)[:240]
-        unique, i = name, 1
-        while unique in self._layer_names:
-            unique = f"{name}_{i}"
-            i += 1
-        self._layer_names.add(unique)
-        return unique
+        return _reserve(_sanitize(base)[:240], self._layer_names)
 
     def _new_blob(self, name: str) -> str:
-        unique, i = name, 1
-        while unique in self._blob_names:
-            unique = f"{name}_{i}"
-            i += 1
-        self._blob_names.add(unique)
-        return unique
+        return _reserve(name, self._blob_names)
 
     def blob(self, arg: Any, node: fx.Node) -> str:
         """ncnn blob name of a tensor argument of ``node``."""
@@ -289,7 +269,7 @@ class NcnnBuilder:
                             "dimension", "ncnn blobs have rank 1 to 4")
         name = self.layer_name(src)
         self.model.layers.append(NcnnLayer("MemoryData", name, [], [self._new_blob(name)],
-                                           _shape_params(blob_shape), [("raw", value.numpy())], source=src.name))
+                                           shape_params(blob_shape), [("raw", value.numpy())], source=src.name))
         self._set_blob(src, self.model.layers[-1].tops[0], bd)
         return self.blob(arg, node)
 
@@ -379,9 +359,6 @@ class NcnnBuilder:
         """ncnn int8 scales of a Conv / Gemm node, or None when it stays FP32 (checks expressibility)."""
         x_fq = self.quantizer(x_arg) if self.is_quantizer(x_arg) else None
         x_on = x_fq is not None and x_fq.config.state in QUANTIZING_STATES
-        if self.is_quantizer(bias_arg) and self.quantizer(bias_arg).config.state in QUANTIZING_STATES:
-            raise self.fail(node, f"its bias is quantized (quantizer {self.quantizer(bias_arg).name!r}); ncnn keeps "
-                            "biases in FP32", "quantize for the 'ncnn_int8' platform (FP32 biases)")
         if not x_on and not w.quantizing:
             return None
         if x_on != w.quantizing:
@@ -398,16 +375,12 @@ class NcnnBuilder:
         return Int8Scales(weight=(1.0 / wscale).astype(np.float32), bottom=float(np.float32(1.0 / s_in)))
 
     def _check_activation(self, node: fx.Node, fq: FakeQuantize) -> None:
-        c = fq.config
+        # the scheme passed ncnn_int8's capability before the build (fxq.backends.capability); its state must too
         why = None
-        if c.is_floating:
-            why = "is floating-point (FP8)"
-        elif c.per_channel or fq.scale.numel() != 1:
+        if fq.scale.numel() != 1:
             why = "is per-channel"
-        elif not c.symmetric or bool((fq.offset.detach() != 0).any()):
+        elif bool((fq.offset.detach() != 0).any()):
             why = "is asymmetric"
-        elif (c.quant_min, c.quant_max) != (-127, 127):
-            why = f"has the integer range [{c.quant_min}, {c.quant_max}]"
         if why:
             raise self.fail(node, f"its input quantizer {fq.name!r} {why}; ncnn quantizes layer inputs per tensor, "
                             "symmetrically, to [-127, 127]", "quantize for the 'ncnn_int8' platform")
@@ -421,19 +394,10 @@ class NcnnBuilder:
     def _weight_scales(self, node: fx.Node, w: WeightInfo, groups: int) -> np.ndarray:
         fq = w.fq
         assert fq is not None
-        c = fq.config
         out_ch = int(w.fp32.shape[0])
-        why = None
-        if c.is_floating:
-            why = "is floating-point (FP8)"
-        elif not c.symmetric or bool((fq.offset.detach() != 0).any()):
-            why = "is asymmetric"
-        elif c.per_channel and c.channel_axis % w.fp32.dim() != 0:
-            why = f"is per-channel along axis {c.channel_axis}, not the output channels"
-        elif c.quant_max > 127 or c.quant_min < -c.quant_max:
-            why = f"has the integer range [{c.quant_min}, {c.quant_max}] (ncnn clamps weights to [-127, 127])"
-        if why:
-            raise self.fail(node, f"its weight quantizer {fq.name!r} {why}",
+        # the scheme passed ncnn_int8's capability before the build (fxq.backends.capability); its state must too
+        if bool((fq.offset.detach() != 0).any()):
+            raise self.fail(node, f"its weight quantizer {fq.name!r} is asymmetric",
                             "quantize for the 'ncnn_int8' platform (symmetric per-output-channel weights)")
         self._check_rounding(fq)
         scale = fq.scale.detach().double().cpu().reshape(-1).numpy()
@@ -493,9 +457,9 @@ class NcnnBuilder:
                 if t not in NCNN_CONVERTERS:
                     raise self.fail(node, f"the ncnn writer has no converter for op type {t!r} "
                                     f"(it converts {', '.join(NCNN_CONVERTERS.names())})",
-                                    "register one with fxq.backends.ncnn_convert.register_ncnn_converter, or "
+                                    "register one with fxq.backends.ncnn.register_ncnn_converter, or "
                                     "rewrite this op with supported ones")
-                if t.lower() not in _ANY_BATCH_DIM:
+                if not takes_any_batch_dim(t):
                     self._check_batch_first(node)
                 try:
                     NCNN_CONVERTERS.get(t)(self, node)
@@ -527,7 +491,7 @@ class NcnnBuilder:
         if not 1 <= len(shape) <= 4:
             raise self.fail(node, f"input of shape {self.shape(node)} has rank {len(shape)} without the batch "
                             "dimension; ncnn blobs have rank 1 to 4", "reshape the input")
-        params = _shape_params(shape)
+        params = shape_params(shape)
         name = f"in{len(self.model.inputs)}"
         self._layer_names.add(name)
         self._blob_names.add(name)
@@ -550,24 +514,13 @@ class NcnnBuilder:
                 if shape[0] != 1 or not 1 <= len(shape) - 1 <= 4:
                     raise self.fail(src, f"it is graph output {i}, of shape {shape}, whose dim 0 is not the batch "
                                     "dimension; ncnn outputs drop dim 0", "return a batch-first tensor")
-                self.emit(src, "Reshape", [self.blob_of[src]], _shape_params(shape[1:]), batch_dim=0)
+                self.emit(src, "Reshape", [self.blob_of[src]], shape_params(shape[1:]), batch_dim=0)
             self.model.outputs.append(self.blob_of[src])
 
 
 def _target(node: fx.Node) -> str:
     t = node.target
     return getattr(t, "__name__", None) or str(t)
-
-
-def drop_dim(shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
-    """``shape`` without ``dim`` (a value's blob shape given its batch dim; ``None`` keeps every dim)."""
-    return shape if dim is None else shape[:dim] + shape[dim + 1:]
-
-
-def _shape_params(shape: tuple[int, ...]) -> dict[int, int]:
-    """ncnn Input / Reshape params for a batch-less shape: w=0, h=1, d=11, c=2 (innermost first)."""
-    keys = {1: (0,), 2: (1, 0), 3: (2, 1, 0), 4: (2, 11, 1, 0)}[len(shape)]
-    return {k: int(v) for k, v in zip(keys, shape)}
 
 
 def _insert_splits(model: NcnnModel) -> None:
@@ -610,9 +563,6 @@ def _insert_splits(model: NcnnModel) -> None:
 
 def build_ncnn_model(gm: fx.GraphModule) -> tuple[NcnnModel, NcnnBuilder]:
     """Convert a prepared (and calibrated) GraphModule, at batch 1; raises :class:`ExportError` naming the node."""
-    import fxq.backends.ncnn_layers  # noqa: F401  (registers the built-in converters)
-    import fxq.backends.ncnn_recurrent  # noqa: F401
-
     builder = NcnnBuilder(_at_batch_one(gm))
     return builder.build(), builder
 

@@ -14,7 +14,7 @@ Files written for ``path = "out/net"`` (a trailing ``.param`` is dropped):
 Blobs: inputs ``in0, in1...``, outputs ``out0, out1...``; layers carry the original layer names. CNNs and
 transformers export (LayerNorm, attention as InnerProduct / Crop / Reshape / Permute / MatMul / Softmax). ncnn
 runs one sample: shapes are taken at batch 1 whatever batch the model was calibrated with, so a graph that moves
-the batch or folds it into the heads (``nn.MultiheadAttention``) exports too (see ``ncnn_convert``).
+the batch or folds it into the heads (``nn.MultiheadAttention``) exports too (see :mod:`fxq.backends.ncnn.builder`).
 
 Example:
     >>> qmodel = fxq.quantize(model, calib, "ncnn_int8")
@@ -29,10 +29,10 @@ from typing import Any
 
 from torch import fx, nn
 
-from fxq.backends import ncnn_layers  # noqa: F401  (registers the layer converters)
 from fxq.backends.base import Exporter, register_exporter
-from fxq.backends.ncnn_convert import build_ncnn_model
-from fxq.backends.ncnn_writer import NcnnModel
+from fxq.backends.capability import check_capabilities
+from fxq.backends.ncnn.builder import build_ncnn_model
+from fxq.backends.ncnn.writer import NcnnModel
 from fxq.errors import ExportError, GraphError
 from fxq.graph.info import graph_quant
 from fxq.io import atomic_file_set, check_output_dir, ensure_dir
@@ -73,6 +73,7 @@ class NcnnExporter(Exporter):
         self.check_options(options)
         write_fp32 = bool(options.get("fp32", True))
         self._check_model(model)
+        check_capabilities(model, self.name)
         if Path(path).is_dir():
             raise ExportError(f"ncnn export path {str(path)!r} is a directory; give a file stem such as "
                               f"{str(Path(path) / 'net')!r}")

@@ -1,9 +1,9 @@
-"""ncnn layer converters for fxq's canonical op types (registered in :mod:`fxq.backends.ncnn_convert`).
+"""ncnn layer converters for fxq's canonical op types (registered in :mod:`fxq.backends.ncnn.registry`).
 
 Each converter reads its node (module, function or method form), checks that ncnn's layer computes the same
 thing, and emits one or more layers. Parameter ids follow ncnn's operator reference. Converters registered
 with ``any_batch_dim=True`` map torch dims to blob axes through ``b.ncnn_axis`` / ``b.batch_dim`` (transformer
-graphs move a batch of 1 and fold it into the heads; see :mod:`fxq.backends.ncnn_convert`).
+graphs move a batch of 1 and fold it into the heads; see :mod:`fxq.backends.ncnn.builder`).
 """
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxq.backends.ncnn_convert import NcnnBuilder, _shape_params, drop_dim, register_ncnn_converter
-from fxq.backends.ncnn_writer import Int8Scales
+from fxq.backends.ncnn.builder import NcnnBuilder
+from fxq.backends.ncnn.registry import register_ncnn_converter
+from fxq.backends.ncnn.writer import Int8Scales, drop_dim, shape_params
 from fxq.spec import QUANTIZING_STATES
 
 __all__: list[str] = []
@@ -675,7 +676,7 @@ def _broadcast_operands(b: NcnnBuilder, node: fx.Node, lhs: fx.Node, rhs: fx.Nod
             if math.prod(target) != math.prod(b.blob_shape(t)) or not 1 <= len(target) <= 4:
                 raise b.fail(node, f"its operand of shape {shape} broadcast to {out_shape} is not a blob of rank "
                              "1 to 4 without the batch dimension", "reshape the operands to one batch-first layout")
-            blob = b.helper(node, "Reshape", [blob], _shape_params(target))
+            blob = b.helper(node, "Reshape", [blob], shape_params(target))
         blobs.append(blob)
     return blobs
 
@@ -718,7 +719,7 @@ def _reshape(b: NcnnBuilder, node: fx.Node) -> None:
     elif bd == 0 and out_bd == 0:
         b.emit(node, "Reshape", [b.blob(x, node)], _reshape_params(b, node, x, blob_shape), batch_dim=0)
     else:
-        b.emit(node, "Reshape", [b.blob(x, node)], _shape_params(blob_shape), batch_dim=out_bd)
+        b.emit(node, "Reshape", [b.blob(x, node)], shape_params(blob_shape), batch_dim=out_bd)
 
 
 _NAMES = {1: "w", 2: "hw", 3: "chw", 4: "cdhw"}  # ncnn's names of a blob's dims, outermost first
@@ -746,7 +747,7 @@ def _reshape_params(b: NcnnBuilder, node: fx.Node, x: fx.Node, blob_shape: tuple
         target = [v if isinstance(v, int) else None for v in items]
     codes = list(blob_shape)
     if target is None or len(target) != len(blob_shape) + 1 or (dep is not None and len(dep) != len(target)):
-        return _shape_params(blob_shape)
+        return shape_params(blob_shape)
     target, dep = target[1:], (dep[1:] if dep is not None else None)
     in_shape = b.blob_shape(x)
     in_dims = dict(zip(_NAMES.get(len(in_shape), ""), in_shape))
@@ -765,7 +766,7 @@ def _reshape_params(b: NcnnBuilder, node: fx.Node, x: fx.Node, blob_shape: tuple
                         "input's spatial size but ncnn's Reshape can neither keep (0) nor infer (-1) them; the file "
                         "runs only at the export-time input size", b.shape(x), b.shape(node), node.name,
                         [blob_shape[i] for i in left])
-    return _shape_params(tuple(codes))
+    return shape_params(tuple(codes))
 
 
 @register_ncnn_converter("Slice", any_batch_dim=True)
@@ -876,7 +877,7 @@ def _crop(b: NcnnBuilder, node: fx.Node, x: fx.Node, ranges: list[tuple[int, int
         if not 1 <= len(target) <= 4:
             raise b.fail(node, f"the result of shape {b.shape(node)} is a rank-{len(target)} blob",
                          "ncnn blobs have rank 1 to 4 without the batch dimension")
-        b.emit(node, "Reshape", [blob], _shape_params(target), batch_dim=out_bd)
+        b.emit(node, "Reshape", [blob], shape_params(target), batch_dim=out_bd)
     elif not cut:
         b.alias(node, x, out_bd)
 

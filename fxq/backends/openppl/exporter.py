@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
-from torch import fx, nn
+from torch import fx
 
-from fxq.backends.base import Exporter, register_exporter
-from fxq.errors import ExportError
+from fxq.backends.base import register_exporter
+from fxq.backends.qdq.template import QdqJob, QdqOnnxExporter
 from fxq.functional import representable_range
 from fxq.graph.info import NodeQuant
 from fxq.nn.fake_quantize import FakeQuantize
-from fxq.spec import RoundingPolicy
 
 __all__ = ["OpenPPLExporter", "quant_entry", "PPL_KEYS"]
 
@@ -54,17 +52,6 @@ def quant_entry(fq: FakeQuantize) -> dict[str, Any]:
             "tensor_max": pick(hi), "q_min": int(cfg.quant_min), "q_max": int(cfg.quant_max)}
 
 
-def _check_configs(quantizers: dict[str, FakeQuantize], roles: dict[str, str]) -> None:
-    for name, fq in quantizers.items():
-        cfg = fq.config
-        if not cfg.is_quantizing:
-            continue
-        if cfg.is_floating:
-            raise ExportError(f"openppl: quantizer {name!r} is FP8; ppl.nn takes integer quantization only")
-        if roles[name] == "activation" and cfg.rounding is not RoundingPolicy.HALF_EVEN:
-            raise ExportError(f"openppl: quantizer {name!r} rounds {cfg.rounding.name}; ppl.nn rounds half to even")
-
-
 def ppl_json(records: list, lowered: Any, quantizers: dict[str, FakeQuantize], gm: fx.GraphModule,
              onnx_model: Any) -> dict[str, Any]:
     """The ``{"quant_info", "op_info"}`` document."""
@@ -87,7 +74,7 @@ def ppl_json(records: list, lowered: Any, quantizers: dict[str, FakeQuantize], g
 
 
 @register_exporter("openppl")
-class OpenPPLExporter(Exporter):
+class OpenPPLExporter(QdqOnnxExporter):
     """FP32 ONNX + quantization json for ppl.nn (see module docstring).
 
     Options:
@@ -96,33 +83,18 @@ class OpenPPLExporter(Exporter):
         dynamic_batch: make axis 0 of inputs and outputs dynamic.
     """
 
-    options = ("opset", "example_inputs", "dynamic_batch")
+    requantize_passive = False  # the FP32 graph carries no marks of passive ops
 
-    def export(self, model: nn.Module, path: str | os.PathLike, *, opset: int = 13, example_inputs: Any = None,
-               dynamic_batch: bool = False) -> list[Path]:
-        from fxq.backends.qdq.common import (
-            finalize,
-            plan_paths,
-            quantized_graph,
-            quantizer_tables,
-            serialize,
-            write_files,
-        )
+    def companions(self, options: dict[str, Any]) -> dict[str, str]:
+        return {"json": ".json"}
+
+    def render(self, job: QdqJob) -> dict[Path, bytes | str]:
+        """The FP32 graph (quant marks removed, constants fake-quantized, names kept) and the json keyed by it."""
+        from fxq.backends.qdq.common import finalize, serialize
         from fxq.backends.qdq.insert import strip_marks
-        from fxq.backends.qdq.pipeline import lower_model
 
-        # 1. inputs
-        gm = quantized_graph(model)
-        paths = plan_paths(path, ".onnx", {"json": ".json"})
-        quantizers, roles = quantizer_tables(gm)
-        _check_configs(quantizers, roles)
-        # 2. FP32 graph, quant marks removed (constants fake-quantized), names kept
-        lowered = lower_model(gm, opset=opset, example_inputs=example_inputs, dynamic_batch=dynamic_batch,
-                              requantize_passive=False)
-        records = strip_marks(lowered, quantizers, roles)
-        onnx_model = finalize(lowered.model, opset)
-        # 3. the json, keyed by the model's tensor and node names
-        doc = ppl_json(records, lowered, quantizers, gm, onnx_model)
+        records = strip_marks(job.lowered, job.quantizers, job.roles)
+        onnx_model = finalize(job.lowered.model, job.opset)
+        doc = ppl_json(records, job.lowered, job.quantizers, job.gm, onnx_model)
         logger.info("openppl: %d quantized tensors", len(doc["quant_info"]))
-        # 4. write as one atomic set (the folder is created if missing)
-        return write_files({paths["main"]: serialize(onnx_model), paths["json"]: json.dumps(doc, indent=1) + "\n"})
+        return {job.paths["main"]: serialize(onnx_model), job.paths["json"]: json.dumps(doc, indent=1) + "\n"}

@@ -1,0 +1,58 @@
+"""The exporters' generic pre-check: every quantizer of a model against the capabilities of the exporter's platforms.
+
+A platform declares what its exporter can express (:class:`fxq.qconfig.Capability`: bits, ranges, symmetry, axes,
+formats and rounding per role, bias handling). :func:`fxq.prepare` checks schemes against it; an exporter is also
+handed models quantized for other platforms, so before writing anything it checks every quantizing quantizer against
+the capabilities of the platforms that name it (``Platform.exporter``): each rule is written once, in the platform.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from fxq.errors import ExportError
+from fxq.graph.info import iter_quantizers, quantizer_infos
+from fxq.qconfig.base import PLATFORMS, Capability
+from fxq.spec import TensorQuantConfig
+
+__all__ = ["capabilities_of", "check_capabilities"]
+
+
+def capabilities_of(exporter: str) -> dict[str, Capability]:
+    """``{platform name: capability}`` of the registered platforms exported by ``exporter`` that declare one."""
+    return {name: cls.capability for name, cls in PLATFORMS.items()
+            if cls.exporter == exporter and cls.capability is not None}
+
+
+def check_capabilities(gm: nn.Module, exporter: str) -> None:
+    """Raise :class:`ExportError` for the first quantizer that no capability of ``exporter``'s platforms expresses.
+
+    A quantizer passes when one capability takes its scheme (TensorRT: INT8 or FP8, quantizer by quantizer). The
+    message names the quantizer, its role and the node it quantizes, the closest platform's rule and what breaks it,
+    and the fix (quantize for one of the exporter's platforms). No declared capability: nothing to check.
+    """
+    caps = capabilities_of(exporter)
+    if not caps:
+        return
+    infos = quantizer_infos(gm)
+    for name, fq in iter_quantizers(gm):
+        cfg = fq.config
+        if not cfg.is_quantizing:
+            continue
+        info = infos.get(name)
+        role = getattr(info, "role", "activation")
+        found = {platform: cap.problems(role, cfg) for platform, cap in caps.items()}
+        if any(not problems for problems in found.values()):
+            continue
+        platform = min(found, key=lambda p: (_other_format(caps[p], role, cfg), len(found[p])))
+        cap = caps[platform]
+        where = f"quantizer {name!r} ({role} of {getattr(info, 'source', '?')!r})"
+        hint = f"; {cap.hint}" if cap.hint else ""
+        raise ExportError(f"{exporter} export: {where}: {cap.rule}: {role} quantization {'; '.join(found[platform])}. "
+                          f"Fix: quantize for {' or '.join(repr(p) for p in caps)}{hint}")
+
+
+def _other_format(cap: Capability, role: str, cfg: TensorQuantConfig) -> bool:
+    """Whether ``cap`` takes another number format than ``cfg``'s for ``role`` (integer vs FP8): the platform to
+    name in a message is one of the same format, then the one with the fewest problems."""
+    formats = getattr(getattr(cap, role, None), "formats", None)
+    return formats is not None and (cfg.fp_format.value if cfg.is_floating else "int") not in formats
