@@ -161,7 +161,7 @@ class QuantScheme:
     per_channel: bool
     channel_axis: int
     power_of_2: bool
-    fp_format: "FloatFormat | None"
+    fp_format: FloatFormat | None
     quant_min: int | float
     quant_max: int | float
     rounding: RoundingPolicy

@@ -248,13 +248,13 @@ class FakeQuantize(nn.Module):
             self.__dict__.setdefault(key, default)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        # a baked weight's FP32 copy is there or not as the incoming state says (state_dicts saved before it
-        # was a buffer have none)
+        # a baked weight's FP32 copy is there or not as the incoming state of this quantizer says (state_dicts
+        # saved before it was a buffer have none)
         key = prefix + "fp32_backup"
         if key in state_dict:
             if self.fp32_backup is None or self.fp32_backup.shape != state_dict[key].shape:
                 self.fp32_backup = torch.empty_like(state_dict[key])
-        else:
+        elif prefix + "scale" in state_dict:
             self.fp32_backup = None
         # per-channel parameters get their size at calibration: adopt the incoming shapes
         for attr in ("scale", "offset"):
