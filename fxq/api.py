@@ -15,9 +15,9 @@ from fxq.graph.capture import capture as capture_graph
 from fxq.graph.convert import convert
 from fxq.graph.data import first_batch_errors, iter_batches, to_call_args
 from fxq.graph.dispatch import dispatch
-from fxq.graph.info import iter_quantizers
 from fxq.graph.passes import standardize
 from fxq.graph.prepare import insert_quantizers
+from fxq.graph.quant_graph import QuantGraph
 from fxq.qconfig.base import Platform, get_platform
 from fxq.setting import QuantizationSetting
 from fxq.spec import QuantState
@@ -104,9 +104,8 @@ def prepare(
         standardize(gm, args, fold_bn=fold_bn)
     plan = dispatch(gm, p, setting.dispatcher, setting.dispatching_table)
     insert_quantizers(gm, plan, setting, p)
-    infos = gm.meta["fxq_quantizer_infos"]
-    for name, fq in iter_quantizers(gm):
-        role = infos[name].role
+    for _, fq in QuantGraph(gm).quantizers():
+        role = fq.role
         if (role == "activation" and not setting.quantize_activation) or (
             role in ("weight", "bias") and not setting.quantize_parameter
         ):
@@ -180,7 +179,8 @@ def quantize(
     gm = prepare(model, platform, example_inputs, setting, leaf_modules=leaf_modules, concrete_args=concrete_args,
                  bit_width=bit_width, symmetrical=symmetrical, per_channel=per_channel, capture=capture)
     gm = run_algorithms("pre", gm, calib_data, setting, steps=steps, collate_fn=collate_fn)
-    calibrate(gm, calib_data, steps=steps, collate_fn=collate_fn, progress=progress,
-              bake=setting.quantize_parameter_setting.baking_parameter)
+    # weights are baked once, by convert: calibration and the post algorithms fake-quantize them on the fly
+    # (the same values), so nothing is baked, unbaked and baked again in between
+    calibrate(gm, calib_data, steps=steps, collate_fn=collate_fn, progress=progress, bake=False)
     gm = run_algorithms("post", gm, calib_data, setting, steps=steps, collate_fn=collate_fn)
     return convert(gm, bake=setting.quantize_parameter_setting.baking_parameter)

@@ -36,7 +36,8 @@ from fxq.analysis.runner import GraphRunner, analysis_mode, tensors_of
 from fxq.api import quantize
 from fxq.errors import CalibrationError, ConfigError
 from fxq.graph.data import call_model, iter_batches
-from fxq.graph.info import iter_quantizers, quantizer_infos, source_names
+from fxq.graph.info import source_names
+from fxq.graph.quant_graph import QuantGraph
 from fxq.qconfig.base import Platform, get_platform
 from fxq.setting import QuantizationSetting
 from fxq.spec import QuantState
@@ -343,13 +344,10 @@ def _call_metric(metric: Callable[[nn.Module], float], model: nn.Module) -> floa
 
 def _weight_bytes(gm: fx.GraphModule, float_bytes: int) -> int:
     """Bytes of the model's parameters: quantized weights at their bits, everything else at ``float_bytes``."""
-    infos = quantizer_infos(gm)
     bits: dict[str, int] = {}
-    for name, fq in iter_quantizers(gm):
-        info = infos.get(name)
-        if info is not None and info.param is not None and info.role == "weight" and \
-                fq.config.state is not QuantState.FP32:
-            bits[info.param] = int(fq.config.num_bits)
+    for _, fq in QuantGraph(gm).quantizers("weight"):
+        if fq.param is not None and fq.config.state is not QuantState.FP32:
+            bits[fq.param] = int(fq.config.num_bits)
     total = 0.0
     for pname, p in gm.named_parameters():
         total += p.numel() * (bits[pname] / 8 if pname in bits else float_bytes)

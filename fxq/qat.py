@@ -47,7 +47,8 @@ from fxq.errors import ConfigError
 from fxq.functional import fake_quantize, qparams_from_minmax, representable_range
 from fxq.graph.calibrate import calibrate
 from fxq.graph.convert import passive_bias_scale, quant_scheme
-from fxq.graph.info import QUANTIZERS_ATTR, graph_quant, iter_quantizers, quantizer_infos
+from fxq.graph.info import QUANTIZERS_ATTR
+from fxq.graph.quant_graph import QuantGraph
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.observers.base import channel_rows
 from fxq.setting import QuantizationSetting
@@ -104,6 +105,7 @@ class QATFakeQuantize(FakeQuantize):
     def from_fake_quantize(cls, fq: FakeQuantize, **kwargs: Any) -> "QATFakeQuantize":
         """A QAT quantizer with ``fq``'s config, parameters and mode."""
         new = cls(fq.config, fq.name, **kwargs)
+        new.copy_record(fq)
         new.set_qparams(fq.scale.detach().clone(), fq.offset.detach().clone(), state=None)
         new.observe_enabled, new.quant_enabled = False, fq.quant_enabled
         lo, hi = representable_range(new.config, new.scale, new.offset)
@@ -173,6 +175,7 @@ class QATBiasQuantize(FakeQuantize):
 
     def __init__(self, fq: FakeQuantize, data_q: FakeQuantize, weight_q: FakeQuantize) -> None:
         super().__init__(fq.config, fq.name)
+        self.copy_record(fq)
         self.set_qparams(fq.scale.detach().clone(), fq.offset.detach().clone(), state=None)
         self.observe_enabled, self.quant_enabled = False, fq.quant_enabled
         if not (isinstance(data_q.scale, nn.Parameter) and isinstance(weight_q.scale, nn.Parameter)):
@@ -260,7 +263,6 @@ def _lsq_grad_scale(fq: FakeQuantize, val: Any, role: str) -> float:
 
 def _tie_aligned(gm: fx.GraphModule) -> int:
     """Make aligned quantizers one module (shared parameters); returns how many were tied."""
-    gq = graph_quant(gm)
     holder = getattr(gm, QUANTIZERS_ATTR)
     tied = 0
 
@@ -269,8 +271,7 @@ def _tie_aligned(gm: fx.GraphModule) -> int:
         return (not ca.per_channel and not cb.per_channel and ca.is_quantizing and cb.is_quantizing
                 and quant_scheme(a) == quant_scheme(b))
 
-    groups = [list(g) for g in gq.align_large] + [[out, *ins] for ins, out in gq.align_output]
-    for group in groups:
+    for group in QuantGraph(gm).alignment_groups():
         members = [n for n in dict.fromkeys(group) if n in holder]
         if len(members) < 2:
             continue
@@ -341,16 +342,14 @@ def prepare_qat(
                  symmetrical=symmetrical, per_channel=per_channel, fold_bn=fold_bn, capture=capture)
     gm = run_algorithms("pre", gm, calib_data, setting, steps=calib_steps, collate_fn=collate_fn)
     calibrate(gm, calib_data, steps=calib_steps, collate_fn=collate_fn, progress=False, bake=False)
-    infos = quantizer_infos(gm)
-    nodes = {n.meta["fxq_quantizer"].name: n for n in gm.graph.nodes if "fxq_quantizer" in n.meta}
+    qg = QuantGraph(gm)
     holder = getattr(gm, QUANTIZERS_ATTR)
     swapped = 0
-    for name, fq in list(iter_quantizers(gm)):
-        info = infos.get(name)
-        role = info.role if info is not None else "activation"
+    for name, fq in list(qg.quantizers()):
+        role = fq.role
         if role == "bias" or not fq.config.is_quantizing:
             continue
-        node = nodes.get(name)
+        node = qg.node_of(name)
         val = node.meta.get("val") if node is not None else None
         new = QATFakeQuantize.from_fake_quantize(
             fq, method=method, momentum=momentum, grad_scale=_lsq_grad_scale(fq, val, role),
@@ -362,8 +361,7 @@ def prepare_qat(
         holder[name] = new
         swapped += 1
     tied = _tie_aligned(gm)
-    for bias_name, (data_q, weight_q) in graph_quant(gm).bias_deps.items():
-        fq = holder[bias_name]
+    for bias_name, fq, data_q, weight_q in list(QuantGraph(gm).biases()):
         if data_q is None or weight_q is None or not fq.config.is_quantizing:
             continue
         if not (isinstance(holder[data_q], QATFakeQuantize) and isinstance(holder[weight_q], QATFakeQuantize)):

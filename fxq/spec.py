@@ -20,6 +20,7 @@ __all__ = [
     "QuantState",
     "FloatFormat",
     "TensorQuantConfig",
+    "QuantScheme",
     "MIN_SCALE",
     "QUANTIZING_STATES",
 ]
@@ -147,6 +148,34 @@ def _as_param_tensor(value: Any, what: str) -> torch.Tensor | None:
     return t
 
 
+@dataclasses.dataclass(frozen=True)
+class QuantScheme:
+    """What a quantizer does, without its parameters and lifecycle state: frozen and hashable.
+
+    Two quantizers with equal schemes can share parameters (alignment, QAT ties) and one quantizer per scheme
+    covers a tensor. Built by :attr:`TensorQuantConfig.scheme`; the fields mean what they mean there.
+    """
+
+    num_bits: int
+    symmetric: bool
+    per_channel: bool
+    channel_axis: int
+    power_of_2: bool
+    fp_format: FloatFormat | None
+    quant_min: int | float
+    quant_max: int | float
+    rounding: RoundingPolicy
+    observer: str
+
+    @property
+    def grid(self) -> tuple:
+        """What two quantizers must share to share parameters: bits, symmetry, range, FP format, power-of-2."""
+        return (self.num_bits, self.symmetric, self.quant_min, self.quant_max, self.fp_format, self.power_of_2)
+
+
+_SCHEME_FIELDS = tuple(f.name for f in dataclasses.fields(QuantScheme))
+
+
 @dataclasses.dataclass(eq=False)
 class TensorQuantConfig:
     """How one tensor is quantized: ``q = clamp(round(x / scale) + offset, quant_min, quant_max)``.
@@ -234,6 +263,11 @@ class TensorQuantConfig:
     @property
     def has_qparams(self) -> bool:
         return self.scale is not None
+
+    @property
+    def scheme(self) -> QuantScheme:
+        """The frozen scheme part of this config (no scale, offset or state)."""
+        return QuantScheme(**{name: getattr(self, name) for name in _SCHEME_FIELDS})
 
     def default_range(self) -> tuple[int | float, int | float]:
         if self.fp_format is not None:

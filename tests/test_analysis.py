@@ -199,7 +199,7 @@ def test_graphwise_values_match_direct_computation(setup):
     noise = signal = 0.0
     c1_noise = c1_signal = 0.0
     x_q = gm.fxq_quantizers.x_q
-    w_fp32 = gm.fxq_quantizers.c1_weight._fp32_backup
+    w_fp32 = gm.fxq_quantizers.c1_weight.fp32_backup
     with torch.no_grad():
         for x in data:
             q = gm(x)
@@ -291,7 +291,7 @@ def test_layerwise(setup):
     own = fxq.layerwise_error_analyse(gm, data, steps=1, measure="layer")
     with torch.no_grad():
         cq = torch.conv2d(gm.fxq_quantizers.x_q(x), gm.c1.weight, gm.c1.bias, padding=1)
-        cf = torch.conv2d(x, gm.fxq_quantizers.c1_weight._fp32_backup, gm.c1.bias, padding=1)
+        cf = torch.conv2d(x, gm.fxq_quantizers.c1_weight.fp32_backup, gm.c1.bias, padding=1)
     assert next(r for r in own if r.name == "c1").value == pytest.approx(_snr(cq, cf), rel=1e-4)
     # nothing changed in the model
     with torch.no_grad():
@@ -311,7 +311,7 @@ def test_statistics(setup):
     assert 0.0 <= x_q.clipped < 0.01
     assert x_q.quantized.max <= x_q.grid[1] + 1e-6 and x_q.quantized.min >= x_q.grid[0] - 1e-6
     w = stats.by_name("c1_weight")
-    backup = gm.fxq_quantizers.c1_weight._fp32_backup
+    backup = gm.fxq_quantizers.c1_weight.fp32_backup
     assert w.fp32.min == pytest.approx(float(backup.min())) and w.fp32.max == pytest.approx(float(backup.max()))
     assert w.quantized.count == backup.numel() and sum(w.quant_hist) == backup.numel()
     assert "c1_weight" in str(stats)

@@ -10,6 +10,7 @@ import torch
 
 import fxq
 from fxq.graph.info import NodeQuant
+from fxq.graph.quant_graph import QuantGraph
 from fxq.setting import QuantizationSetting as S
 
 from _models import small_cnn
@@ -25,7 +26,7 @@ def _prepare(platform: str = "academic_int8", setting: S | None = None, **kw):
 
 
 def _roles(gm, role: str) -> dict:
-    infos = gm.meta["fxq_quantizer_infos"]
+    infos = QuantGraph(gm).infos()
     return {n: fq for n, fq in gm.fxq_quantizers.items() if infos[n].role == role}
 
 
@@ -166,7 +167,7 @@ def test_one_quantizer_per_tensor_is_what_the_removed_fields_asked_for():
     gm = _prepare("trt_int8")
     cat = next(n for n in gm.graph.nodes if isinstance(n.meta.get("fxq"), NodeQuant) and n.meta["fxq"].op_type
                == "Concat")
-    quantizer_sources = [gm.meta["fxq_quantizer_infos"][q].source for q in cat.meta["fxq"].inputs.values()]
+    quantizer_sources = [QuantGraph(gm).infos()[q].source for q in cat.meta["fxq"].inputs.values()]
     assert len(quantizer_sources) == len(set(quantizer_sources))  # no tensor quantized twice
     assert any(gm.meta["fxq"].align_output)
 

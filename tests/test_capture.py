@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxq
-from fxq.graph.info import iter_quantizers, quantizer_infos
+from fxq.graph.info import iter_quantizers
+from fxq.graph.quant_graph import QuantGraph
 
 
 class Block(nn.Module):
@@ -226,7 +227,7 @@ def test_recurrent_layers_through_export_quantize_like_fx(cls, batch_first, bidi
     assert ops.count(recurrent) == 2
     assert torch.ops.aten.lstm.input not in ops and torch.ops.aten.gru.input not in ops
     assert len(list(iter_quantizers(by_export))) == len(list(iter_quantizers(by_fx)))
-    weights = [sorted(i.param for i in quantizer_infos(g).values() if i.role == "weight") for g in (by_export, by_fx)]
+    weights = [sorted(i.param for i in QuantGraph(g).infos().values() if i.role == "weight") for g in (by_export, by_fx)]
     assert weights[0] == weights[1] and "rnn.W_l1" in weights[0]  # the same weights under the same names
     for a, b in zip(by_export(x), by_fx(x)):
         assert torch.equal(a, b)

@@ -264,7 +264,7 @@ def test_bin_layout_and_fp32_layers(tmp_path: Path) -> None:
     assert raw[0] == 0 and raw[118] == 0  # the float32 flags
     wq = {n: fq for n, fq in gm.fxq_quantizers.items()}
     w_fq, x_fq = wq["conv1_weight"], wq["x_q"]
-    w = w_fq._fp32_backup
+    w = w_fq.fp32_backup
     np.testing.assert_array_equal(raw[1:109], fake_quantize(w, w_fq.config).numpy().reshape(-1))
     np.testing.assert_array_equal(fp32[1:109], w.numpy().reshape(-1))
     np.testing.assert_allclose(raw[113:117], (1.0 / w_fq.scale.double()).float().numpy(), rtol=1e-7)

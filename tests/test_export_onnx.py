@@ -42,6 +42,7 @@ from _export_helpers import (
 )
 
 import fxq
+from fxq.graph.quant_graph import QuantGraph
 
 from _models import torch_encoder
 
@@ -150,7 +151,7 @@ def test_qdq_scales_are_the_quantizers(exported):
     gm, path = exported("resnet18", "ort_int8")
     model = onnx.load(path)
     inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
-    by_source = {info.source: name for name, info in gm.meta["fxq_quantizer_infos"].items()
+    by_source = {info.source: name for name, info in QuantGraph(gm).infos().items()
                  if info.role == "activation"}
     checked = 0
     for node in model.graph.node:

@@ -17,6 +17,7 @@ from onnx import numpy_helper
 import fxq
 from fxq.backends.tensorrt.check import check_tensorrt
 from fxq.backends.tensorrt.legacy import cache_version, parse_calibration_cache
+from fxq.graph.quant_graph import QuantGraph
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def test_legacy_cache_and_json(trt_model, trt_export):
     assert all(re.fullmatch(r".+: [0-9a-f]{8}", ln) for ln in lines[1:])
     _, scales = parse_calibration_cache(text)
     # the graph input's entry is the input quantizer's scale, as big-endian float32 bits
-    x_q = next(n for n, i in trt_model.meta["fxq_quantizer_infos"].items() if i.source == "x")
+    x_q = next(n for n, i in QuantGraph(trt_model).infos().items() if i.source == "x")
     s = float(trt_model.fxq_quantizers[x_q].scale)
     assert lines[1] == f"x: {struct.pack('>f', s).hex()}" and scales["x"] == np.float32(s)
     doc = json.loads(js.read_text())

@@ -23,6 +23,7 @@ import fxq
 from fxq.frontends.caffe import proto
 from fxq.graph.info import NodeQuant
 from fxq.graph.passes import get_attr_value
+from fxq.graph.quant_graph import QuantGraph
 from fxq.spec import QuantState
 
 from _models import noise_ratio, with_bn_statistics
@@ -222,7 +223,7 @@ def by_type(gm: fx.GraphModule, op_type: str) -> list[fx.Node]:
 
 
 def by_role(q: fx.GraphModule, role: str) -> dict[str, nn.Module]:
-    infos = q.meta["fxq_quantizer_infos"]
+    infos = QuantGraph(q).infos()
     return {name: fq for name, fq in q.fxq_quantizers.items() if infos[name].role == role}
 
 
@@ -236,14 +237,14 @@ def source_name(node: fx.Node) -> str:
 
 def weight_quantizer(q: fx.GraphModule, node: fx.Node) -> nn.Module | None:
     """The FakeQuantize of ``node``'s weight, or None."""
-    infos = q.meta["fxq_quantizer_infos"]
+    infos = QuantGraph(q).infos()
     names = [v for v in node.meta["fxq"].inputs.values() if v and infos[v].role == "weight"]
     return q.fxq_quantizers[names[0]] if names else None
 
 
 def weight_of(q: fx.GraphModule, node: fx.Node) -> torch.Tensor:
     """The (FP32) weight tensor ``node`` reads."""
-    infos = q.meta["fxq_quantizer_infos"]
+    infos = QuantGraph(q).infos()
     (name,) = [v for v in node.meta["fxq"].inputs.values() if v and infos[v].role == "weight"]
     return get_attr_value(q, infos[name].param)
 
@@ -316,7 +317,7 @@ def test_trt_placement(source, model_dir):
 @pytest.mark.parametrize("source", SOURCES)
 def test_ncnn_quantizes_only_conv_and_gemm_inputs(source, model_dir):
     q = quantized(source, "ncnn_int8", model_dir)
-    infos = q.meta["fxq_quantizer_infos"]
+    infos = QuantGraph(q).infos()
     consumers = {c for name in by_role(q, "activation") for c in infos[name].consumers}
     types = {n.meta["fxq"].op_type for n in op_nodes(q) if n.name in consumers}
     assert types <= {"Conv", "Gemm"} and "Conv" in types
@@ -335,10 +336,9 @@ def test_ppl_biases_are_passive(source, model_dir):
     biases = by_role(q, "bias")
     with_bias = [n for n in by_type(q, "Conv") + by_type(q, "Gemm") if n.args[2] is not None]
     assert biases and len(biases) == len(with_bias)  # folded BatchNorm gives bias-free convs a bias
-    deps = q.meta["fxq"].bias_deps
-    for name, fq in biases.items():
+    for fq in biases.values():
         assert fq.config.state is QuantState.PASSIVE_BAKED and fq.config.num_bits == 32
-        data_q, weight_q = deps[name]
+        data_q, weight_q = fq.derived_from
         torch.testing.assert_close(fq.scale, q.fxq_quantizers[data_q].scale * q.fxq_quantizers[weight_q].scale)
     assert {n.meta["fxq"].platform for n in by_type(q, "Add")} <= {"ppl_cuda_int8"}
 

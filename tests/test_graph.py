@@ -6,6 +6,7 @@ from torch import nn
 
 import fxq
 from fxq.graph.info import NodeQuant
+from fxq.graph.quant_graph import QuantGraph
 from fxq.spec import QuantState
 
 from _models import noise_ratio, small_cnn
@@ -17,7 +18,7 @@ def _data(shape=(2, 3, 16, 16), n=2):
 
 
 def _quantizers_by_role(q, role):
-    infos = q.meta["fxq_quantizer_infos"]
+    infos = QuantGraph(q).infos()
     return {n: fq for n, fq in q.fxq_quantizers.items() if infos[n].role == role}
 
 
@@ -142,7 +143,7 @@ def _signature(q):
     for n in q.graph.nodes:
         nq = n.meta.get("fxq")
         if isinstance(nq, NodeQuant):
-            roles = sorted(q.meta["fxq_quantizer_infos"][v].role for v in nq.inputs.values() if v)
+            roles = sorted(QuantGraph(q).infos()[v].role for v in nq.inputs.values() if v)
             out.append((nq.op_type, nq.platform, nq.output_state.name, tuple(roles)))
     return out
 
@@ -179,7 +180,7 @@ def test_trt_placement_fusion_passive_and_axes():
 
 def test_ncnn_quantizes_only_conv_and_gemm_inputs():
     q = fxq.quantize(small_cnn(), _data(), "ncnn_int8", progress=False)
-    infos = q.meta["fxq_quantizer_infos"]
+    infos = QuantGraph(q).infos()
     for name, fq in _quantizers_by_role(q, "activation").items():
         consumers = [_node(q, c).meta["fxq"].op_type for c in infos[name].consumers]
         assert set(consumers) <= {"Conv", "Gemm"}, (name, consumers)
@@ -202,14 +203,14 @@ def test_ppl_bias_is_passive_input_times_weight_scale():
     q = fxq.quantize(small_cnn(), _data(), "ppl_cuda_int8", progress=False)
     biases = _quantizers_by_role(q, "bias")
     assert biases
-    infos = q.meta["fxq_quantizer_infos"]
+    infos = QuantGraph(q).infos()
     for name, fq in biases.items():
         assert fq.config.state is QuantState.PASSIVE_BAKED and fq.config.num_bits == 32
         (consumer,) = infos[name].consumers  # found from the graph, not from the bias bookkeeping
         op = _node(q, consumer)
         x, w_q = op.args[0], op.args[1]
-        assert w_q.meta["fxq_quantizer"].role == "weight"
-        while "fxq_quantizer" not in x.meta:  # passive ops (MaxPool) pass their input's quantized values on
+        assert QuantGraph(q).quantizer_of(w_q).role == "weight"
+        while not QuantGraph.is_quantizer_node(x):  # passive ops (MaxPool) pass their input's quantized values on
             assert x.meta["fxq"].output_state is QuantState.PASSIVE
             x = x.args[0]
         expected = q.get_submodule(x.target).scale * q.get_submodule(w_q.target).scale

@@ -13,6 +13,7 @@ from torch import nn
 
 import fxq
 from fxq.graph.info import GraphQuant, QuantizerInfo, iter_quantizers
+from fxq.graph.quant_graph import QuantGraph
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +37,15 @@ def test_quantizers_and_meta_survive(saved):
     gm, path = saved
     again = fxq.load(path)
     assert isinstance(again.meta["fxq"], GraphQuant) and again.meta["fxq"] == gm.meta["fxq"]
-    assert all(isinstance(i, QuantizerInfo) for i in again.meta["fxq_quantizer_infos"].values())
+    assert QuantGraph(again).infos() == QuantGraph(gm).infos()  # role, source, parameter, consumers
+    assert all(isinstance(i, QuantizerInfo) for i in QuantGraph(again).infos().values())
     assert again.meta["fxq_setting"] == gm.meta["fxq_setting"]
     for (name, a), (_, b) in zip(iter_quantizers(gm), iter_quantizers(again)):
         assert a.config.to_dict() == b.config.to_dict(), name
         assert b.config.scale is b.scale  # config points at the module's buffers again
         assert a.mode == b.mode
+        assert (a.role, a.source, a.param, a.derived_from) == (b.role, b.source, b.param, b.derived_from), name
+        assert a.baked == b.baked and (not a.baked or torch.equal(a.fp32_backup, b.fp32_backup)), name
     for node in gm.graph.nodes:
         other = next(n for n in again.graph.nodes if n.name == node.name)
         assert other.meta.get("fxq") == node.meta.get("fxq")
@@ -118,8 +122,8 @@ def test_baked_weights_are_stored_as_codes(saved, tmp_path):
     """Each baked 8-bit weight is saved as int8 codes beside its FP32 backup, not as a second float copy."""
     gm, path = saved
     blob = torch.load(path, weights_only=True)
-    infos = gm.meta["fxq_quantizer_infos"]
-    weights = {infos[n].param for n, fq in iter_quantizers(gm) if getattr(fq, "_fp32_backup", None) is not None
+    infos = QuantGraph(gm).infos()
+    weights = {infos[n].param for n, fq in iter_quantizers(gm) if fq.baked
                and infos[n].role == "weight"}
     assert len(weights) >= 3
     assert all(blob["tensors"][w].dtype == torch.int8 for w in weights)
@@ -142,8 +146,8 @@ def test_packed_weights_keep_their_dtype(tmp_path):
     gm = fxq.quantize(SmallCNN().eval().double(), [torch.randn(2, 3, 16, 16, dtype=torch.float64)], "trt_int8",
                       progress=False)
     path = fxq.save(gm, tmp_path / "m.fxq")
-    infos = gm.meta["fxq_quantizer_infos"]
-    weights = [infos[n].param for n, fq in iter_quantizers(gm) if getattr(fq, "_fp32_backup", None) is not None]
+    infos = QuantGraph(gm).infos()
+    weights = [infos[n].param for n, fq in iter_quantizers(gm) if fq.baked]
     blob = torch.load(path, weights_only=True)
     assert weights and all(blob["tensors"][w].dtype == torch.int8 for w in weights)
     again = fxq.load(path)
@@ -154,8 +158,8 @@ def test_packed_weights_keep_their_dtype(tmp_path):
 def test_a_weight_off_its_grid_stays_float(tmp_path):
     """Packing never changes a value: a baked weight edited off the grid is saved as it is."""
     gm = small_quantized("trt_int8")
-    infos = gm.meta["fxq_quantizer_infos"]
-    name = next(n for n, fq in iter_quantizers(gm) if getattr(fq, "_fp32_backup", None) is not None)
+    infos = QuantGraph(gm).infos()
+    name = next(n for n, fq in iter_quantizers(gm) if fq.baked)
     weight = gm.get_parameter(infos[name].param)
     with torch.no_grad():
         weight.view(-1)[0] += 1e-3 * float(gm.fxq_quantizers[name].scale.reshape(-1)[0])

@@ -31,17 +31,9 @@ from fxq.graph.convert import (
     unbake_parameters,
 )
 from fxq.graph.data import iter_batches, model_device, placeholder_values, to_device
-from fxq.graph.info import (
-    QUANTIZERS_ATTR,
-    NodeQuant,
-    computed_from_parameters,
-    graph_quant,
-    is_quantizer_node,
-    iter_quantizers,
-    match_node_name,
-    quantizer_infos,
-)
+from fxq.graph.info import NodeQuant, graph_quant, match_node_name
 from fxq.graph.passes import get_attr_value, rewrite_out_of_place
+from fxq.graph.quant_graph import QuantGraph, quantizer_name
 from fxq.nn.fake_quantize import FakeQuantize, fake_quant_mode
 from fxq.qconfig.base import COMPUTING_OPS
 from fxq.spec import QuantState
@@ -79,23 +71,21 @@ def weight_quantizer_of(gm: fx.GraphModule, node: fx.Node) -> tuple[str, FakeQua
     nq = node.meta.get("fxq")
     if not isinstance(nq, NodeQuant):
         return None
-    infos = quantizer_infos(gm)
-    quantizers = dict(iter_quantizers(gm))
+    qg = QuantGraph(gm)
     for qname in nq.inputs.values():
-        info = infos.get(qname) if qname else None
-        if info is not None and info.role == "weight" and info.param is not None:
-            return qname, quantizers[qname]
+        fq = qg[qname] if qname in qg else None
+        if fq is not None and fq.role == "weight" and fq.param is not None:
+            return qname, fq
     return None
 
 
 def activation_quantizers(gm: fx.GraphModule, block: "Block") -> list[tuple[str, FakeQuantize]]:
     """The block's own activation quantizers that quantize with their own parameters (state ACTIVATED)."""
-    infos = quantizer_infos(gm)
-    quantizers = dict(iter_quantizers(gm))
+    qg = QuantGraph(gm)
     out = []
     for name in block.quantizer_names:
-        info, fq = infos.get(name), quantizers.get(name)
-        if info is not None and fq is not None and info.role == "activation" and fq.config.is_quantizing \
+        fq = qg[name] if name in qg else None
+        if fq is not None and fq.role == "activation" and fq.config.is_quantizing \
                 and fq.config.state is QuantState.ACTIVATED:
             out.append((name, fq))
     return out
@@ -107,7 +97,7 @@ def param_target(node: fx.Node, index: int) -> str | None:
     while isinstance(arg, fx.Node):
         if arg.op == "get_attr":
             return str(arg.target)
-        if arg.op == "call_module" and str(arg.target).startswith(QUANTIZERS_ATTR + "."):
+        if QuantGraph.is_quantizer_node(arg):
             arg = arg.args[0]
             continue
         return None
@@ -122,8 +112,8 @@ def matches_layer(node: fx.Node, patterns: Sequence[str]) -> bool:
 
 def _param_like(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes computed from parameters only (get_attr and e.g. their weight quantizers)."""
-    memo: dict[fx.Node, bool] = {}
-    return {node for node in gm.graph.nodes if computed_from_parameters(node, memo)}
+    qg = QuantGraph(gm)
+    return {node for node in gm.graph.nodes if qg.from_parameters(node)}
 
 
 # --------------------------------------------------------------------------- blocks
@@ -243,7 +233,7 @@ def partition_blocks(gm: fx.GraphModule, block_size: int) -> list[Block]:
         i = pos[comp[k]]
         # move back over parameter chains and input quantizers, so they belong to the block that uses them
         while i > starts[-1] + 1 and (order[i - 1] in params or (
-                is_quantizer_node(order[i - 1]) and order[i - 1].args[0] is order[i - 2])):
+                QuantGraph.is_quantizer_node(order[i - 1]) and order[i - 1].args[0] is order[i - 2])):
             i -= 1
         if i > starts[-1]:
             starts.append(i)
@@ -256,11 +246,11 @@ def partition_blocks(gm: fx.GraphModule, block_size: int) -> list[Block]:
         members = set(nodes)
         inputs = _external_inputs(nodes, members, params)
         outputs = [n for n in nodes if any(u not in members for u in n.users)]
-        qnames = [str(n.target)[len(QUANTIZERS_ATTR) + 1:] for n in order[a:b] if is_quantizer_node(n)]
+        qnames = [quantizer_name(n) for n in order[a:b] if QuantGraph.is_quantizer_node(n)]
         for n in nodes:  # weight quantizers of the block's ops (copied parameter chains)
             for x in n.all_input_nodes:
-                if x in params and is_quantizer_node(x):
-                    name = str(x.target)[len(QUANTIZERS_ATTR) + 1:]
+                if x in params and QuantGraph.is_quantizer_node(x):
+                    name = quantizer_name(x)
                     if name not in qnames:
                         qnames.append(name)
         block = Block(index=len(blocks), gm=gm, nodes=nodes, inputs=inputs, outputs=outputs,

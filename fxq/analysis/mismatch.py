@@ -202,11 +202,11 @@ def _named_by_dq(graph: Any, codes: str, by_tensor: dict[str, fx.Node]) -> fx.No
 
 def _quantizer_for(gm: fx.GraphModule, node: fx.Node, scale: np.ndarray, quantizers: dict[str, Any]) -> Any:
     """The FakeQuantize whose grid the value of ``node`` is exported on (nearest scale among candidates)."""
-    from fxq.graph.info import NodeQuant
+    from fxq.graph.info import NodeQuant, is_quantizer_node
 
     cands = []
     for user in node.users:
-        if user.op == "call_module" and str(user.target).startswith("fxq_quantizers."):
+        if is_quantizer_node(user):
             cands.append(gm.get_submodule(str(user.target)))
     nq = node.meta.get("fxq")
     if not cands and isinstance(nq, NodeQuant) and nq.output in quantizers:
@@ -284,7 +284,7 @@ def locate_mismatch(
     from fxq.analysis.engine import iter_bound_batches
     from fxq.analysis.runner import GraphRunner
     from fxq.graph.data import first_batch_errors
-    from fxq.graph.info import iter_quantizers
+    from fxq.graph.quant_graph import QuantGraph
 
     if not isinstance(qmodel, fx.GraphModule):
         raise ConfigError(f"qmodel must be a quantized fx.GraphModule, got {type(qmodel).__name__}")
@@ -292,7 +292,7 @@ def locate_mismatch(
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     by_tensor = _node_by_tensor(qmodel)
-    quantizers = dict(iter_quantizers(qmodel))
+    quantizers = QuantGraph(qmodel).as_dict()
     producer = {o: n.op_type for n in g.node for o in n.output}
     graph_inputs = [i.name for i in g.input if i.name not in inits]
 

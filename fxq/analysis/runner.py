@@ -29,9 +29,10 @@ from torch import fx, nn
 
 from fxq.errors import ConfigError
 from fxq.graph.data import placeholder_values
-from fxq.graph.info import NodeQuant, QuantizerInfo, graph_quant, is_quantizer_node, iter_quantizers, quantizer_infos
+from fxq.graph.info import NodeQuant, QuantizerInfo, graph_quant
 from fxq.graph.op_types import mutates_first_argument, out_of_place_form
 from fxq.graph.passes import get_attr_value
+from fxq.graph.quant_graph import QuantGraph
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import QuantState
 
@@ -75,7 +76,9 @@ class GraphRunner:
         self.modules = dict(gm.named_modules())
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.output_node = next(n for n in reversed(self.nodes) if n.op == "output")
-        self.quantizers = {n: self.modules[str(n.target)] for n in self.nodes if is_quantizer_node(n)}
+        self.qg = QuantGraph(gm)
+        self.quantizers = {n: self.modules[str(n.target)] for n in self.nodes if self.qg.is_quantizer_node(n)}
+        self._infos = {n: self.qg.info(n) for n in self.quantizers}
         # values freed after each node (the node of their last use)
         last_use: dict[fx.Node, fx.Node] = {}
         for node in self.nodes:
@@ -96,17 +99,11 @@ class GraphRunner:
     # ------------------------------------------------------------------ model facts
     def refresh(self) -> None:
         """Re-read which parameters are baked (call after baking / unbaking the model)."""
-        infos: Mapping[str, QuantizerInfo] = quantizer_infos(self.gm)
-        self.fp32_params = {}
-        for name, fq in iter_quantizers(self.gm):
-            info = infos.get(name)
-            backup = getattr(fq, "_fp32_backup", None)
-            if info is not None and info.param is not None and backup is not None:
-                self.fp32_params[info.param] = backup
+        self.fp32_params = {fq.param: fq.fp32_backup for _, fq in self.qg.weights() if fq.baked}
 
     def quantizer_info(self, qnode: fx.Node) -> QuantizerInfo | None:
-        info = qnode.meta.get("fxq_quantizer")
-        return info if isinstance(info, QuantizerInfo) else None
+        """The record of the quantizer ``qnode`` runs (None for any other node)."""
+        return self._infos.get(qnode)
 
     def own_output_quantizer(self, node: fx.Node) -> fx.Node | None:
         """The quantizer node right after ``node`` that quantizes its output with its own parameters."""
@@ -114,7 +111,7 @@ class GraphRunner:
         if not isinstance(nq, NodeQuant) or nq.output is None or nq.output_state is not QuantState.ACTIVATED:
             return None
         for user in node.users:
-            info = self.quantizer_info(user) if is_quantizer_node(user) else None
+            info = self.quantizer_info(user)
             if info is not None and info.name == nq.output and user.args and user.args[0] is node:
                 return user
         return None
@@ -378,12 +375,13 @@ def analysis_mode(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
     Raises:
         ConfigError: some quantizer has no parameters yet (the model was not calibrated).
     """
-    pending = [n for n, fq in iter_quantizers(gm) if fq.config.state in (QuantState.INITIAL, QuantState.PASSIVE_INIT)]
+    qg = QuantGraph(gm)
+    pending = [n for n, fq in qg.quantizers() if fq.config.state in (QuantState.INITIAL, QuantState.PASSIVE_INIT)]
     if pending:
         shown = ", ".join(pending[:6]) + (" ..." if len(pending) > 6 else "")
         raise ConfigError(f"{len(pending)} quantizer(s) are not calibrated ({shown}): analyse the model returned by "
                           "fxq.quantize, or run fxq.calibrate first")
-    observing = [fq for _, fq in iter_quantizers(gm) if fq.observe_enabled]
+    observing = [fq for _, fq in qg.quantizers() if fq.observe_enabled]
     was_training = gm.training
     gm.eval()
     for fq in observing:

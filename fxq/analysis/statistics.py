@@ -11,7 +11,6 @@ from torch import fx
 from fxq.analysis.engine import run_two_pass
 from fxq.analysis.runner import GraphRunner, analysis_mode
 from fxq.functional import representable_range
-from fxq.graph.info import iter_quantizers
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize
 
@@ -251,7 +250,7 @@ def collect_statistics(runner: GraphRunner, probe: _StatsProbe, batches: int) ->
     with analysis_mode(runner.gm):
         weights = _weight_statistics(runner, probe.bins)
     acts = probe.results()
-    order = [name for name, _ in iter_quantizers(runner.gm)]
+    order = [name for name, _ in runner.qg.quantizers()]
     items = [weights.get(n) or acts.get(n) for n in order]
     return StatisticsReport([s for s in items if s is not None], batches)
 

@@ -12,8 +12,9 @@ from fxq.errors import CalibrationError
 from fxq.functional import representable_range
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
 from fxq.graph.data import call_model, check_steps, count_batches, first_batch_errors, iter_batches
-from fxq.graph.info import NodeQuant, graph_quant, iter_quantizers, quantizer_infos
+from fxq.graph.info import NodeQuant, graph_quant
 from fxq.graph.passes import get_attr_value
+from fxq.graph.quant_graph import QuantGraph
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import MIN_SCALE, QuantState
 
@@ -36,15 +37,13 @@ JOINING_OPS = frozenset({"Concat"})  # torch.cat / torch.concat / torch.stack an
 @torch.no_grad()
 def calibrate_parameters(gm: fx.GraphModule) -> None:
     """Compute the parameters of every weight quantizer straight from the weight values."""
-    infos = quantizer_infos(gm)
     unbake_parameters(gm)
-    for name, fq in iter_quantizers(gm):
-        info = infos.get(name)
-        if info is None or info.role != "weight" or info.param is None or fq.config.state is QuantState.FP32:
+    for _, fq in QuantGraph(gm).quantizers("weight"):
+        if fq.param is None or fq.config.state is QuantState.FP32:
             continue
         fq.set_mode("observe")
         fq.observer.reset()
-        fq(get_attr_value(gm, info.param).detach())
+        fq(get_attr_value(gm, fq.param).detach())
         fq.compute_qparams()
         fq.set_mode("quantize")
 
@@ -74,19 +73,16 @@ def calibrate(
     check_steps(steps)
     graph_quant(model)
     _undo_protection(model)
-    infos = quantizer_infos(model)
     was_training = model.training
     model.eval()
     calibrate_parameters(model)
     if bake:
         bake_parameters(model)
     observing = []
-    for name, fq in iter_quantizers(model):
-        info = infos.get(name)
-        role = info.role if info else "activation"
-        if role == "bias":
+    for _, fq in QuantGraph(model).quantizers():
+        if fq.role == "bias":
             fq.set_mode("disabled")
-        elif role == "activation" or (role == "weight" and info.param is None):
+        elif fq.role == "activation" or fq.param is None:
             if fq.config.state is QuantState.FP32:
                 fq.set_mode("disabled")
                 continue
@@ -117,7 +113,7 @@ def calibrate(
     protect_mixed_range(model)
     apply_alignment(model)
     derive_passive_parameters(model)
-    for _, fq in iter_quantizers(model):
+    for _, fq in QuantGraph(model).quantizers():
         fq.set_mode("quantize")
     if bake:
         bake_parameters(model)
@@ -138,7 +134,7 @@ def _ratio_setting(gm: fx.GraphModule) -> float | None:
 def _undo_protection(gm: fx.GraphModule) -> None:
     """Give protected concats back their output quantizer and alignment, so a new calibration decides anew."""
     gq = graph_quant(gm)
-    qs = dict(iter_quantizers(gm))
+    qs = QuantGraph(gm)
     for node in gm.graph.nodes:
         record = node.meta.pop(MIXED_RANGE_KEY, None)
         if not isinstance(record, dict) or record.get("action") != "fp32":
@@ -186,8 +182,7 @@ def protect_mixed_range(gm: fx.GraphModule, ratio: float | None | str = "setting
     if threshold is None:
         return []
     gq = graph_quant(gm)
-    qs = dict(iter_quantizers(gm))
-    infos = quantizer_infos(gm)
+    qs = QuantGraph(gm)
     nodes = [n for n in gm.graph.nodes if isinstance(n.meta.get("fxq"), NodeQuant)]
     flagged: dict[fx.Node, dict[str, Any]] = {}
     parts_of: dict[str, list[tuple[str, float, float]]] = {}  # output quantizer of a flagged concat -> its parts
@@ -195,7 +190,7 @@ def protect_mixed_range(gm: fx.GraphModule, ratio: float | None | str = "setting
         nq: NodeQuant = node.meta["fxq"]
         if not nq.quantized or nq.op_type not in JOINING_OPS:
             continue
-        ins = [q for q in nq.inputs.values() if q is not None and (q not in infos or infos[q].role == "activation")]
+        ins = [q for q in nq.inputs.values() if q is not None and qs.role(q) == "activation"]
         ins = list(dict.fromkeys(ins))
         own_out = (nq.output in qs and nq.output_state in (QuantState.ACTIVATED, QuantState.OVERLAPPED)
                    and qs[nq.output].config.is_quantizing)

@@ -9,8 +9,9 @@ from torch import fx
 
 from fxq.errors import ConfigError
 from fxq.functional import fake_quantize, qparams_from_minmax, representable_range, round_scale_to_power_of_2
-from fxq.graph.info import GraphQuant, graph_quant, iter_quantizers, quantizer_infos
+from fxq.graph.info import GraphQuant, graph_quant
 from fxq.graph.passes import get_attr_value
+from fxq.graph.quant_graph import QuantGraph
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.observers.base import channel_rows
 from fxq.spec import QuantState
@@ -30,11 +31,6 @@ __all__ = [
 ]
 
 
-def _quantizers(gm: fx.GraphModule) -> dict[str, FakeQuantize]:
-    return dict(iter_quantizers(gm))
-
-
-
 def apply_alignment(gm: fx.GraphModule) -> None:
     """Elementwise inputs share the largest range; concat/resize inputs take the output's parameters.
 
@@ -44,7 +40,7 @@ def apply_alignment(gm: fx.GraphModule) -> None:
     grow it by 256/255 on every pass: the algorithms re-align after each run.)
     """
     gq = graph_quant(gm)
-    qs = _quantizers(gm)
+    qs = QuantGraph(gm)
     for group in gq.align_large:
         members = [qs[n] for n in group if qs[n].config.has_qparams and qs[n].config.is_quantizing]
         if len(members) < 2 or any(m.config.per_channel for m in members):
@@ -74,22 +70,19 @@ def apply_alignment(gm: fx.GraphModule) -> None:
 
 def quant_scheme(fq: FakeQuantize) -> tuple:
     """What two quantizers must share to share parameters: bits, symmetry, range, FP format, power-of-2 scales."""
-    c = fq.config
-    return (c.num_bits, c.symmetric, c.quant_min, c.quant_max, c.fp_format, c.power_of_2)
+    return fq.scheme.grid
 
 
 def derive_passive_parameters(gm: fx.GraphModule) -> None:
     """Bias scale = input scale x weight scale (offset 0); a bias with no quantized input stays FP32."""
-    gq = graph_quant(gm)
-    qs = _quantizers(gm)
-    for bias_name, (data_q, weight_q) in gq.bias_deps.items():
-        bias = qs[bias_name]
+    graph_quant(gm)
+    qs = QuantGraph(gm)
+    for bias_name, bias, data_q, weight_q in qs.biases():
         if (data_q is None or weight_q is None or not qs[data_q].config.is_quantizing
                 or not qs[weight_q].config.is_quantizing):
             bias.config.state = QuantState.FP32
             continue
-        info = quantizer_infos(gm).get(bias_name)
-        value = get_attr_value(gm, info.param) if info is not None and info.param is not None else None
+        value = get_attr_value(gm, bias.param) if bias.param is not None else None
         s_in, wq = qs[data_q].scale.detach(), qs[weight_q]
         scale = passive_bias_scale(s_in, wq.scale.detach(), None if value is None else value.numel(),
                                    bias.config.per_channel, bias_name)
@@ -112,11 +105,9 @@ def _widen_zero_weight_channels(gm: fx.GraphModule, wq: FakeQuantize, bias: torc
     over = need > scale
     if not bool(over.any()):
         return False
-    info = quantizer_infos(gm).get(wq.name)
-    if info is None or info.param is None:
+    if wq.param is None:
         return False
-    weight = getattr(wq, "_fp32_backup", None)
-    weight = get_attr_value(gm, info.param) if weight is None else weight
+    weight = wq.fp32_backup if wq.baked else get_attr_value(gm, wq.param)
     zero = channel_rows(weight, wq.config).abs().amax(dim=1) == 0
     fix = over & zero.to(over.device)
     if not bool(fix.any()):
@@ -200,7 +191,7 @@ def _arg_site(node: fx.Node, idx: int, kw: str, q: str):
 
 def _bake_constants(gm: fx.GraphModule) -> None:
     store = gm.meta.setdefault("fxq_fp32_constants", {})
-    qs = _quantizers(gm)
+    qs = QuantGraph(gm)
     changed = False
     for key, get, put, q in list(_passive_constant_sites(gm)):
         fq = qs[q]
@@ -233,13 +224,11 @@ def bake_parameters(gm: fx.GraphModule) -> None:
     their tensor's parameters here too (PASSIVE, as in PPQ), and restored by :func:`unbake_parameters`.
     """
     _bake_constants(gm)
-    infos = quantizer_infos(gm)
-    for name, fq in iter_quantizers(gm):
-        info = infos.get(name)
-        if info is None or info.param is None or fq.config.state not in (QuantState.ACTIVATED, QuantState.PASSIVE):
+    for _, fq in QuantGraph(gm).weights():
+        if fq.config.state not in (QuantState.ACTIVATED, QuantState.PASSIVE):
             continue
-        param = get_attr_value(gm, info.param)
-        fq._fp32_backup = param.detach().clone()
+        param = get_attr_value(gm, fq.param)
+        fq.fp32_backup = param.detach().clone()
         param.data.copy_(fake_quantize(param.detach(), fq.config, fq.scale, fq.offset))
         fq.config.state = QuantState.BAKED if fq.config.state is QuantState.ACTIVATED else QuantState.PASSIVE_BAKED
 
@@ -248,24 +237,21 @@ def bake_parameters(gm: fx.GraphModule) -> None:
 def unbake_parameters(gm: fx.GraphModule) -> None:
     """Restore the FP32 parameters saved by :func:`bake_parameters`; states go back to ACTIVATED/PASSIVE."""
     _unbake_constants(gm)
-    infos = quantizer_infos(gm)
-    for name, fq in iter_quantizers(gm):
-        info = infos.get(name)
-        backup = getattr(fq, "_fp32_backup", None)
-        if info is None or info.param is None or backup is None:
+    for _, fq in QuantGraph(gm).weights():
+        if not fq.baked:
             continue
-        get_attr_value(gm, info.param).data.copy_(backup)
-        fq._fp32_backup = None
+        get_attr_value(gm, fq.param).data.copy_(fq.fp32_backup)
+        fq.fp32_backup = None
         fq.config.state = QuantState.ACTIVATED if fq.config.state is QuantState.BAKED else QuantState.PASSIVE
 
 
 def is_baked(gm: fx.GraphModule) -> bool:
     """Whether the model's quantized parameters are baked (their FP32 copies kept aside)."""
-    return any(getattr(fq, "_fp32_backup", None) is not None for _, fq in iter_quantizers(gm))
+    return QuantGraph(gm).is_baked()
 
 
 def _check_ready(gm: fx.GraphModule) -> None:
-    pending = [n for n, fq in iter_quantizers(gm) if fq.config.state in (QuantState.INITIAL, QuantState.PASSIVE_INIT)]
+    pending = [n for n, fq in QuantGraph(gm).quantizers() if fq.config.state in (QuantState.INITIAL, QuantState.PASSIVE_INIT)]
     if pending:
         shown = ", ".join(pending[:8]) + (" ..." if len(pending) > 8 else "")
         raise ConfigError(
@@ -280,7 +266,7 @@ def convert(gm: fx.GraphModule, bake: bool = True) -> fx.GraphModule:
     (bias) parameters are derived again from the final scales.
     """
     _check_ready(gm)
-    for _, fq in iter_quantizers(gm):
+    for _, fq in QuantGraph(gm).quantizers():
         fq.set_mode("quantize")
         fq.observer = None
         if fq.learnable:
@@ -295,14 +281,14 @@ def convert(gm: fx.GraphModule, bake: bool = True) -> fx.GraphModule:
 def switch_to_fp32(gm: fx.GraphModule) -> fx.GraphModule:
     """Run the model in FP32 (the seeds' ``op.dequantize()`` on every op): restore weights, disable quantizers."""
     unbake_parameters(gm)
-    for _, fq in iter_quantizers(gm):
+    for _, fq in QuantGraph(gm).quantizers():
         fq.set_mode("disabled")
     return gm
 
 
 def switch_to_quantized(gm: fx.GraphModule, bake: bool = True) -> fx.GraphModule:
     """Undo :func:`switch_to_fp32`."""
-    for _, fq in iter_quantizers(gm):
+    for _, fq in QuantGraph(gm).quantizers():
         fq.set_mode("quantize")
     if bake:
         bake_parameters(gm)
@@ -312,13 +298,13 @@ def switch_to_quantized(gm: fx.GraphModule, bake: bool = True) -> fx.GraphModule
 @contextlib.contextmanager
 def fp32_mode(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
     """Run ``gm`` in FP32 inside the block, quantized again after it (modes and baking restored)."""
-    saved = {n: (fq.observe_enabled, fq.quant_enabled) for n, fq in iter_quantizers(gm)}
+    saved = {n: (fq.observe_enabled, fq.quant_enabled) for n, fq in QuantGraph(gm).quantizers()}
     was_baked = is_baked(gm)
     switch_to_fp32(gm)
     try:
         yield gm
     finally:
-        for n, fq in iter_quantizers(gm):
+        for n, fq in QuantGraph(gm).quantizers():
             fq.observe_enabled, fq.quant_enabled = saved[n]
         if was_baked:
             bake_parameters(gm)

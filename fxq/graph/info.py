@@ -6,9 +6,10 @@ Dispatch, prepare, calibration, analysis and every exporter read these records:
   it was dispatched to (a platform name, ``"fp32"`` or ``"shape"``), which quantizer covers each of
   its tensor inputs, and which quantizer covers its output (its own, an overlapping one downstream
   such as the ReLU after a conv, or the input's one for passive ops such as MaxPool).
-* a quantizer node (``call_module`` into ``gm.fxq_quantizers``) carries a :class:`QuantizerInfo`.
-* ``gm.meta["fxq"]`` is a :class:`GraphQuant`: the platform, the bias dependencies
-  (bias quantizer -> (input quantizer, weight quantizer)) and the alignment groups.
+* a quantizer node (``call_module`` into ``gm.fxq_quantizers``) carries nothing: what its quantizer
+  quantizes (role, source, parameter, the quantizers a bias derives from) is recorded on the
+  :class:`~fxq.FakeQuantize` itself, and :class:`fxq.graph.quant_graph.QuantGraph` answers the queries.
+* ``gm.meta["fxq"]`` is a :class:`GraphQuant`: the platform, the dispatcher and the alignment groups.
 """
 from __future__ import annotations
 
@@ -67,6 +68,9 @@ class NodeQuant:
 
 @dataclasses.dataclass
 class QuantizerInfo:
+    """A snapshot of one quantizer's record (``QuantGraph.info``); files saved before the record moved onto the
+    FakeQuantize hold these in ``gm.meta["fxq_quantizer_infos"]`` and ``node.meta["fxq_quantizer"]``."""
+
     name: str
     role: str  # "activation" | "weight" | "bias"
     source: str  # name of the node whose value it quantizes
@@ -78,7 +82,6 @@ class QuantizerInfo:
 class GraphQuant:
     platform: str
     dispatcher: str
-    bias_deps: dict[str, tuple[str | None, str]] = dataclasses.field(default_factory=dict)
     align_large: list[list[str]] = dataclasses.field(default_factory=list)
     align_output: list[tuple[list[str], str]] = dataclasses.field(default_factory=list)
 
@@ -109,8 +112,13 @@ def source_names(node: fx.Node, module_path: bool = True) -> list[str]:
 
 
 def quantizer_infos(gm: nn.Module) -> dict[str, QuantizerInfo]:
-    """``{quantizer name: QuantizerInfo}`` of a prepared model (empty for any other module)."""
-    return getattr(gm, "meta", {}).get("fxq_quantizer_infos", {})
+    """``{quantizer name: QuantizerInfo}`` snapshots of a prepared model (empty for any other module).
+
+    Kept for callers written before :class:`~fxq.graph.quant_graph.QuantGraph`; new code asks it directly.
+    """
+    from fxq.graph.quant_graph import QuantGraph  # noqa: PLC0415  (it builds on this module)
+
+    return QuantGraph(gm).infos()
 
 
 def node_names(node: fx.Node) -> set[str]:

@@ -10,11 +10,14 @@ Rules, in order:
 * a tensor is quantized at most once per scheme: consumers of an already-quantized tensor see the
   quantized value (their input configs are OVERLAPPED); several quantized consumers of an FP32 tensor
   share one input quantizer;
-* **bias** quantizers are passive: scale = input scale x weight scale, filled in after calibration;
+* **bias** quantizers are passive: scale = input scale x weight scale, filled in after calibration (the
+  bias FakeQuantize records the two in ``derived_from``);
 * **alignment** groups (elementwise inputs aligned to the largest, concat inputs to the output) are
   recorded here and applied after calibration; an aligned input is its producer's quantizer, so alignment
   always overlaps (PPQ's ``force_alignment_overlap=True``) and no tensor is quantized twice (PPQ's
   ``remove_useless_quantization=True``): both are how fxq works, not settings;
+* each FakeQuantize records its role, source node and parameter (:meth:`~fxq.FakeQuantize.set_record`);
+  ``node.meta`` holds placement only (:class:`~fxq.graph.info.NodeQuant`);
 * every activation / weight config is checked against its platform's :attr:`~fxq.Platform.capability`
   before its quantizer is made, so a scheme the exporter cannot write fails here, not at export.
 """
@@ -27,7 +30,7 @@ from typing import Any
 from torch import fx, nn
 
 from fxq.graph.dispatch import Dispatch, is_float_tensor
-from fxq.graph.info import QUANTIZERS_ATTR, GraphQuant, NodeQuant, QuantizerInfo, computed_from_parameters
+from fxq.graph.info import QUANTIZERS_ATTR, GraphQuant, NodeQuant, computed_from_parameters, is_quantizer_node
 from fxq.graph.op_types import WEIGHTED_FUNCTIONS, op_type, weight_arg_nodes
 from fxq.graph.passes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize
@@ -59,13 +62,6 @@ def _conv_attrs(node: fx.Node) -> dict[str, Any]:
     return {k: attrs[k] for k in ("stride", "dilation", "groups", "padding") if k in attrs}
 
 
-def _scheme_key(role: str, cfg: TensorQuantConfig) -> str:
-    d = cfg.to_dict()
-    for k in ("scale", "offset", "state"):
-        d.pop(k)
-    return f"{role}:{sorted(d.items())!r}"
-
-
 class _Builder:
     def __init__(self, gm: fx.GraphModule, plan: Dispatch, setting: QuantizationSetting) -> None:
         self.gm = gm
@@ -74,7 +70,6 @@ class _Builder:
         self.modules = dict(gm.named_modules())
         self.holder = nn.ModuleDict()
         gm.add_module(QUANTIZERS_ATTR, self.holder)
-        self.infos: dict[str, QuantizerInfo] = {}
         self.covering: dict[fx.Node, tuple[str, QuantState]] = {}  # node -> (quantizer, state)
         self.shared_inputs: dict[tuple[fx.Node, str], str] = {}
         self.types = {n: op_type(n, self.modules) for n in gm.graph.nodes}
@@ -94,7 +89,7 @@ class _Builder:
         return cfg
 
     def _new_quantizer(self, base: str, cfg: TensorQuantConfig, role: str, source: fx.Node,
-                       param: str | None = None) -> str:
+                       param: str | None = None, derived_from: tuple[str | None, str] | None = None) -> str:
         base = re.sub(r"\W", "_", base)
         if base[0].isdigit():
             base = f"q_{base}"
@@ -103,19 +98,17 @@ class _Builder:
         while name in self.holder:
             i += 1
             name = f"{base}_{i}"
-        self.holder[name] = FakeQuantize(cfg, name=name)
-        self.infos[name] = QuantizerInfo(name=name, role=role, source=source.name, param=param)
+        self.holder[name] = FakeQuantize(cfg, name=name, role=role, source=source.name, param=param,
+                                         derived_from=derived_from)
         return name
 
     def _insert_after(self, source: fx.Node, qname: str, users: list[fx.Node]) -> fx.Node:
         with self.gm.graph.inserting_after(source):
             qnode = self.gm.graph.call_module(f"{QUANTIZERS_ATTR}.{qname}", (source,))
-        qnode.meta["fxq_quantizer"] = self.infos[qname]
         if "val" in source.meta:
             qnode.meta["val"] = source.meta["val"]
         for user in users:
             user.replace_input_with(source, qnode)
-        self.infos[qname].consumers = [u.name for u in users]
         return qnode
 
     # ------------------------------------------------------------------ decisions
@@ -167,7 +160,7 @@ class _Builder:
         gq = GraphQuant(platform="", dispatcher=self.setting.dispatcher)
         overlapped_by = self.overlapped_by
         for node in list(graph.nodes):
-            if node.op in ("placeholder", "output", "get_attr") or node.meta.get("fxq_quantizer"):
+            if node.op in ("placeholder", "output", "get_attr") or is_quantizer_node(node):
                 continue
             p = self.platform_of(node)
             t = self.types[node]
@@ -195,7 +188,7 @@ class _Builder:
                     elif data_q is None:
                         data_q = q
             if bias_node is not None:
-                nq.inputs[bias_node.name] = self._quantize_bias(node, bias_node, p, t, data_q, weight_q, gq)
+                nq.inputs[bias_node.name] = self._quantize_bias(node, bias_node, p, t, data_q, weight_q)
             # ---- output
             if not self.wants_output(node):
                 continue
@@ -226,14 +219,16 @@ class _Builder:
             nq = node.meta.get("fxq")
             if isinstance(nq, NodeQuant) and node in self.output_decided:
                 nq.output, nq.output_state = self.covering[node]
-        self.gm.meta["fxq_quantizer_infos"] = self.infos
         return gq
 
     def _cover_of(self, n: fx.Node) -> tuple[str, QuantState] | None:
-        info = n.meta.get("fxq_quantizer")
-        if info is not None:
-            return info.name, QuantState.ACTIVATED
+        if is_quantizer_node(n):
+            return self._name_of(n), QuantState.ACTIVATED
         return self.covering.get(n)
+
+    @staticmethod
+    def _name_of(qnode: fx.Node) -> str:
+        return str(qnode.target)[len(QUANTIZERS_ATTR) + 1:]
 
     def _quantize_input(self, node: fx.Node, inp: fx.Node, role: str, p: Platform, t: str) -> str | None:
         if inp in self.covering and role == "activation":
@@ -243,10 +238,9 @@ class _Builder:
                          None)
             if qnode is not None and qnode is not node:
                 node.replace_input_with(inp, qnode)
-                self.infos[q].consumers.append(node.name)
             return q
-        if inp.meta.get("fxq_quantizer") is not None:
-            return inp.meta["fxq_quantizer"].name
+        if is_quantizer_node(inp):
+            return self._name_of(inp)
         if role == "weight":
             value = get_attr_value(self.gm, inp.target) if inp.op == "get_attr" else inp.meta.get("val")
             shape = tuple(value.shape) if value is not None else None
@@ -259,12 +253,11 @@ class _Builder:
         else:
             cfg = self._capable(p, "activation", p.activation_config(t, node.name), node)
             base, param = f"{inp.name}_q", None
-        key = (inp, _scheme_key(role, cfg))
+        key = (inp, role, cfg.scheme)
         if key in self.shared_inputs:
             q = self.shared_inputs[key]
             qnode = next(n for n in inp.users if n.op == "call_module" and n.target == f"{QUANTIZERS_ATTR}.{q}")
             node.replace_input_with(inp, qnode)
-            self.infos[q].consumers.append(node.name)
             return q
         q = self._new_quantizer(base, cfg, role, inp, param=param)
         self._insert_after(inp, q, [node])
@@ -274,16 +267,16 @@ class _Builder:
         return q
 
     def _quantize_bias(self, node: fx.Node, bias: fx.Node, p: Platform, t: str, data_q: str | None,
-                       weight_q: str | None, gq: GraphQuant) -> str | None:
+                       weight_q: str | None) -> str | None:
         cfg = p.bias_config(t, node.name)
         if cfg is None or weight_q is None or not self.setting.quantize_parameter_setting.quantize_passive_parameter:
             return None
         wcfg = self.holder[weight_q].config
         cfg = cfg.replace(per_channel=wcfg.per_channel, channel_axis=0)
         base = bias.target.replace(".", "_") if bias.op == "get_attr" else f"{bias.name}_bias"
-        q = self._new_quantizer(base, cfg, "bias", bias, param=bias.target if bias.op == "get_attr" else None)
+        q = self._new_quantizer(base, cfg, "bias", bias, param=bias.target if bias.op == "get_attr" else None,
+                                derived_from=(data_q, weight_q))
         self._insert_after(bias, q, [node])
-        gq.bias_deps[q] = (data_q, weight_q)
         return q
 
     def _record_alignment(self, gq: GraphQuant) -> None:
@@ -294,7 +287,7 @@ class _Builder:
             nq = node.meta.get("fxq")
             if not isinstance(nq, NodeQuant) or not nq.quantized:
                 continue
-            ins = [q for q in nq.inputs.values() if q is not None and self.infos[q].role == "activation"]
+            ins = [q for q in nq.inputs.values() if q is not None and self.holder[q].role == "activation"]
             ins = list(dict.fromkeys(ins))
             mode = {"Add": fs.align_elementwise_to, "Sub": fs.align_elementwise_to,
                     "Concat": fs.align_concat_to, "Resize": fs.align_resize_to,

@@ -7,7 +7,8 @@ import dataclasses
 from torch import fx
 
 from fxq.graph.calibrate import MIXED_RANGE_KEY
-from fxq.graph.info import NodeQuant, graph_quant, iter_quantizers, quantizer_infos
+from fxq.graph.info import NodeQuant, graph_quant
+from fxq.graph.quant_graph import QuantGraph
 from fxq.spec import QuantState
 
 __all__ = ["QuantSummary", "summary"]
@@ -65,8 +66,7 @@ def summary(gm: fx.GraphModule) -> QuantSummary:
     """Count quantized / passive / overlapped / FP32 / shape nodes, list per-layer schemes and the mixed-range
     concats found at calibration (``protected``)."""
     gq = graph_quant(gm)
-    qs = dict(iter_quantizers(gm))
-    infos = quantizer_infos(gm)
+    qs = QuantGraph(gm).as_dict()
     counts: collections.Counter[str] = collections.Counter()
     layers: list[LayerRow] = []
     protected: list[dict] = []
@@ -92,7 +92,7 @@ def summary(gm: fx.GraphModule) -> QuantSummary:
         for q in nq.inputs.values():
             if q is None or q not in qs:
                 continue
-            role = infos[q].role if q in infos else "activation"
+            role = qs[q].role
             if role == "weight":
                 weight = _short(qs[q].config)
             elif role == "activation":

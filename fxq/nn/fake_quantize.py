@@ -10,9 +10,12 @@ from torch import nn
 from fxq.errors import ConfigError
 from fxq.functional import fake_quantize
 from fxq.observers import Observer, build_observer
-from fxq.spec import QuantState, TensorQuantConfig
+from fxq.spec import QuantScheme, QuantState, TensorQuantConfig
 
-__all__ = ["FakeQuantize", "MODES"]
+__all__ = ["FakeQuantize", "MODES", "ROLES"]
+
+ROLES = ("activation", "weight", "bias")
+"""What a quantizer in a prepared graph quantizes: a value computed from data, a weight, or a passive bias."""
 
 _BAKED = (QuantState.BAKED, QuantState.PASSIVE_BAKED)  # values already on the grid: pass through
 
@@ -31,11 +34,23 @@ class FakeQuantize(nn.Module):
     Modes (:meth:`set_mode`): ``observe`` feeds the observer and passes values through, ``quantize``
     fake-quantizes (when the state is a quantizing one), ``disabled`` passes through (the seeds'
     ``dequantize()``), ``qat`` does both. Scale and offset live in buffers — or in parameters after
-    :meth:`make_learnable` — and ``config.scale``/``config.offset`` always point at them.
+    :meth:`make_learnable` — and ``config.scale``/``config.offset`` always point at them (also after
+    ``.to()`` / ``.double()``).
+
+    This module is the one record of a quantizer: its scheme (:attr:`scheme`, frozen), its state
+    (``scale``/``offset``, ``config.state``, the FP32 copy of a baked weight in the ``fp32_backup`` buffer, so
+    ``state_dict`` is complete) and, in a prepared graph, what it quantizes: :attr:`role`, :attr:`source` (the
+    node whose value it quantizes), :attr:`param` (the parameter behind a weight / bias) and, for a passive
+    bias, :attr:`derived_from` (its input and weight quantizers). The graph queries around it are answered by
+    :class:`fxq.graph.quant_graph.QuantGraph`.
 
     Args:
         config: the tensor's quantization config (this module takes ownership of it).
         name: label used in error messages (set by the graph code to the quantizer's name).
+        role: ``"activation"``, ``"weight"`` or ``"bias"``; None for a quantizer outside a prepared graph.
+        source: name of the node whose value it quantizes.
+        param: ``get_attr`` target of the weight / bias it quantizes.
+        derived_from: (input quantizer or None, weight quantizer) a passive bias derives its scale from.
 
     Example:
         >>> fq = FakeQuantize(TensorQuantConfig(num_bits=8))
@@ -43,19 +58,55 @@ class FakeQuantize(nn.Module):
         >>> fq.set_mode("quantize"); y = fq(torch.randn(16))
     """
 
-    def __init__(self, config: TensorQuantConfig, name: str = "") -> None:
+    def __init__(self, config: TensorQuantConfig, name: str = "", *, role: str | None = None, source: str = "",
+                 param: str | None = None, derived_from: tuple[str | None, str] | None = None) -> None:
         super().__init__()
         self.config = config
         self.name = name
+        self.set_record(role, source, param, derived_from)
         scale = config.scale if config.scale is not None else torch.ones(1)
         offset = config.offset if config.offset is not None else torch.zeros_like(scale)
         self.register_buffer("scale", scale.detach().clone().float())
         self.register_buffer("offset", offset.detach().clone().float())
+        self.register_buffer("fp32_backup", None)  # the FP32 values of the baked weight (None: not baked)
         self._qparams_set = config.scale is not None  # the buffers hold placeholders until parameters are set
         self._sync_config()
         self.observer: Observer | None = None
         self.observe_enabled = False
         self.quant_enabled = True
+
+    # ------------------------------------------------------------------ record
+    def set_record(self, role: str | None, source: str = "", param: str | None = None,
+                   derived_from: tuple[str | None, str] | None = None) -> "FakeQuantize":
+        """Say what this quantizer quantizes in its graph (see the class docstring); returns self."""
+        if role is not None and role not in ROLES:
+            raise ConfigError(f"FakeQuantize {self.name!r}: role {role!r}; use one of {ROLES}")
+        if derived_from is not None and role != "bias":
+            raise ConfigError(f"FakeQuantize {self.name!r}: only a bias derives its parameters from others")
+        self.role = role
+        self.source = str(source)
+        self.param = param
+        self.derived_from = None if derived_from is None else tuple(derived_from)
+        return self
+
+    def copy_record(self, other: "FakeQuantize") -> "FakeQuantize":
+        """Take ``other``'s role, source, parameter and derivation (a replacement module, e.g. QAT's)."""
+        return self.set_record(other.role, other.source, other.param, other.derived_from)
+
+    @property
+    def scheme(self) -> QuantScheme:
+        """What this quantizer does, frozen: comparing two tells whether they can share parameters."""
+        return self.config.scheme
+
+    @property
+    def baked(self) -> bool:
+        """Whether the weight this quantizer covers holds its quantized values (its FP32 copy in ``fp32_backup``)."""
+        return self.fp32_backup is not None
+
+    @property
+    def _fp32_backup(self) -> torch.Tensor | None:
+        """Read-only alias of ``fp32_backup`` for code written before it was a buffer."""
+        return self.fp32_backup
 
     # ------------------------------------------------------------------ state
     @property
@@ -90,6 +141,12 @@ class FakeQuantize(nn.Module):
         """Point ``config.scale/offset`` at the buffers once they hold real parameters (None before)."""
         self.config.scale = self.scale if self._qparams_set else None
         self.config.offset = self.offset if self._qparams_set else None
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "FakeQuantize":
+        # ``.to()`` / ``.double()`` replace the buffers: point the config at the new ones
+        out = super()._apply(fn, recurse)
+        self._sync_config()
+        return out
 
     def set_qparams(self, scale: Any, offset: Any = None, state: QuantState | None = QuantState.ACTIVATED) -> None:
         """Validate and store new parameters in place (keeps Parameter identity for optimizers)."""
@@ -182,7 +239,23 @@ class FakeQuantize(nn.Module):
             self.make_learnable(scale=learnable_scale, offset=learnable_offset)
         self._sync_config()
 
+    def __setstate__(self, state: dict) -> None:
+        # a module pickled before the record lived here: its backup was a plain attribute, the record absent
+        backup = state.pop("_fp32_backup", None)
+        super().__setstate__(state)
+        self._buffers.setdefault("fp32_backup", backup)
+        for key, default in (("role", None), ("source", ""), ("param", None), ("derived_from", None)):
+            self.__dict__.setdefault(key, default)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        # a baked weight's FP32 copy is there or not as the incoming state of this quantizer says (state_dicts
+        # saved before it was a buffer have none)
+        key = prefix + "fp32_backup"
+        if key in state_dict:
+            if self.fp32_backup is None or self.fp32_backup.shape != state_dict[key].shape:
+                self.fp32_backup = torch.empty_like(state_dict[key])
+        elif prefix + "scale" in state_dict:
+            self.fp32_backup = None
         # per-channel parameters get their size at calibration: adopt the incoming shapes
         for attr in ("scale", "offset"):
             key = prefix + attr

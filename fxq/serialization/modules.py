@@ -19,6 +19,7 @@ from fxq.errors import FrontendError, NotSupportedError
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.serialization.allowlist import check_identifier, check_part, check_path, class_name, resolve_class
 from fxq.serialization.codec import TensorTable, Unencodable, decode, encode
+from fxq.serialization.legacy import LEGACY_BACKUP_ATTR, complete_fake_quantize
 
 __all__ = ["encode_modules", "decode_modules", "Defined"]
 
@@ -151,7 +152,11 @@ def decode_modules(records: list[dict[str, Any]], root: nn.Module, table: Tensor
             cls = resolve_class(rec.get("class"))
             mod = cls.__new__(cls)
             nn.Module.__init__(mod)
+            legacy_backup = None
             for key, value in rec.get("attrs", {}).items():
+                if key == LEGACY_BACKUP_ATTR and isinstance(mod, FakeQuantize):
+                    legacy_backup = decode(value, table)  # older files: the backup was a plain attribute
+                    continue
                 _check_attr_name(cls, key, where)
                 value = decode(value, table)
                 object.__setattr__(mod, key, value)
@@ -179,6 +184,7 @@ def decode_modules(records: list[dict[str, Any]], root: nn.Module, table: Tensor
             mod.register_buffer(_name(key, f"{where}: buffer"), None)
             defined.attrs.add(prefix + key)
         if isinstance(mod, FakeQuantize):
+            complete_fake_quantize(mod, legacy_backup)
             mod._sync_config()
         if path:
             built[parent_path].add_module(name, mod)

@@ -16,8 +16,8 @@ from torch import fx
 
 from fxq.errors import FrontendError
 from fxq.functional import dequantize_linear, quantize_to_int
-from fxq.graph.info import iter_quantizers, quantizer_infos
 from fxq.graph.passes import get_attr_value
+from fxq.graph.quant_graph import QuantGraph
 from fxq.serialization.codec import TensorTable, decode, encode
 
 __all__ = ["pack_baked_parameters", "unpack_parameters"]
@@ -43,14 +43,13 @@ def _rebuild(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, axi
 
 def pack_baked_parameters(gm: fx.GraphModule, table: TensorTable) -> dict[str, dict[str, Any]]:
     """Replace the baked weights in ``table`` by their codes; returns what :func:`unpack_parameters` needs."""
-    infos = quantizer_infos(gm)
     packed: dict[str, dict[str, Any]] = {}
-    for name, fq in iter_quantizers(gm):
-        info, cfg = infos.get(name), fq.config
-        if getattr(fq, "_fp32_backup", None) is None or info is None or info.param is None or cfg.is_floating:
+    for name, fq in QuantGraph(gm).weights():
+        cfg = fq.config
+        if not fq.baked or cfg.is_floating:
             continue
         code_dtype = _code_dtype(cfg.quant_min, cfg.quant_max)
-        param = get_attr_value(gm, info.param)
+        param = get_attr_value(gm, fq.param)
         key = table.key_of(param)
         if code_dtype is None or key is None or key in packed or fq.scale is None or fq.offset is None:
             continue
@@ -59,7 +58,7 @@ def pack_baked_parameters(gm: fx.GraphModule, table: TensorTable) -> dict[str, d
         codes = quantize_to_int(stored, cfg).to(code_dtype)
         if not torch.equal(_rebuild(codes, fq.scale.detach().cpu(), fq.offset.detach().cpu(), axis, stored.dtype),
                            stored):
-            logger.debug("weight %r of quantizer %r is not on its grid; saved as %s", info.param, name, stored.dtype)
+            logger.debug("weight %r of quantizer %r is not on its grid; saved as %s", fq.param, name, stored.dtype)
             continue
         table.tensors[key] = codes
         packed[key] = {"scale": table.put(fq.scale, f"{name}.scale"), "offset": table.put(fq.offset, f"{name}.offset"),

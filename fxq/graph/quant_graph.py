@@ -1,0 +1,171 @@
+"""``QuantGraph(gm)``: the one answer to the questions passes, algorithms, analysis and exporters ask a prepared graph.
+
+The facts live in one place each: what a quantizer is and what it quantizes on its :class:`~fxq.FakeQuantize`
+(role, source, parameter, bias derivation), where quantizers sit in ``node.meta["fxq"]``
+(:class:`~fxq.graph.info.NodeQuant`), the alignment groups in ``gm.meta["fxq"]``
+(:class:`~fxq.graph.info.GraphQuant`) and who reads a quantized value in the graph itself. This view joins
+them; it stores nothing that could go stale except memos of graph walks, so build a new one after editing
+the graph.
+
+Example:
+    >>> qg = QuantGraph(gm)
+    >>> [name for name, fq in qg.quantizers("weight") if fq.baked]
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+from torch import fx, nn
+
+from fxq.errors import GraphError
+from fxq.graph.info import (
+    QUANTIZERS_ATTR,
+    GraphQuant,
+    NodeQuant,
+    QuantizerInfo,
+    computed_from_parameters,
+    is_quantizer_node,
+)
+from fxq.graph.op_types import op_type
+from fxq.nn.fake_quantize import ROLES, FakeQuantize
+
+__all__ = ["QuantGraph", "quantizer_name"]
+
+_PREFIX = QUANTIZERS_ATTR + "."
+
+
+def quantizer_name(node: fx.Node) -> str | None:
+    """Name of the quantizer a quantizer node runs (None for any other node)."""
+    return str(node.target)[len(_PREFIX):] if is_quantizer_node(node) else None
+
+
+class QuantGraph:
+    """Read-only view of a prepared GraphModule's quantizers and graph facts.
+
+    Args:
+        gm: a module prepared by fxq (an unprepared module has no quantizers).
+
+    Raises:
+        GraphError: a quantizer of ``gm`` has no role (a role is never guessed).
+    """
+
+    def __init__(self, gm: nn.Module) -> None:
+        self.gm = gm
+        holder = getattr(gm, QUANTIZERS_ATTR, None)
+        self._quantizers: dict[str, FakeQuantize] = dict(holder.items()) if holder is not None else {}
+        for name, fq in self._quantizers.items():
+            if getattr(fq, "role", None) not in ROLES:
+                raise GraphError(f"quantizer {name!r} has no role (activation / weight / bias); it was not made by "
+                                 f"fxq.prepare, or the file it came from is damaged")
+        graph = getattr(gm, "graph", None)
+        self._nodes: dict[str, fx.Node] = {}
+        if isinstance(graph, fx.Graph):
+            for node in graph.nodes:
+                name = quantizer_name(node)
+                if name is not None:
+                    self._nodes.setdefault(name, node)
+        self._param_memo: dict[fx.Node, bool] = {}
+        self._modules: dict[str, nn.Module] | None = None
+
+    # ------------------------------------------------------------------ quantizers
+    def __contains__(self, name: object) -> bool:
+        return name in self._quantizers
+
+    def __len__(self) -> int:
+        return len(self._quantizers)
+
+    def __getitem__(self, name: str) -> FakeQuantize:
+        return self._quantizers[name]
+
+    def quantizers(self, role: str | None = None) -> Iterator[tuple[str, FakeQuantize]]:
+        """(name, FakeQuantize) pairs in insertion order, of one ``role`` when given."""
+        return ((n, fq) for n, fq in self._quantizers.items() if role is None or fq.role == role)
+
+    def as_dict(self) -> dict[str, FakeQuantize]:
+        """``{name: FakeQuantize}`` (a copy)."""
+        return dict(self._quantizers)
+
+    def role(self, name: str) -> str:
+        return self._quantizers[name].role
+
+    def weights(self) -> Iterator[tuple[str, FakeQuantize]]:
+        """Quantizers of parameters (weights and biases read through ``get_attr``), with ``fq.param`` set."""
+        return ((n, fq) for n, fq in self._quantizers.items() if fq.param is not None)
+
+    def node_of(self, name: str) -> fx.Node | None:
+        """The graph node that runs quantizer ``name``."""
+        return self._nodes.get(name)
+
+    def consumers(self, name: str) -> list[str]:
+        """Names of the nodes that read quantizer ``name``'s quantized value."""
+        node = self._nodes.get(name)
+        return [u.name for u in node.users] if node is not None else []
+
+    def source(self, name: str) -> str:
+        """Name of the node whose value quantizer ``name`` quantizes (its node's input; tied QAT modules share one
+        FakeQuantize but not one node)."""
+        node = self._nodes.get(name)
+        if node is not None and node.args and isinstance(node.args[0], fx.Node):
+            return node.args[0].name
+        return self._quantizers[name].source
+
+    def info(self, name_or_node: "str | fx.Node") -> QuantizerInfo | None:
+        """A :class:`QuantizerInfo` snapshot of one quantizer (by name or by its node); None when there is none."""
+        name = quantizer_name(name_or_node) if isinstance(name_or_node, fx.Node) else name_or_node
+        fq = self._quantizers.get(name) if name is not None else None
+        if fq is None:
+            return None
+        return QuantizerInfo(name=name, role=fq.role, source=self.source(name), consumers=self.consumers(name),
+                             param=fq.param)
+
+    def infos(self) -> dict[str, QuantizerInfo]:
+        """``{name: QuantizerInfo}`` for every quantizer."""
+        return {name: self.info(name) for name in self._quantizers}
+
+    def biases(self) -> Iterator[tuple[str, FakeQuantize, str | None, str]]:
+        """(name, bias quantizer, input quantizer or None, weight quantizer) of every passive bias."""
+        for name, fq in self._quantizers.items():
+            if fq.role == "bias" and fq.derived_from is not None:
+                data_q, weight_q = fq.derived_from
+                yield name, fq, data_q, weight_q
+
+    def is_baked(self) -> bool:
+        """Whether any quantized parameter is baked."""
+        return any(fq.baked for fq in self._quantizers.values())
+
+    # ------------------------------------------------------------------ graph facts
+    @staticmethod
+    def is_quantizer_node(node: fx.Node) -> bool:
+        return is_quantizer_node(node)
+
+    def quantizer_of(self, node: fx.Node) -> FakeQuantize | None:
+        """The FakeQuantize a quantizer node runs."""
+        name = quantizer_name(node)
+        return self._quantizers.get(name) if name is not None else None
+
+    def from_parameters(self, node: fx.Node) -> bool:
+        """Whether ``node`` is computed from parameters only (``get_attr``, reshaped or quantized)."""
+        return computed_from_parameters(node, self._param_memo)
+
+    def node_quant(self, node: fx.Node) -> NodeQuant | None:
+        nq = node.meta.get("fxq")
+        return nq if isinstance(nq, NodeQuant) else None
+
+    def op_type(self, node: fx.Node) -> str | None:
+        """The canonical op type: the one dispatch recorded, else computed from the node."""
+        nq = self.node_quant(node)
+        if nq is not None:
+            return nq.op_type
+        if self._modules is None:
+            self._modules = dict(self.gm.named_modules())
+        return op_type(node, self._modules)
+
+    def graph_quant(self) -> GraphQuant:
+        from fxq.graph.info import graph_quant  # noqa: PLC0415
+
+        return graph_quant(self.gm)
+
+    def alignment_groups(self) -> list[list[str]]:
+        """Every alignment group as a list of quantizer names (an ``align_output`` group starts with its target)."""
+        gq = self.graph_quant()
+        return [list(g) for g in gq.align_large] + [[out, *ins] for ins, out in gq.align_output]

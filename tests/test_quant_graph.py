@@ -1,0 +1,156 @@
+"""The quantizer record (on the FakeQuantize) and the QuantGraph view over a prepared graph."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import fxq
+from fxq.errors import GraphError
+from fxq.graph.info import NodeQuant
+from fxq.graph.quant_graph import QuantGraph, quantizer_name
+from fxq.serialization import file_digest
+from fxq.spec import QuantState
+
+from _models import small_cnn
+
+
+def _data(n=2):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 3, 16, 16, generator=g) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def ppl():
+    return fxq.quantize(small_cnn(), _data(), "ppl_cuda_int8", progress=False)
+
+
+def test_queries_come_from_the_record_and_the_graph(ppl):
+    qg = QuantGraph(ppl)
+    assert len(qg) == len(ppl.fxq_quantizers) and {fq.role for _, fq in qg.quantizers()} == {
+        "activation", "weight", "bias"}
+    for name, fq in qg.quantizers():
+        node = qg.node_of(name)
+        assert quantizer_name(node) == name and qg.quantizer_of(node) is fq and qg.is_quantizer_node(node)
+        assert qg.source(name) == fq.source == node.args[0].name
+        assert qg.consumers(name) == [u.name for u in node.users]
+        assert (fq.param is not None) == (node.args[0].op == "get_attr")
+        assert qg.from_parameters(node) == (fq.role != "activation")
+    for node in ppl.graph.nodes:
+        if isinstance(node.meta.get("fxq"), NodeQuant):
+            assert qg.op_type(node) == node.meta["fxq"].op_type
+    biases = list(qg.biases())
+    assert biases and all(qg.role(w) == "weight" and qg.role(d) == "activation" for _, _, d, w in biases)
+    assert not any("fxq_quantizer" in n.meta for n in ppl.graph.nodes) and "fxq_quantizer_infos" not in ppl.meta
+
+
+def test_a_missing_role_is_an_error():
+    gm = fxq.prepare(small_cnn(), "trt_int8", _data(1)[0])
+    next(iter(gm.fxq_quantizers.values())).role = None
+    with pytest.raises(GraphError, match="has no role"):
+        QuantGraph(gm)
+    with pytest.raises(fxq.ConfigError, match="role"):
+        gm.fxq_quantizers[next(iter(gm.fxq_quantizers))].set_record("input")
+
+
+def test_state_dict_holds_the_fp32_backup_and_moves_with_the_module(ppl):
+    sd = ppl.state_dict()
+    backups = {k for k in sd if k.endswith(".fp32_backup")}
+    assert backups == {f"fxq_quantizers.{n}.fp32_backup" for n, fq in QuantGraph(ppl).weights() if fq.baked}
+    fresh = fxq.prepare(small_cnn(), "ppl_cuda_int8", _data(1)[0])
+    fresh.load_state_dict(sd)
+    x = _data(1)[0]
+    with torch.no_grad():
+        assert torch.equal(fresh(x), ppl(x))
+        with fxq.fp32_mode(fresh), fxq.fp32_mode(ppl):
+            assert torch.equal(fresh(x), ppl(x))  # the restored backups are the FP32 weights
+    double = fresh.double()
+    for _, fq in QuantGraph(double).quantizers():
+        assert fq.config.scale is fq.scale and fq.scale.dtype == torch.float64
+        assert not fq.baked or fq.fp32_backup.dtype == torch.float64
+
+
+def test_quantize_bakes_each_weight_once(monkeypatch):
+    import fxq.graph.convert as convert
+
+    baked = []
+    real = convert.bake_parameters
+
+    def counting(gm):
+        before = {n for n, fq in QuantGraph(gm).weights() if fq.baked}
+        real(gm)
+        baked.extend(n for n, fq in QuantGraph(gm).weights() if fq.baked and n not in before)
+
+    monkeypatch.setattr(convert, "bake_parameters", counting)
+    monkeypatch.setattr("fxq.graph.calibrate.bake_parameters", counting)
+    monkeypatch.setattr("fxq.algorithms.blocks.bake_parameters", counting)
+    setting = fxq.QuantizationSetting()
+    setting.bias_correct = True
+    q = fxq.quantize(small_cnn(), _data(), "ppl_cuda_int8", setting=setting, progress=False)
+    assert sorted(baked) == sorted(n for n, fq in QuantGraph(q).weights() if fq.baked) and baked
+
+
+def _as_legacy(spec: dict) -> dict:
+    """``spec`` as fxq wrote it before the record moved onto the FakeQuantize."""
+    infos, deps = {}, {}
+    for rec in spec["modules"]:
+        if not rec.get("class", "").startswith("fxq.nn.fake_quantize:"):
+            continue
+        attrs = rec["attrs"]
+        name = rec["path"].rpartition(".")[2]
+        role, source, param, derived = (attrs.pop(k) for k in ("role", "source", "param", "derived_from"))
+        infos[name] = {"$record": ["QuantizerInfo", {"name": name, "role": role, "source": source,
+                                                     "consumers": [], "param": param}]}
+        if derived is not None:
+            deps[name] = derived
+        if "fp32_backup" in rec["buffers"]:
+            attrs["_fp32_backup"] = {"$tensor": rec["buffers"].pop("fp32_backup")[0]}
+        else:
+            rec["none_buffers"].remove("fp32_backup")
+            attrs["_fp32_backup"] = None
+    spec["meta"]["fxq_quantizer_infos"] = infos
+    spec["meta"]["fxq"]["$record"][1]["bias_deps"] = deps
+    for node in spec["graph"]:
+        target = node.get("target")
+        if node["op"] == "call_module" and isinstance(target, str) and target.startswith("fxq_quantizers."):
+            node["meta"]["fxq_quantizer"] = infos[target.partition(".")[2]]
+    return spec
+
+
+def test_files_saved_before_the_record_moved_still_load(ppl, tmp_path):
+    path = fxq.save(ppl, tmp_path / "new.fxq")
+    blob = torch.load(path, weights_only=True)
+    spec = json.dumps(_as_legacy(json.loads(blob["spec"])))
+    old = tmp_path / "old.fxq"
+    torch.save(dict(blob, spec=spec, sha256=file_digest(spec, blob["tensors"])), old)
+    again = fxq.load(old)
+    a, b = QuantGraph(ppl), QuantGraph(again)
+    assert a.infos() == b.infos()
+    for (name, x), (_, y) in zip(a.quantizers(), b.quantizers()):
+        assert (x.role, x.source, x.param, x.derived_from) == (y.role, y.source, y.param, y.derived_from), name
+        assert x.baked == y.baked and (not x.baked or torch.equal(x.fp32_backup, y.fp32_backup)), name
+    assert "fxq_quantizer_infos" not in again.meta and not any("fxq_quantizer" in n.meta for n in again.graph.nodes)
+    x = _data(1)[0]
+    with torch.no_grad():
+        assert torch.equal(again(x), ppl(x))
+        with fxq.fp32_mode(again), fxq.fp32_mode(ppl):
+            assert torch.equal(again(x), ppl(x))
+    assert fxq.load(fxq.save(again, tmp_path / "again.fxq")).state_dict().keys() == ppl.state_dict().keys()
+
+
+def test_state_dicts_saved_before_the_backup_was_a_buffer_load(ppl):
+    sd = {k: v for k, v in ppl.state_dict().items() if not k.endswith(".fp32_backup")}
+    fresh = fxq.quantize(small_cnn(), _data(), "ppl_cuda_int8", progress=False)
+    fresh.load_state_dict(sd)  # strict: no missing key
+    assert not QuantGraph(fresh).is_baked()  # the incoming state has no FP32 copies: none is invented
+    states = {fq.config.state for _, fq in QuantGraph(fresh).weights()}
+    assert states <= {QuantState.BAKED, QuantState.PASSIVE_BAKED}
+
+
+def test_a_standalone_fake_quantize_has_no_record():
+    fq = fxq.FakeQuantize(fxq.TensorQuantConfig(num_bits=8))
+    assert fq.role is None and not fq.baked and "fp32_backup" not in fq.state_dict()
+    holder = nn.Module()
+    holder.fxq_quantizers = nn.ModuleDict({"q": fq})
+    with pytest.raises(GraphError, match="no role"):
+        QuantGraph(holder)
