@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from fxq.errors import ExportError
-from fxq.graph.info import iter_quantizers, quantizer_infos
+from fxq.graph.quant_graph import QuantGraph
 from fxq.qconfig.base import PLATFORMS, Capability
 from fxq.spec import TensorQuantConfig
 
@@ -33,19 +33,18 @@ def check_capabilities(gm: nn.Module, exporter: str) -> None:
     caps = capabilities_of(exporter)
     if not caps:
         return
-    infos = quantizer_infos(gm)
-    for name, fq in iter_quantizers(gm):
+    qg = QuantGraph(gm)
+    for name, fq in qg.quantizers():
         cfg = fq.config
         if not cfg.is_quantizing:
             continue
-        info = infos.get(name)
-        role = getattr(info, "role", "activation")
+        role = fq.role
         found = {platform: cap.problems(role, cfg) for platform, cap in caps.items()}
         if any(not problems for problems in found.values()):
             continue
         platform = min(found, key=lambda p: (_other_format(caps[p], role, cfg), len(found[p])))
         cap = caps[platform]
-        where = f"quantizer {name!r} ({role} of {getattr(info, 'source', '?')!r})"
+        where = f"quantizer {name!r} ({role} of {qg.source(name)!r})"
         hint = f"; {cap.hint}" if cap.hint else ""
         raise ExportError(f"{exporter} export: {where}: {cap.rule}: {role} quantization {'; '.join(found[platform])}. "
                           f"Fix: quantize for {' or '.join(repr(p) for p in caps)}{hint}")

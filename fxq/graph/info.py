@@ -111,16 +111,6 @@ def source_names(node: fx.Node, module_path: bool = True) -> list[str]:
     return names
 
 
-def quantizer_infos(gm: nn.Module) -> dict[str, QuantizerInfo]:
-    """``{quantizer name: QuantizerInfo}`` snapshots of a prepared model (empty for any other module).
-
-    Kept for callers written before :class:`~fxq.graph.quant_graph.QuantGraph`; new code asks it directly.
-    """
-    from fxq.graph.quant_graph import QuantGraph  # noqa: PLC0415  (it builds on this module)
-
-    return QuantGraph(gm).infos()
-
-
 def node_names(node: fx.Node) -> set[str]:
     """The names a user may give ``node`` by: its fx name, target, module path and original ONNX / caffe name."""
     names = {node.name, str(node.target), *source_names(node)}

@@ -103,11 +103,6 @@ class FakeQuantize(nn.Module):
         """Whether the weight this quantizer covers holds its quantized values (its FP32 copy in ``fp32_backup``)."""
         return self.fp32_backup is not None
 
-    @property
-    def _fp32_backup(self) -> torch.Tensor | None:
-        """Read-only alias of ``fp32_backup`` for code written before it was a buffer."""
-        return self.fp32_backup
-
     # ------------------------------------------------------------------ state
     @property
     def state(self) -> QuantState:

@@ -341,7 +341,7 @@ class NcnnBuilder:
             qnode, fq = arg, self.quantizer(arg)
         src = self.strip(arg) if isinstance(arg, fx.Node) else arg
         value = self.param(src, node, "weight")
-        backup = getattr(fq, "_fp32_backup", None) if fq is not None else None
+        backup = fq.fp32_backup if fq is not None and fq.baked else None
         if backup is not None:
             value = backup.detach().float().cpu()
         elif fq is not None and fq.config.state in (QuantState.BAKED, QuantState.PASSIVE_BAKED):

@@ -9,7 +9,8 @@ from typing import Any
 from torch import fx, nn
 
 from fxq.errors import ExportError, GraphError
-from fxq.graph.info import graph_quant, iter_quantizers, quantizer_infos
+from fxq.graph.info import graph_quant, iter_quantizers
+from fxq.graph.quant_graph import QuantGraph
 from fxq.io import atomic_file_set, check_output_dir, ensure_dir
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import QuantState
@@ -45,10 +46,8 @@ def quantized_graph(model: nn.Module) -> fx.GraphModule:
 
 def quantizer_tables(gm: fx.GraphModule) -> tuple[dict[str, FakeQuantize], dict[str, str]]:
     """(name -> FakeQuantize, name -> role) of a quantized GraphModule."""
-    quantizers = dict(iter_quantizers(gm))
-    infos = quantizer_infos(gm)
-    roles = {name: getattr(infos.get(name), "role", "activation") for name in quantizers}
-    return quantizers, roles
+    qg = QuantGraph(gm)
+    return qg.as_dict(), {name: fq.role for name, fq in qg.quantizers()}
 
 
 def plan_paths(path: str | os.PathLike, suffix: str, extras: dict[str, str] | None = None) -> dict[str, Path]:

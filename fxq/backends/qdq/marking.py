@@ -146,8 +146,7 @@ class _Builder:
             fq = self.quantizers[qname]
             src = node.args[0]
             if fq.config.is_quantizing:
-                info = node.meta.get("fxq_quantizer")
-                fx_src = info.source if info is not None else src.name
+                fx_src = src.name
                 with self.graph.inserting_after(node):
                     mark = Mark(self._next_id(), "quant", fx_src, quantizer=qname)
                     m = self.graph.call_function(torch.ops.fxq_export.mark.default, (src, mark.id))
