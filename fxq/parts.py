@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 PART_KEY = "fxq_part"
 """``gm.meta[PART_KEY]``: the module path of a part quantized by :func:`quantize_in_parts`."""
-_INPUT_KEYS = "fxq_input_keys"  # a flattened input's (forward argument, keys down to it)
+_DYNAMIC_DIMS = "fxq_part_dynamic_dims"  # {flat input name: [dims whose size varied between calls]}
 
 
 def quantize_in_parts(model: nn.Module, calib_data: Any, failure: TraceError,
@@ -73,7 +73,13 @@ def quantize_in_parts(model: nn.Module, calib_data: Any, failure: TraceError,
         qpart = quantize_part(gm, calls[path])
         qpart.meta[PART_KEY] = path
         result.set_submodule(path, qpart)
-        done.append(f"{path} ({gm.meta.get('fxq_capture', 'fx')}, {len(getattr(qpart, QUANTIZERS_ATTR))} quantizers)")
+    # sizes set by data (proposals kept after NMS) change once the parts upstream are quantized: what varies
+    # between the float calls and the quantized model's own calls on the first batch is a dynamic dim
+    again = _record_inputs(result, list(quantized_parts(result)), [first], 1, None)
+    for path, part in quantized_parts(result).items():
+        part.meta[_DYNAMIC_DIMS] = _varying_dims(part, calls[path] + again[path])
+        how = parts[path].meta.get("fxq_capture", "fx")
+        done.append(f"{path} ({how}, {len(getattr(part, QUANTIZERS_ATTR))} quantizers)")
     if not done:
         raise failure
     float_params = _float_parameters(result)
@@ -99,18 +105,11 @@ def part_inputs(model: nn.Module, batch: Any) -> dict[str, dict[str, torch.Tenso
     calls = _record_inputs(model, list(quantized_parts(model)), [batch], 1, None, keep=1)
     named = {}
     for path, batches in calls.items():
-        if not batches:
-            continue
-        part = model.get_submodule(path)
-        targets = [str(n.target) for n in part.graph.nodes if n.op == "placeholder"]
-        given = batches[0] if isinstance(batches[0], dict) else dict(zip(targets, batches[0]))
-        named[path] = {}
-        for ph in (n for n in _flat_inputs(part).graph.nodes if n.op == "placeholder"):
-            top, keys = ph.meta.get(_INPUT_KEYS, (str(ph.target), ()))
-            value = given[top]
-            for key in keys:
-                value = value[key]
-            named[path][ph.name] = value
+        if batches:
+            part = model.get_submodule(path)
+            leaves = _leaves_by_name(part, batches[0])
+            named[path] = {ph.name: leaves[str(ph.target)]
+                           for ph in _flat_inputs(part).graph.nodes if ph.op == "placeholder"}
     return named
 
 
@@ -136,35 +135,47 @@ def export_parts(model: nn.Module, path: str | os.PathLike,
 # ----------------------------------------------------------------------------------------------- internals
 def _flat_inputs(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` over the same modules with one tensor input per leaf of a container input (``feats`` read as
-    ``feats[0]``, ``feats[1]`` becomes ``feats_0``, ``feats_1``): deployed files take tensors."""
+    ``feats[0]``, ``feats[1]`` becomes ``feats_0``, ``feats_1``) and its varying input dims declared dynamic:
+    deployed files take tensors."""
     def is_key_read(user: fx.Node) -> bool:
         return (user.op == "call_function" and user.target is operator.getitem and len(user.args) == 2
                 and isinstance(user.args[1], (int, str)))
 
-    def flatten(node: fx.Node, name: str, keys: tuple) -> None:
+    def flatten(node: fx.Node, name: str) -> None:
         if node.users and all(is_key_read(u) for u in node.users):
             for user in list(node.users):
-                flatten(user, f"{name}_{user.args[1]}", (*keys, user.args[1]))
+                flatten(user, f"{name}_{user.args[1]}")
         elif node.op != "placeholder":
             with graph.inserting_before(first):
                 leaf = graph.placeholder(name)
             leaf.meta.update(node.meta)
-            leaf.meta[_INPUT_KEYS] = (top, keys)
             node.replace_all_uses_with(leaf)
         if node.op != "placeholder" or not node.users:
             graph.erase_node(node)
 
-    if not any(n.op == "placeholder" and n.users and all(is_key_read(u) for u in n.users) for n in gm.graph.nodes):
+    nested = any(n.op == "placeholder" and n.users and all(is_key_read(u) for u in n.users) for n in gm.graph.nodes)
+    if not nested and not gm.meta.get(_DYNAMIC_DIMS):
         return gm
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for ph in [n for n in graph.nodes if n.op == "placeholder"]:
+        first = ph
+        flatten(ph, str(ph.target))
+    flat = fx.GraphModule(gm, graph, type(gm).__name__)
+    flat.meta.update(gm.meta)
+    setattr(flat, QUANTIZERS_ATTR, getattr(gm, QUANTIZERS_ATTR))  # the same quantizer modules, same container
+    _declare_dynamic_dims(flat)
+    return flat
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     first = placeholders[0]
     for ph in placeholders:
-        first, top = ph, str(ph.target)
-        flatten(ph, top, ())
+        first = ph
+        flatten(ph, str(ph.target))
     flat = fx.GraphModule(gm, graph, type(gm).__name__)
     flat.meta.update(gm.meta)
+    _declare_dynamic_dims(flat)
     setattr(flat, QUANTIZERS_ATTR, getattr(gm, QUANTIZERS_ATTR))  # the same quantizer modules, same container
     return flat
 
@@ -220,6 +231,28 @@ def _record_inputs(model: nn.Module, paths: list[str], data: Any, steps: int | N
     return calls
 
 
+def _leaves_by_name(part: fx.GraphModule, batch: Any) -> dict[str, Any]:
+    """``{flat input name: value}`` for one recorded batch (the names :func:`_flat_inputs` gives)."""
+    targets = [str(n.target) for n in part.graph.nodes if n.op == "placeholder"]
+    given = batch if isinstance(batch, dict) else dict(zip(targets, batch))
+    return {"_".join([top, *(str(k.idx if isinstance(k, pytree.SequenceKey) else k.key) for k in keys)]): leaf
+            for top, value in given.items() for keys, leaf in pytree.tree_flatten_with_path(value)[0]}
+
+
+def _varying_dims(part: fx.GraphModule, batches: list) -> dict[str, list[int]]:
+    shapes: dict[str, set] = {}
+    for batch in batches:
+        for name, leaf in _leaves_by_name(part, batch).items():
+            if isinstance(leaf, torch.Tensor):
+                shapes.setdefault(name, set()).add(tuple(leaf.shape))
+    varying = {}
+    for name, seen in shapes.items():
+        ranks = {len(s) for s in seen}
+        if len(seen) > 1 and len(ranks) == 1:
+            varying[name] = [i for i in range(ranks.pop()) if len({s[i] for s in seen}) > 1]
+    return varying
+
+
 def _as_batch(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     """Positional arguments as a tuple; a call with keywords as a dict of every argument by name."""
     if not kwargs:
@@ -235,6 +268,18 @@ def _positional(module: nn.Module, batch: Any) -> tuple | None:
     if isinstance(batch, dict) and list(batch) == names[: len(batch)]:
         return tuple(batch.values())
     return None
+
+
+def _declare_dynamic_dims(flat: fx.GraphModule) -> None:
+    """Tell the exporters which input dims vary, as an ONNX source's symbolic dims (``source_input_shapes``)."""
+    dynamic = flat.meta.get(_DYNAMIC_DIMS) or {}
+    shapes = {}
+    for ph in (n for n in flat.graph.nodes if n.op == "placeholder"):
+        val = ph.meta.get("val")
+        if str(ph.target) in dynamic and isinstance(val, torch.Tensor):
+            shapes[ph.name] = ["" if i in dynamic[str(ph.target)] else int(d) for i, d in enumerate(val.shape)]
+    if shapes:
+        flat.meta["onnx"] = {**(flat.meta.get("onnx") or {}), "source_input_shapes": shapes}
 
 
 def _has_params(module: nn.Module) -> bool:

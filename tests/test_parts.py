@@ -178,3 +178,38 @@ def test_export_capture_keeps_nested_inputs(caplog):
     torch.testing.assert_close(gm(*args), model(*args))
     qmodel = fxq.quantize(model, [args, args], "trt_int8", capture="export", progress=False)
     assert qmodel(*args).shape == (2, 4)
+
+
+class Proposals(nn.Module):
+    """The box head sees as many rows as the data keeps: its exported input must take any number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Linear(4, 8)
+        self.box_head = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def forward(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        f = self.backbone(torch.cat(list(xs)))
+        kept = f[f[:, 0] > 0]
+        if kept.numel() == 0:
+            return f.new_zeros(0, 2)
+        return self.box_head(kept)
+
+
+def test_sizes_set_by_data_are_dynamic_in_the_exported_part(tmp_path):
+    torch.manual_seed(0)
+    model = Proposals().eval()
+    g = torch.Generator().manual_seed(0)
+    calib = [([torch.randn(16, 4, generator=g)],) for _ in range(4)]
+    qmodel = fxq.quantize(model, calib, "ort_int8", progress=False)
+    assert list(quantized_parts(qmodel)) == ["backbone", "box_head"]
+    files = fxq.export(qmodel, "ort_int8", tmp_path / "prop.onnx")
+    sess = ort.InferenceSession(str(files[1]), providers=["CPUExecutionProvider"])
+    assert isinstance(sess.get_inputs()[0].shape[0], str)  # the row count is symbolic
+    for rows in (3, 11):
+        x = torch.randn(rows, 8)
+        with torch.no_grad():
+            want = qmodel.box_head(x).numpy()
+        got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+        assert got.shape == (rows, 2)
+        np.testing.assert_allclose(got, want, atol=1e-5)
