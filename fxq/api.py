@@ -9,7 +9,7 @@ import torch
 from torch import fx, nn
 
 from fxq.algorithms import run_algorithms
-from fxq.errors import CalibrationError, ConfigError
+from fxq.errors import CalibrationError, ConfigError, TraceError
 from fxq.graph.calibrate import calibrate
 from fxq.graph.capture import capture as capture_graph
 from fxq.graph.convert import convert
@@ -18,6 +18,7 @@ from fxq.graph.dispatch import dispatch
 from fxq.graph.passes import standardize
 from fxq.graph.prepare import insert_quantizers
 from fxq.graph.quant_graph import QuantGraph
+from fxq.parts import quantize_in_parts
 from fxq.qconfig.base import Platform, get_platform
 from fxq.setting import QuantizationSetting
 from fxq.spec import QuantState
@@ -115,6 +116,11 @@ def prepare(
     return gm
 
 
+def _is_plain_module(model: Any) -> bool:
+    """An eager module (not a graph, a script or an exported program): the kind quantized in parts."""
+    return isinstance(model, nn.Module) and not isinstance(model, (fx.GraphModule, torch.jit.ScriptModule))
+
+
 def _checked_setting(setting: QuantizationSetting | None) -> QuantizationSetting:
     if setting is None:
         return QuantizationSetting()
@@ -169,6 +175,10 @@ def quantize(
     the ``"pre"`` algorithms (built-ins, then ``setting.custom_algorithms`` of that stage), calibration, the
     ``"post"`` algorithms (likewise), :func:`convert`. See :func:`fxq.register_algorithm`.
 
+    A model that no capture path reaches whole (``capture="auto"``; detectors whose root ``forward`` loops over
+    images and runs NMS) is quantized in parts (:mod:`fxq.parts`): the result is then a copy of ``model`` whose
+    largest capturable submodules are quantized ``GraphModule``\ s, and the rest runs in float.
+
     Example:
         >>> qmodel = fxq.quantize(model, [torch.randn(8, 3, 224, 224) for _ in range(8)], platform="trt_int8")
         >>> print(fxq.summary(qmodel))
@@ -176,8 +186,18 @@ def quantize(
     setting = _checked_setting(setting)
     if example_inputs is None:
         example_inputs = _first_batch_args(model, calib_data, collate_fn)
-    gm = prepare(model, platform, example_inputs, setting, leaf_modules=leaf_modules, concrete_args=concrete_args,
-                 bit_width=bit_width, symmetrical=symmetrical, per_channel=per_channel, capture=capture)
+    overrides = {"bit_width": bit_width, "symmetrical": symmetrical, "per_channel": per_channel}
+    try:
+        gm = prepare(model, platform, example_inputs, setting, leaf_modules=leaf_modules,
+                     concrete_args=concrete_args, capture=capture, **overrides)
+    except TraceError as failure:
+        if capture != "auto" or leaf_modules or concrete_args or not _is_plain_module(model):
+            raise
+
+        def quantize_part(part: fx.GraphModule, batches: list) -> fx.GraphModule:
+            return quantize(part, batches, platform, setting, steps=None, progress=False, **overrides)
+
+        return quantize_in_parts(model, calib_data, failure, quantize_part, steps=steps, collate_fn=collate_fn)
     gm = run_algorithms("pre", gm, calib_data, setting, steps=steps, collate_fn=collate_fn)
     # weights are baked once, by convert: calibration and the post algorithms fake-quantize them on the fly
     # (the same values), so nothing is baked, unbaked and baked again in between

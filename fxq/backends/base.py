@@ -10,9 +10,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+from torch import fx, nn
 
 from fxq.errors import ExportError
+from fxq.parts import export_parts, quantized_parts
 from fxq.registry import Registry
 
 __all__ = ["Exporter", "EXPORTERS", "register_exporter", "export", "exporter_for"]
@@ -65,7 +66,8 @@ def export(model: nn.Module, platform: Any, path: str | os.PathLike, **options: 
     """Write ``model`` (prepared and calibrated by fxq) in ``platform``'s deployable format.
 
     Args:
-        model: the quantized GraphModule from :func:`fxq.quantize`.
+        model: the quantized GraphModule from :func:`fxq.quantize`, or a model it quantized in parts (one file set
+            per part, ``<stem>_<part path>``, written as one set).
         platform: a platform (its exporter is used) or an exporter name.
         path: output file path or stem; exporters that write several files derive their names from it. A missing
             folder is created (parents too).
@@ -80,4 +82,6 @@ def export(model: nn.Module, platform: Any, path: str | os.PathLike, **options: 
     """
     exporter = exporter_for(platform)
     exporter.check_options(options)
+    if not isinstance(model, fx.GraphModule) and quantized_parts(model):  # fxq.quantize quantized it in parts
+        return export_parts(model, path, lambda part, stem: exporter.export(part, stem, **options))
     return exporter.export(model, path, **options)

@@ -200,20 +200,64 @@ def _functionalize(graph: fx.Graph) -> None:
 
 def _plain_codegen(gm: fx.GraphModule) -> None:
     """Replace ``ep.module()``'s pytree calling convention by plain arguments and the output structure written into
-    the output node, so the graph copies into new GraphModules (fxq's passes do) without its ``_in_spec``."""
+    the output node, so the graph copies into new GraphModules (fxq's passes do) without its ``_in_spec``.
+
+    Nested inputs (a list of feature maps, a dict) keep their structure: one placeholder per argument of the
+    model's ``forward`` and ``operator.getitem`` nodes down to each tensor, so the graph takes what the model took.
+    """
     codegen = gm.graph._codegen
-    out_spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
-    in_spec = getattr(getattr(codegen, "pytree_info", None), "in_spec", None)
+    pytree_info = getattr(codegen, "pytree_info", None)
+    out_spec = getattr(pytree_info, "out_spec", None)
+    in_spec = getattr(pytree_info, "in_spec", None)
+    gm.graph._codegen = fx.graph.CodeGen()
     if in_spec is not None:
         n = in_spec.num_leaves
-        if pytree.tree_unflatten(list(range(n)), in_spec) != (tuple(range(n)), {}):
-            logger.warning("the exported model takes nested inputs (lists, dicts or keywords); the captured graph "
-                           "takes its %d inputs flattened in order, so give batches as flat tuples of tensors", n)
-    gm.graph._codegen = fx.graph.CodeGen()
+        if pytree.tree_unflatten(list(range(n)), in_spec) != (tuple(range(n)), {}) and not _structured_inputs(
+                gm.graph, in_spec, list(pytree_info.orig_args)):
+            logger.warning("the exported model takes nested inputs (lists, dicts or keywords) fxq cannot rebuild; "
+                           "the captured graph takes its %d inputs flattened in order, so give batches as flat "
+                           "tuples of tensors", n)
     if out_spec is not None:
         out = next(n for n in gm.graph.nodes if n.op == "output")
         flat = out.args[0]
         out.args = (pytree.tree_unflatten(list(flat) if isinstance(flat, (list, tuple)) else [flat], out_spec),)
+
+
+def _structured_inputs(graph: fx.Graph, in_spec: pytree.TreeSpec, arg_names: list[str]) -> bool:
+    """Turn the flat leaf placeholders back into the ``forward`` arguments they came from (``in_spec``: the
+    ``(args, kwargs)`` structure), reading each leaf with ``getitem``; False (graph untouched) for containers other
+    than lists, tuples and dicts."""
+    leaves = [n for n in graph.nodes if n.op == "placeholder"]
+    args, kwargs = pytree.tree_unflatten(list(range(in_spec.num_leaves)), in_spec)
+    if len(leaves) != in_spec.num_leaves or len(arg_names) != len(args) + len(kwargs):
+        return False
+    tops = arg_names[: len(args)] + list(kwargs)
+    routes = []  # per leaf: (index of its top-level argument, keys below it)
+    for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        keys = []
+        for key in path[2:]:
+            if isinstance(key, pytree.SequenceKey):
+                keys.append(key.idx)
+            elif isinstance(key, pytree.MappingKey):
+                keys.append(key.key)
+            else:
+                return False
+        top = path[1].idx if path[0].idx == 0 else len(args) + list(kwargs).index(path[1].key)
+        routes.append((top, keys))
+    for leaf in leaves:
+        leaf._rename(f"{leaf.name}_leaf")
+    with graph.inserting_before(leaves[0]):
+        placeholders = [graph.placeholder(name) for name in tops]  # node names may get a suffix; targets are exact
+    with graph.inserting_before(leaves[-1].next):
+        for leaf, (top, keys) in zip(leaves, routes):
+            value = placeholders[top]
+            for key in keys:
+                value = graph.call_function(operator.getitem, (value, key))
+            value.meta.update(leaf.meta)
+            leaf.replace_all_uses_with(value)
+    for leaf in leaves:
+        graph.erase_node(leaf)
+    return True
 
 
 _BN_CLASSES = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
