@@ -31,7 +31,15 @@ class ObserverError(FxqError, ValueError):
 
 
 class TraceError(FxqError):
-    """``torch.fx`` could not trace the user's module."""
+    """``torch.fx`` could not trace the user's module.
+
+    Symbolic tracing's errors say where: ``module_path`` (the failing submodule, None for the model's own forward),
+    ``construct`` (what could not be traced) and ``source_line``; capture reads them to keep that submodule FP32.
+    """
+
+    module_path: str | None = None
+    construct: str | None = None
+    source_line: str | None = None
 
 
 class GraphError(FxqError):

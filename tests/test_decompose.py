@@ -77,31 +77,16 @@ def test_attention_is_quantized_inside():
         assert noise_ratio(q(data[1]), model(data[1])) < 0.01
 
 
-class MaskedAttention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
-
-
 def test_bare_transformer_as_the_whole_model_says_wrap_it():
     layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
     with pytest.raises(fxq.TraceError, match="wrap it"):
         trace(nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval())
 
 
-def test_calls_it_does_not_cover_stay_leaves():
-    """Masks are decomposed now (tests/test_transformer_masks.py); the user's leaf_modules or add_zero_attn keep
-    the module whole, as torch.fx would."""
+def test_leaf_modules_and_add_zero_attn_keep_attention_whole():
+    """The user's leaf_modules or add_zero_attn keep the module whole, as torch.fx would (masks are decomposed:
+    tests/test_transformer_masks.py)."""
     torch.manual_seed(0)
-    model = MaskedAttention().eval()
-    x, mask = torch.randn(2, 4, 8), torch.triu(torch.full((4, 4), float("-inf")), 1)
-    gm = trace(model)
-    assert nn.MultiheadAttention not in _module_types(gm)
-    with torch.no_grad():
-        torch.testing.assert_close(gm(x, mask), model(x, mask), atol=1e-5, rtol=1e-5)
     kept = trace(SelfAttention(True, True, False).eval(), leaf_modules=[nn.MultiheadAttention])
     assert nn.MultiheadAttention in _module_types(kept)
     zero_attn = SelfAttention(False, True, False)

@@ -147,9 +147,11 @@ def _is_mask_like(value: Any, gm: fx.GraphModule, modules: dict[str, Any]) -> bo
 
 
 def route_mask_adds(gm: fx.GraphModule) -> int:
-    """``logits + mask`` written by hand (a float ``-inf`` / ``finfo.min`` padding or causal mask), feeding only a
-    softmax, becomes an :func:`apply_attention_mask` node: a quantizer would calibrate on the mask's huge
-    values (NaN for ``-inf``, every logit rounded to zero for ``finfo.min``). Returns how many were rerouted."""
+    """``logits + mask`` written by hand, feeding only a softmax, becomes an :func:`apply_attention_mask` node when
+    the addend is mask-like (:func:`_is_mask_like`: computed from inputs, buffers and constants through no
+    parameter or weighted op — a ``-inf`` / ``finfo.min`` padding or causal mask, but also any such additive
+    bias, which then stays FP32): a quantizer would calibrate on a mask's huge values (NaN for ``-inf``, every
+    logit rounded to zero for ``finfo.min``). Returns how many were rerouted."""
     modules = dict(gm.named_modules())
     routed = 0
     for node in list(gm.graph.nodes):

@@ -16,7 +16,7 @@ from torch import fx, nn
 
 from fxq.errors import ConfigError, TraceError
 from fxq.graph.export_capture import export_program, from_exported_program, is_aten_graph, lift_aten_graph
-from fxq.graph.passes import get_attr_value
+from fxq.graph.nodes import get_attr_value
 from fxq.graph.trace import failure_line, trace
 
 __all__ = ["capture", "CAPTURE_PATHS", "ISLANDS_KEY"]
@@ -131,7 +131,7 @@ def _fallback(model: nn.Module, args: tuple, fx_error: TraceError, leaves: list,
     logger.info("torch.export failed too (%s); keeping the failing submodules FP32", export_failure)
     gm, island_failure = _with_islands(model, fx_error, leaves, concrete_args, export_failure)
     if gm is not None:
-        return gm
+        return _note_script_leaves(gm)
     parts = _capturable_parts(copied, args)  # the eval-mode copy: the caller's BatchNorm statistics stay as they are
     raise TraceError(
         f"fxq could not capture {type(model).__name__} by any path:\n"
@@ -192,14 +192,13 @@ def _with_islands(model: nn.Module, error: TraceError, leaves: list, concrete_ar
     """Symbolic tracing with each failing submodule (innermost first) kept whole; (graph, "") or (None, why)."""
     islands: dict[str, str] = {}
     for _ in range(_MAX_ISLANDS):
-        path = getattr(error, "module_path", None)
-        where = getattr(error, "source_line", None)
+        path, where = error.module_path, error.source_line
         if not path or not _has(model, path):
             return None, ("the failure is in the model's own forward, not in a submodule that could stay FP32"
                           + (f" ({where})" if where else ""))
         if path in leaves:
             return None, f"module {path!r} fails even as a leaf"
-        islands[path] = getattr(error, "construct", "untraceable code") + (f" at {where}" if where else "")
+        islands[path] = (error.construct or "untraceable code") + (f" at {where}" if where else "")
         leaves.append(path)
         try:
             gm = trace(model, leaf_modules=leaves, concrete_args=concrete_args)

@@ -80,6 +80,7 @@ def _multihead_attention(m: nn.MultiheadAttention, query: Any, key: Any, value: 
     # (L, N, E) -> (N, heads, L, head_dim)
     q, k, v = (t.reshape(tgt_len, bsz, heads, head_dim).permute(1, 2, 0, 3) for t in (q, k, v))
     # torch runs the pure causal kernel (ignoring attn_mask's values) only in this case; otherwise the mask
+    # given is applied as it is
     causal = bool(is_causal) and key_padding_mask is None and not need_weights
     if causal:
         attn_mask = None

@@ -24,7 +24,7 @@ from fxq.graph.nodes import redirect_later_readers
 from fxq.graph.op_types import LIFTED, WEIGHTED_FUNCTIONS
 from fxq.graph.passes import reuse_node_name
 
-__all__ = ["export_program", "from_exported_program", "lift_aten_graph", "is_aten_graph", "LIFTED"]
+__all__ = ["export_program", "from_exported_program", "lift_aten_graph", "is_aten_graph"]
 
 logger = logging.getLogger(__name__)
 

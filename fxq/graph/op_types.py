@@ -260,8 +260,8 @@ def out_of_place_form(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[str
 
 
 def _register_recurrent() -> None:
-    """Recurrent ops (:mod:`fxq.recurrent`) are one node with weight inputs; importing them also registers the
-    ``nn.LSTM`` / ``nn.GRU`` decompositions and their ONNX forms."""
+    """Recurrent ops (:mod:`fxq.recurrent`) are one node with weight inputs; importing them also registers their
+    ONNX forms (the ``nn.LSTM`` / ``nn.GRU`` decompositions are :mod:`fxq.recurrent.capture`'s)."""
     from fxq.recurrent.ops import RECURRENT_TARGETS
 
     _FUNCTIONS.update(RECURRENT_TARGETS)
@@ -285,7 +285,7 @@ def _register_aten() -> None:
         aten.upsample_nearest2d.vec: "Resize", aten.upsample_bilinear2d.vec: "Resize",
         aten.constant_pad_nd.default: "Pad", aten.pad.default: "Pad", aten.exp.default: "Exp",
         aten.index.Tensor: "Gather", aten.embedding.default: "Gather", aten.relu6.default: "Clip",
-        aten.hardtanh.default: "Clip", aten.squeeze.dims: "Squeeze", aten.mean.default: "ReduceMean",
+        aten.squeeze.dims: "Squeeze", aten.mean.default: "ReduceMean",
     }.items():
         _FUNCTIONS.setdefault(overload, name)
 

@@ -25,7 +25,6 @@ __all__ = [
     "functionalize_weighted_modules",
     "fold_batchnorm",
     "propagate_tensor_meta",
-    "get_attr_value",
     "reuse_node_name",
     "set_attr_value",
     "rewrite_out_of_place",
@@ -205,7 +204,7 @@ def _functional_bn(gm: fx.GraphModule, node: fx.Node) -> tuple[_BnStats, str] | 
     stats = _BnStats(tensors["weight"], tensors["bias"], tensors["running_mean"], tensors["running_var"],
                      float(given.get("eps", 1e-5)))
     mean_node = given["running_mean"]
-    return stats, str(node.meta.get("module_path") or str(mean_node.target).rpartition(".")[0] or node.name)
+    return stats, str(mean_node.target).rpartition(".")[0] or node.name
 
 
 def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:

@@ -7,6 +7,7 @@ import dataclasses
 from torch import fx
 
 from fxq.graph.calibrate import MIXED_RANGE_KEY
+from fxq.graph.capture import ISLANDS_KEY
 from fxq.graph.info import NodeQuant, graph_quant
 from fxq.graph.quant_graph import QuantGraph
 from fxq.spec import QuantState
@@ -101,5 +102,5 @@ def summary(gm: fx.GraphModule) -> QuantSummary:
         layers.append(LayerRow(node.name, nq.op_type, nq.platform, nq.output_state.name, ins, weight, out))
     states = collections.Counter(fq.config.state.name for fq in qs.values())
     order = ["quantized", "passive", "overlapped", "fp32", "shape"]
-    islands = dict(gm.meta.get("fxq_fp32_islands", {})) if hasattr(gm, "meta") else {}
+    islands = dict(gm.meta.get(ISLANDS_KEY, {})) if hasattr(gm, "meta") else {}
     return QuantSummary(gq.platform, {k: counts.get(k, 0) for k in order}, dict(states), layers, protected, islands)

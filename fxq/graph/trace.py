@@ -143,9 +143,7 @@ def trace(
                 f"it whole with leaf_modules=[{where!r}] (it then runs in FP32 unless the platform knows its "
                 f"type), or fix the branch with concrete_args={{...}}."
             )
-        err.module_path = tracer.failed_module  # type: ignore[attr-defined]  (None: the model's own forward)
-        err.construct = construct  # type: ignore[attr-defined]
-        err.source_line = line  # type: ignore[attr-defined]
+        err.module_path, err.construct, err.source_line = tracer.failed_module, construct, line
         raise err from exc
     if concrete_args:  # concrete args become the defaults, so callers may leave them out
         params = list(inspect.signature(model.forward).parameters)

@@ -21,7 +21,7 @@ from torch import nn
 
 from fxq.graph.decompose import register_decomposition
 from fxq.graph.nodes import get_attr_value
-from fxq.recurrent.ops import GRU_TO_TORCH, LSTM_TO_TORCH
+from fxq.recurrent.ops import GRU_TO_TORCH, LSTM_TO_TORCH, _gates
 
 __all__ = ["onnx_layout", "lift_aten_recurrent", "ONNX_PARAM_NAMES"]
 
@@ -35,11 +35,6 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(order.index(k) for k in range(len(order)))
 
 
-def _onnx_gates(t: torch.Tensor, to_torch: tuple[int, ...], hidden: int) -> torch.Tensor:
-    """Rows of a torch-ordered ``[G*H, ...]`` block in ONNX gate order."""
-    return torch.cat([t[g * hidden:(g + 1) * hidden] for g in _inverse(to_torch)], dim=0)
-
-
 def onnx_layout(module: nn.LSTM | nn.GRU, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(w [D, G*H, I], r [D, G*H, H], b [D, 2*G*H])`` of one layer of ``module``, as :mod:`fxq.recurrent.ops` reads.
 
@@ -48,18 +43,18 @@ def onnx_layout(module: nn.LSTM | nn.GRU, layer: int) -> tuple[torch.Tensor, tor
         >>> tuple(w.shape), tuple(b.shape)
         ((2, 64, 8), (2, 128))
     """
-    order = LSTM_TO_TORCH if isinstance(module, nn.LSTM) else GRU_TO_TORCH
+    order = _inverse(LSTM_TO_TORCH if isinstance(module, nn.LSTM) else GRU_TO_TORCH)  # torch rows -> ONNX gates
     hidden = module.hidden_size
     params = module._parameters  # not getattr: while tracing, that returns proxies
     ws, rs, bs = [], [], []
     for suffix in ("", "_reverse")[: 2 if module.bidirectional else 1]:
         w_ih = params[f"weight_ih_l{layer}{suffix}"]
         w_hh = params[f"weight_hh_l{layer}{suffix}"]
-        ws.append(_onnx_gates(w_ih, order, hidden))
-        rs.append(_onnx_gates(w_hh, order, hidden))
+        ws.append(_gates(w_ih, order, hidden))
+        rs.append(_gates(w_hh, order, hidden))
         if module.bias:
-            b_ih = _onnx_gates(params[f"bias_ih_l{layer}{suffix}"], order, hidden)
-            b_hh = _onnx_gates(params[f"bias_hh_l{layer}{suffix}"], order, hidden)
+            b_ih = _gates(params[f"bias_ih_l{layer}{suffix}"], order, hidden)
+            b_hh = _gates(params[f"bias_hh_l{layer}{suffix}"], order, hidden)
             bs.append(torch.cat([b_ih, b_hh]))
         else:
             bs.append(w_ih.new_zeros(2 * len(order) * hidden))
@@ -160,7 +155,7 @@ def lift_aten_recurrent(gm: Any, node: Any) -> bool:
         layouts = [onnx_layout(module, layer) for layer in range(num_layers)]
     path = str(params[0].target).rpartition(".")[0]
     owner = gm.get_submodule(path)
-    h0, c0 = (hx[0], hx[1]) if lstm else (hx[0] if isinstance(hx, (list, tuple)) else hx, None)
+    h0, c0 = (hx[0], hx[1]) if lstm else (hx, None)
     graph = gm.graph
     get = operator.getitem
     hs, cs = [], []

@@ -16,8 +16,16 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from fxq.backends.qdq.onnx_graph import all_tensor_names, outer_reads, rename_tensors, unique_name
+from fxq.backends.qdq.onnx_graph import (
+    all_tensor_names,
+    initializers,
+    outer_reads,
+    producers,
+    rename_tensors,
+    unique_name,
+)
 from fxq.errors import FrontendError
+from fxq.frontends.onnx.shapes import shape_value, tensor_dims
 
 __all__ = ["fold_constant_ifs", "refuse_loops"]
 
@@ -30,10 +38,8 @@ def _dims(infos: dict[str, onnx.ValueInfoProto], fixed: Mapping[str, Sequence[in
     """Dims of tensor ``name`` (None for an unknown one; None overall for an unknown rank)."""
     if name in fixed:
         return [int(d) for d in fixed[name]]
-    info = infos.get(name)
-    if info is None or not info.type.HasField("tensor_type") or not info.type.tensor_type.HasField("shape"):
-        return None
-    return [int(d.dim_value) if d.HasField("dim_value") else None for d in info.type.tensor_type.shape.dim]
+    dims = tensor_dims(infos[name]) if name in infos else None
+    return None if dims is None else [d if isinstance(d, int) else None for d in dims]
 
 
 def _static_dims(infos: dict[str, onnx.ValueInfoProto], fixed: Mapping[str, Sequence[int]],
@@ -59,19 +65,12 @@ def _gathered_dim(node: onnx.NodeProto, produced: dict[str, onnx.NodeProto], ini
     return np.array(picked, dtype=np.int64).reshape(numpy_helper.to_array(index).shape)
 
 
-def _shape_constant(node: onnx.NodeProto, dims: list[int]) -> np.ndarray:
-    if node.op_type == "Size":
-        return np.array(int(np.prod(dims)), dtype=np.int64)
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return np.array(dims[attrs.get("start", 0):attrs.get("end", len(dims))], dtype=np.int64)
-
-
 def _fold(model: onnx.ModelProto, name: str, infos: dict[str, onnx.ValueInfoProto],
           fixed: Mapping[str, Sequence[int]]) -> tuple[np.ndarray | None, str]:
     """The value of tensor ``name`` when it depends only on constants and known shapes, else (None, why)."""
     graph = model.graph
-    produced = {o: n for n in graph.node for o in n.output if o}
-    inits = {t.name: t for t in graph.initializer}
+    produced = producers(graph)
+    inits = initializers(graph)
     feeds: dict[str, onnx.TensorProto] = {}
     cone: list[onnx.NodeProto] = []
     seen: set[str] = set()
@@ -94,15 +93,14 @@ def _fold(model: onnx.ModelProto, name: str, infos: dict[str, onnx.ValueInfoProt
         if node.op_type in ("Shape", "Size"):
             dims = _static_dims(infos, fixed, node.input[0])
             if dims is not None:
-                feeds[t] = numpy_helper.from_array(_shape_constant(node, dims), t)
+                feeds[t] = numpy_helper.from_array(shape_value(node, dims)[t], t)
                 continue
             if node.input[0] in {i.name for i in graph.input}:
                 return None, f"it reads the size of input {node.input[0]!r}, which the file leaves open"
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
             return None, f"it is computed by control flow ({node.op_type} {node.name!r})"
-        if node.op_type not in ("Shape", "Size") or _static_dims(infos, fixed, node.input[0]) is None:
-            cone.append(node)
-            stack.extend(node.input)
+        cone.append(node)  # a Shape/Size of known dims was fed above
+        stack.extend(node.input)
     order = {id(n): i for i, n in enumerate(graph.node)}
     cone.sort(key=lambda n: order[id(n)])
     small = helper.make_model(

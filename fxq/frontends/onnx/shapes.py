@@ -32,7 +32,7 @@ _NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "Rando
                      "Bernoulli", "Dropout"}
 
 
-def _tensor_dims(info: onnx.ValueInfoProto) -> Dims | None:
+def tensor_dims(info: onnx.ValueInfoProto) -> Dims | None:
     """Dims of a value info, or None when its rank is unknown."""
     t = info.type.tensor_type if info.type.HasField("tensor_type") else None
     if t is None or not t.HasField("shape"):
@@ -44,7 +44,7 @@ def _tensor_dims(info: onnx.ValueInfoProto) -> Dims | None:
 def source_dims(model: onnx.ModelProto) -> dict[str, Dims]:
     """``{graph input: dims}`` as the file declares them (initializers excluded)."""
     inits = {t.name for t in model.graph.initializer}
-    return {i.name: (_tensor_dims(i) or []) for i in model.graph.input if i.name not in inits}
+    return {i.name: (tensor_dims(i) or []) for i in model.graph.input if i.name not in inits}
 
 
 def _how(name: str, dims: Sequence[object]) -> str:
@@ -156,9 +156,9 @@ def _fold_round(skel: onnx.ModelProto, inferred: onnx.ModelProto) -> int:
     chosen: list[int] = []
     for idx, node in enumerate(graph.node):
         if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx") and node.input[0] in infos:
-            dims = _tensor_dims(infos[node.input[0]])
+            dims = tensor_dims(infos[node.input[0]])
             if dims is not None and all(isinstance(d, int) for d in dims):
-                seeds.update(_shape_value(node, dims))
+                seeds.update(shape_value(node, dims))
                 known.update(node.output)
                 chosen.append(idx)
             continue
@@ -205,7 +205,7 @@ def _fold_round(skel: onnx.ModelProto, inferred: onnx.ModelProto) -> int:
     return len(folded)
 
 
-def _shape_value(node: onnx.NodeProto, dims: list[int]) -> dict[str, np.ndarray]:
+def shape_value(node: onnx.NodeProto, dims: list[int]) -> dict[str, np.ndarray]:
     if node.op_type == "Size":
         return {node.output[0]: np.array(int(np.prod(dims, dtype=np.int64)), dtype=np.int64)}
     attrs = {a.name: a.i for a in node.attribute}
@@ -217,8 +217,8 @@ def _shape_value(node: onnx.NodeProto, dims: list[int]) -> dict[str, np.ndarray]
 
 def _merge(sym: onnx.ValueInfoProto | None, fixed: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
     """Per dim: the symbolic inference's size or name where it has one, else the concrete run's size."""
-    fdims = _tensor_dims(fixed)
-    sdims = _tensor_dims(sym) if sym is not None else None
+    fdims = tensor_dims(fixed)
+    sdims = tensor_dims(sym) if sym is not None else None
     if fdims is None:
         return sym if sym is not None else fixed
     out = onnx.ValueInfoProto()
@@ -267,7 +267,7 @@ def infer_for_conversion(model: onnx.ModelProto, fixed: Mapping[str, list[int]])
     out.graph.ClearField("value_info")
     outputs = {o.name: o for o in out.graph.output}
     for info in sorted(merged, key=lambda v: v.name):
-        if info.name in outputs and _tensor_dims(outputs[info.name]) is None:
+        if info.name in outputs and tensor_dims(outputs[info.name]) is None:
             outputs[info.name].CopyFrom(info)
         elif info.name not in outputs and info.name not in graph_inputs:
             out.graph.value_info.append(info)
@@ -275,7 +275,7 @@ def infer_for_conversion(model: onnx.ModelProto, fixed: Mapping[str, list[int]])
 
 
 def _static(info: onnx.ValueInfoProto) -> bool:
-    dims = _tensor_dims(info)
+    dims = tensor_dims(info)
     return dims is not None and all(isinstance(d, int) for d in dims)
 
 
@@ -292,7 +292,7 @@ def unknown_rank_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str
     for node in model.graph.node:
         if node.op_type in RANK_OPS and node.domain in ("", "ai.onnx") and node.input and node.input[0]:
             name = node.input[0]
-            if name not in known and (name not in infos or _tensor_dims(infos[name]) is None):
+            if name not in known and (name not in infos or tensor_dims(infos[name]) is None):
                 out.append((node, name))
     return out
 
