@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import fx, nn
 
-from fxq.algorithms import run_algorithms
+from fxq.algorithms import enabled_algorithms, run_algorithms
 from fxq.errors import CalibrationError, ConfigError, TraceError
 from fxq.graph.calibrate import calibrate
 from fxq.graph.capture import capture as capture_graph
@@ -199,8 +199,10 @@ def quantize(
 
         return quantize_in_parts(model, calib_data, failure, quantize_part, steps=steps, collate_fn=collate_fn)
     gm = run_algorithms("pre", gm, calib_data, setting, steps=steps, collate_fn=collate_fn)
-    # weights are baked once, by convert: calibration and the post algorithms fake-quantize them on the fly
-    # (the same values), so nothing is baked, unbaked and baked again in between
-    calibrate(gm, calib_data, steps=steps, collate_fn=collate_fn, progress=progress, bake=False)
+    # weights are baked once: by calibrate when nothing follows it (its batches then cost no weight fake-quant),
+    # else by convert after the post algorithms, which work on the FP32 weights (no unbake / rebake around each)
+    bake = setting.quantize_parameter_setting.baking_parameter
+    calibrate(gm, calib_data, steps=steps, collate_fn=collate_fn, progress=progress,
+              bake=bake and not enabled_algorithms("post", setting))
     gm = run_algorithms("post", gm, calib_data, setting, steps=steps, collate_fn=collate_fn)
     return convert(gm, bake=setting.quantize_parameter_setting.baking_parameter)

@@ -64,7 +64,7 @@ def quantize_in_parts(model: nn.Module, calib_data: Any, failure: TraceError,
     if not parts:
         raise failure
     calls = _record_inputs(float_model, list(parts), calib_data, steps, collate_fn)
-    result = copy.deepcopy(float_model)
+    result = float_model  # the parts were captured as copies: the float copy itself takes them
     done, unused = [], []
     for path, gm in parts.items():
         if not calls[path]:
@@ -165,18 +165,6 @@ def _flat_inputs(gm: fx.GraphModule) -> fx.GraphModule:
     flat.meta.update(gm.meta)
     setattr(flat, QUANTIZERS_ATTR, getattr(gm, QUANTIZERS_ATTR))  # the same quantizer modules, same container
     _declare_dynamic_dims(flat)
-    return flat
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    first = placeholders[0]
-    for ph in placeholders:
-        first = ph
-        flatten(ph, str(ph.target))
-    flat = fx.GraphModule(gm, graph, type(gm).__name__)
-    flat.meta.update(gm.meta)
-    _declare_dynamic_dims(flat)
-    setattr(flat, QUANTIZERS_ATTR, getattr(gm, QUANTIZERS_ATTR))  # the same quantizer modules, same container
     return flat
 
 

@@ -51,9 +51,12 @@ class Registry(Generic[T]):
 
     def unknown(self, name: str, where: str | None = None) -> str:
         """The message for a name that is not registered: ``where`` (e.g. ``setting.dispatcher``) names who asked."""
-        head = f"{where}={name!r} is not a registered {self.kind}" if where else f"unknown {self.kind} {name!r}"
+        shown = repr(name) if isinstance(name, str) else f"a {type(name).__name__} (a name was expected)"
+        shown = shown if len(shown) <= 120 else shown[:117] + "..."
+        head = f"{where}={shown} is not a registered {self.kind}" if where else f"unknown {self.kind} {shown}"
         known = ", ".join(self.names()) or "(none)"
-        return f"{head}{close_names(name, self.names())}; registered: {known}"
+        hint = close_names(name, self.names()) if isinstance(name, str) else ""
+        return f"{head}{hint}; registered: {known}"
 
     def get(self, name: str) -> T:
         """The object registered under ``name``; a miss raises :class:`~fxq.errors.RegistryError` with the closest

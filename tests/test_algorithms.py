@@ -313,7 +313,7 @@ def test_an_optimization_that_makes_a_block_worse_is_undone():
     """AdaRound, BRECQ and LSQ run inside kept_if_better: a block whose error grew gets its snapshot back."""
     from fxq.algorithms.blocks import param_target
     from fxq.algorithms.training import Snapshot, block_error, kept_if_better
-    from fxq.graph.passes import get_attr_value
+    from fxq.graph.nodes import get_attr_value
 
     model, data = _model(), _data(2)
     gm = _quantize(model, data, "academic_int8")

@@ -22,7 +22,7 @@ from torch import fx, nn
 import fxq
 from fxq.frontends.caffe import proto
 from fxq.graph.info import NodeQuant
-from fxq.graph.passes import get_attr_value
+from fxq.graph.nodes import get_attr_value
 from fxq.graph.quant_graph import QuantGraph
 from fxq.spec import QuantState
 

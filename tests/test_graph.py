@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxq
-from fxq.graph.info import NodeQuant
+from fxq.graph.info import NodeQuant, is_quantizer_node
 from fxq.graph.quant_graph import QuantGraph
 from fxq.spec import QuantState
 
@@ -210,7 +210,7 @@ def test_ppl_bias_is_passive_input_times_weight_scale():
         op = _node(q, consumer)
         x, w_q = op.args[0], op.args[1]
         assert QuantGraph(q).quantizer_of(w_q).role == "weight"
-        while not QuantGraph.is_quantizer_node(x):  # passive ops (MaxPool) pass their input's quantized values on
+        while not is_quantizer_node(x):  # passive ops (MaxPool) pass their input's quantized values on
             assert x.meta["fxq"].output_state is QuantState.PASSIVE
             x = x.args[0]
         expected = q.get_submodule(x.target).scale * q.get_submodule(w_q.target).scale

@@ -7,8 +7,7 @@ from torch import nn
 
 import fxq
 from fxq.errors import GraphError
-from fxq.graph.info import NodeQuant
-from fxq.graph.quant_graph import QuantGraph, quantizer_name
+from fxq.graph.quant_graph import QuantGraph
 from fxq.serialization import file_digest
 from fxq.spec import QuantState
 
@@ -31,17 +30,31 @@ def test_queries_come_from_the_record_and_the_graph(ppl):
         "activation", "weight", "bias"}
     for name, fq in qg.quantizers():
         node = qg.node_of(name)
-        assert quantizer_name(node) == name and qg.quantizer_of(node) is fq and qg.is_quantizer_node(node)
-        assert qg.source(name) == fq.source == node.args[0].name
-        assert qg.consumers(name) == [u.name for u in node.users]
-        assert (fq.param is not None) == (node.args[0].op == "get_attr")
+        assert (fq.param is not None) == (qg.source(name) == node.args[0].name and node.args[0].op == "get_attr")
         assert qg.from_parameters(node) == (fq.role != "activation")
-    for node in ppl.graph.nodes:
-        if isinstance(node.meta.get("fxq"), NodeQuant):
-            assert qg.op_type(node) == node.meta["fxq"].op_type
     biases = list(qg.biases())
     assert biases and all(qg.role(w) == "weight" and qg.role(d) == "activation" for _, _, d, w in biases)
     assert not any("fxq_quantizer" in n.meta for n in ppl.graph.nodes) and "fxq_quantizer_infos" not in ppl.meta
+    assert not hasattr(next(iter(ppl.fxq_quantizers.values())), "source")  # read from the graph, never stored
+
+
+def test_tied_qat_quantizers_keep_their_own_sources():
+    """prepare_qat ties a concat's aligned quantizers into one module; each name still quantizes its own node."""
+
+    class Joined(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Conv2d(3, 4, 1), torch.nn.Conv2d(3, 4, 1)
+            self.c = torch.nn.Conv2d(8, 2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(torch.cat([self.a(x), self.b(x)], 1))
+
+    gm = fxq.prepare_qat(Joined(), "trt_int8", _data(1)[0])
+    qg = QuantGraph(gm)
+    assert qg["a_out"] is qg["b_out"]  # tied
+    assert (qg.source("a_out"), qg.source("b_out")) == ("a", "b")
+    assert qg.consumers("a_out") == qg.consumers("b_out") == ["cat"]
 
 
 def test_a_missing_role_is_an_error():
@@ -90,16 +103,17 @@ def test_quantize_bakes_each_weight_once(monkeypatch):
     assert sorted(baked) == sorted(n for n, fq in QuantGraph(q).weights() if fq.baked) and baked
 
 
-def _as_legacy(spec: dict) -> dict:
-    """``spec`` as fxq wrote it before the record moved onto the FakeQuantize."""
+def _as_legacy(spec: dict, sources: dict[str, str]) -> dict:
+    """``spec`` as fxq wrote it before the record moved onto the FakeQuantize (``sources``: each quantizer's node
+    input, which the old record stored)."""
     infos, deps = {}, {}
     for rec in spec["modules"]:
         if not rec.get("class", "").startswith("fxq.nn.fake_quantize:"):
             continue
         attrs = rec["attrs"]
         name = rec["path"].rpartition(".")[2]
-        role, source, param, derived = (attrs.pop(k) for k in ("role", "source", "param", "derived_from"))
-        infos[name] = {"$record": ["QuantizerInfo", {"name": name, "role": role, "source": source,
+        role, param, derived = (attrs.pop(k) for k in ("role", "param", "derived_from"))
+        infos[name] = {"$record": ["QuantizerInfo", {"name": name, "role": role, "source": sources[name],
                                                      "consumers": [], "param": param}]}
         if derived is not None:
             deps[name] = derived
@@ -120,14 +134,15 @@ def _as_legacy(spec: dict) -> dict:
 def test_files_saved_before_the_record_moved_still_load(ppl, tmp_path):
     path = fxq.save(ppl, tmp_path / "new.fxq")
     blob = torch.load(path, weights_only=True)
-    spec = json.dumps(_as_legacy(json.loads(blob["spec"])))
+    qg = QuantGraph(ppl)
+    spec = json.dumps(_as_legacy(json.loads(blob["spec"]), {name: qg.source(name) for name, _ in qg.quantizers()}))
     old = tmp_path / "old.fxq"
     torch.save(dict(blob, spec=spec, sha256=file_digest(spec, blob["tensors"])), old)
     again = fxq.load(old)
     a, b = QuantGraph(ppl), QuantGraph(again)
     assert a.infos() == b.infos()
     for (name, x), (_, y) in zip(a.quantizers(), b.quantizers()):
-        assert (x.role, x.source, x.param, x.derived_from) == (y.role, y.source, y.param, y.derived_from), name
+        assert (x.role, x.param, x.derived_from) == (y.role, y.param, y.derived_from), name
         assert x.baked == y.baked and (not x.baked or torch.equal(x.fp32_backup, y.fp32_backup)), name
     assert "fxq_quantizer_infos" not in again.meta and not any("fxq_quantizer" in n.meta for n in again.graph.nodes)
     x = _data(1)[0]
@@ -138,10 +153,12 @@ def test_files_saved_before_the_record_moved_still_load(ppl, tmp_path):
     assert fxq.load(fxq.save(again, tmp_path / "again.fxq")).state_dict().keys() == ppl.state_dict().keys()
 
 
-def test_state_dicts_saved_before_the_backup_was_a_buffer_load(ppl):
+def test_state_dicts_saved_before_the_backup_was_a_buffer_load(ppl, caplog):
     sd = {k: v for k, v in ppl.state_dict().items() if not k.endswith(".fp32_backup")}
     fresh = fxq.quantize(small_cnn(), _data(), "ppl_cuda_int8", progress=False)
-    fresh.load_state_dict(sd)  # strict: no missing key
+    with caplog.at_level("WARNING", logger="fxq.nn.fake_quantize"):
+        fresh.load_state_dict(sd)  # strict: no missing key
+    assert "no FP32 copy" in caplog.text  # fp32_mode cannot restore them: said, not silent
     assert not QuantGraph(fresh).is_baked()  # the incoming state has no FP32 copies: none is invented
     states = {fq.config.state for _, fq in QuantGraph(fresh).weights()}
     assert states <= {QuantState.BAKED, QuantState.PASSIVE_BAKED}

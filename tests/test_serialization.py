@@ -12,7 +12,7 @@ from _export_helpers import SmallCNN, quantize_model, small_quantized
 from torch import nn
 
 import fxq
-from fxq.graph.info import GraphQuant, QuantizerInfo, iter_quantizers
+from fxq.graph.info import GraphQuant, iter_quantizers
 from fxq.graph.quant_graph import QuantGraph
 
 
@@ -38,13 +38,12 @@ def test_quantizers_and_meta_survive(saved):
     again = fxq.load(path)
     assert isinstance(again.meta["fxq"], GraphQuant) and again.meta["fxq"] == gm.meta["fxq"]
     assert QuantGraph(again).infos() == QuantGraph(gm).infos()  # role, source, parameter, consumers
-    assert all(isinstance(i, QuantizerInfo) for i in QuantGraph(again).infos().values())
     assert again.meta["fxq_setting"] == gm.meta["fxq_setting"]
     for (name, a), (_, b) in zip(iter_quantizers(gm), iter_quantizers(again)):
         assert a.config.to_dict() == b.config.to_dict(), name
         assert b.config.scale is b.scale  # config points at the module's buffers again
         assert a.mode == b.mode
-        assert (a.role, a.source, a.param, a.derived_from) == (b.role, b.source, b.param, b.derived_from), name
+        assert (a.role, a.param, a.derived_from) == (b.role, b.param, b.derived_from), name
         assert a.baked == b.baked and (not a.baked or torch.equal(a.fp32_backup, b.fp32_backup)), name
     for node in gm.graph.nodes:
         other = next(n for n in again.graph.nodes if n.name == node.name)

@@ -13,9 +13,17 @@ Registered: ``equalization`` (cross-layer equalization), ``ssd_equalization`` (P
 import importlib
 import pkgutil
 
-from fxq.algorithms.pipeline import ALGORITHM_ORDER, ALGORITHMS, STAGES, SWITCHES, register_algorithm, run_algorithms
+from fxq.algorithms.pipeline import (
+    ALGORITHM_ORDER,
+    ALGORITHMS,
+    STAGES,
+    SWITCHES,
+    enabled_algorithms,
+    register_algorithm,
+    run_algorithms,
+)
 
-__all__ = ["register_algorithm", "run_algorithms", "ALGORITHM_ORDER", "ALGORITHMS", "SWITCHES", "STAGES"]
+__all__ = ["register_algorithm", "run_algorithms", "enabled_algorithms", "ALGORITHM_ORDER", "ALGORITHMS", "SWITCHES", "STAGES"]
 
 
 def _import_algorithm_modules() -> None:

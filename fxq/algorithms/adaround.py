@@ -28,7 +28,7 @@ from fxq.checked import Checked, checked_setting, opt
 from fxq.errors import ConfigError
 from fxq.functional import broadcast_qparam
 from fxq.graph.info import QUANTIZERS_ATTR
-from fxq.graph.passes import get_attr_value
+from fxq.graph.nodes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize
 
 __all__ = ["AdaroundSetting", "AdaRoundQuantizer", "adaround", "rounding_regularizer"]

@@ -24,7 +24,7 @@ from fxq.algorithms.blocks import BlockRunner, param_target, run_block, unbaked
 from fxq.algorithms.pipeline import register_algorithm
 from fxq.checked import Checked, checked_setting, opt
 from fxq.graph.info import NodeQuant
-from fxq.graph.passes import get_attr_value
+from fxq.graph.nodes import get_attr_value
 
 __all__ = ["BiasCorrectionSetting", "bias_correction", "channel_axis"]
 

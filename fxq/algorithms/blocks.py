@@ -31,8 +31,9 @@ from fxq.graph.convert import (
     unbake_parameters,
 )
 from fxq.graph.data import iter_batches, model_device, placeholder_values, to_device
-from fxq.graph.info import NodeQuant, graph_quant, match_node_name
-from fxq.graph.passes import get_attr_value, rewrite_out_of_place
+from fxq.graph.info import NodeQuant, graph_quant, is_quantizer_node, match_node_name
+from fxq.graph.nodes import get_attr_value
+from fxq.graph.passes import rewrite_out_of_place
 from fxq.graph.quant_graph import QuantGraph, quantizer_name
 from fxq.nn.fake_quantize import FakeQuantize, fake_quant_mode
 from fxq.qconfig.base import COMPUTING_OPS
@@ -97,7 +98,7 @@ def param_target(node: fx.Node, index: int) -> str | None:
     while isinstance(arg, fx.Node):
         if arg.op == "get_attr":
             return str(arg.target)
-        if QuantGraph.is_quantizer_node(arg):
+        if is_quantizer_node(arg):
             arg = arg.args[0]
             continue
         return None
@@ -233,7 +234,7 @@ def partition_blocks(gm: fx.GraphModule, block_size: int) -> list[Block]:
         i = pos[comp[k]]
         # move back over parameter chains and input quantizers, so they belong to the block that uses them
         while i > starts[-1] + 1 and (order[i - 1] in params or (
-                QuantGraph.is_quantizer_node(order[i - 1]) and order[i - 1].args[0] is order[i - 2])):
+                is_quantizer_node(order[i - 1]) and order[i - 1].args[0] is order[i - 2])):
             i -= 1
         if i > starts[-1]:
             starts.append(i)
@@ -246,10 +247,10 @@ def partition_blocks(gm: fx.GraphModule, block_size: int) -> list[Block]:
         members = set(nodes)
         inputs = _external_inputs(nodes, members, params)
         outputs = [n for n in nodes if any(u not in members for u in n.users)]
-        qnames = [quantizer_name(n) for n in order[a:b] if QuantGraph.is_quantizer_node(n)]
+        qnames = [quantizer_name(n) for n in order[a:b] if is_quantizer_node(n)]
         for n in nodes:  # weight quantizers of the block's ops (copied parameter chains)
             for x in n.all_input_nodes:
-                if x in params and QuantGraph.is_quantizer_node(x):
+                if x in params and is_quantizer_node(x):
                     name = quantizer_name(x)
                     if name not in qnames:
                         qnames.append(name)

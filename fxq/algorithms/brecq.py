@@ -28,7 +28,7 @@ from fxq.algorithms.pipeline import register_algorithm
 from fxq.algorithms.training import DropQuantize, Snapshot, TrainingSetting, kept_if_better, record_run, train_block
 from fxq.checked import OPTIMIZATION_STEPS, Checked, checked_setting, opt
 from fxq.graph.info import QUANTIZERS_ATTR
-from fxq.graph.passes import get_attr_value
+from fxq.graph.nodes import get_attr_value
 
 __all__ = ["BlockwiseReconstructionSetting", "blockwise_reconstruction", "ADAROUND_LAMBDA", "SCALE_LR_RATIO"]
 

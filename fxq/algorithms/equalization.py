@@ -33,7 +33,7 @@ from fxq.algorithms.pipeline import register_algorithm
 from fxq.checked import Checked, checked_setting, opt
 from fxq.graph.data import iter_batches, placeholder_values
 from fxq.graph.info import NodeQuant, is_quantizer_node
-from fxq.graph.passes import get_attr_value
+from fxq.graph.nodes import get_attr_value
 from fxq.nn.fake_quantize import fake_quant_mode
 
 __all__ = ["EqualizationSetting", "EqualizationGroup", "find_equalization_groups", "equalize", "cross_layer_equalization"]

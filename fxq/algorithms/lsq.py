@@ -33,7 +33,7 @@ from fxq.algorithms.blocks import (
 from fxq.algorithms.pipeline import register_algorithm
 from fxq.algorithms.training import Snapshot, TrainingSetting, kept_if_better, record_run, train_block
 from fxq.checked import LEARNING_RATE, OPTIMIZATION_STEPS, Checked, checked_setting, opt
-from fxq.graph.passes import get_attr_value
+from fxq.graph.nodes import get_attr_value
 
 __all__ = ["LSQSetting", "lsq_optimization", "weight_drift"]
 

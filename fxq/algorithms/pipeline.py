@@ -145,10 +145,10 @@ def _run(name: str, fn: Algorithm, gm: fx.GraphModule, data: Any, setting: Check
     return out
 
 
-def run_algorithms(stage: str, gm: fx.GraphModule, data: Any, setting: Checked,
-                   steps: int | None = None, collate_fn: Callable[[Any], Any] | None = None) -> fx.GraphModule:
-    """Run the switches of ``stage`` that ``setting`` (a QuantizationSetting) turns on, then its
-    ``custom_algorithms`` of ``stage``."""
+def enabled_algorithms(stage: str, setting: Checked) -> list[str]:
+    """The algorithms of ``stage`` that ``setting`` (a QuantizationSetting) turns on, in running order: its
+    switches, then its ``custom_algorithms`` of that stage."""
+    names = []
     for switch in ALGORITHM_ORDER[stage]:
         if not getattr(setting, switch):
             continue
@@ -156,9 +156,13 @@ def run_algorithms(stage: str, gm: fx.GraphModule, data: Any, setting: Checked,
             raise NotSupportedError(
                 f"setting.{switch} = True, but this version of fxq has no implementation of it; switch it off"
             )
-        gm = _run(switch, ALGORITHMS.get(switch).fn, gm, data, setting, steps, collate_fn)
-    for name in setting.custom_algorithms:
-        entry = ALGORITHMS.get(name)
-        if entry.stage == stage:
-            gm = _run(name, entry.fn, gm, data, setting, steps, collate_fn)
+        names.append(switch)
+    return names + [name for name in setting.custom_algorithms if ALGORITHMS.get(name).stage == stage]
+
+
+def run_algorithms(stage: str, gm: fx.GraphModule, data: Any, setting: Checked,
+                   steps: int | None = None, collate_fn: Callable[[Any], Any] | None = None) -> fx.GraphModule:
+    """Run the algorithms of ``stage`` that ``setting`` turns on (:func:`enabled_algorithms`)."""
+    for name in enabled_algorithms(stage, setting):
+        gm = _run(name, ALGORITHMS.get(name).fn, gm, data, setting, steps, collate_fn)
     return gm

@@ -41,7 +41,7 @@ from fxq.checked import Checked, checked_setting, opt
 from fxq.functional import fake_quantize, qparams_from_minmax
 from fxq.graph.data import iter_batches, placeholder_values
 from fxq.graph.info import is_quantizer_node
-from fxq.graph.passes import get_attr_value
+from fxq.graph.nodes import get_attr_value
 from fxq.nn.fake_quantize import fake_quant_mode
 from fxq.spec import TensorQuantConfig
 

@@ -29,9 +29,9 @@ from torch import fx, nn
 
 from fxq.errors import ConfigError
 from fxq.graph.data import placeholder_values
-from fxq.graph.info import NodeQuant, QuantizerInfo, graph_quant
+from fxq.graph.info import NodeQuant, QuantizerInfo, graph_quant, is_quantizer_node
+from fxq.graph.nodes import get_attr_value
 from fxq.graph.op_types import mutates_first_argument, out_of_place_form
-from fxq.graph.passes import get_attr_value
 from fxq.graph.quant_graph import QuantGraph
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import QuantState
@@ -77,7 +77,7 @@ class GraphRunner:
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.output_node = next(n for n in reversed(self.nodes) if n.op == "output")
         self.qg = QuantGraph(gm)
-        self.quantizers = {n: self.modules[str(n.target)] for n in self.nodes if self.qg.is_quantizer_node(n)}
+        self.quantizers = {n: self.modules[str(n.target)] for n in self.nodes if is_quantizer_node(n)}
         self._infos = {n: self.qg.info(n) for n in self.quantizers}
         # values freed after each node (the node of their last use)
         last_use: dict[fx.Node, fx.Node] = {}

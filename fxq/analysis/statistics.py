@@ -11,7 +11,7 @@ from torch import fx
 from fxq.analysis.engine import run_two_pass
 from fxq.analysis.runner import GraphRunner, analysis_mode
 from fxq.functional import representable_range
-from fxq.graph.passes import get_attr_value
+from fxq.graph.nodes import get_attr_value
 from fxq.nn.fake_quantize import FakeQuantize
 
 __all__ = ["ValueStats", "TensorStatistics", "StatisticsReport", "statistics"]

@@ -13,7 +13,7 @@ from fxq.functional import representable_range
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
 from fxq.graph.data import call_model, check_steps, count_batches, first_batch_errors, iter_batches
 from fxq.graph.info import NodeQuant, graph_quant
-from fxq.graph.passes import get_attr_value
+from fxq.graph.nodes import get_attr_value
 from fxq.graph.quant_graph import QuantGraph
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import MIN_SCALE, QuantState

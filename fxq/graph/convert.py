@@ -10,7 +10,7 @@ from torch import fx
 from fxq.errors import ConfigError
 from fxq.functional import fake_quantize, qparams_from_minmax, representable_range, round_scale_to_power_of_2
 from fxq.graph.info import GraphQuant, graph_quant
-from fxq.graph.passes import get_attr_value
+from fxq.graph.nodes import get_attr_value
 from fxq.graph.quant_graph import QuantGraph
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.observers.base import channel_rows
@@ -75,7 +75,7 @@ def quant_scheme(fq: FakeQuantize) -> tuple:
 
 def derive_passive_parameters(gm: fx.GraphModule) -> None:
     """Bias scale = input scale x weight scale (offset 0); a bias with no quantized input stays FP32."""
-    graph_quant(gm)
+    graph_quant(gm)  # a model fxq did not prepare: its error, not a silent no-op
     qs = QuantGraph(gm)
     for bias_name, bias, data_q, weight_q in qs.biases():
         if (data_q is None or weight_q is None or not qs[data_q].config.is_quantizing
@@ -262,8 +262,8 @@ def _check_ready(gm: fx.GraphModule) -> None:
 def convert(gm: fx.GraphModule, bake: bool = True) -> fx.GraphModule:
     """Final states: every quantizer in quantize mode, parameters baked. Returns ``gm``.
 
-    Learned (LSQ / QAT) scales become fixed buffers, and when nothing is baked yet (a QAT model), passive
-    (bias) parameters are derived again from the final scales.
+    Learned (LSQ / QAT) scales become fixed buffers, and when nothing is baked yet (a QAT model, or post algorithms
+    ran on the FP32 weights), passive (bias) parameters are derived again from the final scales.
     """
     _check_ready(gm)
     for _, fq in QuantGraph(gm).quantizers():

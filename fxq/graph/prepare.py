@@ -31,8 +31,9 @@ from torch import fx, nn
 
 from fxq.graph.dispatch import Dispatch, is_float_tensor
 from fxq.graph.info import QUANTIZERS_ATTR, GraphQuant, NodeQuant, computed_from_parameters, is_quantizer_node
+from fxq.graph.nodes import get_attr_value
 from fxq.graph.op_types import WEIGHTED_FUNCTIONS, op_type, weight_arg_nodes
-from fxq.graph.passes import get_attr_value
+from fxq.graph.quant_graph import quantizer_name
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.qconfig.base import COMPUTING_OPS, Platform
 from fxq.setting import QuantizationSetting
@@ -98,8 +99,7 @@ class _Builder:
         while name in self.holder:
             i += 1
             name = f"{base}_{i}"
-        self.holder[name] = FakeQuantize(cfg, name=name, role=role, source=source.name, param=param,
-                                         derived_from=derived_from)
+        self.holder[name] = FakeQuantize(cfg, name=name, role=role, param=param, derived_from=derived_from)
         return name
 
     def _insert_after(self, source: fx.Node, qname: str, users: list[fx.Node]) -> fx.Node:
@@ -223,24 +223,19 @@ class _Builder:
 
     def _cover_of(self, n: fx.Node) -> tuple[str, QuantState] | None:
         if is_quantizer_node(n):
-            return self._name_of(n), QuantState.ACTIVATED
+            return quantizer_name(n), QuantState.ACTIVATED
         return self.covering.get(n)
-
-    @staticmethod
-    def _name_of(qnode: fx.Node) -> str:
-        return str(qnode.target)[len(QUANTIZERS_ATTR) + 1:]
 
     def _quantize_input(self, node: fx.Node, inp: fx.Node, role: str, p: Platform, t: str) -> str | None:
         if inp in self.covering and role == "activation":
             q = self.covering[inp][0]  # already quantized upstream: this input config is OVERLAPPED
             # an input quantizer of another consumer reads ``inp`` directly: read its quantized value too
-            qnode = next((u for u in inp.users if u.op == "call_module" and u.target == f"{QUANTIZERS_ATTR}.{q}"),
-                         None)
+            qnode = next((u for u in inp.users if quantizer_name(u) == q), None)
             if qnode is not None and qnode is not node:
                 node.replace_input_with(inp, qnode)
             return q
         if is_quantizer_node(inp):
-            return self._name_of(inp)
+            return quantizer_name(inp)
         if role == "weight":
             value = get_attr_value(self.gm, inp.target) if inp.op == "get_attr" else inp.meta.get("val")
             shape = tuple(value.shape) if value is not None else None
@@ -256,7 +251,7 @@ class _Builder:
         key = (inp, role, cfg.scheme)
         if key in self.shared_inputs:
             q = self.shared_inputs[key]
-            qnode = next(n for n in inp.users if n.op == "call_module" and n.target == f"{QUANTIZERS_ATTR}.{q}")
+            qnode = next(n for n in inp.users if quantizer_name(n) == q)
             node.replace_input_with(inp, qnode)
             return q
         q = self._new_quantizer(base, cfg, role, inp, param=param)

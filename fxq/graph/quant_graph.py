@@ -1,11 +1,11 @@
 """``QuantGraph(gm)``: the one answer to the questions passes, algorithms, analysis and exporters ask a prepared graph.
 
 The facts live in one place each: what a quantizer is and what it quantizes on its :class:`~fxq.FakeQuantize`
-(role, source, parameter, bias derivation), where quantizers sit in ``node.meta["fxq"]``
+(role, parameter, bias derivation), where quantizers sit in ``node.meta["fxq"]``
 (:class:`~fxq.graph.info.NodeQuant`), the alignment groups in ``gm.meta["fxq"]``
-(:class:`~fxq.graph.info.GraphQuant`) and who reads a quantized value in the graph itself. This view joins
-them; it stores nothing that could go stale except memos of graph walks, so build a new one after editing
-the graph.
+(:class:`~fxq.graph.info.GraphQuant`), and what a quantizer reads and who reads its value in the graph itself.
+This view joins them over a snapshot of the quantizer table and memos of graph walks: build a new one after
+editing the graph or swapping quantizer modules.
 
 Example:
     >>> qg = QuantGraph(gm)
@@ -18,15 +18,7 @@ from typing import Iterator
 from torch import fx, nn
 
 from fxq.errors import GraphError
-from fxq.graph.info import (
-    QUANTIZERS_ATTR,
-    GraphQuant,
-    NodeQuant,
-    QuantizerInfo,
-    computed_from_parameters,
-    is_quantizer_node,
-)
-from fxq.graph.op_types import op_type
+from fxq.graph.info import QUANTIZERS_ATTR, QuantizerInfo, computed_from_parameters, graph_quant, is_quantizer_node
 from fxq.nn.fake_quantize import ROLES, FakeQuantize
 
 __all__ = ["QuantGraph", "quantizer_name"]
@@ -57,15 +49,19 @@ class QuantGraph:
             if getattr(fq, "role", None) not in ROLES:
                 raise GraphError(f"quantizer {name!r} has no role (activation / weight / bias); it was not made by "
                                  f"fxq.prepare, or the file it came from is damaged")
-        graph = getattr(gm, "graph", None)
-        self._nodes: dict[str, fx.Node] = {}
-        if isinstance(graph, fx.Graph):
-            for node in graph.nodes:
+        self._node_table: dict[str, fx.Node] | None = None  # built by the first graph query
+        self._param_memo: dict[fx.Node, bool] = {}
+
+    @property
+    def _nodes(self) -> dict[str, fx.Node]:
+        if self._node_table is None:
+            graph = getattr(self.gm, "graph", None)
+            self._node_table = {}
+            for node in graph.nodes if isinstance(graph, fx.Graph) else ():
                 name = quantizer_name(node)
                 if name is not None:
-                    self._nodes.setdefault(name, node)
-        self._param_memo: dict[fx.Node, bool] = {}
-        self._modules: dict[str, nn.Module] | None = None
+                    self._node_table.setdefault(name, node)
+        return self._node_table
 
     # ------------------------------------------------------------------ quantizers
     def __contains__(self, name: object) -> bool:
@@ -105,9 +101,7 @@ class QuantGraph:
         """Name of the node whose value quantizer ``name`` quantizes (its node's input; tied QAT modules share one
         FakeQuantize but not one node)."""
         node = self._nodes.get(name)
-        if node is not None and node.args and isinstance(node.args[0], fx.Node):
-            return node.args[0].name
-        return self._quantizers[name].source
+        return node.args[0].name if node is not None and node.args and isinstance(node.args[0], fx.Node) else ""
 
     def info(self, name_or_node: "str | fx.Node") -> QuantizerInfo | None:
         """A :class:`QuantizerInfo` snapshot of one quantizer (by name or by its node); None when there is none."""
@@ -134,10 +128,6 @@ class QuantGraph:
         return any(fq.baked for fq in self._quantizers.values())
 
     # ------------------------------------------------------------------ graph facts
-    @staticmethod
-    def is_quantizer_node(node: fx.Node) -> bool:
-        return is_quantizer_node(node)
-
     def quantizer_of(self, node: fx.Node) -> FakeQuantize | None:
         """The FakeQuantize a quantizer node runs."""
         name = quantizer_name(node)
@@ -147,25 +137,7 @@ class QuantGraph:
         """Whether ``node`` is computed from parameters only (``get_attr``, reshaped or quantized)."""
         return computed_from_parameters(node, self._param_memo)
 
-    def node_quant(self, node: fx.Node) -> NodeQuant | None:
-        nq = node.meta.get("fxq")
-        return nq if isinstance(nq, NodeQuant) else None
-
-    def op_type(self, node: fx.Node) -> str | None:
-        """The canonical op type: the one dispatch recorded, else computed from the node."""
-        nq = self.node_quant(node)
-        if nq is not None:
-            return nq.op_type
-        if self._modules is None:
-            self._modules = dict(self.gm.named_modules())
-        return op_type(node, self._modules)
-
-    def graph_quant(self) -> GraphQuant:
-        from fxq.graph.info import graph_quant  # noqa: PLC0415
-
-        return graph_quant(self.gm)
-
     def alignment_groups(self) -> list[list[str]]:
         """Every alignment group as a list of quantizer names (an ``align_output`` group starts with its target)."""
-        gq = self.graph_quant()
+        gq = graph_quant(self.gm)
         return [list(g) for g in gq.align_large] + [[out, *ins] for ins, out in gq.align_output]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Iterator
 
 import torch
@@ -13,6 +14,8 @@ from fxq.observers import Observer, build_observer
 from fxq.spec import QuantScheme, QuantState, TensorQuantConfig
 
 __all__ = ["FakeQuantize", "MODES", "ROLES"]
+
+logger = logging.getLogger(__name__)
 
 ROLES = ("activation", "weight", "bias")
 """What a quantizer in a prepared graph quantizes: a value computed from data, a weight, or a passive bias."""
@@ -39,16 +42,15 @@ class FakeQuantize(nn.Module):
 
     This module is the one record of a quantizer: its scheme (:attr:`scheme`, frozen), its state
     (``scale``/``offset``, ``config.state``, the FP32 copy of a baked weight in the ``fp32_backup`` buffer, so
-    ``state_dict`` is complete) and, in a prepared graph, what it quantizes: :attr:`role`, :attr:`source` (the
-    node whose value it quantizes), :attr:`param` (the parameter behind a weight / bias) and, for a passive
-    bias, :attr:`derived_from` (its input and weight quantizers). The graph queries around it are answered by
+    ``state_dict`` is complete) and, in a prepared graph, what it quantizes: :attr:`role`, :attr:`param` (the parameter behind a weight / bias) and, for a passive
+    bias, :attr:`derived_from` (its input and weight quantizers). The node it quantizes is its node's input in the graph; the graph
+    queries around it are answered by
     :class:`fxq.graph.quant_graph.QuantGraph`.
 
     Args:
         config: the tensor's quantization config (this module takes ownership of it).
         name: label used in error messages (set by the graph code to the quantizer's name).
         role: ``"activation"``, ``"weight"`` or ``"bias"``; None for a quantizer outside a prepared graph.
-        source: name of the node whose value it quantizes.
         param: ``get_attr`` target of the weight / bias it quantizes.
         derived_from: (input quantizer or None, weight quantizer) a passive bias derives its scale from.
 
@@ -58,12 +60,12 @@ class FakeQuantize(nn.Module):
         >>> fq.set_mode("quantize"); y = fq(torch.randn(16))
     """
 
-    def __init__(self, config: TensorQuantConfig, name: str = "", *, role: str | None = None, source: str = "",
+    def __init__(self, config: TensorQuantConfig, name: str = "", *, role: str | None = None,
                  param: str | None = None, derived_from: tuple[str | None, str] | None = None) -> None:
         super().__init__()
         self.config = config
         self.name = name
-        self.set_record(role, source, param, derived_from)
+        self.set_record(role, param, derived_from)
         scale = config.scale if config.scale is not None else torch.ones(1)
         offset = config.offset if config.offset is not None else torch.zeros_like(scale)
         self.register_buffer("scale", scale.detach().clone().float())
@@ -76,7 +78,7 @@ class FakeQuantize(nn.Module):
         self.quant_enabled = True
 
     # ------------------------------------------------------------------ record
-    def set_record(self, role: str | None, source: str = "", param: str | None = None,
+    def set_record(self, role: str | None, param: str | None = None,
                    derived_from: tuple[str | None, str] | None = None) -> "FakeQuantize":
         """Say what this quantizer quantizes in its graph (see the class docstring); returns self."""
         if role is not None and role not in ROLES:
@@ -84,14 +86,13 @@ class FakeQuantize(nn.Module):
         if derived_from is not None and role != "bias":
             raise ConfigError(f"FakeQuantize {self.name!r}: only a bias derives its parameters from others")
         self.role = role
-        self.source = str(source)
         self.param = param
         self.derived_from = None if derived_from is None else tuple(derived_from)
         return self
 
     def copy_record(self, other: "FakeQuantize") -> "FakeQuantize":
-        """Take ``other``'s role, source, parameter and derivation (a replacement module, e.g. QAT's)."""
-        return self.set_record(other.role, other.source, other.param, other.derived_from)
+        """Take ``other``'s role, parameter and derivation (a replacement module, e.g. QAT's)."""
+        return self.set_record(other.role, other.param, other.derived_from)
 
     @property
     def scheme(self) -> QuantScheme:
@@ -100,7 +101,8 @@ class FakeQuantize(nn.Module):
 
     @property
     def baked(self) -> bool:
-        """Whether the weight this quantizer covers holds its quantized values (its FP32 copy in ``fp32_backup``)."""
+        """Whether the FP32 copy of the weight this quantizer covers is kept aside (``fp32_backup``) while the weight
+        holds its quantized values."""
         return self.fp32_backup is not None
 
     # ------------------------------------------------------------------ state
@@ -238,9 +240,17 @@ class FakeQuantize(nn.Module):
         # a module pickled before the record lived here: its backup was a plain attribute, the record absent
         backup = state.pop("_fp32_backup", None)
         super().__setstate__(state)
-        self._buffers.setdefault("fp32_backup", backup)
-        for key, default in (("role", None), ("source", ""), ("param", None), ("derived_from", None)):
-            self.__dict__.setdefault(key, default)
+        self.adopt_legacy_state(backup)
+
+    def adopt_legacy_state(self, backup: torch.Tensor | None) -> None:
+        """Complete a FakeQuantize saved before its record lived on it: the ``fp32_backup`` buffer (``backup``: the
+        old ``_fp32_backup`` attribute) and empty record fields (filled from the file's old records); the old
+        stored ``source`` goes (it is read from the graph)."""
+        if "fp32_backup" not in self._buffers:
+            self.register_buffer("fp32_backup", backup)
+        for key in ("role", "param", "derived_from"):
+            self.__dict__.setdefault(key, None)
+        self.__dict__.pop("source", None)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # a baked weight's FP32 copy is there or not as the incoming state of this quantizer says (state_dicts
@@ -262,6 +272,9 @@ class FakeQuantize(nn.Module):
                     setattr(self, attr, torch.empty_like(state_dict[key]))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         self._sync_config()
+        if self.param is not None and self.config.state in _BAKED and self.fp32_backup is None:
+            logger.warning("quantizer %r: its weight is baked but the state_dict holds no FP32 copy (saved before "
+                           "fp32_backup was a buffer): fp32_mode and unbaking cannot restore FP32 values", self.name)
 
     def extra_repr(self) -> str:
         return f"{self.config!r}, mode={self.mode}"

@@ -23,20 +23,12 @@ __all__ = ["LEGACY_BACKUP_ATTR", "complete_fake_quantize", "pop_bias_deps", "upg
 LEGACY_BACKUP_ATTR = "_fp32_backup"
 """The attribute that held a baked weight's FP32 copy before it was the ``fp32_backup`` buffer."""
 
-_RECORD_DEFAULTS = (("role", None), ("source", ""), ("param", None), ("derived_from", None))
-
-
 def complete_fake_quantize(fq: FakeQuantize, backup: Any) -> None:
-    """Give a FakeQuantize rebuilt from a file what an older file lacks: the ``fp32_backup`` buffer (from the
-    legacy attribute ``backup``) and empty record fields (filled by :func:`upgrade_records`)."""
-    if "fp32_backup" not in fq._buffers:
-        if backup is not None and type(backup) is not torch.Tensor:
-            raise FrontendError(f"quantizer {fq.name!r}: {LEGACY_BACKUP_ATTR} is a {type(backup).__name__}, "
-                                f"not a tensor")
-        fq.register_buffer("fp32_backup", backup)
-    for key, default in _RECORD_DEFAULTS:
-        if key not in vars(fq):
-            object.__setattr__(fq, key, default)
+    """Give a FakeQuantize rebuilt from a file what an older file lacks (:meth:`FakeQuantize.adopt_legacy_state`);
+    ``backup`` is the legacy attribute's value, checked here because it comes from the file."""
+    if backup is not None and type(backup) is not torch.Tensor:
+        raise FrontendError(f"quantizer {fq.name!r}: {LEGACY_BACKUP_ATTR} is a {type(backup).__name__}, not a tensor")
+    fq.adopt_legacy_state(backup)
 
 
 def pop_bias_deps(meta_doc: Any, table: TensorTable) -> dict[str, Any]:
@@ -66,5 +58,5 @@ def upgrade_records(gm: fx.GraphModule, bias_deps: dict[str, Any]) -> None:
         deps = bias_deps.get(name)
         if deps is not None and not (isinstance(deps, (tuple, list)) and len(deps) == 2):
             raise FrontendError(f"bias_deps[{name!r}] is {deps!r:.80}, not (input quantizer, weight quantizer)")
-        fq.set_record(info.role, info.source, info.param,
+        fq.set_record(info.role, info.param,
                       tuple(deps) if deps is not None and info.role == "bias" else None)

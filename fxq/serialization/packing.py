@@ -16,7 +16,7 @@ from torch import fx
 
 from fxq.errors import FrontendError
 from fxq.functional import dequantize_linear, quantize_to_int
-from fxq.graph.passes import get_attr_value
+from fxq.graph.nodes import get_attr_value
 from fxq.graph.quant_graph import QuantGraph
 from fxq.serialization.codec import TensorTable, decode, encode
 

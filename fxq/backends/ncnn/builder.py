@@ -33,8 +33,9 @@ from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim,
 from fxq.errors import ExportError
 from fxq.functional import fake_quantize
 from fxq.graph.info import QUANTIZERS_ATTR
+from fxq.graph.nodes import get_attr_value
 from fxq.graph.op_types import op_type
-from fxq.graph.passes import get_attr_value, propagate_tensor_meta
+from fxq.graph.passes import propagate_tensor_meta
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.qconfig.base import RECURRENT_OPS
 from fxq.spec import QUANTIZING_STATES, QuantState, RoundingPolicy

@@ -16,7 +16,7 @@ from torch import fx
 
 from fxq.backends.ncnn.builder import NcnnBuilder
 from fxq.backends.ncnn.registry import register_ncnn_converter
-from fxq.graph.passes import get_attr_value
+from fxq.graph.nodes import get_attr_value
 
 __all__: list[str] = []
 
