@@ -56,15 +56,16 @@ class OpSpec:
         """Tensors in front of the attributes in the forward's arguments: x and the parameters."""
         return 1 + len(self.params)
 
+    def _arguments(self) -> list[str]:
+        return ["Tensor x", *(f"Tensor {p}" for p in self.params), *(f"{t} {a}" for a, t in self.attrs)]
+
     def schema(self) -> str:
         """The forward's torch schema, e.g. ``(Tensor x, Tensor scale, int axis, ...) -> Tensor``."""
-        args = ["Tensor x", *(f"Tensor {p}" for p in self.params), *(f"{t} {a}" for a, t in self.attrs)]
-        return f"({', '.join(args)}) -> Tensor"
+        return f"({', '.join(self._arguments())}) -> Tensor"
 
     def backward_schema(self) -> str:
         """The backward's torch schema: grad first, one ``need_<param>_grad`` flag per parameter last."""
-        needs = [f"bool need_{p}_grad" for p in self.params]
-        args = ["Tensor grad", self.schema().split(") ->")[0][1:], *needs]
+        args = ["Tensor grad", *self._arguments(), *(f"bool need_{p}_grad" for p in self.params)]
         return f"({', '.join(args)}) -> ({', '.join(['Tensor'] * self.num_tensors)})"
 
     def split(self, args: Sequence[Any]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[Any, ...]]:
