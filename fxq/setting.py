@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
+# the algorithms' settings classes, re-exported where they used to live (``from fxq.setting import LSQSetting``)
 from fxq.algorithms.adaround import AdaroundSetting
 from fxq.algorithms.bias_correction import BiasCorrectionSetting
 from fxq.algorithms.brecq import BlockwiseReconstructionSetting
