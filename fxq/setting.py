@@ -179,19 +179,10 @@ class QuantizationSettingFactory:
 
     @staticmethod
     def default_setting() -> QuantizationSetting:
+        """fxq's defaults, which are also TensorRT's, PPL CUDA's and ncnn's (PPQ's names for them below)."""
         return QuantizationSetting()
 
-    @staticmethod
-    def trt_setting() -> QuantizationSetting:
-        return QuantizationSetting()
-
-    @staticmethod
-    def pplcuda_setting() -> QuantizationSetting:
-        return QuantizationSetting()
-
-    @staticmethod
-    def ncnn_setting() -> QuantizationSetting:
-        return QuantizationSetting()
+    trt_setting = pplcuda_setting = ncnn_setting = default_setting
 
     @staticmethod
     def dsp_setting() -> QuantizationSetting:
