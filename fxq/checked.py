@@ -257,6 +257,8 @@ def _plain(value: Any) -> Any:
     """``dataclasses.asdict``'s conversion of one field value, extra fields included."""
     if isinstance(value, Checked):
         return value.to_dict()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(v) for v in value)
     if isinstance(value, dict):

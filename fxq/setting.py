@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
+# the algorithms' settings classes, re-exported where they used to live (``from fxq.setting import LSQSetting``)
 from fxq.algorithms.adaround import AdaroundSetting
 from fxq.algorithms.bias_correction import BiasCorrectionSetting
 from fxq.algorithms.brecq import BlockwiseReconstructionSetting
@@ -178,19 +179,10 @@ class QuantizationSettingFactory:
 
     @staticmethod
     def default_setting() -> QuantizationSetting:
+        """fxq's defaults, which are also TensorRT's, PPL CUDA's and ncnn's (PPQ's names for them below)."""
         return QuantizationSetting()
 
-    @staticmethod
-    def trt_setting() -> QuantizationSetting:
-        return QuantizationSetting()
-
-    @staticmethod
-    def pplcuda_setting() -> QuantizationSetting:
-        return QuantizationSetting()
-
-    @staticmethod
-    def ncnn_setting() -> QuantizationSetting:
-        return QuantizationSetting()
+    trt_setting = pplcuda_setting = ncnn_setting = default_setting
 
     @staticmethod
     def dsp_setting() -> QuantizationSetting:

@@ -21,7 +21,8 @@ from fxq.checked import Checked
 from fxq.errors import ConfigError, NotSupportedError
 from fxq.registry import Registry
 
-__all__ = ["register_algorithm", "run_algorithms", "ALGORITHM_ORDER", "ALGORITHMS", "SWITCHES", "STAGES", "Switch"]
+__all__ = ["register_algorithm", "run_algorithms", "switches", "ALGORITHM_ORDER", "ALGORITHMS", "SWITCHES", "STAGES",
+           "Switch"]
 
 STAGES = ("pre", "post")
 """``pre``: after prepare, before calibration (FP32 weights, quantizers not calibrated); ``post``: after
