@@ -247,7 +247,7 @@ class Checked:
         return self
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and self.to_dict() == other.to_dict()  # type: ignore[attr-defined]
+        return type(other) is type(self) and all(getattr(self, n) == getattr(other, n) for n in self.field_names())
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)!r}' for n in self.field_names())})"

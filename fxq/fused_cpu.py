@@ -379,8 +379,10 @@ def _inplace_fused(spec: OpSpec, args: tuple[Any, ...]) -> tuple[bool, bool]:
     """Overwrite ``args[0]`` with ``spec``'s op in one fused pass: (done, fusable). ``fusable``: the fused
     path takes this tensor (done or still warming up)."""
     x, params, attrs = spec.split(args)
+    if not _writable_cpu(x, *params) or not _eligible(x, None, *params):  # a Parameter is never overwritten
+        return False, False
     plan = _plan(spec, f"{spec.name}_inplace", x, params, attrs)
-    if plan is None or not _eligible(x, None, *params):
+    if plan is None:
         return False, False
     if not _warmed_up():
         return False, True

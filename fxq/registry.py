@@ -2,13 +2,25 @@
 from __future__ import annotations
 
 import difflib
+import importlib
+import pkgutil
 from typing import Callable, Generic, Iterable, Iterator, TypeVar
 
 from fxq.errors import ConfigError, RegistryError
 
 T = TypeVar("T")
 
-__all__ = ["Registry", "close_names"]
+__all__ = ["Registry", "close_names", "import_submodules"]
+
+
+def import_submodules(package: str, path: Iterable[str], *, packages_only: bool = False,
+                      exclude: Iterable[str] = ()) -> None:
+    """Import every public module (or only subpackage) of ``package`` found in ``path``, sorted by name: their
+    decorators register what they define, so adding a built-in extension is adding its file."""
+    skip = set(exclude)
+    for info in sorted(pkgutil.iter_modules(list(path)), key=lambda m: m.name):
+        if not info.name.startswith("_") and info.name not in skip and (info.ispkg or not packages_only):
+            importlib.import_module(f"{package}.{info.name}")
 
 
 def close_names(name: str, known: Iterable[str]) -> str:

@@ -31,7 +31,7 @@ from fxq.algorithms.equalization import EqualizationSetting
 from fxq.algorithms.lsq import LSQSetting
 from fxq.algorithms.pipeline import ALGORITHMS, SWITCHES, switches
 from fxq.algorithms.ssd_equalization import SSDEqualizationSetting
-from fxq.checked import Checked, ExtraField, _kind, check_value, checked_setting, opt
+from fxq.checked import Checked, ExtraField, _kind, checked_setting, opt
 from fxq.errors import ConfigError
 from fxq.graph.dispatch import DISPATCHERS
 from fxq.observers import OBSERVERS
@@ -50,8 +50,6 @@ __all__ = [
     "BlockwiseReconstructionSetting",
     "BiasCorrectionSetting",
     "AdaroundSetting",
-    "close_names",
-    "check_value",
 ]
 
 ALIGN_ELEMENTWISE = ("None", "Align to Large", "Align to Output")

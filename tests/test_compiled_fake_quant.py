@@ -33,8 +33,9 @@ def _linear_all(x, s_pt, o_pt, s_pc, o_pc):
 
 
 def test_linear_forward_and_backward_match_the_op():
-    x, s_pt, o_pt = _inputs(False)
-    _, s_pc, o_pc = _inputs(True)
+    x_pt, s_pt, o_pt = _inputs(False)
+    x_pc, s_pc, o_pc = _inputs(True)
+    x = torch.cat([x_pt, x_pc])  # exact ties of both the per-tensor and the per-channel grids
     compiled = torch.compile(_linear_all, fullgraph=True)
     leaves_e = [t.clone().requires_grad_(True) for t in (x, s_pt, o_pt, s_pc, o_pc)]
     leaves_c = [t.clone().requires_grad_(True) for t in (x, s_pt, o_pt, s_pc, o_pc)]

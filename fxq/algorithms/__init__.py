@@ -10,8 +10,6 @@ names them (see :mod:`fxq.algorithms.pipeline`).
 Registered: ``equalization`` (cross-layer equalization), ``ssd_equalization`` (PPQ's SSD equalization),
 ``bias_correct``, ``lsq_optimization`` (block-wise LSQ), ``adaround``, ``blockwise_reconstruction`` (BRECQ / QDrop).
 """
-import importlib
-import pkgutil
 
 from fxq.algorithms.pipeline import (
     ALGORITHM_ORDER,
@@ -22,16 +20,9 @@ from fxq.algorithms.pipeline import (
     register_algorithm,
     run_algorithms,
 )
+from fxq.registry import import_submodules
 
 __all__ = ["register_algorithm", "run_algorithms", "enabled_algorithms", "ALGORITHM_ORDER", "ALGORITHMS", "SWITCHES", "STAGES"]
 
 
-def _import_algorithm_modules() -> None:
-    """Import every public module of this package (alphabetically): their decorators register the algorithms, so a
-    new built-in algorithm is its file alone."""
-    for name in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-        if not name.startswith("_"):
-            importlib.import_module(f"{__name__}.{name}")
-
-
-_import_algorithm_modules()
+import_submodules(__name__, __path__)  # their decorators register the algorithms: a new one is its file alone

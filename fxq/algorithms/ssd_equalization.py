@@ -43,6 +43,7 @@ from fxq.graph.data import iter_batches, placeholder_values
 from fxq.graph.info import is_quantizer_node
 from fxq.graph.nodes import get_attr_value
 from fxq.nn.fake_quantize import fake_quant_mode
+from fxq.observers.base import channel_rows
 from fxq.spec import TensorQuantConfig
 
 __all__ = ["SSDEqualizationSetting", "find_ssd_pairs", "ssd_equalization"]
@@ -107,11 +108,7 @@ def _config_of(gm: fx.GraphModule, arg: Any) -> TensorQuantConfig:
 def _round_error(w: torch.Tensor, cfg: TensorQuantConfig) -> torch.Tensor:
     """Rounding error of ``w`` quantized with the weight quantizer's own scheme (grid, symmetry, granularity,
     rounding) at its minmax parameters: the loss estimate judges the quantizer that will run."""
-    if cfg.per_channel:
-        flat = w.movedim(cfg.channel_axis, 0).reshape(w.shape[cfg.channel_axis], -1)
-        lo, hi = flat.amin(1), flat.amax(1)
-    else:
-        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+    lo, hi = torch.aminmax(channel_rows(w, cfg), dim=1)
     scale, offset = qparams_from_minmax(lo, hi, cfg)
     return fake_quantize(w, cfg, scale.to(w.dtype), offset.to(w.dtype)) - w
 
@@ -177,7 +174,8 @@ class _Pair:
 
 @checked_setting("setting.ssd_setting")
 class SSDEqualizationSetting(Checked):
-    """``setting.ssd_setting``: PPQ's SSD equalization's channel share, loss threshold and rounds."""
+    """``setting.ssd_setting``: PPQ's SSD equalization's channel share, loss threshold and rounds. ``opt_level`` 2
+    behaves as 1 (the groups are always found at level 1)."""
 
     opt_level: int = opt(1, choices=(1, 2))
     channel_ratio: float = opt(0.5, gt=0.0, le=1.0)

@@ -264,10 +264,7 @@ class Platform:
                 if key in ("activation_observer", "weight_observer"):
                     from fxq.observers import OBSERVERS  # noqa: PLC0415
 
-                    if value not in OBSERVERS:
-                        raise ConfigError(f"{path}={value!r} is not a registered observer"
-                                          f"{close_names(value, OBSERVERS.names())}; registered: "
-                                          f"{', '.join(OBSERVERS.names())}")
+                    OBSERVERS.require(value, path)
 
     # ------------------------------------------------------------------ rules (override these)
     def activation_config(self, op_type: str, node_name: str) -> TensorQuantConfig:

@@ -11,14 +11,12 @@ onnx2torch gets a small dispatcher that reads this table when it converts, so a 
 """
 from __future__ import annotations
 
-import importlib
 import logging
-import pkgutil
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from fxq.errors import RegistryError
-from fxq.registry import Registry
+from fxq.registry import Registry, import_submodules
 
 __all__ = ["ONNX_CONVERTERS", "register_onnx_converter", "converter_key", "domain_alias", "load_builtin_converters"]
 
@@ -37,9 +35,7 @@ def load_builtin_converters() -> None:
     if _BUILTINS_LOADING:
         return
     _BUILTINS_LOADING.append(True)
-    for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
-        if not info.name.startswith("_") and info.name != "registry":
-            importlib.import_module(f"{__package__}.{info.name}")
+    import_submodules(str(__package__), [str(Path(__file__).parent)], exclude=("registry",))
 
 
 def domain_alias(domain: str) -> str:
