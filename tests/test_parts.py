@@ -213,3 +213,9 @@ def test_sizes_set_by_data_are_dynamic_in_the_exported_part(tmp_path):
         got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
         assert got.shape == (rows, 2)
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_example_inputs_for_a_model_in_parts_is_refused(detector, tmp_path):
+    with pytest.raises(fxq.ExportError, match="quantized in parts"):
+        fxq.export(detector[1], "trt_int8", tmp_path / "det.onnx", example_inputs=torch.randn(1, 3, 16, 16))
+    assert not list(tmp_path.iterdir())

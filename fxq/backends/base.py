@@ -83,5 +83,9 @@ def export(model: nn.Module, platform: Any, path: str | os.PathLike, **options: 
     exporter = exporter_for(platform)
     exporter.check_options(options)
     if not isinstance(model, fx.GraphModule) and quantized_parts(model):  # fxq.quantize quantized it in parts
+        if options.get("example_inputs") is not None:
+            raise ExportError("example_inputs cannot be given for a model quantized in parts (each part has its "
+                              "own inputs, recorded at calibration); drop it, or export one part: "
+                              "fxq.export(model.<part>, ..., example_inputs=...)")
         return export_parts(model, path, lambda part, stem: exporter.export(part, stem, **options))
     return exporter.export(model, path, **options)

@@ -147,7 +147,7 @@ class Capability:
 
     def check(self, role: str, cfg: TensorQuantConfig, where: str) -> None:
         """Raise :class:`ConfigError` if ``cfg`` (of ``role``) is not expressible."""
-        problems = self.problems(role, cfg) if role != "bias" else []
+        problems = self.problems(role, cfg)
         if problems:
             hint = f"; {self.hint}" if self.hint else ""
             raise ConfigError(f"{where}: {self.rule}: {role} quantization {'; '.join(problems)}{hint}")

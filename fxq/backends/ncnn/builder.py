@@ -355,8 +355,7 @@ class NcnnBuilder:
             self._warned.add(key)
             logger.warning(msg, *args)
 
-    def int8_scales(self, node: fx.Node, x_arg: Any, w: WeightInfo, bias_arg: Any, groups: int = 1
-                    ) -> Int8Scales | None:
+    def int8_scales(self, node: fx.Node, x_arg: Any, w: WeightInfo, groups: int = 1) -> Int8Scales | None:
         """ncnn int8 scales of a Conv / Gemm node, or None when it stays FP32 (checks expressibility)."""
         x_fq = self.quantizer(x_arg) if self.is_quantizer(x_arg) else None
         x_on = x_fq is not None and x_fq.config.state in QUANTIZING_STATES

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fxq.backends.ncnn.builder import NcnnBuilder
+from fxq.backends.ncnn.platforms import is_depthwise, pair
 from fxq.backends.ncnn.registry import register_ncnn_converter
 from fxq.backends.ncnn.writer import Int8Scales, drop_dim, shape_params
 from fxq.spec import QUANTIZING_STATES
@@ -34,12 +35,6 @@ def _arg(node: fx.Node, index: int, name: str, default: Any = _MISSING) -> Any:
     if default is _MISSING:
         raise ValueError(f"node {node.name} lacks argument {name!r}")
     return default
-
-
-def _pair(v: Any) -> tuple[int, int]:
-    if isinstance(v, (list, tuple)):
-        return (int(v[0]), int(v[0])) if len(v) == 1 else (int(v[0]), int(v[1]))
-    return int(v), int(v)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -93,7 +88,7 @@ def _kernel_params(b: NcnnBuilder, node: fx.Node, x: Any, w: torch.Tensor, num_o
     """The params (De)Convolution share, padding (4 left, 15 right, 14 top, 16 bottom) aside."""
     if w.dim() != 4 or len(b.shape(x)) != 4:
         raise b.fail(node, f"it is a {w.dim() - 2}-D convolution", "only 2-D convolutions are exported")
-    (sh, sw), (dh, dw) = _pair(a["stride"]), _pair(a["dilation"])
+    (sh, sw), (dh, dw) = pair(a["stride"]), pair(a["dilation"])
     return {0: num_output, 1: int(w.shape[3]), 11: int(w.shape[2]), 2: dw, 12: dh, 3: sw, 13: sh,
             5: int(bias is not None), 6: int(w.numel())}
 
@@ -147,16 +142,16 @@ def _conv(b: NcnnBuilder, node: fx.Node) -> None:
             pt, pl = th // 2, tw // 2
             pb, pr = th - pt, tw - pl
     else:
-        pt, pl = _pair(padding)
+        pt, pl = pair(padding)
         pb, pr = pt, pl
     params.update({4: pl, 15: pr, 14: pt, 16: pb})
-    if groups > 1 and not _depthwise(w.fp32, groups):
+    if groups > 1 and not is_depthwise(w.fp32.shape, groups):
         w_on = w.quantizing
         x_on = b.is_quantizer(x) and b.quantizer(x).config.state in QUANTIZING_STATES
         if w_on or x_on:
-            _grouped_int8_conv(b, node, x, w, bias_arg, bias, params, groups)
+            _grouped_int8_conv(b, node, x, w, bias, params, groups)
             return
-    int8 = b.int8_scales(node, x, w, bias_arg, groups)
+    int8 = b.int8_scales(node, x, w, groups)
     layer_type = "Convolution"
     if groups > 1:
         layer_type, params[7] = "ConvolutionDepthWise", groups
@@ -167,12 +162,7 @@ def _conv(b: NcnnBuilder, node: fx.Node) -> None:
         layer.int8_weights = [("tagged", _np(w.quantized()))] + tail
 
 
-def _depthwise(w: torch.Tensor, groups: int) -> bool:
-    """ncnn's depthwise case of ConvolutionDepthWise: one input and one output channel a group."""
-    return int(w.shape[0]) == groups and int(w.shape[1]) == 1
-
-
-def _grouped_int8_conv(b: NcnnBuilder, node: fx.Node, x: Any, w: Any, bias_arg: Any, bias: torch.Tensor | None,
+def _grouped_int8_conv(b: NcnnBuilder, node: fx.Node, x: Any, w: Any, bias: torch.Tensor | None,
                        params: dict[int, Any], groups: int) -> None:
     """An int8 grouped conv that is not depthwise (RegNet, ResNeXt): ``Slice`` along the channels, one int8
     ``Convolution`` a group (per-output-channel weight scales, the conv's input scale), ``Concat``.
@@ -184,7 +174,7 @@ def _grouped_int8_conv(b: NcnnBuilder, node: fx.Node, x: Any, w: Any, bias_arg: 
     the first grouped conv). Separate Convolution layers compute the same integers on every ncnn build, and take
     one weight scale per output channel.
     """
-    int8 = b.int8_scales(node, x, w, bias_arg, 1)  # checks both quantizers; scales per output channel
+    int8 = b.int8_scales(node, x, w, 1)  # checks both quantizers; scales per output channel
     assert int8 is not None
     out_ch, in_g = int(w.fp32.shape[0]), int(w.fp32.shape[1])
     out_g = out_ch // groups
@@ -219,7 +209,7 @@ def _deconv(b: NcnnBuilder, node: fx.Node) -> None:
     w = b.weight(w_arg, node).fp32
     groups = int(a["groups"])
     bias = b.param(bias_arg, node, "bias") if bias_arg is not None else None
-    ph, pw = _pair(a["padding"])
+    ph, pw = pair(a["padding"])
     params = _kernel_params(b, node, x, w, int(w.shape[1]) * groups, a, bias)
     params.update({4: pw, 15: pw, 14: ph, 16: ph})
     (in_h, in_w), (out_h, out_w) = b.shape(x)[2:], b.shape(node)[2:]
@@ -256,7 +246,7 @@ def _linear(b: NcnnBuilder, node: fx.Node) -> None:
     w = b.weight(w_arg, node)
     out_ch = int(w.fp32.shape[0])
     bias = b.param(bias_arg, node, "bias") if bias_arg is not None else None
-    int8 = b.int8_scales(node, x, w, bias_arg)
+    int8 = b.int8_scales(node, x, w)
     params = {0: out_ch, 1: int(bias is not None), 2: int(w.fp32.numel())}
     tail = [("raw", _np(bias))] if bias is not None else []
     layer = b.emit(node, "InnerProduct", [b.blob(x, node)], params, [("tagged", _np(w.fp32))] + tail, int8=int8)
@@ -474,13 +464,13 @@ def _pool(b: NcnnBuilder, node: fx.Node) -> None:
     a = _pool_args(b, node)
     if a.get("return_indices") or getattr(mod, "return_indices", False):
         raise b.fail(node, "pooling returns indices", "ncnn pooling has no index output")
-    if _pair(a.get("dilation", 1)) != (1, 1):
+    if pair(a.get("dilation", 1)) != (1, 1):
         raise b.fail(node, "pooling is dilated", "ncnn pooling has no dilation")
     if a.get("divisor_override"):
         raise b.fail(node, "average pooling has divisor_override", "drop divisor_override")
-    kh, kw = _pair(a["kernel_size"])
-    sh, sw = _pair(a["stride"])
-    ph, pw = _pair(a.get("padding", 0))
+    kh, kw = pair(a["kernel_size"])
+    sh, sw = pair(a["stride"])
+    ph, pw = pair(a.get("padding", 0))
     _, _, h, w = b.shape(x)
     _, _, oh, ow = b.shape(node)
     extra_h = (oh - 1) * sh + kh - (h + 2 * ph)  # > 0 only with ceil_mode: pad the tail

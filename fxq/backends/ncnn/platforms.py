@@ -45,14 +45,19 @@ def _is_3x3_s1_d1_convolution(shape: tuple[int, ...] | None, attrs: dict[str, An
     if shape is None or len(shape) != 4 or tuple(shape[2:]) != (3, 3):
         return False
     ones = (1, 1)
-    if _pair(attrs.get("stride", 1)) != ones or _pair(attrs.get("dilation", 1)) != ones:
+    if pair(attrs.get("stride", 1)) != ones or pair(attrs.get("dilation", 1)) != ones:
         return False
     groups = int(attrs.get("groups", 1))
-    return groups == 1 or not (shape[0] == groups and shape[1] == 1)
+    return groups == 1 or not is_depthwise(shape, groups)
 
 
-def _pair(v: Any) -> tuple[int, int]:
-    if isinstance(v, int):
-        return (v, v)
-    v = tuple(v)
-    return (v[0], v[0]) if len(v) == 1 else (v[0], v[1])
+def is_depthwise(weight_shape: Any, groups: int) -> bool:
+    """ncnn's depthwise case of ConvolutionDepthWise: one input and one output channel a group."""
+    return int(weight_shape[0]) == groups and int(weight_shape[1]) == 1
+
+
+def pair(v: Any) -> tuple[int, int]:
+    """A conv's int-or-sequence attribute (stride, padding...) as two ints."""
+    if isinstance(v, (list, tuple)):
+        return (int(v[0]), int(v[0])) if len(v) == 1 else (int(v[0]), int(v[1]))
+    return int(v), int(v)

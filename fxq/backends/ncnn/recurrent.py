@@ -16,18 +16,10 @@ from torch import fx
 
 from fxq.backends.ncnn.builder import NcnnBuilder
 from fxq.backends.ncnn.registry import register_ncnn_converter
-from fxq.graph.nodes import get_attr_value
 
 __all__: list[str] = []
 
 _NCNN_GATES = {"LSTM": (0, 2, 1, 3), "GRU": (1, 0, 2)}  # ONNX gate index of each ncnn gate
-
-
-def _param(b: NcnnBuilder, node: fx.Node, arg: fx.Node, what: str) -> np.ndarray:
-    src = b.strip(arg)
-    if src.op != "get_attr":
-        raise b.fail(node, f"its {what} is computed in the graph", "keep recurrent weights as parameters")
-    return get_attr_value(b.gm, str(src.target)).detach().float().cpu().numpy()
 
 
 def _gates(t: np.ndarray, order: tuple[int, ...], hidden: int) -> np.ndarray:
@@ -62,7 +54,7 @@ def _recurrent(b: NcnnBuilder, node: fx.Node) -> None:
     dirs = 2 if direction == "bidirectional" else 1
     if b.shape(x)[1] != 1:
         raise b.fail(node, "ncnn runs one sequence at a time", "export at batch 1")
-    w, r, bias = (_param(b, node, a, what) for a, what in ((w_arg, "W"), (r_arg, "R"), (b_arg, "B")))
+    w, r, bias = (b.param(a, node, what).numpy() for a, what in ((w_arg, "W"), (r_arg, "R"), (b_arg, "B")))
     users = {u.args[1]: u for u in node.users if u.op == "call_function" and u.target is operator.getitem}
     want_states = any(i in users for i in (1, 2))
     bottoms = [b.blob(x, node)]

@@ -14,8 +14,8 @@ Rules checked:
    W / R inputs of LSTM / GRU (axis 1: gate and channel; the parser multiplies them inside its recurrence
    loop; not checked against a TensorRT build here), with one scale per slice along that axis.
 5. weight codes lie in [-127, 127] (int8 initializers, or float weights rounded half to even by their Q).
-6. a Conv / ConvTranspose / Gemm / MatMul with a dequantized weight takes a dequantized data input, and
-   one with a dequantized data input takes a dequantized (or no constant) weight.
+6. a Conv / ConvTranspose / Gemm / MatMul with a dequantized weight takes a dequantized data input (one with
+   a dequantized data input and a float weight is legal: TensorRT keeps the DQ and runs the op in float).
 7. a residual Add (two non-constant inputs) with one dequantized input has each input dequantized or
    computed by a quantized weighted op (which TensorRT fuses with the Add). An Add that feeds only Softmax
    adds an attention mask (``-inf`` where masked, never quantized): TensorRT runs it and the softmax in float.

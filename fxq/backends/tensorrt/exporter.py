@@ -111,8 +111,10 @@ class TensorRTExporter(QdqOnnxExporter):
 
         lowered, quantizers, roles, opset, options = job.lowered, job.quantizers, job.roles, job.opset, job.options
         fp16 = options["high_precision_dtype"] == "fp16"
-        fp32_model = onnx.ModelProto()
-        fp32_model.CopyFrom(lowered.model)
+        fp32_model = None
+        if options["legacy"]:  # the legacy cache's FP32 file: the lowered graph before Q/DQ go in
+            fp32_model = onnx.ModelProto()
+            fp32_model.CopyFrom(lowered.model)
         policy = QdqPolicy(weights=options["weights"], bias="fp32", clip_subrange=False)
         records = insert_qdq(lowered, quantizers, roles, policy)
         qdq_model = finalize(lowered.model, opset, check=not fp16)
