@@ -23,8 +23,8 @@ import torch
 import fxq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from accuracy import DigitsCNN, load_digits, train  # noqa: E402
-from deployed_fidelity import SmallResNet, SmallViT  # noqa: E402
+from accuracy import load_digits  # noqa: E402
+from deployed_fidelity import trained_model  # noqa: E402
 
 FACTORS = (0.75, 0.5, 0.25, 0.1)
 
@@ -40,16 +40,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logging.getLogger("fxq").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)
     x_train, y_train, _, _ = load_digits(args.size, seed=0)
-    builders = {"cnn": lambda: DigitsCNN(args.size), "resnet": SmallResNet, "vit": lambda: SmallViT(args.size)}
     models = ["cnn"] if args.fast else args.models.split(",")
     platforms = args.platforms.split(",")[:1] if args.fast else args.platforms.split(",")
     factors = FACTORS[:2] if args.fast else FACTORS
     calib = [x_train[i:i + 32] for i in range(0, 256, 32)]
     rows: list[dict] = []
     for name in models:
-        torch.manual_seed(0)
-        model = train(builders[name](), x_train, y_train, epochs=1 if args.fast else 10,
-                      lr=3e-3 if name != "vit" else 1e-3).eval()
+        model = trained_model(name, args.size, x_train, y_train, 1 if args.fast else 10)
         for plat in platforms:
             base = fxq.quantize(model, calib, plat, progress=False)
             e = fxq.graphwise_error_analyse(base, calib, steps=None).outputs[0].value

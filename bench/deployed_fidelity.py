@@ -131,6 +131,14 @@ def measure(name: str, model: nn.Module, x_train: torch.Tensor, x_test: torch.Te
     return rows
 
 
+def trained_model(name: str, size: int, x: torch.Tensor, y: torch.Tensor, epochs: int) -> nn.Module:
+    """One of the digits models (``cnn``, ``resnet``, ``vit``) trained from seed 0, in eval mode (the ViT at the
+    smaller learning rate it needs)."""
+    builders = {"cnn": lambda: DigitsCNN(size), "resnet": SmallResNet, "vit": lambda: SmallViT(size)}
+    torch.manual_seed(0)
+    return train(builders[name](), x, y, epochs=epochs, lr=3e-3 if name != "vit" else 1e-3).eval()
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fast", action="store_true", help="fewer epochs (the tests' smoke run)")
@@ -142,13 +150,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.manual_seed(0)
     x_train, y_train, x_test, y_test = load_digits(args.size, seed=0)
     epochs = 2 if args.fast else 15
-    builders = {"cnn": lambda: DigitsCNN(args.size), "resnet": SmallResNet, "vit": lambda: SmallViT(args.size)}
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            torch.manual_seed(0)
-            model = train(builders[name](), x_train, y_train, epochs=epochs, lr=3e-3 if name != "vit" else 1e-3)
-            model.eval()
+            model = trained_model(name, args.size, x_train, y_train, epochs)
             rows += measure(name, model, x_train, x_test, y_test, Path(tmp))
     print(f"# {time.strftime('%Y-%m-%d')} — {platform_mod.processor() or platform_mod.machine()}, "
           f"torch {torch.__version__}, digits {args.size}x{args.size}, {len(x_test)} test images, "

@@ -1,9 +1,10 @@
 """Fingerprint what fxq produces: quantized state and exported files, for proving a refactor changes nothing.
 
-Quantizes a handful of seeded models (a CNN, MobileNetV3, a transformer encoder, an LSTM tagger, and an ONNX file
-of the CNN loaded back through ``fxq.load_onnx``) on every platform that has an exporter, with PTQ algorithms
-switched on, exports each, and prints one line per artefact: the SHA-256 of every exported file and of the
-quantized model's ``state_dict`` (tensors in key order). Run it before and after a change and ``diff`` the outputs.
+Quantizes a handful of seeded models (a CNN, MobileNetV3, ResNet-18, a transformer encoder, an LSTM tagger, and
+an ONNX file of the CNN loaded back through ``fxq.load_onnx``) on every platform that has an exporter, with PTQ
+algorithms switched on, exports each, and prints one line per artefact: the SHA-256 of every exported file and of
+the quantized model's ``state_dict`` (tensors and quantizer configs, in key order). Run it before and after a
+change and ``diff`` the outputs.
 
 Usage::
 
@@ -98,9 +99,11 @@ def models(tmp: Path) -> list[tuple[str, nn.Module, tuple[int, ...]]]:
 def digest_state(model: nn.Module) -> str:
     h = hashlib.sha256()
     for key, value in model.state_dict().items():
+        h.update(key.encode())
         if isinstance(value, torch.Tensor):
-            h.update(key.encode())
             h.update(value.detach().cpu().contiguous().numpy().tobytes())
+        else:  # a quantizer's extra state: its config (bits, state, rounding...)
+            h.update(repr(value).encode())
     return h.hexdigest()[:16]
 
 

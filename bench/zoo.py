@@ -341,17 +341,17 @@ def _parts_cosines(qmodel: Any, files: list[Path], stem: str, args: tuple, platf
     ``<stem>_<part path>``) on the inputs the model gives that part, against the part's simulation."""
     import torch
 
-    from fxq.parts import _flat_inputs, part_inputs, quantized_parts
+    from fxq.parts import flat_inputs, part_file_stem, part_inputs, quantized_parts
 
     feeds = part_inputs(qmodel, args)
     worst: dict[str, float] = {}
     for path, part in quantized_parts(qmodel).items():
         if path not in feeds:
             continue
-        mine = [f for f in files if f.name.startswith(f"{stem}_{path.replace('.', '_')}.")]
+        mine = [f for f in files if f.name.startswith(part_file_stem(stem, path) + ".")]
         values = tuple(feeds[path].values())
         with torch.no_grad():
-            out = _flat_inputs(part)(*values)
+            out = flat_inputs(part)(*values)
         sim = _flat(out)
         if platform == "ncnn_int8":
             n_out = len(torch.utils._pytree.tree_leaves(out))

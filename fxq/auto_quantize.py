@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import fx, nn
 
-from fxq.analysis.error import layerwise_error_analyse, select_layers
+from fxq.analysis.error import badness, layerwise_error_analyse, select_layers
 from fxq.analysis.metrics import MetricAccumulator
 from fxq.analysis.runner import GraphRunner, analysis_mode, tensors_of
 from fxq.api import quantize
@@ -218,7 +218,7 @@ class AutoQuantReport:
         int8_value / final_value: the accuracy value of the all-INT8 model and of the returned one.
         choices: the layers not at INT8 with the reason for each.
         curve: the accuracy value after every kept step (the path of the search).
-        evaluations: configurations quantized and measured; seconds: wall time.
+        evaluations: configurations measured (each realized by one :func:`fxq.quantize`); seconds: wall time.
         size_fp32 / size_int8 / size_final: weight bytes (FP32 model, all INT8, returned model).
     """
 
@@ -390,15 +390,14 @@ class _Search:
 
 def _layer_facts(gm: fx.GraphModule) -> dict[str, dict[str, Any]]:
     """Per quantized computing layer: op type, module path, source name and weight element count."""
-    runner = GraphRunner(gm)
+    qg = QuantGraph(gm)
     params = dict(gm.named_parameters())
     facts: dict[str, dict[str, Any]] = {}
     for node in select_layers(gm, "computing"):
         numel = 0
-        for q in runner.layer_plan(node).inputs.values():
-            info = runner.quantizer_info(q)
-            if info is not None and info.role == "weight" and info.param in params:
-                numel += params[info.param].numel()
+        for q in node.meta["fxq"].inputs.values():
+            if q in qg and qg.role(q) == "weight" and qg[q].param in params:
+                numel += params[qg[q].param].numel()
         names = source_names(node, module_path=False)
         facts[node.name] = {"op_type": node.meta["fxq"].op_type, "module_path": node.meta.get("module_path"),
                             "source": names[0] if names else None, "weights": numel}
@@ -412,9 +411,8 @@ def _sensitivities(gm: fx.GraphModule, batches: list[Any], method: str) -> dict[
 
 
 def _badness(method: str, value: float) -> float:
-    if math.isnan(value):
-        return math.inf
-    return -value if method == "cosine" else value
+    """How much quantizing a layer alone hurts (>= 0; a NaN result counts as the worst)."""
+    return math.inf if math.isnan(value) else badness(method, value)
 
 
 def auto_quantize(
@@ -502,7 +500,8 @@ def auto_quantize(
     judge = _Judge(budget, batches, fallback)
     search = _Search(realize, judge, max_evaluations)
     q0 = search.model(())
-    judge.set_reference(q0)
+    if budget.kind != "metric":  # a metric budget never compares outputs
+        judge.set_reference(q0)
     facts = _layer_facts(q0)
     method = judge.method
     int8_value = search.value(())
@@ -540,6 +539,9 @@ def auto_quantize(
             for name in results:
                 if budget.better(results[name], results[best]):
                     best = name
+            if strategy == "verified" and not budget.better(results[best], current):  # none helps: move on
+                order = [n for n in order if n not in results]
+                continue
             floats.append(best)
             current = results[best]
             why = ("worst layerwise error" if strategy == "greedy" or len(results) == 1 else
@@ -563,14 +565,14 @@ def auto_quantize(
     size = _weight_bytes(search.model(floats, low), float_bytes)
     if budget.size is not None and size > budget.size * size_fp32:
         size = _lower_for_size(search, budget, floats, low, choices, curve, facts, method, low_bits, float_bytes,
-                               size_fp32)
+                               size_fp32, size)
         current = search.value(floats, low)
     final = search.model(floats, low)
     met = budget.accepts(current) and (budget.size is None or size <= budget.size * size_fp32)
     report = AutoQuantReport(
         platform=p.name, strategy=strategy, fallback=fallback, budget=budget.describe(), kind=budget.kind, met=met,
         int8_value=int8_value, final_value=current, fp32_value=fp32_value,
-        choices=[choices[n] for n in [*floats, *low] if n in choices], curve=curve,
+        choices=list(choices.values()), curve=curve,
         evaluations=search.evaluations, seconds=time.perf_counter() - t0, size_fp32=size_fp32,
         size_int8=size_int8, size_final=size, layers=len(facts))
     if met:
@@ -585,13 +587,12 @@ def auto_quantize(
 
 def _lower_for_size(search: _Search, budget: Budget, floats: list[str], low: list[str],
                     choices: dict[str, LayerChoice], curve: list[CurvePoint], facts: dict[str, dict[str, Any]],
-                    method: str, low_bits: int, float_bytes: int, size_fp32: int) -> int:
+                    method: str, low_bits: int, float_bytes: int, size_fp32: int, size: int) -> int:
     """Lower INT8 layers to ``low_bits``, least sensitive per byte saved first, while the accuracy target holds."""
     candidates = [n for n in facts if n not in floats and facts[n]["weights"] > 0]
     all_low = search.model(floats, candidates)
     sens = _sensitivities(all_low, search.judge.batches, method)
     order = sorted(candidates, key=lambda n: _badness(method, sens.get(n, math.nan)) / facts[n]["weights"])
-    size = _weight_bytes(search.model(floats, low), float_bytes)
     for name in order:
         if size <= budget.size * size_fp32 or search.exhausted():
             break

@@ -260,6 +260,9 @@ def _preflight(args: argparse.Namespace) -> Path | None:
         from fxq.auto_quantize import Budget
 
         Budget.parse(args.budget)
+    elif getattr(args, "fallback", "fp32") != "fp32":
+        raise ConfigError("--fallback fp16 is the precision of the layers --budget takes off INT8; give --budget, "
+                          "or export the whole float part in FP16 with --export-option high_precision_dtype=fp16")
     for flag, folder in (("--calib", getattr(args, "calib", None)), ("--data", getattr(args, "data", None))):
         if folder and Path(folder).is_file():
             raise ConfigError(f"{flag} {folder!r} is a file; give a folder of batches (one file per batch)")
@@ -372,7 +375,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             failed.append(what)
     if not args.no_export:
         options = _export_options(args)
-        if args.fallback == "fp16":
+        if report is not None and args.fallback == "fp16":
             options.setdefault("high_precision_dtype", "fp16")
         files += _export(gm, platform, out, stem, args.exporter, options)
     if not args.quiet:
@@ -616,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", metavar="SPEC",
                    help="search per-layer precision (fxq.auto_quantize) for the fewest layers off INT8 that meet "
                         "SPEC: an output SNR bound (0.01 or 1%%), or comma-separated snr=/cosine=/size= "
-                        "(size: weight bytes as a fraction of FP32's); writes <model>.auto_quantize.json")
+                        "(size: weight bytes as a fraction of FP32's); writes <model>_<platform>.auto_quantize.json")
     p.add_argument("--fallback", default="fp32", choices=["fp32", "fp16"],
                    help="precision of the layers --budget takes off INT8 (fp16: TensorRT FP16 export)")
     _common(p)

@@ -34,7 +34,8 @@ from fxq.graph.data import iter_batches, to_call_args
 from fxq.graph.info import QUANTIZERS_ATTR
 from fxq.io import atomic_file_set
 
-__all__ = ["quantize_in_parts", "quantized_parts", "export_parts", "part_inputs", "PART_KEY"]
+__all__ = ["quantize_in_parts", "quantized_parts", "export_parts", "part_inputs", "part_file_stem", "flat_inputs",
+           "PART_KEY"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +110,14 @@ def part_inputs(model: nn.Module, batch: Any) -> dict[str, dict[str, torch.Tenso
             part = model.get_submodule(path)
             leaves = _leaves_by_name(part, batches[0])
             named[path] = {ph.name: leaves[str(ph.target)]
-                           for ph in _flat_inputs(part).graph.nodes if ph.op == "placeholder"}
+                           for ph in flat_inputs(part).graph.nodes if ph.op == "placeholder"}
     return named
+
+
+def part_file_stem(stem: str, part_path: str) -> str:
+    """The stem of one part's files: ``<stem>_<part path>`` with dots as ``_`` (``det`` + ``rpn.head`` ->
+    ``det_rpn_head``)."""
+    return f"{stem}_{part_path.replace('.', '_')}"
 
 
 def export_parts(model: nn.Module, path: str | os.PathLike,
@@ -126,14 +133,13 @@ def export_parts(model: nn.Module, path: str | os.PathLike,
     files: dict[Path, bytes] = {}
     with tempfile.TemporaryDirectory(prefix=".fxq-parts-", dir=target.parent) as tmp:
         for part_path, part in parts.items():
-            name = f"{stem.name}_{part_path.replace('.', '_')}{target.suffix}"  # model.onnx -> model_rpn_head.onnx
-            for written in export_one(_flat_inputs(part), Path(tmp) / name):
+            name = part_file_stem(stem.name, part_path) + target.suffix  # model.onnx -> model_rpn_head.onnx
+            for written in export_one(flat_inputs(part), Path(tmp) / name):
                 files[stem.parent / Path(written).name] = Path(written).read_bytes()
     return atomic_file_set(files)
 
 
-# ----------------------------------------------------------------------------------------------- internals
-def _flat_inputs(gm: fx.GraphModule) -> fx.GraphModule:
+def flat_inputs(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` over the same modules with one tensor input per leaf of a container input (``feats`` read as
     ``feats[0]``, ``feats[1]`` becomes ``feats_0``, ``feats_1``) and its varying input dims declared dynamic:
     deployed files take tensors."""
@@ -168,6 +174,7 @@ def _flat_inputs(gm: fx.GraphModule) -> fx.GraphModule:
     return flat
 
 
+# ----------------------------------------------------------------------------------------------- internals
 def _find_parts(model: nn.Module, batch: Any) -> dict[str, fx.GraphModule]:
     """Top-down: each submodule with parameters that ran on ``batch`` and captures is a part (its graph returned);
     one that does not capture is searched inside."""
@@ -220,7 +227,7 @@ def _record_inputs(model: nn.Module, paths: list[str], data: Any, steps: int | N
 
 
 def _leaves_by_name(part: fx.GraphModule, batch: Any) -> dict[str, Any]:
-    """``{flat input name: value}`` for one recorded batch (the names :func:`_flat_inputs` gives)."""
+    """``{flat input name: value}`` for one recorded batch (the names :func:`flat_inputs` gives)."""
     targets = [str(n.target) for n in part.graph.nodes if n.op == "placeholder"]
     given = batch if isinstance(batch, dict) else dict(zip(targets, batch))
     return {"_".join([top, *(str(k.idx if isinstance(k, pytree.SequenceKey) else k.key) for k in keys)]): leaf

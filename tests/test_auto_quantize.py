@@ -60,6 +60,8 @@ def test_meets_the_budget_with_no_more_float_layers_than_greedy(digits, platform
     assert report.met and greedy.met
     assert report.int8_value > target  # the search had work to do
     assert len(report.fallbacks) <= len(greedy.fallbacks)
+    if (platform, target) == ("ncnn_int8", 0.0004):  # greedy takes the two worst layers in isolation; one measured
+        assert len(report.fallbacks) < len(greedy.fallbacks)  # layer is enough
     # the returned model is the one measured: its SNR recomputed independently, its float layers the report's
     assert _snr64(model, qmodel, calib) == pytest.approx(report.final_value, rel=1e-4)
     assert _snr64(model, qmodel, calib) <= target
@@ -70,14 +72,6 @@ def test_meets_the_budget_with_no_more_float_layers_than_greedy(digits, platform
     assert report.curve[-1].value == report.final_value
     assert all(c.precision == "fp32" and c.reason for c in report.choices)
     assert "met" in str(report) and report.fallbacks[0] in str(report)
-
-
-def test_verified_search_beats_greedy_worst_first(digits):
-    """On ncnn_int8 at 0.04 %, greedy takes the two worst layers in isolation; one measured layer is enough."""
-    model, calib, _, _ = digits
-    _, greedy = fxq.auto_quantize(model, calib, "ncnn_int8", 0.0004, strategy="greedy")
-    _, verified = fxq.auto_quantize(model, calib, "ncnn_int8", 0.0004)
-    assert verified.met and len(verified.fallbacks) < len(greedy.fallbacks)
 
 
 def test_budget_already_met_quantizes_once(digits, monkeypatch):

@@ -195,9 +195,20 @@ def test_python_m_fxq(tmp_path):
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("fxq: error:")
 
 
-def test_capture_choice(work, capsys):
+def test_capture_choice(work, capsys, monkeypatch):
+    import fxq.graph.capture as capture_module
+
+    exported = []
+    real = capture_module._export
+    monkeypatch.setattr(capture_module, "_export", lambda *a: exported.append(a) or real(*a))
     assert main(["quantize", "cli_small_model:build", "--calib", "calib", "--capture", "export", "--out", "out",
                  "--no-export", "-q"]) == 0
     assert "Conv" in (work / "out" / "build_trt_int8.summary.txt").read_text()
+    assert exported  # the torch.export path ran, not symbolic tracing
     assert main(["quantize", "cli_small_model:build", "--calib", "calib", "--capture", "jit", "-q"]) == 2
     assert "--capture" in capsys.readouterr().err
+
+
+def test_fallback_fp16_needs_a_budget(work, capsys):
+    assert main(["quantize", "cli_small_model:build", "--calib", "calib", "--fallback", "fp16", "-q"]) == 1
+    assert "--budget" in _error_line(capsys) and not (work / "fxq_out").exists()
