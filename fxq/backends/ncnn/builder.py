@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import fx, nn
 
-from fxq.backends.ncnn.registry import NCNN_CONVERTERS, takes_any_batch_dim
+from fxq.backends.ncnn.registry import NCNN_CONVERTERS, converts_tuples, takes_any_batch_dim
 from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim, shape_params
 from fxq.errors import ExportError
 from fxq.functional import fake_quantize
@@ -37,7 +37,6 @@ from fxq.graph.nodes import get_attr_value
 from fxq.graph.op_types import op_type
 from fxq.graph.passes import propagate_tensor_meta
 from fxq.nn.fake_quantize import FakeQuantize
-from fxq.qconfig.base import RECURRENT_OPS
 from fxq.spec import QUANTIZING_STATES, QuantState, RoundingPolicy
 
 __all__ = ["NcnnBuilder", "WeightInfo", "build_ncnn_model"]
@@ -446,11 +445,9 @@ class NcnnBuilder:
                 self._input(node)
             elif node.op in ("get_attr", "output") or self.is_quantizer(node) or node in self.static_nodes:
                 continue
-            elif self.op(node) in RECURRENT_OPS:  # one layer, several outputs: gives the getitems their blobs
-                NCNN_CONVERTERS.get(self.op(node))(self, node)
             elif node in self.blob_of:
                 continue  # an output of a multi-output layer, set by its converter
-            elif not isinstance(node.meta.get("val"), torch.Tensor):
+            elif not isinstance(node.meta.get("val"), torch.Tensor) and not converts_tuples(self.op(node)):
                 continue  # shape / index arithmetic: its consumers read their static output shapes
             else:
                 t = self.op(node)

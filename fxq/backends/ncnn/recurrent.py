@@ -41,7 +41,7 @@ def _weights(kind: str, w: np.ndarray, r: np.ndarray, bias: np.ndarray, hidden: 
             ("tagged", np.ascontiguousarray(_gates(r, order, hidden), dtype=np.float32))]
 
 
-@register_ncnn_converter("LSTM", "GRU", any_batch_dim=True)
+@register_ncnn_converter("LSTM", "GRU", any_batch_dim=True, multi_output=True)
 def _recurrent(b: NcnnBuilder, node: fx.Node) -> None:
     kind = b.op(node)
     args = list(node.args)
