@@ -10,8 +10,9 @@ The search ("verified"):
 1. layerwise sensitivity of the all-INT8 model orders the layers (:func:`fxq.layerwise_error_analyse`, network
    outputs);
 2. forward: at each step the ``window`` most sensitive layers not yet in float are each tried in the current model,
-   and the one that improves the measured metric most is kept (sensitivity in isolation is only a guess: a layer
-   whose error lives in a quantizer it shares with other consumers gains nothing when it alone falls back);
+   and the one with the best measured metric is kept, even when no candidate improves it (sensitivity in isolation
+   is only a guess: a layer whose error lives in a quantizer it shares with other consumers gains nothing when it
+   alone falls back, but may once a second one does);
 3. backward: each chosen layer, least sensitive first, goes back to INT8 when the budget still holds without it.
 
 ``strategy="greedy"`` is the baseline of the field (worst layer first, one at a time, no verification), kept for
@@ -539,9 +540,8 @@ def auto_quantize(
             for name in results:
                 if budget.better(results[name], results[best]):
                     best = name
-            if strategy == "verified" and not budget.better(results[best], current):  # none helps: move on
-                order = [n for n in order if n not in results]
-                continue
+            # kept even when it does not help alone: with another layer in float, a quantizer both read can go
+            # (ResNet trt_int8 misses its two tightest budgets when such steps are skipped)
             floats.append(best)
             current = results[best]
             why = ("worst layerwise error" if strategy == "greedy" or len(results) == 1 else
