@@ -1,19 +1,23 @@
 """Fused CPU path of the ``fxq::`` ops: the torch reference itself, compiled by inductor into one loop.
 
 The eager reference (:mod:`fxq.numeric.reference`) makes one pass over memory per torch op (about ten for the
-linear fake-quant). For large CPU tensors the ops' CPU kernels instead run ``torch.compile`` of the very
-same reference functions, so there is still one definition of the math; the tests check the compiled
-code bit for bit against eager. Parameter gradients keep the eager reduction
-(:meth:`fxq.numeric.opspec.OpSpec.reduce`): only the elementwise part is compiled, because a compiled
-reduction would sum in another order.
+linear fake-quant). For CPU tensors above a few thousand elements the ops' CPU kernels instead run the very
+same reference functions traced over symbolic sizes (``make_fx``) and compiled by inductor
+(``torch._inductor.standalone_compile``), so there is still one definition of the math; the tests check the
+compiled code bit for bit against eager. A compiled graph is called without dynamo's frame evaluation (about
+4 us instead of 13), so the fused path pays off from a few thousand elements; the kernels check what dynamo's
+guards would (dtype, layout, rank, parameter layout; the graph is keyed on them). Parameter gradients keep the
+eager reduction (:meth:`fxq.numeric.opspec.OpSpec.reduce`): only the elementwise part is compiled, because a
+compiled reduction would sum in another order.
 
 When the fused path is taken (all must hold):
 
 * ``FXQ_CPU_FUSED`` is not ``0`` (or :func:`cpu_fusion` turned it on);
-* the tensor has at least ``FXQ_CPU_FUSED_MIN_NUMEL`` elements (default 2**18), is a contiguous float32
-  or float64 CPU tensor, and no tracing, compiling or dispatch mode is active;
-* warm-up is over: compiling costs seconds (about 5 s for the first graph of a process with a warm
-  inductor cache, 15-20 s cold, then about 2 s per graph), so large tensors first run eagerly until they
+* the tensor has at least ``FXQ_CPU_FUSED_MIN_NUMEL`` elements (default 2**12: below it a compiled call
+  costs more than the eager ops), is a contiguous float32 or float64 CPU tensor, and no tracing, compiling
+  or dispatch mode is active;
+* warm-up is over: compiling costs seconds (about 2 s for the first graph of a process with a warm
+  inductor cache, 8-10 s cold, then 0.1-1 s per graph), so large tensors first run eagerly until they
   have used ``FXQ_CPU_FUSED_WARMUP_S`` seconds (default 3) of eager time, and only then is anything
   compiled. Short runs never pay the compile; long runs pay it once, at most about twice the optimum.
 
@@ -35,7 +39,6 @@ import math
 import os
 import threading
 import time
-import types
 from typing import Any, Callable, Iterator
 
 import torch
@@ -50,6 +53,8 @@ __all__ = [
     "fake_quant_linear_inplace",
     "fake_quant_float_inplace",
     "squared_error_sums",
+    "values_only",
+    "KERNELS",
 ]
 
 log = logging.getLogger(__name__)
@@ -57,7 +62,7 @@ log = logging.getLogger(__name__)
 ENV_ENABLE = "FXQ_CPU_FUSED"
 ENV_MIN_NUMEL = "FXQ_CPU_FUSED_MIN_NUMEL"
 ENV_WARMUP_S = "FXQ_CPU_FUSED_WARMUP_S"
-DEFAULT_MIN_NUMEL = 1 << 18
+DEFAULT_MIN_NUMEL = 1 << 12
 DEFAULT_WARMUP_S = 3.0
 
 _FUSED_DTYPES = (torch.float32, torch.float64)
@@ -95,15 +100,32 @@ def _env_number(name: str, default: float) -> float:
 
 
 class _State:
-    """Process-wide state of the fused path: settings, warm-up clock, compiled graphs, counters."""
+    """Process-wide state of the fused path: settings, warm-up clock, compiled graphs, plans, counters."""
 
     def __init__(self) -> None:
-        self.settings = FusedCpuSettings()
+        self._settings = FusedCpuSettings()
+        self._resolved: tuple[bool, int, float] | None = None
         self.lock = threading.Lock()
+        self.plans: dict[tuple[Any, ...], _Plan | None] = {}
         self.eager_seconds = 0.0
         self.compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self.broken: str | None = None  # why the fused path is off for good in this process
         self.stats = {"fused_calls": 0, "eager_calls": 0, "compiles": 0, "compile_seconds": 0.0}
+
+    @property
+    def settings(self) -> FusedCpuSettings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, value: FusedCpuSettings) -> None:
+        self._settings = value
+        self._resolved = None
+
+    def resolved(self) -> tuple[bool, int, float]:
+        """(enabled, min_numel, warm-up seconds): the settings with the environment read once per settings."""
+        if self._resolved is None:
+            self._resolved = self._settings.resolved()
+        return self._resolved
 
 
 _state = _State()
@@ -150,6 +172,22 @@ def _tracing_or_mode_active() -> bool:
     return bool(dispatch_stack is not None and dispatch_stack() > 0)
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def values_only(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether an op call on these CPU ``tensors`` needs nothing the dispatcher adds: no gradient to record,
+    plain tensors, no tracing, compiling, dispatch or function mode, no functorch transform. Then calling the
+    op's CPU kernel (:data:`KERNELS`) directly gives the same values and skips the dispatcher's cost
+    (about 10 us a call, more than the arithmetic of a small activation)."""
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if type(t) not in _PLAIN_TYPES or (grad and t.requires_grad) or not t.is_cpu:
+            return False
+    return not (_tracing_or_mode_active() or torch._C._is_torch_function_mode_enabled()
+                or torch._C._functorch.peek_interpreter_stack() is not None)
+
+
 def _canonical(x: torch.Tensor, numels: tuple[int, ...], axis: int) -> tuple[tuple[int, ...], int] | None:
     """A view shape of ``x`` and the channel axis in it; parameters broadcast the same way on both.
 
@@ -158,7 +196,7 @@ def _canonical(x: torch.Tensor, numels: tuple[int, ...], axis: int) -> tuple[tup
     """
     channels = max(numels)
     if channels == 1:
-        return (x.numel(),), 0
+        return ((x.numel(),), 0) if x.numel() > 1 else None
     if x.dim() == 0 or any(n not in (1, channels) for n in numels):
         return None
     ax = axis % x.dim()
@@ -172,28 +210,32 @@ def _canonical(x: torch.Tensor, numels: tuple[int, ...], axis: int) -> tuple[tup
 def _eligible(x: torch.Tensor, grad: torch.Tensor | None, *params: torch.Tensor) -> bool:
     """Large contiguous float32/float64 CPU ``x`` (and ``grad``, or any second operand, like it), plain
     tensors or a weight ``nn.Parameter`` as ``x``, nothing tracing."""
-    enabled, min_numel, _ = _state.settings.resolved()
+    enabled, min_numel, _ = _state.resolved()
     if not enabled or _state.broken is not None or x.numel() < max(min_numel, 1):
         return False
     if grad is not None and (grad.dtype != x.dtype or grad.shape != x.shape or not grad.is_contiguous()):
         return False
-    if type(x) is torch.nn.Parameter:  # a weight: read only here (the kernels detach it), so as plain as a tensor
-        x = x.detach()
-    return _writable_cpu(x, *params, *(() if grad is None else (grad,)))
+    # a weight Parameter as x is only read here (the kernels detach it), so it is as plain as a tensor
+    return _plain_cpu(x, params if grad is None else (*params, grad), _PLAIN_TYPES)
 
 
 def _writable_cpu(x: torch.Tensor, *params: torch.Tensor) -> bool:
     """A plain contiguous float32/float64 CPU ``x`` with plain CPU parameters, nothing tracing."""
-    if x.dtype not in _FUSED_DTYPES or not x.is_contiguous():
+    return _plain_cpu(x, params, (torch.Tensor,))
+
+
+def _plain_cpu(x: torch.Tensor, others: tuple[torch.Tensor, ...], x_types: tuple[type, ...]) -> bool:
+    """A contiguous float32/float64 CPU ``x`` of one of ``x_types``, plain CPU tensors ``others``, nothing tracing."""
+    if type(x) not in x_types or x.dtype not in _FUSED_DTYPES or not x.is_cpu or not x.is_contiguous():
         return False
-    if any(type(t) is not torch.Tensor or t.device.type != "cpu" for t in (x, *params)):
-        return False
+    for t in others:
+        if type(t) is not torch.Tensor or not t.is_cpu:
+            return False
     return not _tracing_or_mode_active()
 
 
 def _warmed_up() -> bool:
-    _, _, warmup = _state.settings.resolved()
-    return _state.eager_seconds >= warmup
+    return _state.eager_seconds >= _state.resolved()[2]
 
 
 def _run_eager(fn: Callable[..., Any], *args: Any) -> Any:
@@ -205,14 +247,11 @@ def _run_eager(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- compiled graphs
-def _own_code(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
-    """A copy of ``fn`` with its own code object.
-
-    Dynamo keeps its compiled graphs, and its recompile limit, per code object; closures made by one
-    factory share a code object, so each key gets a fresh one and never evicts another key's graph.
-    """
-    code = fn.__code__.replace(co_name=f"fxq_fused_{tag}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+_EXAMPLE_SIZES = (11, 13, 17)
+"""Sizes of the stand-in tensors a graph is traced on: distinct and above 1, because a graph traced over symbolic
+sizes assumes that sizes equal at tracing stay equal and that none is 0 or 1."""
+_EXAMPLE_INTS = (-5, 7)
+"""Stand-ins for the integer attributes a graph takes as inputs (clamp bounds the stand-in data crosses)."""
 
 
 def _inductor_options() -> dict[str, Any]:
@@ -221,14 +260,38 @@ def _inductor_options() -> dict[str, Any]:
     return {k: v for k, v in _INDUCTOR_OPTIONS.items() if hasattr(inductor_config.cpp, k.split(".", 1)[1])}
 
 
-def _compiled(key: tuple[Any, ...], factory: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+def _compile_graph(fn: Callable[..., Any], examples: list[Any], exact: bool) -> Callable[..., Any]:
+    """``fn`` traced over symbolic sizes on ``examples`` and compiled by inductor, checked against ``fn`` on them.
+
+    ``torch._inductor.standalone_compile`` of the traced aten graph gives a callable without dynamo's frame
+    evaluation and guards (about 4 us a call instead of 13): the callers check what a guard would (dtype, rank,
+    layout; :class:`_Plan`). The check on the stand-ins (bit for bit when ``exact``) catches a graph that got
+    specialised on them."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(fn, tracing_mode="symbolic")(*_copies(examples))
+    compiled = torch._inductor.standalone_compile(graph, _copies(examples),
+                                                  options={"config_patches": _inductor_options()})
+    got, want = compiled(*_copies(examples)), fn(*_copies(examples))
+    if exact:
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    else:
+        torch.testing.assert_close(got, want, equal_nan=True)
+    return compiled
+
+
+def _copies(args: list[Any]) -> list[Any]:
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _compiled(key: tuple[Any, ...], factory: Callable[[], Callable[..., Any]],
+              examples: Callable[[], list[Any]], exact: bool) -> Callable[..., Any]:
     fn = _state.compiled.get(key)
     if fn is None:
         with _state.lock:
             fn = _state.compiled.get(key)
             if fn is None:
-                tag = "".join(c if c.isalnum() else "_" for c in "_".join(map(str, key)).replace("torch.", ""))
-                fn = torch.compile(_own_code(factory(), tag), dynamic=True, fullgraph=True, options=_inductor_options())
+                fn = _compile_graph(factory(), examples(), exact)
                 _state.compiled[key] = fn
     return fn
 
@@ -237,13 +300,24 @@ _FAILED = object()
 """What :func:`_call_fused` returns when the fused path failed (then it stays off)."""
 
 
-def _call_fused(key: tuple[Any, ...], factory: Callable[[], Callable[..., Any]], *args: Any) -> Any:
-    """Run the compiled graph for ``key``; :data:`_FAILED` if the fused path failed (then it stays off)."""
-    fresh = key not in _state.compiled
-    start = time.perf_counter()
+def _call_fused(key: tuple[Any, ...], factory: Callable[[], Callable[..., Any]], examples: Callable[[], list[Any]],
+                *args: Any, exact: bool = True) -> Any:
+    """Run the compiled graph for ``key``; :data:`_FAILED` if the fused path failed (then it stays off).
+
+    ``factory`` (the function to compile) and ``examples`` (stand-in arguments to trace it on, see
+    :func:`_compile_graph`) are only called to build a graph not compiled yet. The graphs run without autograd:
+    their callers pass values and get values (the ops' autograd is outside them)."""
+    fn = _state.compiled.get(key)
+    fresh = fn is None
+    start = time.perf_counter() if fresh else 0.0
     try:
-        with torch.no_grad():
-            out = _compiled(key, factory)(*args)
+        if fresh:
+            fn = _compiled(key, factory, examples, exact)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                out = fn(*args)
+        else:
+            out = fn(*args)
     except Exception as exc:  # compiler missing or broken: never fail the op because of the fast path
         _state.broken = f"{type(exc).__name__}: {exc}"
         log.warning(
@@ -289,7 +363,7 @@ def _into_input(factory: Callable[[], Callable[..., Any]]) -> Callable[[], Calla
         fn = factory()
 
         def fused(x, *args):
-            x.copy_(fn(x, *args))
+            return x.copy_(fn(x, *args))
 
         return fused
 
@@ -310,19 +384,66 @@ class _Plan:
     template: tuple[Any, ...]
     runtime: tuple[int, ...]
 
-    def inputs(self, tensors: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
-        """The graph's inputs: ``tensors`` (x, grad) viewed, parameters flattened, the runtime attributes."""
-        views = tuple(t.detach().view(self.shape) for t in tensors)
-        return (*views, *(p.detach().reshape(-1) for p in params), *(self.template[i] for i in self.runtime))
+    def inputs(self, tensors: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...]) -> list[Any]:
+        """The graph's inputs: ``tensors`` (x, grad) viewed, parameters flattened, the runtime attributes.
+
+        Detached where they require grad, so the graph's guards see the same kind of tensor every call."""
+        out: list[Any] = []
+        for t in tensors:
+            t = t.detach() if t.requires_grad else t
+            out.append(t if t.shape == self.shape else t.view(self.shape))
+        for p in params:
+            p = p.detach() if p.requires_grad else p
+            out.append(p if p.dim() == 1 else p.reshape(-1))
+        out.extend(self.template[i] for i in self.runtime)
+        return out
+
+    def examples(self, tensors: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...]) -> Callable[[], list[Any]]:
+        """Stand-ins for :meth:`inputs` to trace the graph on (see :func:`_compile_graph`): the same ranks,
+        dtypes and parameter layout, other sizes."""
+
+        def build() -> list[Any]:
+            gen = torch.Generator().manual_seed(0)
+            dims = _EXAMPLE_SIZES[: len(self.shape)]
+            channels = dims[self.template[0]]
+            out: list[Any] = [torch.randn(dims, generator=gen, dtype=t.dtype) * 4 for t in tensors]
+            out += [torch.rand(1 if p.numel() == 1 else channels, generator=gen, dtype=p.dtype) + 0.05 for p in params]
+            out += _EXAMPLE_INTS[: len(self.runtime)]
+            return out
+
+        return build
 
     def factory(self, fn: Callable[..., Any], n_tensors: int, tail: tuple[Any, ...] = ()) -> Callable[..., Any]:
-        template = tuple(None if i in self.runtime else v for i, v in enumerate(self.template))
-        return _graph_factory(fn, n_tensors, template, self.runtime, tail)
+        """The graph factory of this plan over ``fn`` (see :func:`_graph_factory`), built when first called."""
+
+        def build() -> Callable[..., Any]:
+            template = tuple(None if i in self.runtime else v for i, v in enumerate(self.template))
+            return _graph_factory(fn, n_tensors, template, self.runtime, tail)()
+
+        return build
+
+
+_PLAN_CACHE_SIZE = 4096
 
 
 def _plan(spec: OpSpec, kind: str, x: torch.Tensor, params: tuple[torch.Tensor, ...],
           attrs: tuple[Any, ...]) -> _Plan | None:
-    """The fused layout of ``spec``'s op on ``x``; None when there is none."""
+    """The fused layout of ``spec``'s op on ``x``; None when there is none. Remembered per shape and
+    attributes: a model calls each quantizer with the same few shapes, and planning costs more than the lookup."""
+    cache_key = (kind, x.shape, x.dtype, *(p.shape for p in params), *(p.dtype for p in params), *attrs)
+    try:
+        return _state.plans[cache_key]
+    except KeyError:
+        pass
+    plan = _make_plan(spec, kind, x, params, attrs)
+    if len(_state.plans) >= _PLAN_CACHE_SIZE:
+        _state.plans.clear()
+    _state.plans[cache_key] = plan
+    return plan
+
+
+def _make_plan(spec: OpSpec, kind: str, x: torch.Tensor, params: tuple[torch.Tensor, ...],
+               attrs: tuple[Any, ...]) -> _Plan | None:
     view = _canonical(x, tuple(p.numel() for p in params), attrs[0])
     if view is None:
         return None
@@ -343,14 +464,21 @@ def _forward_kernel(spec: OpSpec) -> Callable[..., torch.Tensor]:
     """CPU kernel of ``spec``'s forward op: fused for large tensors after warm-up, else the reference."""
     ref = spec.forward
 
+    n_tensors = spec.num_tensors
+
     def kernel(*args: Any) -> torch.Tensor:
-        x, params, attrs = spec.split(args)
+        x, params = args[0], args[1:n_tensors]
         if not _eligible(x, None, *params):
             return ref(*args)
-        plan = _plan(spec, spec.name, x, params, attrs)
+        plan = _plan(spec, spec.name, x, params, args[n_tensors:])
         if plan is None or not _warmed_up():
             return _run_eager(ref, *args)
-        out = _call_fused(plan.key, plan.factory(ref, spec.num_tensors), *plan.inputs((x,), params))
+        inputs = plan.inputs((x,), params)
+        fn = _state.compiled.get(plan.key)
+        if fn is not None and not torch.is_grad_enabled():  # the common case, without _call_fused's bookkeeping
+            _state.stats["fused_calls"] += 1
+            return fn(*inputs).view(x.shape)
+        out = _call_fused(plan.key, plan.factory(ref, n_tensors), plan.examples((x,), params), *inputs)
         return ref(*args) if out is _FAILED else out.view(x.shape)
 
     return kernel
@@ -368,8 +496,13 @@ def _backward_kernel(spec: OpSpec) -> Callable[..., tuple[torch.Tensor, ...]]:
         if plan is None or not _warmed_up():
             return _run_eager(ref, *args)
         needs = tuple(bool(n) for n in needs)
+        key, inputs = plan.key + needs, plan.inputs((grad, x), params)
+        fn = _state.compiled.get(key)
+        if fn is not None and not torch.is_grad_enabled():  # the common case, without _call_fused's bookkeeping
+            _state.stats["fused_calls"] += 1
+            return spec.reduce(args, fn(*inputs))
         factory = plan.factory(spec.elementwise, 1 + spec.num_tensors, needs)
-        out = _call_fused(plan.key + needs, factory, *plan.inputs((grad, x), params))
+        out = _call_fused(key, factory, plan.examples((grad, x), params), *inputs)
         return ref(*args) if out is _FAILED else spec.reduce(args, out)
 
     return kernel
@@ -387,7 +520,7 @@ def _inplace_fused(spec: OpSpec, args: tuple[Any, ...]) -> tuple[bool, bool]:
     if not _warmed_up():
         return False, True
     factory = _into_input(plan.factory(spec.forward, spec.num_tensors))
-    done = _call_fused(plan.key, factory, *plan.inputs((x,), params))
+    done = _call_fused(plan.key, factory, plan.examples((x,), params), *plan.inputs((x,), params))
     return done is not _FAILED, True
 
 
@@ -445,14 +578,20 @@ def squared_error_sums(q: torch.Tensor, f: torch.Tensor) -> tuple[torch.Tensor, 
     """
     if q.shape != f.shape or not _eligible(q, f) or not _warmed_up():
         return None
-    out = _call_fused(("squared_error", q.dtype), _squared_error_factory(), q.detach().view(-1), f.detach().view(-1))
+    def examples() -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        return [torch.randn(_EXAMPLE_SIZES[0], generator=gen, dtype=q.dtype) for _ in range(2)]
+
+    out = _call_fused(("squared_error", q.dtype), _squared_error_factory(), examples, q.detach().view(-1),
+                      f.detach().view(-1), exact=False)
     return None if out is _FAILED else out
 
 
-_KERNELS: dict[str, Callable[..., Any]] = {}
+KERNELS: dict[str, Callable[..., Any]] = {}
+"""The CPU kernel of every ``fxq::`` op (forward and backward), by qualified name."""
 for _spec in OP_SPECS:
-    _KERNELS[_spec.qualname] = _forward_kernel(_spec)
-    _KERNELS[_spec.backward_qualname] = _backward_kernel(_spec)
+    KERNELS[_spec.qualname] = _forward_kernel(_spec)
+    KERNELS[_spec.backward_qualname] = _backward_kernel(_spec)
 _registered = False
 
 
@@ -462,6 +601,6 @@ def register_cpu_kernels() -> None:
     with _state.lock:
         if _registered:
             return
-        for op, kernel in _KERNELS.items():
+        for op, kernel in KERNELS.items():
             torch.library.register_kernel(op, "cpu", kernel)
         _registered = True

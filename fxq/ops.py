@@ -80,9 +80,13 @@ _TRACED: dict[str, type[torch.autograd.Function]] = {spec.name: _define(spec) fo
 def _call(spec: OpSpec, *args: Any) -> Tensor:
     """``torch.ops.fxq.<name>`` eagerly (fused CPU loop, Triton on CUDA); on CPU inside ``torch.compile``, the
     reference's aten ops, so inductor fuses them (bit-identical: inductor's C++ divides exactly). CUDA stays on
-    the op's Triton kernel, which divides exactly where inductor's Triton code would not."""
-    if torch.compiler.is_compiling() and args[0].device.type == "cpu":
-        return _TRACED[spec.name].apply(*args)
+    the op's Triton kernel, which divides exactly where inductor's Triton code would not. An eager CPU call that
+    only needs values (no autograd, nothing tracing) runs the op's CPU kernel without the dispatcher."""
+    if args[0].device.type == "cpu":
+        if torch.compiler.is_compiling():
+            return _TRACED[spec.name].apply(*args)
+        if fused_cpu.values_only(args[: spec.num_tensors]):
+            return fused_cpu.KERNELS[spec.qualname](*args)
     return getattr(torch.ops.fxq, spec.name)(*args)
 
 

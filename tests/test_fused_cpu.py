@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-import fxq.ops  # noqa: F401  (registers torch.ops.fxq and the CPU kernels)
+import fxq.ops  # registers torch.ops.fxq and the CPU kernels
 from fxq import functional as F
 from fxq import fused_cpu
 from fxq.fused_cpu import FusedCpuSettings, cpu_fusion, fused_cpu_stats
@@ -200,7 +200,7 @@ def test_small_tensors_do_not_compile():
     """The default threshold keeps small models on the eager reference: nothing compiles, nothing counts."""
     stats = fused_cpu_stats()
     with cpu_fusion(min_numel=fused_cpu.DEFAULT_MIN_NUMEL, warmup_seconds=0):
-        op.fake_quant_linear(torch.randn(64, 64), torch.tensor([0.1]), torch.tensor([0.0]), 0, -128, 127, 0)
+        op.fake_quant_linear(torch.randn(32, 32), torch.tensor([0.1]), torch.tensor([0.0]), 0, -128, 127, 0)
     after = fused_cpu_stats()
     assert after["compiles"] == stats["compiles"] and after["fused_calls"] == stats["fused_calls"]
 
@@ -265,7 +265,7 @@ def test_compile_failure_falls_back_once(monkeypatch, caplog):
     def broken_compile(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(torch._inductor, "standalone_compile", broken_compile)
     monkeypatch.setattr(fused_cpu._state, "broken", None)
     monkeypatch.setattr(fused_cpu._state, "compiled", {})
     x, s, o = torch.randn(10, 10), torch.tensor([0.1]), torch.tensor([0.0])
@@ -275,3 +275,45 @@ def test_compile_failure_falls_back_once(monkeypatch, caplog):
     assert torch.equal(y1, F.linear_fake_quantize_reference(x, s, o, 0, -128, 127, 0)) and torch.equal(y1, y2)
     assert caplog.text.count("fused CPU path disabled") == 1
     assert fused_cpu._state.broken is not None
+
+
+def test_one_graph_serves_every_size_and_bound(forced):
+    """A graph is traced over symbolic sizes on stand-ins of distinct sizes: later calls with equal outer and inner
+    sizes, other channel counts or other clamp bounds reuse it and still match the reference bit for bit."""
+    scale, offset = torch.rand(5) * 0.2 + 0.05, torch.randint(0, 9, (5,)).float()
+    cases = [((2, 5, 7, 3), 1, 0, 255), ((3, 5, 3), 1, -128, 127), ((6, 5, 6), 1, -3, 4), ((4, 8, 4), 1, 0, 15)]
+    compiles = None
+    for shape, axis, qmin, qmax in cases:
+        s, o = (scale, offset) if shape[axis] == 5 else (torch.rand(8) * 0.2 + 0.05, torch.zeros(8))
+        x = _x(shape, s, axis, 30.0)
+        y = op.fake_quant_linear(x, s, o, axis, qmin, qmax, int(RoundingPolicy.HALF_EVEN))
+        assert_bit_identical(y, F.linear_fake_quantize_reference(x, s, o, axis, qmin, qmax, 0), str(shape))
+        if compiles is None:
+            compiles = fused_cpu_stats()["compiles"]
+    assert fused_cpu_stats()["compiles"] == compiles
+
+
+def test_eager_values_skip_the_dispatcher_only_when_nothing_watches():
+    """``fxq.ops`` calls the CPU kernel directly for plain values; with autograd or a dispatch mode the op runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, s, o = torch.randn(4, 4), torch.tensor([0.1]), torch.tensor([0.0])
+    assert fused_cpu.values_only((x, s, o))
+    assert not fused_cpu.values_only((x.requires_grad_(), s, o))
+    with torch.no_grad():
+        assert fused_cpu.values_only((x, s, o))
+    with Seen() as seen:
+        assert not fused_cpu.values_only((x.detach(), s, o))
+        fxq.ops.fake_quant_linear(x.detach(), s, o, 0, -128, 127, 0)
+    assert any("fxq.fake_quant_linear" in name for name in seen.ops)
+    y = fxq.ops.fake_quant_linear(x, s, o, 0, -128, 127, 0)
+    assert y.grad_fn is not None
