@@ -535,3 +535,30 @@ def test_register_onnx_converter_for_a_custom_op(tmp_path) -> None:
 
 def test_exported_from_fxq() -> None:
     assert fxq.load_onnx is load_onnx and "load_onnx" in fxq.__all__
+
+
+def test_shape_inference_runs_on_a_copy_without_weight_data(tmp_path) -> None:
+    """fxq infers shapes on a light copy (large initializers as typed inputs): the same value_info as onnx's
+    inference of the whole model, no weight data in the copy, and the loaded model still matches."""
+    from fxq.frontends.onnx import cleanup
+
+    model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 8 * 8, 10)).eval()
+    path = tmp_path / "m.onnx"
+    torch.onnx.export(model, (torch.randn(1, 3, 8, 8),), str(path), dynamo=False, opset_version=13,
+                      input_names=["x"], dynamic_axes={"x": {0: "n"}})
+    proto = onnx.load(str(path))
+    light = cleanup.light_copy(proto)
+    assert max(int(np.prod(t.dims)) for t in light.graph.initializer) < cleanup.LIGHT_MIN_ELEMENTS
+    assert light.ByteSize() < proto.ByteSize() / 20  # the 40960-element Linear weight is out
+    full = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    ours = cleanup.infer_shapes(proto)
+    assert ours is not proto and not proto.graph.value_info  # a copy unless in_place
+    assert sorted(v.SerializeToString() for v in ours.graph.value_info) == sorted(
+        v.SerializeToString() for v in full.graph.value_info)
+    assert [o.SerializeToString() for o in ours.graph.output] == [o.SerializeToString() for o in full.graph.output]
+    assert cleanup.infer_shapes(proto, in_place=True) is proto and len(proto.graph.value_info) == len(full.graph.value_info)
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(load_onnx(str(path))(x), model(x))
+    import onnx2torch.converter
+
+    assert onnx2torch.converter.safe_shape_inference.__name__ == "safe_shape_inference"  # put back after loading

@@ -20,17 +20,19 @@ Nodes whose output is a graph output are kept (onnx2torch needs every graph outp
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
 __all__ = ["clean", "alias_dotted_domains", "normalize_domains", "drop_initializer_inputs", "fold_constants", "fold_identities",
-           "drop_redundant_allowzero", "infer_shapes"]
+           "drop_redundant_allowzero", "infer_shapes", "light_copy"]
 
 _LOG = logging.getLogger(__name__)
 _DEFAULT_DOMAINS = ("", "ai.onnx")
-INFER_LIMIT_BYTES = 2_000_000_000
+LIGHT_MIN_ELEMENTS = 4096
+"""Initializers this large become typed graph inputs in :func:`light_copy` (no shape tensor is this long)."""
 _T = onnx.TensorProto
 _PLAIN_CASTS = {_T.FLOAT, _T.DOUBLE, _T.FLOAT16, _T.BOOL, _T.INT8, _T.INT16, _T.INT32, _T.INT64, _T.UINT8, _T.UINT16,
                 _T.UINT32, _T.UINT64}  # onnx serializes the model for shape inference: protobuf's 2 GB limit
@@ -178,16 +180,61 @@ def _used_names(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
-def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """onnx's shape inference; the model unchanged (with a warning logged) when it fails or is over 2 GB."""
-    if model.ByteSize() > INFER_LIMIT_BYTES:
-        _LOG.info("model is over 2 GB: shape inference is left to onnx2torch")
-        return model
+def light_copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` for shape inference: initializers of :data:`LIGHT_MIN_ELEMENTS` or more elements become
+    typed graph inputs, so their data is neither copied nor serialized (what onnx's inference costs on a model
+    with weights is mostly that serialization). Shape tensors are small and keep their values for data
+    propagation."""
+    light = onnx.ModelProto()
+    _copy_fields(model, light, skip="graph")
+    graph, source = light.graph, model.graph
+    _copy_fields(source, graph, skip="initializer")
+    inputs = {i.name for i in source.input}
+    for t in source.initializer:
+        if int(np.prod(t.dims, dtype=np.int64)) < LIGHT_MIN_ELEMENTS:
+            graph.initializer.append(t)
+        elif t.name not in inputs:
+            graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return light
+
+
+def _copy_fields(source: Any, target: Any, skip: str) -> None:
+    """Copy every set field of protobuf message ``source`` but ``skip`` into ``target``."""
+    for field, value in source.ListFields():
+        if field.name == skip:
+            continue
+        if not isinstance(value, (str, bytes)) and hasattr(value, "extend"):  # a repeated field
+            getattr(target, field.name).extend(value)
+        elif field.message_type is not None:
+            getattr(target, field.name).CopyFrom(value)
+        else:
+            setattr(target, field.name, value)
+
+
+def infer_shapes(model: onnx.ModelProto, *, in_place: bool = False) -> onnx.ModelProto:
+    """onnx's shape inference (with data propagation), run on :func:`light_copy` of ``model``: ``model`` itself
+    (``in_place``) or a copy of it with the inferred ``value_info``, output types and subgraph shapes.
+
+    Unchanged, with a warning logged, when inference fails. Models over protobuf's 2 GB limit are inferred too
+    (the light copy holds no weights)."""
     try:
-        return onnx.shape_inference.infer_shapes(model, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(light_copy(model), data_prop=True)
     except Exception as exc:  # noqa: BLE001  (inference is a help, not a requirement)
         _LOG.warning("ONNX shape inference failed (%s); converting without inferred shapes", exc)
         return model
+    out = model
+    if not in_place:
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+    graph = out.graph
+    graph.ClearField("value_info")
+    graph.value_info.extend(inferred.graph.value_info)
+    for mine, theirs in zip(graph.output, inferred.graph.output):
+        mine.CopyFrom(theirs)
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
+        graph.ClearField("node")  # subgraphs carry their own inferred value_info
+        graph.node.extend(inferred.graph.node)
+    return out
 
 
 def alias_dotted_domains(model: onnx.ModelProto) -> dict[str, str]:
@@ -218,4 +265,4 @@ def clean(model: onnx.ModelProto, *, infer: bool = True) -> onnx.ModelProto:
         "ONNX clean-up: %d initializer inputs dropped, %d Constant and %d Identity/Cast folded, %d allowzero dropped",
         dropped, constants, identities, allowzero,
     )
-    return infer_shapes(model) if infer else model
+    return infer_shapes(model, in_place=True) if infer else model

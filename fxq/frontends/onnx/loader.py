@@ -1,10 +1,12 @@
 """``load_onnx``: read -> clean -> check every op -> onnx2torch.convert -> name mapping. Nothing partial escapes."""
 from __future__ import annotations
 
+import contextlib
 import keyword
 import logging
 import os
-from typing import Mapping, Sequence
+import threading
+from typing import Iterator, Mapping, Sequence
 
 import onnx
 from torch import fx
@@ -24,6 +26,26 @@ def _placeholder_names_ok(model: onnx.ModelProto) -> bool:
     inits = {t.name for t in model.graph.initializer}
     names = [i.name for i in model.graph.input if i.name not in inits]
     return all(n.isidentifier() and not keyword.iskeyword(n) for n in names)
+
+
+_CONVERT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _inferred_shapes_kept() -> Iterator[None]:
+    """``onnx2torch.convert`` starts by running onnx's shape inference on the whole model, serializing every
+    weight (a quarter of a ResNet-18 load). The model it gets here is inferred already
+    (:func:`fxq.frontends.onnx.shapes.infer_for_conversion`: the same inference with data propagation, on a copy
+    without the weights' data), so inside this block that step hands the model back as it is."""
+    import onnx2torch.converter as converter
+
+    with _CONVERT_LOCK:
+        original = converter.safe_shape_inference
+        converter.safe_shape_inference = lambda model, **kwargs: model
+        try:
+            yield
+        finally:
+            converter.safe_shape_inference = original
 
 
 def _locate_failures(
@@ -122,7 +144,8 @@ def load_onnx(
         raise FrontendError(shapes.advice(proto, source, unknown))
     aliases = cleanup.alias_dotted_domains(proto)
     try:
-        gm = convert(proto, save_input_names=_placeholder_names_ok(proto), attach_onnx_mapping=True)
+        with _inferred_shapes_kept():
+            gm = convert(proto, save_input_names=_placeholder_names_ok(proto), attach_onnx_mapping=True)
     except Exception as exc:  # noqa: BLE001  (onnx2torch raises anything; we name the node)
         raise _locate_failures(proto, source, exc, aliases) from exc
     try:

@@ -14,7 +14,7 @@ import onnx
 from onnx import numpy_helper
 
 from fxq.errors import FrontendError
-from fxq.frontends.onnx.cleanup import INFER_LIMIT_BYTES, infer_shapes
+from fxq.frontends.onnx.cleanup import infer_shapes, light_copy
 
 __all__ = ["Dims", "source_dims", "fix_input_shapes", "infer_for_conversion", "unknown_rank_nodes", "RANK_OPS"]
 
@@ -25,7 +25,6 @@ Dims = list  # list[int | str | None]: static size, symbolic dim_param, or unkno
 RANK_OPS = frozenset({"BatchNormalization", "MaxPool", "AveragePool", "LpPool", "InstanceNormalization"})
 """Ops whose converters read their data input's rank (or sizes) from shape inference."""
 
-_SKELETON_MIN_ELEMENTS = 4096  # larger initializers become typed graph inputs in the inference copy
 _FOLD_MAX_ELEMENTS = 1 << 16  # constant inputs and outputs folded for inference only: shape-sized tensors
 _FOLD_ROUNDS = 64
 _NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
@@ -121,21 +120,11 @@ def _set_dims(info: onnx.ValueInfoProto, dims: Sequence[int]) -> None:
 
 def _skeleton(model: onnx.ModelProto, shapes: Mapping[str, list[int]]) -> onnx.ModelProto:
     """A copy for inference: inputs fixed to ``shapes``, large initializers turned into typed graph inputs."""
-    skel = onnx.ModelProto()
-    skel.CopyFrom(model)
-    graph = skel.graph
-    graph.ClearField("value_info")
-    for info in graph.input:
+    skel = light_copy(model)
+    skel.graph.ClearField("value_info")
+    for info in skel.graph.input:
         if info.name in shapes:
             _set_dims(info, shapes[info.name])
-    keep = []
-    for t in graph.initializer:
-        if int(np.prod(t.dims, dtype=np.int64)) >= _SKELETON_MIN_ELEMENTS:
-            graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-        else:
-            keep.append(t)
-    graph.ClearField("initializer")
-    graph.initializer.extend(keep)
     return skel
 
 
@@ -237,11 +226,11 @@ def infer_for_conversion(model: onnx.ModelProto, fixed: Mapping[str, list[int]])
     ``fixed``), inference also runs at those dims with constant shape subgraphs folded, and fills the ranks and
     sizes the symbolic run could not tell (sizes named by a symbolic dim keep their name).
     """
-    sym = infer_shapes(model)
+    sym = infer_shapes(model, in_place=True)
     shapes = _static_inputs(model, fixed)
-    if shapes is None or model.ByteSize() > INFER_LIMIT_BYTES:
+    if shapes is None:
         return sym
-    sym_infos = _infos(sym)
+    sym_infos = {k: _copy(v) for k, v in _infos(sym).items()}  # ``sym`` is edited below
     if not fixed and all(_static(v) for v in list(sym.graph.value_info) + list(sym.graph.output)):
         return sym  # static file, fully inferred: nothing to add
     skel = _skeleton(model, shapes)
@@ -262,8 +251,7 @@ def infer_for_conversion(model: onnx.ModelProto, fixed: Mapping[str, list[int]])
                 merged.append(sym_infos[name])
             continue
         merged.append(_merge(sym_infos.get(name), info))
-    out = onnx.ModelProto()
-    out.CopyFrom(sym)
+    out = sym  # ``model`` itself, inferred in place
     out.graph.ClearField("value_info")
     outputs = {o.name: o for o in out.graph.output}
     for info in sorted(merged, key=lambda v: v.name):
@@ -271,6 +259,12 @@ def infer_for_conversion(model: onnx.ModelProto, fixed: Mapping[str, list[int]])
             outputs[info.name].CopyFrom(info)
         elif info.name not in outputs and info.name not in graph_inputs:
             out.graph.value_info.append(info)
+    return out
+
+
+def _copy(info: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+    out = onnx.ValueInfoProto()
+    out.CopyFrom(info)
     return out
 
 
