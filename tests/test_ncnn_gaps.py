@@ -5,6 +5,7 @@ Every model is quantized for ``ncnn_int8`` and exported; ncnn's FP32 files must 
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
 import fxq
@@ -592,3 +594,154 @@ def test_adaptive_pool3d(tmp_path: Path) -> None:
         (ref,) = _outputs(gm, x)
     (got,) = run_ncnn(files["fp32_param"], files["fp32_bin"], x, 1, int8=False)
     assert np.abs(got.reshape(ref.shape) - ref).max() <= 1e-4 * max(1.0, float(np.abs(ref).max()))
+
+
+# ------------------------------------------------------------------------------------------ 8. torchvision patterns
+class NhwcBlock(nn.Module):
+    """ConvNeXt's block: a depthwise conv, then LayerNorm and two Linear over the channels of the NHWC permute, a
+    layer scale, the residual; then its LayerNorm2d (permute, F.layer_norm, permute back)."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.stem, self.dw = nn.Conv2d(3, c, 1), nn.Conv2d(c, c, 3, padding=1, groups=c)
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(c), nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        self.scale = nn.Parameter(torch.rand(c, 1, 1) + 0.5)
+        self.norm2d = nn.LayerNorm(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stem(x)
+        z = self.fc2(F.gelu(self.fc1(self.norm(self.dw(y).permute(0, 2, 3, 1)))))
+        y = y + self.scale * z.permute(0, 3, 1, 2)
+        return F.layer_norm(y.permute(0, 2, 3, 1), (8,), self.norm2d.weight, self.norm2d.bias).permute(0, 3, 1, 2)
+
+
+def test_linear_over_nhwc_channels(tmp_path: Path) -> None:
+    """InnerProduct flattens a 3-D blob whole: the Linear over the last dim of (N, H, W, C) is written as a
+    Reshape to rows (H * W, C), an int8 InnerProduct, and a Reshape back whose outermost dim follows the input."""
+    _, files = check(NhwcBlock().eval(), (2, 3, 6, 5), tmp_path / "net", sizes=((1, 3, 9, 5),))
+    text = files["param"].read_text()
+    assert text.count("InnerProduct") == 2 and text.count(" 8=2") == 3 and " 8=1" in text  # int8: all but LayerNorm
+    assert re.search(r"Reshape\s+fc1_rows .* 0=8 1=-1$", text, re.M)
+
+
+class ClassToken(nn.Module):
+    """ViT's input: patch embedding, a class token expanded along the batch and concatenated in front, a position
+    embedding added; one encoder MLP; the class token's features."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, d, 4, 4)
+        self.cls = nn.Parameter(torch.randn(1, 1, d))
+        self.pos = nn.Parameter(torch.randn(1, 5, d))
+        self.norm, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        t = self.proj(x).reshape(n, self.cls.shape[-1], -1).permute(0, 2, 1)
+        t = torch.cat([self.cls.expand(n, -1, -1), t], dim=1) + self.pos
+        t = t + self.fc(self.norm(t))
+        return self.head(t[:, 0])
+
+
+def test_class_token_of_an_expanded_parameter(tmp_path: Path) -> None:
+    """``cls.expand(n, -1, -1)`` is computed from a parameter and the input's batch size only: the exporter
+    treated it as shape arithmetic and refused it as a Concat input; it is a MemoryData of its batch-1 value."""
+    _, files = check(ClassToken().eval(), (2, 3, 8, 8), tmp_path / "net")
+    text = files["param"].read_text()
+    assert re.search(r"MemoryData\s+expand\s+0 1 expand 0=16 1=1$", text, re.M)
+    assert re.search(r"Concat\s+cat\s+2 1 expand ", text, re.M)
+
+
+class Windows(nn.Module):
+    """MaxViT's window partition (rank-6 reshape and permute), relative attention inside each window (einsum),
+    the grid swap (torch.swapaxes), and the departition back to (N, C, H, W)."""
+
+    def __init__(self, c: int = 8, p: int = 2) -> None:
+        super().__init__()
+        self.p = p
+        self.conv, self.qkv, self.out = nn.Conv2d(3, c, 1), nn.Linear(c, 3 * c), nn.Conv2d(c, c, 1)
+        self.bias = nn.Parameter(torch.randn(2, p * p, p * p))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        b, c, h, w = y.shape
+        p = self.p
+        t = y.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(b, -1, p * p, c)
+        qkv = torch.swapaxes(self.qkv(torch.swapaxes(t, -2, -3)), -2, -3)
+        q, k, v = qkv.chunk(3, dim=-1)
+        q, k, v = (z.reshape(b, -1, p * p, 2, c // 2).permute(0, 1, 3, 2, 4) for z in (q, k, v))
+        a = torch.softmax(torch.einsum("b g h i d, b g h j d -> b g h i j", q, k) + self.bias, dim=-1)
+        t = torch.einsum("bghij,bghjd->bghid", a, v).permute(0, 1, 3, 2, 4).reshape(b, -1, p * p, c)
+        t = t.reshape(b, h // p, w // p, p, p, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, h, w)
+        return self.out(t + y)
+
+
+def test_window_partition_of_rank_6(tmp_path: Path) -> None:
+    """A (N, C, H/p, p, W/p, p) value is a rank-5 blob, beyond ncnn's 4 dims: it is kept as a rank-4 blob of the
+    same elements, and its permute is written as Reshape + Permute steps of at most 4 dim groups."""
+    _, files = check(Windows().eval(), (2, 3, 8, 12), tmp_path / "net")
+    text = files["param"].read_text()
+    assert "permute_step0" in text and text.count("MatMul") == 2
+
+
+def test_permute_steps_reach_every_order() -> None:
+    """The Reshape + Permute plan of a permutation of up to 6 groups (breadth-first) and beyond (one group at a
+    time) ends at that permutation, each step permuting at most 4 contiguous chunks."""
+    from fxq.backends.ncnn.layers import _permute_steps
+
+    def apply(steps: Any, m: int) -> tuple[int, ...]:
+        seq = tuple(range(m))
+        for cuts, perm in steps:
+            chunks = [seq[lo:hi] for lo, hi in zip((0, *cuts), (*cuts, m))]
+            assert 2 <= len(chunks) <= 4 and sorted(perm) == list(range(len(chunks)))
+            seq = tuple(g for i in perm for g in chunks[i])
+        return seq
+
+    for m in range(1, 6):
+        for target in itertools.permutations(range(m)):
+            assert apply(_permute_steps(target), m) == target
+    for target in [(1, 3, 2, 4, 0), (5, 4, 3, 2, 1, 0), (6, 0, 5, 1, 4, 2, 3), (7, 5, 3, 1, 6, 4, 2, 0)]:
+        assert apply(_permute_steps(target), len(target)) == target
+    assert len(_permute_steps((1, 3, 2, 4, 0))) == 2  # MaxViT's partition: two Permute layers
+
+
+class HighRankSoftmax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return torch.softmax(y.reshape(1, 2, 4, 2, 2, 3), dim=2).reshape(1, 8, 4, 3)
+
+
+def test_high_rank_values_only_reshape_and_permute(tmp_path: Path) -> None:
+    gm = fxq.quantize(HighRankSoftmax().eval(), [torch.randn(1, 3, 4, 3)], "ncnn_int8", progress=False)
+    with pytest.raises(ExportError, match=r"node 'softmax' \(op Softmax.*has 5 dims besides the batch; ncnn blobs "
+                                          r"have at most 4.*Fix: .*trt_int8 / ort_int8"):
+        export(gm, "ncnn", tmp_path / "net")
+
+
+class SsdL2Norm(nn.Module):
+    """SSD300's L2Norm (F.normalize over the channels times a per-channel ``weight.view(1, -1, 1, 1)``: a
+    reshape of a parameter the exporter took for a reshape of the batch) and its head's box layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.box = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 2 * 4, 3, padding=1)
+        self.weight = nn.Parameter(torch.rand(8) * 20)
+        self.fc = nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.conv(x)
+        y = self.weight.view(1, -1, 1, 1) * F.normalize(y, dim=1)
+        n, _, h, w = y.shape
+        boxes = self.box(y).view(n, -1, 4, h, w).permute(0, 3, 4, 1, 2).reshape(n, -1, 4)
+        return boxes, F.normalize(self.fc(y.mean((2, 3))), dim=1)
+
+
+def test_ssd_l2norm_and_box_layout(tmp_path: Path) -> None:
+    _, files = check(SsdL2Norm().eval(), (2, 3, 6, 7), tmp_path / "net")
+    text = files["param"].read_text()
+    assert text.count("Normalize") == 2 and "MemoryData" in text

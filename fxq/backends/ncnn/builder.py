@@ -7,7 +7,9 @@ receive the :class:`NcnnBuilder` and the node. Blobs follow ncnn's batch-less la
 ``(T, 1, D)``, still the blob ``(T, D)``, and torch's attention folds the batch into the heads,
 ``(T, B * H, Dh)``, a blob with every dim. :meth:`NcnnBuilder.batch_dim` records which torch dim a value's
 blob leaves out (``None``: none); converters registered with ``any_batch_dim=True`` read it, every other
-converter gets only values whose batch is dim 0.
+converter gets only values whose batch is dim 0. A value of more than 4 dims besides the batch (beyond ncnn's
+blobs) is a rank-4 blob of its elements in torch's order (:meth:`NcnnBuilder.stored_shape`), which only converters
+registered with ``high_rank=True`` (reshape, permute, identity) read; the builder refuses it to any other op.
 
 Naming: a layer is named after the original layer (``node.meta["caffe"]["layer"]``,
 ``node.meta["onnx"]["node_name"]``) or else the fx node's name; a layer's output blob carries the layer's
@@ -21,6 +23,7 @@ biases) are ``ncnn_int8``'s :class:`~fxq.qconfig.Capability`, checked by the exp
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any
 
@@ -28,7 +31,7 @@ import numpy as np
 import torch
 from torch import fx, nn
 
-from fxq.backends.ncnn.registry import NCNN_CONVERTERS, converts_tuples, takes_any_batch_dim
+from fxq.backends.ncnn.registry import NCNN_CONVERTERS, converts_tuples, takes_any_batch_dim, takes_high_rank
 from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim, shape_params
 from fxq.errors import ExportError
 from fxq.functional import fake_quantize
@@ -39,7 +42,7 @@ from fxq.graph.passes import propagate_tensor_meta
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import QUANTIZING_STATES, QuantState, RoundingPolicy
 
-__all__ = ["NcnnBuilder", "WeightInfo", "build_ncnn_model"]
+__all__ = ["NcnnBuilder", "WeightInfo", "build_ncnn_model", "fold_dims"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +93,12 @@ class NcnnBuilder:
         self.model = NcnnModel()
         self.blob_of: dict[fx.Node, str] = {}
         self._batch_dims: dict[fx.Node, int | None] = {}  # the torch dim a value's blob leaves out (default 0)
+        self._stored: dict[fx.Node, tuple[int, ...]] = {}  # ncnn shapes of values of more than 4 blob dims
         self._layer_names: set[str] = set()
         self._blob_names: set[str] = set()
         self.used_quantizers: set[tuple[fx.Node, fx.Node]] = set()  # (quantizer node, consumer node)
         self._warned: set[str] = set()
-        self.static_nodes: set[fx.Node] = set()  # values computed from tensor shapes and constants only
+        self.static_nodes: set[fx.Node] = set()  # values computed from shapes, constants and stored tensors
         self._static: dict[tuple[fx.Node, bool], Any] = {}
 
     # ------------------------------------------------------------------ graph helpers
@@ -134,6 +138,16 @@ class NcnnBuilder:
         if not shape:
             raise ExportError(f"node {node.name!r} is a scalar tensor; ncnn blobs have a batch-less shape (C, H, W)")
         return drop_dim(shape, self.batch_dim(node))
+
+    def stored_shape(self, node: fx.Node) -> tuple[int, ...]:
+        """The shape of ``node``'s ncnn blob: :meth:`blob_shape`, or for a value of more than 4 dims besides the
+        batch (ncnn's limit) those dims with the outermost merged into one (:func:`fold_dims`): a blob keeps
+        torch's element order, so such a value is a rank-4 blob that only ``high_rank`` converters read."""
+        return self._stored.get(self.strip(node)) or self.blob_shape(node)
+
+    def high_rank(self, node: fx.Node) -> bool:
+        """Whether ``node``'s value has more than 4 dims besides the batch (see :meth:`stored_shape`)."""
+        return self.strip(node) in self._stored
 
     def ncnn_axis(self, node: fx.Node, dim: int, value: fx.Node) -> int:
         """The blob axis of torch dim ``dim`` of ``value`` (an input of ``node``, whose layer works along it)."""
@@ -188,20 +202,30 @@ class NcnnBuilder:
         return _reserve(name, self._blob_names)
 
     def blob(self, arg: Any, node: fx.Node) -> str:
-        """ncnn blob name of a tensor argument of ``node``."""
+        """ncnn blob name of a tensor argument of ``node``; a stored tensor, or one computed from stored tensors
+        and shapes only (``class_token.expand(n, -1, -1)``), becomes a ``MemoryData`` (:meth:`constant`)."""
         if not isinstance(arg, fx.Node):
             raise self.fail(node, f"an input is the constant {arg!r}, not a tensor computed in the graph",
                             "ncnn has no constant tensors here; make it a parameter of a supported layer")
         src = self.strip(arg)
+        if src in self.blob_of:
+            return self.blob_of[src]
+        if self.is_constant(src):
+            return self.constant(arg, node, like=arg)
         if src in self.static_nodes:
             raise self.fail(node, f"its input {src.name!r} is computed from tensor shapes only (a constant at export "
                             "time), not a tensor of the network", "use such values only as shapes / slice bounds")
-        if src not in self.blob_of:
-            what = "a stored tensor (get_attr)" if src.op == "get_attr" else f"node {src.name!r}"
-            raise self.fail(node, f"its input {what} has no ncnn blob",
-                            "only values computed by exported layers can feed a layer; stored tensors are "
-                            "exported only as operands of elementwise arithmetic (ncnn MemoryData)")
-        return self.blob_of[src]
+        raise self.fail(node, f"its input node {src.name!r} has no ncnn blob",
+                        "only values computed by exported layers or stored tensors can feed a layer")
+
+    def is_constant(self, arg: Any) -> bool:
+        """Whether ``arg`` is a floating-point tensor fixed at export time: a stored tensor (get_attr) or a value
+        computed from stored tensors and shapes only (a static node, :meth:`static_value`)."""
+        src = self.strip(arg) if isinstance(arg, fx.Node) else arg
+        if not isinstance(src, fx.Node) or (src.op != "get_attr" and src not in self.static_nodes):
+            return False
+        value = get_attr_value(self.gm, str(src.target)) if src.op == "get_attr" else self.static_value(src)
+        return isinstance(value, torch.Tensor) and value.is_floating_point()
 
     def emit(self, node: fx.Node, layer_type: str, bottoms: list[str], params: dict[int, Any] | None = None,
              weights: list[tuple[str, np.ndarray]] | None = None, *, int8: Int8Scales | None = None,
@@ -240,6 +264,9 @@ class NcnnBuilder:
     def _set_blob(self, node: fx.Node, blob: str, batch_dim: int | None) -> None:
         self.blob_of[node] = blob
         self._batch_dims[node] = batch_dim
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() - (batch_dim is not None) > 4:
+            self._stored[node] = fold_dims(drop_dim(tuple(int(d) for d in val.shape), batch_dim))
 
     def _input_batch_dim(self, node: fx.Node) -> int | None:
         src = next((s for s in map(self.strip, node.all_input_nodes) if s in self.blob_of), None)
@@ -275,16 +302,16 @@ class NcnnBuilder:
 
     # ------------------------------------------------------------------ shape arithmetic
     def _find_static(self) -> None:
-        """Mark the values computed only from tensor shapes (``Shape`` nodes) and constants: ONNX's
-        Shape -> Gather -> Unsqueeze -> Concat -> Reshape. ncnn has no shape tensors; such values are constants
-        of the exported file (:meth:`static_value`) and produce no layers."""
+        """Mark the values computed only from tensor shapes (``Shape`` nodes), constants and stored tensors: ONNX's
+        Shape -> Gather -> Unsqueeze -> Concat -> Reshape, and parameter arithmetic (SSD's
+        ``weight.view(1, -1, 1, 1)``, ViT's ``class_token.expand(n, -1, -1)``). ncnn has no shape tensors; such
+        values are constants of the exported file (:meth:`static_value`): numbers where a layer takes a shape,
+        ``MemoryData`` where a layer takes a tensor (:meth:`blob`), no layers of their own."""
         for node in self.gm.graph.nodes:
             if node.op not in ("call_module", "call_function", "call_method") or self.is_quantizer(node):
                 continue
             ins = node.all_input_nodes
-            if self.op(node) == "Shape" or (
-                    any(i in self.static_nodes for i in ins)
-                    and all(i in self.static_nodes or i.op == "get_attr" for i in ins)):
+            if self.op(node) == "Shape" or (ins and all(i in self.static_nodes or i.op == "get_attr" for i in ins)):
                 self.static_nodes.add(node)
 
     def static_value(self, node: fx.Node, probe: bool = False) -> Any:
@@ -458,6 +485,8 @@ class NcnnBuilder:
                                     "rewrite this op with supported ones")
                 if not takes_any_batch_dim(t):
                     self._check_batch_first(node)
+                if not takes_high_rank(t):
+                    self._check_rank(node)
                 try:
                     NCNN_CONVERTERS.get(t)(self, node)
                 except ExportError:
@@ -480,6 +509,15 @@ class NcnnBuilder:
                                 f"dimension at dim {self.batch_dim(arg)} (moved by a transpose / reshape); the ncnn "
                                 "converter of this op needs it at dim 0",
                                 "transpose / reshape the value back to batch-first before this op")
+
+    def _check_rank(self, node: fx.Node) -> None:
+        for arg in node.all_input_nodes:
+            if self.high_rank(arg):
+                raise self.fail(node, f"its input {self.strip(arg).name!r} of shape {self.shape(arg)} has "
+                                f"{len(self.blob_shape(arg))} dims besides the batch; ncnn blobs have at most 4, and "
+                                "only reshapes and permutes of such values are exported",
+                                "reshape the value to at most 4 dims besides the batch before this op, or deploy "
+                                "the model with another platform (trt_int8 / ort_int8: ONNX tensors take any rank)")
 
     def _input(self, node: fx.Node) -> None:
         if not node.users:
@@ -506,6 +544,10 @@ class NcnnBuilder:
             if src not in self.blob_of or self.blob_of[src] in self.model.inputs:
                 raise ExportError(f"ncnn export: graph output {i} ({src.name!r}) is not computed by an exported "
                                   "layer. Fix: return tensors computed by the network")
+            if self.high_rank(src):
+                raise self.fail(src, f"it is graph output {i}, of shape {self.shape(src)}, with more than 4 dims "
+                                "besides the batch; ncnn blobs have at most 4", "return a tensor of at most 4 dims "
+                                "besides the batch (reshape it in the model; the caller can reshape it back)")
             if self.batch_dim(src) != 0:
                 shape = self.shape(src)
                 if shape[0] != 1 or not 1 <= len(shape) - 1 <= 4:
@@ -513,6 +555,14 @@ class NcnnBuilder:
                                     "dimension; ncnn outputs drop dim 0", "return a batch-first tensor")
                 self.emit(src, "Reshape", [self.blob_of[src]], shape_params(shape[1:]), batch_dim=0)
             self.model.outputs.append(self.blob_of[src])
+
+
+def fold_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A blob shape of more than 4 dims with its outermost dims merged into one: 4 dims, the same elements in the
+    same order (``shape`` itself when it has at most 4)."""
+    if len(shape) <= 4:
+        return shape
+    return (math.prod(shape[:-3]), *shape[-3:])
 
 
 def _target(node: fx.Node) -> str:

@@ -7,6 +7,7 @@ graphs move a batch of 1 and fold it into the heads; see :mod:`fxq.backends.ncnn
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxq.backends.ncnn.builder import NcnnBuilder
+from fxq.backends.ncnn.builder import NcnnBuilder, fold_dims
 from fxq.backends.ncnn.platforms import is_depthwise, pair
 from fxq.backends.ncnn.registry import register_ncnn_converter
 from fxq.backends.ncnn.writer import Int8Scales, drop_dim, shape_params
@@ -230,7 +231,12 @@ def _deconv(b: NcnnBuilder, node: fx.Node) -> None:
 
 @register_ncnn_converter("Gemm", any_batch_dim=True)
 def _linear(b: NcnnBuilder, node: fx.Node) -> None:
-    """``InnerProduct``: ncnn multiplies a 1-D blob, or each row of a 2-D blob (``(N, T, F)`` -> rows T)."""
+    """``InnerProduct``: ncnn multiplies a 1-D blob, or each row of a 2-D blob (``(N, T, F)`` -> rows T).
+
+    A blob of rank 3 or 4 (ConvNeXt's ``Linear`` over the channels of an NHWC ``(N, H, W, C)`` value) would be
+    flattened whole by ``InnerProduct``, so it is reshaped to rows ``(H * W, C)`` first and back to
+    ``(H, W, out)`` after; the layer itself keeps the node's name (its int8 table lines).
+    """
     mod = b.module(node)
     if mod is not None:
         x, w_arg, bias_arg = node.args[0], mod.weight, mod.bias
@@ -239,17 +245,27 @@ def _linear(b: NcnnBuilder, node: fx.Node) -> None:
     else:
         raise b.fail(node, "only F.linear / nn.Linear are exported as InnerProduct", "use nn.Linear")
     shape, bd = b.shape(x), b.batch_dim(x)
-    if len(b.blob_shape(x)) not in (1, 2) or bd == len(shape) - 1:
-        raise b.fail(node, f"its input of shape {shape} (batch dim {bd}) is a rank-{len(b.blob_shape(x))} blob; "
-                     "ncnn's InnerProduct maps the last dim of a (N, F) or (N, T, F) input",
-                     "reshape the input to (N, F) or (N, T, F) first")
+    in_blob, out_blob = b.blob_shape(x), b.blob_shape(node)
+    if not 1 <= len(in_blob) <= 4 or bd == len(shape) - 1:
+        raise b.fail(node, f"its input of shape {shape} (batch dim {bd}) is a rank-{len(in_blob)} blob whose "
+                     "last dim is not the features; ncnn's InnerProduct maps the last dim of a blob of rank 1 to 4",
+                     "reshape the input to (N, ..., F) with the batch outside the last dim first")
     w = b.weight(w_arg, node)
     out_ch = int(w.fp32.shape[0])
     bias = b.param(bias_arg, node, "bias") if bias_arg is not None else None
     int8 = b.int8_scales(node, x, w)
     params = {0: out_ch, 1: int(bias is not None), 2: int(w.fp32.numel())}
     tail = [("raw", _np(bias))] if bias is not None else []
-    layer = b.emit(node, "InnerProduct", [b.blob(x, node)], params, [("tagged", _np(w.fp32))] + tail, int8=int8)
+    weights = [("tagged", _np(w.fp32))] + tail
+    if len(in_blob) <= 2:
+        layer = b.emit(node, "InnerProduct", [b.blob(x, node)], params, weights, int8=int8)
+    else:  # rows of the last dim, then the blob's own shape back (the outermost dim follows the input's size)
+        name = b.layer_name(node)
+        rows = b.add_layer(node, "Reshape", [b.blob(x, node)], {0: in_blob[-1], 1: -1},
+                           name=b.unique_layer_name(f"{name}_rows")).tops[0]
+        layer = b.add_layer(node, "InnerProduct", [rows], params, weights, int8=int8, name=name)
+        b.emit(node, "Reshape", [layer.tops[0]], shape_params((-1, *out_blob[1:])),
+               name=b.unique_layer_name(f"{name}_unrows"))
     if int8 is not None:
         layer.int8_weights = [("tagged", _np(w.quantized()))] + tail
 
@@ -281,7 +297,7 @@ for _onnx_type, _unary_type in (("Abs", 0), ("Neg", 1), ("Sqrt", 5), ("Exp", 7),
     register_ncnn_converter(_onnx_type, any_batch_dim=True)(_unary("UnaryOp", {0: _unary_type}))
 
 
-@register_ncnn_converter("Identity", any_batch_dim=True)
+@register_ncnn_converter("Identity", any_batch_dim=True, high_rank=True)
 def _identity(b: NcnnBuilder, node: fx.Node) -> None:
     """``contiguous`` / ``clone`` / ``detach`` / dropout: the input's blob, no layer."""
     x = node.args[0]
@@ -414,10 +430,35 @@ def _layernorm(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, "LayerNorm", [b.blob(x, node)], {0: size, 1: float(eps), 2: int(bool(weights))}, weights)
 
 
+@register_ncnn_converter("LpNormalization")
+def _l2_normalize(b: NcnnBuilder, node: fx.Node) -> None:
+    """``F.normalize(x, p=2, dim=1, eps)`` (SSD's L2Norm) as ``Normalize`` (0 across_spatial, 4 across_channel,
+    1 channel_shared, 2 eps, 9 eps_mode 1 = torch's ``x / max(||x||, eps)``, 3 scale_data_size; scale 1): over
+    the channels at each position of (N, C, H, W), or over the whole (N, C) vector."""
+    if b.module(node) is not None or node.target is not F.normalize:
+        raise b.fail(node, "only F.normalize is exported as Normalize", "write the normalization as F.normalize")
+    x = _arg(node, 0, "input")
+    p_norm = float(_const(b, node, _arg(node, 1, "p", 2.0), "p"))
+    dim, eps = (_const(b, node, _arg(node, i, k, d), k) for i, k, d in ((2, "dim", 1), (3, "eps", 1e-12)))
+    rank = len(b.shape(x))
+    if p_norm != 2.0 or int(dim) % rank != 1 or rank not in (2, 4):
+        raise b.fail(node, f"it is an L{p_norm:g} normalization along dim {dim} of a rank-{rank} tensor; ncnn's "
+                     "Normalize takes the L2 norm over the channels (dim 1) of (N, C) or (N, C, H, W)",
+                     "normalize with p=2 along dim 1 of (N, C) or (N, C, H, W)")
+    across_spatial, across_channel = (1, 0) if rank == 2 else (0, 1)
+    params = {0: across_spatial, 4: across_channel, 1: 1, 2: float(eps), 9: 1, 3: 1}
+    b.emit(node, "Normalize", [b.blob(x, node)], params, [("raw", np.ones(1, dtype=np.float32))])
+
+
 @register_ncnn_converter("MatMul", any_batch_dim=True)
 def _matmul(b: NcnnBuilder, node: fx.Node) -> None:
     """``MatMul`` of two blobs laid out alike: ncnn multiplies the two innermost axes, batched over the rest."""
     lhs, rhs = _arg(node, 0, "input"), _arg(node, 1, "mat2" if "mat2" in node.kwargs else "other")
+    _check_matmul_operands(b, node, lhs, rhs)
+    b.emit(node, "MatMul", [b.blob(lhs, node), b.blob(rhs, node)], {0: 0})
+
+
+def _check_matmul_operands(b: NcnnBuilder, node: fx.Node, lhs: Any, rhs: Any) -> None:
     if not isinstance(lhs, fx.Node) or not isinstance(rhs, fx.Node):
         raise b.fail(node, "an operand is not a tensor", "multiply two tensors computed in the graph")
     (sa, ba), (sb, bb) = ((b.shape(t), b.batch_dim(t)) for t in (lhs, rhs))
@@ -425,7 +466,52 @@ def _matmul(b: NcnnBuilder, node: fx.Node) -> None:
         raise b.fail(node, f"operands of shapes {sa} and {sb} (batch dims {ba}, {bb}) are not two equally batched "
                      "matrices; ncnn's MatMul here multiplies blobs of one layout", "broadcast or reshape the "
                      "operands to one shape (..., M, K) @ (..., K, N) with the batch outside the last two dims")
-    b.emit(node, "MatMul", [b.blob(lhs, node), b.blob(rhs, node)], {0: 0})
+
+
+@register_ncnn_converter("Einsum", any_batch_dim=True)
+def _einsum(b: NcnnBuilder, node: fx.Node) -> None:
+    """A batched matrix product written as ``einsum`` (MaxViT's ``"B G H I D, B G H J D -> B G H I J"``):
+    ``MatMul``, after a ``Permute`` of an operand's last two dims where the equation has them the other way
+    (``I D, J D`` is ``x @ y.mT``). Other equations are refused."""
+    mod = b.module(node)
+    if mod is not None:  # onnx2torch's OnnxEinsum(equation)(*operands)
+        equation, operands = getattr(mod, "equation", None), list(node.args)
+    else:
+        equation, operands = node.args[0], list(node.args[1:])
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = list(operands[0])
+    terms, out = _einsum_terms(equation)
+    if len(terms) != 2 or len(operands) != 2 or len(out) < 2:
+        raise b.fail(node, f"einsum {equation!r} is not a product of two operands", _EINSUM_FIX)
+    (lhs_t, rhs_t), (lhs, rhs) = terms, operands
+    batch, (i, j) = out[:-2], out[-2:]
+    shared = set(lhs_t[-2:]) & set(rhs_t[-2:])
+    k = next(iter(shared)) if len(shared) == 1 else None
+    if k is None or lhs_t[:-2] != batch or rhs_t[:-2] != batch or {i, k} != set(lhs_t[-2:]) or \
+            {k, j} != set(rhs_t[-2:]) or k in out:
+        raise b.fail(node, f"einsum {equation!r} is not a batched matrix product (..., i, k) x (..., k, j)",
+                     _EINSUM_FIX)
+    _check_matmul_operands(b, node, lhs, rhs)
+    blobs = [b.blob(lhs, node), b.blob(rhs, node)]
+    for n, (t, operand, want) in enumerate(((lhs_t, lhs, (i, k)), (rhs_t, rhs, (k, j)))):
+        if tuple(t[-2:]) != want:
+            rank = len(b.blob_shape(operand))
+            order = tuple(range(rank - 2)) + (rank - 1, rank - 2)
+            blobs[n] = b.helper(node, "Permute", [blobs[n]],
+                                {0: list(itertools.permutations(range(rank))).index(order)})
+    b.emit(node, "MatMul", blobs, {0: 0})
+
+
+_EINSUM_FIX = "write it as torch.matmul (with .transpose(-1, -2) where needed)"
+
+
+def _einsum_terms(equation: Any) -> tuple[list[str], str]:
+    """The operands' subscripts and the output's of an explicit einsum equation (spaces ignored; no ``...``)."""
+    text = str(equation).replace(" ", "")
+    if "->" not in text or "." in text:
+        return [], ""
+    inputs, out = text.split("->")
+    return inputs.split(","), out
 
 
 # --------------------------------------------------------------------------- pooling
@@ -608,7 +694,7 @@ def _binary(b: NcnnBuilder, node: fx.Node) -> None:
 def _scalar_operand(b: NcnnBuilder, node: fx.Node, value: Any) -> Any:
     """A one-element stored tensor whose broadcast leaves the other operand's shape as its number, else ``value``."""
     src = b.strip(value) if isinstance(value, fx.Node) else value
-    if isinstance(src, fx.Node) and src.op == "get_attr":
+    if isinstance(src, fx.Node) and b.is_constant(src):
         t = b.param(src, node, "constant operand")
     elif isinstance(src, torch.Tensor):
         t = src.detach().float().cpu()
@@ -634,7 +720,7 @@ def _full_operand(b: NcnnBuilder, node: fx.Node, lhs: fx.Node, rhs: fx.Node) -> 
     """The operand whose layout the result keeps: a computed one of the result's rank (lhs first)."""
     rank = len(b.shape(node))
     for t in (lhs, rhs):
-        if b.strip(t).op != "get_attr" and len(b.shape(t)) == rank:
+        if not b.is_constant(t) and len(b.shape(t)) == rank:
             return t
     raise b.fail(node, f"operands of shapes {b.shape(lhs)} and {b.shape(rhs)} broadcast to {b.shape(node)}, and "
                  "no tensor computed in the graph has the result's rank", "reshape an operand to the result's rank")
@@ -650,7 +736,7 @@ def _broadcast_operands(b: NcnnBuilder, node: fx.Node, lhs: fx.Node, rhs: fx.Nod
         if t is full:
             blobs.append(b.blob(t, node))
             continue
-        if b.strip(t).op == "get_attr":
+        if b.is_constant(t):
             blobs.append(b.constant(t, node, like=full))
             continue
         shape, t_bd = b.shape(t), b.batch_dim(t)
@@ -684,11 +770,12 @@ def _concat(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, "Concat", [b.blob(t, node) for t in tensors], {0: axis})
 
 
-@register_ncnn_converter("Flatten", "Reshape", "Squeeze", "Unsqueeze", any_batch_dim=True)
+@register_ncnn_converter("Flatten", "Reshape", "Squeeze", "Unsqueeze", any_batch_dim=True, high_rank=True)
 def _reshape(b: NcnnBuilder, node: fx.Node) -> None:
     """``Reshape`` (``Flatten`` to 1-D; nothing when the blob keeps its shape). A batch > 1 stays dim 0; a batch
     of 1 may merge into other dims (attention's ``(T, B * H, Dh)``): a blob keeps torch's element order, so any
-    size-1 dim of the result can be the one its blob leaves out (the first is), or none."""
+    size-1 dim of the result can be the one its blob leaves out (the first is), or none. A result of more than 4
+    dims besides the batch is the rank-4 blob of :meth:`NcnnBuilder.stored_shape` (for a permute to read)."""
     x = node.args[0]
     in_shape, out_shape, bd = b.shape(x), b.shape(node), b.batch_dim(x)
     if bd is not None and in_shape and in_shape[bd] != 1:
@@ -699,17 +786,19 @@ def _reshape(b: NcnnBuilder, node: fx.Node) -> None:
     else:
         out_bd = next((d for d, n in enumerate(out_shape) if n == 1), None)
     blob_shape = drop_dim(out_shape, out_bd)
-    if not 1 <= len(blob_shape) <= 4:
-        raise b.fail(node, f"reshape {in_shape} -> {out_shape} gives a rank-{len(blob_shape)} blob",
+    if not blob_shape:
+        raise b.fail(node, f"reshape {in_shape} -> {out_shape} gives a rank-0 blob",
                      "ncnn blobs have rank 1 to 4 without the batch dimension")
     if blob_shape == b.blob_shape(x):
         b.alias(node, x, out_bd)
     elif len(blob_shape) == 1:
         b.emit(node, "Flatten", [b.blob(x, node)], batch_dim=out_bd)
-    elif bd == 0 and out_bd == 0:
+    elif bd == 0 and out_bd == 0 and len(blob_shape) <= 4 and not b.high_rank(x):
         b.emit(node, "Reshape", [b.blob(x, node)], _reshape_params(b, node, x, blob_shape), batch_dim=0)
+    elif fold_dims(blob_shape) == b.stored_shape(x):
+        b.alias(node, x, out_bd)
     else:
-        b.emit(node, "Reshape", [b.blob(x, node)], shape_params(blob_shape), batch_dim=out_bd)
+        b.emit(node, "Reshape", [b.blob(x, node)], shape_params(fold_dims(blob_shape)), batch_dim=out_bd)
 
 
 _NAMES = {1: "w", 2: "hw", 3: "chw", 4: "cdhw"}  # ncnn's names of a blob's dims, outermost first
@@ -893,12 +982,13 @@ def _pad(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, "Padding", [b.blob(x, node)], params)
 
 
-@register_ncnn_converter("Transpose", any_batch_dim=True)
+@register_ncnn_converter("Transpose", any_batch_dim=True, high_rank=True)
 def _permute(b: NcnnBuilder, node: fx.Node) -> None:
     """``Permute`` (0 order_type) of a batch-less blob of rank 2 to 4; nothing when only a batch of 1 moves.
 
     ncnn numbers the orders of a rank-r blob like ``itertools.permutations(range(r))``, in torch's
-    outermost-first dim order (the tests run every order of ranks 3 and 4 through ncnn).
+    outermost-first dim order (the tests run every order of ranks 3 and 4 through ncnn). A permutation of more
+    than 4 blob dims (MaxViT's window partition) is a few ``Reshape`` + ``Permute`` pairs (:func:`_permute_steps`).
     """
     x = _arg(node, 0, "input")
     shape, bd = b.shape(x), b.batch_dim(x)
@@ -912,11 +1002,84 @@ def _permute(b: NcnnBuilder, node: fx.Node) -> None:
     if order == tuple(sorted(order)):
         b.alias(node, x, out_bd)
         return
-    if len(order) > 4:
-        raise b.fail(node, f"permutation {tuple(dims)} of a tensor of shape {shape} permutes a rank-{len(order)} "
-                     "blob", "ncnn's Permute takes blobs of rank 2 to 4")
+    if len(order) > 4 or b.high_rank(x):
+        _permute_high_rank(b, node, x, order, out_bd)
+        return
     b.emit(node, "Permute", [b.blob(x, node)], {0: list(itertools.permutations(range(len(order)))).index(order)},
            batch_dim=out_bd)
+
+
+def _permute_high_rank(b: NcnnBuilder, node: fx.Node, x: fx.Node, order: tuple[int, ...], out_bd: int | None
+                       ) -> None:
+    """A permutation ``order`` of a blob of more than 4 dims: dims of size 1 dropped and dims that stay neighbours
+    merged, then :func:`_permute_steps` of at most 4 groups each, every step a ``Reshape`` to the groups and a
+    ``Permute`` of them (a blob keeps torch's element order, so a reshape only regroups)."""
+    in_blob = b.blob_shape(x)
+    kept = [a for a in order if in_blob[a] != 1]
+    runs: list[list[int]] = []  # input dims that stay neighbours, in output order
+    for a in kept:
+        if runs and a > runs[-1][-1] and all(in_blob[i] == 1 for i in range(runs[-1][-1] + 1, a)):
+            runs[-1].append(a)
+        else:
+            runs.append([a])
+    by_input = sorted(range(len(runs)), key=lambda r: runs[r][0])
+    sizes = [math.prod(in_blob[a] for a in runs[r]) for r in by_input]
+    target = tuple(by_input.index(r) for r in range(len(runs)))  # group (numbered in input order) per output place
+    name = b.layer_name(node)
+    blob = b.blob(x, node)
+    current, stored = tuple(range(len(sizes))), b.stored_shape(x)
+    for k, (cuts, perm) in enumerate(_permute_steps(target)):
+        chunks = [current[lo:hi] for lo, hi in zip((0, *cuts), (*cuts, len(current)))]
+        chunk_shape = tuple(math.prod(sizes[g] for g in c) for c in chunks)
+        if chunk_shape != stored:
+            blob = b.add_layer(node, "Reshape", [blob], shape_params(chunk_shape),
+                               name=b.unique_layer_name(f"{name}_group{k}")).tops[0]
+        index = list(itertools.permutations(range(len(chunks)))).index(perm)
+        blob = b.add_layer(node, "Permute", [blob], {0: index}, name=b.unique_layer_name(f"{name}_step{k}")).tops[0]
+        current = tuple(g for i in perm for g in chunks[i])
+        stored = tuple(chunk_shape[i] for i in perm)
+    out = fold_dims(drop_dim(b.shape(node), out_bd))
+    b.emit(node, "Reshape", [blob], shape_params(out), batch_dim=out_bd, name=name)
+
+
+@functools.lru_cache(maxsize=None)
+def _permute_steps(target: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """The fewest permutes of at most 4 contiguous chunks that take ``(0, 1, ..., m - 1)`` to ``target``: per
+    step the cut points of the current sequence and the order of its chunks (a breadth-first search; from 7 groups
+    on, one step per misplaced group instead: it moves that group to its place)."""
+    m = len(target)
+    start = tuple(range(m))
+    if m > 6:
+        steps, current = [], start
+        for i, g in enumerate(target):
+            j = current.index(g)
+            if j != i:
+                cuts = tuple(c for c in (i, j, j + 1) if 0 < c < m)
+                chunks = [current[lo:hi] for lo, hi in zip((0, *cuts), (*cuts, m))]
+                at = int(i > 0)  # the chunk holding current[i:j]
+                perm = tuple(range(at)) + (at + 1, at) + tuple(range(at + 2, len(chunks)))
+                steps.append((cuts, perm))
+                current = tuple(x for p in perm for x in chunks[p])
+        return tuple(steps)
+    moves = [(cuts, perm) for n in (2, 3, 4) for cuts in itertools.combinations(range(1, m), n - 1)
+             for perm in itertools.permutations(range(n)) if perm != tuple(range(n))]
+    parent: dict[tuple[int, ...], Any] = {start: None}
+    frontier = [start]
+    while target not in parent:
+        nxt = []
+        for seq in frontier:
+            for cuts, perm in moves:
+                chunks = [seq[lo:hi] for lo, hi in zip((0, *cuts), (*cuts, m))]
+                new = tuple(x for p in perm for x in chunks[p])
+                if new not in parent:
+                    parent[new] = (seq, (cuts, perm))
+                    nxt.append(new)
+        frontier = nxt
+    steps, seq = [], target
+    while parent[seq] is not None:
+        seq, step = parent[seq]
+        steps.append(step)
+    return tuple(steps[::-1])
 
 
 def _permutation(b: NcnnBuilder, node: fx.Node, rank: int) -> list[Any]:
