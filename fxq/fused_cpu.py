@@ -512,15 +512,21 @@ def _inplace_fused(spec: OpSpec, args: tuple[Any, ...]) -> tuple[bool, bool]:
     """Overwrite ``args[0]`` with ``spec``'s op in one fused pass: (done, fusable). ``fusable``: the fused
     path takes this tensor (done or still warming up)."""
     x, params, attrs = spec.split(args)
-    if not _writable_cpu(x, *params) or not _eligible(x, None, *params):  # a Parameter is never overwritten
+    if type(x) is not torch.Tensor or not _eligible(x, None, *params):  # a Parameter is never overwritten
         return False, False
     plan = _plan(spec, f"{spec.name}_inplace", x, params, attrs)
     if plan is None:
         return False, False
     if not _warmed_up():
         return False, True
+    inputs = plan.inputs((x,), params)
+    fn = _state.compiled.get(plan.key)
+    if fn is not None and not torch.is_grad_enabled():  # the common case, without _call_fused's bookkeeping
+        _state.stats["fused_calls"] += 1
+        fn(*inputs)
+        return True, True
     factory = _into_input(plan.factory(spec.forward, spec.num_tensors))
-    done = _call_fused(plan.key, factory, plan.examples((x,), params), *plan.inputs((x,), params))
+    done = _call_fused(plan.key, factory, plan.examples((x,), params), *inputs)
     return done is not _FAILED, True
 
 
