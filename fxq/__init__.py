@@ -16,7 +16,6 @@ from fxq.analysis import (
     write_report,
 )
 from fxq.api import prepare, quantize
-from fxq.auto_quantize import AutoQuantReport, Budget, auto_quantize
 from fxq.backends import export, register_exporter
 from fxq.data import load_calibration_folder
 from fxq.errors import (
@@ -42,6 +41,7 @@ from fxq.graph.op_types import register_op_type
 from fxq.graph.summary import QuantSummary, summary
 from fxq.nn import FakeQuantize, fake_quant_mode
 from fxq.observers import Observer, register_observer
+from fxq.precision_search import AutoQuantReport, Budget, auto_quantize
 from fxq.qat import freeze_bn, prepare_qat
 from fxq.qconfig import Platform, get_platform, register_platform
 from fxq.recurrent import capture as _recurrent_capture  # noqa: F401  (registers nn.LSTM / nn.GRU capture)

@@ -257,7 +257,7 @@ def _preflight(args: argparse.Namespace) -> Path | None:
 
     _setting(args)
     if getattr(args, "budget", None):
-        from fxq.auto_quantize import Budget
+        from fxq.precision_search import Budget
 
         Budget.parse(args.budget)
     elif getattr(args, "fallback", "fp32") != "fp32":

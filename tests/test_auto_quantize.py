@@ -6,7 +6,6 @@ named errors; the CLI's ``--budget`` writes the report and the exports.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 
@@ -16,8 +15,8 @@ import torch
 from torch import fx, nn
 
 import fxq
-from fxq.auto_quantize import Budget
 from fxq.graph.info import NodeQuant, iter_quantizers
+from fxq.precision_search import Budget
 
 from _models import DigitsNet, digits_tensors, train_digits
 
@@ -75,7 +74,7 @@ def test_meets_the_budget_with_no_more_float_layers_than_greedy(digits, platform
 
 
 def test_budget_already_met_quantizes_once(digits, monkeypatch):
-    aq = importlib.import_module("fxq.auto_quantize")  # the module (fxq.auto_quantize is the function)
+    import fxq.precision_search as aq
     calls = []
     monkeypatch.setattr(aq, "quantize", lambda *a, **k: calls.append(1) or fxq.quantize(*a, **k))
     model, calib, _, _ = digits
