@@ -7,11 +7,18 @@ the reference backwards of :mod:`fxq.numeric.opspec` are re-exported here).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from fxq import fused_cpu, ops
 from fxq.errors import ConfigError
-from fxq.numeric.opspec import float_fake_quantize_backward_reference, linear_fake_quantize_backward_reference
+from fxq.numeric.opspec import (
+    FLOAT,
+    LINEAR,
+    float_fake_quantize_backward_reference,
+    linear_fake_quantize_backward_reference,
+)
 from fxq.numeric.reference import (
     broadcast_qparam,
     float_fake_quantize_backward_elementwise,
@@ -121,6 +128,11 @@ def fake_quantize(
     """
     scale = cfg.scale if scale is None else scale
     offset = cfg.offset if offset is None else offset
+    bound = None if overwrite else _BOUND.get(cfg)
+    if bound is not None:
+        y = bound.run(x, (scale,) if cfg.is_floating else (scale, offset), _call_tag(cfg))
+        if y is not None:
+            return y
     if scale is None:
         _require_qparams(cfg, x)
     if cfg.per_channel:
@@ -138,19 +150,33 @@ def fake_quantize(
             x, scale, axis, fmt.mantissa_bits, fmt.min_exponent, float(cfg.quant_max), int(cfg.rounding)
         ):
             return x
-        y = ops.fake_quant_float(
-            xc, scale, axis, fmt.mantissa_bits, fmt.min_exponent, float(cfg.quant_max), int(cfg.rounding)
-        )
+        args = (xc, scale, axis, fmt.mantissa_bits, fmt.min_exponent, float(cfg.quant_max), int(cfg.rounding))
+        y = ops.fake_quant_float(*args)
+        spec = FLOAT
     else:
         offset = torch.zeros_like(scale) if offset is None else offset.to(xc.device)
         if in_place and fused_cpu.fake_quant_linear_inplace(
             x, scale, offset, axis, int(cfg.quant_min), int(cfg.quant_max), int(cfg.rounding)
         ):
             return x
-        y = ops.fake_quant_linear(
-            xc, scale, offset, axis, int(cfg.quant_min), int(cfg.quant_max), int(cfg.rounding)
-        )
+        args = (xc, scale, offset, axis, int(cfg.quant_min), int(cfg.quant_max), int(cfg.rounding))
+        y = ops.fake_quant_linear(*args)
+        spec = LINEAR
+    if not overwrite and xc is x:
+        bound = fused_cpu.bind(spec, args, _call_tag(cfg))
+        if bound is not None:
+            _BOUND[cfg] = bound
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+_BOUND: weakref.WeakKeyDictionary[TensorQuantConfig, fused_cpu.BoundCall] = weakref.WeakKeyDictionary()
+"""The last fused call of each config (:func:`fxq.fused_cpu.bind`): a quantizer runs the same call batch after
+batch, and the binding saves the per-call checks; it holds only while the config's attributes stay as they were."""
+
+
+def _call_tag(cfg: TensorQuantConfig) -> tuple:
+    """Everything of ``cfg`` the op's arguments are made of (a binding made under other values does not hold)."""
+    return (cfg.quant_min, cfg.quant_max, cfg.rounding, cfg.per_channel, cfg.channel_axis, cfg.fp_format)
 
 
 # --------------------------------------------------------------------------- parameters

@@ -55,6 +55,8 @@ __all__ = [
     "squared_error_sums",
     "values_only",
     "KERNELS",
+    "BoundCall",
+    "bind",
 ]
 
 log = logging.getLogger(__name__)
@@ -528,6 +530,56 @@ def _inplace_fused(spec: OpSpec, args: tuple[Any, ...]) -> tuple[bool, bool]:
     factory = _into_input(plan.factory(spec.forward, spec.num_tensors))
     done = _call_fused(plan.key, factory, plan.examples((x,), params), *inputs)
     return done is not _FAILED, True
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundCall:
+    """One forward op call planned and compiled once, for the same call repeated on tensors of one shape (a
+    quantizer of a model run batch after batch): :meth:`run` skips the dispatcher, the kernel's checks and
+    planning, which cost more than the compiled graph itself on small activations. Made by :func:`bind`."""
+
+    tag: Any
+    shape: torch.Size
+    dtype: torch.dtype
+    view: tuple[int, ...]
+    params: tuple[torch.Tensor, ...]
+    param_shapes: tuple[torch.Size, ...]
+    runtime: tuple[Any, ...]
+    fn: Callable[..., Any]
+
+    def run(self, x: torch.Tensor, params: tuple[torch.Tensor, ...], tag: Any) -> torch.Tensor | None:
+        """The op's values on ``x``, or None when this binding does not hold for the call: another ``tag`` (the
+        caller's attributes), other parameter tensors or shapes, another shape, dtype or layout of ``x``,
+        gradients to record, something tracing, or the fused path switched off."""
+        if (type(x) is not torch.Tensor or x.shape != self.shape or x.dtype != self.dtype or tag != self.tag
+                or not x.is_contiguous() or _state.broken is not None or not _state.resolved()[0]):
+            return None
+        grad = torch.is_grad_enabled()
+        flat = []
+        for p, mine, shape in zip(params, self.params, self.param_shapes):
+            if p is not mine or p.shape != shape or (grad and p.requires_grad):
+                return None
+            flat.append(p.detach().reshape(-1) if p.requires_grad or p.dim() != 1 else p)
+        if (grad and x.requires_grad) or _tracing_or_mode_active() or torch._C._is_torch_function_mode_enabled() \
+                or torch._C._functorch.peek_interpreter_stack() is not None:
+            return None
+        _state.stats["fused_calls"] += 1
+        return self.fn(x.view(self.view), *flat, *self.runtime).view(self.shape)
+
+
+def bind(spec: OpSpec, args: tuple[Any, ...], tag: Any) -> BoundCall | None:
+    """A :class:`BoundCall` of ``spec``'s forward op for calls like ``args`` (tagged ``tag``), or None where the
+    fused path does not take this call now (tensor kind, size, warm-up, graph not compiled yet)."""
+    n = spec.num_tensors
+    x, params = args[0], tuple(args[1:n])
+    if type(x) is not torch.Tensor or not values_only(args[:n]) or not _eligible(x, None, *params):
+        return None
+    plan = _plan(spec, spec.name, x, params, args[n:])
+    fn = None if plan is None or not _warmed_up() else _state.compiled.get(plan.key)
+    if fn is None:
+        return None
+    runtime = tuple(plan.template[i] for i in plan.runtime)
+    return BoundCall(tag, x.shape, x.dtype, plan.shape, params, tuple(p.shape for p in params), runtime, fn)
 
 
 def fake_quant_linear_inplace(*args: Any) -> bool:

@@ -317,3 +317,41 @@ def test_eager_values_skip_the_dispatcher_only_when_nothing_watches():
     assert any("fxq.fake_quant_linear" in name for name in seen.ops)
     y = fxq.ops.fake_quant_linear(x, s, o, 0, -128, 127, 0)
     assert y.grad_fn is not None
+
+
+def test_bound_calls_hold_only_while_nothing_changed(forced):
+    """A quantizer's repeated call skips the checks through a binding; any change of attributes, parameters,
+    shape, autograd or the fused switch takes the full path again, and values are the reference's every time."""
+    from fxq import functional
+    from fxq.spec import QuantState, TensorQuantConfig
+
+    cfg = TensorQuantConfig(num_bits=8, scale=torch.tensor([0.1]), state=QuantState.ACTIVATED)
+    scale, offset = cfg.scale, cfg.offset
+    x = torch.randn(64, 80) * 20
+
+    def check(y, x, s, o, qmin, qmax):
+        assert_bit_identical(y, F.linear_fake_quantize_reference(x, s, o, 0, qmin, qmax, 0))
+
+    with torch.no_grad():
+        check(F.fake_quantize(x, cfg, scale, offset), x, scale, offset, -128, 127)
+        assert cfg in functional._BOUND
+        before = _fused_calls()
+        check(F.fake_quantize(x, cfg, scale, offset), x, scale, offset, -128, 127)
+        assert _fused_calls() == before + 1
+        cfg.quant_min, cfg.quant_max = -8, 7  # other attributes: the binding does not hold
+        check(F.fake_quantize(x, cfg, scale, offset), x, scale, offset, -8, 7)
+        scale.copy_(torch.tensor([0.25]))  # the same parameter updated in place: still the binding, new values
+        check(F.fake_quantize(x, cfg, scale, offset), x, scale, offset, -8, 7)
+        other = torch.tensor([0.5])
+        check(F.fake_quantize(x, cfg, other, offset), x, other, offset, -8, 7)
+        x2 = torch.randn(32, 80) * 20
+        check(F.fake_quantize(x2, cfg, scale, offset), x2, scale, offset, -8, 7)
+        with cpu_fusion(enabled=False):
+            calls = _fused_calls()
+            check(F.fake_quantize(x2, cfg, scale, offset), x2, scale, offset, -8, 7)
+            assert _fused_calls() == calls
+    xg = x2.clone().requires_grad_()
+    y = F.fake_quantize(xg, cfg, scale, offset)
+    assert y.grad_fn is not None
+    y.sum().backward()
+    assert xg.grad is not None
