@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +163,59 @@ def test_onnx_sourced_model_names(tmp_path):
     report = fxq.locate_mismatch(q, path, [torch.randn(1, 3, 16, 16)], teacher_forced=True, optimize=False)
     assert not report.unmatched and report.identical == 1.0
     assert report[0].name == "image" and report[-1].op_type == "Gemm" and len(report) == 9
+
+
+class _CosineWindowBlock(torch.nn.Module):
+    """Swin-V2's attention pattern on one window: a position-bias MLP over a coordinate buffer (a value computed
+    from parameters only, quantized as an activation), 16 * sigmoid of the gathered bias, cosine attention with a
+    clamped and exponentiated logit scale, post-norm residuals."""
+
+    def __init__(self, dim: int = 16, heads: int = 2, window: int = 3) -> None:
+        super().__init__()
+        self.heads = heads
+        side = 2 * window - 1
+        coords = torch.stack(torch.meshgrid(torch.arange(side) - (window - 1.0), torch.arange(side) - (window - 1.0),
+                                            indexing="ij"), -1).unsqueeze(0) / (window - 1)
+        self.register_buffer("table", torch.sign(coords) * torch.log2(coords.abs() + 1.0))
+        pos = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+        rel = (pos[:, :, None] - pos[:, None, :]).permute(1, 2, 0) + (window - 1)
+        self.register_buffer("index", (rel[..., 0] * side + rel[..., 1]).flatten())
+        self.cpb = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.ReLU(), torch.nn.Linear(32, heads, bias=False))
+        self.logit_scale = torch.nn.Parameter(torch.log(10 * torch.ones(heads, 1, 1)))
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.norm1 = torch.nn.LayerNorm(dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
+        self.norm2 = torch.nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (windows, tokens, dim)
+        b, n, c = x.shape
+        bias = self.cpb(self.table).view(-1, self.heads)[self.index].view(n, n, self.heads).permute(2, 0, 1)
+        bias = 16 * torch.sigmoid(bias)
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        attn = torch.nn.functional.normalize(q, dim=-1) @ torch.nn.functional.normalize(k, dim=-1).transpose(-2, -1)
+        attn = attn * torch.clamp(self.logit_scale, max=math.log(100.0)).exp() + bias
+        y = self.proj((attn.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c))
+        x = x + self.norm1(y)
+        return x + self.norm2(self.mlp(x))
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_parameter_only_activations_compared(tmp_path, platform):
+    """Activation quantizers on a value computed from parameters only (Swin-V2's position-bias MLP) keep their fx
+    names in the file, so the locator compares them instead of listing them unmatched; the block exports
+    faithfully (teacher-forced codes within one LSB, free-running output matching)."""
+    torch.manual_seed(0)
+    model = _CosineWindowBlock().eval()
+    gen = torch.Generator().manual_seed(3)
+    calib = [torch.randn(4, 9, 16, generator=gen) for _ in range(2)]
+    gm = fxq.quantize(model, calib, platform=platform, progress=False)
+    path = next(Path(f) for f in fxq.export(gm, platform, tmp_path / "block") if str(f).endswith(".onnx"))
+    data = [torch.randn(4, 9, 16, generator=gen)]
+    forced = fxq.locate_mismatch(gm, path, data, teacher_forced=True, optimize=False)
+    assert not forced.unmatched
+    cpb = [r for r in forced if r.node.startswith("cpb_")]
+    assert {r.op_type for r in cpb} == {"Relu", "MatMul"} and all(r.identical == 1.0 for r in cpb)
+    assert all(r.max_diff <= 1 for r in forced) and forced.identical > 0.999
+    free = fxq.locate_mismatch(gm, path, data, teacher_forced=False, optimize=False)
+    assert not free.unmatched and free.identical > 0.999

@@ -120,6 +120,17 @@ class _Builder:
         self.marks[mark.id] = mark
         return m
 
+    def _activation_quantized(self, node: fx.Node) -> bool:
+        """Whether an activation quantizer reads ``node``: its Q/DQ stops torch.onnx's constant folding there, so
+        the value stays a computed tensor (Swin-V2's position-bias MLP over a buffer) and can carry its fx name."""
+        prefix = QUANTIZERS_ATTR + "."
+        for user in node.users:
+            if user.op == "call_module" and str(user.target).startswith(prefix):
+                fq = self.quantizers.get(str(user.target)[len(prefix):])
+                if fq is not None and fq.config.is_quantizing and fq.role == "activation":
+                    return True
+        return False
+
     def _next_id(self) -> int:
         return len(self.marks) + 1
 
@@ -131,8 +142,10 @@ class _Builder:
                 continue
             if node.op == "call_module" and str(node.target).startswith(prefix):
                 continue
-            if not _tensor_val(node) or computed_from_parameters(node, memo):
+            if not _tensor_val(node):
                 continue
+            if computed_from_parameters(node, memo) and not self._activation_quantized(node):
+                continue  # left unnamed so that torch.onnx folds it into an initializer
             mark = Mark(self._next_id(), "name", node.name, tensor_name=_onnx_output_name(node) or node.name,
                         node_name=_onnx_node_name(node) or node.name)
             self._insert_mark(node, mark, None)
