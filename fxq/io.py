@@ -144,13 +144,14 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
 
 
-def atomic_file_set(files: Mapping[str | os.PathLike, bytes | str]) -> list[Path]:
-    """Write ``{path: bytes | str}`` (str as UTF-8) as one set: all new files or all old ones; returns the paths."""
+def atomic_file_set(files: Mapping[str | os.PathLike, bytes | bytearray | str]) -> list[Path]:
+    """Write ``{path: bytes-like | str}`` (str as UTF-8; buffers without a copy) as one set: all new files or all
+    old ones; returns the paths."""
     targets = [Path(p) for p in files]
     with atomic_paths(targets) as tmps:
         for target, tmp, data in zip(targets, tmps, files.values()):
             try:
-                _write_data(tmp, data.encode("utf-8") if isinstance(data, str) else bytes(data))
+                _write_data(tmp, data.encode("utf-8") if isinstance(data, str) else memoryview(data))
             except OSError as exc:
                 raise write_error(target, exc) from exc
     return targets
@@ -175,7 +176,7 @@ def recover_file_sets(directory: str | os.PathLike) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- internals
-def _write_data(tmp: Path, data: bytes) -> None:
+def _write_data(tmp: Path, data: bytes | memoryview) -> None:
     """Write ``data`` to ``tmp`` (tests patch this to simulate a full disk); the caller fsyncs it once."""
     fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
     try:
@@ -317,6 +318,7 @@ def _rollback(directory: Path, entries: list[dict], journal: Path) -> None:
             backup = directory / e["backup"]
             if os.path.lexists(backup):
                 os.replace(backup, target)
+                _unlink(backup)  # a member not renamed yet is a hard link of its backup: rename(2) did nothing
         else:
             _unlink(target)
     _fsync_dir(directory)
