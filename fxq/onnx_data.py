@@ -10,7 +10,9 @@ A protobuf message cannot be serialized past 2 GiB, so a model whose proto is la
   the ``.onnx``, so the pair can be moved together.
 
 ``onnx.load("model.onnx")``, ``onnxruntime.InferenceSession("model.onnx")`` and :func:`fxq.load_onnx` read the
-pair. Everything fxq does with a model in memory that would serialize it goes through this module:
+pair. Whether a model is too large is :func:`proto_size` (weights counted from their dims: protobuf's
+``ByteSize`` serializes the message). Everything fxq does with a model in memory that would serialize it goes
+through this module:
 :func:`ort_session` (onnxruntime from memory, the data passed as an in-memory file), :func:`check_model` (the
 checker on a copy without the large tensors' data) and :func:`convert_version`.
 """
@@ -22,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from fxq.errors import ExportError
 
-__all__ = ["EXTERNAL_DATA_THRESHOLD", "MIN_EXTERNAL_BYTES", "PROTO_LIMIT", "too_large", "data_path",
+__all__ = ["EXTERNAL_DATA_THRESHOLD", "MIN_EXTERNAL_BYTES", "PROTO_LIMIT", "proto_size", "too_large", "data_path",
            "external_copy", "split_external", "onnx_files", "ort_session", "check_model", "convert_version",
            "copy_fields", "light_copy", "LIGHT_MIN_ELEMENTS"]
 
@@ -44,9 +46,29 @@ _ALIGNMENT = 1 << 16
 _IN_MEMORY = "fxq_in_memory.onnx.data"
 
 
+def proto_size(model: Any) -> int:
+    """About ``model.ByteSize()`` (within a few bytes a tensor), without serializing the weights as protobuf's own
+    ``ByteSize`` does: raw initializers count their elements times their type's size (packed 4-bit types
+    twice), everything else is measured."""
+    import numpy as np
+    import onnx
+
+    rest = onnx.ModelProto()
+    copy_fields(model, rest, skip="graph")
+    copy_fields(model.graph, rest.graph, skip="initializer")
+    total = rest.ByteSize()
+    for t in model.graph.initializer:
+        if t.HasField("raw_data") and t.data_type != onnx.TensorProto.STRING:
+            n = int(np.prod(t.dims, dtype=np.int64))
+            total += n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize + 64 + len(t.name)
+        else:
+            total += t.ByteSize()
+    return total
+
+
 def too_large(model: Any) -> bool:
     """Whether ``model`` (a ModelProto) is over :data:`EXTERNAL_DATA_THRESHOLD` and needs external data."""
-    return model.ByteSize() > EXTERNAL_DATA_THRESHOLD
+    return proto_size(model) > EXTERNAL_DATA_THRESHOLD
 
 
 def data_path(onnx_path: str | os.PathLike) -> Path:

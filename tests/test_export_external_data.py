@@ -51,7 +51,8 @@ def _onnx_members(written: list[Path]) -> list[Path]:
     return [p for p in written if p.suffix == ".onnx"]
 
 
-@pytest.mark.parametrize("platform,exporter,options", CASES, ids=IDS)
+@pytest.mark.parametrize("platform,exporter,options", CASES + [("trt_int8", "tensorrt", {"high_precision_dtype": "fp16"})],
+                         ids=IDS + ["tensorrt-fp16"])  # FP16: onnx's full check on the copy without weights
 def test_large_export_writes_onnx_and_data(models, tmp_path, monkeypatch, platform, exporter, options):
     """Each .onnx of the set gets its <name>.onnx.data; the .onnx alone is small, refers to the data by a
     relative location, and loads (onnx.load) into the same model as the inline export."""
@@ -179,3 +180,51 @@ def test_small_model_stays_one_file(models, tmp_path):
     assert [p.name for p in written] == ["model.onnx"]
     proto = onnx.load(str(written[0]), load_external_data=False)
     assert not any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+
+
+@pytest.mark.parametrize("platform,exporter,options", CASES[:2] + CASES[3:], ids=IDS[:2] + IDS[3:])
+def test_small_export_over_a_large_one_deletes_its_data(models, tmp_path, monkeypatch, platform, exporter, options):
+    """A model under the threshold written where a large export was: the stale .onnx.data files go in the same
+    set, so the folder holds exactly what an export into an empty folder gives."""
+    gm = models[platform][0]
+    fresh = _contents(_export_dir(gm, exporter, tmp_path / "fresh", options))
+    monkeypatch.setattr(onnx_data, "EXTERNAL_DATA_THRESHOLD", TINY)
+    fxq.export(gm, exporter, tmp_path / "out" / "model.onnx", **options)
+    assert any(name.endswith(".onnx.data") for name in _contents(tmp_path / "out"))
+    monkeypatch.undo()
+    written = fxq.export(gm, exporter, tmp_path / "out" / "model.onnx", **options)
+    assert sorted(p.name for p in written) == sorted(fresh)
+    assert _contents(tmp_path / "out") == fresh
+
+
+def test_failed_small_export_keeps_the_large_set(models, tmp_path, monkeypatch):
+    """The deletion of the stale .onnx.data is rolled back with the rest when the commit fails."""
+    import os
+
+    gm = models["trt_int8"][0]
+    monkeypatch.setattr(onnx_data, "EXTERNAL_DATA_THRESHOLD", TINY)
+    fxq.export(gm, "tensorrt", tmp_path / "model.onnx")
+    old = _contents(tmp_path)
+    monkeypatch.setattr(onnx_data, "EXTERNAL_DATA_THRESHOLD", onnx_data.PROTO_LIMIT)
+    calls = []
+
+    def hook(target):  # after the .onnx is renamed and the data file deleted: fail
+        calls.append(target)
+        if target is None:
+            raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(fxq.io, "_after_rename_hook", hook)
+    with pytest.raises(fxq.ExportError, match="Input/output error"):
+        fxq.export(models["trt_int8"][1], "tensorrt", tmp_path / "model.onnx")
+    assert [c.name for c in calls[:-1]] == ["model.onnx", "model.onnx.data"]
+    assert _contents(tmp_path) == old
+    assert not any(name.startswith(".") for name in os.listdir(tmp_path))
+
+
+@pytest.mark.parametrize("platform,exporter,options", CASES, ids=IDS)
+def test_proto_size_is_bytesize_without_serializing(models, tmp_path, platform, exporter, options):
+    """The size test counts raw initializers from dims and types: never under protobuf's ByteSize, and over it
+    by less than 64 bytes a tensor (the threshold leaves 64 MiB below the limit)."""
+    proto = onnx.load(str(fxq.export(models[platform][0], exporter, tmp_path / "model.onnx", **options)[0]))
+    extra = onnx_data.proto_size(proto) - proto.ByteSize()
+    assert 0 <= extra <= 64 * len(proto.graph.initializer)

@@ -64,7 +64,8 @@ def _ort_load_check(files: dict[Path, Any], main: Path) -> None:
     try:
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        ort_session(files[main], opts, external={p.name: data for p, data in files.items() if p != main})
+        external = {p.name: data for p, data in files.items() if p != main and data is not None}
+        ort_session(files[main], opts, external=external)
     except Exception as exc:
         raise ExportError(f"onnxruntime {ort.__version__} cannot load the exported model: {exc}") from exc
 
@@ -97,7 +98,7 @@ class OnnxRuntimeExporter(QdqOnnxExporter):
             raise ExportError(f"onnxruntime: opset {opset} < 13; per-channel QuantizeLinear needs opset 13")
         return opset
 
-    def render(self, job: QdqJob) -> dict[Path, bytes | bytearray | str]:
+    def render(self, job: QdqJob) -> dict[Path, bytes | bytearray | str | None]:
         """Q/DQ from the quantizers' own configs; onnxruntime must load the result."""
         from fxq.backends.qdq.common import finalize, serialize
         from fxq.backends.qdq.insert import QdqPolicy, insert_qdq

@@ -91,7 +91,7 @@ class OpenPPLExporter(QdqOnnxExporter):
     def companions(self, options: dict[str, Any]) -> dict[str, str]:
         return {"json": ".json"}
 
-    def render(self, job: QdqJob) -> dict[Path, bytes | bytearray | str]:
+    def render(self, job: QdqJob) -> dict[Path, bytes | bytearray | str | None]:
         """The FP32 graph (quant marks removed, constants fake-quantized, names kept) and the json keyed by it."""
         from fxq.backends.qdq.common import finalize, serialize
         from fxq.backends.qdq.insert import strip_marks

@@ -146,18 +146,22 @@ def fold_initializer_identities(graph: Any) -> None:
         graph.initializer.extend(kept)
 
 
-def serialize(model: Any, path: Path) -> dict[Path, bytes | bytearray]:
+def serialize(model: Any, path: Path) -> dict[Path, bytes | bytearray | None]:
     """The files of ``model`` written at ``path``: the ``.onnx`` alone, or, for a model over
     :data:`fxq.onnx_data.EXTERNAL_DATA_THRESHOLD` (protobuf's 2 GiB limit), the ``.onnx`` and its external data
-    ``<name>.onnx.data`` (:func:`fxq.onnx_data.onnx_files`), to be written in the same atomic set."""
-    files = onnx_files(model, path)
+    ``<name>.onnx.data`` (:func:`fxq.onnx_data.onnx_files`), to be written in the same atomic set. A ``.onnx``
+    written alone maps ``<name>.onnx.data`` to ``None``: an earlier large export's data file there is deleted in
+    the same set."""
+    files: dict[Path, bytes | bytearray | None] = dict(onnx_files(model, path))
     if len(files) > 1:
         logger.info("%s: the model is over %d bytes; its weights go to external data %s", path.name,
                     onnx_data.EXTERNAL_DATA_THRESHOLD, data_path(path).name)
+    else:
+        files[data_path(path)] = None
     return files
 
 
-def write_files(files: dict[Path, bytes | bytearray | str]) -> list[Path]:
+def write_files(files: dict[Path, bytes | bytearray | str | None]) -> list[Path]:
     """Create the folder if missing, then write every file as one atomic set (:func:`fxq.io.atomic_file_set`)."""
     paths = list(files)
     if paths:

@@ -153,6 +153,8 @@ def _export(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | 
         if _tensor_bytes(marked.module) > onnx_data.EXTERNAL_DATA_THRESHOLD:
             # torch.onnx writes a model over protobuf's limit only to a file path (external data beside it)
             target = os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix="fxq-onnx-")), "model.onnx")
+            logger.info("the model's tensors take over %d bytes: torch.onnx writes it to a temp folder",
+                        onnx_data.EXTERNAL_DATA_THRESHOLD)
         _torch_export(marked, args, export_opset, dynamic_axes, target)
         model = onnx.load_from_string(target.getvalue()) if isinstance(target, io.BytesIO) else onnx.load(target)
     _restore_io_names(model.graph, io_names)

@@ -81,6 +81,6 @@ class QdqOnnxExporter(Exporter):
         """The opset to lower at (default: the ``opset`` option)."""
         return int(options["opset"])
 
-    def render(self, job: QdqJob) -> dict[Path, bytes | bytearray | str]:
+    def render(self, job: QdqJob) -> dict[Path, bytes | bytearray | str | None]:
         """The backend's files, ``{path: content}``, every check passed."""
         raise NotImplementedError

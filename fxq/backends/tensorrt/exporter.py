@@ -102,7 +102,7 @@ class TensorRTExporter(QdqOnnxExporter):
             raise ExportError("tensorrt: legacy=True writes INT8 calibration caches; this model is FP8")
         return options["opset"] or (19 if fp8 or options["high_precision_dtype"] == "fp16" else 13)
 
-    def render(self, job: QdqJob) -> dict[Path, bytes | bytearray | str]:
+    def render(self, job: QdqJob) -> dict[Path, bytes | bytearray | str | None]:
         """Q/DQ on the lowered model, TensorRT's rules on it, and the legacy side files."""
         import onnx
 
@@ -133,7 +133,7 @@ class TensorRTExporter(QdqOnnxExporter):
         for p in problems:
             logger.warning("TensorRT rule: %s", p)
         warn_ort_bias_issues(qdq_model, "tensorrt")
-        files: dict[Path, bytes | bytearray | str] = serialize(qdq_model, job.paths["main"])
+        files: dict[Path, bytes | bytearray | str | None] = serialize(qdq_model, job.paths["main"])
         # legacy side files, keyed by the FP32 model's tensor names
         if options["legacy"]:
             lowered.model = fp32_model
