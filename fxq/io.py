@@ -14,6 +14,9 @@ directory (any fxq export or save there) or :func:`recover_file_sets` first roll
 the complete old set, and deletes the temps and backups that dead processes left behind. A reader that wants a
 consistent set calls :func:`recover_file_sets` first. Assumes a local file system (flock, same-host pids).
 
+A set may also delete files (:func:`atomic_file_set` with ``None``: a large ONNX export's stale ``.onnx.data`` when
+a smaller model is written there): they are backed up and journaled like the others, and restored on rollback.
+
 Write failures (disk full, ``ulimit -f``, quota, permissions) become :class:`ExportError` naming the file and the
 fix; the old file or set is left as it was and no temp file remains.
 """
@@ -103,19 +106,22 @@ def write_error(path: str | os.PathLike, exc: OSError, *, what: str = "writing")
 
 # ----------------------------------------------------------------------------------------------- one mechanism
 @contextlib.contextmanager
-def atomic_paths(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
+def atomic_paths(paths: Sequence[str | os.PathLike], remove: Sequence[str | os.PathLike] = ()) -> Iterator[list[Path]]:
     """Yield one temp path per target (all in one existing directory); if the block succeeds, the temps replace
-    the targets as one set (see the module docstring), else they are deleted and the targets are untouched.
+    the targets and the files in ``remove`` (same folder) are deleted, as one set (see the module docstring),
+    else the temps are deleted and the targets are untouched.
 
     An ``OSError`` in the block, or a failed write reported otherwise (``torch.save``'s ``RuntimeError``) on a
     full disk or past ``ulimit -f``, becomes an :class:`ExportError` naming the target.
     """
     targets = [Path(p) for p in paths]
+    gone = [Path(p) for p in remove]
     if not targets:
         raise ValueError("atomic_paths needs at least one path")
     directory = targets[0].parent
-    if any(t.parent != directory for t in targets) or len({t.name for t in targets}) != len(targets):
-        raise ValueError(f"atomic_paths: the files of one set must be distinct and in one folder: {targets}")
+    members = targets + gone
+    if any(t.parent != directory for t in members) or len({t.name for t in members}) != len(members):
+        raise ValueError(f"atomic_paths: the files of one set must be distinct and in one folder: {members}")
     check_writable_dir(directory)
     _check_not_dirs(targets)
     tmps: list[Path] = []
@@ -131,7 +137,7 @@ def atomic_paths(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
             if cause is None:
                 raise
             raise write_error(targets[0], cause) from exc
-        _commit(directory, list(zip(targets, tmps)))
+        _commit(directory, list(zip(targets, tmps)), gone)
     finally:
         for tmp in tmps:
             _unlink(tmp)
@@ -144,13 +150,15 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
 
 
-def atomic_file_set(files: Mapping[str | os.PathLike, bytes | str]) -> list[Path]:
-    """Write ``{path: bytes | str}`` (str as UTF-8) as one set: all new files or all old ones; returns the paths."""
-    targets = [Path(p) for p in files]
-    with atomic_paths(targets) as tmps:
-        for target, tmp, data in zip(targets, tmps, files.values()):
+def atomic_file_set(files: Mapping[str | os.PathLike, bytes | bytearray | str | None]) -> list[Path]:
+    """Write ``{path: bytes-like | str}`` (str as UTF-8; buffers without a copy) as one set: all new files or all
+    old ones; a ``None`` value deletes that file (if present) in the same set. Returns the paths written."""
+    targets = [Path(p) for p, data in files.items() if data is not None]
+    contents = [data for data in files.values() if data is not None]
+    with atomic_paths(targets, [Path(p) for p, data in files.items() if data is None]) as tmps:
+        for target, tmp, data in zip(targets, tmps, contents):
             try:
-                _write_data(tmp, data.encode("utf-8") if isinstance(data, str) else bytes(data))
+                _write_data(tmp, data.encode("utf-8") if isinstance(data, str) else memoryview(data))
             except OSError as exc:
                 raise write_error(target, exc) from exc
     return targets
@@ -175,7 +183,7 @@ def recover_file_sets(directory: str | os.PathLike) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- internals
-def _write_data(tmp: Path, data: bytes) -> None:
+def _write_data(tmp: Path, data: bytes | memoryview) -> None:
     """Write ``data`` to ``tmp`` (tests patch this to simulate a full disk); the caller fsyncs it once."""
     fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
     try:
@@ -231,8 +239,9 @@ def _opaque_write_failure(tmps: Sequence[Path]) -> OSError | None:
     return None
 
 
-def _commit(directory: Path, pairs: list[tuple[Path, Path]]) -> None:
-    """Rename every temp over its target under the directory lock; roll back on any error (see module docs)."""
+def _commit(directory: Path, pairs: list[tuple[Path, Path]], remove: Sequence[Path] = ()) -> None:
+    """Rename every temp over its target and delete ``remove`` under the directory lock; roll back on any error
+    (see module docs)."""
     mode = 0o666 & ~_UMASK
     for target, tmp in pairs:
         try:
@@ -243,7 +252,9 @@ def _commit(directory: Path, pairs: list[tuple[Path, Path]]) -> None:
     with _dir_lock(directory):
         _recover_locked(directory)
         _check_not_dirs([t for t, _ in pairs])
-        if len(pairs) == 1:  # one rename is atomic by itself
+        steps: list[tuple[Path, Path | None]] = [*pairs, *((r, None) for r in remove
+                                                                  if os.path.lexists(r) and not r.is_dir())]
+        if len(steps) == 1:  # one rename is atomic by itself
             target, tmp = pairs[0]
             try:
                 os.replace(tmp, target)
@@ -251,11 +262,14 @@ def _commit(directory: Path, pairs: list[tuple[Path, Path]]) -> None:
                 raise write_error(target, exc) from exc
             _fsync_dir(directory)
             return
-        entries, journal = _begin(directory, pairs)
+        entries, journal = _begin(directory, steps)
         try:
-            for target, tmp in pairs:
+            for target, tmp in steps:
                 _after_rename_hook(target)
-                os.replace(tmp, target)
+                if tmp is None:
+                    os.unlink(target)
+                else:
+                    os.replace(tmp, target)
             _after_rename_hook(None)
             _fsync_dir(directory)
         except BaseException as exc:
@@ -274,7 +288,7 @@ def _after_rename_hook(target: Path | None) -> None:
     """Called before each member's rename and after the last one (tests patch it to kill the process there)."""
 
 
-def _begin(directory: Path, pairs: list[tuple[Path, Path]]) -> tuple[list[dict], Path]:
+def _begin(directory: Path, pairs: list[tuple[Path, Path | None]]) -> tuple[list[dict], Path]:
     """Back up the existing targets and write the journal; returns (entries, journal path)."""
     entries: list[dict] = []
     try:
@@ -289,7 +303,8 @@ def _begin(directory: Path, pairs: list[tuple[Path, Path]]) -> tuple[list[dict],
                     shutil.copy2(target, backup, follow_symlinks=False)
                     if not backup.is_symlink():
                         _fsync_file(backup)
-            entries.append({"target": target.name, "tmp": tmp.name, "backup": backup.name if backup else None})
+            entries.append({"target": target.name, "tmp": tmp.name if tmp else None,  # None: a deletion
+                            "backup": backup.name if backup else None})
         journal_tmp = _mktemp(pairs[0][0], _TMP)
         try:
             _write_data(journal_tmp, json.dumps({"fxq_file_set": 1, "members": entries}).encode())
@@ -317,11 +332,13 @@ def _rollback(directory: Path, entries: list[dict], journal: Path) -> None:
             backup = directory / e["backup"]
             if os.path.lexists(backup):
                 os.replace(backup, target)
+                _unlink(backup)  # a member not renamed yet is a hard link of its backup: rename(2) did nothing
         else:
             _unlink(target)
     _fsync_dir(directory)
     for e in entries:
-        _unlink(directory / e["tmp"])
+        if e["tmp"]:
+            _unlink(directory / e["tmp"])
     _unlink(journal)
     _fsync_dir(directory)
 

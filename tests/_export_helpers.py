@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 import fxq
+from fxq import onnx_data
 
 from _models import with_bn_statistics
 
@@ -38,8 +39,7 @@ def ort_session(model_or_path, optimize: bool = True):
     opts.intra_op_num_threads = 1
     opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                      else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-    data = model_or_path.SerializeToString() if isinstance(model_or_path, onnx.ModelProto) else str(model_or_path)
-    return ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+    return onnx_data.ort_session(model_or_path, opts)  # a path, or a ModelProto (over 2 GiB: data in memory)
 
 
 def run_ort(model_or_path, x: torch.Tensor, optimize: bool = True) -> np.ndarray:

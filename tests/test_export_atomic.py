@@ -88,6 +88,22 @@ def test_failed_rename_rolls_the_set_back(tmp_path, monkeypatch):
     assert _contents(tmp_path) == old
 
 
+def test_failed_rename_leaves_no_backup_of_members_not_renamed(tmp_path, monkeypatch):
+    """Members the commit had not renamed yet are hard links of their backups: the rollback drops those too."""
+    fxq.io.atomic_file_set({tmp_path / "a": b"old a", tmp_path / "b": b"old b"})
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if Path(dst).name == "b" and str(src).endswith(".fxq-tmp"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(fxq.ExportError, match="Input/output error"):
+        fxq.io.atomic_file_set({tmp_path / "a": b"new a", tmp_path / "b": b"new b"})
+    assert _contents(tmp_path) == {"a": b"old a", "b": b"old b"}
+
+
 def test_recovery_deletes_only_dead_writers_temps(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)

@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from fxq.errors import ConfigError, FrontendError, NotSupportedError
+from fxq.onnx_data import ort_session
 
 __all__ = ["TensorMismatch", "MismatchReport", "locate_mismatch", "simulation_values", "HISTOGRAM_BINS"]
 
@@ -246,7 +247,7 @@ def _session(model: Any, optimize: bool) -> Any:
     opts.log_severity_level = 3
     opts.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                      else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return ort_session(model, opts)  # models over 2 GiB: weights handed over in memory
 
 
 def locate_mismatch(

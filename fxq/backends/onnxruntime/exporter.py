@@ -5,6 +5,8 @@ zero-points included), per-channel weights as integer initializers + DequantizeL
 int32 + DequantizeLinear, FP8 at opset 19, and 4-bit / 16-bit types at opset 21 (chosen automatically for
 the low-bit platforms). Activation ranges narrower than their element type get a ``Clip`` before Q, which
 reproduces fxq's clamp exactly. The written model is loaded by onnxruntime before anything is written.
+A model over protobuf's 2 GiB limit (:data:`fxq.onnx_data.EXTERNAL_DATA_THRESHOLD`) is written as ``model.onnx``
+plus its external data ``model.onnx.data``, one atomic set; the load check then gets the data from memory.
 
 onnxruntime runs the graph as written with optimizations off; with them on (the default) it fuses
 DQ -> Conv/Gemm/Add -> Q groups into int8 kernels (QLinearConv, QGemm, QLinearAdd) where the output is
@@ -31,6 +33,7 @@ from fxq.backends.qdq.ort_bias import ort_bias_issues, warn_ort_bias_issues
 from fxq.backends.qdq.template import QdqJob, QdqOnnxExporter
 from fxq.errors import ExportError
 from fxq.nn.fake_quantize import FakeQuantize
+from fxq.onnx_data import ort_session
 
 __all__ = ["OnnxRuntimeExporter", "auto_opset", "ort_bias_issues", "warn_ort_bias_issues"]
 
@@ -51,7 +54,8 @@ def auto_opset(quantizers: dict[str, FakeQuantize], roles: dict[str, str]) -> in
     return opset
 
 
-def _ort_load_check(data: bytes) -> None:
+def _ort_load_check(files: dict[Path, Any], main: Path) -> None:
+    """onnxruntime loads the files about to be written, from memory (external data included)."""
     try:
         import onnxruntime as ort
     except ImportError:  # the check is a courtesy where onnxruntime is installed
@@ -60,7 +64,8 @@ def _ort_load_check(data: bytes) -> None:
     try:
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+        external = {p.name: data for p, data in files.items() if p != main and data is not None}
+        ort_session(files[main], opts, external=external)
     except Exception as exc:
         raise ExportError(f"onnxruntime {ort.__version__} cannot load the exported model: {exc}") from exc
 
@@ -93,7 +98,7 @@ class OnnxRuntimeExporter(QdqOnnxExporter):
             raise ExportError(f"onnxruntime: opset {opset} < 13; per-channel QuantizeLinear needs opset 13")
         return opset
 
-    def render(self, job: QdqJob) -> dict[Path, bytes | str]:
+    def render(self, job: QdqJob) -> dict[Path, bytes | bytearray | str | None]:
         """Q/DQ from the quantizers' own configs; onnxruntime must load the result."""
         from fxq.backends.qdq.common import finalize, serialize
         from fxq.backends.qdq.insert import QdqPolicy, insert_qdq
@@ -102,8 +107,8 @@ class OnnxRuntimeExporter(QdqOnnxExporter):
         records = insert_qdq(job.lowered, job.quantizers, job.roles, policy)
         onnx_model = finalize(job.lowered.model, job.opset)
         warn_ort_bias_issues(onnx_model, "onnxruntime")
-        data = serialize(onnx_model)
+        files = serialize(onnx_model, job.paths["main"])
         if job.options["check"]:
-            _ort_load_check(data)
+            _ort_load_check(files, job.paths["main"])
         logger.info("onnxruntime: %d quantized tensors, opset %d", len(records), job.opset)
-        return {job.paths["main"]: data}
+        return files

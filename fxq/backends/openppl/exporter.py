@@ -12,6 +12,9 @@ Scalars per tensor, lists per channel. ``tensor_min``/``tensor_max`` are the end
 scale from them and ``bit_width``. Keys are the ONNX tensor names (the source file's names for models loaded
 from ONNX); outputs of passive ops and outputs overlapped by a following activation are listed with the
 parameters of the quantizer whose grid they lie on.
+
+A model over protobuf's 2 GiB limit (:data:`fxq.onnx_data.EXTERNAL_DATA_THRESHOLD`) also gets ``model.onnx.data``
+(the weights, as ONNX external data), written in the same atomic set.
 """
 from __future__ import annotations
 
@@ -88,7 +91,7 @@ class OpenPPLExporter(QdqOnnxExporter):
     def companions(self, options: dict[str, Any]) -> dict[str, str]:
         return {"json": ".json"}
 
-    def render(self, job: QdqJob) -> dict[Path, bytes | str]:
+    def render(self, job: QdqJob) -> dict[Path, bytes | bytearray | str | None]:
         """The FP32 graph (quant marks removed, constants fake-quantized, names kept) and the json keyed by it."""
         from fxq.backends.qdq.common import finalize, serialize
         from fxq.backends.qdq.insert import strip_marks
@@ -97,4 +100,4 @@ class OpenPPLExporter(QdqOnnxExporter):
         onnx_model = finalize(job.lowered.model, job.opset)
         doc = ppl_json(records, job.lowered, job.quantizers, job.gm, onnx_model)
         logger.info("openppl: %d quantized tensors", len(doc["quant_info"]))
-        return {job.paths["main"]: serialize(onnx_model), job.paths["json"]: json.dumps(doc, indent=1) + "\n"}
+        return {**serialize(onnx_model, job.paths["main"]), job.paths["json"]: json.dumps(doc, indent=1) + "\n"}

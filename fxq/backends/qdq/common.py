@@ -8,11 +8,13 @@ from typing import Any
 
 from torch import fx, nn
 
+from fxq import onnx_data
 from fxq.errors import ExportError, GraphError
 from fxq.graph.info import graph_quant, iter_quantizers
 from fxq.graph.quant_graph import QuantGraph
 from fxq.io import atomic_file_set, check_output_dir, ensure_dir
 from fxq.nn.fake_quantize import FakeQuantize
+from fxq.onnx_data import check_model, data_path, light_copy, onnx_files, too_large
 from fxq.spec import QuantState
 
 __all__ = ["quantized_graph", "plan_paths", "finalize", "serialize", "write_files", "quantizer_tables",
@@ -22,9 +24,6 @@ logger = logging.getLogger(__name__)
 
 IR_VERSION = 10
 """onnx 1.23 writes IR 14, which onnxruntime 1.31 rejects; every model fxq writes says 10."""
-
-_PROTO_LIMIT = 2**31 - 1
-
 
 def quantized_graph(model: nn.Module) -> fx.GraphModule:
     """``model`` as a calibrated fxq GraphModule, or :class:`ExportError` saying what to do first."""
@@ -73,7 +72,6 @@ def plan_paths(path: str | os.PathLike, suffix: str, extras: dict[str, str] | No
 
 def finalize(model: Any, opset: int, *, check: bool = True) -> Any:
     """Standard opset imports only, IR version 10, fresh shapes, and ``onnx.checker``."""
-    import onnx
 
     from fxq.backends.qdq.marking import MARK_DOMAIN
 
@@ -88,15 +86,30 @@ def finalize(model: Any, opset: int, *, check: bool = True) -> Any:
     fold_initializer_identities(model.graph)
     _name_nodes(model.graph)
     del model.graph.value_info[:]
-    try:
-        model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception as exc:  # shapes are a convenience; the checker below is what matters
-        logger.debug("shape inference failed on the exported model: %s", exc)
+    model = _infer_shapes(model)
     if check:
         try:
-            onnx.checker.check_model(model)
+            check_model(model)
         except Exception as exc:
             raise ExportError(f"the exported ONNX model is invalid ({exc}); please report this with the model") from exc
+    return model
+
+
+def _infer_shapes(model: Any) -> Any:
+    """onnx's shape inference (a convenience: unchanged on failure); models over the external-data threshold are
+    inferred on a copy without their weights (onnx would serialize them)."""
+    import onnx
+
+    try:
+        if not too_large(model):
+            return onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(light_copy(model), strict_mode=False)
+    except Exception as exc:  # shapes are a convenience; the checker is what matters
+        logger.debug("shape inference failed on the exported model: %s", exc)
+        return model
+    model.graph.value_info.extend(inferred.graph.value_info)
+    for mine, theirs in zip(model.graph.output, inferred.graph.output):
+        mine.CopyFrom(theirs)
     return model
 
 
@@ -133,13 +146,22 @@ def fold_initializer_identities(graph: Any) -> None:
         graph.initializer.extend(kept)
 
 
-def serialize(model: Any) -> bytes:
-    if model.ByteSize() > _PROTO_LIMIT:
-        raise ExportError("the exported model exceeds protobuf's 2 GB limit; external-data export is not supported yet")
-    return model.SerializeToString()
+def serialize(model: Any, path: Path) -> dict[Path, bytes | bytearray | None]:
+    """The files of ``model`` written at ``path``: the ``.onnx`` alone, or, for a model over
+    :data:`fxq.onnx_data.EXTERNAL_DATA_THRESHOLD` (protobuf's 2 GiB limit), the ``.onnx`` and its external data
+    ``<name>.onnx.data`` (:func:`fxq.onnx_data.onnx_files`), to be written in the same atomic set. A ``.onnx``
+    written alone maps ``<name>.onnx.data`` to ``None``: an earlier large export's data file there is deleted in
+    the same set."""
+    files: dict[Path, bytes | bytearray | None] = dict(onnx_files(model, path))
+    if len(files) > 1:
+        logger.info("%s: the model is over %d bytes; its weights go to external data %s", path.name,
+                    onnx_data.EXTERNAL_DATA_THRESHOLD, data_path(path).name)
+    else:
+        files[data_path(path)] = None
+    return files
 
 
-def write_files(files: dict[Path, bytes | str]) -> list[Path]:
+def write_files(files: dict[Path, bytes | bytearray | str | None]) -> list[Path]:
     """Create the folder if missing, then write every file as one atomic set (:func:`fxq.io.atomic_file_set`)."""
     paths = list(files)
     if paths:

@@ -170,10 +170,10 @@ def cast_float_parts(model: Any) -> Any:
 
 def check_fp16_model(model: Any) -> None:
     """``onnx.checker`` with ``full_check`` (strict type and shape inference) on the rewritten model."""
-    import onnx
+    from fxq.onnx_data import check_model
 
     try:
-        onnx.checker.check_model(model, full_check=True)
+        check_model(model, full_check=True)
     except Exception as exc:
         raise ExportError(f"the FP16 ONNX model is invalid ({exc}); export with high_precision_dtype='fp32' and "
                           f"please report this with the model") from exc

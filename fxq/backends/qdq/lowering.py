@@ -10,7 +10,9 @@ import contextlib
 import dataclasses
 import io
 import logging
+import os
 import re
+import tempfile
 import threading
 import warnings
 from typing import Any, Sequence
@@ -19,6 +21,7 @@ import onnx
 import torch
 from torch import fx
 
+from fxq import onnx_data
 from fxq.backends.qdq.common import fold_initializer_identities
 from fxq.backends.qdq.marking import MARK_DOMAIN, MARK_OP, Mark, MarkedModule
 from fxq.backends.qdq.onnx_graph import (
@@ -145,14 +148,46 @@ def _export(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | 
     stand_in = {name: key for key, name in io_names.items()}
     if dynamic_axes:
         dynamic_axes = {stand_in.get(k, k): v for k, v in dynamic_axes.items()}
-    buf = io.BytesIO()
+    with contextlib.ExitStack() as stack:
+        target: Any = io.BytesIO()
+        if _tensor_bytes(marked.module) > onnx_data.EXTERNAL_DATA_THRESHOLD:
+            # torch.onnx writes a model over protobuf's limit only to a file path (external data beside it)
+            target = os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix="fxq-onnx-")), "model.onnx")
+            logger.info("the model's tensors take over %d bytes: torch.onnx writes it to a temp folder",
+                        onnx_data.EXTERNAL_DATA_THRESHOLD)
+        _torch_export(marked, args, export_opset, dynamic_axes, target)
+        model = onnx.load_from_string(target.getvalue()) if isinstance(target, io.BytesIO) else onnx.load(target)
+    _restore_io_names(model.graph, io_names)
+    if export_opset < opset:
+        try:
+            model = onnx_data.convert_version(model, opset)
+        except Exception as exc:
+            raise ExportError(f"torch.onnx writes opset {export_opset} at most and onnx's version converter could "
+                              f"not take the model to opset {opset} ({exc}); pass opset={export_opset} or lower"
+                              ) from exc
+        logger.info("exported at opset %d and converted to opset %d", export_opset, opset)
+    return model
+
+
+def _tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the module's distinct parameters and buffers (about what torch.onnx writes as initializers)."""
+    seen: dict[int, int] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def _torch_export(marked: MarkedModule, args: tuple, export_opset: int, dynamic_axes: dict | None,
+                  target: Any) -> None:
+    """torch.onnx's TorchScript exporter, in eval mode, into ``target`` (a buffer, or a file path for large
+    models)."""
     was_training = marked.module.training
     marked.module.eval()
     try:
         with _TORCH_ONNX_LOCK, _opset_visible_to_onnx2torch(export_opset), warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             torch.onnx.export(
-                marked.module, args, buf, dynamo=False, opset_version=export_opset,
+                marked.module, args, target, dynamo=False, opset_version=export_opset,
                 input_names=[f"fxq_input_{i}" for i in range(len(marked.input_names))],
                 output_names=[f"fxq_output_{i}" for i in range(len(marked.output_names))],
                 dynamic_axes=dynamic_axes, do_constant_folding=True,
@@ -175,19 +210,6 @@ def _export(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | 
         ) from exc
     finally:
         marked.module.train(was_training)
-    model = onnx.load_from_string(buf.getvalue())
-    _restore_io_names(model.graph, io_names)
-    if export_opset < opset:
-        from onnx import version_converter
-
-        try:
-            model = version_converter.convert_version(model, opset)
-        except Exception as exc:
-            raise ExportError(f"torch.onnx writes opset {export_opset} at most and onnx's version converter could "
-                              f"not take the model to opset {opset} ({exc}); pass opset={export_opset} or lower"
-                              ) from exc
-        logger.info("exported at opset %d and converted to opset %d", export_opset, opset)
-    return model
 
 
 def _restore_io_names(graph: onnx.GraphProto, io_names: dict[str, str]) -> None:

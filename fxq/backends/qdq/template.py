@@ -6,7 +6,8 @@
 3. :meth:`~QdqOnnxExporter.choose_opset`, then :func:`~fxq.backends.qdq.pipeline.lower_model` (torch.onnx with
    quant marks);
 4. :meth:`~QdqOnnxExporter.render` — the backend's own part: Q/DQ or stripped marks, its checks, its file contents;
-5. all files written as one atomic set (:func:`~fxq.backends.qdq.common.write_files`).
+5. all files written as one atomic set (:func:`~fxq.backends.qdq.common.write_files`); a ``.onnx`` over protobuf's
+   2 GiB limit comes with its external data ``<name>.onnx.data`` (:func:`~fxq.backends.qdq.common.serialize`).
 
 A backend subclasses :class:`QdqOnnxExporter`, sets ``defaults`` (its options and their values) and implements
 :meth:`render`; the options it accepts are the keys of ``defaults`` plus nothing else.
@@ -80,6 +81,6 @@ class QdqOnnxExporter(Exporter):
         """The opset to lower at (default: the ``opset`` option)."""
         return int(options["opset"])
 
-    def render(self, job: QdqJob) -> dict[Path, bytes | str]:
+    def render(self, job: QdqJob) -> dict[Path, bytes | bytearray | str | None]:
         """The backend's files, ``{path: content}``, every check passed."""
         raise NotImplementedError

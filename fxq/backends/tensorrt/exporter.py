@@ -14,6 +14,10 @@ Files, from ``path`` = ``out/model.onnx``:
   names, no Q/DQ, weights already on their grid), ``model.cache`` (calibration cache) and ``model.json``
   (PPQ's ``{"act_quant_info": {tensor: amax}}``).
 
+Models over protobuf's 2 GiB limit (:data:`fxq.onnx_data.EXTERNAL_DATA_THRESHOLD`) keep their weights in external
+data: each ``.onnx`` of the set gets a ``<name>.onnx.data`` beside it (``model.onnx.data``, and
+``model_fp32.onnx.data`` with ``legacy=True``), written in the same atomic set (:mod:`fxq.onnx_data`).
+
 FP32 biases are written as fxq simulates them; a default onnxruntime session rounds them to int32 codes of input
 scale x weight scale, and where those overflow (vanishing activations) the export logs a WARNING naming the nodes
 (:func:`fxq.backends.qdq.ort_bias.ort_bias_issues`).
@@ -98,7 +102,7 @@ class TensorRTExporter(QdqOnnxExporter):
             raise ExportError("tensorrt: legacy=True writes INT8 calibration caches; this model is FP8")
         return options["opset"] or (19 if fp8 or options["high_precision_dtype"] == "fp16" else 13)
 
-    def render(self, job: QdqJob) -> dict[Path, bytes | str]:
+    def render(self, job: QdqJob) -> dict[Path, bytes | bytearray | str | None]:
         """Q/DQ on the lowered model, TensorRT's rules on it, and the legacy side files."""
         import onnx
 
@@ -129,14 +133,14 @@ class TensorRTExporter(QdqOnnxExporter):
         for p in problems:
             logger.warning("TensorRT rule: %s", p)
         warn_ort_bias_issues(qdq_model, "tensorrt")
-        files: dict[Path, bytes | str] = {job.paths["main"]: serialize(qdq_model)}
+        files: dict[Path, bytes | bytearray | str | None] = serialize(qdq_model, job.paths["main"])
         # legacy side files, keyed by the FP32 model's tensor names
         if options["legacy"]:
             lowered.model = fp32_model
             fp_records = strip_marks(lowered, quantizers, roles)
             fp32_model = finalize(fp32_model, opset)
             scales = activation_scales(fp_records, lowered.tensor_of, lowered.marked.grid_of, quantizers)
-            files[job.paths["fp32"]] = serialize(fp32_model)
+            files.update(serialize(fp32_model, job.paths["fp32"]))
             files[job.paths["cache"]] = calibration_cache(scales, options["trt_version"])
             files[job.paths["json"]] = act_quant_json(scales)
         logger.info("tensorrt: %d quantized tensors, opset %d, %s float parts", len(records), opset,

@@ -20,19 +20,18 @@ Nodes whose output is a graph output are kept (onnx2torch needs every graph outp
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from fxq.onnx_data import LIGHT_MIN_ELEMENTS, light_copy
+
 __all__ = ["clean", "alias_dotted_domains", "normalize_domains", "drop_initializer_inputs", "fold_constants", "fold_identities",
-           "drop_redundant_allowzero", "infer_shapes", "light_copy"]
+           "drop_redundant_allowzero", "infer_shapes", "light_copy", "LIGHT_MIN_ELEMENTS"]
 
 _LOG = logging.getLogger(__name__)
 _DEFAULT_DOMAINS = ("", "ai.onnx")
-LIGHT_MIN_ELEMENTS = 4096
-"""Initializers this large become typed graph inputs in :func:`light_copy` (no shape tensor is this long)."""
 _T = onnx.TensorProto
 _PLAIN_CASTS = {_T.FLOAT, _T.DOUBLE, _T.FLOAT16, _T.BOOL, _T.INT8, _T.INT16, _T.INT32, _T.INT64, _T.UINT8, _T.UINT16,
                 _T.UINT32, _T.UINT64}  # onnx serializes the model for shape inference: protobuf's 2 GB limit
@@ -178,37 +177,6 @@ def _used_names(graph: onnx.GraphProto) -> set[str]:
             for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
                 names |= _used_names(sub)
     return names
-
-
-def light_copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` for shape inference: initializers of :data:`LIGHT_MIN_ELEMENTS` or more elements become
-    typed graph inputs, so their data is neither copied nor serialized (what onnx's inference costs on a model
-    with weights is mostly that serialization). Shape tensors are small and keep their values for data
-    propagation."""
-    light = onnx.ModelProto()
-    _copy_fields(model, light, skip="graph")
-    graph, source = light.graph, model.graph
-    _copy_fields(source, graph, skip="initializer")
-    inputs = {i.name for i in source.input}
-    for t in source.initializer:
-        if int(np.prod(t.dims, dtype=np.int64)) < LIGHT_MIN_ELEMENTS:
-            graph.initializer.append(t)
-        elif t.name not in inputs:
-            graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    return light
-
-
-def _copy_fields(source: Any, target: Any, skip: str) -> None:
-    """Copy every set field of protobuf message ``source`` but ``skip`` into ``target``."""
-    for field, value in source.ListFields():
-        if field.name == skip:
-            continue
-        if not isinstance(value, (str, bytes)) and hasattr(value, "extend"):  # a repeated field
-            getattr(target, field.name).extend(value)
-        elif field.message_type is not None:
-            getattr(target, field.name).CopyFrom(value)
-        else:
-            setattr(target, field.name, value)
 
 
 def infer_shapes(model: onnx.ModelProto, *, in_place: bool = False) -> onnx.ModelProto:

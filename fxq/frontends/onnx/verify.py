@@ -16,6 +16,7 @@ from torch import fx
 from fxq.errors import FrontendError
 from fxq.frontends.onnx.cleanup import infer_shapes
 from fxq.frontends.onnx.shapes import source_dims
+from fxq.onnx_data import ort_session
 
 __all__ = ["VERIFY_AUTO_MAX_BYTES", "wants_check", "check_conversion"]
 
@@ -83,7 +84,7 @@ def _ort_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], outputs: list
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     opts.log_severity_level = 3
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sess = ort_session(model, opts)  # models over 2 GiB: weights handed over in memory
     return dict(zip(outputs, sess.run(outputs, feeds)))
 
 
