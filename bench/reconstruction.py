@@ -17,9 +17,11 @@ training pass switched on in the setting, the settings matched field for field:
   ``block_size=4``, lr 1e-5, scales trainable, gamma 0.
 
 Steps per block (layer) default to PPQ's setting defaults (5000 for the rounding passes, 500 for LSQ): hours on a
-2-core CPU. ``--quick`` takes 20 / 20 / 10 steps (the fxq side finishes in about 2 minutes; PPQ's AdaroundPass adds
-its own weight-scale tuning, 900 Adam steps per computing op whatever the setting says, so the PPQ column takes
-longer). ``--steps N`` sets all three.
+2-core CPU. ``--quick`` takes 20 / 20 / 10 steps: the fxq side took 4 minutes on a loaded 2-core host (its FP32
+pass 5x slower than quiet), so about 1-2 minutes quiet. The PPQ column takes far longer whatever the steps: before
+each block PPQ runs the whole model twice over the calibration batches (``collect``), and its AdaroundPass first
+tunes each weight's scale (900 Adam steps per computing op): ~30 minutes for layer-wise AdaRound alone on that
+host. ``--sides fxq`` / ``--sides ppq`` runs one side. ``--steps N`` sets all three passes' steps.
 
 Reported per pass and side: the pass's wall time (fxq: ``run_algorithms("post")`` between ``calibrate`` and
 ``convert``, exactly what ``fxq.quantize`` runs; PPQ: the pass's ``optimize``), that as a multiple of the side's
@@ -115,8 +117,11 @@ def _rss_kib() -> int:
 
 
 def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    try:  # Linux: resets the high-water mark that getrusage's maxrss reports
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # elsewhere the delta is a lower bound
+        pass
 
 
 def run_fxq(name: str, source, fields: dict, calib: list[torch.Tensor], held: list[torch.Tensor]) -> dict:
