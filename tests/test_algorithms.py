@@ -311,7 +311,7 @@ def test_interested_layers_take_original_onnx_names():
 
 def test_an_optimization_that_makes_a_block_worse_is_undone():
     """AdaRound, BRECQ and LSQ run inside kept_if_better: a block whose error grew gets its snapshot back."""
-    from fxq.algorithms.blocks import param_target
+    from fxq.algorithms.blocks import param_target, run_block
     from fxq.algorithms.training import Snapshot, block_error, kept_if_better
     from fxq.graph.nodes import get_attr_value
 
@@ -325,9 +325,14 @@ def test_an_optimization_that_makes_a_block_worse_is_undone():
         with kept_if_better(bd, Snapshot([weight]), "test"), torch.no_grad():
             weight.mul_(3.0)  # clearly worse
         assert torch.equal(weight, kept) and block_error(bd, bd.block.module) == before
+        assert bd.q_outputs is None  # reverted: the runner runs the block itself
         with kept_if_better(bd, Snapshot([weight]), "test"), torch.no_grad():
             weight.mul_(1.0 + 1e-7)  # the same codes, not worse: kept as it is
         assert not torch.equal(weight, kept)
+        # kept: its last evaluation's outputs are the runner's next quantized inputs, as a fresh run gives them
+        fresh = run_block(bd.block.module, bd, quantized=True)
+        assert len(bd.q_outputs) == len(fresh) == bd.num_batches
+        assert all(torch.equal(a, b) for got, ref in zip(bd.q_outputs, fresh) for a, b in zip(got, ref))
 
 
 def test_lsq_epochs_alias():

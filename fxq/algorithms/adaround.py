@@ -67,6 +67,7 @@ class AdaRoundQuantizer(nn.Module):
         rest = v - self.floor  # in [0, 1): h(alpha) = rest there, finite at both ends
         self.alpha = nn.Parameter(-torch.log((ZETA - GAMMA) / (rest - GAMMA) - 1))
         self.dtype = weight.dtype
+        self.last_h: torch.Tensor | None = None
 
     def h(self) -> torch.Tensor:
         return torch.clamp(torch.sigmoid(self.alpha) * (ZETA - GAMMA) + GAMMA, 0, 1)
@@ -76,7 +77,10 @@ class AdaRoundQuantizer(nn.Module):
         return ((q - self.o) * self.s).to(self.dtype)
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:  # the graph's FP32 weight is not used
-        return self._dequant(self.h())
+        h = self.h()
+        # the training step's regularizer reads the same h (one sigmoid pass over the weight per step, not two)
+        self.last_h = h if torch.is_grad_enabled() else None
+        return self._dequant(h)
 
     @torch.no_grad()
     def hard_weight(self) -> torch.Tensor:
@@ -86,7 +90,11 @@ class AdaRoundQuantizer(nn.Module):
 
 def rounding_regularizer(quantizers: list[AdaRoundQuantizer], step: int, steps: int, weight: float,
                          beta_range: tuple[float, float], warm_up: float) -> torch.Tensor:
-    """``weight * sum(1 - |2h - 1|^beta)``: 0 during warm-up, then beta annealed linearly over the rest."""
+    """``weight * sum(1 - |2h - 1|^beta)``: 0 during warm-up, then beta annealed linearly over the rest.
+
+    ``h`` is each quantizer's from its last forward with gradients (the current training step's; read once), else
+    computed.
+    """
     start = int(warm_up * steps)
     if step < start or weight == 0 or not quantizers:
         return torch.zeros(())
@@ -94,7 +102,9 @@ def rounding_regularizer(quantizers: list[AdaRoundQuantizer], step: int, steps: 
     beta = beta_range[0] + (beta_range[1] - beta_range[0]) * rel
     total = None
     for q in quantizers:
-        term = (1 - (2 * q.h() - 1).abs().pow(beta)).sum()
+        h = q.last_h if q.last_h is not None and torch.is_grad_enabled() else q.h()
+        q.last_h = None  # used once: a later step without a forward of q computes its own
+        term = (1 - (2 * h - 1).abs().pow(beta)).sum()
         total = term if total is None else total + term
     return weight * total
 

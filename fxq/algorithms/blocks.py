@@ -277,6 +277,9 @@ class BlockData:
     device: torch.device
     _fp_outputs: list[tuple] | None = None
     _store: str | torch.device = "cpu"
+    q_outputs: list[tuple] | None = None
+    """The block's quantized outputs per batch in its final state, when the algorithm already computed them
+    (:func:`fxq.algorithms.training.kept_if_better` does): the runner then does not run the block again."""
 
     @property
     def num_batches(self) -> int:
@@ -385,12 +388,13 @@ class BlockRunner:
                              q_inputs=[tuple(self._q[n][b] for n in block.inputs) for b in range(nb)])
             yield data
             fp_out = data.fp_outputs
-            q_out = run_block(block.module, data, quantized=True, store=self.store)
+            q_out = data.q_outputs if data.q_outputs is not None else run_block(block.module, data, quantized=True,
+                                                                                 store=self.store)
             for i, node in enumerate(block.outputs):
                 self._fp[node] = [o[i] for o in fp_out]
                 self._q[node] = [o[i] for o in q_out]
             self._account()
-            data._fp_outputs = None
+            data._fp_outputs = data.q_outputs = None
             del data, fp_out, q_out
             if k + 1 < len(self.blocks):
                 next_first = order[self.blocks[k + 1].nodes[0]]
