@@ -286,14 +286,14 @@ def _copies(args: list[Any]) -> list[Any]:
     return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def _compiled(key: tuple[Any, ...], factory: Callable[[], Callable[..., Any]],
-              examples: Callable[[], list[Any]], exact: bool) -> Callable[..., Any]:
+def _compiled(key: tuple[Any, ...], build: Callable[[], tuple[Callable[..., Any], list[Any]]],
+              exact: bool) -> Callable[..., Any]:
     fn = _state.compiled.get(key)
     if fn is None:
         with _state.lock:
             fn = _state.compiled.get(key)
             if fn is None:
-                fn = _compile_graph(factory(), examples(), exact)
+                fn = _compile_graph(*build(), exact)
                 _state.compiled[key] = fn
     return fn
 
@@ -302,19 +302,18 @@ _FAILED = object()
 """What :func:`_call_fused` returns when the fused path failed (then it stays off)."""
 
 
-def _call_fused(key: tuple[Any, ...], factory: Callable[[], Callable[..., Any]], examples: Callable[[], list[Any]],
-                *args: Any, exact: bool = True) -> Any:
-    """Run the compiled graph for ``key``; :data:`_FAILED` if the fused path failed (then it stays off).
+def _call_fused(key: tuple[Any, ...], build: Callable[[], tuple[Callable[..., Any], list[Any]]], *args: Any,
+                exact: bool = True) -> Any:
+    """Run the compiled graph for ``key`` on ``args``; :data:`_FAILED` if the fused path failed (then it stays off).
 
-    ``factory`` (the function to compile) and ``examples`` (stand-in arguments to trace it on, see
-    :func:`_compile_graph`) are only called to build a graph not compiled yet. The graphs run without autograd:
-    their callers pass values and get values (the ops' autograd is outside them)."""
+    ``build()`` gives the function to compile and stand-in arguments to trace it on (:func:`_compile_graph`); it
+    is only called for a graph not compiled yet. The graphs run without autograd: their callers pass values and
+    get values (the ops' autograd is outside them)."""
     fn = _state.compiled.get(key)
-    fresh = fn is None
-    start = time.perf_counter() if fresh else 0.0
+    start = time.perf_counter() if fn is None else None
     try:
-        if fresh:
-            fn = _compiled(key, factory, examples, exact)
+        if fn is None:
+            fn = _compiled(key, build, exact)
         if torch.is_grad_enabled():
             with torch.no_grad():
                 out = fn(*args)
@@ -329,7 +328,7 @@ def _call_fused(key: tuple[Any, ...], factory: Callable[[], Callable[..., Any]],
             ENV_ENABLE,
         )
         return _FAILED
-    if fresh:
+    if start is not None:
         seconds = time.perf_counter() - start
         _state.stats["compiles"] += 1
         _state.stats["compile_seconds"] += seconds
@@ -338,38 +337,28 @@ def _call_fused(key: tuple[Any, ...], factory: Callable[[], Callable[..., Any]],
     return out
 
 
-def _graph_factory(fn: Callable[..., Any], n_tensors: int, template: tuple[Any, ...], runtime: tuple[int, ...],
-                   tail: tuple[Any, ...] = ()) -> Callable[[], Callable[..., Any]]:
-    """A factory of ``fused(*tensors, *runtime_attrs) = fn(*tensors, *attrs, *tail)``.
-
-    ``attrs`` is ``template`` with the entries at the ``runtime`` positions taken from the graph's inputs
-    (dynamic numbers), the others constants of the graph.
+def _graph_fn(fn: Callable[..., Any], n_tensors: int, template: tuple[Any, ...], runtime: tuple[int, ...],
+              tail: tuple[Any, ...] = ()) -> Callable[..., Any]:
+    """``fused(*tensors, *runtime_attrs) = fn(*tensors, *attrs, *tail)``: ``attrs`` is ``template`` with the entries
+    at the ``runtime`` positions taken from the graph's inputs (dynamic numbers), the others constants of the graph.
     """
 
-    def factory() -> Callable[..., Any]:
-        def fused(*args):
-            attrs = list(template)
-            for i, v in zip(runtime, args[n_tensors:]):
-                attrs[i] = v
-            return fn(*args[:n_tensors], *attrs, *tail)
+    def fused(*args):
+        attrs = list(template)
+        for i, v in zip(runtime, args[n_tensors:]):
+            attrs[i] = v
+        return fn(*args[:n_tensors], *attrs, *tail)
 
-        return fused
-
-    return factory
+    return fused
 
 
-def _into_input(factory: Callable[[], Callable[..., Any]]) -> Callable[[], Callable[..., Any]]:
-    """The graph of ``factory`` writing its result into its first argument (an in-place twin, one pass)."""
+def _into_input(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` writing its result into its first argument (an in-place twin, one pass)."""
 
-    def in_place_factory() -> Callable[..., Any]:
-        fn = factory()
+    def fused(x, *args):
+        return x.copy_(fn(x, *args))
 
-        def fused(x, *args):
-            return x.copy_(fn(x, *args))
-
-        return fused
-
-    return in_place_factory
+    return fused
 
 
 # --------------------------------------------------------------------------- op kernels (CPU)
@@ -400,29 +389,21 @@ class _Plan:
         out.extend(self.template[i] for i in self.runtime)
         return out
 
-    def examples(self, tensors: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...]) -> Callable[[], list[Any]]:
+    def stand_ins(self, tensors: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...]) -> list[Any]:
         """Stand-ins for :meth:`inputs` to trace the graph on (see :func:`_compile_graph`): the same ranks,
         dtypes and parameter layout, other sizes."""
+        gen = torch.Generator().manual_seed(0)
+        dims = _EXAMPLE_SIZES[: len(self.shape)]
+        channels = dims[self.template[0]]
+        out: list[Any] = [torch.randn(dims, generator=gen, dtype=t.dtype) * 4 for t in tensors]
+        out += [torch.rand(1 if p.numel() == 1 else channels, generator=gen, dtype=p.dtype) + 0.05 for p in params]
+        out += _EXAMPLE_INTS[: len(self.runtime)]
+        return out
 
-        def build() -> list[Any]:
-            gen = torch.Generator().manual_seed(0)
-            dims = _EXAMPLE_SIZES[: len(self.shape)]
-            channels = dims[self.template[0]]
-            out: list[Any] = [torch.randn(dims, generator=gen, dtype=t.dtype) * 4 for t in tensors]
-            out += [torch.rand(1 if p.numel() == 1 else channels, generator=gen, dtype=p.dtype) + 0.05 for p in params]
-            out += _EXAMPLE_INTS[: len(self.runtime)]
-            return out
-
-        return build
-
-    def factory(self, fn: Callable[..., Any], n_tensors: int, tail: tuple[Any, ...] = ()) -> Callable[..., Any]:
-        """The graph factory of this plan over ``fn`` (see :func:`_graph_factory`), built when first called."""
-
-        def build() -> Callable[..., Any]:
-            template = tuple(None if i in self.runtime else v for i, v in enumerate(self.template))
-            return _graph_factory(fn, n_tensors, template, self.runtime, tail)()
-
-        return build
+    def graph_fn(self, fn: Callable[..., Any], n_tensors: int, tail: tuple[Any, ...] = ()) -> Callable[..., Any]:
+        """The function this plan's graph compiles: ``fn`` over the graph's inputs (see :func:`_graph_fn`)."""
+        template = tuple(None if i in self.runtime else v for i, v in enumerate(self.template))
+        return _graph_fn(fn, n_tensors, template, self.runtime, tail)
 
 
 _PLAN_CACHE_SIZE = 4096
@@ -475,12 +456,8 @@ def _forward_kernel(spec: OpSpec) -> Callable[..., torch.Tensor]:
         plan = _plan(spec, spec.name, x, params, args[n_tensors:])
         if plan is None or not _warmed_up():
             return _run_eager(ref, *args)
-        inputs = plan.inputs((x,), params)
-        fn = _state.compiled.get(plan.key)
-        if fn is not None and not torch.is_grad_enabled():  # the common case, without _call_fused's bookkeeping
-            _state.stats["fused_calls"] += 1
-            return fn(*inputs).view(x.shape)
-        out = _call_fused(plan.key, plan.factory(ref, n_tensors), plan.examples((x,), params), *inputs)
+        out = _call_fused(plan.key, lambda: (plan.graph_fn(ref, n_tensors), plan.stand_ins((x,), params)),
+                          *plan.inputs((x,), params))
         return ref(*args) if out is _FAILED else out.view(x.shape)
 
     return kernel
@@ -498,13 +475,9 @@ def _backward_kernel(spec: OpSpec) -> Callable[..., tuple[torch.Tensor, ...]]:
         if plan is None or not _warmed_up():
             return _run_eager(ref, *args)
         needs = tuple(bool(n) for n in needs)
-        key, inputs = plan.key + needs, plan.inputs((grad, x), params)
-        fn = _state.compiled.get(key)
-        if fn is not None and not torch.is_grad_enabled():  # the common case, without _call_fused's bookkeeping
-            _state.stats["fused_calls"] += 1
-            return spec.reduce(args, fn(*inputs))
-        factory = plan.factory(spec.elementwise, 1 + spec.num_tensors, needs)
-        out = _call_fused(key, factory, plan.examples((grad, x), params), *inputs)
+        out = _call_fused(plan.key + needs, lambda: (plan.graph_fn(spec.elementwise, 1 + spec.num_tensors, needs),
+                                                     plan.stand_ins((grad, x), params)),
+                          *plan.inputs((grad, x), params))
         return ref(*args) if out is _FAILED else spec.reduce(args, out)
 
     return kernel
@@ -521,65 +494,54 @@ def _inplace_fused(spec: OpSpec, args: tuple[Any, ...]) -> tuple[bool, bool]:
         return False, False
     if not _warmed_up():
         return False, True
-    inputs = plan.inputs((x,), params)
-    fn = _state.compiled.get(plan.key)
-    if fn is not None and not torch.is_grad_enabled():  # the common case, without _call_fused's bookkeeping
-        _state.stats["fused_calls"] += 1
-        fn(*inputs)
-        return True, True
-    factory = _into_input(plan.factory(spec.forward, spec.num_tensors))
-    done = _call_fused(plan.key, factory, plan.examples((x,), params), *inputs)
+    done = _call_fused(plan.key, lambda: (_into_input(plan.graph_fn(spec.forward, spec.num_tensors)),
+                                          plan.stand_ins((x,), params)),
+                       *plan.inputs((x,), params))
     return done is not _FAILED, True
 
 
 @dataclasses.dataclass(frozen=True)
 class BoundCall:
     """One forward op call planned and compiled once, for the same call repeated on tensors of one shape (a
-    quantizer of a model run batch after batch): :meth:`run` skips the dispatcher, the kernel's checks and
-    planning, which cost more than the compiled graph itself on small activations. Made by :func:`bind`."""
+    quantizer of a model run batch after batch): :meth:`run` skips the dispatcher and the kernel's planning,
+    which cost more than the compiled graph itself on small activations. Made by :func:`bind`."""
 
     tag: Any
     shape: torch.Size
     dtype: torch.dtype
-    view: tuple[int, ...]
     params: tuple[torch.Tensor, ...]
     param_shapes: tuple[torch.Size, ...]
-    runtime: tuple[Any, ...]
+    plan: _Plan
     fn: Callable[..., Any]
 
     def run(self, x: torch.Tensor, params: tuple[torch.Tensor, ...], tag: Any) -> torch.Tensor | None:
         """The op's values on ``x``, or None when this binding does not hold for the call: another ``tag`` (the
-        caller's attributes), other parameter tensors or shapes, another shape, dtype or layout of ``x``,
-        gradients to record, something tracing, or the fused path switched off."""
-        if (type(x) is not torch.Tensor or x.shape != self.shape or x.dtype != self.dtype or tag != self.tag
-                or not x.is_contiguous() or _state.broken is not None or not _state.resolved()[0]):
+        caller's attributes), other parameter tensors or shapes, another shape, dtype or layout of ``x``, the
+        fused path switched off, or anything :func:`values_only` refuses (gradients, tracing, modes)."""
+        if (x.shape != self.shape or x.dtype != self.dtype or tag != self.tag or not x.is_contiguous()
+                or _state.broken is not None or not _state.resolved()[0]):
             return None
-        grad = torch.is_grad_enabled()
-        flat = []
         for p, mine, shape in zip(params, self.params, self.param_shapes):
-            if p is not mine or p.shape != shape or (grad and p.requires_grad):
+            if p is not mine or p.shape != shape:
                 return None
-            flat.append(p.detach().reshape(-1) if p.requires_grad or p.dim() != 1 else p)
-        if (grad and x.requires_grad) or _tracing_or_mode_active() or torch._C._is_torch_function_mode_enabled() \
-                or torch._C._functorch.peek_interpreter_stack() is not None:
+        if not values_only((x, *params)):
             return None
         _state.stats["fused_calls"] += 1
-        return self.fn(x.view(self.view), *flat, *self.runtime).view(self.shape)
+        return self.fn(*self.plan.inputs((x,), params)).view(self.shape)
 
 
 def bind(spec: OpSpec, args: tuple[Any, ...], tag: Any) -> BoundCall | None:
     """A :class:`BoundCall` of ``spec``'s forward op for calls like ``args`` (tagged ``tag``), or None where the
-    fused path does not take this call now (tensor kind, size, warm-up, graph not compiled yet)."""
+    fused path does not take this call now (size and kind of tensor, warm-up, graph not compiled yet)."""
     n = spec.num_tensors
     x, params = args[0], tuple(args[1:n])
-    if type(x) is not torch.Tensor or not values_only(args[:n]) or not _eligible(x, None, *params):
+    if type(x) is not torch.Tensor or not _eligible(x, None, *params) or not _warmed_up():
         return None
     plan = _plan(spec, spec.name, x, params, args[n:])
-    fn = None if plan is None or not _warmed_up() else _state.compiled.get(plan.key)
-    if fn is None:
+    fn = None if plan is None else _state.compiled.get(plan.key)
+    if fn is None or not values_only(args[:n]):
         return None
-    runtime = tuple(plan.template[i] for i in plan.runtime)
-    return BoundCall(tag, x.shape, x.dtype, plan.shape, params, tuple(p.shape for p in params), runtime, fn)
+    return BoundCall(tag, x.shape, x.dtype, params, tuple(p.shape for p in params), plan, fn)
 
 
 def fake_quant_linear_inplace(*args: Any) -> bool:
@@ -617,15 +579,9 @@ def fake_quant_float_inplace(*args: Any) -> bool:
     return _inplace_fused(FLOAT, args)[0]
 
 
-def _squared_error_factory() -> Callable[[], Callable[..., Any]]:
-    def factory() -> Callable[..., Any]:
-        def fused(q, f):
-            d = q - f
-            return (d * d).sum(), (f * f).sum()
-
-        return fused
-
-    return factory
+def _squared_error(q: torch.Tensor, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    d = q - f
+    return (d * d).sum(), (f * f).sum()
 
 
 def squared_error_sums(q: torch.Tensor, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -636,12 +592,12 @@ def squared_error_sums(q: torch.Tensor, f: torch.Tensor) -> tuple[torch.Tensor, 
     """
     if q.shape != f.shape or not _eligible(q, f) or not _warmed_up():
         return None
-    def examples() -> list[torch.Tensor]:
-        gen = torch.Generator().manual_seed(0)
-        return [torch.randn(_EXAMPLE_SIZES[0], generator=gen, dtype=q.dtype) for _ in range(2)]
 
-    out = _call_fused(("squared_error", q.dtype), _squared_error_factory(), examples, q.detach().view(-1),
-                      f.detach().view(-1), exact=False)
+    def build() -> tuple[Callable[..., Any], list[torch.Tensor]]:
+        gen = torch.Generator().manual_seed(0)
+        return _squared_error, [torch.randn(_EXAMPLE_SIZES[0], generator=gen, dtype=q.dtype) for _ in range(2)]
+
+    out = _call_fused(("squared_error", q.dtype), build, q.detach().view(-1), f.detach().view(-1), exact=False)
     return None if out is _FAILED else out
 
 
