@@ -282,6 +282,11 @@ class BlockData:
     (:func:`fxq.algorithms.training.kept_if_better` does): the runner then does not run the block again."""
 
     @property
+    def store(self) -> str | torch.device:
+        """Where this block's cached outputs are kept (the runner's collecting device)."""
+        return self._store
+
+    @property
     def num_batches(self) -> int:
         return len(self.fp_inputs)
 
@@ -317,9 +322,13 @@ def run_block(module: fx.GraphModule, data: BlockData, quantized: bool, store: s
     out = []
     with ctx:
         for b in range(data.num_batches):
-            res = module(*data.inputs(b, quantized=quantized))
-            out.append(tuple(to_device(v.detach() if isinstance(v, torch.Tensor) else v, store) for v in res))
+            out.append(stored(module(*data.inputs(b, quantized=quantized)), store))
     return out
+
+
+def stored(outputs: tuple, store: str | torch.device) -> tuple:
+    """A block's outputs as the runner keeps them: detached, on the collecting device ``store``."""
+    return tuple(to_device(v.detach() if isinstance(v, torch.Tensor) else v, store) for v in outputs)
 
 
 class BlockRunner:

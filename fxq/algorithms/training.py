@@ -14,10 +14,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import fx, nn
 
-from fxq.algorithms.blocks import BlockData
+from fxq.algorithms.blocks import BlockData, stored
 from fxq.checked import LEARNING_RATE, OPTIMIZATION_STEPS, Checked, checked_setting, opt
 from fxq.errors import GraphError
-from fxq.graph.data import to_device
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import MIN_SCALE
 
@@ -91,7 +90,7 @@ def block_error(data: BlockData, module: fx.GraphModule, keep: list[tuple] | Non
         out = module(*data.inputs(b, quantized=True))
         total += float(reconstruction_loss(out, data.target(b)))
         if keep is not None:
-            keep.append(tuple(to_device(v.detach() if isinstance(v, torch.Tensor) else v, data._store) for v in out))
+            keep.append(stored(out, data.store))
     return total / max(1, data.num_batches)
 
 
