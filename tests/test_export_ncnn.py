@@ -573,3 +573,23 @@ def test_inexpressible_graph(tmp_path: Path, model: Any, shape: tuple[int, ...],
     with pytest.raises(ExportError, match=message):
         export(gm, "ncnn", tmp_path / "net")
     assert list(tmp_path.iterdir()) == []  # nothing written, no temp files left
+
+
+class _ScalarActivations(nn.Module):
+    """LeakyReLU and ELU, as modules and as functions: one converter maps each to its ncnn layer's param 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.leaky, self.elu = nn.LeakyReLU(0.2), nn.ELU(0.7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.elu(self.leaky(self.conv1(x)))
+        return F.elu(F.leaky_relu(self.conv2(y), 0.05), 1.3)
+
+
+def test_leaky_relu_and_elu_modules_and_functions(tmp_path):
+    gm, files = check_small_model(_ScalarActivations().eval(), (1, 3, 8, 8), tmp_path / "act")
+    lines = [ln.split() for ln in files["fp32_param"].read_text().splitlines()]
+    params = sorted((ln[0], round(float(ln[-1].split("=")[1]), 6)) for ln in lines if ln and ln[0] in ("ReLU", "ELU"))
+    assert params == [("ELU", 0.7), ("ELU", 1.3), ("ReLU", 0.05), ("ReLU", 0.2)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -315,18 +315,20 @@ def _hardsigmoid(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, "HardSigmoid", [b.blob(node.args[0], node)], {0: float(alpha), 1: float(beta)})
 
 
-@register_ncnn_converter("LeakyRelu", any_batch_dim=True)
-def _leaky(b: NcnnBuilder, node: fx.Node) -> None:
-    mod = b.module(node)
-    slope = mod.negative_slope if mod is not None else _arg(node, 1, "negative_slope", 0.01)
-    b.emit(node, "ReLU", [b.blob(node.args[0], node)], {0: float(_const(b, node, slope, "negative_slope"))})
+def _one_scalar(layer: str, name: str, default: float) -> Callable[[NcnnBuilder, fx.Node], None]:
+    """A converter to ncnn ``layer`` whose param 0 is the op's scalar ``name`` (the module's attribute, or the
+    function's second argument)."""
+
+    def convert(b: NcnnBuilder, node: fx.Node) -> None:
+        mod = b.module(node)
+        value = getattr(mod, name) if mod is not None else _arg(node, 1, name, default)
+        b.emit(node, layer, [b.blob(node.args[0], node)], {0: float(_const(b, node, value, name))})
+
+    return convert
 
 
-@register_ncnn_converter("Elu", any_batch_dim=True)
-def _elu(b: NcnnBuilder, node: fx.Node) -> None:
-    mod = b.module(node)
-    alpha = mod.alpha if mod is not None else _arg(node, 1, "alpha", 1.0)
-    b.emit(node, "ELU", [b.blob(node.args[0], node)], {0: float(_const(b, node, alpha, "alpha"))})
+register_ncnn_converter("LeakyRelu", any_batch_dim=True)(_one_scalar("ReLU", "negative_slope", 0.01))
+register_ncnn_converter("Elu", any_batch_dim=True)(_one_scalar("ELU", "alpha", 1.0))
 
 
 @register_ncnn_converter("Gelu", any_batch_dim=True)
