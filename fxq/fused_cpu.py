@@ -537,6 +537,8 @@ def bind(spec: OpSpec, args: tuple[Any, ...], tag: Any) -> BoundCall | None:
     x, params = args[0], tuple(args[1:n])
     if type(x) is not torch.Tensor or not _eligible(x, None, *params) or not _warmed_up():
         return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        return None  # training calls (QAT) go through the op's autograd every time: no planning for them
     plan = _plan(spec, spec.name, x, params, args[n:])
     fn = None if plan is None else _state.compiled.get(plan.key)
     if fn is None or not values_only(args[:n]):
