@@ -20,7 +20,6 @@ import inspect
 import logging
 import operator
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,9 +31,8 @@ from fxq.errors import ExportError, TraceError
 from fxq.graph.capture import capture as capture_graph
 from fxq.graph.data import iter_batches, to_call_args
 from fxq.graph.info import QUANTIZERS_ATTR
-from fxq.io import atomic_file_set
 
-__all__ = ["quantize_in_parts", "quantized_parts", "export_parts", "part_inputs", "part_file_stem", "flat_inputs",
+__all__ = ["quantize_in_parts", "quantized_parts", "render_parts", "part_inputs", "part_file_stem", "flat_inputs",
            "PART_KEY"]
 
 logger = logging.getLogger(__name__)
@@ -120,23 +118,23 @@ def part_file_stem(stem: str, part_path: str) -> str:
     return f"{stem}_{part_path.replace('.', '_')}"
 
 
-def export_parts(model: nn.Module, path: str | os.PathLike,
-                 export_one: Callable[[fx.GraphModule, Path], list[Path]]) -> list[Path]:
-    """Export every part of ``model`` with ``export_one(part, path)`` as ``<stem>_<part path>`` (dots as ``_``, the
-    extension of ``path`` kept); all files are replaced as one set (old set or new set)."""
-    parts = quantized_parts(model)
+def render_parts(model: nn.Module, path: str | os.PathLike,
+                 render_one: Callable[[fx.GraphModule, Path], dict[Path, Any]]) -> dict[Path, Any]:
+    """Every part of ``model`` rendered by ``render_one(part, path)`` (an exporter's ``render_files``) as
+    ``<stem>_<part path>`` (dots as ``_``, the extension of ``path`` kept): one ``{path: content}`` for all parts,
+    written by the caller as one set (old set or new set)."""
     target = Path(path)
     if target.is_dir():
         raise ExportError(f"export path {str(target)!r} is a folder; give a file path or stem inside it")
     stem = target.with_suffix("") if target.suffix else target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    files: dict[Path, bytes] = {}
-    with tempfile.TemporaryDirectory(prefix=".fxq-parts-", dir=target.parent) as tmp:
-        for part_path, part in parts.items():
-            name = part_file_stem(stem.name, part_path) + target.suffix  # model.onnx -> model_rpn_head.onnx
-            for written in export_one(flat_inputs(part), Path(tmp) / name):
-                files[stem.parent / Path(written).name] = Path(written).read_bytes()
-    return atomic_file_set(files)
+    files: dict[Path, Any] = {}
+    for part_path, part in quantized_parts(model).items():
+        name = part_file_stem(stem.name, part_path) + target.suffix  # model.onnx -> model_rpn_head.onnx
+        for file, content in render_one(flat_inputs(part), stem.parent / name).items():
+            if Path(file) in files:
+                raise ExportError(f"parts export: two parts write {str(file)!r}; export to another stem")
+            files[Path(file)] = content
+    return files
 
 
 def flat_inputs(gm: fx.GraphModule) -> fx.GraphModule:

@@ -137,6 +137,39 @@ def test_export_of_parts_replaces_the_whole_set(detector, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f.name for f in first)  # no temp folder left
 
 
+def test_export_of_parts_writes_each_file_once(detector, tmp_path, monkeypatch):
+    """The parts are rendered in memory and written once, as one set (no temp export read back)."""
+    import fxq.io
+
+    _, qmodel = detector
+    writes: list[str] = []
+    real = fxq.io._write_data
+
+    def counting(tmp, data):
+        if not bytes(data[:16]).startswith(b'{"fxq_file_set"'):  # not the set's commit journal
+            writes.append(str(tmp))
+        return real(tmp, data)
+
+    monkeypatch.setattr(fxq.io, "_write_data", counting)
+    files = fxq.export(qmodel, "trt_int8", tmp_path / "det.onnx", legacy=True)
+    assert len(writes) == len(files) == 3 * 4  # Q/DQ onnx, FP32 onnx, calibration cache and json per part
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f.name for f in files)
+
+
+def test_parts_export_deletes_stale_external_data(detector, tmp_path, monkeypatch):
+    """A part exported over protobuf's limit writes ``.onnx.data``; a later small export deletes it in its set."""
+    from fxq import onnx_data
+
+    _, qmodel = detector
+    monkeypatch.setattr(onnx_data, "EXTERNAL_DATA_THRESHOLD", 64)
+    large = fxq.export(qmodel, "trt_int8", tmp_path / "det.onnx")
+    assert "det_backbone.onnx.data" in {f.name for f in large}
+    monkeypatch.setattr(onnx_data, "EXTERNAL_DATA_THRESHOLD", onnx_data.PROTO_LIMIT)
+    small = fxq.export(qmodel, "trt_int8", tmp_path / "det.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f.name for f in small) == [
+        "det_backbone.onnx", "det_head.onnx", "det_neck.onnx"]
+
+
 def test_explicit_capture_path_does_not_split():
     torch.manual_seed(0)
     with pytest.raises(fxq.TraceError):

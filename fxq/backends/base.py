@@ -1,11 +1,14 @@
 """Exporter registry: one exporter per backend, looked up by name or through a platform.
 
-An exporter is a class with ``name`` and ``export(model, path, **options) -> list[Path]`` (the files it
-wrote). It checks everything it needs *before* writing anything, creates a missing output folder, and writes
-its files as one atomic set (:func:`fxq.io.atomic_file_set`): old set or new set, never a mix.
+An exporter is a class with ``name`` and ``render_files(model, path, **options) -> {path: content}``: it checks
+everything it needs and renders every file in memory (``None`` deletes a stale file of the set, e.g. an earlier
+export's external data). :meth:`Exporter.export` then creates a missing output folder and writes the files as one
+atomic set (:func:`fxq.io.atomic_file_set`): old set or new set, never a mix. A model quantized in parts is
+rendered part by part and written once, as one set.
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -13,22 +16,36 @@ from typing import Any
 from torch import fx, nn
 
 from fxq.errors import ExportError
-from fxq.parts import export_parts, quantized_parts
+from fxq.io import atomic_file_set, ensure_dir
+from fxq.parts import quantized_parts, render_parts
 from fxq.registry import Registry
 
-__all__ = ["Exporter", "EXPORTERS", "register_exporter", "export", "exporter_for"]
+__all__ = ["Exporter", "EXPORTERS", "register_exporter", "export", "exporter_for", "FileContents"]
+
+logger = logging.getLogger(__name__)
+
+FileContents = dict[Path, "bytes | bytearray | str | None"]
+"""An export's files before they are written: ``{path: content}``; ``None`` deletes that file in the same set."""
 
 EXPORTERS: Registry[type["Exporter"]] = Registry("exporter")
 
 
 class Exporter:
-    """Base class: subclasses set ``name`` and implement :meth:`export`."""
+    """Base class: subclasses set ``name`` (by :func:`register_exporter`) and ``options``, and implement
+    :meth:`render_files`; :meth:`export` writes what it renders."""
 
     name = "exporter"
     options: tuple[str, ...] = ()  # accepted keyword options; anything else is rejected
 
-    def export(self, model: nn.Module, path: str | os.PathLike, **options: Any) -> list[Path]:
+    def render_files(self, model: nn.Module, path: str | os.PathLike, **options: Any) -> FileContents:
+        """Every check, then every file of ``model`` exported at ``path`` in memory; raises
+        :class:`fxq.ExportError` (nothing written) when the model cannot be expressed."""
         raise NotImplementedError
+
+    def export(self, model: nn.Module, path: str | os.PathLike, **options: Any) -> list[Path]:
+        """Render the files, then write them as one atomic set; returns the paths written."""
+        self.check_options(options)
+        return write_files(self.render_files(model, path, **options))
 
     def check_options(self, options: dict[str, Any]) -> None:
         unknown = sorted(set(options) - set(self.options))
@@ -87,5 +104,15 @@ def export(model: nn.Module, platform: Any, path: str | os.PathLike, **options: 
             raise ExportError("example_inputs cannot be given for a model quantized in parts (each part has its "
                               "own inputs, recorded at calibration); drop it, or export one part: "
                               "fxq.export(model.<part>, ..., example_inputs=...)")
-        return export_parts(model, path, lambda part, stem: exporter.export(part, stem, **options))
+        return write_files(render_parts(model, path, lambda part, stem: exporter.render_files(part, stem, **options)))
     return exporter.export(model, path, **options)
+
+
+def write_files(files: FileContents) -> list[Path]:
+    """Create the folder if missing, then write every file as one atomic set (:func:`fxq.io.atomic_file_set`)."""
+    for folder in dict.fromkeys(Path(p).parent for p in files):
+        ensure_dir(folder)
+    written = atomic_file_set(files)
+    for path in written:
+        logger.info("wrote %s", path)
+    return written

@@ -29,13 +29,13 @@ from typing import Any
 
 from torch import fx, nn
 
-from fxq.backends.base import Exporter, register_exporter
+from fxq.backends.base import Exporter, FileContents, register_exporter
 from fxq.backends.capability import check_capabilities
 from fxq.backends.ncnn.builder import build_ncnn_model
 from fxq.backends.ncnn.writer import NcnnModel
 from fxq.errors import ExportError, GraphError
 from fxq.graph.info import graph_quant
-from fxq.io import atomic_file_set, check_output_dir, ensure_dir
+from fxq.io import check_output_dir
 
 __all__ = ["NcnnExporter", "ncnn_paths"]
 
@@ -57,8 +57,8 @@ class NcnnExporter(Exporter):
 
     options = ("fp32",)
 
-    def export(self, model: nn.Module, path: str | os.PathLike, **options: Any) -> list[Path]:
-        """Check everything, render all files in memory, then write them as one atomic set (:mod:`fxq.io`).
+    def render_files(self, model: nn.Module, path: str | os.PathLike, **options: Any) -> FileContents:
+        """Check everything, then render all files in memory (written as one atomic set by :meth:`export`).
 
         Args:
             model: the GraphModule from :func:`fxq.quantize` (calibrated).
@@ -70,7 +70,6 @@ class NcnnExporter(Exporter):
                 cannot express (naming the node), an output directory that cannot be created or is not writable, or a
                 failed write (disk full, file size limit).
         """
-        self.check_options(options)
         write_fp32 = bool(options.get("fp32", True))
         self._check_model(model)
         check_capabilities(model, self.name)
@@ -81,12 +80,10 @@ class NcnnExporter(Exporter):
         check_output_dir(files["param"].parent)
         ncnn_model, _ = build_ncnn_model(model)
         rendered = self._render(ncnn_model, write_fp32)
-        ensure_dir(files["param"].parent)
-        written = atomic_file_set({files[key]: data for key, data in rendered.items()})
         n_int8 = sum(layer.int8 is not None for layer in ncnn_model.layers)
         logger.info("ncnn export: %d layers (%d int8), inputs %s, outputs %s -> %s", len(ncnn_model.layers), n_int8,
                     ncnn_model.inputs, ncnn_model.outputs, files["param"])
-        return written
+        return {files[key]: data for key, data in rendered.items()}
 
     @staticmethod
     def _check_model(model: nn.Module) -> None:

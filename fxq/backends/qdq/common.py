@@ -12,12 +12,12 @@ from fxq import onnx_data
 from fxq.errors import ExportError, GraphError
 from fxq.graph.info import graph_quant, iter_quantizers
 from fxq.graph.quant_graph import QuantGraph
-from fxq.io import atomic_file_set, check_output_dir, ensure_dir
+from fxq.io import check_output_dir
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.onnx_data import check_model, data_path, light_copy, onnx_files, too_large
 from fxq.spec import QuantState
 
-__all__ = ["quantized_graph", "plan_paths", "finalize", "serialize", "write_files", "quantizer_tables",
+__all__ = ["quantized_graph", "plan_paths", "finalize", "serialize", "quantizer_tables",
            "IR_VERSION"]
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def quantizer_tables(gm: fx.GraphModule) -> tuple[dict[str, FakeQuantize], dict[
 def plan_paths(path: str | os.PathLike, suffix: str, extras: dict[str, str] | None = None) -> dict[str, Path]:
     """The main file (``path``, given ``suffix`` when it has none) and companions ``stem + ext`` beside it.
 
-    Checks that the folder is writable or can be created (:func:`write_files` creates it), before anything is
+    Checks that the folder is writable or can be created (the exporter creates it when it writes), before anything is
     computed or written.
     """
     p = Path(path)
@@ -160,13 +160,3 @@ def serialize(model: Any, path: Path) -> dict[Path, bytes | bytearray | None]:
         files[data_path(path)] = None
     return files
 
-
-def write_files(files: dict[Path, bytes | bytearray | str | None]) -> list[Path]:
-    """Create the folder if missing, then write every file as one atomic set (:func:`fxq.io.atomic_file_set`)."""
-    paths = list(files)
-    if paths:
-        ensure_dir(paths[0].parent)
-    written = atomic_file_set(files)
-    for path in written:
-        logger.info("wrote %s", path)
-    return written

@@ -6,7 +6,7 @@
 3. :meth:`~QdqOnnxExporter.choose_opset`, then :func:`~fxq.backends.qdq.pipeline.lower_model` (torch.onnx with
    quant marks);
 4. :meth:`~QdqOnnxExporter.render` — the backend's own part: Q/DQ or stripped marks, its checks, its file contents;
-5. all files written as one atomic set (:func:`~fxq.backends.qdq.common.write_files`); a ``.onnx`` over protobuf's
+5. all files written as one atomic set (:meth:`fxq.backends.base.Exporter.export`); a ``.onnx`` over protobuf's
    2 GiB limit comes with its external data ``<name>.onnx.data`` (:func:`~fxq.backends.qdq.common.serialize`).
 
 A backend subclasses :class:`QdqOnnxExporter`, sets ``defaults`` (its options and their values) and implements
@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from torch import fx, nn
 
-from fxq.backends.base import Exporter
+from fxq.backends.base import Exporter, FileContents
 from fxq.backends.capability import check_capabilities
 from fxq.nn.fake_quantize import FakeQuantize
 
@@ -42,7 +42,7 @@ class QdqJob:
 
 
 class QdqOnnxExporter(Exporter):
-    """Base of the ONNX exporters: the shared steps in :meth:`export`, the backend's part in the hooks."""
+    """Base of the ONNX exporters: the shared steps in :meth:`render_files`, the backend's part in the hooks."""
 
     defaults: ClassVar[dict[str, Any]] = {"opset": 13, "example_inputs": None, "dynamic_batch": False}
     requantize_passive: ClassVar[bool] = True  # lower passive ops' outputs with their input's quantizer marks
@@ -51,12 +51,11 @@ class QdqOnnxExporter(Exporter):
         super().__init_subclass__(**kwargs)
         cls.options = tuple(cls.defaults)
 
-    def export(self, model: nn.Module, path: str | os.PathLike, **options: Any) -> list[Path]:
-        """Run the steps of the module docstring; raises :class:`fxq.ExportError` before writing anything."""
-        from fxq.backends.qdq.common import plan_paths, quantized_graph, quantizer_tables, write_files
+    def render_files(self, model: nn.Module, path: str | os.PathLike, **options: Any) -> FileContents:
+        """Steps 1–4 of the module docstring; raises :class:`fxq.ExportError` (nothing is written)."""
+        from fxq.backends.qdq.common import plan_paths, quantized_graph, quantizer_tables
         from fxq.backends.qdq.pipeline import lower_model
 
-        self.check_options(options)
         opts = {**self.defaults, **options}
         self.check_values(opts)
         gm = quantized_graph(model)
@@ -67,7 +66,7 @@ class QdqOnnxExporter(Exporter):
         lowered = lower_model(gm, opset=opset, example_inputs=opts["example_inputs"],
                               dynamic_batch=opts["dynamic_batch"], requantize_passive=self.requantize_passive)
         job = QdqJob(gm, paths, quantizers, roles, opts, opset, lowered)
-        return write_files(self.render(job))
+        return self.render(job)
 
     # ------------------------------------------------------------------ hooks
     def check_values(self, options: dict[str, Any]) -> None:
@@ -81,6 +80,6 @@ class QdqOnnxExporter(Exporter):
         """The opset to lower at (default: the ``opset`` option)."""
         return int(options["opset"])
 
-    def render(self, job: QdqJob) -> dict[Path, bytes | bytearray | str | None]:
+    def render(self, job: QdqJob) -> FileContents:
         """The backend's files, ``{path: content}``, every check passed."""
         raise NotImplementedError
