@@ -16,13 +16,14 @@ class Gate(nn.Module):
     """Python control flow on a tensor value: neither symbolic tracing nor torch.export captures it; torch.onnx
     (TorchScript-based) records the branch the example takes."""
 
-    def __init__(self) -> None:
+    def __init__(self, act=torch.sigmoid) -> None:
         super().__init__()
         self.scale = nn.Conv2d(4, 4, 1)
+        self.act = act
 
     def forward(self, x):
         if x.mean() > -100.0:
-            return torch.sigmoid(self.scale(x)) * x
+            return self.act(self.scale(x)) * x
         return x
 
 
@@ -195,12 +196,42 @@ class TwoIslands(nn.Module):
         return self.body(self.mix(torch.relu(self.stem(x)), self.side(x)))
 
 
+class Pair(nn.Module):
+    """An island returning a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        if x.mean() > -100.0:
+            y = self.conv(x)
+            return torch.relu(y), torch.sigmoid(y)
+        return x, x
+
+
+class PairThenSharedGate(nn.Module):
+    """A tuple-returning island, and one island module called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Conv2d(3, 4, 3, padding=1)
+        self.pair = Pair()
+        self.gate = Gate()
+        self.tail = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        a, b = self.pair(self.head(x))
+        return self.tail(self.gate(a) + self.gate(b))
+
+
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-@pytest.mark.parametrize("make, islands", [(_model, ["gate"]), (lambda: TwoIslands().eval(), ["mix", "body.2"])])
+@pytest.mark.parametrize("make, islands", [(_model, ["gate"]), (lambda: TwoIslands().eval(), ["mix", "body.2"]),
+                                           (lambda: PairThenSharedGate().eval(), ["pair", "gate"])])
 def test_island_exports_to_ncnn_as_float_layers(tmp_path, caplog, make, islands):
     pytest.importorskip("ncnn")
     from test_export_ncnn import run_ncnn
@@ -231,20 +262,9 @@ def test_island_exports_to_ncnn_as_float_layers(tmp_path, caplog, make, islands)
         assert np.abs(f["out0"] - want_fp32).max() < 1e-4 * max(1.0, np.abs(want_fp32).max())
 
 
-class SignGate(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Conv2d(4, 4, 1)
-
-    def forward(self, x):
-        if x.mean() > -100.0:
-            return torch.sign(self.scale(x)) * x
-        return x
-
-
 def test_island_op_ncnn_cannot_write_is_named_and_nothing_is_written(tmp_path):
     model = _model()
-    model.gate = SignGate()
+    model.gate = Gate(torch.sign)  # ncnn has no converter for Sign
     q = fxq.quantize(model, _data(), "ncnn_int8", progress=False)
     with pytest.raises(fxq.ExportError) as e:
         fxq.export(q, "ncnn_int8", tmp_path / "m")

@@ -615,6 +615,7 @@ def build_ncnn_model(gm: fx.GraphModule) -> tuple[NcnnModel, NcnnBuilder]:
     """Convert a prepared (and calibrated) GraphModule, at batch 1, its FP32 islands as float layers
     (:mod:`fxq.backends.ncnn.islands`); raises :class:`ExportError` naming the node."""
     view = _at_batch_one(gm)
+    NcnnBuilder(view).check_calibrated()  # before the islands' inputs are recorded: a pending quantizer observes
     builder = NcnnBuilder(inline_islands(view, example_inputs_for(view)))
     return builder.build(), builder
 

@@ -62,7 +62,12 @@ def inline_islands(gm: fx.GraphModule, example_inputs: tuple) -> fx.GraphModule:
     if not nodes:
         return gm
     paths = list(dict.fromkeys(str(n.target) for n in nodes))
-    calls = record_inputs(gm, paths, [example_inputs], 1, None)
+    was_training = gm.training
+    gm.eval()  # as the ONNX exporters trace: BatchNorm statistics and dropout untouched
+    try:
+        calls = record_inputs(gm, paths, [example_inputs], 1, None)
+    finally:
+        gm.train(was_training)
     env: dict[fx.Node, fx.Node] = {}
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, env))
