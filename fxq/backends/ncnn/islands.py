@@ -62,12 +62,13 @@ def inline_islands(gm: fx.GraphModule, example_inputs: tuple) -> fx.GraphModule:
     if not nodes:
         return gm
     paths = list(dict.fromkeys(str(n.target) for n in nodes))
-    was_training = gm.training
+    modes = {m: m.training for m in gm.modules()}
     gm.eval()  # as the ONNX exporters trace: BatchNorm statistics and dropout untouched
     try:
         calls = record_inputs(gm, paths, [example_inputs], 1, None)
     finally:
-        gm.train(was_training)
+        for m, training in modes.items():
+            m.training = training
     env: dict[fx.Node, fx.Node] = {}
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, env))
