@@ -33,7 +33,7 @@ from fxq.graph.data import iter_batches, to_call_args
 from fxq.graph.info import QUANTIZERS_ATTR
 
 __all__ = ["quantize_in_parts", "quantized_parts", "render_parts", "part_inputs", "part_file_stem", "flat_inputs",
-           "PART_KEY"]
+           "record_inputs", "PART_KEY"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def quantize_in_parts(model: nn.Module, calib_data: Any, failure: TraceError,
     parts = _find_parts(float_model, first)
     if not parts:
         raise failure
-    calls = _record_inputs(float_model, list(parts), calib_data, steps, collate_fn)
+    calls = record_inputs(float_model, list(parts), calib_data, steps, collate_fn)
     result = float_model  # the parts were captured as copies: the float copy itself takes them
     done, unused = [], []
     for path, gm in parts.items():
@@ -74,7 +74,7 @@ def quantize_in_parts(model: nn.Module, calib_data: Any, failure: TraceError,
         result.set_submodule(path, qpart)
     # sizes set by data (proposals kept after NMS) change once the parts upstream are quantized: what varies
     # between the float calls and the quantized model's own calls on the first batch is a dynamic dim
-    again = _record_inputs(result, list(quantized_parts(result)), [first], 1, None)
+    again = record_inputs(result, list(quantized_parts(result)), [first], 1, None)
     for path, part in quantized_parts(result).items():
         part.meta[_DYNAMIC_DIMS] = _varying_dims(part, calls[path] + again[path])
         how = parts[path].meta.get("fxq_capture", "fx")
@@ -101,7 +101,7 @@ def part_inputs(model: nn.Module, batch: Any) -> dict[str, dict[str, torch.Tenso
     """``{part path: {input name of its exported file: tensor}}``: what ``model`` (quantized in parts) gives each
     part on one batch (its first call), named as the exported files name their inputs (``feats_0``...), to run
     the deployed files side by side with the simulation."""
-    calls = _record_inputs(model, list(quantized_parts(model)), [batch], 1, None, keep=1)
+    calls = record_inputs(model, list(quantized_parts(model)), [batch], 1, None, keep=1)
     named = {}
     for path, batches in calls.items():
         if batches:
@@ -176,7 +176,7 @@ def flat_inputs(gm: fx.GraphModule) -> fx.GraphModule:
 def _find_parts(model: nn.Module, batch: Any) -> dict[str, fx.GraphModule]:
     """Top-down: each submodule with parameters that ran on ``batch`` and captures is a part (its graph returned);
     one that does not capture is searched inside."""
-    first_call = _record_inputs(model, [n for n, m in model.named_modules() if n and _has_params(m)], [batch],
+    first_call = record_inputs(model, [n for n, m in model.named_modules() if n and _has_params(m)], [batch],
                                 1, None, keep=1)
     parts: dict[str, fx.GraphModule] = {}
 
@@ -198,7 +198,7 @@ def _find_parts(model: nn.Module, batch: Any) -> dict[str, fx.GraphModule]:
     return parts
 
 
-def _record_inputs(model: nn.Module, paths: list[str], data: Any, steps: int | None,
+def record_inputs(model: nn.Module, paths: list[str], data: Any, steps: int | None,
                    collate_fn: Callable[[Any], Any] | None, keep: int | None = None) -> dict[str, list]:
     """``{path: [batch per call]}``: the inputs the float model gives each submodule (a tuple of positional
     arguments, or a dict when it was called with keywords), detached copies."""

@@ -16,13 +16,14 @@ class Gate(nn.Module):
     """Python control flow on a tensor value: neither symbolic tracing nor torch.export captures it; torch.onnx
     (TorchScript-based) records the branch the example takes."""
 
-    def __init__(self) -> None:
+    def __init__(self, act=torch.sigmoid) -> None:
         super().__init__()
         self.scale = nn.Conv2d(4, 4, 1)
+        self.act = act
 
     def forward(self, x):
         if x.mean() > -100.0:
-            return torch.sigmoid(self.scale(x)) * x
+            return self.act(self.scale(x)) * x
         return x
 
 
@@ -165,3 +166,109 @@ def test_torchscript_submodule_stays_an_fp32_island_and_says_so(caplog):
     assert "'scripted' stays FP32" in caplog.text
     assert "TorchScript" in fxq.summary(q).fp32_islands["scripted"]
     assert [r.node for r in fxq.summary(q).layers if r.weight is not None] == ["head", "tail"]
+
+
+# ----------------------------------------------------------------------------------------------- ncnn
+class Mix(nn.Module):
+    """An island of two inputs, with a branch on their values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(4, 4, 1)
+
+    def forward(self, a, b):
+        if a.amax() > b.amin():
+            return torch.tanh(self.proj(a)) + 0.5 * b
+        return a - b
+
+
+class TwoIslands(nn.Module):
+    """A two-input island, and an island inside a Sequential (path ``body.2``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.side = nn.Conv2d(3, 4, 1)
+        self.mix = Mix()
+        self.body = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(), Gate(), nn.Conv2d(4, 2, 1))
+
+    def forward(self, x):
+        return self.body(self.mix(torch.relu(self.stem(x)), self.side(x)))
+
+
+class Pair(nn.Module):
+    """An island returning a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        if x.mean() > -100.0:
+            y = self.conv(x)
+            return torch.relu(y), torch.sigmoid(y)
+        return x, x
+
+
+class PairThenSharedGate(nn.Module):
+    """A tuple-returning island, and one island module called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Conv2d(3, 4, 3, padding=1)
+        self.pair = Pair()
+        self.gate = Gate()
+        self.tail = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        a, b = self.pair(self.head(x))
+        return self.tail(self.gate(a) + self.gate(b))
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.mark.parametrize("make, islands", [(_model, ["gate"]), (lambda: TwoIslands().eval(), ["mix", "body.2"]),
+                                           (lambda: PairThenSharedGate().eval(), ["pair", "gate"])])
+def test_island_exports_to_ncnn_as_float_layers(tmp_path, caplog, make, islands):
+    pytest.importorskip("ncnn")
+    from test_export_ncnn import run_ncnn
+
+    torch.manual_seed(0)
+    model = make()
+    data = _data(shape=(2, 3, 8, 8))  # calibrated at batch 2: the islands are traced again at ncnn's batch 1
+    q = fxq.quantize(model, data, "ncnn_int8", progress=False)
+    assert list(fxq.summary(q).fp32_islands) == islands
+    assert "exports write it as float ops" in str(fxq.summary(q))
+    with caplog.at_level(logging.WARNING, logger="fxq"):
+        fxq.export(q, "ncnn_int8", tmp_path / "m")
+    for path in islands:
+        assert f"FP32 island '{path}' is written as float ncnn layers" in caplog.text
+    param = (tmp_path / "m.param").read_text()
+    assert f"{islands[0]}/" in param  # the island's layers carry its path
+    assert "8=2" in param  # the quantized convs around it are int8
+    xs = [x[:1] for x in _data(shape=(1, 3, 8, 8), n=3)]
+    got = run_ncnn(tmp_path / "m.param", tmp_path / "m.bin", xs, int8=True)
+    fp32 = run_ncnn(tmp_path / "m.fp32.param", tmp_path / "m.fp32.bin", xs, int8=False)
+    for x, g, f in zip(xs, got, fp32):
+        with torch.no_grad():
+            want = q(x)[0].numpy()
+            with fxq.fp32_mode(q):
+                want_fp32 = q(x)[0].numpy()
+        assert _cosine(g["out0"], want) >= 0.999
+        assert np.abs(g["out0"] - want).max() < 0.02 * np.abs(want).max()
+        assert np.abs(f["out0"] - want_fp32).max() < 1e-4 * max(1.0, np.abs(want_fp32).max())
+
+
+def test_island_op_ncnn_cannot_write_is_named_and_nothing_is_written(tmp_path):
+    model = _model()
+    model.gate = Gate(torch.sign)  # ncnn has no converter for Sign
+    q = fxq.quantize(model, _data(), "ncnn_int8", progress=False)
+    with pytest.raises(fxq.ExportError) as e:
+        fxq.export(q, "ncnn_int8", tmp_path / "m")
+    msg = str(e.value)
+    assert "inside FP32 island 'gate'" in msg and "'Sign'" in msg and "control flow" in msg
+    assert "trt_int8 / ort_int8" in msg
+    assert list(tmp_path.iterdir()) == []

@@ -52,7 +52,8 @@ class QuantSummary:
             ranges = ", ".join(f"{label} [{lo:.4g}, {hi:.4g}]" for label, lo, hi in p["inputs"])
             lines.append(f"  mixed-range {p['op_type']} {p['node']}: {p['reason']} ({ranges})")
         for path, why in self.fp32_islands.items():
-            lines.append(f"  FP32 island {path}: {why}")
+            lines.append(f"  FP32 island {path}: {why}; exports write it as float ops in the same file (ONNX "
+                         "nodes, ncnn layers)")
         return "\n".join(lines)
 
 

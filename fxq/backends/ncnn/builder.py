@@ -31,8 +31,10 @@ import numpy as np
 import torch
 from torch import fx, nn
 
+from fxq.backends.ncnn.islands import inline_islands, island_note
 from fxq.backends.ncnn.registry import NCNN_CONVERTERS, converts_tuples, takes_any_batch_dim, takes_high_rank
 from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim, shape_params
+from fxq.backends.qdq.lowering import example_inputs_for
 from fxq.errors import ExportError
 from fxq.functional import fake_quantize
 from fxq.graph.info import QUANTIZERS_ATTR
@@ -162,8 +164,9 @@ class NcnnBuilder:
         return op_type(node, self.modules)
 
     def fail(self, node: fx.Node, why: str, fix: str) -> ExportError:
-        return ExportError(f"ncnn export: node {node.name!r} (op {self.op(node)}, target {_target(node)}): {why}. "
-                           f"Fix: {fix}")
+        where, island_fix = island_note(self.gm, node)
+        return ExportError(f"ncnn export: node {node.name!r} (op {self.op(node)}, target {_target(node)}){where}: "
+                           f"{why}. Fix: {fix}{island_fix}")
 
     def param(self, arg: Any, node: fx.Node, what: str) -> torch.Tensor:
         """Value of a parameter argument (a get_attr node, possibly under a quantizer)."""
@@ -609,8 +612,11 @@ def _insert_splits(model: NcnnModel) -> None:
 
 
 def build_ncnn_model(gm: fx.GraphModule) -> tuple[NcnnModel, NcnnBuilder]:
-    """Convert a prepared (and calibrated) GraphModule, at batch 1; raises :class:`ExportError` naming the node."""
-    builder = NcnnBuilder(_at_batch_one(gm))
+    """Convert a prepared (and calibrated) GraphModule, at batch 1, its FP32 islands as float layers
+    (:mod:`fxq.backends.ncnn.islands`); raises :class:`ExportError` naming the node."""
+    view = _at_batch_one(gm)
+    NcnnBuilder(view).check_calibrated()  # before the islands' inputs are recorded: a pending quantizer observes
+    builder = NcnnBuilder(inline_islands(view, example_inputs_for(view)))
     return builder.build(), builder
 
 

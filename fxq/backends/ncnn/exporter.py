@@ -15,6 +15,8 @@ Blobs: inputs ``in0, in1...``, outputs ``out0, out1...``; layers carry the origi
 transformers export (LayerNorm, attention as InnerProduct / Crop / Reshape / Permute / MatMul / Softmax). ncnn
 runs one sample: shapes are taken at batch 1 whatever batch the model was calibrated with, so a graph that moves
 the batch or folds it into the heads (``nn.MultiheadAttention``) exports too (see :mod:`fxq.backends.ncnn.builder`).
+FP32 islands (submodules capture kept whole) are float layers of the same files
+(:mod:`fxq.backends.ncnn.islands`).
 
 Example:
     >>> qmodel = fxq.quantize(model, calib, "ncnn_int8")

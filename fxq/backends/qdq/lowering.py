@@ -35,7 +35,7 @@ from fxq.backends.qdq.onnx_graph import (
 )
 from fxq.errors import ExportError
 
-__all__ = ["Lowered", "lower", "example_inputs_for", "dynamic_axes_for", "mark_nodes"]
+__all__ = ["Lowered", "lower", "example_inputs_for", "dynamic_axes_for", "mark_nodes", "torch_onnx_export"]
 
 logger = logging.getLogger(__name__)
 
@@ -179,19 +179,32 @@ def _tensor_bytes(module: torch.nn.Module) -> int:
 
 def _torch_export(marked: MarkedModule, args: tuple, export_opset: int, dynamic_axes: dict | None,
                   target: Any) -> None:
-    """torch.onnx's TorchScript exporter, in eval mode, into ``target`` (a buffer, or a file path for large
-    models)."""
-    was_training = marked.module.training
-    marked.module.eval()
+    """torch.onnx's TorchScript exporter over the marked module, with stand-in input / output names."""
+    torch_onnx_export(marked.module, args, target, opset=export_opset,
+                      input_names=[f"fxq_input_{i}" for i in range(len(marked.input_names))],
+                      output_names=[f"fxq_output_{i}" for i in range(len(marked.output_names))],
+                      dynamic_axes=dynamic_axes, custom_opsets={MARK_DOMAIN: 1})
+
+
+def torch_onnx_export(module: torch.nn.Module, args: tuple, target: Any, *, opset: int, input_names: Sequence[str],
+                      output_names: Sequence[str], dynamic_axes: dict | None = None,
+                      custom_opsets: dict[str, int] | None = None) -> None:
+    """torch.onnx's TorchScript exporter (``dynamo=False``: it records the branches the example takes), in eval
+    mode, into ``target`` (a buffer, or a file path for large models), one export at a time
+    (:data:`_TORCH_ONNX_LOCK`).
+
+    Raises:
+        ExportError: torch.onnx fails, naming the op (and its fx nodes when ``module`` is a GraphModule).
+    """
+    was_training = module.training
+    module.eval()
     try:
-        with _TORCH_ONNX_LOCK, _opset_visible_to_onnx2torch(export_opset), warnings.catch_warnings(), torch.no_grad():
+        with _TORCH_ONNX_LOCK, _opset_visible_to_onnx2torch(opset), warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             torch.onnx.export(
-                marked.module, args, target, dynamo=False, opset_version=export_opset,
-                input_names=[f"fxq_input_{i}" for i in range(len(marked.input_names))],
-                output_names=[f"fxq_output_{i}" for i in range(len(marked.output_names))],
-                dynamic_axes=dynamic_axes, do_constant_folding=True,
-                custom_opsets={MARK_DOMAIN: 1},
+                module, args, target, dynamo=False, opset_version=opset, input_names=list(input_names),
+                output_names=list(output_names), dynamic_axes=dynamic_axes, do_constant_folding=True,
+                custom_opsets=custom_opsets or {},
             )
     except ExportError:
         raise
@@ -200,8 +213,8 @@ def _torch_export(marked: MarkedModule, args: tuple, export_opset: int, dynamic_
         what = f"the model ({type(exc).__name__}: {exc})"
         if m:
             short = m.group(1).split("::")[-1]
-            nodes = [n.name for n in marked.module.graph.nodes
-                     if short in (getattr(n.target, "__name__", None), str(n.target))]
+            graph = module.graph.nodes if isinstance(module, fx.GraphModule) else ()
+            nodes = [n.name for n in graph if short in (getattr(n.target, "__name__", None), str(n.target))]
             where = f" (fx node {', '.join(map(repr, nodes[:3]))})" if nodes else ""
             what = f"op {m.group(1)!r}{where} at opset {m.group(2)}"
         raise ExportError(
@@ -209,7 +222,7 @@ def _torch_export(marked: MarkedModule, args: tuple, export_opset: int, dynamic_
             f"torch.onnx.register_custom_op_symbolic, or move that op out of the exported model"
         ) from exc
     finally:
-        marked.module.train(was_training)
+        module.train(was_training)
 
 
 def _restore_io_names(graph: onnx.GraphProto, io_names: dict[str, str]) -> None:

@@ -1,0 +1,190 @@
+"""FP32 islands in ncnn files: each island module traced by torch.onnx, loaded back as fx ops, spliced inline.
+
+Capture keeps a submodule that neither symbolic tracing nor torch.export enters as a ``call_module`` leaf (an FP32
+*island*, :data:`fxq.graph.capture.ISLANDS_KEY`). The ONNX exporters write its float ops because torch.onnx's
+TorchScript exporter records the branch the example takes. ncnn's converters read fx ops, so here each island is
+exported the same way, alone, on the inputs the network gives it for the export's example batch; the ONNX file is
+loaded back with :func:`fxq.load_onnx` (which checks the conversion against onnxruntime) and its nodes replace the
+``call_module`` in a copy of the graph. The builder then converts them with the converters of every other float
+op, so the island is float ncnn layers in the same param/bin. The simulation keeps running the Python module.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import operator
+from collections import Counter
+from typing import Any
+
+import onnx
+import torch
+from torch import fx, nn
+
+from fxq.errors import ExportError, FxqError
+from fxq.graph.capture import ISLANDS_KEY
+from fxq.graph.nodes import get_attr_value
+from fxq.graph.passes import propagate_tensor_meta
+
+__all__ = ["ISLAND_META", "inline_islands", "island_note"]
+
+logger = logging.getLogger(__name__)
+
+ISLAND_META = "fxq_island"
+"""``node.meta[ISLAND_META]``: the path of the FP32 island a node of the export graph was spliced from."""
+
+_HOLDER = "fxq_ncnn_islands"  # the view's submodule holding each island's loaded graph
+_OPSET = 13
+
+
+def island_note(gm: fx.GraphModule, node: fx.Node) -> tuple[str, str]:
+    """``(where, fix)`` for an error on ``node``: empty unless the node comes from an FP32 island."""
+    path = node.meta.get(ISLAND_META)
+    if not path:
+        return "", ""
+    return (f" inside FP32 island {path!r} ({_why(gm, path)})",
+            f"; this op comes from the island's own code: write it with ops ncnn has, make {path!r} traceable so "
+            "fxq captures and quantizes it, or deploy with trt_int8 / ort_int8, whose ONNX files take any op")
+
+
+def inline_islands(gm: fx.GraphModule, example_inputs: tuple) -> fx.GraphModule:
+    """``gm``, or a view of it (same modules and quantizers, ``gm`` untouched) whose island ``call_module`` nodes
+    are replaced by the float ops of their torch.onnx trace on the values ``gm`` gives them for ``example_inputs``;
+    node values recorded (``node.meta["val"]``) for those inputs.
+
+    Raises:
+        ExportError: an island torch.onnx cannot trace or fxq's ONNX frontend cannot load, or whose inputs /
+            outputs are not tensors (naming the island and what to do).
+    """
+    from fxq.parts import record_inputs  # fxq.parts imports the API, which imports the backends
+
+    islands = getattr(gm, "meta", {}).get(ISLANDS_KEY) or {}
+    nodes = [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target) in islands]
+    if not nodes:
+        return gm
+    paths = list(dict.fromkeys(str(n.target) for n in nodes))
+    modes = {m: m.training for m in gm.modules()}
+    gm.eval()  # as the ONNX exporters trace: BatchNorm statistics and dropout untouched
+    try:
+        calls = record_inputs(gm, paths, [example_inputs], 1, None)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    env: dict[fx.Node, fx.Node] = {}
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, env))
+    holder = nn.Module()
+    for k, node in enumerate(nodes):
+        path = str(node.target)
+        recorded = calls[path].pop(0) if calls[path] else None
+        island = _island_graph(gm, node, path, recorded)
+        holder.add_module(f"island{k}", island)
+        _splice(graph, env[node], island, f"{_HOLDER}.island{k}", path)
+    owners = {str(n.target): get_attr_value(holder, str(n.target).split(".", 1)[1])
+              if str(n.target).startswith(_HOLDER + ".") else get_attr_value(gm, str(n.target))
+              for n in graph.nodes if n.op in ("get_attr", "call_module")}
+    view = fx.GraphModule(owners, graph, class_name=type(gm).__name__)
+    for name, child in gm.named_children():  # the quantizer holder and modules as they are, not rebuilt paths
+        setattr(view, name, child)
+    view.meta = gm.meta
+    propagate_tensor_meta(view, list(example_inputs))
+    return view
+
+
+def _island_graph(gm: fx.GraphModule, node: fx.Node, path: str, recorded: Any) -> fx.GraphModule:
+    """The island's float ops as a GraphModule of fxq's ONNX frontend; its placeholders are ``node``'s tensor
+    arguments in order."""
+    from fxq.backends.qdq.lowering import torch_onnx_export
+    from fxq.frontends.onnx import load_onnx
+
+    def refuse(why: str, fix: str) -> ExportError:
+        return ExportError(f"ncnn export: FP32 island {path!r} (node {node.name!r}, {_why(gm, path)}) {why}. "
+                           f"Fix: {fix}")
+
+    if not isinstance(recorded, tuple):
+        raise refuse("is called with keyword arguments or was not reached by the export's example batch",
+                     "call the island module with positional tensor arguments only")
+    kwarg_nodes: list[fx.Node] = []
+    fx.node.map_arg(node.kwargs, lambda a: kwarg_nodes.append(a) or a)
+    if kwarg_nodes:
+        raise refuse("takes a tensor keyword argument", "pass its tensors positionally")
+    slots = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)]
+    if not all(isinstance(recorded[i], torch.Tensor) for i in slots):
+        raise refuse("takes a non-tensor value computed in the graph (a list or tuple of tensors)",
+                     "pass each tensor as its own positional argument")
+    call = _Call(gm.get_submodule(path), recorded, dict(node.kwargs), slots)
+    tensors = tuple(recorded[i] for i in slots)
+    with torch.no_grad():
+        out = call(*tensors)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if not outs or not all(isinstance(t, torch.Tensor) for t in outs):
+        raise refuse(f"returns {type(out).__name__}, not a tensor or a tuple of tensors",
+                     "return tensors from the island module")
+    buf = io.BytesIO()
+    try:
+        torch_onnx_export(call, tensors, buf, opset=_OPSET, input_names=[f"x{i}" for i in range(len(tensors))],
+                          output_names=[f"y{i}" for i in range(len(outs))])
+        island = load_onnx(onnx.load_from_string(buf.getvalue()))
+    except FxqError as exc:
+        raise refuse(f"cannot be written as float ops: {exc}",
+                     "write the island's code with ops torch.onnx and fxq.load_onnx convert, make it traceable so "
+                     "fxq captures and quantizes it, or deploy with trt_int8 / ort_int8") from exc
+    ops = Counter(str(n.meta.get("onnx", {}).get("op_type", n.target)) for n in island.graph.nodes
+                  if n.op not in ("placeholder", "output", "get_attr"))
+    logger.warning("ncnn export: FP32 island %r is written as float ncnn layers (ONNX ops %s) traced by torch.onnx "
+                   "at input shapes %s; a branch on tensor values is fixed as that example took it", path,
+                   dict(ops), [tuple(t.shape) for t in tensors])
+    return island
+
+
+def _why(gm: fx.GraphModule, path: str) -> str:
+    why = (getattr(gm, "meta", {}).get(ISLANDS_KEY) or {}).get(path)
+    return f"kept FP32: {why}" if why else "kept FP32"
+
+
+class _Call(nn.Module):
+    """The island module called with its recorded constant arguments, taking only its graph tensors as inputs."""
+
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict, slots: list[int]) -> None:
+        super().__init__()
+        self.module = module
+        self.args, self.kwargs, self.slots = list(args), kwargs, slots
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        args = list(self.args)
+        for i, t in zip(self.slots, tensors):
+            args[i] = t
+        return self.module(*args, **self.kwargs)
+
+
+def _splice(graph: fx.Graph, call: fx.Node, island: fx.GraphModule, prefix: str, path: str) -> None:
+    """Replace ``call`` in ``graph`` by the nodes of ``island`` (registered on the view under ``prefix``)."""
+    inputs = iter(a for a in call.args if isinstance(a, fx.Node))
+    env: dict[fx.Node, Any] = {}
+    result: Any = None
+    with graph.inserting_before(call):
+        for n in island.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = next(inputs)
+            elif n.op == "output":
+                result = fx.node.map_arg(n.args[0], lambda a: env[a])
+            else:
+                new = graph.node_copy(n, lambda a: env[a])
+                if n.op in ("get_attr", "call_module"):
+                    new.target = f"{prefix}.{n.target}"
+                onnx_meta = dict(n.meta.get("onnx") or {})
+                if onnx_meta.get("node_name"):  # "/module/scale/Conv" (_Call's scope) -> layer "gate/scale/Conv"
+                    name = str(onnx_meta["node_name"]).lstrip("/")
+                    onnx_meta["node_name"] = f"{path}/{name.removeprefix('module/')}"
+                new.meta = {"onnx": onnx_meta, ISLAND_META: path} if onnx_meta else {ISLAND_META: path}
+                env[n] = new
+    if isinstance(result, fx.Node):
+        call.replace_all_uses_with(result)
+    else:
+        for user in list(call.users):
+            if not (user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)):
+                raise ExportError(f"ncnn export: FP32 island {path!r} returns several tensors and node {user.name!r} "
+                                  "reads them as a whole. Fix: index the island's result (out[0], out[1]) in the "
+                                  "model")
+            user.replace_all_uses_with(result[user.args[1]])
+            graph.erase_node(user)
+    graph.erase_node(call)
