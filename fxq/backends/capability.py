@@ -73,12 +73,11 @@ def _check_readers(gm: nn.Module, qg: QuantGraph, exporter: str, caps: dict[str,
             found = {p: capability_problem(user, t, cap, gm) for p, cap in caps.items()}
             if any(why is None for why in found.values()):
                 continue
-            platform, why = next(iter(found.items()))
+            why = "; ".join(f"{p}: {why}" for p, why in found.items())
             raise ExportError(
                 f"{exporter} export: quantizer {name!r} on the value of node {qg.source(name)!r} feeds node "
-                f"{user.name!r} (op {t}), which {exporter} cannot run quantized: {why} ({caps[platform].rule}). "
-                f"Fix: quantize for {' or '.join(repr(p) for p in caps)} (prepare keeps the nodes it cannot run "
-                f"quantized FP32), or dispatch {user.name!r} to fp32 with setting.dispatching_table")
+                f"{user.name!r} (op {t}), which {exporter} cannot run quantized ({why}). Fix: quantize for "
+                f"{' or '.join(repr(p) for p in caps)}: prepare keeps the nodes it cannot run quantized FP32")
 
 
 def _other_format(cap: Capability, role: str, cfg: TensorQuantConfig) -> bool:

@@ -153,7 +153,7 @@ class Capability:
     def op_problem(self, op_type: str, weight_shape: tuple[int, ...] | None, attrs: dict[str, Any]) -> str | None:
         """Why a node of ``op_type`` (weight shape and attributes as given) cannot run quantized; None: it can."""
         if self.ops is not None and op_type not in self.ops:
-            return f"{op_type} is not an op it runs quantized ({', '.join(sorted(self.ops))})"
+            return f"only {', '.join(sorted(self.ops))} run quantized, not {op_type}"
         rule = self.op_rules.get(op_type)
         return rule(weight_shape, attrs) if rule is not None else None
 
