@@ -59,7 +59,7 @@ def check_capabilities(gm: nn.Module, exporter: str) -> None:
 def _check_readers(gm: nn.Module, qg: QuantGraph, exporter: str, caps: dict[str, Capability]) -> None:
     """Raise :class:`ExportError` for the first op that reads a quantized value and that no capability of
     ``exporter`` runs quantized (readers computed from parameters only are constants the exporter folds)."""
-    if all(cap.ops is None and not cap.op_rules for cap in caps.values()):
+    if not any(cap.restricts_ops for cap in caps.values()):
         return
     modules, memo = dict(gm.named_modules()), {}
     for name, fq in qg.quantizers():

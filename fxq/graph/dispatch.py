@@ -111,7 +111,7 @@ def _allin(t: str, platform: Platform, fed_by_quantized: bool) -> bool:
 def capability_problem(node: fx.Node, t: str, cap: Capability | None, gm: nn.Module) -> str | None:
     """Why an exporter of capability ``cap`` cannot run ``node`` (of op type ``t``) quantized; None: it can (or no
     capability is declared)."""
-    if cap is None or (cap.ops is None and not cap.op_rules):
+    if cap is None or not cap.restricts_ops:
         return None
     return cap.op_problem(t, weight_shape(node, gm), conv_attrs(node, gm))
 

@@ -135,20 +135,25 @@ class Capability:
         activation, weight: per-role rules.
         quantized_bias: False when the exporter keeps biases in FP32 (``bias_bits`` must stay None, and an
             exported model may carry no quantizing bias quantizer).
+        hint: what to do instead (another platform, an override to drop).
         ops: the op types (:mod:`fxq.graph.op_types`) that may read a quantized value in the exported file (ncnn:
             Conv, Gemm, its int8 layers); None: any op (Q/DQ formats put a quantizer before any op).
             :func:`fxq.prepare` keeps a node it cannot run quantized FP32, so the simulation matches the file.
         op_rules: per-op conditions (:data:`OpRule`) on top of ``ops`` (ncnn: no int8 3-D convolution).
-        hint: what to do instead (another platform, an override to drop).
     """
 
     rule: str
     activation: RoleCapability = RoleCapability()
     weight: RoleCapability = RoleCapability()
     quantized_bias: bool = True
+    hint: str = ""
     ops: frozenset[str] | None = None
     op_rules: Mapping[str, OpRule] = dataclasses.field(default_factory=dict, hash=False)
-    hint: str = ""
+
+    @property
+    def restricts_ops(self) -> bool:
+        """Whether some op cannot read a quantized value here (``ops`` or ``op_rules`` declared)."""
+        return self.ops is not None or bool(self.op_rules)
 
     def op_problem(self, op_type: str, weight_shape: tuple[int, ...] | None, attrs: dict[str, Any]) -> str | None:
         """Why a node of ``op_type`` (weight shape and attributes as given) cannot run quantized; None: it can."""
