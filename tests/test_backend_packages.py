@@ -30,6 +30,15 @@ def test_capabilities_of_an_exporter_are_its_platforms() -> None:
     assert capabilities_of("no such exporter") == {}
 
 
+def test_capabilities_declare_the_ops_their_exporters_run_quantized() -> None:
+    cap = capabilities_of("ncnn")["ncnn_int8"]
+    assert cap.op_problem("Conv", (8, 3, 3, 3), {"groups": 1}) is None and cap.op_problem("Gemm", (4, 8), {}) is None
+    assert cap.op_problem("Conv", (8, 3, 3, 3, 3), {}) == "ncnn has no int8 3-D convolution (Convolution3D runs in FP32)"
+    assert cap.op_problem("ConvTranspose", (3, 8, 2, 2), {}) == "only Conv, Gemm run quantized, not ConvTranspose"
+    for exporter in ("tensorrt", "onnxruntime", "openppl"):  # Q/DQ formats put a quantizer before any op
+        assert not any(cap.restricts_ops for cap in capabilities_of(exporter).values())
+
+
 @pytest.mark.parametrize(("platform", "exporter", "message"), [
     ("ort_int8", "tensorrt", r"tensorrt export: quantizer '\w+' \(activation of '\w+'\): trt_int8 exports TensorRT "
                              r"INT8 .*must be symmetric.*Fix: quantize for 'trt_fp8' or 'trt_int8'"),

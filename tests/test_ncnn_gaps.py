@@ -19,7 +19,7 @@ from torch import fx, nn
 
 import fxq
 from fxq.backends import export
-from fxq.backends.ncnn import ncnn_paths
+from fxq.backends.ncnn import NcnnInt8, ncnn_paths
 from fxq.errors import ExportError
 
 ncnn = pytest.importorskip("ncnn")
@@ -546,22 +546,102 @@ class Video(nn.Module):
 
 
 def test_conv3d_pool3d(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """ncnn has no int8 3-D convolution: Convolution3D / ConvolutionDepthWise3D in FP32 (warned), Pooling3D."""
+    """ncnn has no int8 3-D convolution: prepare keeps both convs FP32 (ncnn_int8's capability, logged once, listed
+    by fxq.summary); Convolution3D / ConvolutionDepthWise3D and Pooling3D in both files."""
     torch.manual_seed(0)
-    gm = fxq.quantize(Video().eval(), [torch.randn(1, 3, 4, 16, 16) for _ in range(2)], "ncnn_int8", progress=False)
+    with caplog.at_level(logging.WARNING, logger="fxq.graph.dispatch"):
+        gm = fxq.quantize(Video().eval(), [torch.randn(1, 3, 4, 16, 16) for _ in range(2)], "ncnn_int8",
+                          progress=False)
+    assert "2 node(s) stay FP32 on platform 'ncnn_int8'" in caplog.text and "no int8 3-D convolution" in caplog.text
+    report = fxq.summary(gm)
+    assert set(report.unexpressible) == {"conv", "dw"} and not report.counts["quantized"]
+    assert "kept FP32, not expressible on ncnn_int8: 2" in str(report)
+    caplog.clear()
     with caplog.at_level(logging.WARNING):
         export(gm, "ncnn", tmp_path / "net")
-    assert "no int8 3-D convolution" in caplog.text
+    assert "3-D" not in caplog.text  # nothing left for the exporter to drop
     files = ncnn_paths(tmp_path / "net")
     param = files["param"].read_text()
     assert "Convolution3D" in param and "ConvolutionDepthWise3D" in param and param.count("Pooling3D") == 2
     x = torch.randn(1, 3, 4, 16, 16)
-    with fxq.fp32_mode(gm):
-        (ref,) = _outputs(gm, x)
+    (sim,) = _outputs(gm, x)
     for key, int8 in (("fp32_param", False), ("param", True)):
         (got,) = run_ncnn(files[key], files[key.replace("param", "bin")], x, 1, int8=int8)
-        assert got.shape == ref.shape
-        assert np.abs(got - ref).max() <= 1e-4 * max(1.0, float(np.abs(ref).max()))
+        assert got.shape == sim.shape
+        assert np.abs(got - sim).max() <= 1e-4 * max(1.0, float(np.abs(sim).max()))
+
+
+class Video2d(nn.Module):
+    """A 3-D conv (FP32 on ncnn) feeding an int8 2-D conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(3, 8, 3, padding=1)
+        self.head = nn.Conv2d(8, 6, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(x)).mean(2))
+
+
+def test_conv3d_simulation_matches_int8_file(tmp_path: Path) -> None:
+    """The simulation used to quantize the 3-D conv the file runs in FP32 (max |diff| 1.6% of the output's range,
+    cosine 0.99994); now the int8 file computes the simulation's values up to float rounding."""
+    torch.manual_seed(0)
+    gm = fxq.quantize(Video2d().eval(), [torch.randn(1, 3, 4, 8, 8) for _ in range(2)], "ncnn_int8", progress=False)
+    layers = {r.node: r for r in fxq.summary(gm).layers}
+    assert layers["conv"].platform == "fp32" and layers["head"].platform == "ncnn_int8" and layers["head"].weight
+    export(gm, "ncnn", tmp_path / "net")
+    files = ncnn_paths(tmp_path / "net")
+    assert files["table"].read_text().count("head") == 2  # the head is an int8 layer: weight and input scales
+    x = torch.randn(1, 3, 4, 8, 8)
+    (sim,) = _outputs(gm, x)
+    (got,) = run_ncnn(files["param"], files["bin"], x, 1, int8=True)
+    assert np.abs(got.reshape(sim.shape) - sim).max() <= 1e-4 * float(np.abs(sim).max())
+
+
+@pytest.mark.parametrize("entry", ["ncnn_int8", {"bit_width": 8}])
+def test_table_forcing_conv3d_quantized_is_refused(entry: Any) -> None:
+    setting = fxq.QuantizationSetting(dispatching_table={"conv": entry})
+    with pytest.raises(fxq.ConfigError, match=r"setting\.dispatching_table\['conv'\] puts node 'conv' \(op Conv\) on "
+                       r"platform 'ncnn_int8', whose exporter cannot run it quantized: ncnn has no int8 3-D "
+                       r"convolution .*Fix: map 'conv' to 'fp32' in the table"):
+        fxq.prepare(Video2d().eval(), "ncnn_int8", torch.randn(1, 3, 4, 8, 8), setting=setting)
+
+
+class _SimulatedNcnn(NcnnInt8):
+    """ncnn_int8's schemes without its capability (not registered): the simulation quantizes the 3-D conv."""
+
+    name = "simulated_ncnn"
+    capability = None
+
+
+def test_export_refuses_a_quantized_conv3d(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    gm = fxq.quantize(Video2d().eval(), [torch.randn(1, 3, 4, 8, 8)], _SimulatedNcnn(), progress=False)
+    assert fxq.summary(gm).layers[0].platform == "simulated_ncnn"
+    with pytest.raises(ExportError, match=r"ncnn export: quantizer '\w+' on the value of node '\w+' feeds node 'conv' "
+                       r"\(op Conv\), which ncnn cannot run quantized \(ncnn_int8: ncnn has no int8 3-D convolution "
+                       r".*\)\. Fix: quantize for 'ncnn_int8'"):
+        export(gm, "ncnn", tmp_path / "net")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ops_outside_the_capability_stay_fp32(tmp_path: Path) -> None:
+    """A platform override that quantizes Add's inputs on ncnn_int8: ncnn runs Add in FP32, so prepare keeps it FP32
+    (the export used to fail on the Add's quantizers) and the int8 file matches the simulation."""
+    ops = frozenset({"Conv", "Gemm", "Add"})
+    platform = fxq.get_platform("ncnn_int8").with_overrides(quantized_ops=ops, input_quantized_ops=ops)
+    model = nn.Sequential(HandSwish(), nn.Conv2d(4, 4, 1)).eval()  # HandSwish's adds are fed by its first conv
+    torch.manual_seed(0)
+    gm = fxq.quantize(model, [torch.randn(1, 3, 8, 8) for _ in range(2)], platform, progress=False)
+    kept = fxq.summary(gm).unexpressible
+    assert kept and all(why == "only Conv, Gemm run quantized, not Add" for why in kept.values())
+    export(gm, "ncnn", tmp_path / "net")
+    files = ncnn_paths(tmp_path / "net")
+    x = torch.randn(1, 3, 8, 8)
+    (sim,) = _outputs(gm, x)
+    (got,) = run_ncnn(files["param"], files["bin"], x, 1, int8=True)
+    assert np.abs(got.reshape(sim.shape) - sim).max() <= 1e-4 * float(np.abs(sim).max())
 
 
 class VideoHead(nn.Module):

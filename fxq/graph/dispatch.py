@@ -2,7 +2,10 @@
 
 Dispatchers are registered by name (``conservative`` default, ``aggressive``, ``pointwise``, ``allin``)
 and a user ``dispatching_table`` (node/module name or regex -> ``"fp32"``, a platform name, or a dict of
-per-layer overrides) has the last word. Shape/index computations are never quantized.
+per-layer overrides) has the last word. Shape/index computations are never quantized, and neither is a node the
+platform's exporter cannot run quantized (its :class:`~fxq.Capability`'s ``ops`` / ``op_rules``): it stays FP32,
+so the simulation computes what the exported file does (logged, listed by :func:`fxq.summary`); a table entry that
+forces such a node onto the platform is a :class:`~fxq.errors.ConfigError`.
 """
 from __future__ import annotations
 
@@ -15,11 +18,12 @@ from torch import fx, nn
 
 from fxq.errors import ConfigError
 from fxq.graph.info import match_node_name, node_names
-from fxq.graph.op_types import op_type
-from fxq.qconfig.base import COMPUTING_OPS, RECURRENT_OPS, SHAPE_OPS, Platform, get_platform
+from fxq.graph.op_types import conv_attrs, op_type, weight_shape
+from fxq.qconfig.base import COMPUTING_OPS, RECURRENT_OPS, SHAPE_OPS, Capability, Platform, get_platform
 from fxq.registry import Registry, close_names
 
-__all__ = ["dispatch", "DISPATCHERS", "register_dispatcher", "is_float_tensor", "shape_nodes", "Dispatch"]
+__all__ = ["dispatch", "DISPATCHERS", "register_dispatcher", "is_float_tensor", "shape_nodes", "Dispatch",
+           "capability_problem", "UNEXPRESSIBLE_KEY"]
 
 Dispatch = dict[fx.Node, "Platform | str"]
 """node -> Platform (quantized), "fp32", or "shape"."""
@@ -27,6 +31,10 @@ Dispatch = dict[fx.Node, "Platform | str"]
 logger = logging.getLogger(__name__)
 
 DISPATCHERS: Registry[Callable[..., bool]] = Registry("dispatcher")
+
+UNEXPRESSIBLE_KEY = "fxq_unexpressible"
+"""``gm.meta[UNEXPRESSIBLE_KEY]``: ``{node name: why}`` for the nodes dispatch kept FP32 because the platform's
+exporter cannot run them quantized."""
 
 
 def register_dispatcher(name: str, *, override: bool = False):
@@ -100,6 +108,14 @@ def _allin(t: str, platform: Platform, fed_by_quantized: bool) -> bool:
     return t in platform.quantized_ops
 
 
+def capability_problem(node: fx.Node, t: str, cap: Capability | None, gm: nn.Module) -> str | None:
+    """Why an exporter of capability ``cap`` cannot run ``node`` (of op type ``t``) quantized; None: it can (or no
+    capability is declared)."""
+    if cap is None or not cap.restricts_ops:
+        return None
+    return cap.op_problem(t, weight_shape(node, gm), conv_attrs(node, gm))
+
+
 def _check_table_keys(gm: fx.GraphModule, table: dict[str, Any]) -> None:
     """Invalid regexes are errors; a key that names no node is a warning with the closest node names."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
@@ -134,6 +150,7 @@ def dispatch(
     if table:
         _check_table_keys(gm, table)
     variants: dict[str, Platform] = {}
+    kept: dict[str, str] = {}
     result: Dispatch = {}
     quantized: set[fx.Node] = set()
     for node in gm.graph.nodes:
@@ -150,12 +167,27 @@ def dispatch(
             chosen = _resolve_override(key, table[key], platform, variants)
             if isinstance(chosen, Platform) and t not in chosen.quantized_ops and t not in chosen.input_quantized_ops:
                 chosen = "fp32"
+        if isinstance(chosen, Platform) and (chosen.quantizes_inputs(t) or chosen.quantizes_output(t)):
+            why = capability_problem(node, t, chosen.capability, gm)
+            if why is not None and key is not None:
+                raise ConfigError(
+                    f"setting.dispatching_table[{key!r}] puts node {node.name!r} (op {t}) on platform "
+                    f"{chosen.name!r}, whose exporter cannot run it quantized: {why}. "
+                    f"Fix: map {node.name!r} to 'fp32' in the table, or narrow the entry so it does not match it")
+            if why is not None:
+                chosen = "fp32"
+                kept[node.name] = why
         result[node] = chosen
         if isinstance(chosen, Platform):
             quantized.add(node)
         elif t in RECURRENT_OPS:
             logger.info("%s node %r stays FP32 on platform %r (it does not quantize %s: weights and inputs kept in "
                         "float, an FP32 island)", t, node.name, platform.name, t)
+    if kept:
+        gm.meta[UNEXPRESSIBLE_KEY] = kept
+        logger.warning("%d node(s) stay FP32 on platform %r: its exporter cannot run them quantized, so the simulation "
+                       "keeps them FP32 as the exported file does: %s", len(kept), platform.name,
+                       "; ".join(f"{name} ({why})" for name, why in kept.items()))
     return result
 
 

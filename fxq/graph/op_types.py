@@ -14,8 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from fxq.graph.info import is_quantizer_node
+from fxq.graph.nodes import get_attr_value
+
 __all__ = ["LIFTED", "op_type", "register_op_type", "mutates_first_argument", "out_of_place_twin", "WEIGHTED_FUNCTIONS",
-           "WEIGHT_ARGS", "weight_arg_nodes"]
+           "WEIGHT_ARGS", "weight_arg_nodes", "weight_bias_args", "conv_attrs", "weight_shape"]
 
 aten = torch.ops.aten
 
@@ -141,6 +144,44 @@ def weight_arg_nodes(node: fx.Node) -> tuple[fx.Node, ...]:
         return ()
     positions = WEIGHT_ARGS.get(node.target, ())
     return tuple(a for i, a in enumerate(node.args) if i in positions and isinstance(a, fx.Node))
+
+
+def weight_bias_args(node: fx.Node) -> tuple[Any, Any]:
+    """The ``weight`` and ``bias`` arguments of a call of :data:`WEIGHTED_FUNCTIONS` (``(None, None)`` otherwise)."""
+    if node.op == "call_function" and node.target in WEIGHTED_FUNCTIONS:
+        w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        return w, b
+    return None, None
+
+
+_CONV_ATTRS = ("stride", "padding", "dilation", "groups")
+
+
+def conv_attrs(node: fx.Node, gm: nn.Module | None = None) -> dict[str, Any]:
+    """The stride / padding / dilation / groups a conv-like node was called with (a module's own with ``gm``):
+    what :meth:`fxq.Platform.weight_config` and a :class:`fxq.Capability`'s op rules read."""
+    if node.op == "call_module" and gm is not None:
+        mod = get_attr_value(gm, str(node.target))
+        return {k: getattr(mod, k) for k in _CONV_ATTRS if hasattr(mod, k)}
+    attrs = dict(zip(("input", "weight", "bias", *_CONV_ATTRS), node.args))
+    attrs.update(node.kwargs)
+    return {k: attrs[k] for k in _CONV_ATTRS if k in attrs}
+
+
+def weight_shape(node: fx.Node, gm: nn.Module) -> tuple[int, ...] | None:
+    """The shape of the weight a Conv / ConvTranspose / Gemm node reads, through any quantizer node on it (a module's
+    own weight for a ``call_module``); None when it reads none or the shape is unknown."""
+    if node.op == "call_module":
+        value = getattr(get_attr_value(gm, str(node.target)), "weight", None)
+    else:
+        w, _ = weight_bias_args(node)
+        while isinstance(w, fx.Node) and is_quantizer_node(w):
+            w = w.args[0]
+        if not isinstance(w, fx.Node):
+            return None
+        value = get_attr_value(gm, str(w.target)) if w.op == "get_attr" else w.meta.get("val")
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
 def register_op_type(target: Any, op_type_name: str) -> None:

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
 
 from torch import fx, nn
 
 from fxq.graph.dispatch import Dispatch, is_float_tensor
 from fxq.graph.info import QUANTIZERS_ATTR, GraphQuant, NodeQuant, computed_from_parameters, is_quantizer_node
 from fxq.graph.nodes import get_attr_value
-from fxq.graph.op_types import WEIGHTED_FUNCTIONS, op_type, weight_arg_nodes
+from fxq.graph.op_types import conv_attrs, op_type, weight_arg_nodes, weight_bias_args
 from fxq.graph.quant_graph import quantizer_name
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.qconfig.base import COMPUTING_OPS, Platform
@@ -45,22 +44,6 @@ logger = logging.getLogger(__name__)
 
 MULTI_INPUT_OPS = COMPUTING_OPS | {"Add", "Sub", "Mul", "Div", "Concat"}
 FUSION_SOURCES = COMPUTING_OPS | {"Add"}
-
-
-def _weight_bias_args(node: fx.Node) -> tuple[Any, Any]:
-    if node.op == "call_function" and node.target in WEIGHTED_FUNCTIONS:
-        w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        return w, b
-    return None, None
-
-
-def _conv_attrs(node: fx.Node) -> dict[str, Any]:
-    args = list(node.args)
-    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-    attrs = {k: v for k, v in zip(names, args)}
-    attrs.update(node.kwargs)
-    return {k: attrs[k] for k in ("stride", "dilation", "groups", "padding") if k in attrs}
 
 
 class _Builder:
@@ -132,7 +115,7 @@ class _Builder:
     def data_inputs(self, node: fx.Node) -> list[tuple[fx.Node, str]]:
         """(input node, role) pairs this op quantizes."""
         t = self.types[node]
-        w, b = _weight_bias_args(node)
+        w, b = weight_bias_args(node)
         weights = weight_arg_nodes(node)  # recurrent ops: W and R
         out: list[tuple[fx.Node, str]] = []
         seen: set[fx.Node] = set()
@@ -239,7 +222,7 @@ class _Builder:
         if role == "weight":
             value = get_attr_value(self.gm, inp.target) if inp.op == "get_attr" else inp.meta.get("val")
             shape = tuple(value.shape) if value is not None else None
-            cfg = p.weight_config(t, node.name, shape, _conv_attrs(node))
+            cfg = p.weight_config(t, node.name, shape, conv_attrs(node))
             if cfg.per_channel and shape is not None and len(shape) < 2:
                 cfg = cfg.replace(per_channel=False)
             cfg = self._capable(p, "weight", cfg, node)

@@ -8,6 +8,7 @@ from torch import fx
 
 from fxq.graph.calibrate import MIXED_RANGE_KEY
 from fxq.graph.capture import ISLANDS_KEY
+from fxq.graph.dispatch import UNEXPRESSIBLE_KEY
 from fxq.graph.info import NodeQuant, graph_quant
 from fxq.graph.quant_graph import QuantGraph
 from fxq.spec import QuantState
@@ -34,6 +35,7 @@ class QuantSummary:
     layers: list[LayerRow]
     protected: list[dict] = dataclasses.field(default_factory=list)  # mixed-range concats: node, action, reason
     fp32_islands: dict[str, str] = dataclasses.field(default_factory=dict)  # module path -> why capture kept it FP32
+    unexpressible: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> why the exporter keeps it FP32
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -54,6 +56,9 @@ class QuantSummary:
         for path, why in self.fp32_islands.items():
             lines.append(f"  FP32 island {path}: {why}; exports write it as float ops in the same file (ONNX "
                          "nodes, ncnn layers)")
+        if self.unexpressible:
+            lines.append(f"  kept FP32, not expressible on {self.platform}: {len(self.unexpressible)}")
+            lines.extend(f"    {node}: {why}" for node, why in self.unexpressible.items())
         return "\n".join(lines)
 
 
@@ -103,5 +108,6 @@ def summary(gm: fx.GraphModule) -> QuantSummary:
         layers.append(LayerRow(node.name, nq.op_type, nq.platform, nq.output_state.name, ins, weight, out))
     states = collections.Counter(fq.config.state.name for fq in qs.values())
     order = ["quantized", "passive", "overlapped", "fp32", "shape"]
-    islands = dict(gm.meta.get(ISLANDS_KEY, {})) if hasattr(gm, "meta") else {}
-    return QuantSummary(gq.platform, {k: counts.get(k, 0) for k in order}, dict(states), layers, protected, islands)
+    meta = gm.meta if hasattr(gm, "meta") else {}
+    return QuantSummary(gq.platform, {k: counts.get(k, 0) for k in order}, dict(states), layers, protected,
+                        dict(meta.get(ISLANDS_KEY, {})), dict(meta.get(UNEXPRESSIBLE_KEY, {})))

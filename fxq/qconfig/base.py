@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import functools
 import typing
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
 from fxq.checked import check_value
 from fxq.errors import ConfigError
@@ -23,6 +23,7 @@ __all__ = [
     "Platform",
     "Capability",
     "RoleCapability",
+    "OpRule",
     "PLATFORMS",
     "register_platform",
     "get_platform",
@@ -117,6 +118,11 @@ class RoleCapability:
         return out
 
 
+OpRule = Callable[[tuple[int, ...] | None, dict[str, Any]], "str | None"]
+"""A per-op condition of a :class:`Capability`: ``(weight shape or None, op attributes: stride, dilation, groups,
+padding) -> why a node of that op cannot run quantized, or None when it can``."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Capability:
     """What a platform's exporter can express, written once: :func:`fxq.prepare` checks every scheme against it
@@ -130,6 +136,10 @@ class Capability:
         quantized_bias: False when the exporter keeps biases in FP32 (``bias_bits`` must stay None, and an
             exported model may carry no quantizing bias quantizer).
         hint: what to do instead (another platform, an override to drop).
+        ops: the op types (:mod:`fxq.graph.op_types`) that may read a quantized value in the exported file (ncnn:
+            Conv, Gemm, its int8 layers); None: any op (Q/DQ formats put a quantizer before any op).
+            :func:`fxq.prepare` keeps a node it cannot run quantized FP32, so the simulation matches the file.
+        op_rules: per-op conditions (:data:`OpRule`) on top of ``ops`` (ncnn: no int8 3-D convolution).
     """
 
     rule: str
@@ -137,6 +147,20 @@ class Capability:
     weight: RoleCapability = RoleCapability()
     quantized_bias: bool = True
     hint: str = ""
+    ops: frozenset[str] | None = None
+    op_rules: Mapping[str, OpRule] = dataclasses.field(default_factory=dict, hash=False)
+
+    @property
+    def restricts_ops(self) -> bool:
+        """Whether some op cannot read a quantized value here (``ops`` or ``op_rules`` declared)."""
+        return self.ops is not None or bool(self.op_rules)
+
+    def op_problem(self, op_type: str, weight_shape: tuple[int, ...] | None, attrs: dict[str, Any]) -> str | None:
+        """Why a node of ``op_type`` (weight shape and attributes as given) cannot run quantized; None: it can."""
+        if self.ops is not None and op_type not in self.ops:
+            return f"only {', '.join(sorted(self.ops))} run quantized, not {op_type}"
+        rule = self.op_rules.get(op_type)
+        return rule(weight_shape, attrs) if rule is not None else None
 
     def problems(self, role: str, cfg: TensorQuantConfig) -> list[str]:
         """What ``cfg`` (of ``role``: activation, weight or bias) asks that this capability cannot express."""

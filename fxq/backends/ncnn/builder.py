@@ -16,9 +16,10 @@ Naming: a layer is named after the original layer (``node.meta["caffe"]["layer"]
 name; graph inputs are ``in0, in1...`` and outputs ``out0, out1...`` (pnnx's convention).
 
 Quantization: only Conv / Gemm nodes whose data input *and* weight pass through quantizing FakeQuantize
-nodes become int8 layers. Every other quantizing FakeQuantize in the graph is an error: ncnn cannot
-express it (see :meth:`NcnnBuilder.check_quantizers`). The schemes themselves (bits, range, symmetry, axis, FP32
-biases) are ``ncnn_int8``'s :class:`~fxq.qconfig.Capability`, checked by the exporter before the build.
+nodes become int8 layers. Which ops may read a quantized value (Conv and Gemm, no 3-D conv) and the schemes
+themselves (bits, range, symmetry, axis, FP32 biases) are ``ncnn_int8``'s :class:`~fxq.qconfig.Capability`, checked
+by the exporter before the build; :meth:`NcnnBuilder.check_quantizers` then makes sure every quantizing
+FakeQuantize was written into an int8 layer by its converter.
 """
 from __future__ import annotations
 
@@ -451,7 +452,8 @@ class NcnnBuilder:
                               "Fix: run fxq.calibrate(model, data) / fxq.quantize(...) before exporting")
 
     def check_quantizers(self) -> None:
-        """Every quantizing FakeQuantize must be the input or weight of an exported int8 layer."""
+        """Every quantizing FakeQuantize must be the input or weight of an exported int8 layer (the op types that
+        may read one are the capability's, checked before the build; this catches a converter that wrote none)."""
         for q in self.gm.graph.nodes:
             if not self.is_quantizer(q) or self.quantizer(q).config.state not in QUANTIZING_STATES:
                 continue

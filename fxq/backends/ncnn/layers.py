@@ -101,8 +101,9 @@ def _triple(v: Any) -> tuple[int, int, int]:
 
 
 def _conv3d(b: NcnnBuilder, node: fx.Node) -> None:
-    """``Convolution3D`` / ``ConvolutionDepthWise3D``: ncnn has no int8 3-D convolution (no int8_scale_term), so
-    the layer runs in FP32 in both files; its quantizers are dropped with a warning."""
+    """``Convolution3D`` / ``ConvolutionDepthWise3D``, FP32 in both files: ncnn has no int8 3-D convolution (no
+    int8_scale_term), which ``ncnn_int8``'s capability declares, so prepare keeps the node FP32 and the exporter's
+    pre-check refuses a model that quantizes it."""
     x, w_arg, bias_arg, a = _conv_args(b, node, nn.Conv3d, _CONV_ARGS)
     w = b.weight(w_arg, node)
     bias = b.param(bias_arg, node, "bias") if bias_arg is not None else None
@@ -113,11 +114,6 @@ def _conv3d(b: NcnnBuilder, node: fx.Node) -> None:
     groups = int(a["groups"])
     params = {0: int(w.fp32.shape[0]), 1: int(kw), 11: int(kh), 21: int(kd), 2: dw, 12: dh, 22: dd, 3: sw, 13: sh,
               23: sd, 4: pw, 15: pw, 14: ph, 16: ph, 24: pd, 17: pd, 5: int(bias is not None), 6: int(w.fp32.numel())}
-    for q in (x, w_arg):
-        if b.is_quantizer(q) and b.quantizer(q).config.state in QUANTIZING_STATES:
-            b.used_quantizers.add((q, node))
-            b.warn_once(f"conv3d:{node.name}", "ncnn export: ncnn has no int8 3-D convolution; %s runs in FP32 "
-                        "(its input / weight quantizers are not applied)", node.name)
     layer_type = "Convolution3D"
     if groups > 1:
         layer_type, params[7] = "ConvolutionDepthWise3D", groups
