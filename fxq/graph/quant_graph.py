@@ -191,9 +191,10 @@ class QuantGraph:
                 chain = [index[e] for e in fq.aligned if e[0] == kind]
                 for a, b in zip(chain, chain[1:]):
                     before[b].add(a)
-        target_of = {g.target: i for i, g in enumerate(groups) if g.target is not None}
+        target_of = {g.target: i for i, g in enumerate(groups) if g.kind == "output"}
         for i, g in enumerate(groups):
-            before[i].update(target_of[m] for m in g.members if target_of.get(m, i) != i)
+            if g.kind == "output":
+                before[i].update(target_of[m] for m in g.members if target_of.get(m, i) != i)
         pending = sorted(range(len(groups)), key=lambda i: (ALIGNMENTS.index(groups[i].kind), i))
         done: set[int] = set()
         order = []

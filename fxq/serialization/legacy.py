@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from fxq.errors import FrontendError
+from fxq.errors import ConfigError, FrontendError
 from fxq.graph.info import QUANTIZERS_ATTR, QuantizerInfo
 from fxq.graph.quant_graph import AlignGroup, record_alignment
 from fxq.nn.fake_quantize import FakeQuantize
@@ -27,11 +27,16 @@ LEGACY_BACKUP_ATTR = "_fp32_backup"
 """The attribute that held a baked weight's FP32 copy before it was the ``fp32_backup`` buffer."""
 
 def complete_fake_quantize(fq: FakeQuantize, backup: Any) -> None:
-    """Give a FakeQuantize rebuilt from a file what an older file lacks (:meth:`FakeQuantize.adopt_legacy_state`);
-    ``backup`` is the legacy attribute's value, checked here because it comes from the file."""
+    """Give a FakeQuantize rebuilt from a file what an older file lacks (:meth:`FakeQuantize.adopt_legacy_state`)
+    and check the alignment it records; ``backup`` is the legacy attribute's value, checked here because it comes
+    from the file."""
     if backup is not None and type(backup) is not torch.Tensor:
         raise FrontendError(f"quantizer {fq.name!r}: {LEGACY_BACKUP_ATTR} is a {type(backup).__name__}, not a tensor")
     fq.adopt_legacy_state(backup)
+    try:
+        fq.set_alignment(fq.aligned)  # what the file says it is aligned with, checked as prepare's records are
+    except ConfigError as exc:
+        raise FrontendError(f"{exc} (in the file: it is damaged; quantize and save the model again)") from None
 
 
 _LEGACY_FIELDS = {"bias_deps": dict, "align_large": list, "align_output": list}
