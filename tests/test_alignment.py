@@ -137,3 +137,11 @@ def test_a_bad_alignment_record_is_refused() -> None:
         gm.fxq_quantizers["a_weight"].set_alignment([("output", "cat_out")])
     with pytest.raises(fxq.ConfigError, match="'largest'"):
         gm.fxq_quantizers["a_out"].set_alignment([("biggest", ("a_out",))])
+
+
+def test_records_that_contradict_each_other_still_give_every_group_once() -> None:
+    """Members listing two groups in opposite orders (only a hand-edited record does) form a cycle: no hang."""
+    gm = fxq.prepare(_model(SharedAdd), "trt_int8", _data(1)[0])
+    ab, ac = ("largest", ("a_out", "b_out")), ("largest", ("a_out", "c_out"))
+    gm.fxq_quantizers["b_out"].set_alignment([ac, ab])  # a_out lists ab first
+    assert sorted(g.entry for g in QuantGraph(gm).alignment_groups()) == sorted([ab, ac])

@@ -13,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+import heapq
 from typing import Iterator, NamedTuple
 
 from torch import fx, nn
@@ -185,23 +186,34 @@ class QuantGraph:
         groups = [AlignGroup(kind, other, None) if kind == "largest" else AlignGroup(kind, tuple(names), other)
                   for (kind, other), names in seen.items()]
         index = {g.entry: i for i, g in enumerate(groups)}
-        before: list[set[int]] = [set() for _ in groups]  # groups each one must come after
+        after: list[set[int]] = [set() for _ in groups]  # groups that must come after each one
         for fq in self._quantizers.values():
             for kind in ALIGNMENTS:
                 chain = [index[e] for e in fq.aligned if e[0] == kind]
                 for a, b in zip(chain, chain[1:]):
-                    before[b].add(a)
+                    after[a].add(b)
         target_of = {g.target: i for i, g in enumerate(groups) if g.kind == "output"}
         for i, g in enumerate(groups):
             if g.kind == "output":
-                before[i].update(target_of[m] for m in g.members if target_of.get(m, i) != i)
-        pending = sorted(range(len(groups)), key=lambda i: (ALIGNMENTS.index(groups[i].kind), i))
-        done: set[int] = set()
-        order = []
-        while pending:
-            # a group whose predecessors are done; pending[0] only where damaged records form a cycle
-            i = next((i for i in pending if before[i] <= done), pending[0])
-            pending.remove(i)
-            done.add(i)
+                for m in g.members:
+                    if target_of.get(m, i) != i:
+                        after[target_of[m]].add(i)
+        waiting = [0] * len(groups)
+        for later in after:
+            for j in later:
+                waiting[j] += 1
+        key = [(ALIGNMENTS.index(g.kind), i) for i, g in enumerate(groups)]
+        ready = [key[i] for i in range(len(groups)) if not waiting[i]]
+        heapq.heapify(ready)
+        order: list[AlignGroup] = []
+        while len(order) < len(groups):
+            if not ready:  # only damaged records form a cycle: go on with the first group left
+                heapq.heappush(ready, min(key[i] for i in range(len(groups)) if waiting[i] > 0))
+            i = heapq.heappop(ready)[1]
+            waiting[i] = -1
             order.append(groups[i])
+            for j in after[i]:
+                waiting[j] -= 1
+                if waiting[j] == 0:
+                    heapq.heappush(ready, key[j])
         return order
