@@ -272,7 +272,7 @@ def _tie_aligned(gm: fx.GraphModule) -> int:
                 and quant_scheme(a) == quant_scheme(b))
 
     for group in QuantGraph(gm).alignment_groups():
-        members = [n for n in dict.fromkeys(group) if n in holder]
+        members = [n for n in dict.fromkeys(group.names) if n in holder]
         if len(members) < 2:
             continue
         leader = max(members, key=lambda n: float(holder[n].scale.detach().max()))

@@ -169,7 +169,7 @@ def test_one_quantizer_per_tensor_is_what_the_removed_fields_asked_for():
                == "Concat")
     quantizer_sources = [QuantGraph(gm).infos()[q].source for q in cat.meta["fxq"].inputs.values()]
     assert len(quantizer_sources) == len(set(quantizer_sources))  # no tensor quantized twice
-    assert any(gm.meta["fxq"].align_output)
+    assert any(g.kind == "output" for g in QuantGraph(gm).alignment_groups())
 
 
 def test_deactivated_state_was_removed():

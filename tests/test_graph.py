@@ -228,14 +228,17 @@ def test_academic_quantizes_inputs_only_asymmetric():
 
 def test_concat_inputs_aligned_to_output_and_add_inputs_to_large():
     q = fxq.quantize(small_cnn(), _data(), "trt_int8", progress=False)
-    gq = q.meta["fxq"]
-    assert gq.align_output and gq.align_large
-    for ins, out in gq.align_output:
-        for i in ins:
-            assert torch.equal(q.fxq_quantizers[i].scale, q.fxq_quantizers[out].scale)
-    for group in gq.align_large:
-        scales = {float(q.fxq_quantizers[i].scale) for i in group}
-        assert len(scales) == 1
+    groups = QuantGraph(q).alignment_groups()
+    assert {g.kind for g in groups} == {"largest", "output"}
+    for g in groups:
+        for i in g.members:  # each member records its group
+            assert g.entry in q.fxq_quantizers[i].aligned
+        if g.kind == "output":
+            for i in g.members:
+                assert torch.equal(q.fxq_quantizers[i].scale, q.fxq_quantizers[g.target].scale)
+        else:
+            scales = {float(q.fxq_quantizers[i].scale) for i in g.members}
+            assert len(scales) == 1
 
 
 def test_alignment_takes_the_largest_member_and_is_idempotent():
@@ -244,8 +247,8 @@ def test_alignment_takes_the_largest_member_and_is_idempotent():
     from fxq.graph.convert import apply_alignment
 
     q = fxq.quantize(small_cnn(), _data(), "trt_int8", progress=False)
-    group = q.meta["fxq"].align_large[0]
-    members = [q.fxq_quantizers[i] for i in group]
+    group = next(g for g in QuantGraph(q).alignment_groups() if g.kind == "largest")
+    members = [q.fxq_quantizers[i] for i in group.members]
     for k, m in enumerate(members):
         m.set_qparams(torch.tensor([0.01 * (k + 1)]), torch.zeros(1), state=m.config.state)
     for _ in range(3):

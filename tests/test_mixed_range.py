@@ -21,7 +21,7 @@ from torch import fx, nn
 
 import fxq
 from fxq.graph.calibrate import MIXED_RANGE_KEY, MIXED_RANGE_RATIO
-from fxq.graph.info import graph_quant
+from fxq.graph.quant_graph import QuantGraph
 from fxq.spec import QuantState
 
 QDQ_PLATFORMS = ["trt_int8", "ort_int8", "ppl_cuda_int8"]
@@ -121,7 +121,8 @@ def test_protected_scores_match_fp32(platform: str, last_dim: bool, caplog) -> N
     assert record["action"] == "fp32" and record["ratio"] > MIXED_RANGE_RATIO
     assert cat.meta["fxq"].platform == "fp32"
     assert gm.fxq_quantizers[record["output_quantizer"]].config.state is QuantState.FP32
-    assert not graph_quant(gm).align_output  # the concat's alignment group is gone
+    assert not QuantGraph(gm).alignment_groups()  # the concat's alignment group is gone from its members' records
+    assert not any(fq.aligned for fq in gm.fxq_quantizers.values())
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "'cat'" in r.getMessage()]
     assert len(warnings) == 1 and "kept in FP32" in warnings[0]
     for label, lo, hi in record["inputs"]:
@@ -236,7 +237,7 @@ def test_similar_branches_stay_quantized(platform: str, caplog) -> None:
     if platform != "ncnn_int8":  # ncnn quantizes only conv / gemm inputs
         nq = cat.meta["fxq"]
         assert nq.platform == platform and gm.fxq_quantizers[nq.output].config.state is QuantState.ACTIVATED
-        assert [g for g in graph_quant(gm).align_output if g[1] == nq.output]
+        assert [g for g in QuantGraph(gm).alignment_groups() if g.kind == "output" and g.target == nq.output]
 
 
 def test_resnet_stays_quantized(caplog) -> None:
@@ -285,7 +286,8 @@ def test_calibrating_again_decides_again() -> None:
     fxq.convert(gm)
     cat = next(n for n in gm.graph.nodes if n.name == "cat")
     assert MIXED_RANGE_KEY not in cat.meta and cat.meta["fxq"].platform == "ort_int8"
-    assert graph_quant(gm).align_output
+    groups = QuantGraph(gm).alignment_groups()  # given back to the members' records
+    assert [g for g in groups if g.kind == "output" and g.target == cat.meta["fxq"].output]
     with torch.no_grad():
         assert float(gm(x)[..., N_BOX:].abs().max()) == 0.0
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxq
+from fxq.graph.quant_graph import QuantGraph
 from fxq.nn import FakeQuantize
 from fxq.qat import FrozenBatchNorm, QATBiasQuantize, QATFakeQuantize
 from fxq.spec import QuantState
@@ -76,7 +77,7 @@ def test_qat_trains_and_converts(platform, method):
     if method == "lsq+" and platform == "academic_int4":  # asymmetric activations learn their offsets
         assert any(isinstance(fq.offset, nn.Parameter) for fq in trainable)
     if platform == "trt_int8":  # the add's inputs share one quantizer module (alignment kept while training)
-        groups = qat.meta["fxq"].align_large
+        groups = [g.members for g in QuantGraph(qat).alignment_groups() if g.kind == "largest"]
         assert groups and all(quantizers[a] is quantizers[b] for g in groups for a, b in zip(g, g[1:]))
     else:
         assert any(isinstance(fq, QATBiasQuantize) for fq in quantizers.values())

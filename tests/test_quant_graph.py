@@ -131,18 +131,31 @@ def _as_legacy(spec: dict, sources: dict[str, str]) -> dict:
     return spec
 
 
+def _with_alignment_lists(spec: dict, groups: list) -> dict:
+    """``spec`` as fxq wrote it before alignment moved onto the quantizers: no ``aligned`` record, the groups in
+    the ``align_large`` / ``align_output`` fields of ``gm.meta["fxq"]`` (``groups``: in graph order)."""
+    for rec in spec["modules"]:
+        if rec.get("class", "").startswith("fxq.nn.fake_quantize:"):
+            del rec["attrs"]["aligned"]
+    fields = spec["meta"]["fxq"]["$record"][1]
+    fields["align_large"] = [list(g.members) for g in groups if g.kind == "largest"]
+    fields["align_output"] = [{"$tuple": [list(g.members), g.target]} for g in groups if g.kind == "output"]
+    return spec
+
+
 def test_files_saved_before_the_record_moved_still_load(ppl, tmp_path):
     path = fxq.save(ppl, tmp_path / "new.fxq")
     blob = torch.load(path, weights_only=True)
     qg = QuantGraph(ppl)
-    spec = json.dumps(_as_legacy(json.loads(blob["spec"]), {name: qg.source(name) for name, _ in qg.quantizers()}))
+    spec = _with_alignment_lists(json.loads(blob["spec"]), qg.alignment_groups())
+    spec = json.dumps(_as_legacy(spec, {name: qg.source(name) for name, _ in qg.quantizers()}))
     old = tmp_path / "old.fxq"
     torch.save(dict(blob, spec=spec, sha256=file_digest(spec, blob["tensors"])), old)
     again = fxq.load(old)
     a, b = QuantGraph(ppl), QuantGraph(again)
     assert a.infos() == b.infos()
     for (name, x), (_, y) in zip(a.quantizers(), b.quantizers()):
-        assert (x.role, x.param, x.derived_from) == (y.role, y.param, y.derived_from), name
+        assert (x.role, x.param, x.derived_from, x.aligned) == (y.role, y.param, y.derived_from, y.aligned), name
         assert x.baked == y.baked and (not x.baked or torch.equal(x.fp32_backup, y.fp32_backup)), name
     assert "fxq_quantizer_infos" not in again.meta and not any("fxq_quantizer" in n.meta for n in again.graph.nodes)
     x = _data(1)[0]
@@ -151,6 +164,39 @@ def test_files_saved_before_the_record_moved_still_load(ppl, tmp_path):
         with fxq.fp32_mode(again), fxq.fp32_mode(ppl):
             assert torch.equal(again(x), ppl(x))
     assert fxq.load(fxq.save(again, tmp_path / "again.fxq")).state_dict().keys() == ppl.state_dict().keys()
+
+
+def test_files_saved_with_alignment_lists_still_load(ppl, tmp_path):
+    """Files written while the records were on the quantizers but alignment was in lists beside them."""
+    path = fxq.save(ppl, tmp_path / "new.fxq")
+    blob = torch.load(path, weights_only=True)
+    qg = QuantGraph(ppl)
+    groups = qg.alignment_groups()
+    assert {g.kind for g in groups} == {"largest", "output"}
+    spec = json.dumps(_with_alignment_lists(json.loads(blob["spec"]), groups))
+    old = tmp_path / "old.fxq"
+    torch.save(dict(blob, spec=spec, sha256=file_digest(spec, blob["tensors"])), old)
+    again = fxq.load(old)
+    assert {n: fq.aligned for n, fq in again.fxq_quantizers.items()} == {
+        n: fq.aligned for n, fq in ppl.fxq_quantizers.items()}
+    assert QuantGraph(again).alignment_groups() == groups
+    assert not hasattr(again.meta["fxq"], "align_large") and not hasattr(again.meta["fxq"], "align_output")
+    x = _data(1)[0]
+    with torch.no_grad():
+        assert torch.equal(again(x), ppl(x))
+    resaved = json.loads(torch.load(fxq.save(again, tmp_path / "again.fxq"), weights_only=True)["spec"])
+    assert "align_large" not in resaved["meta"]["fxq"]["$record"][1]
+
+
+def test_a_damaged_alignment_record_is_refused(ppl, tmp_path):
+    blob = torch.load(fxq.save(ppl, tmp_path / "new.fxq"), weights_only=True)
+    spec = json.loads(blob["spec"])
+    rec = next(r for r in spec["modules"] if r["path"] == "fxq_quantizers.add_out")
+    rec["attrs"]["aligned"] = {"$tuple": [{"$tuple": ["output", 3]}]}
+    spec = json.dumps(spec)
+    torch.save(dict(blob, spec=spec, sha256=file_digest(spec, blob["tensors"])), tmp_path / "bad.fxq")
+    with pytest.raises(fxq.FrontendError, match="add_out.*alignment"):
+        fxq.load(tmp_path / "bad.fxq")
 
 
 def test_state_dicts_saved_before_the_backup_was_a_buffer_load(ppl, caplog):

@@ -14,7 +14,7 @@ from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_p
 from fxq.graph.data import call_model, check_steps, count_batches, first_batch_errors, iter_batches
 from fxq.graph.info import NodeQuant, graph_quant
 from fxq.graph.nodes import get_attr_value
-from fxq.graph.quant_graph import QuantGraph
+from fxq.graph.quant_graph import AlignGroup, QuantGraph, drop_alignment, record_alignment
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import MIN_SCALE, QuantState
 
@@ -133,7 +133,7 @@ def _ratio_setting(gm: fx.GraphModule) -> float | None:
 
 def _undo_protection(gm: fx.GraphModule) -> None:
     """Give protected concats back their output quantizer and alignment, so a new calibration decides anew."""
-    gq = graph_quant(gm)
+    graph_quant(gm)  # a model fxq did not prepare: its error
     qs = QuantGraph(gm)
     for node in gm.graph.nodes:
         record = node.meta.pop(MIXED_RANGE_KEY, None)
@@ -147,9 +147,9 @@ def _undo_protection(gm: fx.GraphModule) -> None:
             qs[out].config.state = QuantState.ACTIVATED if qs[out].config.has_qparams else QuantState.INITIAL
         if record.get("align_output"):
             ins, target = record["align_output"]
-            gq.align_output.append((list(ins), target))
+            record_alignment(qs, AlignGroup("output", tuple(ins), target))
         if record.get("align_large"):
-            gq.align_large.append(list(record["align_large"]))
+            record_alignment(qs, AlignGroup("largest", tuple(record["align_large"])))
 
 
 def _grid(fq: FakeQuantize) -> tuple[float, float] | None:
@@ -181,10 +181,12 @@ def protect_mixed_range(gm: fx.GraphModule, ratio: float | None | str = "setting
     threshold = _ratio_setting(gm) if ratio == "setting" else ratio
     if threshold is None:
         return []
-    gq = graph_quant(gm)
+    graph_quant(gm)  # a model fxq did not prepare: its error
     qs = QuantGraph(gm)
+    groups = qs.alignment_groups()
     nodes = [n for n in gm.graph.nodes if isinstance(n.meta.get("fxq"), NodeQuant)]
     flagged: dict[fx.Node, dict[str, Any]] = {}
+    groups_of: dict[fx.Node, list[AlignGroup]] = {}  # a flagged node's alignment groups, dropped if it is protected
     parts_of: dict[str, list[tuple[str, float, float]]] = {}  # output quantizer of a flagged concat -> its parts
     for node in nodes:
         nq: NodeQuant = node.meta["fxq"]
@@ -194,8 +196,9 @@ def protect_mixed_range(gm: fx.GraphModule, ratio: float | None | str = "setting
         ins = list(dict.fromkeys(ins))
         own_out = (nq.output in qs and nq.output_state in (QuantState.ACTIVATED, QuantState.OVERLAPPED)
                    and qs[nq.output].config.is_quantizing)
-        group_out = next((g for g in gq.align_output if g[1] == nq.output), None) if own_out else None
-        group_large = next((g for g in gq.align_large if list(g) == ins), None)
+        group_out = next((g for g in groups if g.kind == "output" and g.target == nq.output), None) if own_out \
+            else None
+        group_large = next((g for g in groups if g.kind == "largest" and list(g.members) == ins), None)
         if not own_out and group_large is None:
             continue  # nothing puts the inputs on one grid
         parts: list[tuple[str, float, float]] = []
@@ -220,9 +223,10 @@ def protect_mixed_range(gm: fx.GraphModule, ratio: float | None | str = "setting
             "steps_left": [round(span / found, 2), span],
             "inputs": [[label, lo, hi] for label, lo, hi in parts],
             "output_quantizer": nq.output if own_out else None,
-            "align_output": [list(group_out[0]), group_out[1]] if group_out is not None else None,
-            "align_large": list(group_large) if group_large is not None else None,
+            "align_output": [list(group_out.members), group_out.target] if group_out is not None else None,
+            "align_large": list(group_large.members) if group_large is not None else None,
         }
+        groups_of[node] = [g for g in (group_out, group_large) if g is not None]
         if own_out:
             parts_of[nq.output] = parts
     # decide from the last node back: a flagged concat read by a flagged concat follows that one's decision
@@ -257,10 +261,8 @@ def protect_mixed_range(gm: fx.GraphModule, ratio: float | None | str = "setting
             nq = node.meta["fxq"]
             record["platform"], record["output_state"] = nq.platform, nq.output_state.name
             nq.platform, nq.output_state = "fp32", QuantState.FP32  # exporters write a float node
-            if record["align_output"] is not None:
-                gq.align_output[:] = [g for g in gq.align_output if g[1] != record["align_output"][1]]
-            if record["align_large"] is not None:
-                gq.align_large[:] = [g for g in gq.align_large if list(g) != record["align_large"]]
+            for group in groups_of[node]:
+                drop_alignment(qs, group)
             logger.warning("%s; kept in FP32: its output quantizer %s is off and its inputs keep their own "
                            "scales (the exporters write it in float)", what, record["output_quantizer"])
         else:

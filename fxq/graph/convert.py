@@ -39,33 +39,40 @@ def apply_alignment(gm: fx.GraphModule) -> None:
     is mapped onto the grid. (Re-deriving a symmetric scale from its own range ``[-128 s, 127 s]`` would
     grow it by 256/255 on every pass: the algorithms re-align after each run.)
     """
-    gq = graph_quant(gm)
+    graph_quant(gm)  # a model fxq did not prepare: its error, not a silent no-op
     qs = QuantGraph(gm)
-    for group in gq.align_large:
-        members = [qs[n] for n in group if qs[n].config.has_qparams and qs[n].config.is_quantizing]
-        if len(members) < 2 or any(m.config.per_channel for m in members):
+    for group in qs.alignment_groups():
+        if group.kind == "largest":
+            _align_to_largest([qs[n] for n in group.members])
+        else:
+            _align_to_output([qs[n] for n in group.members], qs[group.target])
+
+
+def _align_to_largest(group: list[FakeQuantize]) -> None:
+    members = [m for m in group if m.config.has_qparams and m.config.is_quantizing]
+    if len(members) < 2 or any(m.config.per_channel for m in members):
+        return
+    ranges = [representable_range(m.config, m.scale, m.offset) for m in members]
+    lo = torch.stack([r[0] for r in ranges]).min(0).values
+    hi = torch.stack([r[1] for r in ranges]).max(0).values
+    widest = next((m for m, r in zip(members, ranges) if bool((r[0] <= lo).all() and (r[1] >= hi).all())), None)
+    for m in members:
+        if widest is not None and quant_scheme(m) == quant_scheme(widest):
+            scale, offset = widest.scale.detach().clone(), widest.offset.detach().clone()
+        else:
+            scale, offset = qparams_from_minmax(lo, hi, m.config)
+        m.set_qparams(scale, offset, state=m.config.state)
+
+
+def _align_to_output(members: list[FakeQuantize], target: FakeQuantize) -> None:
+    if not target.config.is_quantizing:
+        return
+    for m in members:
+        if m is target or not m.config.is_quantizing or m.config.per_channel:
             continue
-        ranges = [representable_range(m.config, m.scale, m.offset) for m in members]
-        lo = torch.stack([r[0] for r in ranges]).min(0).values
-        hi = torch.stack([r[1] for r in ranges]).max(0).values
-        widest = next((m for m, r in zip(members, ranges) if bool((r[0] <= lo).all() and (r[1] >= hi).all())), None)
-        for m in members:
-            if widest is not None and quant_scheme(m) == quant_scheme(widest):
-                scale, offset = widest.scale.detach().clone(), widest.offset.detach().clone()
-            else:
-                scale, offset = qparams_from_minmax(lo, hi, m.config)
-            m.set_qparams(scale, offset, state=m.config.state)
-    for inputs, out in gq.align_output:
-        target = qs[out]
-        if not target.config.is_quantizing:
+        if quant_scheme(m) != quant_scheme(target):
             continue
-        for name in inputs:
-            m = qs[name]
-            if m is target or not m.config.is_quantizing or m.config.per_channel:
-                continue
-            if quant_scheme(m) != quant_scheme(target):
-                continue
-            m.set_qparams(target.scale.detach().clone(), target.offset.detach().clone(), state=m.config.state)
+        m.set_qparams(target.scale.detach().clone(), target.offset.detach().clone(), state=m.config.state)
 
 
 def quant_scheme(fq: FakeQuantize) -> tuple:

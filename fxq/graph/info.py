@@ -7,9 +7,10 @@ Dispatch, prepare, calibration, analysis and every exporter read these records:
   its tensor inputs, and which quantizer covers its output (its own, an overlapping one downstream
   such as the ReLU after a conv, or the input's one for passive ops such as MaxPool).
 * a quantizer node (``call_module`` into ``gm.fxq_quantizers``) carries nothing: what its quantizer
-  quantizes (role, source, parameter, the quantizers a bias derives from) is recorded on the
-  :class:`~fxq.FakeQuantize` itself, and :class:`fxq.graph.quant_graph.QuantGraph` answers the queries.
-* ``gm.meta["fxq"]`` is a :class:`GraphQuant`: the platform, the dispatcher and the alignment groups.
+  quantizes (role, source, parameter, the quantizers a bias derives from, the groups whose grid it shares) is
+  recorded on the :class:`~fxq.FakeQuantize` itself, and :class:`fxq.graph.quant_graph.QuantGraph` answers the
+  queries.
+* ``gm.meta["fxq"]`` is a :class:`GraphQuant`: the platform and the dispatcher.
 """
 from __future__ import annotations
 
@@ -80,10 +81,11 @@ class QuantizerInfo:
 
 @dataclasses.dataclass
 class GraphQuant:
+    """What a prepared graph was prepared for; files saved before alignment moved onto the quantizers also hold
+    ``align_large`` / ``align_output`` lists here (moved onto them on load)."""
+
     platform: str
     dispatcher: str
-    align_large: list[list[str]] = dataclasses.field(default_factory=list)
-    align_output: list[tuple[list[str], str]] = dataclasses.field(default_factory=list)
 
 
 def node_quant(node: fx.Node) -> NodeQuant | None:

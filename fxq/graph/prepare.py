@@ -13,7 +13,7 @@ Rules, in order:
 * **bias** quantizers are passive: scale = input scale x weight scale, filled in after calibration (the
   bias FakeQuantize records the two in ``derived_from``);
 * **alignment** groups (elementwise inputs aligned to the largest, concat inputs to the output) are
-  recorded here and applied after calibration; an aligned input is its producer's quantizer, so alignment
+  recorded here on their members (``FakeQuantize.aligned``) and applied after calibration; an aligned input is its producer's quantizer, so alignment
   always overlaps (PPQ's ``force_alignment_overlap=True``) and no tensor is quantized twice (PPQ's
   ``remove_useless_quantization=True``): both are how fxq works, not settings;
 * each FakeQuantize records its role, source node and parameter (:meth:`~fxq.FakeQuantize.set_record`);
@@ -32,7 +32,7 @@ from fxq.graph.dispatch import Dispatch, is_float_tensor
 from fxq.graph.info import QUANTIZERS_ATTR, GraphQuant, NodeQuant, computed_from_parameters, is_quantizer_node
 from fxq.graph.nodes import get_attr_value
 from fxq.graph.op_types import conv_attrs, op_type, weight_arg_nodes, weight_bias_args
-from fxq.graph.quant_graph import quantizer_name
+from fxq.graph.quant_graph import AlignGroup, quantizer_name, record_alignment
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.qconfig.base import COMPUTING_OPS, Platform
 from fxq.setting import QuantizationSetting
@@ -197,7 +197,7 @@ class _Builder:
                     nq.inputs[src.name] = self.covering[node][0]
                     del overlapped_by[src]
             nq.output, nq.output_state = self.covering[node]
-        self._record_alignment(gq)
+        self._record_alignment()
         for node in graph.nodes:  # only output decisions; input-only quantizers belong to their consumers
             nq = node.meta.get("fxq")
             if isinstance(nq, NodeQuant) and node in self.output_decided:
@@ -257,7 +257,7 @@ class _Builder:
         self._insert_after(bias, q, [node])
         return q
 
-    def _record_alignment(self, gq: GraphQuant) -> None:
+    def _record_alignment(self) -> None:
         fs = self.setting.fusion_setting
         if not (self.setting.fusion and fs.align_quantization):
             return
@@ -274,9 +274,9 @@ class _Builder:
             own_out = node in self.covering and self.covering[node][1] in (QuantState.ACTIVATED,
                                                                             QuantState.OVERLAPPED)
             if mode == "Align to Large" and len(ins) > 1:
-                gq.align_large.append(ins)
+                record_alignment(self.holder, AlignGroup("largest", tuple(ins)))
             elif mode == "Align to Output" and ins and own_out:
-                gq.align_output.append((ins, self.covering[node][0]))
+                record_alignment(self.holder, AlignGroup("output", tuple(ins), self.covering[node][0]))
 
 
 def insert_quantizers(gm: fx.GraphModule, plan: Dispatch, setting: QuantizationSetting,

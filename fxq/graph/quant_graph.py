@@ -1,9 +1,9 @@
 """``QuantGraph(gm)``: the one answer to the questions passes, algorithms, analysis and exporters ask a prepared graph.
 
 The facts live in one place each: what a quantizer is and what it quantizes on its :class:`~fxq.FakeQuantize`
-(role, parameter, bias derivation), where quantizers sit in ``node.meta["fxq"]``
-(:class:`~fxq.graph.info.NodeQuant`), the alignment groups in ``gm.meta["fxq"]``
-(:class:`~fxq.graph.info.GraphQuant`), and what a quantizer reads and who reads its value in the graph itself.
+(role, parameter, bias derivation, the alignment groups it is a member of), where quantizers sit in
+``node.meta["fxq"]`` (:class:`~fxq.graph.info.NodeQuant`), and what a quantizer reads and who reads its value in the
+graph itself.
 This view joins them over a snapshot of the quantizer table and memos of graph walks: build a new one after
 editing the graph or swapping quantizer modules.
 
@@ -13,15 +13,16 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Iterator
+import heapq
+from typing import Iterator, NamedTuple
 
 from torch import fx, nn
 
 from fxq.errors import GraphError
-from fxq.graph.info import QUANTIZERS_ATTR, QuantizerInfo, computed_from_parameters, graph_quant, is_quantizer_node
-from fxq.nn.fake_quantize import ROLES, FakeQuantize
+from fxq.graph.info import QUANTIZERS_ATTR, QuantizerInfo, computed_from_parameters, is_quantizer_node
+from fxq.nn.fake_quantize import ALIGNMENTS, ROLES, Alignment, FakeQuantize
 
-__all__ = ["QuantGraph", "quantizer_name"]
+__all__ = ["AlignGroup", "QuantGraph", "drop_alignment", "quantizer_name", "record_alignment"]
 
 _PREFIX = QUANTIZERS_ATTR + "."
 
@@ -29,6 +30,39 @@ _PREFIX = QUANTIZERS_ATTR + "."
 def quantizer_name(node: fx.Node) -> str | None:
     """Name of the quantizer a quantizer node runs (None for any other node)."""
     return str(node.target)[len(_PREFIX):] if is_quantizer_node(node) else None
+
+
+class AlignGroup(NamedTuple):
+    """One alignment group, as its members' :attr:`~fxq.FakeQuantize.aligned` records give it."""
+
+    kind: str  # one of ALIGNMENTS
+    members: tuple[str, ...]  # the quantizers put on one grid ("largest": in the op's input order)
+    target: str | None = None  # "output": the quantizer whose parameters the members take
+
+    @property
+    def entry(self) -> Alignment:
+        """What each member records."""
+        return (self.kind, self.members) if self.kind == "largest" else (self.kind, self.target)
+
+    @property
+    def names(self) -> list[str]:
+        """Every quantizer of the group, the target first."""
+        return ([self.target] if self.target is not None else []) + list(self.members)
+
+
+def record_alignment(quantizers: "nn.ModuleDict | QuantGraph", group: AlignGroup) -> None:
+    """Record ``group`` on each member (after the groups it is already in; a group is recorded once)."""
+    for name in dict.fromkeys(group.members):
+        fq = quantizers[name]
+        if group.entry not in fq.aligned:
+            fq.set_alignment((*fq.aligned, group.entry))
+
+
+def drop_alignment(quantizers: "nn.ModuleDict | QuantGraph", group: AlignGroup) -> None:
+    """Remove ``group`` from its members' records."""
+    for name in dict.fromkeys(group.members):
+        fq = quantizers[name]
+        fq.set_alignment(e for e in fq.aligned if e != group.entry)
 
 
 class QuantGraph:
@@ -137,7 +171,49 @@ class QuantGraph:
         """Whether ``node`` is computed from parameters only (``get_attr``, reshaped or quantized)."""
         return computed_from_parameters(node, self._param_memo)
 
-    def alignment_groups(self) -> list[list[str]]:
-        """Every alignment group as a list of quantizer names (an ``align_output`` group starts with its target)."""
-        gq = graph_quant(self.gm)
-        return [list(g) for g in gq.align_large] + [[out, *ins] for ins, out in gq.align_output]
+    def alignment_groups(self) -> list[AlignGroup]:
+        """Every alignment group, read from its members' records, in the order to apply them.
+
+        Every "largest" group comes before every "output" group. Within a kind, a group comes after the groups its
+        members were recorded in before it (each member lists its groups in graph order) and after the group whose
+        target is one of its members: graph order wherever the order changes a result (groups with no quantizer in
+        common give the same parameters in any order); otherwise first seen first.
+        """
+        seen: dict[Alignment, list[str]] = {}  # entry -> the names recording it
+        for name, fq in self._quantizers.items():
+            for entry in fq.aligned:
+                seen.setdefault(entry, []).append(name)
+        groups = [AlignGroup(kind, other, None) if kind == "largest" else AlignGroup(kind, tuple(names), other)
+                  for (kind, other), names in seen.items()]
+        index = {g.entry: i for i, g in enumerate(groups)}
+        after: list[set[int]] = [set() for _ in groups]  # groups that must come after each one
+        for fq in self._quantizers.values():
+            for kind in ALIGNMENTS:
+                chain = [index[e] for e in fq.aligned if e[0] == kind]
+                for a, b in zip(chain, chain[1:]):
+                    after[a].add(b)
+        target_of = {g.target: i for i, g in enumerate(groups) if g.kind == "output"}
+        for i, g in enumerate(groups):
+            if g.kind == "output":
+                for m in g.members:
+                    if target_of.get(m, i) != i:
+                        after[target_of[m]].add(i)
+        waiting = [0] * len(groups)
+        for later in after:
+            for j in later:
+                waiting[j] += 1
+        key = [(ALIGNMENTS.index(g.kind), i) for i, g in enumerate(groups)]
+        ready = [key[i] for i in range(len(groups)) if not waiting[i]]
+        heapq.heapify(ready)
+        order: list[AlignGroup] = []
+        while len(order) < len(groups):
+            if not ready:  # only damaged records form a cycle: go on with the first group left
+                heapq.heappush(ready, min(key[i] for i in range(len(groups)) if waiting[i] > 0))
+            i = heapq.heappop(ready)[1]
+            waiting[i] = -1
+            order.append(groups[i])
+            for j in after[i]:
+                waiting[j] -= 1
+                if waiting[j] == 0:
+                    heapq.heappush(ready, key[j])
+        return order

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -13,12 +13,20 @@ from fxq.functional import fake_quantize
 from fxq.observers import Observer, build_observer
 from fxq.spec import QuantScheme, QuantState, TensorQuantConfig
 
-__all__ = ["FakeQuantize", "MODES", "ROLES"]
+__all__ = ["ALIGNMENTS", "Alignment", "FakeQuantize", "MODES", "ROLES"]
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("activation", "weight", "bias")
 """What a quantizer in a prepared graph quantizes: a value computed from data, a weight, or a passive bias."""
+
+ALIGNMENTS = ("largest", "output")
+"""How an activation quantizer shares its grid with others: ``("largest", members)``, every member of the group (it
+included, in the op's input order) takes the widest range (an Add's inputs); ``("output", target)``, it takes the
+output quantizer ``target``'s parameters (a Concat's input)."""
+
+Alignment = tuple[str, Any]
+"""One entry of :attr:`FakeQuantize.aligned`: ``("largest", (member, ...))`` or ``("output", target)``."""
 
 _BAKED = (QuantState.BAKED, QuantState.PASSIVE_BAKED)  # values already on the grid: pass through
 
@@ -47,7 +55,8 @@ class FakeQuantize(nn.Module):
     This module is the one record of a quantizer: its scheme (:attr:`scheme`, frozen), its state
     (``scale``/``offset``, ``config.state``, the FP32 copy of a baked weight in the ``fp32_backup`` buffer, so
     ``state_dict`` is complete) and, in a prepared graph, what it quantizes: :attr:`role`, :attr:`param` (the parameter behind a weight / bias) and, for a passive
-    bias, :attr:`derived_from` (its input and weight quantizers). The node it quantizes is its node's input in the graph; the graph
+    bias, :attr:`derived_from` (its input and weight quantizers), for an activation, :attr:`aligned` (the groups whose
+    grid it shares, see :data:`ALIGNMENTS`). The node it quantizes is its node's input in the graph; the graph
     queries around it are answered by
     :class:`fxq.graph.quant_graph.QuantGraph`.
 
@@ -57,6 +66,7 @@ class FakeQuantize(nn.Module):
         role: ``"activation"``, ``"weight"`` or ``"bias"``; None for a quantizer outside a prepared graph.
         param: ``get_attr`` target of the weight / bias it quantizes.
         derived_from: (input quantizer or None, weight quantizer) a passive bias derives its scale from.
+        aligned: the alignment entries of an activation quantizer, in the order they were recorded (graph order).
 
     Example:
         >>> fq = FakeQuantize(TensorQuantConfig(num_bits=8))
@@ -65,11 +75,12 @@ class FakeQuantize(nn.Module):
     """
 
     def __init__(self, config: TensorQuantConfig, name: str = "", *, role: str | None = None,
-                 param: str | None = None, derived_from: tuple[str | None, str] | None = None) -> None:
+                 param: str | None = None, derived_from: tuple[str | None, str] | None = None,
+                 aligned: Iterable[Alignment] = ()) -> None:
         super().__init__()
         self.config = config
         self.name = name
-        self.set_record(role, param, derived_from)
+        self.set_record(role, param, derived_from, aligned)
         scale = config.scale if config.scale is not None else torch.ones(1)
         offset = config.offset if config.offset is not None else torch.zeros_like(scale)
         self.register_buffer("scale", scale.detach().clone().float())
@@ -83,7 +94,8 @@ class FakeQuantize(nn.Module):
 
     # ------------------------------------------------------------------ record
     def set_record(self, role: str | None, param: str | None = None,
-                   derived_from: tuple[str | None, str] | None = None) -> "FakeQuantize":
+                   derived_from: tuple[str | None, str] | None = None,
+                   aligned: Iterable[Alignment] = ()) -> "FakeQuantize":
         """Say what this quantizer quantizes in its graph (see the class docstring); returns self."""
         if role is not None and role not in ROLES:
             raise ConfigError(f"FakeQuantize {self.name!r}: role {role!r}; use one of {ROLES}")
@@ -92,11 +104,30 @@ class FakeQuantize(nn.Module):
         self.role = role
         self.param = param
         self.derived_from = None if derived_from is None else tuple(derived_from)
+        return self.set_alignment(aligned)
+
+    def set_alignment(self, aligned: Iterable[Alignment]) -> "FakeQuantize":
+        """Replace the groups whose grid this activation quantizer shares (entries of :data:`ALIGNMENTS`); returns
+        self."""
+        entries = []
+        for entry in aligned:
+            kind, other = entry if isinstance(entry, (tuple, list)) and len(entry) == 2 else (None, None)
+            if kind == "largest" and isinstance(other, (tuple, list)) and all(isinstance(m, str) for m in other):
+                entries.append((kind, tuple(other)))
+            elif kind == "output" and isinstance(other, str):
+                entries.append((kind, other))
+            else:
+                raise ConfigError(f"FakeQuantize {self.name!r}: alignment {entry!r:.80}; use ('largest', (member, ...)) "
+                                  f"or ('output', target quantizer)")
+        if entries and self.role != "activation":
+            raise ConfigError(f"FakeQuantize {self.name!r}: only an activation quantizer is aligned with others "
+                              f"(its role is {self.role!r})")
+        self.aligned: tuple[Alignment, ...] = tuple(entries)
         return self
 
     def copy_record(self, other: "FakeQuantize") -> "FakeQuantize":
-        """Take ``other``'s role, parameter and derivation (a replacement module, e.g. QAT's)."""
-        return self.set_record(other.role, other.param, other.derived_from)
+        """Take ``other``'s role, parameter, derivation and alignment (a replacement module, e.g. QAT's)."""
+        return self.set_record(other.role, other.param, other.derived_from, other.aligned)
 
     @property
     def scheme(self) -> QuantScheme:
@@ -260,6 +291,7 @@ class FakeQuantize(nn.Module):
             self.register_buffer("fp32_backup", backup)
         for key in ("role", "param", "derived_from"):
             self.__dict__.setdefault(key, None)
+        self.__dict__.setdefault("aligned", ())  # filled from the file's old alignment lists, if any
         self.__dict__.pop("source", None)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):

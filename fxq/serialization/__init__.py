@@ -24,7 +24,7 @@ from fxq.io import atomic_path, check_writable_dir
 from fxq.serialization.allowlist import register_serializable
 from fxq.serialization.codec import TensorTable, check_shape, dtype_name, dtype_of
 from fxq.serialization.graph import decode_graph, decode_meta, encode_graph, encode_meta
-from fxq.serialization.legacy import pop_bias_deps, upgrade_records
+from fxq.serialization.legacy import pop_legacy_fields, upgrade_records
 from fxq.serialization.modules import decode_modules, encode_modules
 from fxq.serialization.packing import pack_baked_parameters, unpack_parameters
 
@@ -206,9 +206,9 @@ def _build(spec: str, tensors: dict[str, torch.Tensor], version: int) -> fx.Grap
     gm.graph = decode_graph(doc["graph"], table, defined)
     gm.graph.lint()
     meta = doc.get("meta", {})
-    bias_deps = pop_bias_deps(meta, table)
+    legacy = pop_legacy_fields(meta, table)
     gm.meta.update(decode_meta(meta, table))
-    upgrade_records(gm, bias_deps)
+    upgrade_records(gm, legacy)
     training = doc.get("training", False)
     if not isinstance(training, bool):
         raise FrontendError(f"'training' is a {type(training).__name__}, not a bool")
