@@ -79,9 +79,9 @@ def test_members_record_their_groups_in_graph_order() -> None:
     assert gm.fxq_quantizers["cat_out"].aligned == (("output", "cat_1_out"),)
     assert gm.fxq_quantizers["cat_1_out"].aligned == ()  # a target records nothing
     assert "align_output" not in vars(gm.meta["fxq"]) and "align_large" not in vars(gm.meta["fxq"])
-    # the inner concat's group first (graph order), although the outer one's member c_out was made first
-    assert QuantGraph(gm).alignment_groups() == [AlignGroup("output", ("a_out", "b_out"), "cat_out"),
-                                                 AlignGroup("output", ("c_out", "cat_out"), "cat_1_out")]
+    # the outer concat's group first: its output's grid then reaches the inner concat's inputs
+    assert QuantGraph(gm).alignment_groups() == [AlignGroup("output", ("c_out", "cat_out"), "cat_1_out"),
+                                                 AlignGroup("output", ("a_out", "b_out"), "cat_out")]
     gm = fxq.prepare(_model(SharedAdd), "trt_int8", _data(1)[0])
     assert gm.fxq_quantizers["a_out"].aligned == (("largest", ("a_out", "b_out")), ("largest", ("a_out", "c_out")))
     groups = [g for g in QuantGraph(gm).alignment_groups() if g.kind == "largest"]
@@ -98,13 +98,16 @@ def test_alignment_applies_the_groups_in_graph_order(cls: type[nn.Module]) -> No
     """The aligned scales are the unaligned calibration's, moved group by group in graph order."""
     raw = {n: fq.scale.clone() for n, fq in _calibrated(cls, align=False).fxq_quantizers.items()}
     got = {n: fq.scale for n, fq in _calibrated(cls, align=True).fxq_quantizers.items()}
-    if cls is NestedConcat:  # inner concat: a, b <- cat_out; then outer: cat_out, c <- cat_1_out
-        expected = {"a_out": raw["cat_out"], "b_out": raw["cat_out"], "cat_out": raw["cat_1_out"],
+    if cls is NestedConcat:  # outer concat: cat_out, c <- cat_1_out; then inner: a, b <- cat_out (now cat_1_out's)
+        expected = {"a_out": raw["cat_1_out"], "b_out": raw["cat_1_out"], "cat_out": raw["cat_1_out"],
                     "c_out": raw["cat_1_out"]}
     else:  # a + b: both take the larger; then a + c: both take the larger of the new a and c
         ab = torch.maximum(raw["a_out"], raw["b_out"])
         expected = {"b_out": ab, "a_out": torch.maximum(ab, raw["c_out"]), "c_out": torch.maximum(ab, raw["c_out"])}
-    assert not torch.equal(expected["a_out"], expected["cat_out" if cls is NestedConcat else "b_out"])  # order shows
+    if cls is NestedConcat:  # the order shows
+        assert not torch.equal(raw["cat_out"], raw["cat_1_out"])
+    else:
+        assert not torch.equal(expected["a_out"], expected["b_out"])
     for name, scale in expected.items():
         assert torch.equal(got[name], scale), name
 
@@ -145,3 +148,15 @@ def test_records_that_contradict_each_other_still_give_every_group_once() -> Non
     ab, ac = ("largest", ("a_out", "b_out")), ("largest", ("a_out", "c_out"))
     gm.fxq_quantizers["b_out"].set_alignment([ac, ab])  # a_out lists ab first
     assert sorted(g.entry for g in QuantGraph(gm).alignment_groups() if g.kind == "largest") == [ab, ac]
+
+
+@pytest.mark.parametrize("cls", [NestedConcat, CatThenAdd])
+def test_aligning_again_changes_nothing(cls: type[nn.Module]) -> None:
+    """The algorithms re-align after each run: a second pass must keep every parameter (nested concats included)."""
+    from fxq.graph.convert import apply_alignment
+
+    gm = _calibrated(cls, align=True)
+    first = {n: (fq.scale.clone(), fq.offset.clone()) for n, fq in gm.fxq_quantizers.items()}
+    apply_alignment(gm)
+    for name, fq in gm.fxq_quantizers.items():
+        assert torch.equal(fq.scale, first[name][0]) and torch.equal(fq.offset, first[name][1]), name

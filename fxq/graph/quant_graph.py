@@ -175,9 +175,10 @@ class QuantGraph:
         """Every alignment group, read from its members' records, in the order to apply them.
 
         Every "largest" group comes before every "output" group. Within a kind, a group comes after the groups its
-        members were recorded in before it (each member lists its groups in graph order) and after the group whose
-        target is one of its members: graph order wherever the order changes a result (groups with no quantizer in
-        common give the same parameters in any order); otherwise first seen first.
+        members were recorded in before it (each member lists its groups in graph order), and an inner concat's group
+        after the outer one whose member its output is: the outer output's parameters then reach the inner inputs
+        too, so a nested concat shares one grid and aligning again changes nothing (PPQ's dominance chain). Groups
+        with no quantizer in common give the same parameters in any order; otherwise first seen first.
         """
         seen: dict[Alignment, list[str]] = {}  # entry -> the names recording it
         for name, fq in self._quantizers.items():
@@ -196,8 +197,8 @@ class QuantGraph:
         for i, g in enumerate(groups):
             if g.kind == "output":
                 for m in g.members:
-                    if target_of.get(m, i) != i:
-                        after[target_of[m]].add(i)
+                    if target_of.get(m, i) != i:  # m: an inner concat's output, member of this outer concat
+                        after[i].add(target_of[m])
         waiting = [0] * len(groups)
         for later in after:
             for j in later:
