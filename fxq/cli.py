@@ -552,6 +552,7 @@ def cmd_platforms(args: argparse.Namespace) -> int:
         print(f"    bias: {d['bias']}; rounding: {d['rounding']}; outputs quantized: {d['outputs_quantized']}; "
               f"exporter: {d['exporter']}")
         print(f"    quantized ops: {', '.join(d['quantized_ops'])}")
+        print(f"    the exporter runs quantized: {d['expressible_ops']}")
     return EXIT_OK
 
 

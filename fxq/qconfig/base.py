@@ -356,7 +356,19 @@ class Platform:
             "rounding": self.rounding.name,
             "quantized_ops": sorted(self.quantized_ops),
             "outputs_quantized": self.quantize_outputs,
+            "expressible_ops": _expressible_ops(self.capability),
         }
+
+
+def _expressible_ops(cap: Capability | None) -> str:
+    """What the exporter can run quantized, in words: ``any`` or the op types, with each per-op rule's first
+    docstring line."""
+    if cap is None or not cap.restricts_ops:
+        return "any"
+    ops = ", ".join(sorted(cap.ops)) if cap.ops is not None else "any"
+    rules = "; ".join(f"{op}: {(rule.__doc__ or rule.__name__).strip().splitlines()[0]}"
+                      for op, rule in sorted(cap.op_rules.items()))
+    return f"{ops} ({rules})" if rules else ops
 
 
 @functools.lru_cache(maxsize=None)

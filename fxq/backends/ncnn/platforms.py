@@ -7,6 +7,13 @@ from fxq.spec import RoundingPolicy, TensorQuantConfig
 NCNN_OPS = frozenset({"Conv", "Gemm"})
 
 
+def _no_int8_3d_conv(weight_shape: tuple[int, ...] | None, attrs: dict[str, Any]) -> str | None:
+    """not 3-D: ncnn's Convolution3D / ConvolutionDepthWise3D have no int8 path."""
+    if weight_shape is not None and len(weight_shape) == 5:
+        return "ncnn has no int8 3-D convolution (Convolution3D runs in FP32)"
+    return None
+
+
 @register_platform("ncnn_int8")
 class NcnnInt8(Platform):
     exporter = "ncnn"
@@ -28,7 +35,7 @@ class NcnnInt8(Platform):
                               formats=frozenset({"int"})),
         quantized_bias=False,
         ops=NCNN_OPS,  # the inputs / weights of Convolution(DepthWise) and InnerProduct, nothing else
-        op_rules={"Conv": lambda shape, attrs: _no_int8_3d_conv(shape)},
+        op_rules={"Conv": _no_int8_3d_conv},
         hint="use platform='academic_int8' / 'academic_int4' for simulation-only schemes",
     )
 
@@ -38,13 +45,6 @@ class NcnnInt8(Platform):
         if op_type == "Conv" and _is_3x3_s1_d1_convolution(weight_shape, op_attrs):
             cfg = cfg.replace(num_bits=6, quant_min=-31, quant_max=31)
         return cfg
-
-
-def _no_int8_3d_conv(weight_shape: tuple[int, ...] | None) -> str | None:
-    """ncnn's Convolution3D / ConvolutionDepthWise3D have no int8 path: a 3-D conv runs in FP32 in the file."""
-    if weight_shape is not None and len(weight_shape) == 5:
-        return "ncnn has no int8 3-D convolution (Convolution3D runs in FP32)"
-    return None
 
 
 def _is_3x3_s1_d1_convolution(shape: tuple[int, ...] | None, attrs: dict[str, Any]) -> bool:
