@@ -144,11 +144,12 @@ def dispatch(
             continue
         t = op_type(node, modules)
         fed = any(i in quantized for i in _data_inputs(node))
-        chosen: Platform | str = platform if rule(t, platform, fed) else "fp32"
+        chosen: Platform | str = platform if rule(t, platform, fed) and platform.quantizes_node(t, node) else "fp32"
         key = match_node_name(node, table) if table else None
         if key is not None:
             chosen = _resolve_override(key, table[key], platform, variants)
-            if isinstance(chosen, Platform) and t not in chosen.quantized_ops and t not in chosen.input_quantized_ops:
+            if isinstance(chosen, Platform) and ((t not in chosen.quantized_ops and t not in chosen.input_quantized_ops)
+                                                 or not chosen.quantizes_node(t, node)):
                 chosen = "fp32"
         result[node] = chosen
         if isinstance(chosen, Platform):

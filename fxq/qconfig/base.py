@@ -296,6 +296,12 @@ class Platform:
             return op_type in self.quantized_ops
         return op_type in self.input_quantized_ops
 
+    def quantizes_node(self, op_type: str, node: Any) -> bool:
+        """Whether this platform quantizes ``node`` (a ``torch.fx.Node`` of a type it lists): a per-node refinement
+        of :attr:`quantized_ops` for a backend whose int8 layer takes only some forms of an op type (ncnn: a MatMul
+        by a constant matrix). True here."""
+        return True
+
     # ------------------------------------------------------------------ overrides
     def with_overrides(self, bit_width: int | None = None, symmetrical: bool | None = None,
                        per_channel: bool | None = None, *, where: str = "", **fields: Any) -> "Platform":

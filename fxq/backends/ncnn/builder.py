@@ -67,12 +67,16 @@ def _sanitize(name: str) -> str:
 
 
 class WeightInfo:
-    """The weight of a Conv / Gemm node: its FP32 value, the quantizer over it, and the quantized value."""
+    """The weight of a Conv / Gemm node: its FP32 value, the quantizer over it, and the quantized value.
 
-    def __init__(self, fp32: torch.Tensor, fq: FakeQuantize | None, qnode: fx.Node | None) -> None:
+    ``out_axis``: the weight's output-channel axis (0 for Conv / Linear, -1 for the ``(K, N)`` matrix of a
+    MatMul), the one its per-channel scales must lie along."""
+
+    def __init__(self, fp32: torch.Tensor, fq: FakeQuantize | None, qnode: fx.Node | None, out_axis: int = 0) -> None:
         self.fp32 = fp32
         self.fq = fq
         self.qnode = qnode
+        self.out_axis = out_axis
 
     @property
     def quantizing(self) -> bool:
@@ -362,7 +366,8 @@ class NcnnBuilder:
         return other != value
 
     # ------------------------------------------------------------------ weights and int8
-    def weight(self, arg: Any, node: fx.Node) -> WeightInfo:
+    def weight(self, arg: Any, node: fx.Node, out_axis: int = 0) -> WeightInfo:
+        """The weight operand ``arg`` of ``node`` (see :class:`WeightInfo` for ``out_axis``)."""
         fq = qnode = None
         if self.is_quantizer(arg):
             qnode, fq = arg, self.quantizer(arg)
@@ -374,7 +379,7 @@ class NcnnBuilder:
         elif fq is not None and fq.config.state in (QuantState.BAKED, QuantState.PASSIVE_BAKED):
             self.warn_once(fq.name, "weights of %s are baked and their FP32 copy is gone: the FP32 ncnn model uses "
                            "the quantized values", node.name)
-        return WeightInfo(value, fq, qnode)
+        return WeightInfo(value, fq, qnode, out_axis)
 
     def warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:
@@ -420,11 +425,17 @@ class NcnnBuilder:
     def _weight_scales(self, node: fx.Node, w: WeightInfo, groups: int) -> np.ndarray:
         fq = w.fq
         assert fq is not None
-        out_ch = int(w.fp32.shape[0])
+        rank = w.fp32.dim()
+        out_ch = int(w.fp32.shape[w.out_axis])
         # the scheme passed ncnn_int8's capability before the build (fxq.backends.capability); its state must too
         if bool((fq.offset.detach() != 0).any()):
             raise self.fail(node, f"its weight quantizer {fq.name!r} is asymmetric",
                             "quantize for the 'ncnn_int8' platform (symmetric per-output-channel weights)")
+        if fq.scale.numel() > 1 and fq.config.channel_axis % rank != w.out_axis % rank:
+            raise self.fail(node, f"its weight quantizer {fq.name!r} has scales along axis "
+                            f"{fq.config.channel_axis} of a weight of shape {tuple(w.fp32.shape)}, whose output "
+                            f"channels are axis {w.out_axis}; ncnn scales weights per output channel",
+                            "quantize for the 'ncnn_int8' platform (per-output-channel weights)")
         self._check_rounding(fq)
         scale = fq.scale.detach().double().cpu().reshape(-1).numpy()
         scale = np.full(out_ch, scale[0]) if scale.size == 1 else scale

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxq.backends.ncnn.builder import NcnnBuilder, fold_dims
-from fxq.backends.ncnn.platforms import is_depthwise, pair
+from fxq.backends.ncnn.builder import NcnnBuilder, WeightInfo, fold_dims
+from fxq.backends.ncnn.platforms import is_depthwise, is_matmul_by_matrix, pair
 from fxq.backends.ncnn.registry import register_ncnn_converter
 from fxq.backends.ncnn.writer import Int8Scales, drop_dim, shape_params
 from fxq.spec import QUANTIZING_STATES
@@ -231,12 +231,6 @@ def _deconv(b: NcnnBuilder, node: fx.Node) -> None:
 
 @register_ncnn_converter("Gemm", any_batch_dim=True)
 def _linear(b: NcnnBuilder, node: fx.Node) -> None:
-    """``InnerProduct``: ncnn multiplies a 1-D blob, or each row of a 2-D blob (``(N, T, F)`` -> rows T).
-
-    A blob of rank 3 or 4 (ConvNeXt's ``Linear`` over the channels of an NHWC ``(N, H, W, C)`` value) would be
-    flattened whole by ``InnerProduct``, so it is reshaped to rows ``(H * W, C)`` first and back to
-    ``(H, W, out)`` after; the layer itself keeps the node's name (its int8 table lines).
-    """
     mod = b.module(node)
     if mod is not None:
         x, w_arg, bias_arg = node.args[0], mod.weight, mod.bias
@@ -244,19 +238,30 @@ def _linear(b: NcnnBuilder, node: fx.Node) -> None:
         x, w_arg, bias_arg = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias", None)
     else:
         raise b.fail(node, "only F.linear / nn.Linear are exported as InnerProduct", "use nn.Linear")
+    bias = b.param(bias_arg, node, "bias") if bias_arg is not None else None
+    _inner_product(b, node, x, b.weight(w_arg, node), bias)
+
+
+def _inner_product(b: NcnnBuilder, node: fx.Node, x: Any, w: WeightInfo, bias: torch.Tensor | None) -> None:
+    """``InnerProduct`` of ``x`` by the weight ``w`` (``(out, in)``, or ``(in, out)`` when ``w.out_axis`` is -1:
+    a MatMul's matrix): ncnn multiplies a 1-D blob, or each row of a 2-D blob (``(N, T, F)`` -> rows T).
+
+    A blob of rank 3 or 4 (ConvNeXt's ``Linear`` over the channels of an NHWC ``(N, H, W, C)`` value) would be
+    flattened whole by ``InnerProduct``, so it is reshaped to rows ``(H * W, C)`` first and back to
+    ``(H, W, out)`` after; the layer itself keeps the node's name (its int8 table lines).
+    """
     shape, bd = b.shape(x), b.batch_dim(x)
     in_blob, out_blob = b.blob_shape(x), b.blob_shape(node)
     if not 1 <= len(in_blob) <= 4 or bd == len(shape) - 1:
         raise b.fail(node, f"its input of shape {shape} (batch dim {bd}) is a rank-{len(in_blob)} blob whose "
                      "last dim is not the features; ncnn's InnerProduct maps the last dim of a blob of rank 1 to 4",
                      "reshape the input to (N, ..., F) with the batch outside the last dim first")
-    w = b.weight(w_arg, node)
-    out_ch = int(w.fp32.shape[0])
-    bias = b.param(bias_arg, node, "bias") if bias_arg is not None else None
+    out_major = (lambda t: t) if w.out_axis == 0 else (lambda t: t.T)  # ncnn's weight is (out, in), row-major
+    out_ch = int(w.fp32.shape[w.out_axis])
     int8 = b.int8_scales(node, x, w)
     params = {0: out_ch, 1: int(bias is not None), 2: int(w.fp32.numel())}
     tail = [("raw", _np(bias))] if bias is not None else []
-    weights = [("tagged", _np(w.fp32))] + tail
+    weights = [("tagged", _np(out_major(w.fp32)))] + tail
     if len(in_blob) <= 2:
         layer = b.emit(node, "InnerProduct", [b.blob(x, node)], params, weights, int8=int8)
     else:  # rows of the last dim, then the blob's own shape back (the outermost dim follows the input's size)
@@ -267,7 +272,7 @@ def _linear(b: NcnnBuilder, node: fx.Node) -> None:
         b.emit(node, "Reshape", [layer.tops[0]], shape_params((-1, *out_blob[1:])),
                name=b.unique_layer_name(f"{name}_unrows"))
     if int8 is not None:
-        layer.int8_weights = [("tagged", _np(w.quantized()))] + tail
+        layer.int8_weights = [("tagged", _np(out_major(w.quantized())))] + tail
 
 
 @register_ncnn_converter("BatchNormalization")
@@ -454,10 +459,36 @@ def _l2_normalize(b: NcnnBuilder, node: fx.Node) -> None:
 
 @register_ncnn_converter("MatMul", any_batch_dim=True)
 def _matmul(b: NcnnBuilder, node: fx.Node) -> None:
-    """``MatMul`` of two blobs laid out alike: ncnn multiplies the two innermost axes, batched over the rest."""
+    """``MatMul`` of two blobs laid out alike: ncnn multiplies the two innermost axes, batched over the rest.
+
+    A product by a constant ``(K, N)`` matrix (ONNX's ``MatMul`` of a Linear layer) is an ``InnerProduct`` (int8
+    when ``ncnn_int8`` quantized it), which takes in the bias of a following ``Add`` of a constant ``(N,)``."""
     lhs, rhs = _arg(node, 0, "input"), _arg(node, 1, "mat2" if "mat2" in node.kwargs else "other")
+    if is_matmul_by_matrix(node):
+        add, bias = _bias_add(b, node)
+        _inner_product(b, node, lhs, b.weight(rhs, node, out_axis=-1), bias)
+        if add is not None:
+            b.alias(add, node, b.batch_dim(node))
+        return
     _check_matmul_operands(b, node, lhs, rhs)
     b.emit(node, "MatMul", [b.blob(lhs, node), b.blob(rhs, node)], {0: 0})
+
+
+def _bias_add(b: NcnnBuilder, node: fx.Node) -> tuple[fx.Node | None, torch.Tensor | None]:
+    """The only user of ``node`` when it adds a constant vector along the last dim (ONNX's ``MatMul`` + ``Add`` of a
+    Linear layer), with that vector; (None, None) otherwise."""
+    if len(node.users) != 1:
+        return None, None
+    (add,) = node.users
+    others = [a for a in add.args if a is not node]
+    if b.op(add) != "Add" or len(add.args) != 2 or len(others) != 1 or not b.is_constant(others[0]) \
+            or b.shape(add) != b.shape(node):
+        return None, None
+    bias = b.param(others[0], add, "bias")
+    n = b.shape(node)[-1]
+    if bias.numel() != n or bias.shape[-1:] != (n,):
+        return None, None
+    return add, bias.reshape(n)
 
 
 def _check_matmul_operands(b: NcnnBuilder, node: fx.Node, lhs: Any, rhs: Any) -> None:
