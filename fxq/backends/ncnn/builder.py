@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import fx, nn
 
+from fxq.backends.ncnn.fuse import fuse_erf_gelu
 from fxq.backends.ncnn.registry import NCNN_CONVERTERS, converts_tuples, takes_any_batch_dim, takes_high_rank
 from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim, shape_params
 from fxq.errors import ExportError
@@ -621,8 +622,25 @@ def _insert_splits(model: NcnnModel) -> None:
 
 def build_ncnn_model(gm: fx.GraphModule) -> tuple[NcnnModel, NcnnBuilder]:
     """Convert a prepared (and calibrated) GraphModule, at batch 1; raises :class:`ExportError` naming the node."""
-    builder = NcnnBuilder(_at_batch_one(gm))
+    view = _at_batch_one(gm)
+    modules = dict(gm.named_modules())
+    if any(op_type(n, modules) == "Erf" for n in view.graph.nodes):  # ONNX's spelled-out GELU: in a copy
+        view = _graph_copy(gm) if view is gm else view
+        fuse_erf_gelu(view)
+    builder = NcnnBuilder(view)
     return builder.build(), builder
+
+
+def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new graph of ``gm``'s nodes (their meta copied shallowly) over the same modules and weights: the
+    exporter's own view, which it may rewrite; ``gm`` itself is not touched."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    view = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    for name, child in gm.named_children():  # the quantizer holder and modules as they are, not rebuilt paths
+        setattr(view, name, child)
+    view.meta = gm.meta
+    return view
 
 
 def _at_batch_one(gm: fx.GraphModule) -> fx.GraphModule:
@@ -636,12 +654,7 @@ def _at_batch_one(gm: fx.GraphModule) -> fx.GraphModule:
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     if not vals or not all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] > 1 for v in vals):
         return gm
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))  # node meta copied shallowly: the new nodes get new values
-    view = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    for name, child in gm.named_children():  # the quantizer holder and modules as they are, not rebuilt paths
-        setattr(view, name, child)
-    view.meta = gm.meta
+    view = _graph_copy(gm)  # node meta copied shallowly: the new nodes get new values
     try:
         propagate_tensor_meta(view, [torch.zeros((1, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in vals])
     except Exception as exc:  # noqa: BLE001  (any failure: the model's own shapes)

@@ -699,11 +699,11 @@ def _mean(b: NcnnBuilder, node: fx.Node) -> None:
 
 
 # --------------------------------------------------------------------------- tensor ops
-_BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3}
-_REVERSED = {0: 0, 1: 7, 2: 2, 3: 8}  # scalar (op) tensor -> ncnn op with the tensor first
+_BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "Pow": 6}  # Pow: ONNX's (LayerNorm spelled out before opset 17)
+_REVERSED = {0: 0, 1: 7, 2: 2, 3: 8, 6: 9}  # scalar (op) tensor -> ncnn op with the tensor first
 
 
-@register_ncnn_converter("Add", "Sub", "Mul", "Div", any_batch_dim=True)
+@register_ncnn_converter("Add", "Sub", "Mul", "Div", "Pow", any_batch_dim=True)
 def _binary(b: NcnnBuilder, node: fx.Node) -> None:
     """``BinaryOp``: with a scalar (1 with_scalar, 2 b; ``3 - x`` / ``6 / x`` as RSUB / RDIV), which a stored
     one-element tensor (ONNX initializers) and shape arithmetic (``head_dim ** -0.5``) count as; else of two
@@ -715,6 +715,8 @@ def _binary(b: NcnnBuilder, node: fx.Node) -> None:
     if isinstance(lhs, fx.Node) and isinstance(rhs, fx.Node):
         b.emit(node, "BinaryOp", _broadcast_operands(b, node, lhs, rhs), {0: op},
                batch_dim=b.batch_dim(_full_operand(b, node, lhs, rhs)))
+    elif isinstance(lhs, fx.Node) and isinstance(rhs, (int, float)) and op == _BINARY["Pow"] and rhs == 2:
+        b.emit(node, "UnaryOp", [_operand(b, node, lhs)], {0: 4})  # square: ncnn's pow is NaN below 0
     elif isinstance(lhs, fx.Node) and isinstance(rhs, (int, float)):
         b.emit(node, "BinaryOp", [_operand(b, node, lhs)], {0: op, 1: 1, 2: float(rhs)})
     elif isinstance(rhs, fx.Node) and isinstance(lhs, (int, float)):

@@ -5,7 +5,6 @@ from typing import Any
 from torch import fx
 
 from fxq.graph.info import computed_from_parameters
-
 from fxq.qconfig.base import Capability, Platform, RoleCapability, _int_config, register_platform
 from fxq.spec import RoundingPolicy, TensorQuantConfig
 
