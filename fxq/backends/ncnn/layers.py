@@ -21,6 +21,7 @@ from fxq.backends.ncnn.builder import NcnnBuilder, WeightInfo, fold_dims
 from fxq.backends.ncnn.platforms import is_depthwise, is_matmul_by_matrix, pair
 from fxq.backends.ncnn.registry import register_ncnn_converter
 from fxq.backends.ncnn.writer import Int8Scales, drop_dim, shape_params
+from fxq.graph.nodes import get_attr_value
 from fxq.spec import QUANTIZING_STATES
 
 __all__: list[str] = []
@@ -902,6 +903,33 @@ def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
         raise b.fail(node, f"it takes item {index!r} of {getattr(src, 'name', src)!r}, a {type(val).__name__} the "
                      "ncnn writer cannot split", "index tensors, or take the pieces of split / chunk")
     ranges, dropped, new_axes = _index_ranges(b, node, b.shape(x), index, b.batch_dim(x))
+    _crop(b, node, x, ranges, dropped, new_axes)
+
+
+@register_ncnn_converter("Gather", any_batch_dim=True)
+def _gather(b: NcnnBuilder, node: fx.Node) -> None:
+    """ONNX ``Gather`` (onnx2torch's ``OnnxGather``, ``numpy.take`` along ``axis``) of a computed tensor by
+    stored indices: one index (ViT's class token ``x[:, 0]``, attention's ``q, k, v = qkv[0], qkv[1], qkv[2]``)
+    or a run of consecutive ones, as :func:`_getitem`'s ``Crop``. Other indices pick rows ncnn has no layer for."""
+    mod = b.module(node)
+    if mod is None or not hasattr(mod, "_axis") or len(node.args) != 2:
+        raise b.fail(node, "only ONNX Gather (numpy.take) of stored indices is exported (no embedding lookups)",
+                     "index with ints or slices, or keep the lookup outside the exported model")
+    x, idx_arg = node.args
+    src = b.strip(idx_arg) if isinstance(idx_arg, fx.Node) else idx_arg
+    if not isinstance(src, fx.Node) or (src.op != "get_attr" and src not in b.static_nodes):
+        raise b.fail(node, "its indices are computed in the graph", "gather with stored (constant) indices")
+    idx = torch.as_tensor(get_attr_value(b.gm, str(src.target)) if src.op == "get_attr" else b.static_value(src))
+    axis, shape = int(mod._axis) % len(b.shape(x)), b.shape(x)
+    flat = [int(i) % shape[axis] for i in idx.reshape(-1).tolist()]
+    if idx.dim() == 0:
+        item: Any = flat[0]
+    elif idx.dim() == 1 and flat and flat == list(range(flat[0], flat[0] + len(flat))):
+        item = slice(flat[0], flat[0] + len(flat))
+    else:
+        raise b.fail(node, f"its indices {idx.tolist()} along dim {axis} are not one index or a run of consecutive "
+                     "ones", "take consecutive elements (a slice), or reorder the weights before exporting")
+    ranges, dropped, new_axes = _index_ranges(b, node, shape, (slice(None),) * axis + (item,), b.batch_dim(x))
     _crop(b, node, x, ranges, dropped, new_axes)
 
 
