@@ -884,7 +884,7 @@ def _reshape_params(b: NcnnBuilder, node: fx.Node, x: fx.Node, blob_shape: tuple
     return shape_params(tuple(codes))
 
 
-@register_ncnn_converter("Slice", any_batch_dim=True)
+@register_ncnn_converter("Slice", any_batch_dim=True, high_rank=True)
 def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
     """``x[...]`` with ints, unit-step slices and ``...``, and the pieces of ``split`` / ``chunk``: a ``Crop``
     (9 starts, 10 ends, 11 axes) of the blob, then a ``Reshape`` when an int index drops a non-batch dim."""
@@ -902,11 +902,11 @@ def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
     else:
         raise b.fail(node, f"it takes item {index!r} of {getattr(src, 'name', src)!r}, a {type(val).__name__} the "
                      "ncnn writer cannot split", "index tensors, or take the pieces of split / chunk")
-    ranges, dropped, new_axes = _index_ranges(b, node, b.shape(x), index, b.batch_dim(x))
-    _crop(b, node, x, ranges, dropped, new_axes)
+    ranges, dropped, new_axes, steps = _index_ranges(b, node, b.shape(x), index, b.batch_dim(x))
+    _crop(b, node, x, ranges, dropped, new_axes, steps)
 
 
-@register_ncnn_converter("Gather", any_batch_dim=True)
+@register_ncnn_converter("Gather", any_batch_dim=True, high_rank=True)
 def _gather(b: NcnnBuilder, node: fx.Node) -> None:
     """ONNX ``Gather`` (onnx2torch's ``OnnxGather``, ``numpy.take`` along ``axis``) of a computed tensor by
     stored indices: one index (ViT's class token ``x[:, 0]``, attention's ``q, k, v = qkv[0], qkv[1], qkv[2]``)
@@ -929,7 +929,7 @@ def _gather(b: NcnnBuilder, node: fx.Node) -> None:
     else:
         raise b.fail(node, f"its indices {idx.tolist()} along dim {axis} are not one index or a run of consecutive "
                      "ones", "take consecutive elements (a slice), or reorder the weights before exporting")
-    ranges, dropped, new_axes = _index_ranges(b, node, shape, (slice(None),) * axis + (item,), b.batch_dim(x))
+    ranges, dropped, new_axes, _ = _index_ranges(b, node, shape, (slice(None),) * axis + (item,), b.batch_dim(x))
     _crop(b, node, x, ranges, dropped, new_axes)
 
 
@@ -950,11 +950,11 @@ def _onnx_slice_index(b: NcnnBuilder, node: fx.Node) -> tuple[slice, ...]:
 
 
 def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: Any, batch_dim: int | None = None
-                  ) -> tuple[list[tuple[int, int]], set[int], list[int]]:
-    """``[start, end)`` per dim of ``shape`` taken by ``index``, the dims an int index drops, and per dim the
-    number of new axes (``None``) the index puts before it.
+                  ) -> tuple[list[tuple[int, int]], set[int], list[int], dict[int, int]]:
+    """``[start, end)`` per dim of ``shape`` taken by ``index``, the dims an int index drops, per dim the
+    number of new axes (``None``) the index puts before it, and the steps of the dims sliced with a step > 1.
 
-    ncnn's ``Crop`` takes non-empty unit-step ranges. A slice of the batch dim that is empty here (the exporter
+    ncnn's ``Crop`` takes non-empty unit-step ranges (:func:`_crop` takes strided ones apart). A slice of the batch dim that is empty here (the exporter
     takes shapes at batch 1: ``x[1:3]`` of a batch of 4) means the model picks samples, which ncnn cannot do.
     """
     items = list(index) if isinstance(index, tuple) else [index]
@@ -970,14 +970,18 @@ def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: 
         at = items.index(None)
         new_axes.append(at)
         del items[at]
-    ranges, dropped = [], set()
+    ranges, dropped, steps = [], set(), {}
     for d, (item, size) in enumerate(zip(items, shape)):
         if isinstance(item, slice):
             start, stop, step = (_const(b, node, v, "slice bound") for v in (item.start, item.stop, item.step))
             lo, hi, step = slice(start, stop, step).indices(size)
-            if step != 1:
+            if step < 1 or (step > 1 and (size % step or d == batch_dim)):
                 raise b.fail(node, f"slice {item!r} of dim {d} (size {size}) has step {step}; ncnn's Crop takes "
-                             "unit-step ranges", "slice with step 1 (or subsample with a strided conv / pooling)")
+                             "unit-step ranges, and a positive step that divides the size of a non-batch dim as a "
+                             "Reshape that splits the dim", "slice with step 1 (or subsample with a strided conv / "
+                             "pooling)")
+            if step > 1:
+                steps[d] = step
             if hi <= lo and d == batch_dim:
                 raise b.fail(node, f"slice {item!r} of dim {d}, the batch dimension, selects samples: ncnn runs one "
                              f"sample (its blobs have no batch dim; exported at batch 1, dim {d} has size {size} "
@@ -994,34 +998,85 @@ def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: 
         else:
             raise b.fail(node, f"index {item!r} of dim {d} is not an int, a slice or ...",
                          "index with ints, unit-step slices, None and ... (no tensors or lists)")
-    return ranges, dropped, [sum(a <= d for a in new_axes) for d in range(len(shape))]
+    return ranges, dropped, [sum(a <= d for a in new_axes) for d in range(len(shape))], steps
 
 
 def _crop(b: NcnnBuilder, node: fx.Node, x: fx.Node, ranges: list[tuple[int, int]], dropped: set[int],
-          new_axes: list[int] | None = None) -> None:
-    """Take ``ranges`` of ``x`` (``Crop`` of the blob axes cut short), drop the ``dropped`` dims and add the new
-    axes (``new_axes[d]`` of them before dim ``d``)."""
+          new_axes: list[int] | None = None, steps: dict[int, int] | None = None) -> None:
+    """Take ``ranges`` of ``x`` (``Crop`` of the blob axes cut short; every ``steps[d]``-th element of dim ``d``),
+    drop the ``dropped`` dims and add the new axes (``new_axes[d]`` of them before dim ``d``)."""
     shape, bd = b.shape(x), b.batch_dim(x)
+    blob = b.blob(x, node)
+    if steps:
+        blob, shape, ranges = _strided(b, node, x, blob, ranges, steps)
     cut = {d: r for d, r in enumerate(ranges) if r != (0, shape[d])}
     if bd is not None and bd in cut:
         raise b.fail(node, f"it slices the batch dimension (dim {bd} of shape {shape})",
                      "slice the other dims; ncnn blobs have no batch dimension")
     added = new_axes or [0] * len(shape)
     out_bd = None if bd is None or bd in dropped else bd - sum(d < bd for d in dropped) + added[bd]
-    target = drop_dim(b.shape(node), out_bd)
-    cropped = drop_dim(tuple(hi - lo for lo, hi in ranges), bd)
-    blob = b.blob(x, node)
+    target = fold_dims(drop_dim(b.shape(node), out_bd))
+    cropped = fold_dims(drop_dim(tuple(hi - lo for lo, hi in ranges), bd))
     if cut:
-        params = {9: [lo for lo, _ in cut.values()], 10: [hi for _, hi in cut.values()],
-                  11: [b.ncnn_axis(node, d, x) for d in cut]}
+        crops = (_folded_crops(b, node, x, cut) if b.high_rank(x)
+                 else [(lo, hi, b.ncnn_axis(node, d, x)) for d, (lo, hi) in cut.items()])
+        params = {9: [c[0] for c in crops], 10: [c[1] for c in crops], 11: [c[2] for c in crops]}
         blob = b.emit(node, "Crop", [blob], params, batch_dim=out_bd).tops[0]
     if cropped != target:
         if not 1 <= len(target) <= 4:
             raise b.fail(node, f"the result of shape {b.shape(node)} is a rank-{len(target)} blob",
                          "ncnn blobs have rank 1 to 4 without the batch dimension")
         b.emit(node, "Reshape", [blob], shape_params(target), batch_dim=out_bd)
-    elif not cut:
+    elif not cut and not steps:
         b.alias(node, x, out_bd)
+    elif not cut:
+        b.emit(node, "Reshape", [blob], shape_params(target), batch_dim=out_bd)  # the strided blob as the node's
+
+
+def _strided(b: NcnnBuilder, node: fx.Node, x: fx.Node, blob: str, ranges: list[tuple[int, int]],
+             steps: dict[int, int]) -> tuple[str, tuple[int, ...], list[tuple[int, int]]]:
+    """Every ``steps[d]``-th element of ``ranges[d]`` (Swin's patch merging ``x[:, 0::2, 1::2, :]``): the blob
+    reshaped to ``(before, size / step, step, after)`` around dim ``d``, a ``Crop`` of one position of the step
+    axis and of the rows, and the blob shape back with dim ``d`` shortened; returns the new blob, its torch shape
+    and the ranges left for the unit-step ``Crop`` (the strided dims whole)."""
+    if b.high_rank(x):
+        raise b.fail(node, f"it slices a tensor of shape {b.shape(x)} with a step; such a value has more than 4 "
+                     "dims besides the batch (its outer dims merged in ncnn)", "slice with a step before the "
+                     "reshape that adds the dims")
+    shape, bd = list(b.shape(x)), b.batch_dim(x)
+    ranges = list(ranges)
+    for d, step in steps.items():
+        lo, hi = ranges[d]
+        count = len(range(lo, hi, step))
+        dims = drop_dim(tuple(shape), bd)
+        k = d if bd is None or d < bd else d - 1
+        split = (math.prod(dims[:k]), shape[d] // step, step, math.prod(dims[k + 1:]))
+        blob = b.helper(node, "Reshape", [blob], shape_params(split))
+        blob = b.helper(node, "Crop", [blob], {9: [lo // step, lo % step], 10: [lo // step + count, lo % step + 1],
+                                               11: [1, 2]})
+        shape[d], ranges[d] = count, (0, count)
+        blob = b.helper(node, "Reshape", [blob], shape_params(drop_dim(tuple(shape), bd)))
+    return blob, tuple(shape), ranges
+
+
+def _folded_crops(b: NcnnBuilder, node: fx.Node, x: fx.Node, cut: dict[int, tuple[int, int]]
+                  ) -> list[tuple[int, int, int]]:
+    """(start, end, blob axis) of each cut of a value of more than 4 blob dims, stored with its outer dims merged
+    (:meth:`NcnnBuilder.stored_shape`): a cut of its outermost dim is a range of the merged axis (Swin's packed
+    ``qkv[0]`` of ``(3, windows, heads, tokens, dim)``), a cut of its last three dims one of their axes."""
+    shape, bd = b.shape(x), b.batch_dim(x)
+    dims = [d for d in range(len(shape)) if d != bd]  # torch dims in blob order
+    merged = len(dims) - 3  # blob dims folded into the stored blob's axis 0
+    inner = math.prod(shape[d] for d in dims[1:merged])
+    crops = []
+    for d, (lo, hi) in cut.items():
+        k = dims.index(d)
+        if 0 < k < merged:
+            raise b.fail(node, f"it slices dim {d} of a tensor of shape {shape}, which has more than 4 dims besides "
+                         "the batch; ncnn blobs have at most 4 (the outer dims are merged), so only the outermost "
+                         "and the last three dims can be sliced", "slice before the reshape that adds the dims")
+        crops.append((lo * inner, hi * inner, 0) if k == 0 else (lo, hi, k - merged + 1))
+    return crops
 
 
 _PAD_TYPES = {"constant": 0, "replicate": 1, "reflect": 2}
@@ -1031,8 +1086,10 @@ _PAD_TYPES = {"constant": 0, "replicate": 1, "reflect": 2}
 def _pad(b: NcnnBuilder, node: fx.Node) -> None:
     """``Padding``: 0 top, 1 bottom, 2 left, 3 right, 4 type (0 constant, 1 replicate, 2 reflect), 5 value,
     7 front, 8 behind (the channels of a (C, H, W) blob)."""
-    x, mode, value = node.args[0], _arg(node, 2, "mode", "constant"), _arg(node, 3, "value", None)
-    pads = [int(p) for p in _const(b, node, _arg(node, 1, "pad"), "pad")]
+    x, pads, mode, value = _pad_args(b, node)
+    if not any(pads):  # Swin's window padding at a size the window divides: nothing to pad
+        b.alias(node, x, b.batch_dim(x))
+        return
     rank = len(b.shape(x))
     if mode not in _PAD_TYPES or len(pads) % 2 or len(pads) // 2 >= min(rank, 4) or min(pads, default=0) < 0:
         raise b.fail(node, f"{mode!r} padding {pads} of a rank-{rank} tensor", "ncnn's Padding pads the "
@@ -1043,6 +1100,25 @@ def _pad(b: NcnnBuilder, node: fx.Node) -> None:
     if front or behind:
         params.update({7: front, 8: behind})
     b.emit(node, "Padding", [b.blob(x, node)], params)
+
+
+def _pad_args(b: NcnnBuilder, node: fx.Node) -> tuple[fx.Node, list[int], str, Any]:
+    """(input, ``F.pad``'s pads, torch mode, fill value) of ``F.pad``, fxq's ``OnnxPad`` (pads stored in torch
+    order) or onnx2torch's ``OnnxPadDynamic`` (ONNX pads as an input, computed from shapes in Swin's windows)."""
+    mod = b.module(node)
+    if mod is None:
+        x, mode, value = node.args[0], _arg(node, 2, "mode", "constant"), _arg(node, 3, "value", None)
+        return x, [int(p) for p in _const(b, node, _arg(node, 1, "pad"), "pad")], mode, value
+    if hasattr(mod, "pads"):
+        return node.args[0], [int(p) for p in mod.pads], mod.mode, mod.value
+    from fxq.frontends.onnx.converters.pad import torch_pads  # noqa: PLC0415  (only ONNX graphs hold this module)
+
+    if not 2 <= len(node.args) <= 3 or not hasattr(mod, "mode"):
+        raise b.fail(node, "an ONNX Pad with axes or without its pads", "pad with constant pads over all axes")
+    onnx_pads = [int(p) for p in b.param(node.args[1], node, "pads").reshape(-1).tolist()]
+    fill = node.args[2] if len(node.args) == 3 else None
+    value = float(b.param(fill, node, "fill value").reshape(-1)[0]) if fill is not None else 0.0
+    return node.args[0], torch_pads(onnx_pads, None, None), mod.mode, value
 
 
 @register_ncnn_converter("Transpose", any_batch_dim=True, high_rank=True)
