@@ -145,6 +145,41 @@ def test_torchvision_vit_from_onnx(tmp_path: Path, how: str) -> None:
     assert len(_layers(param, "InnerProduct")) == 2 * 4 + 1 and not _layers(param, "Gather")
 
 
+class PatchMerging(nn.Module):
+    """Swin's patch merging: every other row and column of an NHWC value (strided slices), concatenated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [x[..., 0::2, 0::2, :], x[..., 1::2, 0::2, :], x[..., 0::2, 1::2, :], x[:, 1:7:2, 1::2, :]]
+        return self.fc(torch.cat([p[:, :3] for p in parts], -1))
+
+
+@pytest.mark.parametrize("how", ["13", "dynamo"])
+def test_strided_slices_from_onnx(tmp_path: Path, how: str) -> None:
+    param, _ = check_onnx(PatchMerging(), (1, 8, 6, 4), tmp_path, how)
+    assert len(_layers(param, "Crop")) >= 8
+
+
+def small_swin() -> nn.Module:
+    """torchvision's Swin with two stages (window attention with a shift, padding, patch merging) at 32 x 32."""
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    torch.manual_seed(0)
+    return SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[1, 2], window_size=[3, 3],
+                           num_classes=10).eval()
+
+
+@pytest.mark.parametrize("how", ["17"])
+def test_torchvision_swin_from_onnx(tmp_path: Path, how: str) -> None:
+    """Windows of 3 over 8 x 8 tokens: ONNX Pad with pads computed from shapes, q / k / v taken from the
+    outermost dim of a 5-dim value, and patch merging's strided slices."""
+    param, _ = check_onnx(small_swin(), (1, 3, 32, 32), tmp_path, how)
+    assert len(_layers(param, "InnerProduct")) == 4 * 4 + 1 + 1 and _layers(param, "Padding")
+
+
 class LoneErf(nn.Module):
     def __init__(self) -> None:
         super().__init__()
