@@ -204,3 +204,20 @@ def test_refused_onnx_forms_name_the_node(tmp_path: Path, model: nn.Module, shap
     with pytest.raises(ExportError, match=message):
         export(q, "ncnn", tmp_path / "out" / "m.param")
     assert not (tmp_path / "out" / "m.param").exists()
+
+
+class Powers(nn.Module):
+    """ONNX Pow by stored exponents of a tensor with negative values (ncnn's own pow is wrong below 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.cat([h ** 2, h ** 3, h ** 1, (h * h + 1.0) ** 0.5, (h * h + 1.0) ** -1.0], -1)
+
+
+def test_pow_of_negative_values_from_onnx(tmp_path: Path) -> None:
+    param, _ = check_onnx(Powers(), (1, 4, 8), tmp_path, "13")
+    assert " 0=6 " not in "".join(line for line in param.splitlines() if line.startswith("BinaryOp"))

@@ -716,8 +716,8 @@ def _binary(b: NcnnBuilder, node: fx.Node) -> None:
     if isinstance(lhs, fx.Node) and isinstance(rhs, fx.Node):
         b.emit(node, "BinaryOp", _broadcast_operands(b, node, lhs, rhs), {0: op},
                batch_dim=b.batch_dim(_full_operand(b, node, lhs, rhs)))
-    elif isinstance(lhs, fx.Node) and isinstance(rhs, (int, float)) and op == _BINARY["Pow"] and rhs == 2:
-        b.emit(node, "UnaryOp", [_operand(b, node, lhs)], {0: 4})  # square: ncnn's pow is NaN below 0
+    elif isinstance(lhs, fx.Node) and isinstance(rhs, (int, float)) and op == _BINARY["Pow"]:
+        _power(b, node, lhs, float(rhs))
     elif isinstance(lhs, fx.Node) and isinstance(rhs, (int, float)):
         b.emit(node, "BinaryOp", [_operand(b, node, lhs)], {0: op, 1: 1, 2: float(rhs)})
     elif isinstance(rhs, fx.Node) and isinstance(lhs, (int, float)):
@@ -725,6 +725,28 @@ def _binary(b: NcnnBuilder, node: fx.Node) -> None:
     else:
         raise b.fail(node, f"operands {type(lhs).__name__} and {type(rhs).__name__} are not tensors / numbers",
                      "use tensor-tensor or tensor-scalar arithmetic")
+
+
+def _power(b: NcnnBuilder, node: fx.Node, x: fx.Node, exponent: float) -> None:
+    """``x ** exponent``: ncnn's ``BinaryOp`` pow gives garbage for a negative base (even for ``x ** 2``, the
+    variance of a spelled-out LayerNorm), so the exponents that have a ``UnaryOp`` use it (2 square, 3 as
+    ``x * x ** 2``, 0.5 sqrt, -1 reciprocal) and only the others are ``BinaryOp`` pow, right for positive x."""
+    blob = _operand(b, node, x)
+    if exponent == 1:
+        b.alias(node, x, b.batch_dim(x))
+    elif exponent == 2:
+        b.emit(node, "UnaryOp", [blob], {0: 4})
+    elif exponent == 3:
+        b.emit(node, "BinaryOp", [blob, b.helper(node, "UnaryOp", [blob], {0: 4})], {0: _BINARY["Mul"]})
+    elif exponent in _POWER_UNARY:
+        b.emit(node, "UnaryOp", [blob], {0: _POWER_UNARY[exponent]})
+    else:
+        b.warn_once(f"pow:{node.name}", "ncnn export: node %s raises to the power %g with ncnn's pow, which is "
+                    "right only for positive bases", node.name, exponent)
+        b.emit(node, "BinaryOp", [blob], {0: _BINARY["Pow"], 1: 1, 2: exponent})
+
+
+_POWER_UNARY = {0.5: 5, -1.0: 15}  # sqrt, reciprocal
 
 
 def _scalar_operand(b: NcnnBuilder, node: fx.Node, value: Any) -> Any:
