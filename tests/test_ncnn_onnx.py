@@ -172,7 +172,7 @@ def small_swin() -> nn.Module:
                            num_classes=10).eval()
 
 
-@pytest.mark.parametrize("how", ["17"])
+@pytest.mark.parametrize("how", ["17", "dynamo"])  # dynamo: ReduceMean-18 with its axes as an input
 def test_torchvision_swin_from_onnx(tmp_path: Path, how: str) -> None:
     """Windows of 3 over 8 x 8 tokens: ONNX Pad with pads computed from shapes, q / k / v taken from the
     outermost dim of a 5-dim value, and patch merging's strided slices."""

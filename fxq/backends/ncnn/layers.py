@@ -670,7 +670,13 @@ def _mean(b: NcnnBuilder, node: fx.Node) -> None:
     x = node.args[0]
     shape, bd = b.shape(x), b.batch_dim(x)
     mod = b.module(node)
-    if mod is not None:  # onnx2torch's OnnxReduceStaticAxes(axes, keepdims)
+    if mod is not None and getattr(mod, "op_type", None) == "ReduceMean" and hasattr(mod, "dims"):
+        # fxq's OnnxReduce(op_type, dims, keepdim, noop): ReduceMean-18 with its axes as a stored input
+        if mod.noop:
+            b.alias(node, x, bd)
+            return
+        dims, keep = mod.dims, bool(mod.keepdim)
+    elif mod is not None:  # onnx2torch's OnnxReduceStaticAxes(axes, keepdims)
         if getattr(mod, "operation_type", "ReduceMean") != "ReduceMean" or not hasattr(mod, "axes"):
             raise b.fail(node, f"reduce module {type(mod).__name__} is not a ReduceMean with static axes",
                          "use ReduceMean with constant axes")
@@ -932,7 +938,8 @@ def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
 def _gather(b: NcnnBuilder, node: fx.Node) -> None:
     """ONNX ``Gather`` (onnx2torch's ``OnnxGather``, ``numpy.take`` along ``axis``) of a computed tensor by
     stored indices: one index (ViT's class token ``x[:, 0]``, attention's ``q, k, v = qkv[0], qkv[1], qkv[2]``)
-    or a run of consecutive ones, as :func:`_getitem`'s ``Crop``. Other indices pick rows ncnn has no layer for."""
+    or a run of consecutive ones in indices of any shape (dynamo's ``as_strided`` of a flattened value), as
+    :func:`_getitem`'s ``Crop``. Other indices pick rows ncnn has no layer for."""
     mod = b.module(node)
     if mod is None or not hasattr(mod, "_axis") or len(node.args) != 2:
         raise b.fail(node, "only ONNX Gather (numpy.take) of stored indices is exported (no embedding lookups)",
@@ -946,7 +953,7 @@ def _gather(b: NcnnBuilder, node: fx.Node) -> None:
     flat = [int(i) % shape[axis] for i in idx.reshape(-1).tolist()]
     if idx.dim() == 0:
         item: Any = flat[0]
-    elif idx.dim() == 1 and flat and flat == list(range(flat[0], flat[0] + len(flat))):
+    elif flat and flat == list(range(flat[0], flat[0] + len(flat))):  # indices of more dims: a Reshape after
         item = slice(flat[0], flat[0] + len(flat))
     else:
         raise b.fail(node, f"its indices {idx.tolist()} along dim {axis} are not one index or a run of consecutive "
