@@ -122,15 +122,16 @@ def _layers(param: str, kind: str) -> list[str]:
 @pytest.mark.parametrize("how", ["13", "17", "dynamo"])
 @pytest.mark.parametrize("build,shape,n_fc", [(Mlp, (1, 8, 16), 2), (Block, (1, 10, 32), 4)], ids=["mlp", "block"])
 def test_matmul_gelu_layernorm_from_onnx(tmp_path: Path, build, shape, n_fc, how) -> None:
-    """Every Linear is an int8 InnerProduct with its bias folded in (no Add left); GELU is one layer."""
+    """Every Linear is an int8 InnerProduct with its bias folded in (no Add left); GELU and LayerNorm are one
+    layer each."""
     param, _ = check_onnx(build(), shape, tmp_path, how)
     table = (tmp_path / "out" / "m.table").read_text()
     fcs = _layers(param, "InnerProduct")
     assert len(fcs) == n_fc and all(re.search(rf"^{re.escape(fc)}_param_0 ", table, re.M) for fc in fcs), fcs
     assert len(_layers(param, "GELU")) == 1 and not _layers(param, "Erf")
     assert all(" 1=1 " in line for line in param.splitlines() if line.startswith("InnerProduct"))  # with bias
-    if how != "13" or build is Mlp:  # opset 13 spells LayerNorm out: its gamma / beta are stored operands
-        assert not _layers(param, "MemoryData")  # no bias left as a separate Add of a stored tensor
+    assert not _layers(param, "MemoryData")  # no bias left as a separate Add of a stored tensor
+    assert len(_layers(param, "LayerNorm")) == (2 if build is Block else 0)  # opset 13 spells it out: fused
 
 
 def test_hand_written_erf_gelu_orders(tmp_path: Path) -> None:
@@ -143,6 +144,7 @@ def test_torchvision_vit_from_onnx(tmp_path: Path, how: str) -> None:
     """q / k / v taken with Gather from the packed projection, the class token with Gather of one index."""
     param, _ = check_onnx(small_vit(), (1, 3, 32, 32), tmp_path, how)
     assert len(_layers(param, "InnerProduct")) == 2 * 4 + 1 and not _layers(param, "Gather")
+    assert len(_layers(param, "LayerNorm")) == 2 * 2 + 1 and len(_layers(param, "GELU")) == 2  # spelled out at 14
 
 
 class PatchMerging(nn.Module):

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import fx, nn
 
-from fxq.backends.ncnn.fuse import fuse_erf_gelu
+from fxq.backends.ncnn.fuse import FUSED_OPS, fuse_erf_gelu, fuse_layer_norm
 from fxq.backends.ncnn.registry import NCNN_CONVERTERS, converts_tuples, takes_any_batch_dim, takes_high_rank
 from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim, shape_params
 from fxq.errors import ExportError
@@ -624,9 +624,10 @@ def build_ncnn_model(gm: fx.GraphModule) -> tuple[NcnnModel, NcnnBuilder]:
     """Convert a prepared (and calibrated) GraphModule, at batch 1; raises :class:`ExportError` naming the node."""
     view = _at_batch_one(gm)
     modules = dict(gm.named_modules())
-    if any(op_type(n, modules) == "Erf" for n in view.graph.nodes):  # ONNX's spelled-out GELU: in a copy
+    if any(op_type(n, modules) in FUSED_OPS for n in view.graph.nodes):  # ONNX's spelled-out ops: in a copy
         view = _graph_copy(gm) if view is gm else view
         fuse_erf_gelu(view)
+        fuse_layer_norm(view)
     builder = NcnnBuilder(view)
     return builder.build(), builder
 

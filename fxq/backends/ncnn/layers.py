@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fxq.backends.ncnn.builder import NcnnBuilder, WeightInfo, fold_dims
+from fxq.backends.ncnn.fuse import mean_args
 from fxq.backends.ncnn.platforms import is_depthwise, is_matmul_by_matrix, pair
 from fxq.backends.ncnn.registry import register_ncnn_converter
 from fxq.backends.ncnn.writer import Int8Scales, drop_dim, shape_params
@@ -669,20 +670,14 @@ def _mean(b: NcnnBuilder, node: fx.Node) -> None:
     non-batch dim (``x.mean()``, ``x.mean((1, 2, 3))``; the batch of 1 too) is ``reduce_all``: one value."""
     x = node.args[0]
     shape, bd = b.shape(x), b.batch_dim(x)
-    mod = b.module(node)
-    if mod is not None and getattr(mod, "op_type", None) == "ReduceMean" and hasattr(mod, "dims"):
-        # fxq's OnnxReduce(op_type, dims, keepdim, noop): ReduceMean-18 with its axes as a stored input
-        if mod.noop:
-            b.alias(node, x, bd)
-            return
-        dims, keep = mod.dims, bool(mod.keepdim)
-    elif mod is not None:  # onnx2torch's OnnxReduceStaticAxes(axes, keepdims)
-        if getattr(mod, "operation_type", "ReduceMean") != "ReduceMean" or not hasattr(mod, "axes"):
-            raise b.fail(node, f"reduce module {type(mod).__name__} is not a ReduceMean with static axes",
-                         "use ReduceMean with constant axes")
-        dims, keep = mod.axes, bool(mod.keepdims)
-    else:
-        dims, keep = _arg(node, 1, "dim", None), bool(_arg(node, 2, "keepdim", False))
+    args = mean_args(node, b.modules)
+    if args is None and getattr(b.module(node), "noop", False):  # ReduceMean-18 of empty axes, noop_with_empty_axes
+        b.alias(node, x, bd)
+        return
+    if args is None:
+        raise b.fail(node, f"reduce module {type(b.module(node)).__name__} is not a ReduceMean with static axes",
+                     "use ReduceMean with constant axes")
+    dims, keep = args
     rank = len(shape)
     dims = sorted({d % rank for d in ((dims,) if isinstance(dims, int) else tuple(dims or range(rank)))})
     if len(shape) == 4 and bd == 0 and dims == [2, 3]:
