@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from _export_helpers import run_ort
-from test_ncnn_gaps import run_ncnn
+from test_ncnn_gaps import check, run_ncnn
 from torch import nn
 
 import fxq
@@ -163,6 +163,21 @@ class PatchMerging(nn.Module):
 def test_strided_slices_from_onnx(tmp_path: Path, how: str) -> None:
     param, _ = check_onnx(PatchMerging(), (1, 8, 6, 4), tmp_path, how)
     assert len(_layers(param, "Crop")) >= 8
+
+
+class StridedConvOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return y[:, 1::2, ::2, 1:5:2] + y[:, :2, 1::2, ::3]
+
+
+def test_strided_slices_of_a_torch_model(tmp_path: Path) -> None:
+    """The same mechanism on a captured torch graph (getitem), dims of an NCHW value."""
+    check(StridedConvOutput(), (1, 3, 4, 6), tmp_path / "net")
 
 
 def small_swin() -> nn.Module:
