@@ -978,8 +978,9 @@ def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: 
     """``[start, end)`` per dim of ``shape`` taken by ``index``, the dims an int index drops, per dim the
     number of new axes (``None``) the index puts before it, and the steps of the dims sliced with a step > 1.
 
-    ncnn's ``Crop`` takes non-empty unit-step ranges (:func:`_crop` takes strided ones apart). A slice of the batch dim that is empty here (the exporter
-    takes shapes at batch 1: ``x[1:3]`` of a batch of 4) means the model picks samples, which ncnn cannot do.
+    ncnn's ``Crop`` takes non-empty unit-step ranges (:func:`_crop` takes strided ones apart). A slice of the
+    batch dim that is empty here (the exporter takes shapes at batch 1: ``x[1:3]`` of a batch of 4) means the model
+    picks samples, which ncnn cannot do.
     """
     items = list(index) if isinstance(index, tuple) else [index]
     used = len(items) - (Ellipsis in items) - sum(i is None for i in items)

@@ -14,9 +14,9 @@ NCNN_OPS = frozenset({"Conv", "Gemm", "MatMul"})  # MatMul: by a constant matrix
 @register_platform("ncnn_int8")
 class NcnnInt8(Platform):
     exporter = "ncnn"
-    description = ("NCNN INT8: inputs of Conv/Gemm/MatMul by a constant matrix sym [-127,127], weights per-channel (6-bit for 3x3 s1 d1 convs "
-                   "that ncnn runs as Convolution: groups 1, and each group of a grouped conv that is not depthwise), "
-                   "outputs FP32, rounding half away from zero")
+    description = ("NCNN INT8: inputs of Conv/Gemm/MatMul by a constant matrix sym [-127,127], weights per-channel "
+                   "(6-bit for 3x3 s1 d1 convs that ncnn runs as Convolution: groups 1, and each group of a grouped "
+                   "conv that is not depthwise), outputs FP32, rounding half away from zero")
     activation = _int_config(8, True, narrow=True)
     weight = _int_config(8, True, narrow=True, per_channel=True)
     quantized_ops = NCNN_OPS
