@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,30 +32,45 @@ _SQRT2 = math.sqrt(2.0)
 def fuse_erf_gelu(gm: fx.GraphModule) -> int:
     """Replace each ``x * 0.5 * (1 + erf(x / sqrt(2)))`` of ``gm`` (factors in any order, ``x * (1 / sqrt(2))``
     too) by ``F.gelu(x)``, in place; returns how many. An Erf outside this pattern is left as it is."""
+    return _rewrite(gm, "Erf", _match, F.gelu, "erf-spelled GELU")
+
+
+def fuse_layer_norm(gm: fx.GraphModule) -> int:
+    """Replace each ``(x - mean(x)) / sqrt(mean((x - mean(x)) ** 2) + eps) [* gamma] [+ beta]`` over the last dims
+    of ``gm`` by ``F.layer_norm``, in place; returns how many."""
+    return _rewrite(gm, "Sqrt", _match_layer_norm, F.layer_norm, "spelled-out LayerNorm")
+
+
+def _rewrite(gm: fx.GraphModule, anchor: str, match: Callable[..., Any], target: Callable[..., Any], what: str
+             ) -> int:
+    """Replace each pattern ``match(gm, modules, node)`` finds around a node of op type ``anchor`` — (x, the node
+    computing it, the nodes it replaces, more arguments) — by one ``target(x, *arguments)`` node, named after the
+    anchor's ONNX node."""
     modules = dict(gm.named_modules())
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     count = 0
-    for erf in [n for n in gm.graph.nodes if op_type(n, modules) == "Erf"]:
-        match = _match(gm, modules, erf)
-        if match is None:
+    for node in [n for n in gm.graph.nodes if op_type(n, modules) == anchor]:
+        found = match(gm, modules, node)
+        if found is None:
             continue
-        x, out, interior = match
+        x, out, interior, args = found
         with gm.graph.inserting_after(out):
-            gelu = gm.graph.call_function(F.gelu, (x,))
-        gelu.meta["val"] = out.meta.get("val")
-        if "onnx" in erf.meta:  # the ncnn layer is named after the ONNX Erf node
-            gelu.meta["onnx"] = erf.meta["onnx"]
-        out.replace_all_uses_with(gelu)
+            new = gm.graph.call_function(target, (x, *args))
+        new.meta["val"] = out.meta.get("val")
+        if "onnx" in node.meta:
+            new.meta["onnx"] = node.meta["onnx"]
+        out.replace_all_uses_with(new)
         for n in sorted(interior, key=order.__getitem__, reverse=True):
             gm.graph.erase_node(n)
         count += 1
     if count:
         gm.recompile()
-        logger.debug("ncnn export: %d erf-spelled GELU(s) written as GELU layers", count)
+        logger.debug("ncnn export: %d %s(s) written as one layer each", count, what)
     return count
 
 
-def _match(gm: fx.GraphModule, modules: dict[str, Any], erf: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+def _match(gm: fx.GraphModule, modules: dict[str, Any], erf: fx.Node
+           ) -> tuple[fx.Node, fx.Node, list[fx.Node], tuple[()]] | None:
     """(x, the node computing the GELU, the nodes it replaces) of the GELU around ``erf``; None if not one."""
 
     def t(n: Any) -> str | None:
@@ -104,7 +119,7 @@ def _match(gm: fx.GraphModule, modules: dict[str, Any], erf: fx.Node) -> tuple[f
         interior.append(m)
         cur = m
         if has_x and math.isclose(factor, 0.5, rel_tol=1e-6):
-            return x, cur, interior
+            return x, cur, interior, ()
     return None
 
 
@@ -131,30 +146,6 @@ def mean_args(node: fx.Node, modules: dict[str, Any]) -> tuple[Any, bool] | None
     if getattr(mod, "operation_type", "ReduceMean") == "ReduceMean" and hasattr(mod, "axes"):
         return mod.axes, bool(mod.keepdims)
     return None
-
-
-def fuse_layer_norm(gm: fx.GraphModule) -> int:
-    """Replace each ``(x - mean(x)) / sqrt(mean((x - mean(x)) ** 2) + eps) [* gamma] [+ beta]`` over the last dims
-    of ``gm`` by ``F.layer_norm``, in place; returns how many."""
-    modules = dict(gm.named_modules())
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    count = 0
-    for sqrt in [n for n in gm.graph.nodes if op_type(n, modules) == "Sqrt"]:
-        match = _match_layer_norm(gm, modules, sqrt)
-        if match is None:
-            continue
-        x, out, interior, args = match
-        with gm.graph.inserting_after(out):
-            ln = gm.graph.call_function(F.layer_norm, (x, *args))
-        ln.meta["val"] = out.meta.get("val")
-        out.replace_all_uses_with(ln)
-        for n in sorted(interior, key=order.__getitem__, reverse=True):
-            gm.graph.erase_node(n)
-        count += 1
-    if count:
-        gm.recompile()
-        logger.debug("ncnn export: %d spelled-out LayerNorm(s) written as LayerNorm layers", count)
-    return count
 
 
 def _match_layer_norm(gm: fx.GraphModule, modules: dict[str, Any], sqrt: fx.Node
