@@ -61,6 +61,13 @@ class Registry(Generic[T]):
             return add(obj)
         return add
 
+    def unregister(self, name: str) -> T:
+        """Remove and return what ``name`` holds (a test's or a plugin's temporary entry); a miss raises
+        :class:`~fxq.errors.RegistryError`."""
+        item = self.get(name)
+        del self._items[self._key(name)]
+        return item
+
     def unknown(self, name: str, where: str | None = None) -> str:
         """The message for a name that is not registered: ``where`` (e.g. ``setting.dispatcher``) names who asked."""
         shown = repr(name) if isinstance(name, str) else f"a {type(name).__name__} (a name was expected)"

@@ -3,7 +3,9 @@ generic pre-check against its platforms' declared Capability (one rule, one mess
 from __future__ import annotations
 
 import pytest
+import torch
 from _export_helpers import small_quantized
+from torch import nn
 
 import fxq
 from fxq.backends import EXPORTERS
@@ -32,9 +34,27 @@ def test_capabilities_of_an_exporter_are_its_platforms() -> None:
 
 def test_capabilities_declare_the_ops_their_exporters_run_quantized() -> None:
     cap = capabilities_of("ncnn")["ncnn_int8"]
-    assert cap.op_problem("Conv", (8, 3, 3, 3), {"groups": 1}) is None and cap.op_problem("Gemm", (4, 8), {}) is None
-    assert cap.op_problem("Conv", (8, 3, 3, 3, 3), {}) == "ncnn has no int8 3-D convolution (Convolution3D runs in FP32)"
-    assert cap.op_problem("ConvTranspose", (3, 8, 2, 2), {}) == "only Conv, Gemm run quantized, not ConvTranspose"
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c2, self.c3, self.fc = nn.Conv2d(3, 3, 3), nn.Conv3d(3, 3, 1), nn.Linear(4, 4)
+            self.up = nn.ConvTranspose2d(3, 3, 2)
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x, v):
+            y = self.up(self.c2(x)) + self.c3(x.unsqueeze(2)).squeeze(2).mean()
+            return y, self.fc(v) @ self.w, v @ v.transpose(0, 1)
+
+    gm = fxq.prepare(Net().eval(), "trt_int8", (torch.randn(1, 3, 6, 6), torch.randn(4, 4)))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    problem = {name: cap.op_problem(t, nodes[name], gm) for name, t in
+               [("c2", "Conv"), ("c3", "Conv"), ("fc", "Gemm"), ("up", "ConvTranspose"), ("matmul", "MatMul"),
+                ("matmul_1", "MatMul")]}
+    assert problem["c2"] is None and problem["fc"] is None and problem["matmul"] is None  # x @ W: InnerProduct
+    assert problem["c3"] == "ncnn has no int8 3-D convolution (Convolution3D runs in FP32)"
+    assert problem["up"] == "only Conv, Gemm, MatMul run quantized, not ConvTranspose"
+    assert problem["matmul_1"] == "ncnn runs a MatMul int8 only by a constant 2-D matrix"  # two activations
     for exporter in ("tensorrt", "onnxruntime", "openppl"):  # Q/DQ formats put a quantizer before any op
         assert not any(cap.restricts_ops for cap in capabilities_of(exporter).values())
 

@@ -218,9 +218,12 @@ def test_capability_checked_on_per_op_configs():
             cfg = super().weight_config(op_type, node_name, weight_shape, op_attrs)
             return cfg.replace(num_bits=4, quant_min=-7, quant_max=7) if node_name == "fc" else cfg
 
-    with pytest.raises(fxq.ConfigError, match=r"node 'fc' \(weight config from platform 'test_trt_int4_fc'\).*"
-                                              r"bit_width must be 8, got 4"):
-        _prepare("test_trt_int4_fc")
+    try:
+        with pytest.raises(fxq.ConfigError, match=r"node 'fc' \(weight config from platform 'test_trt_int4_fc'\).*"
+                                                  r"bit_width must be 8, got 4"):
+            _prepare("test_trt_int4_fc")
+    finally:  # registries are global: leave none of this test's platforms to the tests after it
+        fxq.qconfig.PLATFORMS.unregister("test_trt_int4_fc")
 
 
 def test_expressible_overrides_pass():

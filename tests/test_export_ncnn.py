@@ -494,7 +494,7 @@ def test_errors_before_writing(tmp_path: Path) -> None:
         export(_tiny("trt_int8"), "ncnn", tmp_path / "net")
     outputs_quantized = fxq.get_platform("ncnn_int8").with_overrides(quantize_outputs=True)
     feeds_fp32 = (r"quantizer 'conv1_out' on the value of node 'conv1' feeds node 'relu' \(op Relu\), which ncnn "
-                  r"cannot run quantized \(ncnn_int8: only Conv, Gemm run quantized, not Relu\)\. Fix: quantize for "
+                  r"cannot run quantized \(ncnn_int8: only Conv, Gemm, MatMul run quantized, not Relu\)\. Fix: quantize for "
                   r"'ncnn_int8'")
     with pytest.raises(ExportError, match=feeds_fp32):
         export(_tiny(outputs_quantized), "ncnn", tmp_path / "net")

@@ -320,6 +320,9 @@ def test_custom_platform_registration():
         fxq.register_platform("test_only_conv_platform", OnlyConv)
     with pytest.raises(fxq.RegistryError, match="trt_int8"):
         fxq.get_platform("no_such_platform")
+    assert fxq.qconfig.PLATFORMS.unregister("test_only_conv_platform") is OnlyConv  # registries are global
+    with pytest.raises(fxq.RegistryError, match="unknown platform 'test_only_conv_platform'"):
+        fxq.get_platform("test_only_conv_platform")
 
 
 # ------------------------------------------------------------------------------------------ calibration

@@ -18,7 +18,7 @@ from torch import fx, nn
 
 from fxq.errors import ConfigError
 from fxq.graph.info import match_node_name, node_names
-from fxq.graph.op_types import conv_attrs, op_type, weight_shape
+from fxq.graph.op_types import op_type
 from fxq.qconfig.base import COMPUTING_OPS, RECURRENT_OPS, SHAPE_OPS, Capability, Platform, get_platform
 from fxq.registry import Registry, close_names
 
@@ -113,7 +113,7 @@ def capability_problem(node: fx.Node, t: str, cap: Capability | None, gm: nn.Mod
     capability is declared)."""
     if cap is None or not cap.restricts_ops:
         return None
-    return cap.op_problem(t, weight_shape(node, gm), conv_attrs(node, gm))
+    return cap.op_problem(t, node, gm)
 
 
 def _check_table_keys(gm: fx.GraphModule, table: dict[str, Any]) -> None:

@@ -118,9 +118,11 @@ class RoleCapability:
         return out
 
 
-OpRule = Callable[[tuple[int, ...] | None, dict[str, Any]], "str | None"]
-"""A per-op condition of a :class:`Capability`: ``(weight shape or None, op attributes: stride, dilation, groups,
-padding) -> why a node of that op cannot run quantized, or None when it can``."""
+OpRule = Callable[[Any, Any], "str | None"]
+"""A per-op condition of a :class:`Capability`: ``(torch.fx node, the GraphModule holding it) -> why that node cannot
+run quantized, or None when it can`` (:mod:`fxq.graph.op_types` answers the usual questions: ``weight_shape``,
+``conv_attrs``; :func:`fxq.graph.info.computed_from_parameters`). Its docstring's first line says the rule in
+``fxq platforms``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,12 +157,12 @@ class Capability:
         """Whether some op cannot read a quantized value here (``ops`` or ``op_rules`` declared)."""
         return self.ops is not None or bool(self.op_rules)
 
-    def op_problem(self, op_type: str, weight_shape: tuple[int, ...] | None, attrs: dict[str, Any]) -> str | None:
-        """Why a node of ``op_type`` (weight shape and attributes as given) cannot run quantized; None: it can."""
+    def op_problem(self, op_type: str, node: Any, gm: Any) -> str | None:
+        """Why ``node`` (of ``op_type``, in ``gm``) cannot run quantized; None: it can."""
         if self.ops is not None and op_type not in self.ops:
             return f"only {', '.join(sorted(self.ops))} run quantized, not {op_type}"
         rule = self.op_rules.get(op_type)
-        return rule(weight_shape, attrs) if rule is not None else None
+        return rule(node, gm) if rule is not None else None
 
     def problems(self, role: str, cfg: TensorQuantConfig) -> list[str]:
         """What ``cfg`` (of ``role``: activation, weight or bias) asks that this capability cannot express."""
@@ -366,7 +368,7 @@ def _expressible_ops(cap: Capability | None) -> str:
     if cap is None or not cap.restricts_ops:
         return "any"
     ops = ", ".join(sorted(cap.ops)) if cap.ops is not None else "any"
-    rules = "; ".join(f"{op}: {(rule.__doc__ or rule.__name__).strip().splitlines()[0]}"
+    rules = "; ".join(f"{op}: {(rule.__doc__ or rule.__name__).strip().splitlines()[0].rstrip('.')}"
                       for op, rule in sorted(cap.op_rules.items()))
     return f"{ops} ({rules})" if rules else ops
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import fx, nn
 
+from fxq.backends.ncnn.fuse import FUSED_OPS, fuse_erf_gelu, fuse_layer_norm
 from fxq.backends.ncnn.islands import inline_islands, island_note
 from fxq.backends.ncnn.registry import NCNN_CONVERTERS, converts_tuples, takes_any_batch_dim, takes_high_rank
 from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim, shape_params
@@ -70,12 +71,16 @@ def _sanitize(name: str) -> str:
 
 
 class WeightInfo:
-    """The weight of a Conv / Gemm node: its FP32 value, the quantizer over it, and the quantized value."""
+    """The weight of a Conv / Gemm node: its FP32 value, the quantizer over it, and the quantized value.
 
-    def __init__(self, fp32: torch.Tensor, fq: FakeQuantize | None, qnode: fx.Node | None) -> None:
+    ``out_axis``: the weight's output-channel axis (0 for Conv / Linear, -1 for the ``(K, N)`` matrix of a
+    MatMul), the one its per-channel scales must lie along."""
+
+    def __init__(self, fp32: torch.Tensor, fq: FakeQuantize | None, qnode: fx.Node | None, out_axis: int = 0) -> None:
         self.fp32 = fp32
         self.fq = fq
         self.qnode = qnode
+        self.out_axis = out_axis
 
     @property
     def quantizing(self) -> bool:
@@ -366,7 +371,8 @@ class NcnnBuilder:
         return other != value
 
     # ------------------------------------------------------------------ weights and int8
-    def weight(self, arg: Any, node: fx.Node) -> WeightInfo:
+    def weight(self, arg: Any, node: fx.Node, out_axis: int = 0) -> WeightInfo:
+        """The weight operand ``arg`` of ``node`` (see :class:`WeightInfo` for ``out_axis``)."""
         fq = qnode = None
         if self.is_quantizer(arg):
             qnode, fq = arg, self.quantizer(arg)
@@ -378,7 +384,7 @@ class NcnnBuilder:
         elif fq is not None and fq.config.state in (QuantState.BAKED, QuantState.PASSIVE_BAKED):
             self.warn_once(fq.name, "weights of %s are baked and their FP32 copy is gone: the FP32 ncnn model uses "
                            "the quantized values", node.name)
-        return WeightInfo(value, fq, qnode)
+        return WeightInfo(value, fq, qnode, out_axis)
 
     def warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:
@@ -424,11 +430,17 @@ class NcnnBuilder:
     def _weight_scales(self, node: fx.Node, w: WeightInfo, groups: int) -> np.ndarray:
         fq = w.fq
         assert fq is not None
-        out_ch = int(w.fp32.shape[0])
+        rank = w.fp32.dim()
+        out_ch = int(w.fp32.shape[w.out_axis])
         # the scheme passed ncnn_int8's capability before the build (fxq.backends.capability); its state must too
         if bool((fq.offset.detach() != 0).any()):
             raise self.fail(node, f"its weight quantizer {fq.name!r} is asymmetric",
                             "quantize for the 'ncnn_int8' platform (symmetric per-output-channel weights)")
+        if fq.scale.numel() > 1 and fq.config.channel_axis % rank != w.out_axis % rank:
+            raise self.fail(node, f"its weight quantizer {fq.name!r} has scales along axis "
+                            f"{fq.config.channel_axis} of a weight of shape {tuple(w.fp32.shape)}, whose output "
+                            f"channels are axis {w.out_axis}; ncnn scales weights per output channel",
+                            "quantize for the 'ncnn_int8' platform (per-output-channel weights)")
         self._check_rounding(fq)
         scale = fq.scale.detach().double().cpu().reshape(-1).numpy()
         scale = np.full(out_ch, scale[0]) if scale.size == 1 else scale
@@ -615,11 +627,30 @@ def _insert_splits(model: NcnnModel) -> None:
 
 def build_ncnn_model(gm: fx.GraphModule) -> tuple[NcnnModel, NcnnBuilder]:
     """Convert a prepared (and calibrated) GraphModule, at batch 1, its FP32 islands as float layers
-    (:mod:`fxq.backends.ncnn.islands`); raises :class:`ExportError` naming the node."""
+    (:mod:`fxq.backends.ncnn.islands`) and ONNX's spelled-out GELU / LayerNorm as one layer each; raises
+    :class:`ExportError` naming the node."""
     view = _at_batch_one(gm)
     NcnnBuilder(view).check_calibrated()  # before the islands' inputs are recorded: a pending quantizer observes
-    builder = NcnnBuilder(inline_islands(view, example_inputs_for(view)))
+    view = inline_islands(view, example_inputs_for(view))
+    modules = dict(view.named_modules())
+    if any(op_type(n, modules) in FUSED_OPS for n in view.graph.nodes):  # ONNX's spelled-out ops: in a copy
+        view = _graph_copy(gm) if view is gm else view
+        fuse_erf_gelu(view)
+        fuse_layer_norm(view)
+    builder = NcnnBuilder(view)
     return builder.build(), builder
+
+
+def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new graph of ``gm``'s nodes (their meta copied shallowly) over the same modules and weights: the
+    exporter's own view, which it may rewrite; ``gm`` itself is not touched."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    view = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    for name, child in gm.named_children():  # the quantizer holder and modules as they are, not rebuilt paths
+        setattr(view, name, child)
+    view.meta = gm.meta
+    return view
 
 
 def _at_batch_one(gm: fx.GraphModule) -> fx.GraphModule:
@@ -633,12 +664,7 @@ def _at_batch_one(gm: fx.GraphModule) -> fx.GraphModule:
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     if not vals or not all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] > 1 for v in vals):
         return gm
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))  # node meta copied shallowly: the new nodes get new values
-    view = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    for name, child in gm.named_children():  # the quantizer holder and modules as they are, not rebuilt paths
-        setattr(view, name, child)
-    view.meta = gm.meta
+    view = _graph_copy(gm)  # node meta copied shallowly: the new nodes get new values
     try:
         propagate_tensor_meta(view, [torch.zeros((1, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in vals])
     except Exception as exc:  # noqa: BLE001  (any failure: the model's own shapes)

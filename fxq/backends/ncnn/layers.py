@@ -17,10 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxq.backends.ncnn.builder import NcnnBuilder, fold_dims
-from fxq.backends.ncnn.platforms import is_depthwise, pair
+from fxq.backends.ncnn.builder import NcnnBuilder, WeightInfo, fold_dims
+from fxq.backends.ncnn.fuse import mean_args
+from fxq.backends.ncnn.platforms import is_depthwise, is_matmul_by_matrix, pair
 from fxq.backends.ncnn.registry import register_ncnn_converter
 from fxq.backends.ncnn.writer import Int8Scales, drop_dim, shape_params
+from fxq.graph.nodes import get_attr_value
 from fxq.spec import QUANTIZING_STATES
 
 __all__: list[str] = []
@@ -227,12 +229,6 @@ def _deconv(b: NcnnBuilder, node: fx.Node) -> None:
 
 @register_ncnn_converter("Gemm", any_batch_dim=True)
 def _linear(b: NcnnBuilder, node: fx.Node) -> None:
-    """``InnerProduct``: ncnn multiplies a 1-D blob, or each row of a 2-D blob (``(N, T, F)`` -> rows T).
-
-    A blob of rank 3 or 4 (ConvNeXt's ``Linear`` over the channels of an NHWC ``(N, H, W, C)`` value) would be
-    flattened whole by ``InnerProduct``, so it is reshaped to rows ``(H * W, C)`` first and back to
-    ``(H, W, out)`` after; the layer itself keeps the node's name (its int8 table lines).
-    """
     mod = b.module(node)
     if mod is not None:
         x, w_arg, bias_arg = node.args[0], mod.weight, mod.bias
@@ -240,19 +236,30 @@ def _linear(b: NcnnBuilder, node: fx.Node) -> None:
         x, w_arg, bias_arg = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias", None)
     else:
         raise b.fail(node, "only F.linear / nn.Linear are exported as InnerProduct", "use nn.Linear")
+    bias = b.param(bias_arg, node, "bias") if bias_arg is not None else None
+    _inner_product(b, node, x, b.weight(w_arg, node), bias)
+
+
+def _inner_product(b: NcnnBuilder, node: fx.Node, x: Any, w: WeightInfo, bias: torch.Tensor | None) -> None:
+    """``InnerProduct`` of ``x`` by the weight ``w`` (``(out, in)``, or ``(in, out)`` when ``w.out_axis`` is -1:
+    a MatMul's matrix): ncnn multiplies a 1-D blob, or each row of a 2-D blob (``(N, T, F)`` -> rows T).
+
+    A blob of rank 3 or 4 (ConvNeXt's ``Linear`` over the channels of an NHWC ``(N, H, W, C)`` value) would be
+    flattened whole by ``InnerProduct``, so it is reshaped to rows ``(H * W, C)`` first and back to
+    ``(H, W, out)`` after; the layer itself keeps the node's name (its int8 table lines).
+    """
     shape, bd = b.shape(x), b.batch_dim(x)
     in_blob, out_blob = b.blob_shape(x), b.blob_shape(node)
     if not 1 <= len(in_blob) <= 4 or bd == len(shape) - 1:
         raise b.fail(node, f"its input of shape {shape} (batch dim {bd}) is a rank-{len(in_blob)} blob whose "
                      "last dim is not the features; ncnn's InnerProduct maps the last dim of a blob of rank 1 to 4",
                      "reshape the input to (N, ..., F) with the batch outside the last dim first")
-    w = b.weight(w_arg, node)
-    out_ch = int(w.fp32.shape[0])
-    bias = b.param(bias_arg, node, "bias") if bias_arg is not None else None
+    out_major = (lambda t: t) if w.out_axis == 0 else (lambda t: t.T)  # ncnn's weight is (out, in), row-major
+    out_ch = int(w.fp32.shape[w.out_axis])
     int8 = b.int8_scales(node, x, w)
     params = {0: out_ch, 1: int(bias is not None), 2: int(w.fp32.numel())}
     tail = [("raw", _np(bias))] if bias is not None else []
-    weights = [("tagged", _np(w.fp32))] + tail
+    weights = [("tagged", _np(out_major(w.fp32)))] + tail
     if len(in_blob) <= 2:
         layer = b.emit(node, "InnerProduct", [b.blob(x, node)], params, weights, int8=int8)
     else:  # rows of the last dim, then the blob's own shape back (the outermost dim follows the input's size)
@@ -263,7 +270,7 @@ def _linear(b: NcnnBuilder, node: fx.Node) -> None:
         b.emit(node, "Reshape", [layer.tops[0]], shape_params((-1, *out_blob[1:])),
                name=b.unique_layer_name(f"{name}_unrows"))
     if int8 is not None:
-        layer.int8_weights = [("tagged", _np(w.quantized()))] + tail
+        layer.int8_weights = [("tagged", _np(out_major(w.quantized())))] + tail
 
 
 @register_ncnn_converter("BatchNormalization")
@@ -450,10 +457,36 @@ def _l2_normalize(b: NcnnBuilder, node: fx.Node) -> None:
 
 @register_ncnn_converter("MatMul", any_batch_dim=True)
 def _matmul(b: NcnnBuilder, node: fx.Node) -> None:
-    """``MatMul`` of two blobs laid out alike: ncnn multiplies the two innermost axes, batched over the rest."""
+    """``MatMul`` of two blobs laid out alike: ncnn multiplies the two innermost axes, batched over the rest.
+
+    A product by a constant ``(K, N)`` matrix (ONNX's ``MatMul`` of a Linear layer) is an ``InnerProduct`` (int8
+    when ``ncnn_int8`` quantized it), which takes in the bias of a following ``Add`` of a constant ``(N,)``."""
     lhs, rhs = _arg(node, 0, "input"), _arg(node, 1, "mat2" if "mat2" in node.kwargs else "other")
+    if is_matmul_by_matrix(node):
+        add, bias = _bias_add(b, node)
+        _inner_product(b, node, lhs, b.weight(rhs, node, out_axis=-1), bias)
+        if add is not None:
+            b.alias(add, node, b.batch_dim(node))
+        return
     _check_matmul_operands(b, node, lhs, rhs)
     b.emit(node, "MatMul", [b.blob(lhs, node), b.blob(rhs, node)], {0: 0})
+
+
+def _bias_add(b: NcnnBuilder, node: fx.Node) -> tuple[fx.Node | None, torch.Tensor | None]:
+    """The only user of ``node`` when it adds a constant vector along the last dim (ONNX's ``MatMul`` + ``Add`` of a
+    Linear layer), with that vector; (None, None) otherwise."""
+    if len(node.users) != 1:
+        return None, None
+    (add,) = node.users
+    others = [a for a in add.args if a is not node]
+    if b.op(add) != "Add" or len(add.args) != 2 or len(others) != 1 or not b.is_constant(others[0]) \
+            or b.shape(add) != b.shape(node):
+        return None, None
+    bias = b.param(others[0], add, "bias")
+    n = b.shape(node)[-1]
+    if bias.numel() != n or bias.shape[-1:] != (n,):
+        return None, None
+    return add, bias.reshape(n)
 
 
 def _check_matmul_operands(b: NcnnBuilder, node: fx.Node, lhs: Any, rhs: Any) -> None:
@@ -633,14 +666,14 @@ def _mean(b: NcnnBuilder, node: fx.Node) -> None:
     non-batch dim (``x.mean()``, ``x.mean((1, 2, 3))``; the batch of 1 too) is ``reduce_all``: one value."""
     x = node.args[0]
     shape, bd = b.shape(x), b.batch_dim(x)
-    mod = b.module(node)
-    if mod is not None:  # onnx2torch's OnnxReduceStaticAxes(axes, keepdims)
-        if getattr(mod, "operation_type", "ReduceMean") != "ReduceMean" or not hasattr(mod, "axes"):
-            raise b.fail(node, f"reduce module {type(mod).__name__} is not a ReduceMean with static axes",
-                         "use ReduceMean with constant axes")
-        dims, keep = mod.axes, bool(mod.keepdims)
-    else:
-        dims, keep = _arg(node, 1, "dim", None), bool(_arg(node, 2, "keepdim", False))
+    args = mean_args(node, b.modules)
+    if args is None and getattr(b.module(node), "noop", False):  # ReduceMean-18 of empty axes, noop_with_empty_axes
+        b.alias(node, x, bd)
+        return
+    if args is None:
+        raise b.fail(node, f"reduce module {type(b.module(node)).__name__} is not a ReduceMean with static axes",
+                     "use ReduceMean with constant axes")
+    dims, keep = args
     rank = len(shape)
     dims = sorted({d % rank for d in ((dims,) if isinstance(dims, int) else tuple(dims or range(rank)))})
     if len(shape) == 4 and bd == 0 and dims == [2, 3]:
@@ -664,11 +697,11 @@ def _mean(b: NcnnBuilder, node: fx.Node) -> None:
 
 
 # --------------------------------------------------------------------------- tensor ops
-_BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3}
-_REVERSED = {0: 0, 1: 7, 2: 2, 3: 8}  # scalar (op) tensor -> ncnn op with the tensor first
+_BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "Pow": 6}  # Pow: ONNX's (LayerNorm spelled out before opset 17)
+_REVERSED = {0: 0, 1: 7, 2: 2, 3: 8, 6: 9}  # scalar (op) tensor -> ncnn op with the tensor first
 
 
-@register_ncnn_converter("Add", "Sub", "Mul", "Div", any_batch_dim=True)
+@register_ncnn_converter("Add", "Sub", "Mul", "Div", "Pow", any_batch_dim=True)
 def _binary(b: NcnnBuilder, node: fx.Node) -> None:
     """``BinaryOp``: with a scalar (1 with_scalar, 2 b; ``3 - x`` / ``6 / x`` as RSUB / RDIV), which a stored
     one-element tensor (ONNX initializers) and shape arithmetic (``head_dim ** -0.5``) count as; else of two
@@ -680,6 +713,8 @@ def _binary(b: NcnnBuilder, node: fx.Node) -> None:
     if isinstance(lhs, fx.Node) and isinstance(rhs, fx.Node):
         b.emit(node, "BinaryOp", _broadcast_operands(b, node, lhs, rhs), {0: op},
                batch_dim=b.batch_dim(_full_operand(b, node, lhs, rhs)))
+    elif isinstance(lhs, fx.Node) and isinstance(rhs, (int, float)) and op == _BINARY["Pow"]:
+        _power(b, node, lhs, float(rhs))
     elif isinstance(lhs, fx.Node) and isinstance(rhs, (int, float)):
         b.emit(node, "BinaryOp", [_operand(b, node, lhs)], {0: op, 1: 1, 2: float(rhs)})
     elif isinstance(rhs, fx.Node) and isinstance(lhs, (int, float)):
@@ -687,6 +722,28 @@ def _binary(b: NcnnBuilder, node: fx.Node) -> None:
     else:
         raise b.fail(node, f"operands {type(lhs).__name__} and {type(rhs).__name__} are not tensors / numbers",
                      "use tensor-tensor or tensor-scalar arithmetic")
+
+
+def _power(b: NcnnBuilder, node: fx.Node, x: fx.Node, exponent: float) -> None:
+    """``x ** exponent``: ncnn's ``BinaryOp`` pow gives garbage for a negative base (even for ``x ** 2``, the
+    variance of a spelled-out LayerNorm), so the exponents that have a ``UnaryOp`` use it (2 square, 3 as
+    ``x * x ** 2``, 0.5 sqrt, -1 reciprocal) and only the others are ``BinaryOp`` pow, right for positive x."""
+    blob = _operand(b, node, x)
+    if exponent == 1:
+        b.alias(node, x, b.batch_dim(x))
+    elif exponent == 2:
+        b.emit(node, "UnaryOp", [blob], {0: 4})
+    elif exponent == 3:
+        b.emit(node, "BinaryOp", [blob, b.helper(node, "UnaryOp", [blob], {0: 4})], {0: _BINARY["Mul"]})
+    elif exponent in _POWER_UNARY:
+        b.emit(node, "UnaryOp", [blob], {0: _POWER_UNARY[exponent]})
+    else:
+        b.warn_once(f"pow:{node.name}", "ncnn export: node %s raises to the power %g with ncnn's pow, which is "
+                    "right only for positive bases", node.name, exponent)
+        b.emit(node, "BinaryOp", [blob], {0: _BINARY["Pow"], 1: 1, 2: exponent})
+
+
+_POWER_UNARY = {0.5: 5, -1.0: 15}  # sqrt, reciprocal
 
 
 def _scalar_operand(b: NcnnBuilder, node: fx.Node, value: Any) -> Any:
@@ -846,7 +903,7 @@ def _reshape_params(b: NcnnBuilder, node: fx.Node, x: fx.Node, blob_shape: tuple
     return shape_params(tuple(codes))
 
 
-@register_ncnn_converter("Slice", any_batch_dim=True)
+@register_ncnn_converter("Slice", any_batch_dim=True, high_rank=True)
 def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
     """``x[...]`` with ints, unit-step slices and ``...``, and the pieces of ``split`` / ``chunk``: a ``Crop``
     (9 starts, 10 ends, 11 axes) of the blob, then a ``Reshape`` when an int index drops a non-batch dim."""
@@ -864,7 +921,35 @@ def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
     else:
         raise b.fail(node, f"it takes item {index!r} of {getattr(src, 'name', src)!r}, a {type(val).__name__} the "
                      "ncnn writer cannot split", "index tensors, or take the pieces of split / chunk")
-    ranges, dropped, new_axes = _index_ranges(b, node, b.shape(x), index, b.batch_dim(x))
+    ranges, dropped, new_axes, steps = _index_ranges(b, node, b.shape(x), index, b.batch_dim(x))
+    _crop(b, node, x, ranges, dropped, new_axes, steps)
+
+
+@register_ncnn_converter("Gather", any_batch_dim=True, high_rank=True)
+def _gather(b: NcnnBuilder, node: fx.Node) -> None:
+    """ONNX ``Gather`` (onnx2torch's ``OnnxGather``, ``numpy.take`` along ``axis``) of a computed tensor by
+    stored indices: one index (ViT's class token ``x[:, 0]``, attention's ``q, k, v = qkv[0], qkv[1], qkv[2]``)
+    or a run of consecutive ones in indices of any shape (dynamo's ``as_strided`` of a flattened value), as
+    :func:`_getitem`'s ``Crop``. Other indices pick rows ncnn has no layer for."""
+    mod = b.module(node)
+    if mod is None or not hasattr(mod, "_axis") or len(node.args) != 2:
+        raise b.fail(node, "only ONNX Gather (numpy.take) of stored indices is exported (no embedding lookups)",
+                     "index with ints or slices, or keep the lookup outside the exported model")
+    x, idx_arg = node.args
+    src = b.strip(idx_arg) if isinstance(idx_arg, fx.Node) else idx_arg
+    if not isinstance(src, fx.Node) or (src.op != "get_attr" and src not in b.static_nodes):
+        raise b.fail(node, "its indices are computed in the graph", "gather with stored (constant) indices")
+    idx = torch.as_tensor(get_attr_value(b.gm, str(src.target)) if src.op == "get_attr" else b.static_value(src))
+    axis, shape = int(mod._axis) % len(b.shape(x)), b.shape(x)
+    flat = [int(i) % shape[axis] for i in idx.reshape(-1).tolist()]
+    if idx.dim() == 0:
+        item: Any = flat[0]
+    elif flat and flat == list(range(flat[0], flat[0] + len(flat))):  # indices of more dims: a Reshape after
+        item = slice(flat[0], flat[0] + len(flat))
+    else:
+        raise b.fail(node, f"its indices {idx.tolist()} along dim {axis} are not one index or a run of consecutive "
+                     "ones", "take consecutive elements (a slice), or reorder the weights before exporting")
+    ranges, dropped, new_axes, _ = _index_ranges(b, node, shape, (slice(None),) * axis + (item,), b.batch_dim(x))
     _crop(b, node, x, ranges, dropped, new_axes)
 
 
@@ -885,12 +970,13 @@ def _onnx_slice_index(b: NcnnBuilder, node: fx.Node) -> tuple[slice, ...]:
 
 
 def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: Any, batch_dim: int | None = None
-                  ) -> tuple[list[tuple[int, int]], set[int], list[int]]:
-    """``[start, end)`` per dim of ``shape`` taken by ``index``, the dims an int index drops, and per dim the
-    number of new axes (``None``) the index puts before it.
+                  ) -> tuple[list[tuple[int, int]], set[int], list[int], dict[int, int]]:
+    """``[start, end)`` per dim of ``shape`` taken by ``index``, the dims an int index drops, per dim the
+    number of new axes (``None``) the index puts before it, and the steps of the dims sliced with a step > 1.
 
-    ncnn's ``Crop`` takes non-empty unit-step ranges. A slice of the batch dim that is empty here (the exporter
-    takes shapes at batch 1: ``x[1:3]`` of a batch of 4) means the model picks samples, which ncnn cannot do.
+    ncnn's ``Crop`` takes non-empty unit-step ranges (:func:`_crop` takes strided ones apart). A slice of the
+    batch dim that is empty here (the exporter takes shapes at batch 1: ``x[1:3]`` of a batch of 4) means the model
+    picks samples, which ncnn cannot do.
     """
     items = list(index) if isinstance(index, tuple) else [index]
     used = len(items) - (Ellipsis in items) - sum(i is None for i in items)
@@ -905,14 +991,18 @@ def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: 
         at = items.index(None)
         new_axes.append(at)
         del items[at]
-    ranges, dropped = [], set()
+    ranges, dropped, steps = [], set(), {}
     for d, (item, size) in enumerate(zip(items, shape)):
         if isinstance(item, slice):
             start, stop, step = (_const(b, node, v, "slice bound") for v in (item.start, item.stop, item.step))
             lo, hi, step = slice(start, stop, step).indices(size)
-            if step != 1:
+            if step < 1 or (step > 1 and (size % step or d == batch_dim)):
                 raise b.fail(node, f"slice {item!r} of dim {d} (size {size}) has step {step}; ncnn's Crop takes "
-                             "unit-step ranges", "slice with step 1 (or subsample with a strided conv / pooling)")
+                             "unit-step ranges, and a positive step that divides the size of a non-batch dim as a "
+                             "Reshape that splits the dim", "slice with step 1 (or subsample with a strided conv / "
+                             "pooling)")
+            if step > 1:
+                steps[d] = step
             if hi <= lo and d == batch_dim:
                 raise b.fail(node, f"slice {item!r} of dim {d}, the batch dimension, selects samples: ncnn runs one "
                              f"sample (its blobs have no batch dim; exported at batch 1, dim {d} has size {size} "
@@ -929,34 +1019,85 @@ def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: 
         else:
             raise b.fail(node, f"index {item!r} of dim {d} is not an int, a slice or ...",
                          "index with ints, unit-step slices, None and ... (no tensors or lists)")
-    return ranges, dropped, [sum(a <= d for a in new_axes) for d in range(len(shape))]
+    return ranges, dropped, [sum(a <= d for a in new_axes) for d in range(len(shape))], steps
 
 
 def _crop(b: NcnnBuilder, node: fx.Node, x: fx.Node, ranges: list[tuple[int, int]], dropped: set[int],
-          new_axes: list[int] | None = None) -> None:
-    """Take ``ranges`` of ``x`` (``Crop`` of the blob axes cut short), drop the ``dropped`` dims and add the new
-    axes (``new_axes[d]`` of them before dim ``d``)."""
+          new_axes: list[int] | None = None, steps: dict[int, int] | None = None) -> None:
+    """Take ``ranges`` of ``x`` (``Crop`` of the blob axes cut short; every ``steps[d]``-th element of dim ``d``),
+    drop the ``dropped`` dims and add the new axes (``new_axes[d]`` of them before dim ``d``)."""
     shape, bd = b.shape(x), b.batch_dim(x)
+    blob = b.blob(x, node)
+    if steps:
+        blob, shape, ranges = _strided(b, node, x, blob, ranges, steps)
     cut = {d: r for d, r in enumerate(ranges) if r != (0, shape[d])}
     if bd is not None and bd in cut:
         raise b.fail(node, f"it slices the batch dimension (dim {bd} of shape {shape})",
                      "slice the other dims; ncnn blobs have no batch dimension")
     added = new_axes or [0] * len(shape)
     out_bd = None if bd is None or bd in dropped else bd - sum(d < bd for d in dropped) + added[bd]
-    target = drop_dim(b.shape(node), out_bd)
-    cropped = drop_dim(tuple(hi - lo for lo, hi in ranges), bd)
-    blob = b.blob(x, node)
+    target = fold_dims(drop_dim(b.shape(node), out_bd))
+    cropped = fold_dims(drop_dim(tuple(hi - lo for lo, hi in ranges), bd))
     if cut:
-        params = {9: [lo for lo, _ in cut.values()], 10: [hi for _, hi in cut.values()],
-                  11: [b.ncnn_axis(node, d, x) for d in cut]}
+        crops = (_folded_crops(b, node, x, cut) if b.high_rank(x)
+                 else [(lo, hi, b.ncnn_axis(node, d, x)) for d, (lo, hi) in cut.items()])
+        params = {9: [c[0] for c in crops], 10: [c[1] for c in crops], 11: [c[2] for c in crops]}
         blob = b.emit(node, "Crop", [blob], params, batch_dim=out_bd).tops[0]
     if cropped != target:
         if not 1 <= len(target) <= 4:
             raise b.fail(node, f"the result of shape {b.shape(node)} is a rank-{len(target)} blob",
                          "ncnn blobs have rank 1 to 4 without the batch dimension")
         b.emit(node, "Reshape", [blob], shape_params(target), batch_dim=out_bd)
-    elif not cut:
+    elif not cut and not steps:
         b.alias(node, x, out_bd)
+    elif not cut:
+        b.emit(node, "Reshape", [blob], shape_params(target), batch_dim=out_bd)  # the strided blob as the node's
+
+
+def _strided(b: NcnnBuilder, node: fx.Node, x: fx.Node, blob: str, ranges: list[tuple[int, int]],
+             steps: dict[int, int]) -> tuple[str, tuple[int, ...], list[tuple[int, int]]]:
+    """Every ``steps[d]``-th element of ``ranges[d]`` (Swin's patch merging ``x[:, 0::2, 1::2, :]``): the blob
+    reshaped to ``(before, size / step, step, after)`` around dim ``d``, a ``Crop`` of one position of the step
+    axis and of the rows, and the blob shape back with dim ``d`` shortened; returns the new blob, its torch shape
+    and the ranges left for the unit-step ``Crop`` (the strided dims whole)."""
+    if b.high_rank(x):
+        raise b.fail(node, f"it slices a tensor of shape {b.shape(x)} with a step; such a value has more than 4 "
+                     "dims besides the batch (its outer dims merged in ncnn)", "slice with a step before the "
+                     "reshape that adds the dims")
+    shape, bd = list(b.shape(x)), b.batch_dim(x)
+    ranges = list(ranges)
+    for d, step in steps.items():
+        lo, hi = ranges[d]
+        count = len(range(lo, hi, step))
+        dims = drop_dim(tuple(shape), bd)
+        k = d if bd is None or d < bd else d - 1
+        split = (math.prod(dims[:k]), shape[d] // step, step, math.prod(dims[k + 1:]))
+        blob = b.helper(node, "Reshape", [blob], shape_params(split))
+        blob = b.helper(node, "Crop", [blob], {9: [lo // step, lo % step], 10: [lo // step + count, lo % step + 1],
+                                               11: [1, 2]})
+        shape[d], ranges[d] = count, (0, count)
+        blob = b.helper(node, "Reshape", [blob], shape_params(drop_dim(tuple(shape), bd)))
+    return blob, tuple(shape), ranges
+
+
+def _folded_crops(b: NcnnBuilder, node: fx.Node, x: fx.Node, cut: dict[int, tuple[int, int]]
+                  ) -> list[tuple[int, int, int]]:
+    """(start, end, blob axis) of each cut of a value of more than 4 blob dims, stored with its outer dims merged
+    (:meth:`NcnnBuilder.stored_shape`): a cut of its outermost dim is a range of the merged axis (Swin's packed
+    ``qkv[0]`` of ``(3, windows, heads, tokens, dim)``), a cut of its last three dims one of their axes."""
+    shape, bd = b.shape(x), b.batch_dim(x)
+    dims = [d for d in range(len(shape)) if d != bd]  # torch dims in blob order
+    merged = len(dims) - 3  # blob dims folded into the stored blob's axis 0
+    inner = math.prod(shape[d] for d in dims[1:merged])
+    crops = []
+    for d, (lo, hi) in cut.items():
+        k = dims.index(d)
+        if 0 < k < merged:
+            raise b.fail(node, f"it slices dim {d} of a tensor of shape {shape}, which has more than 4 dims besides "
+                         "the batch; ncnn blobs have at most 4 (the outer dims are merged), so only the outermost "
+                         "and the last three dims can be sliced", "slice before the reshape that adds the dims")
+        crops.append((lo * inner, hi * inner, 0) if k == 0 else (lo, hi, k - merged + 1))
+    return crops
 
 
 _PAD_TYPES = {"constant": 0, "replicate": 1, "reflect": 2}
@@ -966,8 +1107,10 @@ _PAD_TYPES = {"constant": 0, "replicate": 1, "reflect": 2}
 def _pad(b: NcnnBuilder, node: fx.Node) -> None:
     """``Padding``: 0 top, 1 bottom, 2 left, 3 right, 4 type (0 constant, 1 replicate, 2 reflect), 5 value,
     7 front, 8 behind (the channels of a (C, H, W) blob)."""
-    x, mode, value = node.args[0], _arg(node, 2, "mode", "constant"), _arg(node, 3, "value", None)
-    pads = [int(p) for p in _const(b, node, _arg(node, 1, "pad"), "pad")]
+    x, pads, mode, value = _pad_args(b, node)
+    if not any(pads):  # Swin's window padding at a size the window divides: nothing to pad
+        b.alias(node, x, b.batch_dim(x))
+        return
     rank = len(b.shape(x))
     if mode not in _PAD_TYPES or len(pads) % 2 or len(pads) // 2 >= min(rank, 4) or min(pads, default=0) < 0:
         raise b.fail(node, f"{mode!r} padding {pads} of a rank-{rank} tensor", "ncnn's Padding pads the "
@@ -978,6 +1121,25 @@ def _pad(b: NcnnBuilder, node: fx.Node) -> None:
     if front or behind:
         params.update({7: front, 8: behind})
     b.emit(node, "Padding", [b.blob(x, node)], params)
+
+
+def _pad_args(b: NcnnBuilder, node: fx.Node) -> tuple[fx.Node, list[int], str, Any]:
+    """(input, ``F.pad``'s pads, torch mode, fill value) of ``F.pad``, fxq's ``OnnxPad`` (pads stored in torch
+    order) or onnx2torch's ``OnnxPadDynamic`` (ONNX pads as an input, computed from shapes in Swin's windows)."""
+    mod = b.module(node)
+    if mod is None:
+        x, mode, value = node.args[0], _arg(node, 2, "mode", "constant"), _arg(node, 3, "value", None)
+        return x, [int(p) for p in _const(b, node, _arg(node, 1, "pad"), "pad")], mode, value
+    if hasattr(mod, "pads"):
+        return node.args[0], [int(p) for p in mod.pads], mod.mode, mod.value
+    from fxq.frontends.onnx.converters.pad import torch_pads  # noqa: PLC0415  (only ONNX graphs hold this module)
+
+    if not 2 <= len(node.args) <= 3 or not hasattr(mod, "mode"):
+        raise b.fail(node, "an ONNX Pad with axes or without its pads", "pad with constant pads over all axes")
+    onnx_pads = [int(p) for p in b.param(node.args[1], node, "pads").reshape(-1).tolist()]
+    fill = node.args[2] if len(node.args) == 3 else None
+    value = float(b.param(fill, node, "fill value").reshape(-1)[0]) if fill is not None else 0.0
+    return node.args[0], torch_pads(onnx_pads, None, None), mod.mode, value
 
 
 @register_ncnn_converter("Transpose", any_batch_dim=True, high_rank=True)

@@ -1,25 +1,36 @@
-"""NCNN INT8: only the inputs of conv/gemm are quantized ([-127,127], half away from zero)."""
+"""NCNN INT8: only the inputs of conv/gemm (and MatMul by a constant matrix) are quantized ([-127,127], half away
+from zero)."""
 from typing import Any
 
+from torch import fx
+
+from fxq.graph.info import computed_from_parameters
+from fxq.graph.op_types import weight_shape
 from fxq.qconfig.base import Capability, Platform, RoleCapability, _int_config, register_platform
 from fxq.spec import RoundingPolicy, TensorQuantConfig
 
-NCNN_OPS = frozenset({"Conv", "Gemm"})
+NCNN_OPS = frozenset({"Conv", "Gemm", "MatMul"})  # MatMul: by a constant matrix only (its op rule)
 
 
-def _no_int8_3d_conv(weight_shape: tuple[int, ...] | None, attrs: dict[str, Any]) -> str | None:
+def _no_int8_3d_conv(node: fx.Node, gm: fx.GraphModule) -> str | None:
     """not 3-D: ncnn's Convolution3D / ConvolutionDepthWise3D have no int8 path."""
-    if weight_shape is not None and len(weight_shape) == 5:
+    shape = weight_shape(node, gm)
+    if shape is not None and len(shape) == 5:
         return "ncnn has no int8 3-D convolution (Convolution3D runs in FP32)"
     return None
+
+
+def _matmul_by_matrix_only(node: fx.Node, gm: fx.GraphModule) -> str | None:
+    """by a constant 2-D matrix only (an int8 InnerProduct): ncnn's MatMul of two activations has no int8 form."""
+    return None if is_matmul_by_matrix(node) else "ncnn runs a MatMul int8 only by a constant 2-D matrix"
 
 
 @register_platform("ncnn_int8")
 class NcnnInt8(Platform):
     exporter = "ncnn"
-    description = ("NCNN INT8: inputs of Conv/Gemm sym [-127,127], weights per-channel (6-bit for 3x3 s1 d1 convs "
-                   "that ncnn runs as Convolution: groups 1, and each group of a grouped conv that is not depthwise), "
-                   "outputs FP32, rounding half away from zero")
+    description = ("NCNN INT8: inputs of Conv/Gemm/MatMul by a constant matrix sym [-127,127], weights per-channel "
+                   "(6-bit for 3x3 s1 d1 convs that ncnn runs as Convolution: groups 1, and each group of a grouped "
+                   "conv that is not depthwise), outputs FP32, rounding half away from zero")
     activation = _int_config(8, True, narrow=True)
     weight = _int_config(8, True, narrow=True, per_channel=True)
     quantized_ops = NCNN_OPS
@@ -31,11 +42,12 @@ class NcnnInt8(Platform):
              "at most 8 bits, [-qmax, qmax], per output channel; FP32 biases)",
         activation=RoleCapability(bits=frozenset({8}), symmetric=True, narrow=True, per_channel=False,
                                   formats=frozenset({"int"})),
-        weight=RoleCapability(bits=frozenset(range(2, 9)), symmetric=True, narrow=True, axes=frozenset({0}),
+        # axis -1: the output channels of a MatMul's (K, N) weight (the exporter checks each layer's axis)
+        weight=RoleCapability(bits=frozenset(range(2, 9)), symmetric=True, narrow=True, axes=frozenset({0, -1}),
                               formats=frozenset({"int"})),
         quantized_bias=False,
         ops=NCNN_OPS,  # the inputs / weights of Convolution(DepthWise) and InnerProduct, nothing else
-        op_rules={"Conv": _no_int8_3d_conv},
+        op_rules={"Conv": _no_int8_3d_conv, "MatMul": _matmul_by_matrix_only},
         hint="use platform='academic_int8' / 'academic_int4' for simulation-only schemes",
     )
 
@@ -70,3 +82,13 @@ def pair(v: Any) -> tuple[int, int]:
     if isinstance(v, (list, tuple)):
         return (int(v[0]), int(v[0])) if len(v) == 1 else (int(v[0]), int(v[1]))
     return int(v), int(v)
+
+
+def is_matmul_by_matrix(node: fx.Node) -> bool:
+    """Whether a MatMul node multiplies a computed value by a 2-D matrix computed from parameters only
+    (``x @ W``, ONNX's ``MatMul(x, W)`` of a Linear layer)."""
+    if len(node.args) < 2 or not all(isinstance(a, fx.Node) for a in node.args[:2]):
+        return False
+    lhs, rhs = node.args[:2]
+    val = rhs.meta.get("val")
+    return (getattr(val, "ndim", 0) == 2 and computed_from_parameters(rhs) and not computed_from_parameters(lhs))

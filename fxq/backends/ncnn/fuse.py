@@ -1,0 +1,210 @@
+"""Ops that ONNX files spell out and ncnn has one layer for, rewritten in the export's own copy of the graph.
+
+``torch.onnx.export`` writes ``F.gelu`` (exact form) before opset 20 as ``x * 0.5 * (1 + erf(x / sqrt(2)))``, and
+ncnn has no ``Erf`` (its ``UnaryOp`` stops at trigonometry and rounding), so an ONNX-loaded ViT would not export.
+The pattern is the definition of GELU, so it becomes one ``F.gelu`` node, which ncnn runs as ``GELU``. Before
+opset 17 ``LayerNorm`` is nine ops (two ``ReduceMean``, ``Pow``, ``Sqrt``...), one ``F.layer_norm`` node here.
+The quantized model itself keeps its graph: only the exporter's copy is rewritten.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from fxq.graph.nodes import get_attr_value
+from fxq.graph.op_types import op_type
+
+__all__ = ["fuse_erf_gelu", "fuse_layer_norm", "mean_args", "FUSED_OPS"]
+
+FUSED_OPS = frozenset({"Erf", "Sqrt"})
+"""Op types that mark a graph these rewrites may change (the exporter copies such a graph first)."""
+
+logger = logging.getLogger(__name__)
+
+_SQRT2 = math.sqrt(2.0)
+
+
+def fuse_erf_gelu(gm: fx.GraphModule) -> int:
+    """Replace each ``x * 0.5 * (1 + erf(x / sqrt(2)))`` of ``gm`` (factors in any order, ``x * (1 / sqrt(2))``
+    too) by ``F.gelu(x)``, in place; returns how many. An Erf outside this pattern is left as it is."""
+    return _rewrite(gm, "Erf", _match, F.gelu, "erf-spelled GELU")
+
+
+def fuse_layer_norm(gm: fx.GraphModule) -> int:
+    """Replace each ``(x - mean(x)) / sqrt(mean((x - mean(x)) ** 2) + eps) [* gamma] [+ beta]`` over the last dims
+    of ``gm`` by ``F.layer_norm``, in place; returns how many."""
+    return _rewrite(gm, "Sqrt", _match_layer_norm, F.layer_norm, "spelled-out LayerNorm")
+
+
+def _rewrite(gm: fx.GraphModule, anchor: str, match: Callable[..., Any], target: Callable[..., Any], what: str
+             ) -> int:
+    """Replace each pattern ``match(gm, modules, node)`` finds around a node of op type ``anchor`` — (x, the node
+    computing it, the nodes it replaces, more arguments) — by one ``target(x, *arguments)`` node, named after the
+    anchor's ONNX node."""
+    modules = dict(gm.named_modules())
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    count = 0
+    for node in [n for n in gm.graph.nodes if op_type(n, modules) == anchor]:
+        found = match(gm, modules, node)
+        if found is None:
+            continue
+        x, out, interior, args = found
+        with gm.graph.inserting_after(out):
+            new = gm.graph.call_function(target, (x, *args))
+        new.meta["val"] = out.meta.get("val")
+        if "onnx" in node.meta:
+            new.meta["onnx"] = node.meta["onnx"]
+        out.replace_all_uses_with(new)
+        for n in sorted(interior, key=order.__getitem__, reverse=True):
+            gm.graph.erase_node(n)
+        count += 1
+    if count:
+        gm.recompile()
+        logger.debug("ncnn export: %d %s(s) written as one layer each", count, what)
+    return count
+
+
+def _match(gm: fx.GraphModule, modules: dict[str, Any], erf: fx.Node
+           ) -> tuple[fx.Node, fx.Node, list[fx.Node], tuple[()]] | None:
+    """(x, the node computing the GELU, the nodes it replaces) of the GELU around ``erf``; None if not one."""
+
+    def t(n: Any) -> str | None:
+        return op_type(n, modules) if isinstance(n, fx.Node) else None
+
+    def only_user(n: fx.Node) -> fx.Node | None:
+        return next(iter(n.users)) if len(n.users) == 1 else None
+
+    def split(n: fx.Node) -> tuple[Any, float | None] | None:
+        """(other operand, scalar) of a binary node with one scalar operand (the scalar second for Div)."""
+        if len(n.args) != 2 or n.kwargs:
+            return None
+        a, b = n.args
+        if t(n) == "Div":
+            return a, _scalar(gm, b)
+        sa, sb = _scalar(gm, a), _scalar(gm, b)
+        return (b, sa) if sa is not None else (a, sb)
+
+    u = erf.args[0] if len(erf.args) == 1 and isinstance(erf.args[0], fx.Node) else None
+    if u is None or only_user(u) is not erf or t(u) not in ("Div", "Mul"):
+        return None
+    x, c = split(u) or (None, None)
+    if not isinstance(x, fx.Node) or c is None or not math.isclose(c if t(u) == "Div" else 1.0 / c, _SQRT2,
+                                                                       rel_tol=1e-5):
+        return None
+    one = only_user(erf)
+    if one is None or t(one) != "Add" or split(one) is None or split(one)[0] is not erf or split(one)[1] != 1.0:
+        return None
+    interior, cur, factor, has_x = [u, erf, one], one, 1.0, False
+    for _ in range(2):  # the product of (1 + erf), x and 0.5: two Muls
+        m = only_user(cur)
+        if m is None or t(m) != "Mul" or len(m.args) != 2 or m.kwargs:
+            return None
+        (other,) = [a for a in m.args if a is not cur] or [None]
+        s = _scalar(gm, other)
+        if other is x and not has_x:
+            has_x = True
+        elif s is not None:
+            factor *= s
+        elif isinstance(other, fx.Node) and t(other) == "Mul" and only_user(other) is m and not has_x and \
+                (split(other) or (None, None))[0] is x and split(other)[1] is not None:
+            has_x, factor = True, factor * split(other)[1]  # (x * 0.5) * (1 + erf)
+            interior.append(other)
+        else:
+            return None
+        interior.append(m)
+        cur = m
+        if has_x and math.isclose(factor, 0.5, rel_tol=1e-6):
+            return x, cur, interior, ()
+    return None
+
+
+def _scalar(gm: fx.GraphModule, value: Any) -> float | None:
+    """``value`` as a number: a Python number, or a one-element stored tensor (an ONNX initializer)."""
+    if isinstance(value, fx.Node) and value.op == "get_attr":
+        value = get_attr_value(gm, str(value.target))
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+        return float(value.reshape(-1)[0])
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def mean_args(node: fx.Node, modules: dict[str, Any]) -> tuple[Any, bool] | None:
+    """(dims, keepdim) of a ReduceMean node (``x.mean``, onnx2torch's ``OnnxReduceStaticAxes``, fxq's
+    ``OnnxReduce``; dims None = all), or None for another reduction or a no-op one."""
+    mod = modules.get(str(node.target)) if node.op == "call_module" else None
+    if mod is None:
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        return dims, bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    if getattr(mod, "op_type", None) == "ReduceMean" and hasattr(mod, "dims"):
+        return None if mod.noop else (mod.dims, bool(mod.keepdim))
+    if getattr(mod, "operation_type", "ReduceMean") == "ReduceMean" and hasattr(mod, "axes"):
+        return mod.axes, bool(mod.keepdims)
+    return None
+
+
+def _match_layer_norm(gm: fx.GraphModule, modules: dict[str, Any], sqrt: fx.Node
+                      ) -> tuple[fx.Node, fx.Node, list[fx.Node], tuple[Any, ...]] | None:
+    """(x, the node computing the LayerNorm, the nodes it replaces, F.layer_norm's other arguments) of the
+    LayerNorm around ``sqrt``; None if not one."""
+
+    def t(n: Any) -> str | None:
+        return op_type(n, modules) if isinstance(n, fx.Node) else None
+
+    def users(n: fx.Node) -> list[fx.Node]:
+        return list(n.users)
+
+    def operands(n: fx.Node) -> list[Any]:
+        return list(n.args) if len(n.args) == 2 and not n.kwargs else []
+
+    def trailing(mean: fx.Node, rank: int) -> int | None:
+        """How many last dims ``mean`` averages (keeping them), or None."""
+        got = mean_args(mean, modules) if t(mean) == "ReduceMean" else None
+        if got is None or not got[1] or got[0] is None:
+            return None
+        dims = sorted({int(d) % rank for d in ((got[0],) if isinstance(got[0], int) else got[0])})
+        return len(dims) if dims == list(range(rank - len(dims), rank)) else None
+
+    var_eps = sqrt.args[0] if len(sqrt.args) == 1 and isinstance(sqrt.args[0], fx.Node) else None
+    if var_eps is None or t(var_eps) != "Add" or len(sqrt.users) != 1 or len(var_eps.users) != 1:
+        return None
+    (var,) = [a for a in operands(var_eps) if isinstance(a, fx.Node) and t(a) == "ReduceMean"] or [None]
+    eps = next((_scalar(gm, a) for a in operands(var_eps) if a is not var), None)
+    if var is None or eps is None or len(var.users) != 1:
+        return None
+    sq = var.args[0]
+    if t(sq) != "Pow" or len(sq.users) != 1 or len(operands(sq)) != 2 or _scalar(gm, sq.args[1]) != 2.0:
+        return None
+    centred = sq.args[0]
+    if t(centred) != "Sub" or len(operands(centred)) != 2:
+        return None
+    x, mean = centred.args
+    (div,) = [u for u in users(centred) if u is not sq] or [None]
+    if (len(centred.users) != 2 or div is None or t(div) != "Div" or operands(div) != [centred, sqrt] or
+            not isinstance(x, fx.Node) or t(mean) != "ReduceMean" or mean.args[:1] != (x,) or len(mean.users) != 1):
+        return None
+    val = x.meta.get("val")
+    rank = getattr(val, "ndim", 0)
+    k = trailing(mean, rank) if rank else None
+    if k is None or trailing(var, rank) != k:
+        return None
+    shape = tuple(int(d) for d in val.shape[rank - k:])
+    interior, out, affine = [mean, centred, sq, var, var_eps, sqrt, div], div, []
+    for want in ("Mul", "Add"):  # gamma, then beta: stored tensors of the normalized shape
+        nxt = next(iter(out.users)) if len(out.users) == 1 else None
+        other = [a for a in operands(nxt) if a is not out] if nxt is not None and t(nxt) == want else []
+        param = other[0] if len(other) == 1 else None
+        if not (isinstance(param, fx.Node) and param.op == "get_attr"
+                and tuple(get_attr_value(gm, str(param.target)).shape) == shape):
+            break
+        affine.append(param)
+        interior.append(nxt)
+        out = nxt
+    weight = affine[0] if affine else None
+    bias = affine[1] if len(affine) > 1 else None
+    return x, out, interior, (list(shape), weight, bias, eps)
