@@ -23,7 +23,7 @@ from torch import fx
 
 from fxq import onnx_data
 from fxq.backends.qdq.common import fold_initializer_identities
-from fxq.backends.qdq.marking import MARK_DOMAIN, MARK_OP, Mark, MarkedModule
+from fxq.backends.qdq.marking import MARK_DOMAIN, MARK_OP, Mark, MarkedModule, freeze_quant_mark_inputs
 from fxq.backends.qdq.onnx_graph import (
     all_tensor_names,
     attr,
@@ -312,8 +312,21 @@ def _resolve_names(model: onnx.ModelProto, marked: MarkedModule) -> tuple[dict[s
 
 
 def lower(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | None = None) -> Lowered:
-    """Export ``marked`` with torch.onnx at ``opset`` and resolve its name marks."""
+    """Export ``marked`` with torch.onnx at ``opset`` and resolve its name marks.
+
+    Quant marks that torch.onnx folded away with a constant value are fed from buffers and the model is exported
+    again (:func:`~fxq.backends.qdq.marking.freeze_quant_mark_inputs`), so every quantizer of the simulation has
+    its Q/DQ in the file.
+    """
     model = _export(marked, args, opset, dynamic_axes)
+    present = {int(attr(n, "id", -1)) for n in mark_nodes(model.graph)}
+    lost = {i for i, m in marked.marks.items() if m.kind == "quant" and i not in present}
+    if lost:
+        names = freeze_quant_mark_inputs(marked, lost, args)
+        logger.info("torch.onnx folded %d quantized value(s) computed only from constants and shapes (%s): "
+                    "exported again with them as initializers, quantized as fxq simulates them", len(names),
+                    ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""))
+        model = _export(marked, args, opset, dynamic_axes)
     fold_initializer_identities(model.graph)
     tensor_of, fx_of_node = _resolve_names(model, marked)
     return Lowered(model, marked, tensor_of, opset, fx_of_node)
