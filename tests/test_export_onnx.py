@@ -291,3 +291,38 @@ def test_value_computed_from_shapes_keeps_its_qdq(tmp_path, platform, capture, d
     model = onnx.load(path)
     dq_inputs = {n.input[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
     assert len(dq_inputs) >= len(quantizers)  # one DequantizeLinear (at least) per quantizer
+
+
+class Warp(torch.nn.Module):
+    """Features resampled at predicted positions (``F.grid_sample``, as RAFT's correlation lookup): ONNX GridSample
+    exists from opset 16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.head = torch.nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        grid = torch.tanh(y[:, :2].permute(0, 2, 3, 1))
+        return self.head(torch.nn.functional.grid_sample(y, grid, align_corners=False))
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
+def test_exporter_picks_the_opset_an_op_needs(tmp_path, platform):
+    """No opset given: the file is written at the opset torch.onnx needs for grid_sampler (16) and computes what
+    the simulation does; opset=13 given: an ExportError names the op and the opset to pass, which works."""
+    torch.manual_seed(0)
+    data = [torch.randn(2, 3, 10, 13) for _ in range(2)]
+    gm = fxq.quantize(Warp().eval(), data, platform, progress=False)
+    path = fxq.export(gm, platform, tmp_path / "warp.onnx")[0]
+    assert onnx.load(path).opset_import[0].version == 16
+    with torch.no_grad():
+        ref = gm(data[0])
+    for optimize in (False, True):
+        e = end_to_end(ref, run_ort(path, data[0], optimize), output_lsb(gm))
+        assert e.max_lsb <= 1.0 + 1e-3 and e.exact >= 0.99, (optimize, e)
+    with pytest.raises(fxq.errors.ExportError, match=r"grid_sampler.*opset 13.*pass opset=16"):
+        fxq.export(gm, platform, tmp_path / "warp13.onnx", opset=13)
+    path = fxq.export(gm, platform, tmp_path / "warp16.onnx", opset=16)[0]
+    assert onnx.load(path).opset_import[0].version == 16

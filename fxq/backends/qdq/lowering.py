@@ -35,7 +35,7 @@ from fxq.backends.qdq.onnx_graph import (
 )
 from fxq.errors import ExportError
 
-__all__ = ["Lowered", "lower", "example_inputs_for", "dynamic_axes_for", "mark_nodes"]
+__all__ = ["Lowered", "OpsetTooLow", "lower", "example_inputs_for", "dynamic_axes_for", "mark_nodes"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,15 @@ def dynamic_axes_for(gm: fx.GraphModule, input_names: Sequence[str], output_name
 
 
 _UNSUPPORTED = re.compile(r"Exporting the operator '?([\w:.]+)'? to ONNX opset version (\d+) is not supported")
+_ADDED_IN = re.compile(r"added in (?:opset )?version (\d+)")
+
+
+class OpsetTooLow(ExportError):
+    """torch.onnx expresses an op of the model only from a newer opset (``needed``), which it names."""
+
+    def __init__(self, message: str, needed: int) -> None:
+        super().__init__(message)
+        self.needed = needed
 
 
 def _max_torchscript_opset() -> int:
@@ -204,6 +213,11 @@ def _torch_export(marked: MarkedModule, args: tuple, export_opset: int, dynamic_
                      if short in (getattr(n.target, "__name__", None), str(n.target))]
             where = f" (fx node {', '.join(map(repr, nodes[:3]))})" if nodes else ""
             what = f"op {m.group(1)!r}{where} at opset {m.group(2)}"
+            added = _ADDED_IN.search(str(exc))
+            if added and int(added.group(1)) > export_opset:
+                needed = int(added.group(1))
+                raise OpsetTooLow(f"torch.onnx cannot express {what}: it writes that op from opset {needed}. Fix: "
+                                  f"pass opset={needed} (or higher)", needed) from exc
         raise ExportError(
             f"torch.onnx cannot express {what}. Fix: use another opset (opset=...), register a symbolic with "
             f"torch.onnx.register_custom_op_symbolic, or move that op out of the exported model"
@@ -311,14 +325,31 @@ def _resolve_names(model: onnx.ModelProto, marked: MarkedModule) -> tuple[dict[s
     return fx_tensor, fx_of_node
 
 
-def lower(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | None = None) -> Lowered:
+def _export_at_needed_opset(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | None,
+                            raise_opset: bool) -> tuple[onnx.ModelProto, int]:
+    """:func:`_export` at ``opset``, or, with ``raise_opset``, at the opset torch.onnx says an op of the model
+    needs (RAFT's ``grid_sampler``: 16); returns the model and its opset."""
+    while True:
+        try:
+            return _export(marked, args, opset, dynamic_axes), opset
+        except OpsetTooLow as exc:
+            if not raise_opset or exc.needed <= opset:  # torch.onnx's own limit: converting up did not help
+                raise
+            logger.info("%s: exporting at opset %d", exc, exc.needed)
+            opset = exc.needed
+
+
+def lower(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | None = None, *,
+          raise_opset: bool = False) -> Lowered:
     """Export ``marked`` with torch.onnx at ``opset`` and resolve its name marks.
 
-    Quant marks that torch.onnx folded away with a constant value are fed from buffers and the model is exported
-    again (:func:`~fxq.backends.qdq.marking.freeze_quant_mark_inputs`), so every quantizer of the simulation has
-    its Q/DQ in the file.
+    With ``raise_opset`` (the user gave no opset) an op that torch.onnx writes only from a newer opset raises it;
+    :attr:`Lowered.opset` is the one written. Quant marks that torch.onnx folded away with a constant value are
+    fed from buffers and the model is exported again
+    (:func:`~fxq.backends.qdq.marking.freeze_quant_mark_inputs`), so every quantizer of the simulation has its
+    Q/DQ in the file.
     """
-    model = _export(marked, args, opset, dynamic_axes)
+    model, opset = _export_at_needed_opset(marked, args, opset, dynamic_axes, raise_opset)
     present = {int(attr(n, "id", -1)) for n in mark_nodes(model.graph)}
     lost = {i for i, m in marked.marks.items() if m.kind == "quant" and i not in present}
     if lost:
