@@ -69,7 +69,6 @@ class MarkedModule:
     output_names: list[str]
     param_names: dict[str, str]  # parameter target -> wanted ONNX initializer name
     grid_of: dict[str, tuple[str, str]]  # fx node -> (quantizer whose grid its value lies on, "passive"|"overlapped")
-    quantizers: dict[str, Any] = dataclasses.field(default_factory=dict)  # quantizer name -> its FakeQuantize
 
 
 def _tensor_val(node: fx.Node) -> bool:
@@ -258,7 +257,7 @@ def build_marked_module(gm: fx.GraphModule, *, requantize_passive: bool = True) 
         b.requantize_passive()
     module = b.finish()
     inputs, outputs = _io_names(gm)
-    return MarkedModule(module, b.marks, inputs, outputs, _param_names(gm), _grid_of(gm), b.quantizers)
+    return MarkedModule(module, b.marks, inputs, outputs, _param_names(gm), _grid_of(gm))
 
 
 def _value_name(node: fx.Node) -> str:
@@ -287,8 +286,9 @@ def freeze_quant_mark_inputs(marked: MarkedModule, ids: set[int], args: tuple) -
     gm = marked.module
     lost = [m for m in gm.graph.nodes if _is_mark(m, "quant") and m.meta["fxq_export_mark"].id in ids]
     below: set[fx.Node] = set()  # nodes computed from a folded quant mark
+    folded = set(lost)
     for node in gm.graph.nodes:  # topological order
-        if any(a in below or (a in lost) for a in node.all_input_nodes):
+        if any(a in below or a in folded for a in node.all_input_nodes):
             below.add(node)
     roots = {m: m.args[0] for m in lost if m not in below}
     inputs = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], args))
