@@ -7,6 +7,7 @@ from torch import nn
 
 import fxq
 from fxq.graph.info import iter_quantizers
+from fxq.graph.quant_graph import QuantGraph
 
 torchvision = pytest.importorskip("torchvision")
 
@@ -23,7 +24,12 @@ class Flow(nn.Module):
         return self.raft(a, b, num_flow_updates=2)[-1]
 
 
-def test_raft_is_captured_by_export_and_quantized():
+def test_raft_is_captured_by_export_quantized_and_exported(tmp_path):
+    """Captured by torch.export, quantized, and exported: with no opset given the file is written at the opset
+    grid_sampler needs (16); the coordinate grids, computed only from the static input shape, keep their Q/DQ;
+    fed the simulation's codes (ORT_DISABLE_ALL), every quantized tensor of the file is within 1 code. End to end
+    the random-init model is chaotic (a 1e-4 input change moves the simulation itself to cosine ~0.99)."""
+    onnx = pytest.importorskip("onnx")
     g = torch.Generator().manual_seed(0)
     data = [(torch.rand(1, 3, 128, 128, generator=g), torch.rand(1, 3, 128, 128, generator=g)) for _ in range(2)]
     model = Flow().eval()
@@ -39,6 +45,32 @@ def test_raft_is_captured_by_export_and_quantized():
         with fxq.fp32_mode(q):  # the lifted graph computes what the model does
             assert torch.allclose(q(*data[1]), ref, atol=1e-4)
         assert not torch.equal(q(*data[1]), ref)
+    path = fxq.export(q, "trt_int8", tmp_path / "raft.onnx")[0]
+    graph = onnx.load(path)
+    assert graph.opset_import[0].version == 16
+    inits = {t.name for t in graph.graph.initializer}
+    grids = [info.source for info in QuantGraph(q).infos().values()
+             if info.role == "activation" and _from_constants_only(q, info.source)]
+    assert grids and all(name in inits for name in grids)  # written as initializers, their Q/DQ after them
+    forced = fxq.locate_mismatch(q, path, [data[1]], teacher_forced=True, optimize=False)
+    assert not forced.unmatched and all(r.max_diff <= 1 for r in forced) and forced.identical > 0.9999
+
+
+def _from_constants_only(gm, name: str) -> bool:
+    """Whether node ``name`` is computed from constants and sizes only (no placeholder's data, no parameter)."""
+    seen: set = set()
+    stack = [next(n for n in gm.graph.nodes if n.name == name)]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op in ("placeholder", "get_attr"):
+            return False
+        if n.target is torch.ops.aten.sym_size.int:
+            continue  # the static size of an input
+        stack.extend(n.all_input_nodes)
+    return True
 
 
 def test_detection_model_gets_one_error_and_its_backbone_quantizes_by_both_paths():

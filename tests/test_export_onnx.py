@@ -247,3 +247,82 @@ def test_dynamic_batch(tmp_path):
         ref = gm(x)
     got = run_ort(path, x, False)
     assert got.shape == (5, 10) and end_to_end(ref, got, output_lsb(gm)).within_1_lsb >= 0.999
+
+
+class ShapeGrid(torch.nn.Module):
+    """RAFT's coordinate grid in small: ``arange`` / ``meshgrid`` over the input's height and width, added to a conv
+    output and squared. Under ``torch.export`` the sizes are static, so the grid is computed from constants only,
+    and torch.onnx used to fold it into a constant together with its Q/DQ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 2, 3, padding=1)
+        self.head = torch.nn.Conv2d(2, 4, 1)
+
+    def forward(self, x):
+        n, _, h, w = x.shape
+        ys, xs = torch.meshgrid(torch.arange(h, device=x.device), torch.arange(w, device=x.device), indexing="ij")
+        grid = torch.stack([xs, ys], dim=0).float()[None].repeat(n, 1, 1, 1)
+        y = self.conv(x) + grid
+        return self.head(y - grid * grid)
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
+@pytest.mark.parametrize("capture,dispatcher", [("fx", "conservative"), ("export", "conservative"),
+                                                ("export", "allin")])
+def test_value_computed_from_shapes_keeps_its_qdq(tmp_path, platform, capture, dispatcher):
+    """A quantized value computed only from shapes and constants is written with its quantization: the file
+    computes what the simulation does in both onnxruntime modes (allin also quantizes ops inside the grid's chain,
+    so a folded value there carries its upstream quantizers)."""
+    torch.manual_seed(0)
+    data = [torch.randn(2, 3, 10, 13) for _ in range(2)]
+    setting = fxq.QuantizationSetting(dispatcher=dispatcher)
+    gm = fxq.quantize(ShapeGrid().eval(), data, platform, setting=setting, capture=capture, progress=False)
+    quantizers = QuantGraph(gm).infos()
+    assert any(info.source == "repeat" for info in quantizers.values())  # the grid is quantized
+    path = fxq.export(gm, platform, tmp_path / "grid.onnx")[0]
+    with torch.no_grad():
+        ref = gm(data[0])
+    lsb = output_lsb(gm)
+    for optimize in (False, True):
+        e = end_to_end(ref, run_ort(path, data[0], optimize), lsb)
+        assert e.max_lsb <= 1.0 + 1e-3, (optimize, e)
+        assert e.exact >= (0.999 if not optimize else 0.99), (optimize, e)
+    model = onnx.load(path)
+    dq_inputs = {n.input[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    assert len(dq_inputs) >= len(quantizers)  # one DequantizeLinear (at least) per quantizer
+
+
+class Warp(torch.nn.Module):
+    """Features resampled at predicted positions (``F.grid_sample``, as RAFT's correlation lookup): ONNX GridSample
+    exists from opset 16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.head = torch.nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        grid = torch.tanh(y[:, :2].permute(0, 2, 3, 1))
+        return self.head(torch.nn.functional.grid_sample(y, grid, align_corners=False))
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
+def test_exporter_picks_the_opset_an_op_needs(tmp_path, platform):
+    """No opset given: the file is written at the opset torch.onnx needs for grid_sampler (16) and computes what
+    the simulation does; opset=13 given: an ExportError names the op and the opset to pass, which works."""
+    torch.manual_seed(0)
+    data = [torch.randn(2, 3, 10, 13) for _ in range(2)]
+    gm = fxq.quantize(Warp().eval(), data, platform, progress=False)
+    path = fxq.export(gm, platform, tmp_path / "warp.onnx")[0]
+    assert onnx.load(path).opset_import[0].version == 16
+    with torch.no_grad():
+        ref = gm(data[0])
+    for optimize in (False, True):
+        e = end_to_end(ref, run_ort(path, data[0], optimize), output_lsb(gm))
+        assert e.max_lsb <= 1.0 + 1e-3 and e.exact >= 0.99, (optimize, e)
+    with pytest.raises(fxq.errors.ExportError, match=r"grid_sampler.*opset 13.*pass opset=16"):
+        fxq.export(gm, platform, tmp_path / "warp13.onnx", opset=13)
+    path = fxq.export(gm, platform, tmp_path / "warp16.onnx", opset=16)[0]
+    assert onnx.load(path).opset_import[0].version == 16

@@ -219,3 +219,37 @@ def test_parameter_only_activations_compared(tmp_path, platform):
     assert all(r.max_diff <= 1 for r in forced) and forced.identical > 0.999
     free = fxq.locate_mismatch(gm, path, data, teacher_forced=False, optimize=False)
     assert not free.unmatched and free.identical > 0.999
+
+
+class _SameDifferenceTwice(torch.nn.Module):
+    """``y - x`` written twice, as RAFT writes ``coords1 - coords0`` for the upsampled flow and the next step's
+    flow: one copy feeds a conv, the other a concat with a wide-range tensor, so their quantizers differ while
+    torch.onnx merges the two Subs into one tensor read by both Q/DQ pairs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 3, 3, padding=1)
+        self.a = torch.nn.Conv2d(3, 4, 1)
+        self.b = torch.nn.Conv2d(6, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        first, second = y - x, y - x
+        return self.a(first) + self.b(torch.cat([second, 20 * y], 1))
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_merged_computations_compared_on_their_own_grids(tmp_path, platform):
+    """Each Q reading a merged tensor is compared with the quantizer of its own scale (before: the first copy's
+    quantizer judged both, a false 100+ code mismatch that teacher forcing fed downstream)."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(3)
+    calib = [torch.randn(2, 3, 8, 8, generator=gen) for _ in range(2)]
+    gm = fxq.quantize(_SameDifferenceTwice().eval(), calib, platform=platform, progress=False)
+    path = next(Path(f) for f in fxq.export(gm, platform, tmp_path / "twice") if str(f).endswith(".onnx"))
+    readers = [n for n in onnx.load(str(path)).graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "sub"]
+    assert len(readers) == 2 and readers[0].input[1] != readers[1].input[1]  # one tensor, two grids
+    for optimize in (False, True):
+        forced = fxq.locate_mismatch(gm, path, [torch.randn(2, 3, 8, 8, generator=gen)], teacher_forced=True,
+                                     optimize=optimize)
+        assert all(r.max_diff <= 1 for r in forced) and forced.identical > 0.999, forced.table()

@@ -201,9 +201,23 @@ def _named_by_dq(graph: Any, codes: str, by_tensor: dict[str, fx.Node]) -> fx.No
     return None
 
 
-def _quantizer_for(gm: fx.GraphModule, node: fx.Node, scale: np.ndarray, quantizers: dict[str, Any]) -> Any:
-    """The FakeQuantize whose grid the value of ``node`` is exported on (nearest scale among candidates)."""
+def _quantizer_for(gm: fx.GraphModule, node: fx.Node, scale: np.ndarray, zp: np.ndarray,
+                   quantizers: dict[str, Any]) -> Any:
+    """The FakeQuantize whose grid the value of ``node`` is exported on: among the node's quantizers the one with
+    the file's scale and zero-point, else any quantizer with them (torch.onnx merges equal computations, so a
+    Q may read a value that the simulation computes twice under two names: RAFT's ``coords1 - coords0`` as the
+    upsampled flow and as the next iteration's flow), else the node's nearest in scale."""
     from fxq.graph.info import NodeQuant, is_quantizer_node
+
+    def usable(fq: Any) -> bool:
+        return (getattr(fq.config, "is_quantizing", False) and not fq.config.is_floating
+                and fq.config.scale is not None)
+
+    def exact(fq: Any) -> bool:
+        s = fq.config.scale.detach().float().cpu().numpy().reshape(-1)
+        o = np.rint(fq.config.offset.detach().float().cpu().numpy().reshape(-1))
+        return (s.shape == scale.reshape(-1).shape and np.array_equal(s, scale.reshape(-1).astype(np.float32))
+                and np.array_equal(o, zp.reshape(-1).astype(np.float64)))
 
     cands = []
     for user in node.users:
@@ -212,8 +226,11 @@ def _quantizer_for(gm: fx.GraphModule, node: fx.Node, scale: np.ndarray, quantiz
     nq = node.meta.get("fxq")
     if not cands and isinstance(nq, NodeQuant) and nq.output in quantizers:
         cands.append(quantizers[nq.output])
-    cands = [fq for fq in cands if getattr(fq.config, "is_quantizing", False) and not fq.config.is_floating
-             and fq.config.scale is not None]
+    cands = [fq for fq in cands if usable(fq)]
+    same = next((fq for fq in cands if exact(fq)), None) or next(
+        (fq for fq in quantizers.values() if fq.role == "activation" and usable(fq) and exact(fq)), None)
+    if same is not None:
+        return same
     if not cands:
         return None
     target = float(np.abs(scale).reshape(-1).mean()) or 1.0
@@ -314,7 +331,7 @@ def locate_mismatch(
             continue
         scale = numpy_helper.to_array(inits[node.input[1]])
         zp = numpy_helper.to_array(inits[node.input[2]])
-        cuts.append((node, fxnode, _quantizer_for(qmodel, fxnode, scale, quantizers), scale, zp, elem))
+        cuts.append((node, fxnode, _quantizer_for(qmodel, fxnode, scale, zp, quantizers), scale, zp, elem))
     if not any_q:
         raise NotSupportedError(f"the exported file has no activation QuantizeLinear; supported: {_SUPPORTED}")
 

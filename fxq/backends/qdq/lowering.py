@@ -23,7 +23,7 @@ from torch import fx
 
 from fxq import onnx_data
 from fxq.backends.qdq.common import fold_initializer_identities
-from fxq.backends.qdq.marking import MARK_DOMAIN, MARK_OP, Mark, MarkedModule
+from fxq.backends.qdq.marking import MARK_DOMAIN, MARK_OP, Mark, MarkedModule, freeze_quant_mark_inputs
 from fxq.backends.qdq.onnx_graph import (
     all_tensor_names,
     attr,
@@ -35,7 +35,8 @@ from fxq.backends.qdq.onnx_graph import (
 )
 from fxq.errors import ExportError
 
-__all__ = ["Lowered", "lower", "example_inputs_for", "dynamic_axes_for", "mark_nodes", "torch_onnx_export"]
+__all__ = ["Lowered", "OpsetTooLow", "lower", "example_inputs_for", "dynamic_axes_for", "mark_nodes",
+           "torch_onnx_export"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,15 @@ def dynamic_axes_for(gm: fx.GraphModule, input_names: Sequence[str], output_name
 
 
 _UNSUPPORTED = re.compile(r"Exporting the operator '?([\w:.]+)'? to ONNX opset version (\d+) is not supported")
+_ADDED_IN = re.compile(r"added in (?:opset )?version (\d+)")
+
+
+class OpsetTooLow(ExportError):
+    """torch.onnx expresses an op of the model only from a newer opset (``needed``), which it names."""
+
+    def __init__(self, message: str, needed: int) -> None:
+        super().__init__(message)
+        self.needed = needed
 
 
 def _max_torchscript_opset() -> int:
@@ -217,6 +227,11 @@ def torch_onnx_export(module: torch.nn.Module, args: tuple, target: Any, *, opse
             nodes = [n.name for n in graph if short in (getattr(n.target, "__name__", None), str(n.target))]
             where = f" (fx node {', '.join(map(repr, nodes[:3]))})" if nodes else ""
             what = f"op {m.group(1)!r}{where} at opset {m.group(2)}"
+            added = _ADDED_IN.search(str(exc))
+            if added and int(added.group(1)) > opset:
+                needed = int(added.group(1))
+                raise OpsetTooLow(f"torch.onnx cannot express {what}: it writes that op from opset {needed}. Fix: "
+                                  f"pass opset={needed} (or higher)", needed) from exc
         raise ExportError(
             f"torch.onnx cannot express {what}. Fix: use another opset (opset=...), register a symbolic with "
             f"torch.onnx.register_custom_op_symbolic, or move that op out of the exported model"
@@ -324,9 +339,39 @@ def _resolve_names(model: onnx.ModelProto, marked: MarkedModule) -> tuple[dict[s
     return fx_tensor, fx_of_node
 
 
-def lower(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | None = None) -> Lowered:
-    """Export ``marked`` with torch.onnx at ``opset`` and resolve its name marks."""
-    model = _export(marked, args, opset, dynamic_axes)
+def _export_at_needed_opset(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | None,
+                            raise_opset: bool) -> tuple[onnx.ModelProto, int]:
+    """:func:`_export` at ``opset``, or, with ``raise_opset``, at the opset torch.onnx says an op of the model
+    needs (RAFT's ``grid_sampler``: 16); returns the model and its opset."""
+    while True:
+        try:
+            return _export(marked, args, opset, dynamic_axes), opset
+        except OpsetTooLow as exc:
+            if not raise_opset or exc.needed <= opset:  # torch.onnx's own limit: converting up did not help
+                raise
+            logger.info("%s: exporting at opset %d", exc, exc.needed)
+            opset = exc.needed
+
+
+def lower(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | None = None, *,
+          raise_opset: bool = False) -> Lowered:
+    """Export ``marked`` with torch.onnx at ``opset`` and resolve its name marks.
+
+    With ``raise_opset`` (the user gave no opset) an op that torch.onnx writes only from a newer opset raises it;
+    :attr:`Lowered.opset` is the one written. Quant marks that torch.onnx folded away with a constant value are
+    fed from buffers and the model is exported again
+    (:func:`~fxq.backends.qdq.marking.freeze_quant_mark_inputs`), so every quantizer of the simulation has its
+    Q/DQ in the file.
+    """
+    model, opset = _export_at_needed_opset(marked, args, opset, dynamic_axes, raise_opset)
+    present = {int(attr(n, "id", -1)) for n in mark_nodes(model.graph)}
+    lost = {i for i, m in marked.marks.items() if m.kind == "quant" and i not in present}
+    if lost:
+        names = freeze_quant_mark_inputs(marked, lost, args)
+        logger.info("torch.onnx folded %d quantized value(s) computed only from constants and shapes (%s): "
+                    "exported again with them as initializers, quantized as fxq simulates them", len(names),
+                    ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""))
+        model = _export(marked, args, opset, dynamic_axes)
     fold_initializer_identities(model.graph)
     tensor_of, fx_of_node = _resolve_names(model, marked)
     return Lowered(model, marked, tensor_of, opset, fx_of_node)

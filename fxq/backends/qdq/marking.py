@@ -17,7 +17,8 @@ from torch.onnx import symbolic_helper
 
 from fxq.graph.info import QUANTIZERS_ATTR, NodeQuant, computed_from_parameters, iter_quantizers
 
-__all__ = ["Mark", "MarkedModule", "build_marked_module", "MARK_DOMAIN", "MARK_OP", "flat_output_count"]
+__all__ = ["Mark", "MarkedModule", "build_marked_module", "freeze_quant_mark_inputs", "MARK_DOMAIN", "MARK_OP",
+           "flat_output_count"]
 
 logger = logging.getLogger(__name__)
 
@@ -257,3 +258,53 @@ def build_marked_module(gm: fx.GraphModule, *, requantize_passive: bool = True) 
     module = b.finish()
     inputs, outputs = _io_names(gm)
     return MarkedModule(module, b.marks, inputs, outputs, _param_names(gm), _grid_of(gm))
+
+
+def _value_name(node: fx.Node) -> str:
+    """The fx name of the value ``node`` carries: a name mark stands for the node it names."""
+    mark = node.meta.get("fxq_export_mark")
+    while isinstance(mark, Mark) and mark.kind == "name":
+        node = node.args[0]
+        mark = node.meta.get("fxq_export_mark")
+    return node.name
+
+
+def freeze_quant_mark_inputs(marked: MarkedModule, ids: set[int], args: tuple) -> list[str]:
+    """Feed the quant marks ``ids`` that torch.onnx folded away from buffers holding the values reaching them.
+
+    torch.onnx's tracer folds a value computed only from constants and static shapes (RAFT's coordinate grid:
+    ``arange`` / ``meshgrid`` at the traced size) into a constant, and the marks on it with it, so the value's Q/DQ
+    would be lost while the simulation quantizes it. A buffer is an input of the traced graph: its mark stays, and
+    the Q/DQ step writes the value as an initializer quantized by fxq's own function, as it does weights. Only the
+    first folded marks of a chain are fed (those with no folded quant mark upstream): what follows them is then
+    computed in the file, their own marks included, and what reaches them is not quantized anywhere, so a plain
+    run of the marked module on ``args`` gives the simulation's values. Returns the frozen values' names (their
+    initializers' names).
+    """
+    from fxq.analysis.mismatch import simulation_values
+
+    gm = marked.module
+    lost = [m for m in gm.graph.nodes if _is_mark(m, "quant") and m.meta["fxq_export_mark"].id in ids]
+    below: set[fx.Node] = set()  # nodes computed from a folded quant mark
+    folded = set(lost)
+    for node in gm.graph.nodes:  # topological order
+        if any(a in below or a in folded for a in node.all_input_nodes):
+            below.add(node)
+    roots = {m: m.args[0] for m in lost if m not in below}
+    inputs = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], args))
+    values = simulation_values(gm, inputs, {src.name for src in roots.values()})
+    frozen: dict[fx.Node, fx.Node] = {}
+    for mark, src in roots.items():
+        if src not in frozen:
+            target = name = _value_name(src)
+            k = 0
+            while hasattr(gm, target):
+                k += 1
+                target = f"{name}_{k}"
+            gm.register_buffer(target, values[src.name])
+            with gm.graph.inserting_before(mark):
+                frozen[src] = gm.graph.get_attr(target)
+            frozen[src].meta["val"] = src.meta.get("val")
+        mark.replace_input_with(src, frozen[src])
+    gm.recompile()
+    return [str(n.target) for n in frozen.values()]

@@ -12,9 +12,10 @@ __all__ = ["lower_model"]
 
 
 def lower_model(gm: fx.GraphModule, *, opset: int, example_inputs: Any = None, dynamic_batch: bool = False,
-                requantize_passive: bool = True) -> Lowered:
-    """Export ``gm`` to ONNX at ``opset`` with quant marks left in place (see :mod:`fxq.backends.qdq`)."""
+                requantize_passive: bool = True, raise_opset: bool = False) -> Lowered:
+    """Export ``gm`` to ONNX at ``opset`` with quant marks left in place (see :mod:`fxq.backends.qdq`); with
+    ``raise_opset``, at the higher opset an op of the model needs."""
     args = example_inputs_for(gm, example_inputs)
     marked = build_marked_module(gm, requantize_passive=requantize_passive)
     axes = dynamic_axes_for(gm, marked.input_names, marked.output_names, dynamic_batch)
-    return lower(marked, args, opset, axes)
+    return lower(marked, args, opset, axes, raise_opset=raise_opset)

@@ -4,7 +4,7 @@
 2. the model (:func:`~fxq.backends.qdq.common.quantized_graph`), the files (``companions``) and the generic
    capability pre-check (:func:`fxq.backends.capability.check_capabilities`);
 3. :meth:`~QdqOnnxExporter.choose_opset`, then :func:`~fxq.backends.qdq.pipeline.lower_model` (torch.onnx with
-   quant marks);
+   quant marks; when the user gave no opset, an op that torch.onnx writes only from a newer one raises it);
 4. :meth:`~QdqOnnxExporter.render` — the backend's own part: Q/DQ or stripped marks, its checks, its file contents;
 5. all files written as one atomic set (:meth:`fxq.backends.base.Exporter.export`); a ``.onnx`` over protobuf's
    2 GiB limit comes with its external data ``<name>.onnx.data`` (:func:`~fxq.backends.qdq.common.serialize`).
@@ -64,8 +64,9 @@ class QdqOnnxExporter(Exporter):
         check_capabilities(gm, self.name)
         opset = self.choose_opset(quantizers, roles, opts)
         lowered = lower_model(gm, opset=opset, example_inputs=opts["example_inputs"],
-                              dynamic_batch=opts["dynamic_batch"], requantize_passive=self.requantize_passive)
-        job = QdqJob(gm, paths, quantizers, roles, opts, opset, lowered)
+                              dynamic_batch=opts["dynamic_batch"], requantize_passive=self.requantize_passive,
+                              raise_opset=opts["opset"] is None)
+        job = QdqJob(gm, paths, quantizers, roles, opts, lowered.opset, lowered)
         return self.render(job)
 
     # ------------------------------------------------------------------ hooks
