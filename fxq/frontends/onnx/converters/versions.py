@@ -5,7 +5,7 @@ Two kinds, each checked against the ONNX schema history (inputs, outputs, attrib
 - **type-only bumps**: the newer version only widens the allowed types (bfloat16, float8, int4, ...), so the older
   converter is right as is. The converter is looked up when a model is converted, never copied.
 - **bumps with new options**: the older converter is right when the new options keep their defaults
-  (``AveragePool-19`` dilations, ``Resize-18`` antialias/axes/aspect policy, ``ScatterND-18`` max/min); other values
+  (``AveragePool-19`` dilations, ``ScatterND-18`` max/min); other values
   raise ``NotImplementedError`` naming the option, which the loader reports with the node.
 """
 from __future__ import annotations
@@ -87,18 +87,6 @@ def _check_average_pool(node: OnnxNode) -> None:
         raise NotImplementedError(f"AveragePool: dilations={list(dilations)} (torch's avg_pool has no dilation)")
 
 
-def _check_resize(node: OnnxNode) -> None:
-    a = node.attributes
-    if a.get("antialias", 0):
-        raise NotImplementedError("Resize: antialias=1")
-    if a.get("axes") is not None:
-        raise NotImplementedError(f"Resize: axes={list(a['axes'])}")
-    if a.get("keep_aspect_ratio_policy", "stretch") != "stretch":
-        raise NotImplementedError(f"Resize: keep_aspect_ratio_policy={a['keep_aspect_ratio_policy']!r}")
-    if a.get("coordinate_transformation_mode") == "half_pixel_symmetric":
-        raise NotImplementedError("Resize: coordinate_transformation_mode='half_pixel_symmetric'")
-
-
 def _check_scatter_nd(node: OnnxNode) -> None:
     reduction = node.attributes.get("reduction", "none")
     if reduction in ("max", "min"):
@@ -109,5 +97,4 @@ for _op, (_old, _new) in TYPE_ONLY_BUMPS.items():
     register_onnx_converter(_op, _new)(_delegate(_op, _old))
 
 register_onnx_converter("AveragePool", (19, 22))(_delegate("AveragePool", 11, _check_average_pool))
-register_onnx_converter("Resize", (18, 19))(_delegate("Resize", 13, _check_resize))
 register_onnx_converter("ScatterND", 18)(_delegate("ScatterND", 16, _check_scatter_nd))
