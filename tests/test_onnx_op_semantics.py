@@ -14,6 +14,7 @@ import torch
 from onnx import helper, numpy_helper
 from torch import nn
 
+import fxq
 from fxq.backends.qdq.lowering import torch_onnx_export
 from fxq.frontends.onnx import load_onnx
 
@@ -245,3 +246,28 @@ def test_resize_exports_back(tmp_path, case: str, opset: int, one_node: bool) ->
     assert (ops == ["Resize"]) == one_node, ops
     for level in LEVELS:
         _assert_same(_ort(again, [x], level), _ort(model, [x], level))
+
+
+def test_quantized_graph_with_our_modules_saves_and_loads(tmp_path) -> None:
+    """Conv -> Resize (resampled by hand) -> CumSum -> Conv, quantized, saved and loaded back: same outputs."""
+    from _export_helpers import quantize_model
+
+    rng = np.random.default_rng(0)
+    w1, w2 = (numpy_helper.from_array(rng.standard_normal((4, c, 3, 3)).astype(np.float32) * 0.3, f"w{i}")
+              for i, c in ((1, 3), (2, 4)))
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], pads=[1, 1, 1, 1]),
+             helper.make_node("Resize", ["a", "", "scales"], ["b"], mode="linear",
+                              coordinate_transformation_mode="asymmetric"),
+             helper.make_node("CumSum", ["b", "axis"], ["c"], reverse=1),
+             helper.make_node("Conv", ["c", "w2"], ["y"], pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 4, 16, 16])],
+                              [w1, w2, numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"),
+                               numpy_helper.from_array(np.array(-1, np.int64), "axis")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = ORT_MAX_IR
+    q = quantize_model(load_onnx(model), "trt_int8", shape=(2, 3, 8, 8))
+    again = fxq.load(fxq.save(q, tmp_path / "q.fxq"))
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(q(x), again(x))

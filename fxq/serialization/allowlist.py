@@ -192,9 +192,11 @@ _FXQ_CLASSES = (
     ("fxq.algorithms.training", ("DropQuantize",)),
     ("fxq.frontends.caffe.modules", ("CaffePooling2d", "CaffeScale", "CaffeChannelScale1d", "CaffeChannelScale2d",
                                      "CaffeChannelScale3d", "CaffePower", "CaffeLRNWithinChannel", "CaffeInterp")),
+    ("fxq.frontends.onnx.converters.cumsum", ("OnnxCumSum",)),
     ("fxq.frontends.onnx.converters.pad", ("OnnxPad",)),
     ("fxq.frontends.onnx.converters.reduce", ("OnnxReduce",)),
     ("fxq.frontends.onnx.converters.reshape", ("OnnxReshape",)),
+    ("fxq.frontends.onnx.converters.resize", ("OnnxResizeExact",)),
     ("fxq.frontends.onnx.converters.split", ("OnnxSplit",)),
 )
 
