@@ -271,3 +271,79 @@ def test_quantized_graph_with_our_modules_saves_and_loads(tmp_path) -> None:
     x = torch.randn(2, 3, 8, 8)
     with torch.no_grad():
         assert torch.equal(q(x), again(x))
+
+
+# --------------------------------------------------------------------------------------------------- Pad
+PAD_CASES = [
+    (opset, mode, pads)
+    for opset in (11, 13, 18, 19)
+    for mode in ("reflect", "edge", "constant") + (("wrap",) if opset >= 19 else ())
+    for pads in ((0, 0, 1, 2, 0, 0, 2, 1), (0, 2, 0, 0, 0, 1, 0, 0), (1, 0, 0, 0, 2, 0, 0, 0) if mode != "reflect"
+                 else (1, 0, 0, 0, 1, 0, 0, 0), (0, 1, -1, 2, 0, 0, 1, -2), (1, 1, 1, 1, 1, 1, 1, 1))
+]
+
+
+@pytest.mark.parametrize("opset,mode,pads", PAD_CASES, ids=[f"{o}-{m}-{p}" for o, m, p in PAD_CASES])
+def test_pad_on_any_dim_matches_onnxruntime_and_numpy(opset: int, mode: str, pads: tuple[int, ...]) -> None:
+    """reflect / edge / wrap on batch and channel dims and with crops (torch's F.pad pads only trailing dims)."""
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    model = _model("Pad", opset, {"x": x}, {"pads": np.array(pads, np.int64)}, mode=mode)
+    got = _ours(model, [x])
+    for level in LEVELS:
+        _assert_same(got, _ort(model, [x], level))
+    if min(pads) >= 0:
+        np_mode = {"reflect": "reflect", "edge": "edge", "constant": "constant", "wrap": "wrap"}[mode]
+        ref = np.pad(x, list(zip(pads[:4], pads[4:])), mode=np_mode)
+        _assert_same(got, [ref])
+
+
+@pytest.mark.parametrize("shape,pads", [((5,), (2, 3)), ((4, 5), (1, 2, 3, 1))])
+def test_pad_edge_of_low_rank_and_integer_tensors(shape: tuple[int, ...], pads: tuple[int, ...]) -> None:
+    for x in (np.random.default_rng(1).standard_normal(shape).astype(np.float32),
+              np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)):
+        model = _model("Pad", 13, {"x": x}, {"pads": np.array(pads, np.int64)}, mode="edge")
+        got = _ours(model, [x])
+        for level in LEVELS:
+            _assert_same(got, _ort(model, [x], level))
+        n = len(shape)
+        _assert_same(got, [np.pad(x, list(zip(pads[:n], pads[n:])), mode="edge")])
+
+
+# -------------------------------------------------------------------------------------------------- TopK
+def _topk_reference(x: np.ndarray, k: int, axis: int, largest: bool) -> list[np.ndarray]:
+    """ONNX TopK: the k largest (smallest) along axis; equal values in index order."""
+    idx = np.argsort(-x if largest else x, axis=axis, kind="stable")
+    idx = np.take(idx, np.arange(k), axis=axis)
+    return [np.take_along_axis(x, idx, axis=axis), idx.astype(np.int64)]
+
+
+TOPK_CASES = [(opset, k, axis, largest, dtype) for opset in (10, 11, 24) for k, axis in ((3, 1), (2, 0), (6, -1))
+              for largest in ((1,) if opset == 10 else (0, 1)) for dtype in (np.float32, np.int64)
+              if not (opset == 10 and dtype == np.int64)]
+
+
+@pytest.mark.parametrize("opset,k,axis,largest,dtype", TOPK_CASES,
+                         ids=[f"{o}-k{k}-axis{a}-largest{lg}-{np.dtype(d).name}" for o, k, a, lg, d in TOPK_CASES])
+def test_topk_ties_come_in_index_order(opset: int, k: int, axis: int, largest: int, dtype) -> None:
+    """Small integers: many equal values, whose indices torch.topk orders as it likes."""
+    x = np.random.default_rng(0).integers(0, 3, (3, 6)).astype(dtype)
+    attrs = {} if opset == 10 else {"largest": largest}
+    model = _model("TopK", opset, {"x": x}, {"k": np.array([k], np.int64)}, n_out=2, axis=axis, **attrs)
+    got = _ours(model, [x])
+    for level in LEVELS:
+        _assert_same(got, _ort(model, [x], level))
+    _assert_same(got, _topk_reference(x, k, axis, bool(largest)))
+
+
+def test_topk_1_k_attribute_and_runtime_k() -> None:
+    x = np.random.default_rng(3).integers(0, 4, (4, 7)).astype(np.float32)
+    model = _model("TopK", 1, {"x": x}, {}, n_out=2, k=3)
+    got = _ours(model, [x])
+    for level in LEVELS:
+        _assert_same(got, _ort(model, [x], level))
+    k = np.array([2], np.int64)
+    model = _model("TopK", 11, {"x": x, "k": k}, {}, n_out=2, axis=0, largest=0)
+    got = _ours(model, [x, k])
+    for level in LEVELS:
+        _assert_same(got, _ort(model, [x, k], level))
+    _assert_same(got, _topk_reference(x, 2, 0, False))

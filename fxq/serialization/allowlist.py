@@ -198,6 +198,7 @@ _FXQ_CLASSES = (
     ("fxq.frontends.onnx.converters.reshape", ("OnnxReshape",)),
     ("fxq.frontends.onnx.converters.resize", ("OnnxResizeExact",)),
     ("fxq.frontends.onnx.converters.split", ("OnnxSplit",)),
+    ("fxq.frontends.onnx.converters.topk", ("OnnxTopK",)),
 )
 
 TENSOR_METHODS = frozenset({

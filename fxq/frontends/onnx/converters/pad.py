@@ -1,12 +1,17 @@
-"""``Pad-18`` and later: an optional ``axes`` input (18) and ``wrap`` mode (19).
+"""``Pad-11`` and later: an optional ``axes`` input (18) and ``wrap`` mode (19).
 
-``pads``, ``constant_value`` and ``axes`` must be constant. ONNX lists ``[begin of each axis..., end of each
-axis...]``; ``torch.nn.functional.pad`` wants ``(begin, end)`` pairs from the last dimension backwards.
+``pads``, ``constant_value`` and ``axes`` must be constant (a ``Pad-11/13`` with pads computed at run time goes to
+onnx2torch's converter). ONNX lists ``[begin of each axis..., end of each axis...]``; ``torch.nn.functional.pad``
+wants ``(begin, end)`` pairs from the last dimension backwards. ``F.pad``'s reflect / replicate / circular modes pad
+only the last 1-3 dims of a tensor of one or two more dims (onnx2torch's Pad-11/13 raised at run time for
+``reflect`` / ``edge`` on a 4-D tensor's channel or batch dim): other pads are gathered along each dim
+(:func:`_gather_pad`).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from onnx2torch.node_converters.registry import get_converter
 from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OperationConverterResult
@@ -18,6 +23,40 @@ from fxq.frontends.onnx.converters.registry import register_onnx_converter
 __all__ = ["OnnxPad"]
 
 _TORCH_MODE = {"constant": "constant", "reflect": "reflect", "edge": "replicate", "wrap": "circular"}
+_ONNX2TORCH_PAD_11 = get_converter(operation_type="Pad", version=11)  # taken before ours replaces it
+
+
+def _source_index(n_out: int, begin: int, n: int, mode: str) -> torch.Tensor:
+    """Input index of each output position of one padded dim."""
+    src = torch.arange(n_out) - begin
+    if mode == "reflect":
+        period = 2 * n - 2
+        m = torch.remainder(src, period) if period else torch.zeros_like(src)
+        return torch.where(m < n, m, period - m)
+    if mode == "replicate":
+        return src.clamp(0, n - 1)
+    return torch.remainder(src, n)  # circular
+
+
+def _gather_pad(x: torch.Tensor, pads: list[int], mode: str) -> torch.Tensor:
+    """``F.pad`` for the non-constant modes on any dims: one ``index_select`` per padded dim. Negative pads crop
+    first, so ``wrap`` continues from the cropped edge, as onnxruntime does."""
+    for k in range(len(pads) // 2):
+        begin, end = pads[2 * k], pads[2 * k + 1]
+        if begin == 0 and end == 0:
+            continue
+        d = x.dim() - 1 - k
+        x = x.narrow(d, max(-begin, 0), x.shape[d] - max(-begin, 0) - max(-end, 0))
+        begin, end, n = max(begin, 0), max(end, 0), x.shape[d]
+        x = x.index_select(d, _source_index(n + begin + end, begin, n, mode).to(x.device))
+    return x
+
+
+def _torch_pads_it(mode: str, pads: list[int], rank: int) -> bool:
+    """Whether ``F.pad`` pads like this: constant always; other modes on the last 1-3 dims of a tensor with one or
+    two more dims, without crops."""
+    depth = len(pads) // 2
+    return mode == "constant" or (1 <= depth <= 3 and rank in (depth + 1, depth + 2) and min(pads, default=0) >= 0)
 
 
 class OnnxPad(nn.Module):
@@ -27,17 +66,21 @@ class OnnxPad(nn.Module):
         pads: torch order, ``(last_begin, last_end, second_last_begin, ...)``.
         mode: a torch padding mode.
         value: fill value for ``constant`` mode.
+        rank: the input's rank when shape inference knows it (then fx traces through the module).
     """
 
-    def __init__(self, pads: list[int], mode: str, value: float = 0.0) -> None:
+    def __init__(self, pads: list[int], mode: str, value: float = 0.0, rank: int | None = None) -> None:
         super().__init__()
         self.pads = list(pads)
         self.mode = mode
         self.value = value
+        self.rank = rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "constant":
             return F.pad(x, self.pads, mode="constant", value=self.value)
+        if not _torch_pads_it(self.mode, self.pads, self.rank if self.rank is not None else x.dim()):
+            return _gather_pad(x, self.pads, self.mode)
         return F.pad(x, self.pads, mode=self.mode)
 
     def extra_repr(self) -> str:
@@ -66,6 +109,16 @@ def torch_pads(onnx_pads: list[int], axes: list[int] | None, rank: int | None) -
     return out
 
 
+@register_onnx_converter("Pad", (11, 13), override=True)
+def _convert_pad_11(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    try:
+        const_input(node, graph, 1, "pads")
+        const_input(node, graph, 2, "constant_value")
+    except NotImplementedError:
+        return _ONNX2TORCH_PAD_11(node, graph)
+    return _convert_pad(node, graph)
+
+
 @register_onnx_converter("Pad", (18, 19, 21, 23, 24, 25))
 def _convert_pad(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     mode = node.attributes.get("mode", "constant")
@@ -75,6 +128,7 @@ def _convert_pad(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     value_t = const_input(node, graph, 2, "constant_value")
     axes_t = const_input(node, graph, 3, "axes")
     data = node.input_values[0]
-    pads = torch_pads(int_list(pads_t), int_list(axes_t) if axes_t is not None else None, rank_of(graph, data))
+    rank = rank_of(graph, data)
+    pads = torch_pads(int_list(pads_t), int_list(axes_t) if axes_t is not None else None, rank)
     value = value_t.reshape(-1)[0].item() if value_t is not None and value_t.numel() else 0.0
-    return result(OnnxPad(pads, _TORCH_MODE[mode], value), node, [data])
+    return result(OnnxPad(pads, _TORCH_MODE[mode], value, rank), node, [data])
