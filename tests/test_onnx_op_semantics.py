@@ -347,3 +347,22 @@ def test_topk_1_k_attribute_and_runtime_k() -> None:
     for level in LEVELS:
         _assert_same(got, _ort(model, [x, k], level))
     _assert_same(got, _topk_reference(x, 2, 0, False))
+
+
+# -------------------------------------------------------------------------------------- Reduce* (attribute axes)
+_NP_REDUCE = {"ReduceMax": np.max, "ReduceMin": np.min, "ReduceProd": np.prod, "ReduceSum": np.sum,
+              "ReduceMean": np.mean, "ReduceL1": lambda x, **k: np.sum(np.abs(x), **k)}
+REDUCE_CASES = [(op, opset, axes, keep) for op in _NP_REDUCE for opset in (11, 13) if (op, opset) != ("ReduceSum", 13)
+                for axes, keep in (([-1, 1], 0), ([2, -4], 0), ([-1, 1], 1), (None, 0))]
+
+
+@pytest.mark.parametrize("op,opset,axes,keep", REDUCE_CASES, ids=[f"{o}-{v}-{a}-keep{k}" for o, v, a, k in REDUCE_CASES])
+def test_reduce_with_axes_of_both_signs(op: str, opset: int, axes: list[int] | None, keep: int) -> None:
+    x = np.random.default_rng(0).uniform(0.5, 2.0, (2, 3, 4, 5)).astype(np.float32)
+    attrs = {"keepdims": keep, **({"axes": axes} if axes is not None else {})}
+    model = _model(op, opset, {"x": x}, {}, **attrs)
+    got = _ours(model, [x])
+    for level in LEVELS:
+        _assert_same(got, _ort(model, [x], level))
+    ref = _NP_REDUCE[op](x.astype(np.float64), axis=tuple(axes) if axes else None, keepdims=bool(keep))
+    np.testing.assert_allclose(got[0], ref, rtol=1e-5)

@@ -1,7 +1,10 @@
-"""``Reduce*`` from opset 18 on, where ``axes`` moved from an attribute to an optional input.
+"""``Reduce*`` of every version: ``axes`` as an attribute (up to 13; ``ReduceSum`` up to 11) or an optional input.
 
 onnx2torch 1.5.15 converts ``ReduceSum-13`` (the first with an ``axes`` input) but none of the other
-``Reduce*-18`` (and ``ReduceMax/Min-20``, ``ReduceLogSum*-28``), which torch's default exporter writes.
+``Reduce*-18`` (and ``ReduceMax/Min-20``, ``ReduceLogSum*-28``), which torch's default exporter writes. Its
+``ReduceMax/Min/Prod`` up to 13 reduce one axis at a time after sorting the axes as written, so with
+``keepdims=0`` and axes of both signs (``[-1, 1]``) the second reduction hit the wrong dim (a ``[3, 4]`` result for
+``[2, 4]``); these versions are ours too.
 ``axes`` must be constant; the module keeps them, so ``forward`` takes the data tensor only and traces with fx.
 """
 from __future__ import annotations
@@ -37,6 +40,15 @@ _REDUCERS: dict[str, Callable[[torch.Tensor, tuple[int, ...], bool], torch.Tenso
     "ReduceLogSumExp": lambda x, d, k: torch.logsumexp(x, dim=d, keepdim=k),
     "ReduceSumSquare": lambda x, d, k: torch.sum(x * x, dim=d, keepdim=k),
     "ReduceSum": lambda x, d, k: torch.sum(x, dim=d, keepdim=k),
+}
+
+# op type -> since_versions with axes as an attribute
+_ATTRIBUTE_VERSIONS: dict[str, tuple[int, ...]] = {
+    **{op: (1, 11, 13) for op in ("ReduceMean", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",
+                                  "ReduceLogSumExp", "ReduceSumSquare")},
+    "ReduceMax": (1, 11, 12, 13),
+    "ReduceMin": (1, 11, 12, 13),
+    "ReduceSum": (1, 11),
 }
 
 # op type -> since_versions with axes as an input that onnx2torch lacks
@@ -82,8 +94,11 @@ class OnnxReduce(nn.Module):
 
 def _convert_reduce(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     data = node.input_values[0]
-    axes_t = const_input(node, graph, 1, "axes")
-    axes = int_list(axes_t) if axes_t is not None else []
+    if "axes" in node.attributes:
+        axes = [int(a) for a in node.attributes["axes"]]
+    else:
+        axes_t = const_input(node, graph, 1, "axes")
+        axes = int_list(axes_t) if axes_t is not None else []
     keepdim = bool(node.attributes.get("keepdims", 1))
     if not axes:
         if node.attributes.get("noop_with_empty_axes", 0):
@@ -97,3 +112,5 @@ def _convert_reduce(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResul
 
 for _op, _versions in _VERSIONS.items():
     register_onnx_converter(_op, _versions)(_convert_reduce)
+for _op, _versions in _ATTRIBUTE_VERSIONS.items():
+    register_onnx_converter(_op, _versions, override=True)(_convert_reduce)
