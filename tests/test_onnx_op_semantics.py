@@ -366,3 +366,29 @@ def test_reduce_with_axes_of_both_signs(op: str, opset: int, axes: list[int] | N
         _assert_same(got, _ort(model, [x], level))
     ref = _NP_REDUCE[op](x.astype(np.float64), axis=tuple(axes) if axes else None, keepdims=bool(keep))
     np.testing.assert_allclose(got[0], ref, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- ConvTranspose
+CONV_T_CASES = {
+    "output_shape-10x12": {"strides": [2, 2], "output_shape": [10, 12]},
+    "output_shape-11x11": {"strides": [2, 2], "output_shape": [11, 11]},
+    "output_shape-9x12": {"strides": [2, 2], "output_shape": [9, 12]},
+    "SAME_LOWER": {"strides": [2, 2], "auto_pad": "SAME_LOWER"},
+    "SAME_UPPER-stride1": {"auto_pad": "SAME_UPPER"},
+    "unequal-pads": {"strides": [2, 2], "pads": [1, 0, 0, 0]},
+    "pads-output_padding": {"strides": [2, 2], "pads": [1, 1, 1, 1], "output_padding": [1, 1]},
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_T_CASES))
+@pytest.mark.parametrize("group", [1, 2])
+def test_conv_transpose_output_shape_auto_pad_and_unequal_pads(case: str, group: int) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 2, 5, 6)).astype(np.float32)
+    per_group = 3 if group == 1 else 1  # output channels: per_group * group
+    consts = {"w": rng.standard_normal((2, per_group, 3, 3)).astype(np.float32),
+              "b": rng.standard_normal(per_group * group).astype(np.float32)}
+    model = _model("ConvTranspose", 11, {"x": x}, consts, group=group, **CONV_T_CASES[case])
+    got = _ours(model, [x])
+    for level in LEVELS:
+        _assert_same(got, _ort(model, [x], level))
