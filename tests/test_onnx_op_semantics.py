@@ -392,3 +392,68 @@ def test_conv_transpose_output_shape_auto_pad_and_unequal_pads(case: str, group:
     got = _ours(model, [x])
     for level in LEVELS:
         _assert_same(got, _ort(model, [x], level))
+
+
+class _SqueezeExcite(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv(x))
+        return (y * torch.sigmoid(self.fc(y.mean((2, 3), keepdim=True)))).mean((2, 3))
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+def test_onnx_reduce_mean_exports_to_ncnn(tmp_path, opset: int) -> None:
+    """ReduceMean read from ONNX (attribute axes at 13, input at 18) is fxq's OnnxReduce; ncnn's exporter reads it."""
+    from _export_helpers import quantize_model
+
+    path = tmp_path / "se.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_SqueezeExcite().eval(), (torch.randn(1, 3, 16, 16),), str(path), dynamo=False,
+                          opset_version=opset)
+    q = quantize_model(load_onnx(path), "ncnn_int8", shape=(1, 3, 16, 16))
+    files = fxq.export(q, "ncnn_int8", tmp_path / "se")
+    param = next(p for p in files if str(p).endswith("se.param")).read_text()
+    assert param.count("Pooling") == 2  # both spatial means as global average pooling
+
+
+# ------------------------------------------------------------------------ Flatten, DepthToSpace, GatherElements
+LAYOUT_CASES = {
+    **{f"Flatten-{opset}-axis{axis}": ("Flatten", opset, (2, 3, 4, 5), {"axis": axis})
+       for opset in (1, 11, 13) for axis in (0, 1, 2, 4, -1, -4) if not (opset == 1 and axis < 0)},
+    "Flatten-13-1d-axis1": ("Flatten", 13, (5,), {"axis": 1}),
+    **{f"DepthToSpace-{opset}-{mode}": ("DepthToSpace", opset, (2, 8, 2, 3),
+                                        {"blocksize": 2, **({"mode": mode} if mode else {})})
+       for opset, mode in ((1, None), (11, None), (13, "DCR"), (13, "CRD"))},
+    "SpaceToDepth-1": ("SpaceToDepth", 1, (2, 3, 4, 6), {"blocksize": 2}),
+    "SpaceToDepth-13": ("SpaceToDepth", 13, (2, 3, 4, 6), {"blocksize": 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
+def test_layout_ops_match_onnxruntime_and_reference(case: str) -> None:
+    op, opset, shape, attrs = LAYOUT_CASES[case]
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    model = _model(op, opset, {"x": x}, {}, **attrs)
+    got = _ours(model, [x])
+    for level in LEVELS:
+        _assert_same(got, _ort(model, [x], level))
+    _assert_same(got, _reference(model, [x]))
+
+
+@pytest.mark.parametrize("axis", [0, 2, -1])
+@pytest.mark.parametrize("runtime", [False, True])
+def test_gather_elements_negative_indices(axis: int, runtime: bool) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
+    idx = rng.integers(-x.shape[axis], x.shape[axis], (2, 3, 4, 5)).astype(np.int32 if runtime else np.int64)
+    inputs, consts = ({"x": x, "i": idx}, {}) if runtime else ({"x": x}, {"i": idx})
+    model = _model("GatherElements", 13, inputs, consts, axis=axis)
+    xs = list(inputs.values())
+    got = _ours(model, xs)
+    for level in LEVELS:
+        _assert_same(got, _ort(model, xs, level))
+    _assert_same(got, [np.take_along_axis(x, np.where(idx < 0, idx + x.shape[axis], idx), axis=axis)])

@@ -193,6 +193,8 @@ _FXQ_CLASSES = (
     ("fxq.frontends.caffe.modules", ("CaffePooling2d", "CaffeScale", "CaffeChannelScale1d", "CaffeChannelScale2d",
                                      "CaffeChannelScale3d", "CaffePower", "CaffeLRNWithinChannel", "CaffeInterp")),
     ("fxq.frontends.onnx.converters.cumsum", ("OnnxCumSum",)),
+    ("fxq.frontends.onnx.converters.layout", ("OnnxFlatten", "OnnxDepthToSpace", "OnnxSpaceToDepth",
+                                              "OnnxGatherElements")),
     ("fxq.frontends.onnx.converters.pad", ("OnnxPad",)),
     ("fxq.frontends.onnx.converters.reduce", ("OnnxReduce",)),
     ("fxq.frontends.onnx.converters.reshape", ("OnnxReshape",)),
