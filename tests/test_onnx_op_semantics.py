@@ -457,3 +457,13 @@ def test_gather_elements_negative_indices(axis: int, runtime: bool) -> None:
     for level in LEVELS:
         _assert_same(got, _ort(model, xs, level))
     _assert_same(got, [np.take_along_axis(x, np.where(idx < 0, idx + x.shape[axis], idx), axis=axis)])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.bool_])
+def test_non_zero_is_rank_by_count(dtype) -> None:
+    x = (np.random.default_rng(0).standard_normal((2, 3, 4)) > 0.3).astype(dtype)
+    model = _model("NonZero", 13, {"x": x}, {})
+    got = _ours(model, [x])
+    for level in LEVELS:
+        _assert_same(got, _ort(model, [x], level))
+    _assert_same(got, [np.stack(np.nonzero(x)).astype(np.int64)])

@@ -194,7 +194,7 @@ _FXQ_CLASSES = (
                                      "CaffeChannelScale3d", "CaffePower", "CaffeLRNWithinChannel", "CaffeInterp")),
     ("fxq.frontends.onnx.converters.cumsum", ("OnnxCumSum",)),
     ("fxq.frontends.onnx.converters.layout", ("OnnxFlatten", "OnnxDepthToSpace", "OnnxSpaceToDepth",
-                                              "OnnxGatherElements")),
+                                              "OnnxGatherElements", "OnnxNonZero")),
     ("fxq.frontends.onnx.converters.pad", ("OnnxPad",)),
     ("fxq.frontends.onnx.converters.reduce", ("OnnxReduce",)),
     ("fxq.frontends.onnx.converters.reshape", ("OnnxReshape",)),

@@ -1,10 +1,11 @@
 """Layout ops whose attributes onnx2torch 1.5.15 handles in part: ``Flatten``, ``DepthToSpace``, ``SpaceToDepth``,
-``GatherElements``.
+``GatherElements``, ``NonZero``.
 
 - ``Flatten`` with ``axis=0`` (a ``[1, N]`` result) or ``axis`` = rank (``[N, 1]``) raised an IndexError at run time.
 - ``DepthToSpace`` was refused in ``DCR`` mode, ONNX's default (TensorFlow's layout); ``SpaceToDepth`` had no
   converter.
 - ``GatherElements`` with negative indices (counted from the end, as ONNX allows) raised an IndexError.
+- ``NonZero`` came out as torch's ``[count, rank]`` where ONNX has ``[rank, count]``.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from torch import nn
 from fxq.frontends.onnx.converters._common import rank_of, result
 from fxq.frontends.onnx.converters.registry import register_onnx_converter
 
-__all__ = ["OnnxFlatten", "OnnxDepthToSpace", "OnnxSpaceToDepth", "OnnxGatherElements"]
+__all__ = ["OnnxFlatten", "OnnxDepthToSpace", "OnnxSpaceToDepth", "OnnxGatherElements", "OnnxNonZero"]
 
 
 class OnnxFlatten(nn.Module):
@@ -126,3 +127,15 @@ class OnnxGatherElements(nn.Module):
 @register_onnx_converter("GatherElements", (11, 13), override=True)
 def _convert_gather_elements(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     return result(OnnxGatherElements(int(node.attributes.get("axis", 0))), node, list(node.input_values[:2]))
+
+
+class OnnxNonZero(nn.Module):
+    """ONNX ``NonZero``: the indices of the non-zero elements, one row per input dim (``[rank, count]``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nonzero(x).t()
+
+
+@register_onnx_converter("NonZero", (9, 13), override=True)
+def _convert_non_zero(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    return result(OnnxNonZero(), node, [node.input_values[0]])
