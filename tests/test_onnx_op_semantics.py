@@ -467,3 +467,17 @@ def test_non_zero_is_rank_by_count(dtype) -> None:
     for level in LEVELS:
         _assert_same(got, _ort(model, [x], level))
     _assert_same(got, [np.stack(np.nonzero(x)).astype(np.int64)])
+
+
+@pytest.mark.parametrize("opset", [8, 12, 22])
+@pytest.mark.parametrize("attrs", [{"kernel_shape": [2, 2], "strides": [2, 2]},
+                                   {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}],
+                         ids=["k2s2", "k3s2p1"])
+def test_max_pool_indices_output(opset: int, attrs: dict) -> None:
+    """Both outputs, the indices counted over the whole input as ONNX does (torch counts within each plane)."""
+    x = np.random.default_rng(0).standard_normal((2, 3, 6, 7)).astype(np.float32)
+    model = _model("MaxPool", opset, {"x": x}, {}, n_out=2, **attrs)
+    got = _ours(model, [x])
+    for level in LEVELS:
+        _assert_same(got, _ort(model, [x], level))
+    np.testing.assert_array_equal(x.reshape(-1)[got[1]], got[0])  # each index points at its value

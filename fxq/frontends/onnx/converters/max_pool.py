@@ -1,0 +1,56 @@
+"""``MaxPool-8/10/11/12`` (and 22 through :mod:`versions`) with its second output, ``Indices``.
+
+onnx2torch 1.5.15 builds a one-output ``nn.MaxPool`` whatever the node asks, so a node that also wants ``Indices``
+(SegNet-style ``MaxUnpool`` models) lost that output: the converted graph returned the values where ONNX has two
+tensors. Here such a node gets torch's indices, which count within each (N, C) plane, moved to ONNX's count over
+the whole input (``storage_order=0``). A one-output node keeps onnx2torch's module.
+"""
+from __future__ import annotations
+
+import torch
+from onnx2torch.node_converters.registry import get_converter
+from onnx2torch.onnx_graph import OnnxGraph
+from onnx2torch.onnx_node import OnnxNode
+from onnx2torch.utils.common import OperationConverterResult
+from torch import nn
+
+from fxq.frontends.onnx.converters._common import result
+from fxq.frontends.onnx.converters.registry import register_onnx_converter
+
+__all__ = ["OnnxMaxPoolWithIndices"]
+
+_ONNX2TORCH_MAX_POOL = {v: get_converter(operation_type="MaxPool", version=v) for v in (8, 10, 11, 12)}
+
+
+class OnnxMaxPoolWithIndices(nn.Module):
+    """``pool`` (an ``nn.MaxPool1d/2d/3d``) returning (values, ONNX indices into the flattened input)."""
+
+    def __init__(self, pool: nn.Module) -> None:
+        super().__init__()
+        self.pool = pool
+        self.pool.return_indices = True
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, indices = self.pool(x)
+        plane = x[0, 0].numel()
+        planes = torch.arange(x.shape[0] * x.shape[1], device=x.device).reshape(x.shape[0], x.shape[1])
+        offset = planes.reshape(planes.shape + (1,) * (x.dim() - 2)) * plane
+        return values, indices + offset
+
+
+def _max_pool(version: int):
+    def convert(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+        converted = _ONNX2TORCH_MAX_POOL[version](node, graph)
+        if len(node.output_values) < 2 or node.output_values[1] == "":
+            return converted
+        pool = converted.torch_module
+        if not isinstance(pool, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)):
+            raise NotImplementedError("MaxPool: Indices with unequal begin/end pads (they would count the padding)")
+        return result(OnnxMaxPoolWithIndices(pool), node, [node.input_values[0]])
+
+    convert.__name__ = f"convert_max_pool_{version}"
+    return convert
+
+
+for _version in _ONNX2TORCH_MAX_POOL:
+    register_onnx_converter("MaxPool", _version, override=True)(_max_pool(_version))
