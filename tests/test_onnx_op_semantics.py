@@ -481,3 +481,15 @@ def test_max_pool_indices_output(opset: int, attrs: dict) -> None:
     for level in LEVELS:
         _assert_same(got, _ort(model, [x], level))
     np.testing.assert_array_equal(x.reshape(-1)[got[1]], got[0])  # each index points at its value
+
+
+@pytest.mark.parametrize("largest", [0, 1])
+def test_topk_unsorted_picks_the_same_elements(largest: int) -> None:
+    """``sorted=0``: any order is right; the same elements as onnxruntime's, each index with its value."""
+    x = np.random.default_rng(0).standard_normal((3, 50)).astype(np.float32)
+    model = _model("TopK", 11, {"x": x}, {"k": np.array([5], np.int64)}, n_out=2, axis=1, largest=largest, sorted=0)
+    values, indices = _ours(model, [x])
+    for level in LEVELS:
+        want_values, want_indices = _ort(model, [x], level)
+        np.testing.assert_array_equal(np.sort(indices, 1), np.sort(want_indices, 1))
+    np.testing.assert_array_equal(np.take_along_axis(x, indices, 1), values)
