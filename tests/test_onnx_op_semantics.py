@@ -485,10 +485,12 @@ def test_max_pool_indices_output(opset: int, attrs: dict) -> None:
 
 @pytest.mark.parametrize("largest", [0, 1])
 def test_topk_unsorted_picks_the_same_elements(largest: int) -> None:
-    """``sorted=0``: any order is right; the same elements as onnxruntime's, each index with its value."""
+    """``sorted=0``: any order is right; the same elements as onnxruntime's, each index with its value. (load_onnx's
+    own check compares in order, so it is off here: onnxruntime's order for k=5 is neither sorted nor torch's.)"""
     x = np.random.default_rng(0).standard_normal((3, 50)).astype(np.float32)
     model = _model("TopK", 11, {"x": x}, {"k": np.array([5], np.int64)}, n_out=2, axis=1, largest=largest, sorted=0)
-    values, indices = _ours(model, [x])
+    with torch.no_grad():
+        values, indices = (t.numpy() for t in load_onnx(model, verify=False)(torch.from_numpy(x)))
     for level in LEVELS:
         want_values, want_indices = _ort(model, [x], level)
         np.testing.assert_array_equal(np.sort(indices, 1), np.sort(want_indices, 1))
