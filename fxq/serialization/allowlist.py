@@ -8,7 +8,7 @@ those lists (our names, never the file's) and a file's names are only looked up 
   defined in ``onnx2torch`` (indexed once from its already imported modules) and classes registered with
   :func:`register_serializable`;
 * functions: pure compute functions of ``torch``, ``torch.nn.functional``, ``torch.fft/linalg/special``,
-  ``operator``, ``math`` and a few builtins; the ``aten`` overloads of pure compute ops (torch.export graphs);
+  ``operator``, ``math`` and a few builtins; ``aten`` overloads admitted by the rule below (torch.export graphs);
   fxq's ``fxq::`` ops and its own wrapped functions; and functions registered with :func:`register_serializable`;
 * tensor methods (``call_method`` targets) of :data:`TENSOR_METHODS`, attribute names of :data:`GETATTR_NAMES`
   (``getattr`` nodes);
@@ -16,6 +16,24 @@ those lists (our names, never the file's) and a file's names are only looked up 
 
 Nothing that loads libraries, imports modules, reads or writes files, touches global state or calls a name
 (``operator.attrgetter``, ``torch.from_file``, ``torch.ops.load_library``, ``Tensor.set_``...) is listed.
+
+aten ops are too many to list by hand (torch.export keeps whatever aten op a model's torch call maps to), so an
+aten overload is admitted by a rule, applied to torch's own registry of overloads when the table is built
+(:func:`aten_refusal` says why one is refused). An overload is admitted when all of these hold:
+
+1. its name does not match :data:`_ATEN_NEVER`: never ops that reinterpret or resize memory (the ``as_strided``
+   family, ``set_``, ``resize_``, ``_reshape_alias``), skip bounds checks (``_unsafe_*``, ``unsafe_*``), touch
+   files or storages (``from_file``, ``save``, ``*storage*``) or assemble tensors from raw parts (``_make_*``,
+   ``_nested_*``, sparse constructors) -- even where torch tags them ``core``;
+2. its schema is functional: no argument it writes (no in-place, no ``out=`` overload); the one exception is
+   :data:`_ATEN_WRITES` (``copy_``: how ``ExportedProgram.module()`` writes back a mutated buffer or input);
+3. no argument is a ``Storage``, ``Stream`` or untyped (``Any``) value, and every ``str`` argument is an option
+   word of :data:`_ATEN_STR_ARGS` (``approximate``, ``rounding_mode``...), never a file name or free string;
+4. it is tagged ``torch.Tag.core`` or ``torch.Tag.pointwise``, or its op is one of :data:`_ATEN_LISTED` (the
+   non-core ops fxq graphs hold: torch-level functions export keeps as aten ops, ``grid_sampler``...).
+
+aten packets (``torch.ops.aten.add`` without an overload) are refused: the overload a packet runs is chosen from
+the call's arguments at run time, and torch.export graphs hold overloads.
 """
 from __future__ import annotations
 
