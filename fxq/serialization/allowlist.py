@@ -505,7 +505,8 @@ def resolve_function(name: Any) -> Callable[..., Any]:
     op, why = _aten_verdicts().get(name, (None, None)) if isinstance(name, str) else (None, None)
     if why is not None and name not in SERIALIZABLE:
         raise NotSupportedError(f"function {name!r} is not allowed in fxq files: {op._schema.name}.{op._overloadname} is "
-                                f"refused because {why} (fxq.save never writes it; re-save the model with this fxq)")
+                                f"refused because {why}; fxq.save never writes it: a crafted file, or one from an older "
+                                f"fxq (capture and save the model again with this one)")
     return _resolve(name, "function", _lookup_function, lambda obj: True)
 
 
