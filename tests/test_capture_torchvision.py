@@ -24,18 +24,24 @@ class Flow(nn.Module):
         return self.raft(a, b, num_flow_updates=2)[-1]
 
 
-def test_raft_is_captured_by_export_quantized_and_exported(tmp_path):
+@pytest.fixture(scope="module")
+def raft():
+    """(model, data, quantized): RAFT quantized with capture="auto" (symbolic tracing fails, torch.export works)."""
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.rand(1, 3, 128, 128, generator=g), torch.rand(1, 3, 128, 128, generator=g)) for _ in range(2)]
+    model = Flow().eval()
+    return model, data, fxq.quantize(model, data, "trt_int8", progress=False)
+
+
+def test_raft_is_captured_by_export_quantized_and_exported(raft, tmp_path):
     """Captured by torch.export, quantized, and exported: with no opset given the file is written at the opset
     grid_sampler needs (16); the coordinate grids, computed only from the static input shape, keep their Q/DQ;
     fed the simulation's codes (ORT_DISABLE_ALL), every quantized tensor of the file is within 1 code. End to end
     the random-init model is chaotic (a 1e-4 input change moves the simulation itself to cosine ~0.99)."""
     onnx = pytest.importorskip("onnx")
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.rand(1, 3, 128, 128, generator=g), torch.rand(1, 3, 128, 128, generator=g)) for _ in range(2)]
-    model = Flow().eval()
+    model, data, q = raft
     with pytest.raises(fxq.TraceError):
         fxq.prepare(model, "trt_int8", data[0], capture="fx")
-    q = fxq.quantize(model, data, "trt_int8", progress=False)  # auto: symbolic tracing fails, torch.export works
     assert q.meta.get("fxq_capture") == "export"
     weighted = [r.node for r in fxq.summary(q).layers if r.weight is not None]
     assert len(weighted) >= 50 and weighted[0] == "raft_feature_encoder_convnormrelu_0"
@@ -54,6 +60,17 @@ def test_raft_is_captured_by_export_quantized_and_exported(tmp_path):
     assert grids and all(name in inits for name in grids)  # written as initializers, their Q/DQ after them
     forced = fxq.locate_mismatch(q, path, [data[1]], teacher_forced=True, optimize=False)
     assert not forced.unmatched and all(r.max_diff <= 1 for r in forced) and forced.identical > 0.9999
+
+
+def test_raft_round_trips_through_fxq_save(raft, tmp_path):
+    """The export capture keeps aten ops (repeat, grid_sampler, linspace, meshgrid...) that the aten allow-list
+    must admit: the saved file loads and computes the same flow bit for bit."""
+    _, data, q = raft
+    assert any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.name == "aten::repeat"
+               for n in q.graph.nodes)
+    again = fxq.load(fxq.save(q, tmp_path / "raft.fxq"))
+    with torch.no_grad():
+        assert torch.equal(again(*data[1]), q(*data[1]))
 
 
 def _from_constants_only(gm, name: str) -> bool:

@@ -588,6 +588,22 @@ def test_from_file_graph_touches_nothing(base, tmp_path):
         assert isinstance(err, fxq.NotSupportedError)
 
 
+@pytest.mark.parametrize("name", ["torch.ops:aten::from_file.default", "torch.ops:aten::set_.source_Storage",
+                                  "torch.ops:aten::as_strided.default", "torch.ops:aten::as_strided_scatter.default",
+                                  "torch.ops:aten::resize_.default", "torch.ops:aten::_unsafe_index.Tensor",
+                                  "torch.ops:aten::relu_.default", "torch.ops:aten::add.out"])
+def test_refused_aten_ops_are_named_at_load(base, tmp_path, name):
+    """aten overloads the rule refuses (memory / file ops even where torch tags them core, in-place and out=
+    overloads): load names the op and why, before building the graph, so none runs."""
+    blob, doc = base
+    marker = tmp_path / "pwned"
+    d = copy.deepcopy(doc)
+    _node(d, "relu").update(target={"$function": name}, args={"$tuple": [{"$node": "conv"}, [1 << 40], [1]]})
+    err = _refused(_write(blob, d, tmp_path / "crafted.fxq"), tmp_path, marker)
+    assert isinstance(err, fxq.NotSupportedError)
+    assert name.split("::")[1] in str(err) and "refused because" in str(err)
+
+
 def test_inert_edits_load_and_run_no_code(base, tmp_path):
     """What loads by design (odd tensor keys, string defaults, stack traces with code in them) stays data."""
     blob, doc = base

@@ -278,3 +278,65 @@ def test_map_location_cuda_without_cuda_is_explained(saved):
     _, path = saved
     with pytest.raises(fxq.ConfigError, match="CUDA is not available.*map_location=\"cpu\""):
         fxq.load(path, map_location="cuda")
+
+
+class _Grids(nn.Module):
+    """Ops torch.export keeps as aten ops outside the old hand-written list: repeat, expand, meshgrid,
+    grid_sampler (RAFT's coordinate grids and bilinear sampling)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        n, _, h, w = y.shape
+        gy, gx = torch.meshgrid(torch.linspace(-1, 1, h), torch.linspace(-1, 1, w), indexing="ij")
+        grid = torch.stack((gx, gy), dim=-1)[None].repeat(n, 1, 1, 1) * 0.9
+        out = nn.functional.grid_sample(y, grid, align_corners=False)
+        return out + y.mean(dim=1, keepdim=True).expand(-1, 4, -1, -1)
+
+
+def test_export_captured_aten_ops_round_trip(tmp_path):
+    """An export capture keeps aten.repeat / expand / meshgrid / grid_sampler; its file loads and gives the same
+    outputs bit for bit (before the rule-based aten allow-list, fxq.save refused aten::repeat)."""
+    g = torch.Generator().manual_seed(0)
+    data = [torch.rand(2, 3, 12, 12, generator=g) for _ in range(2)]
+    q = fxq.quantize(_Grids().eval(), data, "trt_int8", progress=False, capture="export")
+    aten_ops = {n.target._schema.name for n in q.graph.nodes
+                if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
+    assert {"aten::repeat", "aten::expand", "aten::meshgrid", "aten::grid_sampler"} <= aten_ops
+    again = fxq.load(fxq.save(q, tmp_path / "grids.fxq"))
+    with torch.no_grad():
+        assert torch.equal(again(data[1]), q(data[1]))
+
+
+def test_aten_rule_admits_only_functional_safe_overloads():
+    """The aten rule over torch's whole registry: nothing admitted writes its arguments (but copy_), takes a
+    storage or a free string, or is a memory / file op, even when torch tags it core (as_strided is)."""
+    from fxq.serialization import allowlist
+
+    verdicts = allowlist._aten_verdicts()
+    admitted = [op for op, why in verdicts.values() if why is None]
+    assert len(admitted) > 500 and len(verdicts) > 2 * len(admitted)
+    for op in admitted:
+        schema, base = op._schema, op._schema.name.split("::")[1]
+        assert not schema.is_mutable or base == "copy_", op
+        assert not allowlist._ATEN_NEVER.search(base), op
+        assert all("Storage" not in str(a.type) for a in schema.arguments), op
+        assert all("str" not in str(a.type) or a.name in allowlist._ATEN_STR_ARGS for a in schema.arguments), op
+    assert torch.Tag.core in torch.ops.aten.as_strided.default.tags
+    for op in (torch.ops.aten.as_strided.default, torch.ops.aten.from_file.default, torch.ops.aten.resize_.default,
+               torch.ops.aten.set_.source_Storage, torch.ops.aten._unsafe_index.Tensor, torch.ops.aten.add_.Tensor,
+               torch.ops.aten.add.out):
+        assert allowlist.aten_refusal(op) is not None and allowlist.function_name(op) is None
+    assert allowlist.function_name(torch.ops.aten.relu) is None  # packets: the overload is picked at run time
+    assert allowlist.resolve_function("torch.ops:aten::repeat.default") is torch.ops.aten.repeat.default
+
+
+def test_saving_a_refused_aten_op_says_why(tmp_path):
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(torch.ops.aten.as_strided.default, (x, [2], [1])))
+    with pytest.raises(fxq.NotSupportedError, match="as_strided.*reinterprets or resizes memory"):
+        fxq.save(torch.fx.GraphModule(nn.Module(), g), tmp_path / "m.fxq")

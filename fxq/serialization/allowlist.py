@@ -8,7 +8,7 @@ those lists (our names, never the file's) and a file's names are only looked up 
   defined in ``onnx2torch`` (indexed once from its already imported modules) and classes registered with
   :func:`register_serializable`;
 * functions: pure compute functions of ``torch``, ``torch.nn.functional``, ``torch.fft/linalg/special``,
-  ``operator``, ``math`` and a few builtins; the ``aten`` overloads of pure compute ops (torch.export graphs);
+  ``operator``, ``math`` and a few builtins; ``aten`` overloads admitted by the rule below (torch.export graphs);
   fxq's ``fxq::`` ops and its own wrapped functions; and functions registered with :func:`register_serializable`;
 * tensor methods (``call_method`` targets) of :data:`TENSOR_METHODS`, attribute names of :data:`GETATTR_NAMES`
   (``getattr`` nodes);
@@ -16,6 +16,24 @@ those lists (our names, never the file's) and a file's names are only looked up 
 
 Nothing that loads libraries, imports modules, reads or writes files, touches global state or calls a name
 (``operator.attrgetter``, ``torch.from_file``, ``torch.ops.load_library``, ``Tensor.set_``...) is listed.
+
+aten ops are too many to list by hand (torch.export keeps whatever aten op a model's torch call maps to), so an
+aten overload is admitted by a rule, applied to torch's own registry of overloads when the table is built
+(:func:`aten_refusal` says why one is refused). An overload is admitted when all of these hold:
+
+1. its name does not match :data:`_ATEN_NEVER`: never ops that reinterpret or resize memory (the ``as_strided``
+   family, ``set_``, ``resize_``, ``_reshape_alias``), skip bounds checks (``_unsafe_*``, ``unsafe_*``), touch
+   files or storages (``from_file``, ``save``, ``*storage*``) or assemble tensors from raw parts (``_make_*``,
+   ``_nested_*``, sparse constructors) -- even where torch tags them ``core``;
+2. its schema is functional: no argument it writes (no in-place, no ``out=`` overload); the one exception is
+   :data:`_ATEN_WRITES` (``copy_``: how ``ExportedProgram.module()`` writes back a mutated buffer or input);
+3. no argument is a ``Storage``, ``Stream`` or untyped (``Any``) value, and every ``str`` argument is an option
+   word of :data:`_ATEN_STR_ARGS` (``approximate``, ``rounding_mode``...), never a file name or free string;
+4. it is tagged ``torch.Tag.core`` or ``torch.Tag.pointwise``, or its op is one of :data:`_ATEN_LISTED` (the
+   non-core ops fxq graphs hold: torch-level functions export keeps as aten ops, ``grid_sampler``...).
+
+aten packets (``torch.ops.aten.add`` without an overload) are refused: the overload a packet runs is chosen from
+the call's arguments at run time, and torch.export graphs hold overloads.
 """
 from __future__ import annotations
 
@@ -26,7 +44,7 @@ import math
 import operator
 import re
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +53,7 @@ from torch import nn
 from fxq.errors import NotSupportedError
 from fxq.registry import Registry
 
-__all__ = ["register_serializable", "class_name", "resolve_class", "function_name", "resolve_function",
+__all__ = ["register_serializable", "aten_refusal", "class_name", "resolve_class", "function_name", "resolve_function",
            "check_method", "check_node", "check_identifier", "check_part", "check_path", "SERIALIZABLE", "TENSOR_METHODS",
            "GETATTR_NAMES"]
 
@@ -143,27 +161,44 @@ _ONNX2TORCH_FUNCTIONS = (("onnx2torch.node_converters.binary_math_operations", (
 _FXQ_OPS = ("fake_quant_linear", "fake_quant_linear_backward", "fake_quant_float", "fake_quant_float_backward",
             "lstm", "gru")
 
-_ATEN_OPS = tuple(sorted({
+_ATEN_LISTED = tuple(sorted({
     *(n for n in _ELEMENTWISE + _REDUCTIONS + _SHAPES + _LINEAR_ALGEBRA + _NN_OPS if not n.startswith("_")),
-    "add_", "mul_", "sub_", "div_", "relu_", "hardtanh", "hardtanh_", "hardswish", "hardswish_", "hardsigmoid",
-    "hardsigmoid_", "gelu", "silu", "silu_", "elu", "leaky_relu", "leaky_relu_", "mish", "softplus", "glu",
+    "hardtanh", "hardswish", "hardsigmoid", "gelu", "silu", "elu", "leaky_relu", "mish", "softplus", "glu",
     "log_sigmoid_forward", "_softmax", "_log_softmax", "_to_copy", "_native_batch_norm_legit",
     "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional", "native_group_norm",
-    "linear", "addmm", "view", "_unsafe_view", "expand", "contiguous", "alias", "slice",
-    "sym_size", "sym_numel", "sym_stride", "max_pool2d_with_indices", "max_pool3d_with_indices", "avg_pool2d",
-    "avg_pool3d", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+    "linear", "addmm", "view", "expand", "contiguous", "alias", "slice", "sym_size", "sym_numel", "sym_stride",
+    "sym_not", "max_pool2d_with_indices", "max_pool3d_with_indices", "avg_pool2d", "avg_pool3d",
+    "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
     "adaptive_max_pool2d", "upsample_nearest2d", "upsample_bilinear2d", "upsample_bicubic2d", "upsample_nearest1d",
     "upsample_linear1d", "upsample_nearest3d", "upsample_trilinear3d", "_upsample_nearest_exact2d",
-    "reflection_pad1d", "reflection_pad2d", "reflection_pad3d", "replication_pad1d", "replication_pad2d",
-    "replication_pad3d", "pad", "zeros", "ones", "full", "empty", "arange", "scalar_tensor", "new_zeros",
-    "new_ones", "new_full", "new_empty", "zeros_like", "ones_like", "full_like", "empty_like", "copy", "copy_",
-    "fill", "fill_", "lift_fresh_copy", "item", "_local_scalar_dense", "clamp_min", "clamp_max", "clone",
-    "t", "mean", "sum", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "embedding", "split_with_sizes", "unsafe_split",
-    "unsafe_split_with_sizes", "squeeze_copy", "unsqueeze_copy", "permute_copy", "view_copy", "rsub", "sym_not",
-    "_assert_scalar", "_assert_tensor_metadata", "index", "dropout", "native_dropout", "bernoulli",
+    "_upsample_bilinear2d_aa", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d", "replication_pad1d",
+    "replication_pad2d", "replication_pad3d", "pad", "grid_sampler", "grid_sampler_2d", "grid_sampler_3d",
+    "affine_grid_generator", "repeat", "expand_as", "linspace", "logspace", "zeros", "ones", "full", "empty",
+    "arange", "scalar_tensor", "new_zeros", "new_ones", "new_full", "new_empty", "zeros_like", "ones_like",
+    "full_like", "empty_like", "copy", "fill", "lift_fresh_copy", "item", "_local_scalar_dense", "t", "mean", "sum",
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "embedding", "split_with_sizes", "squeeze_copy", "unsqueeze_copy",
+    "permute_copy", "view_copy", "rsub", "_assert_scalar", "_assert_tensor_metadata", "index", "dropout",
+    "native_dropout", "bernoulli",
 }))
-"""``aten`` ops (every overload but ``out=`` ones) that torch.export graphs of fxq models contain."""
+"""aten ops that are in neither core ATen nor pointwise and that fxq graphs hold: torch.export keeps a torch
+function a model calls as the aten op of its name (``aten.meshgrid``, ``aten.instance_norm``), hence the torch-level
+lists; the rest are the ops fxq's captures were seen to contain. Every overload still passes :func:`aten_refusal`."""
+_ATEN_WRITES = ("copy_",)
+"""In-place aten ops admitted although they write: ``ExportedProgram.module()`` writes a mutated input or buffer
+back with ``copy_`` (fxq's capture keeps those writes: they are state, not arithmetic)."""
+_ATEN_NEVER = re.compile(r"as_strided|resize|storage|unsafe|file|^_?set(_|$)|^_reshape_alias|^_?save|^_?load"
+                         r"|^_print|^_make_|^_nested|sparse|^_debug|data_ptr|record_stream")
+"""Refused whatever their tags: ops that reinterpret or resize memory (``as_strided``, ``set_``, ``resize_``,
+``_reshape_alias``, ``_unsafe_index`` skips bounds checks), touch files (``from_file``, ``save``) or storages, or
+build tensors from raw parts (``_make_*``, ``_nested_*``, sparse constructors)."""
+_ATEN_STR_ARGS = frozenset({"approximate", "rounding_mode", "reduce", "mode", "padding", "padding_mode", "equation",
+                            "indexing", "norm", "side", "interpolation", "UPLO", "ord", "driver", "assert_msg",
+                            "pad_mode"})
+"""The only ``str`` arguments an admitted aten op may take: options from a fixed set of words (``gelu``'s
+``approximate``, ``div``'s ``rounding_mode``, ``einsum``'s equation...), never a file name or a free string."""
+_ATEN_NEVER_TYPES = ("Storage", "Stream", "Any")
+"""Argument types that refuse an aten op (raw storages, streams, untyped values)."""
 
 _NN_CLASSES = (
     "Module", "Sequential", "ModuleList", "ModuleDict", "ParameterList", "ParameterDict", "Identity", "Linear",
@@ -375,16 +410,60 @@ def _function_table() -> dict[str, Callable[..., Any]]:
         module = _import_ours(module_name)
         if module is not None:
             add(module_name, module, names)
-    for namespace, ops in (("aten", _ATEN_OPS), ("fxq", _FXQ_OPS)):
-        for op in ops:
-            packet = getattr(getattr(torch.ops, namespace), op, None) if hasattr(torch.ops, namespace) else None
-            if not isinstance(packet, torch._ops.OpOverloadPacket):
-                continue
-            table[f"torch.ops:{namespace}::{op}"] = packet
-            for overload in packet.overloads():
-                if not overload.endswith("out"):
-                    table[f"torch.ops:{namespace}::{op}.{overload}"] = getattr(packet, overload)
+    for op in _FXQ_OPS:
+        packet = getattr(torch.ops.fxq, op, None) if hasattr(torch.ops, "fxq") else None
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        table[f"torch.ops:fxq::{op}"] = packet
+        for overload in packet.overloads():
+            if not overload.endswith("out"):
+                table[f"torch.ops:fxq::{op}.{overload}"] = getattr(packet, overload)
+    table.update(_aten_table())
     return table
+
+
+def _aten_overloads() -> Iterator[torch._ops.OpOverload]:
+    """Every aten overload torch registers (from torch's own schema list, never from a file's names)."""
+    for schema in torch._C._jit_get_all_schemas():
+        if schema.name.startswith("aten::"):
+            packet = getattr(torch.ops.aten, schema.name[len("aten::"):], None)
+            overload = getattr(packet, schema.overload_name or "default", None) if packet is not None else None
+            if isinstance(overload, torch._ops.OpOverload):
+                yield overload
+
+
+def aten_refusal(op: torch._ops.OpOverload) -> str | None:
+    """Why fxq files may not name aten overload ``op`` (None: they may); the rule of the module docstring."""
+    schema = op._schema
+    base = schema.name.split("::", 1)[1]
+    if _ATEN_NEVER.search(base):
+        return "it reinterprets or resizes memory, or touches files or storages"
+    if schema.is_mutable and base not in _ATEN_WRITES:
+        return "it writes into its arguments (an in-place or out= overload)"
+    for arg in schema.arguments:
+        kind = str(arg.type)
+        if any(t in kind for t in _ATEN_NEVER_TYPES):
+            return f"its argument {arg.name!r} is a {kind}"
+        if "str" in kind and arg.name not in _ATEN_STR_ARGS:
+            return f"its argument {arg.name!r} is a free string"
+    if not {torch.Tag.core, torch.Tag.pointwise} & set(op.tags) and base not in _ATEN_LISTED + _ATEN_WRITES:
+        return "it is neither core ATen nor pointwise, and not among the aten ops fxq graphs hold"
+    return None
+
+
+def _overload_name(op: torch._ops.OpOverload) -> str:
+    """The name a file holds for ``op``: ``torch.ops:aten::add.Tensor``."""
+    return f"torch.ops:{op._schema.name}.{op._overloadname}"
+
+
+@functools.lru_cache(maxsize=1)
+def _aten_verdicts() -> dict[str, tuple[torch._ops.OpOverload, str | None]]:
+    """Every aten overload by its file name, with :func:`aten_refusal`'s verdict (built once)."""
+    return {_overload_name(op): (op, aten_refusal(op)) for op in _aten_overloads()}
+
+
+def _aten_table() -> dict[str, Callable[..., Any]]:
+    return {name: op for name, (op, why) in _aten_verdicts().items() if why is None}
 
 
 @functools.lru_cache(maxsize=1)
@@ -417,7 +496,7 @@ def function_name(fn: Callable[..., Any]) -> str | None:
         if obj is fn:
             return key
     if isinstance(fn, torch._ops.OpOverload):
-        name = f"torch.ops:{fn._schema.name}.{fn._overloadname}"
+        name = _overload_name(fn)
     elif isinstance(fn, torch._ops.OpOverloadPacket):
         name = f"torch.ops:{fn._qualified_op_name}"
     elif str(getattr(fn, "__module__", "")).startswith("onnx2torch."):
@@ -429,6 +508,11 @@ def function_name(fn: Callable[..., Any]) -> str | None:
 
 def resolve_function(name: Any) -> Callable[..., Any]:
     """The function saved as ``name``, looked up only in the function table (and registrations)."""
+    op, why = _aten_verdicts().get(name, (None, None)) if isinstance(name, str) else (None, None)
+    if why is not None and name not in SERIALIZABLE:
+        raise NotSupportedError(f"function {name!r} is not allowed in fxq files: {op._schema.name}.{op._overloadname} is "
+                                f"refused because {why}; fxq.save never writes it: a crafted file, or one from an older "
+                                f"fxq (capture and save the model again with this one)")
     return _resolve(name, "function", _lookup_function, lambda obj: True)
 
 

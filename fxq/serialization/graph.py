@@ -6,10 +6,12 @@ import math
 import re
 from typing import Any
 
+import torch
 from torch import fx
 
 from fxq.errors import FrontendError, NotSupportedError
 from fxq.serialization.allowlist import (
+    aten_refusal,
     check_identifier,
     check_method,
     check_node,
@@ -41,10 +43,12 @@ def _encode_target(node: fx.Node) -> Any:
     if node.op == "call_function":
         name = function_name(node.target)
         if name is None:
+            why = aten_refusal(node.target) if isinstance(node.target, torch._ops.OpOverload) and \
+                node.target.namespace == "aten" else None
             raise NotSupportedError(
                 f"cannot save node {node.name!r}: function {getattr(node.target, '__qualname__', node.target)!r} is not "
-                f"in fxq's allow-list (torch, torch.nn.functional, operator, math, torch.ops); register it with "
-                f"fxq.serialization.register_serializable(fn)"
+                f"in fxq's allow-list (torch, torch.nn.functional, operator, math, torch.ops)"
+                f"{f', because {why}' if why else ''}; register it with fxq.serialization.register_serializable(fn)"
             )
         return {"$function": name}
     if node.op == "call_method":
