@@ -164,7 +164,7 @@ class _Inserter:
     # ------------------------------------------------------------------ one mark
     def replace(self, node: onnx.NodeProto, mark: Mark) -> list[onnx.NodeProto]:
         fq = self.quantizers[mark.quantizer]
-        role = self.roles.get(mark.quantizer, "activation")
+        role = self.roles[mark.quantizer]  # every quantizer has one (QuantGraph checks it)
         x, y = node.input[0], node.output[0]
         value = self._const(x)
         where = f"quantizer {mark.quantizer!r} ({role} of fx node {mark.fx_node!r}, ONNX tensor {x!r})"
@@ -345,7 +345,7 @@ def strip_marks(lowered: Lowered, quantizers: dict[str, FakeQuantize], roles: di
             continue
         mark = lowered.marked.marks[int(attr(node, "id"))]
         fq = quantizers[mark.quantizer]
-        role = roles.get(mark.quantizer, "activation")
+        role = roles[mark.quantizer]
         x, y = node.input[0], node.output[0]
         while x in alias:
             x = alias[x]
