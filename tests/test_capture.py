@@ -234,3 +234,49 @@ def test_recurrent_layers_through_export_quantize_like_fx(cls, batch_first, bidi
     with fxq.fp32_mode(by_export):
         for a, b in zip(by_export(x), model(x)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class BatchBuilt(nn.Module):
+    """Values built from the batch size: a repeated grid, an expanded token, ``new_zeros``, ``arange``, a float of
+    the size, ``chunk`` of a batch-concatenation, slicing / indexing by the size, and a view to ``(b, -1)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.grid = nn.Parameter(torch.randn(1, 4, 8, 8) * 0.1, requires_grad=False)
+        self.tok = nn.Parameter(torch.rand(1, 4, 1, 1) + 0.5, requires_grad=False)
+        self.fc = nn.Linear(4 * 8 * 8, 5)
+
+    def forward(self, x):
+        b = x.shape[0]
+        y = torch.relu(self.conv(x)) + self.grid.repeat(b, 1, 1, 1)
+        y = y * self.tok.expand(b, -1, 8, 8) + y.new_zeros(b, 4, 8, 8)
+        y = y + torch.arange(b, dtype=torch.float32).view(b, 1, 1, 1) * (b * 0.02)
+        first, second = torch.chunk(torch.cat([y, y * 0.5]), 2)
+        y = first - second[:b] * 0.5 + y[b - 1] * 0.1
+        return self.fc(y.reshape(y.shape[0], -1))
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
+def test_export_graph_exported_with_a_dynamic_batch_runs_at_other_batches(platform, tmp_path):
+    """Sizes the lifted graph computes from the batch stay values in the file (``x.size(0)``, method / torch forms):
+    aten ops' sizes were recorded as the traced batch's constants, so the file failed at batch 3 and gave 2 rows at
+    batch 1."""
+    pytest.importorskip("onnxruntime")
+    from _export_helpers import run_ort
+
+    torch.manual_seed(0)
+    model, data = BatchBuilt().eval(), _data((2, 3, 8, 8))
+    q = fxq.quantize(model, data, platform, capture="export", progress=False)
+    q_fx = fxq.quantize(model, data, platform, capture="fx", progress=False)
+    assert not any(isinstance(n.target, torch._ops.OpOverload) for n in q.graph.nodes)  # all lifted
+    path = fxq.export(q, platform, tmp_path / "m.onnx", dynamic_batch=True)[0]
+    for b in (1, 3):
+        x = _data((b, 3, 8, 8), 1)[0]
+        with torch.no_grad():
+            sim = q(x)
+            assert torch.equal(sim, q_fx(x))  # the lifted graph computes what symbolic tracing's does
+        for optimize in (True, False):
+            got = run_ort(path, x, optimize=optimize)
+            assert got.shape == tuple(sim.shape)
+            np.testing.assert_allclose(got, sim.numpy(), atol=1e-5, err_msg=f"batch {b}, optimize={optimize}")
