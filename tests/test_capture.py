@@ -237,7 +237,7 @@ def test_recurrent_layers_through_export_quantize_like_fx(cls, batch_first, bidi
 
 
 class BatchBuilt(nn.Module):
-    """Values built from the batch size: a repeated grid, an expanded token, ``new_zeros``, ``arange``, a float of
+    """Values built from the batch size: a repeated grid, an expanded / tiled token, ``new_zeros``, ``arange``, a float of
     the size, ``chunk`` of a batch-concatenation, slicing / indexing by the size, and a view to ``(b, -1)``."""
 
     def __init__(self) -> None:
@@ -250,7 +250,7 @@ class BatchBuilt(nn.Module):
     def forward(self, x):
         b = x.shape[0]
         y = torch.relu(self.conv(x)) + self.grid.repeat(b, 1, 1, 1)
-        y = y * self.tok.expand(b, -1, 8, 8) + y.new_zeros(b, 4, 8, 8)
+        y = y * self.tok.expand(b, -1, 8, 8) + y.new_zeros(b, 4, 8, 8) + self.tok.tile(b, 1, 8, 8) * 0.1
         y = y + torch.arange(b, dtype=torch.float32).view(b, 1, 1, 1) * (b * 0.02)
         first, second = torch.chunk(torch.cat([y, y * 0.5]), 2)
         y = first - second[:b] * 0.5 + y[b - 1] * 0.1
@@ -259,11 +259,11 @@ class BatchBuilt(nn.Module):
 
 @pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
 def test_export_graph_exported_with_a_dynamic_batch_runs_at_other_batches(platform, tmp_path):
-    """Sizes the lifted graph computes from the batch stay values in the file (``x.size(0)``, method / torch forms):
-    aten ops' sizes were recorded as the traced batch's constants, so the file failed at batch 3 and gave 2 rows at
-    batch 1."""
+    """Sizes the lifted graph computes from the batch stay values in the file (``x.size(0)``, method / torch forms).
+    torch.onnx's tracer recorded aten ops' sizes as the traced batch's constants: the file gave 2 rows at batch 1
+    and failed at batch 3 (with ``aten.tile``, torch.onnx wrote an invalid file)."""
     pytest.importorskip("onnxruntime")
-    from _export_helpers import run_ort
+    from _export_helpers import output_lsb, run_ort
 
     torch.manual_seed(0)
     model, data = BatchBuilt().eval(), _data((2, 3, 8, 8))
@@ -276,7 +276,8 @@ def test_export_graph_exported_with_a_dynamic_batch_runs_at_other_batches(platfo
         with torch.no_grad():
             sim = q(x)
             assert torch.equal(sim, q_fx(x))  # the lifted graph computes what symbolic tracing's does
-        for optimize in (True, False):
+        for optimize in (True, False):  # ORT's fused int8 kernels may round one code apart, as for the fx capture
             got = run_ort(path, x, optimize=optimize)
             assert got.shape == tuple(sim.shape)
-            np.testing.assert_allclose(got, sim.numpy(), atol=1e-5, err_msg=f"batch {b}, optimize={optimize}")
+            tolerance = output_lsb(q) * 1.001 if optimize else 1e-5
+            np.testing.assert_allclose(got, sim.numpy(), atol=tolerance, err_msg=f"batch {b}, optimize={optimize}")

@@ -50,8 +50,9 @@ LIFTED: dict[Any, Callable[..., Any] | str] = {
     # sizes: torch.onnx's tracer records the sizes an aten op takes as constants, a method's or torch function's as
     # values computed from the input (``x.size(0)``), so a file exported with a dynamic batch stays batch-generic
     aten.sym_size.int: "size", aten.sym_numel.default: "numel", aten.sym_stride.int: "stride",
-    aten.repeat.default: "repeat", aten.expand.default: "expand", aten.new_zeros.default: "new_zeros",
-    aten.new_ones.default: "new_ones", aten.new_full.default: "new_full", aten.new_empty.default: "new_empty",
+    aten.repeat.default: "repeat", aten.tile.default: "tile", aten.expand.default: "expand",
+    aten.new_zeros.default: "new_zeros", aten.new_ones.default: "new_ones", aten.new_full.default: "new_full",
+    aten.new_empty.default: "new_empty",
     aten.arange.default: torch.arange, aten.arange.start: torch.arange, aten.arange.start_step: torch.arange,
     aten.zeros.default: torch.zeros, aten.ones.default: torch.ones, aten.full.default: torch.full,
     aten.empty.memory_format: torch.empty, aten.narrow.default: torch.narrow,
