@@ -165,6 +165,32 @@ def test_export_graph_writes_the_same_ncnn_files(tmp_path):
     assert files["fx"][".bin"] == files["export"][".bin"]  # same folded, quantized weights
 
 
+class ChannelSlices(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 6, 3, padding=1), nn.Conv2d(2, 4, 1)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        return self.head(y[:, 1:3] + y[:, 4:6])
+
+
+def test_export_graph_slices_write_the_same_ncnn_files(tmp_path):
+    """aten.slice lifts to indexing, as symbolic tracing records it (the ncnn writer read aten.slice's ``dim`` as its
+    index and refused the file)."""
+    torch.manual_seed(0)
+    model, data = ChannelSlices().eval(), _data((1, 3, 8, 8))
+    files = {}
+    for capture in ("fx", "export"):
+        q = fxq.quantize(model, data, "ncnn_int8", capture=capture, progress=False)
+        paths = fxq.export(q, "ncnn_int8", tmp_path / f"{capture}.param")
+        files[capture] = {p.suffix: p.read_bytes() for p in paths if ".fp32" not in p.name}
+    layers = [[(line.split()[0], [t for t in line.split() if "=" in t]) for line in f[".param"].decode().splitlines()[2:]]
+              for f in files.values()]
+    assert layers[0] == layers[1] and [t for t, _ in layers[0]].count("Crop") == 2  # node names aside
+    assert files["fx"][".bin"] == files["export"][".bin"]
+
+
 def test_batch_of_one_example_still_gives_a_batch_generic_graph():
     model = _net()
     data = _data((1, 3, 8, 8))
