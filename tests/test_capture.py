@@ -165,6 +165,32 @@ def test_export_graph_writes_the_same_ncnn_files(tmp_path):
     assert files["fx"][".bin"] == files["export"][".bin"]  # same folded, quantized weights
 
 
+class ChannelSlices(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 6, 3, padding=1), nn.Conv2d(2, 4, 1)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        return self.head(y[:, 1:3] + y[:, 4:6])
+
+
+def test_export_graph_slices_write_the_same_ncnn_files(tmp_path):
+    """aten.slice lifts to indexing, as symbolic tracing records it (the ncnn writer read aten.slice's ``dim`` as its
+    index and refused the file)."""
+    torch.manual_seed(0)
+    model, data = ChannelSlices().eval(), _data((1, 3, 8, 8))
+    files = {}
+    for capture in ("fx", "export"):
+        q = fxq.quantize(model, data, "ncnn_int8", capture=capture, progress=False)
+        paths = fxq.export(q, "ncnn_int8", tmp_path / f"{capture}.param")
+        files[capture] = {p.suffix: p.read_bytes() for p in paths if ".fp32" not in p.name}
+    layers = [[(line.split()[0], [t for t in line.split() if "=" in t]) for line in f[".param"].decode().splitlines()[2:]]
+              for f in files.values()]
+    assert layers[0] == layers[1] and [t for t, _ in layers[0]].count("Crop") == 2  # node names aside
+    assert files["fx"][".bin"] == files["export"][".bin"]
+
+
 def test_batch_of_one_example_still_gives_a_batch_generic_graph():
     model = _net()
     data = _data((1, 3, 8, 8))
@@ -234,3 +260,50 @@ def test_recurrent_layers_through_export_quantize_like_fx(cls, batch_first, bidi
     with fxq.fp32_mode(by_export):
         for a, b in zip(by_export(x), model(x)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class BatchBuilt(nn.Module):
+    """Values built from the batch size: a repeated grid, an expanded / tiled token, ``new_zeros``, ``arange``, a float of
+    the size, ``chunk`` of a batch-concatenation, slicing / indexing by the size, and a view to ``(b, -1)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.grid = nn.Parameter(torch.randn(1, 4, 8, 8) * 0.1, requires_grad=False)
+        self.tok = nn.Parameter(torch.rand(1, 4, 1, 1) + 0.5, requires_grad=False)
+        self.fc = nn.Linear(4 * 8 * 8, 5)
+
+    def forward(self, x):
+        b = x.shape[0]
+        y = torch.relu(self.conv(x)) + self.grid.repeat(b, 1, 1, 1)
+        y = y * self.tok.expand(b, -1, 8, 8) + y.new_zeros(b, 4, 8, 8) + self.tok.tile(b, 1, 8, 8) * 0.1
+        y = y + torch.arange(b, dtype=torch.float32).view(b, 1, 1, 1) * (b * 0.02)
+        first, second = torch.chunk(torch.cat([y, y * 0.5]), 2)
+        y = first - second[:b] * 0.5 + y[b - 1] * 0.1
+        return self.fc(y.reshape(y.shape[0], -1))
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
+def test_export_graph_exported_with_a_dynamic_batch_runs_at_other_batches(platform, tmp_path):
+    """Sizes the lifted graph computes from the batch stay values in the file (``x.size(0)``, method / torch forms).
+    torch.onnx's tracer recorded aten ops' sizes as the traced batch's constants: the file gave 2 rows at batch 1
+    and failed at batch 3 (with ``aten.tile``, torch.onnx wrote an invalid file)."""
+    pytest.importorskip("onnxruntime")
+    from _export_helpers import output_lsb, run_ort
+
+    torch.manual_seed(0)
+    model, data = BatchBuilt().eval(), _data((2, 3, 8, 8))
+    q = fxq.quantize(model, data, platform, capture="export", progress=False)
+    q_fx = fxq.quantize(model, data, platform, capture="fx", progress=False)
+    assert not any(isinstance(n.target, torch._ops.OpOverload) for n in q.graph.nodes)  # all lifted
+    path = fxq.export(q, platform, tmp_path / "m.onnx", dynamic_batch=True)[0]
+    for b in (1, 3):
+        x = _data((b, 3, 8, 8), 1)[0]
+        with torch.no_grad():
+            sim = q(x)
+            assert torch.equal(sim, q_fx(x))  # the lifted graph computes what symbolic tracing's does
+        for optimize in (True, False):  # ORT's fused int8 kernels may round one code apart, as for the fx capture
+            got = run_ort(path, x, optimize=optimize)
+            assert got.shape == tuple(sim.shape)
+            tolerance = output_lsb(q) * 1.001 if optimize else 1e-5
+            np.testing.assert_allclose(got, sim.numpy(), atol=tolerance, err_msg=f"batch {b}, optimize={optimize}")

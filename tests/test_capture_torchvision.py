@@ -84,8 +84,8 @@ def _from_constants_only(gm, name: str) -> bool:
         seen.add(n)
         if n.op in ("placeholder", "get_attr"):
             return False
-        if n.target is torch.ops.aten.sym_size.int:
-            continue  # the static size of an input
+        if n.op == "call_method" and n.target == "size":
+            continue  # the size of an input (static in a file exported without dynamic_batch)
         stack.extend(n.all_input_nodes)
     return True
 

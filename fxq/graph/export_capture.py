@@ -13,6 +13,7 @@ import contextlib
 import io
 import logging
 import operator
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -165,8 +166,17 @@ def lift_aten_graph(gm: fx.GraphModule, name: str = "ExportedProgram") -> fx.Gra
         elif node.target is aten.batch_norm.default:
             x, w, b, mean, var, training, momentum, eps = node.args[:8]
             node.target, node.args = F.batch_norm, (x, mean, var, w, b, training, momentum, eps)
+        elif node.target in (aten.slice.Tensor, aten.select.int):
+            _lift_indexing(node)
+        elif node.target is aten.split.Tensor and isinstance(node.args[1], fx.Node):
+            _lift_split(graph, node)
+        elif node.target is torch.sym_float:  # float(n) of a size; a product keeps it a value in the tracer
+            node.target, node.args = operator.mul, (node.args[0], 1.0)
         elif node.target in LIFTED:
-            node.target = LIFTED[node.target]
+            lifted = LIFTED[node.target]
+            if isinstance(lifted, str):
+                node.op = "call_method"
+            node.target = lifted
             cap = _ARITY.get(node.target)
             if cap is not None and len(node.args) > cap:  # aten-only trailing flags (layer_norm's cudnn_enable)
                 node.args = node.args[:cap]
@@ -178,6 +188,51 @@ def lift_aten_graph(gm: fx.GraphModule, name: str = "ExportedProgram") -> fx.Gra
     gm.meta["fxq_source"] = name
     gm.meta["fxq_capture"] = "export"
     return gm
+
+
+def _schema_args(node: fx.Node) -> dict[str, Any]:
+    """An aten node's arguments by name, defaults of its schema included."""
+    arguments = node.target._schema.arguments  # type: ignore[union-attr]
+    values = {a.name: a.default_value for a in arguments if a.has_default_value()}
+    values.update(zip((a.name for a in arguments), node.args))
+    values.update(node.kwargs)
+    return values
+
+
+def _lift_indexing(node: fx.Node) -> None:
+    """``aten.slice.Tensor(x, dim, start, end, step)`` -> ``x[:, start:end:step]`` and ``aten.select.int(x, dim,
+    i)`` -> ``x[:, i]``, as symbolic tracing records indexing: bounds computed from sizes stay values in the
+    exported file (aten's are recorded as constants). A slice that takes the whole dim is its input."""
+    a = _schema_args(node)
+    if node.target is aten.select.int:
+        item: Any = a["index"]
+    else:
+        end = None if isinstance(a["end"], int) and a["end"] >= sys.maxsize else a["end"]
+        start, step = (None if a["start"] == 0 else a["start"]), (None if a["step"] == 1 else a["step"])
+        if start is None and end is None and step is None:
+            node.replace_all_uses_with(a["self"])
+            return
+        item = slice(start, end, step)
+    dim = a["dim"]
+    index = (slice(None),) * dim + (item,) if dim >= 0 else (Ellipsis, item) + (slice(None),) * (-dim - 1)
+    node.target, node.args, node.kwargs = operator.getitem, (a["self"], index), {}
+
+
+def _lift_split(graph: fx.Graph, node: fx.Node) -> None:
+    """``aten.split.Tensor(x, s, dim)`` with a size ``s`` computed from the batch (``chunk`` of a computed size)
+    -> ``torch.split(x, [s, ..., x.size(dim) - s * (k - 1)], dim)``: the ``k`` pieces the program was exported
+    with, their sizes values in the exported file (``torch.split`` turns a computed split size into a constant)."""
+    a = _schema_args(node)
+    x, size, dim = a["self"], a["split_size"], a["dim"]
+    k = len(node.meta.get("val") or ())
+    if k < 2:
+        node.target = torch.split
+        return
+    with graph.inserting_before(node):
+        total = graph.call_method("size", (x, dim))
+        before = size if k == 2 else graph.call_function(operator.mul, (size, k - 1))
+        last = graph.call_function(operator.sub, (total, before))
+    node.target, node.args, node.kwargs = torch.split, (x, [size] * (k - 1) + [last], dim), {}
 
 
 def _functionalize(graph: fx.Graph) -> None:

@@ -22,7 +22,7 @@ __all__ = ["LIFTED", "op_type", "register_op_type", "mutates_first_argument", "o
 
 aten = torch.ops.aten
 
-LIFTED: dict[Any, Callable[..., Any]] = {
+LIFTED: dict[Any, Callable[..., Any] | str] = {
     aten.conv1d.default: F.conv1d, aten.conv2d.default: F.conv2d, aten.conv3d.default: F.conv3d,
     aten.conv1d.padding: F.conv1d, aten.conv2d.padding: F.conv2d, aten.conv3d.padding: F.conv3d,
     aten.conv_transpose1d.default: F.conv_transpose1d, aten.conv_transpose2d.input: F.conv_transpose2d,
@@ -47,9 +47,20 @@ LIFTED: dict[Any, Callable[..., Any]] = {
     aten.flatten.using_ints: torch.flatten, aten.permute.default: torch.permute,
     aten.transpose.int: torch.transpose, aten.unsqueeze.default: torch.unsqueeze,
     aten.squeeze.dim: torch.squeeze,
+    # sizes: torch.onnx's tracer records the sizes an aten op takes as constants, a method's or torch function's as
+    # values computed from the input (``x.size(0)``), so a file exported with a dynamic batch stays batch-generic
+    aten.sym_size.int: "size", aten.sym_numel.default: "numel", aten.sym_stride.int: "stride",
+    aten.repeat.default: "repeat", aten.tile.default: "tile", aten.expand.default: "expand",
+    aten.new_zeros.default: "new_zeros", aten.new_ones.default: "new_ones", aten.new_full.default: "new_full",
+    aten.new_empty.default: "new_empty",
+    aten.arange.default: torch.arange, aten.arange.start: torch.arange, aten.arange.start_step: torch.arange,
+    aten.zeros.default: torch.zeros, aten.ones.default: torch.ones, aten.full.default: torch.full,
+    aten.empty.memory_format: torch.empty, aten.narrow.default: torch.narrow,
+    aten.split_with_sizes.default: torch.split, aten.split.Tensor: torch.split,
 }
-"""aten overloads whose positional arguments are those of a torch function; the node keeps args and kwargs
-(:mod:`fxq.graph.export_capture` lifts them to those functions, and they get the function's op type)."""
+"""aten overloads whose positional arguments are those of a torch function, or (a str) of a ``Tensor`` method
+called on the first; the node keeps args and kwargs (:mod:`fxq.graph.export_capture` lifts them to those calls,
+and they get the call's op type)."""
 
 _FUNCTIONS: dict[Callable[..., Any], str] = {
     F.conv1d: "Conv", F.conv2d: "Conv", F.conv3d: "Conv",
@@ -319,14 +330,13 @@ _register_recurrent()
 def _register_aten() -> None:
     """aten overloads, as ``torch.export`` graphs hold them: the ones in :data:`LIFTED` get the type of that call (a graph handed over unlifted is still typed), the rest a type of their own."""
     for overload, fn in LIFTED.items():
-        if fn in _FUNCTIONS:
-            _FUNCTIONS.setdefault(overload, _FUNCTIONS[fn])
+        found = _METHODS.get(fn) if isinstance(fn, str) else _FUNCTIONS.get(fn)
+        if found is not None:
+            _FUNCTIONS.setdefault(overload, found)
     for overload, name in {
-        aten.sym_size.int: "Shape", aten.sym_numel.default: "Shape", aten.arange.default: "Range",
-        aten.arange.start: "Range", aten.nonzero.default: "NonZero", aten.topk.default: "TopK",
+        aten.nonzero.default: "NonZero", aten.topk.default: "TopK",
         aten.argmax.default: "ArgMax", aten.slice.Tensor: "Slice", aten.select.int: "Slice",
-        aten.split.Tensor: "Split", aten.split_with_sizes.default: "Split", aten.chunk.default: "Split",
-        aten.expand.default: "Expand", aten.repeat.default: "Tile", aten._to_copy.default: "Cast",
+        aten.chunk.default: "Split", aten._to_copy.default: "Cast",
         aten.upsample_nearest2d.vec: "Resize", aten.upsample_bilinear2d.vec: "Resize",
         aten.constant_pad_nd.default: "Pad", aten.pad.default: "Pad", aten.exp.default: "Exp",
         aten.index.Tensor: "Gather", aten.embedding.default: "Gather", aten.relu6.default: "Clip",
