@@ -39,7 +39,7 @@ from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim,
 from fxq.backends.qdq.lowering import example_inputs_for
 from fxq.errors import ExportError
 from fxq.functional import fake_quantize
-from fxq.graph.info import QUANTIZERS_ATTR
+from fxq.graph.info import is_quantizer_node
 from fxq.graph.nodes import get_attr_value
 from fxq.graph.op_types import op_type
 from fxq.graph.passes import propagate_tensor_meta
@@ -111,8 +111,7 @@ class NcnnBuilder:
 
     # ------------------------------------------------------------------ graph helpers
     def is_quantizer(self, node: Any) -> bool:
-        return (isinstance(node, fx.Node) and node.op == "call_module"
-                and str(node.target).startswith(QUANTIZERS_ATTR + "."))
+        return isinstance(node, fx.Node) and is_quantizer_node(node)
 
     def quantizer(self, node: fx.Node) -> FakeQuantize:
         return self.modules[str(node.target)]

@@ -10,7 +10,7 @@ from torch import fx, nn
 
 from fxq import onnx_data
 from fxq.errors import ExportError, GraphError
-from fxq.graph.info import graph_quant, iter_quantizers
+from fxq.graph.info import graph_quant
 from fxq.graph.quant_graph import QuantGraph
 from fxq.io import check_output_dir
 from fxq.nn.fake_quantize import FakeQuantize
@@ -32,9 +32,10 @@ def quantized_graph(model: nn.Module) -> fx.GraphModule:
                           f"{type(model).__name__}")
     try:
         graph_quant(model)
+        qg = QuantGraph(model)
     except GraphError as exc:
         raise ExportError(str(exc)) from None
-    pending = [name for name, fq in iter_quantizers(model)
+    pending = [name for name, fq in qg.quantizers()
                if fq.config.state in (QuantState.INITIAL, QuantState.PASSIVE_INIT)]
     if pending:
         shown = ", ".join(pending[:6]) + (" ..." if len(pending) > 6 else "")

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor, fx
 from torch.onnx import symbolic_helper
 
-from fxq.graph.info import QUANTIZERS_ATTR, NodeQuant, computed_from_parameters, iter_quantizers
+from fxq.graph.info import NodeQuant, computed_from_parameters, is_quantizer_node
+from fxq.graph.quant_graph import QuantGraph, quantizer_name
 
 __all__ = ["Mark", "MarkedModule", "build_marked_module", "freeze_quant_mark_inputs", "MARK_DOMAIN", "MARK_OP",
            "flat_output_count"]
@@ -108,7 +109,7 @@ class _Builder:
         out = self.graph.graph_copy(gm.graph, self.val_map)
         self.graph.output(out)
         self.marks: dict[int, Mark] = {}
-        self.quantizers = dict(iter_quantizers(gm))
+        self.quantizers = QuantGraph(gm).as_dict()
 
     def _insert_mark(self, after: fx.Node, mark: Mark, users: list[fx.Node] | None) -> fx.Node:
         with self.graph.inserting_after(after):
@@ -124,12 +125,10 @@ class _Builder:
     def _activation_quantized(self, node: fx.Node) -> bool:
         """Whether an activation quantizer reads ``node``: its Q/DQ stops torch.onnx's constant folding there, so
         the value stays a computed tensor (Swin-V2's position-bias MLP over a buffer) and can carry its fx name."""
-        prefix = QUANTIZERS_ATTR + "."
         for user in node.users:
-            if user.op == "call_module" and str(user.target).startswith(prefix):
-                fq = self.quantizers.get(str(user.target)[len(prefix):])
-                if fq is not None and fq.config.is_quantizing and fq.role == "activation":
-                    return True
+            fq = self.quantizers.get(quantizer_name(user))
+            if fq is not None and fq.config.is_quantizing and fq.role == "activation":
+                return True
         return False
 
     def _next_id(self) -> int:
@@ -137,11 +136,8 @@ class _Builder:
 
     def name_values(self) -> None:
         memo: dict[fx.Node, bool] = {}
-        prefix = QUANTIZERS_ATTR + "."
         for node in list(self.graph.nodes):
-            if node.op not in ("call_function", "call_method", "call_module"):
-                continue
-            if node.op == "call_module" and str(node.target).startswith(prefix):
+            if node.op not in ("call_function", "call_method", "call_module") or is_quantizer_node(node):
                 continue
             if not _tensor_val(node):
                 continue
@@ -152,11 +148,10 @@ class _Builder:
             self._insert_mark(node, mark, None)
 
     def replace_quantizers(self) -> None:
-        prefix = QUANTIZERS_ATTR + "."
         for node in list(self.graph.nodes):
-            if not (node.op == "call_module" and str(node.target).startswith(prefix)):
+            qname = quantizer_name(node)
+            if qname is None:
                 continue
-            qname = str(node.target)[len(prefix):]
             fq = self.quantizers[qname]
             src = node.args[0]
             if fq.config.is_quantizing:
