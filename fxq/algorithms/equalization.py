@@ -33,7 +33,7 @@ from fxq.algorithms.pipeline import register_algorithm
 from fxq.checked import Checked, checked_setting, opt
 from fxq.graph.data import iter_batches, placeholder_values
 from fxq.graph.info import NodeQuant, is_quantizer_node
-from fxq.graph.nodes import get_attr_value
+from fxq.graph.nodes import Interpreter, get_attr_value
 from fxq.nn.fake_quantize import fake_quant_mode
 
 __all__ = ["EqualizationSetting", "EqualizationGroup", "find_equalization_groups", "equalize", "cross_layer_equalization"]
@@ -190,7 +190,7 @@ def _activation_ranges(gm: fx.GraphModule, nodes: set[fx.Node], data: Any, steps
                        collate_fn: Callable | None) -> dict[fx.Node, torch.Tensor]:
     ranges: dict[fx.Node, torch.Tensor] = {}
 
-    class _Recorder(fx.Interpreter):
+    class _Recorder(Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             out = super().run_node(n)
             if n in nodes and isinstance(out, torch.Tensor):

@@ -41,7 +41,7 @@ from fxq.checked import Checked, checked_setting, opt
 from fxq.functional import fake_quantize, qparams_from_minmax
 from fxq.graph.data import iter_batches, placeholder_values
 from fxq.graph.info import is_quantizer_node
-from fxq.graph.nodes import get_attr_value
+from fxq.graph.nodes import Interpreter, get_attr_value
 from fxq.nn.fake_quantize import fake_quant_mode
 from fxq.observers.base import channel_rows
 from fxq.spec import TensorQuantConfig
@@ -79,7 +79,7 @@ def _act_ranges(gm: fx.GraphModule, nodes: set[fx.Node], data: Any, steps: int |
     sums: dict[fx.Node, torch.Tensor] = {}
     count = 0
 
-    class _Recorder(fx.Interpreter):
+    class _Recorder(Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             out = super().run_node(n)
             if n in nodes and isinstance(out, torch.Tensor):

@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from fxq.errors import ConfigError, FrontendError, NotSupportedError
+from fxq.graph.nodes import Interpreter
 from fxq.onnx_data import ort_session
 
 __all__ = ["TensorMismatch", "MismatchReport", "locate_mismatch", "simulation_values", "HISTOGRAM_BINS"]
@@ -149,7 +150,7 @@ def simulation_values(gm: fx.GraphModule, inputs: dict[fx.Node, Any],
     one), copied (a later in-place op of the graph would write into them)."""
     values: dict[str, torch.Tensor] = {}
 
-    class _Capture(fx.Interpreter):
+    class _Capture(Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             out = super().run_node(n)
             if isinstance(out, torch.Tensor) and (names is None or n.name in names):

@@ -30,7 +30,7 @@ from torch import fx, nn
 from fxq.errors import ConfigError
 from fxq.graph.data import placeholder_values
 from fxq.graph.info import NodeQuant, QuantizerInfo, graph_quant, is_quantizer_node
-from fxq.graph.nodes import get_attr_value
+from fxq.graph.nodes import get_attr_value, thaw
 from fxq.graph.op_types import mutates_first_argument, out_of_place_form
 from fxq.graph.quant_graph import QuantGraph
 from fxq.nn.fake_quantize import FakeQuantize
@@ -213,12 +213,12 @@ class GraphRunner:
             return get_attr_value(self.gm, target)
         if node.op == "output":
             return fx.node.map_arg(node.args[0], env.__getitem__)
-        args = fx.node.map_arg(node.args, env.__getitem__)
-        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        args = thaw(fx.node.map_arg(node.args, env.__getitem__))  # mutable lists, as the generated code gives
+        kwargs = thaw(fx.node.map_arg(node.kwargs, env.__getitem__))
         if layer is not None and node is layer.node and layer.inputs:
             swap = {a: self._quantized_input(q, env[a]) for a, q in layer.inputs.items()}
-            args = fx.node.map_arg(node.args, lambda n: swap[n] if n in swap else env[n])
-            kwargs = fx.node.map_arg(node.kwargs, lambda n: swap[n] if n in swap else env[n])
+            args = thaw(fx.node.map_arg(node.args, lambda n: swap[n] if n in swap else env[n]))
+            kwargs = thaw(fx.node.map_arg(node.kwargs, lambda n: swap[n] if n in swap else env[n]))
         if node.op == "call_module" and node in self.quantizers:
             if fp32 and not (layer is not None and node is layer.output_quantizer):
                 return args[0]

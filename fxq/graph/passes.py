@@ -16,7 +16,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxq.errors import GraphError
 from fxq.graph.attention import decompose_attention_functions
-from fxq.graph.nodes import get_attr_value, redirect_later_readers
+from fxq.graph.nodes import Interpreter, get_attr_value, redirect_later_readers, thaw
 from fxq.graph.op_types import WEIGHTED_FUNCTIONS, mutates_first_argument, op_type, out_of_place_form
 
 __all__ = [
@@ -285,35 +285,20 @@ def propagate_tensor_meta(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
     return gm
 
 
-def _thaw(value: Any) -> Any:
-    """Plain lists / dicts for fx's immutable argument containers (nested in tuples too)."""
-    from torch.fx.immutable_collections import immutable_dict, immutable_list
-
-    if isinstance(value, immutable_list):
-        return [_thaw(v) for v in value]
-    if isinstance(value, immutable_dict):
-        return {k: _thaw(v) for k, v in value.items()}
-    if type(value) is tuple:
-        return tuple(_thaw(v) for v in value)
-    return value
-
-
 class _FreshArgs:
-    """Interpreter mixin: every call gets its own mutable copies of list/dict arguments, as the generated code
-    gives them (a literal ``[7, 7, 7]`` is a new list on every call). torch.fx's interpreter passes the node's
-    immutable list itself, which functions that edit their argument in place (torchvision's Swin3D
-    ``_get_window_and_shift_size``) cannot take."""
+    """Interpreter mixin for torch's FakeTensorProp: list / dict arguments as :func:`fxq.graph.nodes.thaw` gives
+    them (see :class:`fxq.graph.nodes.Interpreter`)."""
 
     def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple, dict]:
         args, kwargs = super().fetch_args_kwargs_from_env(n)  # type: ignore[misc]
-        return _thaw(args), _thaw(kwargs)
+        return thaw(args), thaw(kwargs)
 
 
 class _FakeProp(_FreshArgs, FakeTensorProp):
     pass
 
 
-class _RealProp(_FreshArgs, fx.Interpreter):
+class _RealProp(Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         try:
             result = super().run_node(n)

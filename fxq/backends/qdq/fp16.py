@@ -28,6 +28,7 @@ from torch import fx
 
 from fxq.backends.qdq.onnx_graph import rename_tensors, subgraphs
 from fxq.errors import ExportError
+from fxq.graph.nodes import Interpreter
 
 __all__ = ["HIGH_PRECISION_DTYPES", "cast_float_parts", "fp16_simulation"]
 
@@ -185,7 +186,7 @@ def _round_fp16(value: Any) -> Any:
     return value
 
 
-class _Fp16Interpreter(fx.Interpreter):
+class _Fp16Interpreter(Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         return fx.node.map_aggregate(super().run_node(n), _round_fp16)
 

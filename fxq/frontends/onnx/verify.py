@@ -16,6 +16,7 @@ from torch import fx
 from fxq.errors import FrontendError
 from fxq.frontends.onnx.cleanup import infer_shapes
 from fxq.frontends.onnx.shapes import source_dims
+from fxq.graph.nodes import Interpreter
 from fxq.onnx_data import ort_session
 
 __all__ = ["VERIFY_AUTO_MAX_BYTES", "wants_check", "check_conversion"]
@@ -112,7 +113,7 @@ def _fx_values(gm: fx.GraphModule, args: list[torch.Tensor]) -> tuple[dict[str, 
     values: dict[str, Any] = {}
     failed: list[tuple[fx.Node, Exception]] = []
 
-    class _Capture(fx.Interpreter):
+    class _Capture(Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             try:
                 value = super().run_node(n)
