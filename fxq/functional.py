@@ -118,7 +118,6 @@ def fake_quantize(
     offset: torch.Tensor | None = None,
     *,
     overwrite: bool = False,
-    fusible: bool = True,
 ) -> torch.Tensor:
     """Quantize and dequantize ``x`` with ``cfg``; differentiable (STE for x, LSQ for scale/offset).
 
@@ -126,8 +125,6 @@ def fake_quantize(
     Runs the ``fxq::`` custom ops: the torch path on CPU, Triton kernels on CUDA.
     ``overwrite=True`` lets the result reuse ``x``'s memory (the fused CPU path then writes in place and
     returns ``x``): only for values nothing else reads, without gradients; same values either way.
-    ``fusible=False`` keeps the ``fxq::`` op inside ``torch.compile`` (see :mod:`fxq.ops`): for values with nothing to
-    fuse with, such as weights; same values either way.
     """
     scale = cfg.scale if scale is None else scale
     offset = cfg.offset if offset is None else offset
@@ -154,7 +151,7 @@ def fake_quantize(
         ):
             return x
         args = (xc, scale, axis, fmt.mantissa_bits, fmt.min_exponent, float(cfg.quant_max), int(cfg.rounding))
-        y = ops.fake_quant_float(*args, fusible=fusible)
+        y = ops.fake_quant_float(*args)
         spec = FLOAT
     else:
         offset = torch.zeros_like(scale) if offset is None else offset.to(xc.device)
@@ -163,7 +160,7 @@ def fake_quantize(
         ):
             return x
         args = (xc, scale, offset, axis, int(cfg.quant_min), int(cfg.quant_max), int(cfg.rounding))
-        y = ops.fake_quant_linear(*args, fusible=fusible)
+        y = ops.fake_quant_linear(*args)
         spec = LINEAR
     if not overwrite and xc is x:
         bound = fused_cpu.bind(spec, args, _call_tag(cfg))

@@ -6,10 +6,8 @@ implementation, a fake (meta) implementation, autograd through the backward op, 
 (:mod:`fxq.fused_cpu`) and the Triton CUDA kernels (:mod:`fxq.triton_kernels`). Eager code and ``torch.fx``
 graphs keep one node per quantizer and differentiate through it. Inside ``torch.compile``, for CPU tensors, the
 wrappers hand dynamo the reference's own aten ops instead (forward and backward), which inductor fuses with the
-ops around them: the same values, fewer memory passes. A caller whose value has nothing to fuse with
-(``fusible=False``: weights and biases, read by extern convolution / matmul kernels) keeps the op, so inductor
-generates and compiles no kernel per parameter. CUDA tensors keep the op (its Triton kernel divides exactly;
-inductor's generated Triton division may be 1-2 ulp off and flip rounding ties).
+ops around them: the same values, fewer memory passes. CUDA tensors keep the op (its Triton kernel divides
+exactly; inductor's generated Triton division may be 1-2 ulp off and flip rounding ties).
 """
 from __future__ import annotations
 
@@ -79,14 +77,13 @@ def _define(spec: OpSpec) -> type[torch.autograd.Function]:
 _TRACED: dict[str, type[torch.autograd.Function]] = {spec.name: _define(spec) for spec in OP_SPECS}
 
 
-def _call(spec: OpSpec, *args: Any, fusible: bool = True) -> Tensor:
+def _call(spec: OpSpec, *args: Any) -> Tensor:
     """``torch.ops.fxq.<name>`` eagerly (fused CPU loop, Triton on CUDA); on CPU inside ``torch.compile``, the
-    reference's aten ops when ``fusible``, so inductor fuses them (bit-identical: inductor's C++ divides exactly).
-    CUDA stays on the op's Triton kernel, which divides exactly where inductor's Triton code would not. An eager
-    CPU call that only needs values (no autograd, nothing tracing) runs the op's CPU kernel without the
-    dispatcher."""
+    reference's aten ops, so inductor fuses them (bit-identical: inductor's C++ divides exactly). CUDA stays on
+    the op's Triton kernel, which divides exactly where inductor's Triton code would not. An eager CPU call that
+    only needs values (no autograd, nothing tracing) runs the op's CPU kernel without the dispatcher."""
     if args[0].device.type == "cpu":
-        if fusible and torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return _TRACED[spec.name].apply(*args)
         if fused_cpu.values_only(args[: spec.num_tensors]):
             return fused_cpu.KERNELS[spec.qualname](*args)
@@ -94,19 +91,17 @@ def _call(spec: OpSpec, *args: Any, fusible: bool = True) -> Tensor:
 
 
 def fake_quant_linear(
-    x: Tensor, scale: Tensor, offset: Tensor, axis: int, quant_min: int, quant_max: int, rounding: int,
-    *, fusible: bool = True,
+    x: Tensor, scale: Tensor, offset: Tensor, axis: int, quant_min: int, quant_max: int, rounding: int
 ) -> Tensor:
     """Linear fake-quant ``fxq::fake_quant_linear`` (see :func:`_call` for eager vs compiled)."""
-    return _call(LINEAR, x, scale, offset, axis, quant_min, quant_max, rounding, fusible=fusible)
+    return _call(LINEAR, x, scale, offset, axis, quant_min, quant_max, rounding)
 
 
 def fake_quant_float(
-    x: Tensor, scale: Tensor, axis: int, mantissa_bits: int, min_exponent: int, max_value: float, rounding: int,
-    *, fusible: bool = True,
+    x: Tensor, scale: Tensor, axis: int, mantissa_bits: int, min_exponent: int, max_value: float, rounding: int
 ) -> Tensor:
     """FP8 fake-quant ``fxq::fake_quant_float`` (see :func:`_call` for eager vs compiled)."""
-    return _call(FLOAT, x, scale, axis, mantissa_bits, min_exponent, max_value, rounding, fusible=fusible)
+    return _call(FLOAT, x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
 
 
 def _register_device_kernels() -> None:

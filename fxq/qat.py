@@ -148,7 +148,7 @@ class QATFakeQuantize(FakeQuantize):
             scale = scale.abs().clamp_min(MIN_SCALE)  # a step past zero flips the sign, never breaks the grid
         if isinstance(offset, nn.Parameter) and self.grad_scale != 1.0:
             offset = _grad_scaled(offset, self.grad_scale)
-        return fake_quantize(x, self.config, scale, offset, fusible=self.fusible)
+        return fake_quantize(x, self.config, scale, offset)
 
     def freeze(self) -> "QATFakeQuantize":
         """Fix learned parameters as buffers; a learned offset is rounded back onto the integer grid."""
@@ -197,9 +197,9 @@ class QATBiasQuantize(FakeQuantize):
         if not self.quant_enabled or not self.config.is_quantizing or self.config.state in _BAKED:
             return x
         if not self.learnable:
-            return fake_quantize(x, self.config, self.scale, self.offset, fusible=self.fusible)
+            return fake_quantize(x, self.config, self.scale, self.offset)
         scale = self._current_scale()
-        return fake_quantize(x, self.config, scale, torch.zeros_like(scale), fusible=self.fusible)
+        return fake_quantize(x, self.config, scale, torch.zeros_like(scale))
 
     def freeze(self) -> "QATBiasQuantize":
         """Store the current product as the scale buffer and untie the source parameters."""

@@ -85,36 +85,3 @@ def test_compiled_graph_has_no_opaque_fake_quant():
     torch.compile(lambda x: ops.fake_quant_linear(x, scale, offset, 0, -128, 127, 0), backend=backend,
                   fullgraph=True)(x)
     assert seen and not any("fxq" in t for t in seen)
-
-
-def test_parameter_quantizers_keep_the_op_in_compiled_graphs():
-    """Weights are read by extern convolution kernels: inductor has nothing to fuse their fake-quant with, so
-    compiled graphs call the ``fxq::`` op for them (no generated kernel per weight at compile time) and trace the
-    activations' math; forward and gradients equal eager's."""
-    import fxq
-    from fxq.graph.info import iter_quantizers
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3)).train()
-    x = torch.randn(2, 3, 10, 10)
-    qat = fxq.prepare_qat(model, "trt_int8", example_inputs=x)
-    weights = [fq for _, fq in iter_quantizers(qat) if fq.role == "weight"]
-    assert len(weights) == 2 and not any(fq.fusible for fq in weights)
-    opaque = []
-
-    def backend(gm, example_inputs):
-        opaque.extend(n for n in gm.graph.nodes if n.op == "call_function" and "fxq" in str(n.target))
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(qat, backend=backend, fullgraph=True)
-    out = compiled(x)
-    assert len(opaque) == len(weights)  # one op per weight; the activations are traced
-    out.square().sum().backward()
-    grads = [p.grad.clone() for p in qat.parameters()]
-    qat.zero_grad()
-    want = qat(x)
-    want.square().sum().backward()
-    assert torch.equal(out, want)
-    for got, ref in zip(grads, [p.grad for p in qat.parameters()], strict=True):
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)

@@ -38,10 +38,6 @@ MODES = {
 }
 """Mode name -> (observer enabled, fake-quant enabled)."""
 
-_PARAMETER_ROLES = frozenset({"weight", "bias"})
-"""Roles whose values are read by extern kernels (convolution, matmul): torch.compile has nothing to fuse their
-fake-quant with, and a traced one would cost a generated kernel per parameter at compile time."""
-
 
 class FakeQuantize(nn.Module):
     """Observe and/or fake-quantize the tensor that flows through, as its config says.
@@ -133,12 +129,6 @@ class FakeQuantize(nn.Module):
     def scheme(self) -> QuantScheme:
         """What this quantizer does, frozen: comparing two tells whether they can share parameters."""
         return self.config.scheme
-
-    @property
-    def fusible(self) -> bool:
-        """Whether ``torch.compile`` should trace this quantizer's math into the graph to fuse it with its
-        neighbours (activations), or call the ``fxq::`` op (weights and biases: nothing to fuse with)."""
-        return self.role not in _PARAMETER_ROLES
 
     @property
     def baked(self) -> bool:
@@ -254,7 +244,7 @@ class FakeQuantize(nn.Module):
                 self.observer.observe(x)
         if not self.quant_enabled or not self.config.is_quantizing or self.config.state in _BAKED:
             return x
-        return fake_quantize(x, self.config, self.scale, self.offset, overwrite=overwrite, fusible=self.fusible)
+        return fake_quantize(x, self.config, self.scale, self.offset, overwrite=overwrite)
 
     # ------------------------------------------------------------------ state_dict
     def get_extra_state(self) -> dict:
