@@ -14,10 +14,16 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import platform
 import statistics
+import tempfile
 import time
 from typing import Callable
+
+if __name__ == "__main__":  # compile times from cold caches: a fresh inductor cache, before torch reads the setting
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="fxq-bench-inductor-"))
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
 
 import torch
 import torch.nn.functional as F
