@@ -281,8 +281,8 @@ def test_map_location_cuda_without_cuda_is_explained(saved):
 
 
 class _Grids(nn.Module):
-    """Ops torch.export keeps as aten ops outside the old hand-written list: repeat, expand, meshgrid,
-    grid_sampler (RAFT's coordinate grids and bilinear sampling)."""
+    """Ops torch.export keeps as aten ops outside the old hand-written list: linspace, meshgrid, grid_sampler
+    (RAFT's coordinate grids and bilinear sampling); repeat / expand lift to Tensor methods."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -298,14 +298,14 @@ class _Grids(nn.Module):
 
 
 def test_export_captured_aten_ops_round_trip(tmp_path):
-    """An export capture keeps aten.repeat / expand / meshgrid / grid_sampler; its file loads and gives the same
-    outputs bit for bit (before the rule-based aten allow-list, fxq.save refused aten::repeat)."""
+    """An export capture keeps aten.linspace / meshgrid / grid_sampler; its file loads and gives the same outputs
+    bit for bit (before the rule-based aten allow-list, fxq.save refused them)."""
     g = torch.Generator().manual_seed(0)
     data = [torch.rand(2, 3, 12, 12, generator=g) for _ in range(2)]
     q = fxq.quantize(_Grids().eval(), data, "trt_int8", progress=False, capture="export")
     aten_ops = {n.target._schema.name for n in q.graph.nodes
                 if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
-    assert {"aten::repeat", "aten::expand", "aten::meshgrid", "aten::grid_sampler"} <= aten_ops
+    assert {"aten::linspace", "aten::meshgrid", "aten::grid_sampler"} <= aten_ops
     again = fxq.load(fxq.save(q, tmp_path / "grids.fxq"))
     with torch.no_grad():
         assert torch.equal(again(data[1]), q(data[1]))
