@@ -495,3 +495,55 @@ def test_topk_unsorted_picks_the_same_elements(largest: int) -> None:
         want_values, want_indices = _ort(model, [x], level)
         np.testing.assert_array_equal(np.sort(indices, 1), np.sort(want_indices, 1))
     np.testing.assert_array_equal(np.take_along_axis(x, indices, 1), values)
+
+
+# -------------------------------------------------------------------- ops onnx2torch 1.5.15 refuses at load
+def _mish(x):
+    return x * np.tanh(np.log1p(np.exp(x)))
+
+
+MISSING_CASES = [
+    ("Mish", 18, {}, _mish),
+    ("ThresholdedRelu", 10, {"alpha": 0.3}, lambda x: np.where(x > 0.3, x, 0)),
+    ("Shrink", 9, {"lambd": 0.4}, lambda x: np.where(np.abs(x) > 0.4, x, 0)),
+    ("Shrink", 9, {"lambd": 0.4, "bias": 0.4}, lambda x: np.where(x > 0.4, x - 0.4, np.where(x < -0.4, x + 0.4, 0))),
+    ("GlobalMaxPool", 1, {}, lambda x: x.max(axis=tuple(range(2, x.ndim)), keepdims=True)),
+]
+
+
+@pytest.mark.parametrize("op,opset,attrs,reference", MISSING_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(MISSING_CASES)])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 4), (1, 2, 3, 4, 5)], ids=["4d", "5d"])
+def test_ops_onnx2torch_lacks(op, opset, attrs, reference, shape) -> None:
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    model = _model(op, opset, {"x": x}, {}, **attrs)
+    got = _ours(model, [x])
+    for level in LEVELS:
+        _assert_same(got, _ort(model, [x], level))
+    _assert_same(got, [reference(x.astype(np.float64)).astype(np.float32)])
+
+
+def test_shrink_with_another_bias_is_refused_naming_it() -> None:
+    x = np.zeros((2, 3), np.float32)
+    with pytest.raises(fxq.FxqError, match="Shrink"):
+        load_onnx(_model("Shrink", 9, {"x": x}, {}, lambd=0.5, bias=0.2))
+
+
+def test_global_max_pool_quantizes_and_round_trips(tmp_path) -> None:
+    """A CNN with GlobalMaxPool from an ONNX file: quantized (op type GlobalMaxPool), saved and loaded the same."""
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(4, 2)).eval()
+    x = torch.randn(1, 3, 8, 8)
+    path = tmp_path / "gmp.onnx"
+    torch_onnx_export(net, (x,), str(path), opset=13, input_names=["x"], output_names=["y"])
+    model = onnx.load(str(path))
+    (pool,) = [n for n in model.graph.node if n.op_type == "MaxPool"]  # torch writes a 6x6 MaxPool for it
+    pool.op_type = "GlobalMaxPool"
+    del pool.attribute[:]
+    onnx.save(model, str(path))
+    q = fxq.quantize(load_onnx(str(path)), [torch.randn(2, 3, 8, 8) for _ in range(2)], "trt_int8", progress=False)
+    from fxq.graph.op_types import op_type
+
+    modules = dict(q.named_modules())
+    assert "GlobalMaxPool" in {op_type(n, modules) for n in q.graph.nodes if n.op == "call_module"}
+    again = fxq.load(fxq.save(q, tmp_path / "gmp.fxq"))
+    with torch.no_grad():
+        assert torch.equal(again(x), q(x))

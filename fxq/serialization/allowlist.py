@@ -230,7 +230,7 @@ _FXQ_CLASSES = (
     ("fxq.frontends.onnx.converters.cumsum", ("OnnxCumSum",)),
     ("fxq.frontends.onnx.converters.layout", ("OnnxFlatten", "OnnxDepthToSpace", "OnnxSpaceToDepth",
                                               "OnnxGatherElements", "OnnxNonZero")),
-    ("fxq.frontends.onnx.converters.max_pool", ("OnnxMaxPoolWithIndices",)),
+    ("fxq.frontends.onnx.converters.max_pool", ("OnnxMaxPoolWithIndices", "OnnxGlobalMaxPool")),
     ("fxq.frontends.onnx.converters.pad", ("OnnxPad",)),
     ("fxq.frontends.onnx.converters.reduce", ("OnnxReduce",)),
     ("fxq.frontends.onnx.converters.reshape", ("OnnxReshape",)),

@@ -16,8 +16,9 @@ from torch import nn
 
 from fxq.frontends.onnx.converters._common import result
 from fxq.frontends.onnx.converters.registry import register_onnx_converter
+from fxq.graph.op_types import register_op_type
 
-__all__ = ["OnnxMaxPoolWithIndices"]
+__all__ = ["OnnxMaxPoolWithIndices", "OnnxGlobalMaxPool"]
 
 _ONNX2TORCH_MAX_POOL = {v: get_converter(operation_type="MaxPool", version=v) for v in (8, 10, 11, 12)}
 
@@ -54,3 +55,20 @@ def _max_pool(version: int):
 
 for _version in _ONNX2TORCH_MAX_POOL:
     register_onnx_converter("MaxPool", _version, override=True)(_max_pool(_version))
+
+
+class OnnxGlobalMaxPool(nn.Module):
+    """ONNX ``GlobalMaxPool``: the maximum over every spatial dim (all dims after N, C), kept as size 1."""
+
+    output_size = 1  # as an adaptive pool to 1 says it (fxq's op types read it to tell global from windowed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.amax(dim=tuple(range(2, x.dim())), keepdim=True)
+
+
+register_op_type(OnnxGlobalMaxPool, "GlobalMaxPool")
+
+
+@register_onnx_converter("GlobalMaxPool", 1)
+def _convert_global_max_pool(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    return result(OnnxGlobalMaxPool(), node, [node.input_values[0]])
