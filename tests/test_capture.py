@@ -307,3 +307,27 @@ def test_export_graph_exported_with_a_dynamic_batch_runs_at_other_batches(platfo
             assert got.shape == tuple(sim.shape)
             tolerance = output_lsb(q) * 1.001 if optimize else 1e-5
             np.testing.assert_allclose(got, sim.numpy(), atol=tolerance, err_msg=f"batch {b}, optimize={optimize}")
+
+
+class _BranchOnBatch(nn.Module):
+    """Code that depends on the batch size: torch.export keeps the example's batch (1) fixed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y * 2 if x.shape[0] == 1 else y
+
+
+def test_dynamic_batch_of_a_fixed_batch_capture_is_refused(tmp_path):
+    """A file with a dynamic batch from such a graph ran at batch 3 and silently computed the batch-1 branch."""
+    torch.manual_seed(0)
+    q = fxq.quantize(_BranchOnBatch().eval(), [torch.randn(1, 3, 8, 8) for _ in range(2)], "trt_int8",
+                     capture="export", progress=False)
+    assert q.meta["fxq_fixed_batch"] == {"x": 1}
+    with pytest.raises(fxq.ExportError, match=r"fixed batch \('x' at batch 1\).*Fix: export with dynamic_batch=False"):
+        fxq.export(q, "trt_int8", tmp_path / "m.onnx", dynamic_batch=True)
+    assert not list(tmp_path.iterdir())
+    assert fxq.export(q, "trt_int8", tmp_path / "m.onnx")  # the advice works

@@ -37,6 +37,10 @@ _ARITY = {F.layer_norm: 5, F.elu: 2}
 _BN_NO_TRAINING = aten._native_batch_norm_legit_no_training.default
 _IDENTITIES = {aten.clone.default, aten.alias.default, aten.dropout.default, aten.contiguous.default,
                aten.detach.default, aten.lift_fresh_copy.default}
+FIXED_BATCH_KEY = "fxq_fixed_batch"
+"""``gm.meta[FIXED_BATCH_KEY]``: ``{input: batch size}`` of the inputs whose batch torch.export fixed (the model's code
+depends on the example's batch): the graph, and any file exported from it, computes for that batch only."""
+
 _CHECKS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default, aten.sym_constrain_range_for_size.default}
 
 
@@ -187,6 +191,10 @@ def lift_aten_graph(gm: fx.GraphModule, name: str = "ExportedProgram") -> fx.Gra
     gm = fx.GraphModule(gm, graph, name)  # a plain GraphModule: ep.module()'s refuses eval()/train()
     gm.meta["fxq_source"] = name
     gm.meta["fxq_capture"] = "export"
+    fixed = {str(n.target): int(v.shape[0]) for n in graph.nodes if n.op == "placeholder"
+             and isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() and isinstance(v.shape[0], int)}
+    if fixed:
+        gm.meta[FIXED_BATCH_KEY] = fixed
     return gm
 
 

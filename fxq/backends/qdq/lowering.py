@@ -34,6 +34,7 @@ from fxq.backends.qdq.onnx_graph import (
     unique_name,
 )
 from fxq.errors import ExportError
+from fxq.graph.export_capture import FIXED_BATCH_KEY
 
 __all__ = ["Lowered", "OpsetTooLow", "lower", "example_inputs_for", "dynamic_axes_for", "mark_nodes",
            "torch_onnx_export"]
@@ -101,6 +102,13 @@ def dynamic_axes_for(gm: fx.GraphModule, input_names: Sequence[str], output_name
         if sym:
             axes[name] = sym
     if dynamic_batch:
+        fixed = gm.meta.get(FIXED_BATCH_KEY) if isinstance(getattr(gm, "meta", None), dict) else None
+        if fixed:
+            shown = ", ".join(f"{k!r} at batch {v}" for k, v in fixed.items())
+            raise ExportError(f"dynamic_batch=True: torch.export captured this model with a fixed batch ({shown}): "
+                              "its code depends on the batch size, so a file with a dynamic batch would compute "
+                              "the example's batch at every size. Fix: export with dynamic_batch=False (the file "
+                              "runs at that batch), or make the model's code independent of the batch size")
         for name in input_names:
             axes.setdefault(name, {})[0] = "batch"
         for name in output_names:
