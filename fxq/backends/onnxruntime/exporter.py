@@ -40,12 +40,12 @@ __all__ = ["OnnxRuntimeExporter", "auto_opset", "ort_bias_issues", "warn_ort_bia
 logger = logging.getLogger(__name__)
 
 
-def auto_opset(quantizers: dict[str, FakeQuantize], roles: dict[str, str]) -> int:
+def auto_opset(quantizers: dict[str, FakeQuantize]) -> int:
     """13, or 19 when a quantizer is FP8, or 21 when one needs a 4-bit or 16-bit element type."""
     opset = 13
-    for name, fq in quantizers.items():
+    for fq in quantizers.values():
         cfg = fq.config
-        if not cfg.is_quantizing or roles.get(name) == "bias":
+        if not cfg.is_quantizing or fq.role == "bias":
             continue
         if cfg.is_floating:
             opset = max(opset, 19)
@@ -88,9 +88,9 @@ class OnnxRuntimeExporter(QdqOnnxExporter):
         if options["weights"] not in ("qdq", "dq"):
             raise ExportError(f"onnxruntime: weights={options['weights']!r}; use 'dq' or 'qdq'")
 
-    def choose_opset(self, quantizers: dict[str, FakeQuantize], roles: dict[str, str], options: dict[str, Any]) -> int:
+    def choose_opset(self, quantizers: dict[str, FakeQuantize], options: dict[str, Any]) -> int:
         """The given opset (13 at least), else :func:`auto_opset`."""
-        needed = auto_opset(quantizers, roles)
+        needed = auto_opset(quantizers)
         opset = options["opset"]
         if opset is None:
             return needed
@@ -104,7 +104,7 @@ class OnnxRuntimeExporter(QdqOnnxExporter):
         from fxq.backends.qdq.insert import QdqPolicy, insert_qdq
 
         policy = QdqPolicy(weights=job.options["weights"], bias="dq", clip_subrange=True)
-        records = insert_qdq(job.lowered, job.quantizers, job.roles, policy)
+        records = insert_qdq(job.lowered, job.quantizers, policy)
         onnx_model = finalize(job.lowered.model, job.opset)
         warn_ort_bias_issues(onnx_model, "onnxruntime")
         files = serialize(onnx_model, job.paths["main"])

@@ -96,7 +96,7 @@ class OpenPPLExporter(QdqOnnxExporter):
         from fxq.backends.qdq.common import finalize, serialize
         from fxq.backends.qdq.insert import strip_marks
 
-        records = strip_marks(job.lowered, job.quantizers, job.roles)
+        records = strip_marks(job.lowered, job.quantizers)
         onnx_model = finalize(job.lowered.model, job.opset)
         doc = ppl_json(records, job.lowered, job.quantizers, job.gm, onnx_model)
         logger.info("openppl: %d quantized tensors", len(doc["quant_info"]))

@@ -13,11 +13,10 @@ from fxq.errors import ExportError, GraphError
 from fxq.graph.info import graph_quant
 from fxq.graph.quant_graph import QuantGraph
 from fxq.io import check_output_dir
-from fxq.nn.fake_quantize import FakeQuantize
 from fxq.onnx_data import check_model, data_path, light_copy, onnx_files, too_large
 from fxq.spec import QuantState
 
-__all__ = ["quantized_graph", "plan_paths", "finalize", "serialize", "quantizer_tables",
+__all__ = ["quantized_graph", "plan_paths", "finalize", "serialize",
            "IR_VERSION"]
 
 logger = logging.getLogger(__name__)
@@ -42,12 +41,6 @@ def quantized_graph(model: nn.Module) -> fx.GraphModule:
         raise ExportError(f"{len(pending)} quantizer(s) are not calibrated yet ({shown}): run fxq.calibrate(model, "
                           f"data) (or fxq.quantize) before exporting")
     return model
-
-
-def quantizer_tables(gm: fx.GraphModule) -> tuple[dict[str, FakeQuantize], dict[str, str]]:
-    """(name -> FakeQuantize, name -> role) of a quantized GraphModule."""
-    qg = QuantGraph(gm)
-    return qg.as_dict(), {name: fq.role for name, fq in qg.quantizers()}
 
 
 def plan_paths(path: str | os.PathLike, suffix: str, extras: dict[str, str] | None = None) -> dict[str, Path]:

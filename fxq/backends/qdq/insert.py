@@ -102,12 +102,10 @@ def element_type(cfg: TensorQuantConfig, opset: int, *, constant: bool) -> int:
 
 
 class _Inserter:
-    def __init__(self, lowered: Lowered, quantizers: dict[str, FakeQuantize], roles: dict[str, str],
-                 policy: QdqPolicy) -> None:
+    def __init__(self, lowered: Lowered, quantizers: dict[str, FakeQuantize], policy: QdqPolicy) -> None:
         self.lowered = lowered
         self.graph = lowered.model.graph
         self.quantizers = quantizers
-        self.roles = roles
         self.policy = policy
         self.opset = lowered.opset
         self.used = all_tensor_names(self.graph)
@@ -164,7 +162,7 @@ class _Inserter:
     # ------------------------------------------------------------------ one mark
     def replace(self, node: onnx.NodeProto, mark: Mark) -> list[onnx.NodeProto]:
         fq = self.quantizers[mark.quantizer]
-        role = self.roles[mark.quantizer]  # every quantizer has one (QuantGraph checks it)
+        role = fq.role  # every quantizer has one (QuantGraph checks it)
         x, y = node.input[0], node.output[0]
         value = self._const(x)
         where = f"quantizer {mark.quantizer!r} ({role} of fx node {mark.fx_node!r}, ONNX tensor {x!r})"
@@ -319,13 +317,13 @@ class _Inserter:
         return self.records
 
 
-def insert_qdq(lowered: Lowered, quantizers: dict[str, FakeQuantize], roles: dict[str, str],
+def insert_qdq(lowered: Lowered, quantizers: dict[str, FakeQuantize],
                policy: QdqPolicy) -> list[QdqRecord]:
     """Replace every quant mark of ``lowered.model`` by Q/DQ (in place); returns what was quantized."""
-    return _Inserter(lowered, quantizers, roles, policy).run()
+    return _Inserter(lowered, quantizers, policy).run()
 
 
-def strip_marks(lowered: Lowered, quantizers: dict[str, FakeQuantize], roles: dict[str, str]) -> list[QdqRecord]:
+def strip_marks(lowered: Lowered, quantizers: dict[str, FakeQuantize]) -> list[QdqRecord]:
     """Remove quant marks without Q/DQ (FP32 graph + side table exporters); constants get their fake-quantized
     values so the FP32 graph computes what fxq simulates for them. Returns the records of marked tensors."""
     graph = lowered.model.graph
@@ -345,7 +343,7 @@ def strip_marks(lowered: Lowered, quantizers: dict[str, FakeQuantize], roles: di
             continue
         mark = lowered.marked.marks[int(attr(node, "id"))]
         fq = quantizers[mark.quantizer]
-        role = roles[mark.quantizer]
+        role = fq.role
         x, y = node.input[0], node.output[0]
         while x in alias:
             x = alias[x]

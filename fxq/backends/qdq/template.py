@@ -23,6 +23,7 @@ from torch import fx, nn
 
 from fxq.backends.base import Exporter, FileContents
 from fxq.backends.capability import check_capabilities
+from fxq.graph.quant_graph import QuantGraph
 from fxq.nn.fake_quantize import FakeQuantize
 
 __all__ = ["QdqOnnxExporter", "QdqJob"]
@@ -35,7 +36,6 @@ class QdqJob:
     gm: fx.GraphModule
     paths: dict[str, Path]  # "main" and the companions' keys
     quantizers: dict[str, FakeQuantize]
-    roles: dict[str, str]
     options: dict[str, Any]  # every option, defaults filled in
     opset: int
     lowered: Any  # fxq.backends.qdq.lowering.Lowered
@@ -53,20 +53,20 @@ class QdqOnnxExporter(Exporter):
 
     def render_files(self, model: nn.Module, path: str | os.PathLike, **options: Any) -> FileContents:
         """Steps 1–4 of the module docstring; raises :class:`fxq.ExportError` (nothing is written)."""
-        from fxq.backends.qdq.common import plan_paths, quantized_graph, quantizer_tables
+        from fxq.backends.qdq.common import plan_paths, quantized_graph
         from fxq.backends.qdq.pipeline import lower_model
 
         opts = {**self.defaults, **options}
         self.check_values(opts)
         gm = quantized_graph(model)
         paths = plan_paths(path, ".onnx", self.companions(opts))
-        quantizers, roles = quantizer_tables(gm)
+        quantizers = QuantGraph(gm).as_dict()
         check_capabilities(gm, self.name)
-        opset = self.choose_opset(quantizers, roles, opts)
+        opset = self.choose_opset(quantizers, opts)
         lowered = lower_model(gm, opset=opset, example_inputs=opts["example_inputs"],
                               dynamic_batch=opts["dynamic_batch"], requantize_passive=self.requantize_passive,
                               raise_opset=opts["opset"] is None)
-        job = QdqJob(gm, paths, quantizers, roles, opts, lowered.opset, lowered)
+        job = QdqJob(gm, paths, quantizers, opts, lowered.opset, lowered)
         return self.render(job)
 
     # ------------------------------------------------------------------ hooks
@@ -77,7 +77,7 @@ class QdqOnnxExporter(Exporter):
         """Files written beside the main ``.onnx``: ``{key: suffix replacing it}`` (default: none)."""
         return {}
 
-    def choose_opset(self, quantizers: dict[str, FakeQuantize], roles: dict[str, str], options: dict[str, Any]) -> int:
+    def choose_opset(self, quantizers: dict[str, FakeQuantize], options: dict[str, Any]) -> int:
         """The opset to lower at (default: the ``opset`` option)."""
         return int(options["opset"])
 

@@ -94,10 +94,10 @@ class TensorRTExporter(QdqOnnxExporter):
     def companions(self, options: dict[str, Any]) -> dict[str, str]:
         return {"fp32": "_fp32.onnx", "cache": ".cache", "json": ".json"} if options["legacy"] else {}
 
-    def choose_opset(self, quantizers: dict[str, FakeQuantize], roles: dict[str, str], options: dict[str, Any]) -> int:
+    def choose_opset(self, quantizers: dict[str, FakeQuantize], options: dict[str, Any]) -> int:
         """The given opset, else 13, or 19 for FP8 models and FP16 float parts."""
-        fp8 = any(fq.config.is_quantizing and fq.config.is_floating and roles[name] != "bias"
-                  for name, fq in quantizers.items())
+        fp8 = any(fq.config.is_quantizing and fq.config.is_floating and fq.role != "bias"
+                  for fq in quantizers.values())
         if options["legacy"] and fp8:
             raise ExportError("tensorrt: legacy=True writes INT8 calibration caches; this model is FP8")
         return options["opset"] or (19 if fp8 or options["high_precision_dtype"] == "fp16" else 13)
@@ -113,14 +113,14 @@ class TensorRTExporter(QdqOnnxExporter):
         from fxq.backends.tensorrt.check import check_tensorrt
         from fxq.backends.tensorrt.legacy import act_quant_json, calibration_cache
 
-        lowered, quantizers, roles, opset, options = job.lowered, job.quantizers, job.roles, job.opset, job.options
+        lowered, quantizers, opset, options = job.lowered, job.quantizers, job.opset, job.options
         fp16 = options["high_precision_dtype"] == "fp16"
         fp32_model = None
         if options["legacy"]:  # the legacy cache's FP32 file: the lowered graph before Q/DQ go in
             fp32_model = onnx.ModelProto()
             fp32_model.CopyFrom(lowered.model)
         policy = QdqPolicy(weights=options["weights"], bias="fp32", clip_subrange=False)
-        records = insert_qdq(lowered, quantizers, roles, policy)
+        records = insert_qdq(lowered, quantizers, policy)
         qdq_model = finalize(lowered.model, opset, check=not fp16)
         if fp16:  # checked once, by the stricter full check of the typed model
             qdq_model = finalize(cast_float_parts(qdq_model), opset, check=False)
@@ -137,7 +137,7 @@ class TensorRTExporter(QdqOnnxExporter):
         # legacy side files, keyed by the FP32 model's tensor names
         if options["legacy"]:
             lowered.model = fp32_model
-            fp_records = strip_marks(lowered, quantizers, roles)
+            fp_records = strip_marks(lowered, quantizers)
             fp32_model = finalize(fp32_model, opset)
             scales = activation_scales(fp_records, lowered.tensor_of, lowered.marked.grid_of, quantizers)
             files.update(serialize(fp32_model, job.paths["fp32"]))
