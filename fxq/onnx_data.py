@@ -26,7 +26,7 @@ from fxq.errors import ExportError
 
 __all__ = ["EXTERNAL_DATA_THRESHOLD", "MIN_EXTERNAL_BYTES", "PROTO_LIMIT", "proto_size", "too_large", "data_path",
            "external_copy", "split_external", "onnx_files", "ort_session", "check_model", "convert_version",
-           "copy_fields", "light_copy", "LIGHT_MIN_ELEMENTS"]
+           "copy_fields", "light_copy", "infer_shapes", "LIGHT_MIN_ELEMENTS"]
 
 PROTO_LIMIT = 2**31 - 1
 """protobuf's hard limit on one serialized message."""
@@ -192,6 +192,28 @@ def light_copy(model: Any) -> Any:
         elif t.name not in inputs:
             graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
     return light
+
+
+def infer_shapes(model: Any, *, in_place: bool = False, data_prop: bool = False) -> Any:
+    """onnx's shape inference run on :func:`light_copy` of ``model`` (no weight serialized, models over 2 GB
+    included): ``model`` itself (``in_place``) or a copy of it, with the inferred ``value_info``, output types and
+    subgraph shapes. Raises onnx's error when inference fails (callers decide whether that matters)."""
+    import onnx
+
+    inferred = onnx.shape_inference.infer_shapes(light_copy(model), data_prop=data_prop)
+    out = model
+    if not in_place:
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+    graph = out.graph
+    graph.ClearField("value_info")
+    graph.value_info.extend(inferred.graph.value_info)
+    for mine, theirs in zip(graph.output, inferred.graph.output):
+        mine.CopyFrom(theirs)
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
+        graph.ClearField("node")  # subgraphs carry their own inferred value_info
+        graph.node.extend(inferred.graph.node)
+    return out
 
 
 def check_model(model: Any, *, full_check: bool = False) -> None:

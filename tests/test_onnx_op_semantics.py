@@ -547,3 +547,25 @@ def test_global_max_pool_quantizes_and_round_trips(tmp_path) -> None:
     again = fxq.load(fxq.save(q, tmp_path / "gmp.fxq"))
     with torch.no_grad():
         assert torch.equal(again(x), q(x))
+
+
+def test_exclusive_cumsum_over_an_empty_axis() -> None:
+    x = np.zeros((3, 0), np.float32)
+    model = _model("CumSum", 14, {"x": x}, {"axis": np.array(1, np.int64)}, exclusive=1)
+    got = _ours(model, [x])
+    for level in LEVELS:
+        _assert_same(got, _ort(model, [x], level))
+
+
+def test_flatten_of_an_input_of_unknown_rank() -> None:
+    """Shape inference cannot tell the rank: ONNX's rule (a 1-D input becomes [n, 1]) still holds at run time."""
+    node = helper.make_node("Flatten", ["x"], ["y"], axis=1)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = ORT_MAX_IR
+    gm = load_onnx(model, verify=False)
+    for x in (np.arange(5, dtype=np.float32), np.ones((2, 3, 4), np.float32)):
+        with torch.no_grad():
+            got = gm(torch.from_numpy(x)).numpy()
+        _assert_same([got], _ort(model, [x], "default"))

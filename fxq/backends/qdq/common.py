@@ -13,7 +13,7 @@ from fxq.errors import ExportError, GraphError
 from fxq.graph.info import graph_quant
 from fxq.graph.quant_graph import QuantGraph
 from fxq.io import check_output_dir
-from fxq.onnx_data import check_model, data_path, light_copy, onnx_files, too_large
+from fxq.onnx_data import check_model, data_path, infer_shapes, onnx_files
 from fxq.spec import QuantState
 
 __all__ = ["quantized_graph", "plan_paths", "finalize", "serialize",
@@ -90,21 +90,12 @@ def finalize(model: Any, opset: int, *, check: bool = True) -> Any:
 
 
 def _infer_shapes(model: Any) -> Any:
-    """onnx's shape inference (a convenience: unchanged on failure); models over the external-data threshold are
-    inferred on a copy without their weights (onnx would serialize them)."""
-    import onnx
-
+    """:func:`fxq.onnx_data.infer_shapes` in place (a convenience: unchanged on failure)."""
     try:
-        if not too_large(model):
-            return onnx.shape_inference.infer_shapes(model, strict_mode=False)
-        inferred = onnx.shape_inference.infer_shapes(light_copy(model), strict_mode=False)
+        return infer_shapes(model, in_place=True)
     except Exception as exc:  # shapes are a convenience; the checker is what matters
         logger.debug("shape inference failed on the exported model: %s", exc)
         return model
-    model.graph.value_info.extend(inferred.graph.value_info)
-    for mine, theirs in zip(model.graph.output, inferred.graph.output):
-        mine.CopyFrom(theirs)
-    return model
 
 
 def _name_nodes(graph: Any) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from fxq import onnx_data
 from fxq.onnx_data import LIGHT_MIN_ELEMENTS, light_copy
 
 __all__ = ["clean", "alias_dotted_domains", "normalize_domains", "drop_initializer_inputs", "fold_constants", "fold_identities",
@@ -180,29 +181,13 @@ def _used_names(graph: onnx.GraphProto) -> set[str]:
 
 
 def infer_shapes(model: onnx.ModelProto, *, in_place: bool = False) -> onnx.ModelProto:
-    """onnx's shape inference (with data propagation), run on :func:`light_copy` of ``model``: ``model`` itself
-    (``in_place``) or a copy of it with the inferred ``value_info``, output types and subgraph shapes.
-
-    Unchanged, with a warning logged, when inference fails. Models over protobuf's 2 GB limit are inferred too
-    (the light copy holds no weights)."""
+    """:func:`fxq.onnx_data.infer_shapes` with data propagation (``model`` itself when ``in_place``, else a copy);
+    unchanged, with a warning logged, when inference fails."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(light_copy(model), data_prop=True)
+        return onnx_data.infer_shapes(model, in_place=in_place, data_prop=True)
     except Exception as exc:  # noqa: BLE001  (inference is a help, not a requirement)
         _LOG.warning("ONNX shape inference failed (%s); converting without inferred shapes", exc)
         return model
-    out = model
-    if not in_place:
-        out = onnx.ModelProto()
-        out.CopyFrom(model)
-    graph = out.graph
-    graph.ClearField("value_info")
-    graph.value_info.extend(inferred.graph.value_info)
-    for mine, theirs in zip(graph.output, inferred.graph.output):
-        mine.CopyFrom(theirs)
-    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
-        graph.ClearField("node")  # subgraphs carry their own inferred value_info
-        graph.node.extend(inferred.graph.node)
-    return out
 
 
 def alias_dotted_domains(model: onnx.ModelProto) -> dict[str, str]:

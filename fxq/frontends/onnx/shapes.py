@@ -230,9 +230,9 @@ def infer_for_conversion(model: onnx.ModelProto, fixed: Mapping[str, list[int]])
     shapes = _static_inputs(model, fixed)
     if shapes is None:
         return sym
-    sym_infos = {k: _copy(v) for k, v in _infos(sym).items()}  # ``sym`` is edited below
     if not fixed and all(_static(v) for v in list(sym.graph.value_info) + list(sym.graph.output)):
         return sym  # static file, fully inferred: nothing to add
+    sym_infos = {k: _copy(v) for k, v in _infos(sym).items()}  # ``sym`` is edited below
     skel = _skeleton(model, shapes)
     inferred = infer_shapes(skel)
     for _ in range(_FOLD_ROUNDS):

@@ -28,9 +28,7 @@ def _pads(node: OnnxNode, graph: OnnxGraph, kernel: list[int], stride: list[int]
     """(begin, end) pad of each spatial dim, from ``pads``, ``auto_pad`` or ``output_shape``."""
     a = node.attributes
     n = len(kernel)
-    auto_pad = a.get("auto_pad", "NOTSET")
-    if isinstance(auto_pad, bytes):
-        auto_pad = auto_pad.decode()
+    auto_pad = a.get("auto_pad", "NOTSET")  # onnx2torch decodes string attributes
     output_shape = a.get("output_shape")
     if output_shape is None and auto_pad in ("NOTSET", "VALID"):
         pads = list(a.get("pads", [0] * 2 * n)) if auto_pad == "NOTSET" else [0] * 2 * n

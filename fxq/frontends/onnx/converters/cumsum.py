@@ -38,7 +38,7 @@ class OnnxCumSum(nn.Module):
         d = self.axis if axis is None else int(axis)
         if self.reverse:
             x = torch.flip(x, (d,))
-        if self.exclusive:  # shift one place along the axis, a zero first: the sums then skip the element itself
+        if self.exclusive and x.size(d):  # shift one place along the axis, a zero first: the sums skip the element
             x = torch.cat([torch.zeros_like(x.narrow(d, 0, 1)), x.narrow(d, 0, x.size(d) - 1)], dim=d)
         y = torch.cumsum(x, d, dtype=x.dtype)
         return torch.flip(y, (d,)) if self.reverse else y

@@ -46,7 +46,7 @@ class OnnxFlatten(nn.Module):
 def _convert_flatten(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     axis = int(node.attributes.get("axis", 1))
     rank = rank_of(graph, node.input_values[0])
-    if axis == 1 and rank != 1:
+    if axis == 1 and rank is not None and rank >= 2:
         return result(nn.Flatten(), node, [node.input_values[0]])  # the usual case, as onnx2torch writes it
     if axis < 0:
         if rank is None:
@@ -78,9 +78,7 @@ class OnnxDepthToSpace(nn.Module):
 
 @register_onnx_converter("DepthToSpace", (1, 11, 13), override=True)
 def _convert_depth_to_space(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-    mode = node.attributes.get("mode", "DCR")
-    if isinstance(mode, bytes):
-        mode = mode.decode()
+    mode = node.attributes.get("mode", "DCR")  # onnx2torch decodes string attributes
     if mode not in ("DCR", "CRD"):
         raise NotImplementedError(f"DepthToSpace: mode={mode!r}")
     return result(OnnxDepthToSpace(int(node.attributes["blocksize"]), mode), node, [node.input_values[0]])
