@@ -272,3 +272,22 @@ def test_island_op_ncnn_cannot_write_is_named_and_nothing_is_written(tmp_path):
     assert "inside FP32 island 'gate'" in msg and "'Sign'" in msg and "control flow" in msg
     assert "trt_int8 / ort_int8" in msg
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ncnn_islands_traced_on_the_users_example(tmp_path, monkeypatch):
+    """``example_inputs`` (its first sample: ncnn files are batch 1) is what the islands are traced on."""
+    pytest.importorskip("ncnn")
+    import fxq.parts
+
+    seen = []
+    real = fxq.parts.record_inputs
+
+    def recording(gm, paths, batches, *args, **kwargs):
+        seen.append(batches[0])
+        return real(gm, paths, batches, *args, **kwargs)
+
+    monkeypatch.setattr(fxq.parts, "record_inputs", recording)  # islands.py imports it when it runs
+    q = fxq.quantize(_model(), _data(), "ncnn_int8", progress=False)
+    mine = torch.full((2, 3, 8, 8), 0.25)
+    fxq.export(q, "ncnn_int8", tmp_path / "m", example_inputs=mine)
+    assert len(seen) == 1 and torch.equal(seen[0][0], mine[:1])

@@ -16,7 +16,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxq.errors import GraphError
 from fxq.graph.attention import decompose_attention_functions
-from fxq.graph.nodes import Interpreter, get_attr_value, redirect_later_readers, thaw
+from fxq.graph.nodes import Interpreter, get_attr_value, redirect_later_readers
 from fxq.graph.op_types import WEIGHTED_FUNCTIONS, mutates_first_argument, op_type, out_of_place_form
 
 __all__ = [
@@ -285,16 +285,7 @@ def propagate_tensor_meta(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
     return gm
 
 
-class _FreshArgs:
-    """Interpreter mixin for torch's FakeTensorProp: list / dict arguments as :func:`fxq.graph.nodes.thaw` gives
-    them (see :class:`fxq.graph.nodes.Interpreter`)."""
-
-    def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple, dict]:
-        args, kwargs = super().fetch_args_kwargs_from_env(n)  # type: ignore[misc]
-        return thaw(args), thaw(kwargs)
-
-
-class _FakeProp(_FreshArgs, FakeTensorProp):
+class _FakeProp(Interpreter, FakeTensorProp):  # fresh list arguments (see Interpreter)
     pass
 
 

@@ -36,13 +36,13 @@ from fxq.backends.ncnn.fuse import FUSED_OPS, fuse_erf_gelu, fuse_layer_norm
 from fxq.backends.ncnn.islands import inline_islands, island_note
 from fxq.backends.ncnn.registry import NCNN_CONVERTERS, converts_tuples, takes_any_batch_dim, takes_high_rank
 from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim, shape_params
-from fxq.backends.qdq.lowering import example_inputs_for
 from fxq.errors import ExportError
 from fxq.functional import fake_quantize
 from fxq.graph.info import is_quantizer_node
 from fxq.graph.nodes import get_attr_value
 from fxq.graph.op_types import op_type
 from fxq.graph.passes import propagate_tensor_meta
+from fxq.graph.quant_graph import QuantGraph
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import QUANTIZING_STATES, QuantState, RoundingPolicy
 
@@ -454,14 +454,6 @@ class NcnnBuilder:
         return scale
 
     # ------------------------------------------------------------------ whole graph
-    def check_calibrated(self) -> None:
-        pending = [str(n.target).split(".", 1)[1] for n in self.gm.graph.nodes
-                   if self.is_quantizer(n) and self.quantizer(n).config.state in _PENDING]
-        if pending:
-            shown = ", ".join(pending[:6]) + (" ..." if len(pending) > 6 else "")
-            raise ExportError(f"ncnn export: {len(pending)} quantizer(s) are not calibrated ({shown}). "
-                              "Fix: run fxq.calibrate(model, data) / fxq.quantize(...) before exporting")
-
     def check_quantizers(self) -> None:
         """Every quantizing FakeQuantize must be the input or weight of an exported int8 layer (the op types that
         may read one are the capability's, checked before the build; this catches a converter that wrote none)."""
@@ -480,7 +472,6 @@ class NcnnBuilder:
                     "'ncnn_int8' platform, or dispatch the consumer to fp32")
 
     def build(self) -> NcnnModel:
-        self.check_calibrated()
         self._find_static()
         graph = self.gm.graph
         for node in graph.nodes:
@@ -624,13 +615,13 @@ def _insert_splits(model: NcnnModel) -> None:
     model.outputs[:] = out_names
 
 
-def build_ncnn_model(gm: fx.GraphModule) -> tuple[NcnnModel, NcnnBuilder]:
+def build_ncnn_model(gm: fx.GraphModule, example_inputs: Any = None) -> tuple[NcnnModel, NcnnBuilder]:
     """Convert a prepared (and calibrated) GraphModule, at batch 1, its FP32 islands as float layers
     (:mod:`fxq.backends.ncnn.islands`) and ONNX's spelled-out GELU / LayerNorm as one layer each; raises
-    :class:`ExportError` naming the node."""
+    :class:`ExportError` naming the node. ``example_inputs``: what the islands are traced on."""
     view = _at_batch_one(gm)
-    NcnnBuilder(view).check_calibrated()  # before the islands' inputs are recorded: a pending quantizer observes
-    view = inline_islands(view, example_inputs_for(view))
+    _check_calibrated(view)  # before the islands' inputs are recorded: a pending quantizer observes
+    view = inline_islands(view, example_inputs)
     modules = dict(view.named_modules())
     if any(op_type(n, modules) in FUSED_OPS for n in view.graph.nodes):  # ONNX's spelled-out ops: in a copy
         view = _graph_copy(gm) if view is gm else view
@@ -638,6 +629,15 @@ def build_ncnn_model(gm: fx.GraphModule) -> tuple[NcnnModel, NcnnBuilder]:
         fuse_layer_norm(view)
     builder = NcnnBuilder(view)
     return builder.build(), builder
+
+
+def _check_calibrated(gm: fx.GraphModule) -> None:
+    qg = QuantGraph(gm)
+    pending = [name for name, fq in qg.quantizers() if fq.config.state in _PENDING]
+    if pending:
+        shown = ", ".join(pending[:6]) + (" ..." if len(pending) > 6 else "")
+        raise ExportError(f"ncnn export: {len(pending)} quantizer(s) are not calibrated ({shown}). "
+                          "Fix: run fxq.calibrate(model, data) / fxq.quantize(...) before exporting")
 
 
 def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -57,7 +57,7 @@ def ncnn_paths(path: str | os.PathLike) -> dict[str, Path]:
 class NcnnExporter(Exporter):
     """ncnn int8 param/bin + table (+ the FP32 param/bin); see the module docstring for the files."""
 
-    options = ("fp32",)
+    options = ("fp32", "example_inputs")
 
     def render_files(self, model: nn.Module, path: str | os.PathLike, **options: Any) -> FileContents:
         """Check everything, then render all files in memory (written as one atomic set by :meth:`export`).
@@ -66,6 +66,8 @@ class NcnnExporter(Exporter):
             model: the GraphModule from :func:`fxq.quantize` (calibrated).
             path: output stem, e.g. ``"out/net"`` (a missing directory is created).
             fp32: also write ``<stem>.fp32.param`` / ``.fp32.bin`` (default True).
+            example_inputs: a batch the FP32 islands are traced on (its first sample; default: seeded inputs shaped
+                like calibration's): a branch on values inside an island takes the path this example takes.
 
         Raises:
             ExportError: unknown option, not an fxq model, uncalibrated quantizers, an op or a quantizer ncnn
@@ -80,7 +82,7 @@ class NcnnExporter(Exporter):
                               f"{str(Path(path) / 'net')!r}")
         files = ncnn_paths(path)
         check_output_dir(files["param"].parent)
-        ncnn_model, _ = build_ncnn_model(model)
+        ncnn_model, _ = build_ncnn_model(model, options.get("example_inputs"))
         rendered = self._render(ncnn_model, write_fp32)
         n_int8 = sum(layer.int8 is not None for layer in ncnn_model.layers)
         logger.info("ncnn export: %d layers (%d int8), inputs %s, outputs %s -> %s", len(ncnn_model.layers), n_int8,

@@ -20,6 +20,7 @@ import onnx
 import torch
 from torch import fx, nn
 
+from fxq.backends.qdq.lowering import example_inputs_for
 from fxq.errors import ExportError, FxqError
 from fxq.graph.capture import ISLANDS_KEY
 from fxq.graph.nodes import get_attr_value
@@ -46,10 +47,12 @@ def island_note(gm: fx.GraphModule, node: fx.Node) -> tuple[str, str]:
             "fxq captures and quantizes it, or deploy with trt_int8 / ort_int8, whose ONNX files take any op")
 
 
-def inline_islands(gm: fx.GraphModule, example_inputs: tuple) -> fx.GraphModule:
+def inline_islands(gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphModule:
     """``gm``, or a view of it (same modules and quantizers, ``gm`` untouched) whose island ``call_module`` nodes
-    are replaced by the float ops of their torch.onnx trace on the values ``gm`` gives them for ``example_inputs``;
-    node values recorded (``node.meta["val"]``) for those inputs.
+    are replaced by the float ops of their torch.onnx trace on the values ``gm`` gives them for ``example_inputs``
+    (the first sample of the user's batch; default: seeded inputs shaped like calibration's, see
+    :func:`~fxq.backends.qdq.lowering.example_inputs_for`); node values recorded (``node.meta["val"]``) for those
+    inputs. A branch on tensor values inside an island is fixed as that example takes it.
 
     Raises:
         ExportError: an island torch.onnx cannot trace or fxq's ONNX frontend cannot load, or whose inputs /
@@ -61,6 +64,8 @@ def inline_islands(gm: fx.GraphModule, example_inputs: tuple) -> fx.GraphModule:
     nodes = [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target) in islands]
     if not nodes:
         return gm
+    example_inputs = tuple(t[:1] if isinstance(t, torch.Tensor) and t.dim() else t
+                           for t in example_inputs_for(gm, example_inputs))  # ncnn files are batch 1
     paths = list(dict.fromkeys(str(n.target) for n in nodes))
     modes = {m: m.training for m in gm.modules()}
     gm.eval()  # as the ONNX exporters trace: BatchNorm statistics and dropout untouched

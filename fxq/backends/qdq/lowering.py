@@ -380,6 +380,10 @@ def lower(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | No
                     "exported again with them as initializers, quantized as fxq simulates them", len(names),
                     ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""))
         model = _export(marked, args, opset, dynamic_axes)
+        still = sorted(lost - {int(attr(n, "id", -1)) for n in mark_nodes(model.graph)})
+        if still:  # not folding after all (e.g. a value torch.onnx dropped as unused): say so, never silently
+            logger.warning("the exported file has no Q/DQ for quantizer(s) %s: torch.onnx dropped the values they "
+                           "quantize", ", ".join(repr(marked.marks[i].quantizer) for i in still))
     fold_initializer_identities(model.graph)
     tensor_of, fx_of_node = _resolve_names(model, marked)
     return Lowered(model, marked, tensor_of, opset, fx_of_node)
