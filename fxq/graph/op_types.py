@@ -169,12 +169,9 @@ def weight_bias_args(node: fx.Node) -> tuple[Any, Any]:
 _CONV_ATTRS = ("stride", "padding", "dilation", "groups")
 
 
-def conv_attrs(node: fx.Node, gm: nn.Module | None = None) -> dict[str, Any]:
-    """The stride / padding / dilation / groups a conv-like node was called with (a module's own with ``gm``):
-    what :meth:`fxq.Platform.weight_config` and a :class:`fxq.Capability`'s op rules read."""
-    if node.op == "call_module" and gm is not None:
-        mod = get_attr_value(gm, str(node.target))
-        return {k: getattr(mod, k) for k in _CONV_ATTRS if hasattr(mod, k)}
+def conv_attrs(node: fx.Node) -> dict[str, Any]:
+    """The stride / padding / dilation / groups a conv call (prepare's functional form) was made with: what
+    :meth:`fxq.Platform.weight_config` reads."""
     attrs = dict(zip(("input", "weight", "bias", *_CONV_ATTRS), node.args))
     attrs.update(node.kwargs)
     return {k: attrs[k] for k in _CONV_ATTRS if k in attrs}
