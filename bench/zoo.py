@@ -296,6 +296,7 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
             except Exception:
                 fp32_s = float("nan")
         for platform in platforms:
+            qmodel = None  # the previous platform's: holding two quantized copies at once doubles the peak
             t0 = time.perf_counter()
             try:
                 qmodel = fxq.quantize(source, calib, platform=platform, progress=False)

@@ -26,7 +26,7 @@ from fxq.errors import ExportError
 
 __all__ = ["EXTERNAL_DATA_THRESHOLD", "MIN_EXTERNAL_BYTES", "PROTO_LIMIT", "proto_size", "too_large", "data_path",
            "external_copy", "split_external", "onnx_files", "ort_session", "check_model", "convert_version",
-           "copy_fields", "light_copy", "infer_shapes", "LIGHT_MIN_ELEMENTS"]
+           "copy_fields", "light_copy", "infer_shapes", "LIGHT_MIN_ELEMENTS", "LIGHT_CHECK_BYTES"]
 
 PROTO_LIMIT = 2**31 - 1
 """protobuf's hard limit on one serialized message."""
@@ -40,6 +40,9 @@ MIN_EXTERNAL_BYTES = 1024
 
 LIGHT_MIN_ELEMENTS = 4096
 """Initializers this large become typed graph inputs in :func:`light_copy` (no shape tensor is this long)."""
+
+LIGHT_CHECK_BYTES = 1 << 26
+"""Models larger than this (64 MiB) are checked without their weights' bytes (:func:`check_model`)."""
 
 _ALIGN_FROM = 1 << 20  # tensors this large start at a multiple of _ALIGNMENT (mmap granularity, 64 KiB)
 _ALIGNMENT = 1 << 16
@@ -217,16 +220,28 @@ def infer_shapes(model: Any, *, in_place: bool = False, data_prop: bool = False)
 
 
 def check_model(model: Any, *, full_check: bool = False) -> None:
-    """``onnx.checker.check_model``; a :func:`too_large` model is checked without its large tensors' data (they
-    become typed graph inputs (:func:`light_copy`; the checker wants external files on disk), so their bytes are
-    not checked."""
+    """``onnx.checker.check_model``. A model of more than :data:`LIGHT_CHECK_BYTES` is checked as
+    :func:`light_copy` (its large tensors typed graph inputs), with their sizes checked here: the checker
+    serializes a model it is given, and the C++ side parses that copy again, so checking in place costs two
+    copies of the weights (and the checker wants a model over 2 GiB's external files on disk)."""
+    import numpy as np
     import onnx
 
-    if not too_large(model):
+    if proto_size(model) <= LIGHT_CHECK_BYTES:
         onnx.checker.check_model(model, full_check=full_check)
         return
-    light = light_copy(model)
-    onnx.checker.check_model(light, full_check=full_check)
+    onnx.checker.check_model(light_copy(model), full_check=full_check)
+    packed_4bit = {getattr(onnx.TensorProto, name, -1) for name in ("INT4", "UINT4", "FLOAT4E2M1")}
+    for t in model.graph.initializer:
+        if (int(np.prod(t.dims, dtype=np.int64)) < LIGHT_MIN_ELEMENTS or t.data_location == onnx.TensorProto.EXTERNAL
+                or not t.HasField("raw_data") or t.data_type == onnx.TensorProto.STRING):
+            continue  # checked in the light copy, or not in memory, or not raw (the checker saw it above)
+        n = int(np.prod(t.dims, dtype=np.int64))
+        packed = t.data_type in packed_4bit  # two values a byte
+        want = (n + 1) // 2 if packed else n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        if len(t.raw_data) != want:
+            raise onnx.checker.ValidationError(f"initializer {t.name!r}: {len(t.raw_data)} raw bytes, its dims "
+                                               f"{list(t.dims)} and type need {want}")
 
 
 def convert_version(model: Any, opset: int) -> Any:

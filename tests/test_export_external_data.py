@@ -228,3 +228,20 @@ def test_proto_size_is_bytesize_without_serializing(models, tmp_path, platform, 
     proto = onnx.load(str(fxq.export(models[platform][0], exporter, tmp_path / "model.onnx", **options)[0]))
     extra = onnx_data.proto_size(proto) - proto.ByteSize()
     assert 0 <= extra <= 64 * len(proto.graph.initializer)
+
+
+def test_light_check_still_checks_the_weights_sizes(monkeypatch):
+    """Models over LIGHT_CHECK_BYTES are checked without serializing their weights; a weight whose bytes do not
+    fit its dims is still an error, a sound one passes."""
+    from onnx import helper, numpy_helper
+
+    monkeypatch.setattr(onnx_data, "LIGHT_CHECK_BYTES", 0)
+    w = numpy_helper.from_array(np.ones((64, 128), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 128])], initializer=[w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx_data.check_model(model)
+    model.graph.initializer[0].raw_data = model.graph.initializer[0].raw_data[:-4]
+    with pytest.raises(onnx.checker.ValidationError, match="'w': 32764 raw bytes"):
+        onnx_data.check_model(model)

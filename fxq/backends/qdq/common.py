@@ -9,6 +9,7 @@ from typing import Any
 from torch import fx, nn
 
 from fxq import onnx_data
+from fxq.backends.qdq.onnx_graph import remove_initializers
 from fxq.errors import ExportError, GraphError
 from fxq.graph.info import graph_quant
 from fxq.graph.quant_graph import QuantGraph
@@ -126,9 +127,7 @@ def fold_initializer_identities(graph: Any) -> None:
         del graph.node[:]
         graph.node.extend(keep)
         used = {i for n in graph.node for i in n.input} | outputs
-        kept = [t for t in graph.initializer if t.name in used]
-        del graph.initializer[:]
-        graph.initializer.extend(kept)
+        remove_initializers(graph, {t.name for t in graph.initializer} - used)
 
 
 def serialize(model: Any, path: Path) -> dict[Path, bytes | bytearray | None]:

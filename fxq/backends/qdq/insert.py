@@ -228,8 +228,16 @@ class _Inserter:
         sole_user = len(self.cons.get(x, [])) == 1 and x not in self.g_outputs and x not in self.sub_reads
         name = x if sole_user and x in self.inits and tuple(values.shape) == tuple(shape) else self._name(
             f"{x}_fakequant")
+        if name == x and self._holds(x, values):
+            return name  # a baked weight is on the grid already: rewriting it would only grow the proto's arena
         self._replace_init(name, values)
         return name
+
+    def _holds(self, name: str, values: np.ndarray) -> bool:
+        """Whether initializer ``name`` already stores ``values`` as FLOAT (protobuf keeps a replaced tensor's bytes
+        until the whole model is freed, so an unneeded rewrite costs a copy of the weights)."""
+        t = self.inits[name]
+        return t.data_type == TensorProto.FLOAT and np.array_equal(numpy_helper.to_array(t), values)
 
     def _forward(self, y: str, to: str) -> None:
         for n in self.cons.get(y, []):

@@ -35,6 +35,7 @@ from fxq.backends.qdq.onnx_graph import (
 )
 from fxq.errors import ExportError
 from fxq.graph.export_capture import FIXED_BATCH_KEY
+from fxq.io import write_error
 
 __all__ = ["Lowered", "OpsetTooLow", "lower", "example_inputs_for", "dynamic_axes_for", "mark_nodes",
            "torch_onnx_export"]
@@ -166,15 +167,7 @@ def _export(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | 
     stand_in = {name: key for key, name in io_names.items()}
     if dynamic_axes:
         dynamic_axes = {stand_in.get(k, k): v for k, v in dynamic_axes.items()}
-    with contextlib.ExitStack() as stack:
-        target: Any = io.BytesIO()
-        if _tensor_bytes(marked.module) > onnx_data.EXTERNAL_DATA_THRESHOLD:
-            # torch.onnx writes a model over protobuf's limit only to a file path (external data beside it)
-            target = os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix="fxq-onnx-")), "model.onnx")
-            logger.info("the model's tensors take over %d bytes: torch.onnx writes it to a temp folder",
-                        onnx_data.EXTERNAL_DATA_THRESHOLD)
-        _torch_export(marked, args, export_opset, dynamic_axes, target)
-        model = onnx.load_from_string(target.getvalue()) if isinstance(target, io.BytesIO) else onnx.load(target)
+    model = _torch_export_loaded(marked, args, export_opset, dynamic_axes)
     _restore_io_names(model.graph, io_names)
     if export_opset < opset:
         try:
@@ -185,6 +178,27 @@ def _export(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | 
                               ) from exc
         logger.info("exported at opset %d and converted to opset %d", export_opset, opset)
     return model
+
+
+def _torch_export_loaded(marked: MarkedModule, args: tuple, export_opset: int,
+                         dynamic_axes: dict | None) -> onnx.ModelProto:
+    """:func:`_torch_export` into a temporary file, loaded. A file, not a buffer: torch.onnx then writes its
+    serialized model straight to disk (a buffer holds one more copy of the weights beside the parsed model), and a
+    model over protobuf's limit needs a path anyway (external data beside it). Where the temporary folder cannot
+    take the file (full, ``ulimit -f``), a model under that limit is exported in memory instead."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="fxq-onnx-") as folder:
+            target = os.path.join(folder, "model.onnx")
+            _torch_export(marked, args, export_opset, dynamic_axes, target)
+            return onnx.load(target)
+    except OSError as exc:
+        if _tensor_bytes(marked.module) > onnx_data.EXTERNAL_DATA_THRESHOLD:
+            raise write_error(exc.filename or tempfile.gettempdir(), exc, what="writing torch.onnx's temporary "
+                              "file (set TMPDIR to a folder with room) at") from exc
+        logger.info("torch.onnx could not write its temporary file (%s): exporting in memory", exc)
+    buffer = io.BytesIO()
+    _torch_export(marked, args, export_opset, dynamic_axes, buffer)
+    return onnx.load_from_string(buffer.getvalue())
 
 
 def _tensor_bytes(module: torch.nn.Module) -> int:
@@ -208,7 +222,7 @@ def torch_onnx_export(module: torch.nn.Module, args: tuple, target: Any, *, opse
                       output_names: Sequence[str], dynamic_axes: dict | None = None,
                       custom_opsets: dict[str, int] | None = None) -> None:
     """torch.onnx's TorchScript exporter (``dynamo=False``: it records the branches the example takes), in eval
-    mode, into ``target`` (a buffer, or a file path for large models), one export at a time
+    mode, into ``target`` (a file path or a buffer), one export at a time
     (:data:`_TORCH_ONNX_LOCK`).
 
     Raises:
@@ -224,7 +238,7 @@ def torch_onnx_export(module: torch.nn.Module, args: tuple, target: Any, *, opse
                 output_names=list(output_names), dynamic_axes=dynamic_axes, do_constant_folding=True,
                 custom_opsets=custom_opsets or {},
             )
-    except ExportError:
+    except (ExportError, OSError):  # OSError: writing ``target`` failed, the caller knows that file
         raise
     except Exception as exc:  # torch.onnx raises many types; name the op when it says which
         m = _UNSUPPORTED.search(str(exc))

@@ -127,9 +127,16 @@ def attr(node: onnx.NodeProto, name: str, default: object = None) -> object:
 
 def drop_unused_initializers(graph: onnx.GraphProto, keep: Iterable[str] = ()) -> None:
     used = {n for node in graph.node for n in node.input} | {o.name for o in graph.output} | set(keep)
-    kept = [t for t in graph.initializer if t.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
+    remove_initializers(graph, {t.name for t in graph.initializer} - used)
+
+
+def remove_initializers(graph: onnx.GraphProto, names: Iterable[str]) -> None:
+    """Delete the named initializers in place. Rebuilding the list instead (``del [:]`` + ``extend``) copies every
+    kept tensor, and protobuf frees the old bytes only with the whole model: the weights' memory doubles."""
+    names = set(names)
+    for i in reversed(range(len(graph.initializer))):
+        if graph.initializer[i].name in names:
+            del graph.initializer[i]
 
 
 def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:

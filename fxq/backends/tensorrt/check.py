@@ -23,7 +23,7 @@ Rules checked:
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -42,20 +42,40 @@ def _is_weight_input(user: Any, name: str) -> bool:
 _Q, _DQ = "QuantizeLinear", "DequantizeLinear"
 
 
+class _Constants(Mapping):
+    """Constant values by name, converted to numpy when read: converting every weight up front copies them all."""
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        self._tensors = tensors
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        from onnx import numpy_helper
+
+        return numpy_helper.to_array(self._tensors[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
 class _View:
     def __init__(self, model: Any) -> None:
-        from onnx import numpy_helper
 
         self.graph = model.graph
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-        self.consts: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in self.graph.initializer}
-        self.types: dict[str, int] = {t.name: t.data_type for t in self.graph.initializer}
+        tensors = {t.name: t for t in self.graph.initializer}
         for node in self.graph.node:
             if node.op_type == "Constant" and node.attribute:
                 for a in node.attribute:
                     if a.name == "value":
-                        self.consts[node.output[0]] = numpy_helper.to_array(a.t)
-                        self.types[node.output[0]] = a.t.data_type
+                        tensors[node.output[0]] = a.t
+        self.consts = _Constants(tensors)
+        self.types: dict[str, int] = {name: t.data_type for name, t in tensors.items()}
         self.prod = {o: n for n in self.graph.node for o in n.output if o}
         self.cons: dict[str, list[Any]] = {}
         for n in self.graph.node:
