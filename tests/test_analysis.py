@@ -405,3 +405,54 @@ def test_analyse_errors_example(tmp_path):
     assert res["report"].is_file() and len(list((tmp_path / "report" / "plots").glob("*.png"))) == 4
     assert len(res["graphwise"]) == len(res["layerwise"]) == 21  # ResNet-18: 20 convs + fc
     assert 0 < res["graphwise"].outputs[0].value < 0.05
+
+
+def _break_one_quantizer(gm) -> tuple[str, list[str]]:
+    """Make the first activation quantizer fed by an op raise (its quantized pass only: the FP32 view skips it);
+    return its node name and its users' (the layer view runs it inside the op that reads it)."""
+    runner = GraphRunner(gm)
+    for node, fq in runner.quantizers.items():
+        info = runner.quantizer_info(node)
+        if info is not None and info.role == "activation" and node.args[0].op != "placeholder":
+            def broken(*args, **kwargs):
+                raise RuntimeError("simulated quantizer bug")
+
+            fq.forward = broken  # instance attributes: the copy's own module only
+            fq.forward_ = broken
+            return node.name, [u.name for u in node.users]
+    raise AssertionError("no activation quantizer after an op")
+
+
+def _assert_fxqs_fault(exc_info, nodes: list[str]) -> None:
+    msg = str(exc_info.value)
+    assert not isinstance(exc_info.value, CalibrationError)
+    assert msg.startswith(tuple(f"node {n!r} failed" for n in nodes)), msg
+    assert "fxq's own" in msg and "report" in msg and "simulated quantizer bug" in msg
+    assert "batch failed in the model" not in msg and "fix the data" not in msg
+
+
+@pytest.mark.parametrize("tool", ["graphwise", "layerwise", "statistics"])
+def test_quantized_view_failure_is_fxqs_not_the_datas(setup, tool):
+    """A node failing in the quantized view only (the FP32 view ran the batch) is fxq's GraphError naming it;
+    a batch the FP32 model cannot run is still the data's CalibrationError."""
+    _, gm, data = setup
+    broken = copy.deepcopy(gm)
+    node, users = _break_one_quantizer(broken)
+    run = {"graphwise": fxq.graphwise_error_analyse, "statistics": fxq.statistics,
+           "layerwise": functools.partial(fxq.layerwise_error_analyse, measure="network")}[tool]
+    with pytest.raises(fxq.GraphError) as exc_info:
+        run(broken, data[:1], progress=False)
+    _assert_fxqs_fault(exc_info, users if tool == "layerwise" else [node])
+    with pytest.raises(CalibrationError, match="first analysis batch failed"):  # float64: FP32 fails too
+        run(broken, [data[0].double()], progress=False)
+
+
+def test_calibration_failure_of_the_rewrite_is_fxqs(setup):
+    model, _, data = setup
+    prepared = fxq.prepare(model, "trt_int8", data[0])
+    node, _ = _break_one_quantizer(prepared)
+    with pytest.raises(fxq.GraphError) as exc_info:
+        fxq.calibrate(prepared, data[:2], progress=False)
+    _assert_fxqs_fault(exc_info, [node])
+    with pytest.raises(CalibrationError, match="first calibration batch failed"):
+        fxq.calibrate(fxq.prepare(model, "trt_int8", data[0]), [data[0].double()], progress=False)

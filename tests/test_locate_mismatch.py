@@ -1,6 +1,7 @@
 """fxq.locate_mismatch and ``fxq verify``: exported ONNX against the simulation, tensor by tensor, in codes."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -15,6 +16,7 @@ from onnx import numpy_helper
 import fxq
 from fxq.analysis.mismatch import HISTOGRAM_BINS, MismatchReport
 from fxq.cli import main
+from fxq.graph.info import is_quantizer_node
 
 PLATFORMS = ["trt_int8", "ort_int8"]
 
@@ -253,3 +255,21 @@ def test_merged_computations_compared_on_their_own_grids(tmp_path, platform):
         forced = fxq.locate_mismatch(gm, path, [torch.randn(2, 3, 8, 8, generator=gen)], teacher_forced=True,
                                      optimize=optimize)
         assert all(r.max_diff <= 1 for r in forced) and forced.identical > 0.999, forced.table()
+
+
+def test_simulation_failure_is_fxqs_not_the_datas(exported):
+    """The simulation failing on a batch the FP32 model runs is fxq's GraphError naming the node; a batch the
+    FP32 model cannot run either stays the data's CalibrationError."""
+    gm, path = exported["trt_int8"]
+    broken = copy.deepcopy(gm)
+    node = next(n for n in broken.graph.nodes if is_quantizer_node(n) and n.args[0].op != "placeholder")
+    fq = broken.get_submodule(str(node.target))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("simulated quantizer bug")
+
+    fq.forward = fq.forward_ = fail
+    with pytest.raises(fxq.GraphError, match=f"^node {node.name!r} failed.*fxq's own rewrite, not of your data"):
+        fxq.locate_mismatch(broken, path, _data(1))
+    with pytest.raises(fxq.CalibrationError, match="first mismatch analysis batch failed"):
+        fxq.locate_mismatch(broken, path, [_data(1)[0].double()])

@@ -357,12 +357,12 @@ def layerwise_error_analyse(
             for layer in layers:
                 plan = plans[layer]
                 if measure == "network":
-                    out = runner.run(inputs, fp32=True, layer=plan, base=cache, nodes=todo[layer])
+                    out = runner.run(inputs, fp32=True, layer=plan, base=cache, nodes=todo[layer], fp32_ran=True)
                     pairs = list(zip(tensors_of(ref), tensors_of(out)))
                 else:
                     node = plan.output_quantizer or layer
                     got: dict[str, Any] = {}
-                    runner.run(inputs, fp32=True, layer=plan, base=cache, nodes=todo[layer],
+                    runner.run(inputs, fp32=True, layer=plan, base=cache, nodes=todo[layer], fp32_ran=True,
                                watch={node: lambda v, got=got: got.__setitem__("v", v)})
                     pairs = [(cache[node], got.get("v"))]
                 acc = accs[layer]

@@ -11,6 +11,7 @@ exporters write fx node names, or the source ONNX tensor names for models loaded
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from pathlib import Path
 from typing import Any, Callable
@@ -302,7 +303,7 @@ def locate_mismatch(
 
     from fxq.analysis.engine import iter_bound_batches
     from fxq.analysis.runner import GraphRunner
-    from fxq.graph.data import first_batch_errors
+    from fxq.graph.data import diagnose_failure, first_batch_errors
     from fxq.graph.quant_graph import QuantGraph
 
     if not isinstance(qmodel, fx.GraphModule):
@@ -371,7 +372,8 @@ def locate_mismatch(
     qmodel.eval()
     try:
         for inputs in iter_bound_batches(runner, data, steps, collate_fn, progress=False, desc=""):
-            with first_batch_errors("mismatch analysis", batches == 0):
+            diagnose = functools.partial(diagnose_failure, qmodel, inputs)  # no FP32 pass ran this batch
+            with first_batch_errors("mismatch analysis", batches == 0, diagnose=diagnose):
                 values = simulation_values(qmodel, inputs, wanted)
             feed = {input_of[p]: inputs[p].detach().cpu().numpy() for p in placeholders}
             sim: list[np.ndarray] = []

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxq.errors import ConfigError
-from fxq.graph.data import placeholder_values
+from fxq.errors import ConfigError, FxqError
+from fxq.graph.data import placeholder_values, rewrite_failure
 from fxq.graph.info import NodeQuant, QuantizerInfo, graph_quant, is_quantizer_node
 from fxq.graph.nodes import get_attr_value, thaw
 from fxq.graph.op_types import mutates_first_argument, out_of_place_form
@@ -240,6 +240,21 @@ class GraphRunner:
             return getattr(args[0], str(node.target))(*args[1:], **kwargs)
         raise ConfigError(f"node {node.name!r}: unsupported fx op {node.op!r}")
 
+    def _exec_rewritten(self, node: fx.Node, env: Mapping[fx.Node, Any], fp32: bool, layer: LayerPlan | None,
+                        protected: set[int] | None = None) -> Any:
+        """:meth:`_exec` of a quantized or layer view after the FP32 view ran the same batch: a failure there is
+        fxq's rewrite's (its quantizers, baked weights, in-place reuse), never the data's.
+
+        Raises:
+            GraphError: naming ``node``, saying it is fxq's failure and to report it (memory errors pass as they are).
+        """
+        try:
+            return self._exec(node, env, fp32, layer, protected)
+        except (FxqError, torch.OutOfMemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001  (any error of the rewrite: say whose it is)
+            raise rewrite_failure(node.name, exc) from exc
+
     def _exec_mutating(self, node: fx.Node, env: Any, args: tuple, kwargs: dict) -> Any:
         first = node.args[0] if node.args else None
         read_later = isinstance(first, fx.Node) and any(
@@ -278,6 +293,7 @@ class GraphRunner:
         base: Mapping[fx.Node, Any] | None = None,
         nodes: list[fx.Node] | None = None,
         keep: dict[fx.Node, Any] | None = None,
+        fp32_ran: bool = False,
     ) -> Any:
         """Execute the graph and return the model's output.
 
@@ -289,14 +305,22 @@ class GraphRunner:
             base: values of nodes not in ``nodes`` (a cache from an earlier FP32 run).
             nodes: the nodes to compute (default: all); the others are read from ``base``.
             keep: when given, every computed value is stored here (and nothing is freed).
+            fp32_ran: the FP32 view already ran this batch, so a failure of a quantized or layer view is fxq's:
+                GraphError naming the node (see :meth:`_exec_rewritten`).
+
+        Raises:
+            GraphError: with ``fp32_ran``, a node of the quantized or layer view failed.
         """
         watch = watch or {}
+        rewritten = fp32_ran and (not fp32 or layer is not None)
         env: dict[fx.Node, Any] = dict(inputs)
         lookup: Any = env if base is None else _Overlay(env, base)
         for node in self.nodes if nodes is None else nodes:
             if node.op == "placeholder":
                 if node not in env:
                     raise ConfigError(f"no value for model input {node.name!r}")
+            elif rewritten:
+                env[node] = self._exec_rewritten(node, lookup, fp32, layer)
             else:
                 env[node] = self._exec(node, lookup, fp32, layer)
             if keep is not None:
@@ -314,7 +338,8 @@ class GraphRunner:
         """The FP32 and the quantized view in lockstep; returns both outputs.
 
         Node by node: its FP32 value, its quantized value, then the FP32 watcher and the quantized watcher
-        of that node. Each view computes every node once (one FP32 and one quantized pass), but no value
+        of that node. A node that fails in the quantized view only is fxq's failure (GraphError naming it, not
+        blaming the data: see :meth:`_exec_rewritten`). Each view computes every node once (one FP32 and one quantized pass), but no value
         has to outlive its node: the watchers must be done with a value when they return (compare it,
         add it to running sums), and in exchange quantizers and in-place ops write into values that
         nothing reads any more instead of allocating (see the module docstring).
@@ -328,7 +353,10 @@ class GraphRunner:
                     if node not in env:
                         raise ConfigError(f"no value for model input {node.name!r}")
                     continue
-                env[node] = self._exec(node, env, fp32, None, protected)
+                if fp32:
+                    env[node] = self._exec(node, env, fp32, None, protected)
+                else:  # the FP32 view just ran this node on the same values up to here
+                    env[node] = self._exec_rewritten(node, env, False, None, protected)
                 if node.op == "get_attr":
                     protected.update(_storage(t) for t in tensors_of(env[node]))
             for _, env, watch in views:

@@ -1,6 +1,7 @@
 """Calibration: weights from their values, activations from data (at most two passes)."""
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable
 
@@ -8,10 +9,18 @@ import torch
 from torch import fx
 from tqdm.auto import tqdm
 
-from fxq.errors import CalibrationError
+from fxq.errors import CalibrationError, FxqError
 from fxq.functional import representable_range
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
-from fxq.graph.data import call_model, check_steps, count_batches, first_batch_errors, iter_batches
+from fxq.graph.data import (
+    call_model,
+    check_steps,
+    count_batches,
+    diagnose_failure,
+    first_batch_errors,
+    iter_batches,
+    placeholder_values,
+)
 from fxq.graph.info import NodeQuant, graph_quant
 from fxq.graph.nodes import get_attr_value
 from fxq.graph.quant_graph import AlignGroup, QuantGraph, drop_alignment, record_alignment
@@ -48,6 +57,10 @@ def calibrate_parameters(gm: fx.GraphModule) -> None:
         fq.set_mode("quantize")
 
 
+def _diagnose(model: fx.GraphModule, batch: Any, exc: BaseException) -> FxqError | None:
+    return diagnose_failure(model, placeholder_values(model, batch), exc)
+
+
 @torch.no_grad()
 def calibrate(
     model: fx.GraphModule,
@@ -69,6 +82,8 @@ def calibrate(
         ConfigError: ``steps`` is not None or a positive int.
         CalibrationError: empty data, wrong input count or shape (naming the input), a later batch with another
             input rank or dtype than the first (naming the batch), or one with other sizes that the model fails on.
+        GraphError: the first batch fails in the calibrating model but the FP32 model runs it (fxq's failure,
+            naming the node).
     """
     check_steps(steps)
     graph_quant(model)
@@ -99,7 +114,9 @@ def calibrate(
         seen = 0
         for batch in tqdm(iter_batches(data, steps, collate_fn), total=total, desc=desc, disable=not progress,
                           leave=False):
-            with first_batch_errors("calibration", seen == 0):
+            # the calibrating model is fxq's rewrite: a batch the FP32 model runs does not fail for the data
+            diagnose = functools.partial(_diagnose, model, batch)
+            with first_batch_errors("calibration", seen == 0, diagnose=diagnose):
                 call_model(model, batch, check=(seen == 0))
             seen += 1
         if seen == 0:

@@ -10,7 +10,9 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import fx, nn
 
-from fxq.errors import CalibrationError, ConfigError, FxqError
+from fxq.errors import CalibrationError, ConfigError, FxqError, GraphError
+from fxq.graph.info import is_quantizer_node
+from fxq.graph.nodes import Interpreter
 
 __all__ = [
     "to_device",
@@ -21,6 +23,8 @@ __all__ = [
     "count_batches",
     "placeholder_values",
     "first_batch_errors",
+    "rewrite_failure",
+    "diagnose_failure",
     "check_steps",
 ]
 
@@ -242,10 +246,70 @@ def placeholder_values(gm: fx.GraphModule, batch: Any, check: bool = False) -> d
     return values
 
 
+def rewrite_failure(node: str | None, exc: BaseException) -> GraphError:
+    """The error for fxq's quantized model failing on a batch its FP32 model runs: fxq's rewrite, not the data.
+
+    ``node``: the fx node that failed (None when the failure did not reproduce node by node).
+    """
+    where = f"node {node!r}" if node is not None else "the model"
+    return GraphError(f"{where} failed in fxq's quantized model on a batch that the FP32 model runs "
+                      f"({type(exc).__name__}: {' '.join(str(exc).split())}): this is a failure of fxq's own "
+                      f"rewrite, not of your data; please report it to fxq with this message")
+
+
+class _Locator(Interpreter):
+    """Runs a graph node by node and remembers the node it is executing (the failing one after an error)."""
+
+    current: fx.Node | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n
+        return super().run_node(n)
+
+
+class _FP32(Interpreter):
+    """The FP32 model inside fxq's rewrite: quantizer nodes pass their input through without running their module
+    (with :func:`~fxq.graph.convert.fp32_mode` for the weights)."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        if is_quantizer_node(n):
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            return args[0]
+        return super().run_node(n)
+
+
+def diagnose_failure(gm: fx.GraphModule, values: dict[fx.Node, Any], exc: BaseException) -> GraphError | None:
+    """Whose failure ``exc`` of quantized ``gm`` on one batch is: None when the FP32 model fails on it too (the
+    data's), else :func:`rewrite_failure` naming the node where ``gm`` as it is fails.
+
+    ``values``: the batch's placeholder values (:func:`placeholder_values`). Only called after a failure: it runs
+    the batch up to twice more and may leave observers with more data.
+    """
+    from fxq.graph.convert import fp32_mode  # noqa: PLC0415  (convert sits above the data helpers)
+
+    args = [values[n] for n in gm.graph.nodes if n.op == "placeholder"]
+    with torch.no_grad():
+        try:
+            with fp32_mode(gm):
+                _FP32(gm).run(*args)
+        except Exception:  # noqa: BLE001  (any failure of the FP32 model: the data does not fit it)
+            return None
+        locator = _Locator(gm)
+        try:
+            locator.run(*args)
+        except Exception as again:  # noqa: BLE001
+            node = locator.current
+            return rewrite_failure(node.name if node is not None else None, again)
+    return rewrite_failure(None, exc)
+
+
 @contextlib.contextmanager
-def first_batch_errors(what: str, first: bool) -> Iterator[None]:
+def first_batch_errors(what: str, first: bool,
+                       diagnose: Callable[[BaseException], FxqError | None] | None = None) -> Iterator[None]:
     """Turn a model failure on the ``first`` batch into a :class:`CalibrationError` (the data does not fit).
 
+    ``diagnose`` (for a block that runs fxq's quantized model without a preceding FP32 pass) is asked first: it
+    returns fxq's own error when the FP32 model runs the batch (see :func:`diagnose_failure`), None when not.
     A later batch's failure re-raises as it is (the data fitted once, so it is something else), unless that
     batch, from :func:`iter_batches`, has other non-batch sizes than the first one: then it names batch and shapes.
     """
@@ -254,13 +318,29 @@ def first_batch_errors(what: str, first: bool) -> Iterator[None]:
     except FxqError:
         raise
     except (RuntimeError, TypeError, ValueError) as exc:
+        if isinstance(exc, torch.OutOfMemoryError):  # memory: neither the data's nor the rewrite's fault
+            raise
         if first:
+            own = _diagnosed(diagnose, exc)
+            if own is not None:
+                raise own from exc
             raise CalibrationError(f"the first {what} batch failed in the model: {exc}") from exc
         resized = _RESIZED_BATCH.get()
         if resized is not None:
             raise CalibrationError(f"{what} {resized}, and the model failed on it: {exc}; "
                                    f"give every batch the first batch's non-batch sizes") from exc
         raise
+
+
+def _diagnosed(diagnose: Callable[[BaseException], FxqError | None] | None, exc: BaseException) -> FxqError | None:
+    """``diagnose(exc)``; None when there is none or it fails itself (the original error is the one to report)."""
+    if diagnose is None:
+        return None
+    try:
+        return diagnose(exc)
+    except Exception:  # noqa: BLE001
+        logger.debug("diagnosing %s failed", type(exc).__name__, exc_info=True)
+        return None
 
 
 def call_model(model: nn.Module, batch: Any, check: bool = True) -> Any:
