@@ -19,6 +19,9 @@ a smaller model is written there): they are backed up and journaled like the oth
 
 Write failures (disk full, ``ulimit -f``, quota, permissions) become :class:`ExportError` naming the file and the
 fix; the old file or set is left as it was and no temp file remains.
+
+:func:`model_file_kind` reads a file's first bytes so that a reader handed the other tool's file can say which
+reader it needs.
 """
 from __future__ import annotations
 
@@ -39,11 +42,30 @@ except ImportError:  # pragma: no cover - Windows: no inter-process lock, the jo
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["atomic_path", "atomic_paths", "atomic_file_set", "atomic_write_bytes", "atomic_write_text",
-           "check_writable_dir", "check_output_dir", "ensure_dir", "recover_file_sets", "write_error"]
+           "check_writable_dir", "check_output_dir", "ensure_dir", "recover_file_sets", "write_error",
+           "model_file_kind"]
 
 LOCK_NAME = ".fxq.lock"
 _TMP, _BAK, _JOURNAL = ".fxq-tmp", ".fxq-bak", ".fxq-journal"
 _NEAR_FULL = 16 << 20  # free bytes under which a failed opaque write (torch.save) is reported as a full disk
+
+
+def model_file_kind(path: str | os.PathLike) -> str | None:
+    """``"zip"`` (a torch.save archive: what fxq.save writes), ``"onnx"`` (a protobuf opening with
+    ``ModelProto.ir_version``, as onnx and torch.onnx write it) or None (unknown or unreadable), from the first bytes.
+
+    Only a hint for error messages: the readers still decide by parsing.
+    """
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+    except OSError:
+        return None
+    if head == b"PK\x03\x04":
+        return "zip"
+    if head[:1] == b"\x08" and len(head) > 1:  # field 1 (ir_version), varint: onnx writes it first
+        return "onnx"
+    return None
 
 
 def check_writable_dir(directory: str | os.PathLike) -> Path:

@@ -340,3 +340,33 @@ def test_saving_a_refused_aten_op_says_why(tmp_path):
     g.output(g.call_function(torch.ops.aten.as_strided.default, (x, [2], [1])))
     with pytest.raises(fxq.NotSupportedError, match="as_strided.*reinterprets or resizes memory"):
         fxq.save(torch.fx.GraphModule(nn.Module(), g), tmp_path / "m.fxq")
+
+
+def test_each_reader_names_the_other_for_its_file(tmp_path):
+    """fxq.load and fxq.load_onnx raise FrontendError for a file they cannot read, naming the file and the reader
+    or fix, and never pass on torch's advice to load with weights_only=False (which runs the file's code)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])])
+    onnx_file = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), onnx_file)
+    fxq_file = fxq.save(small_quantized("trt_int8"), tmp_path / "m.fxq")
+    with pytest.raises(fxq.FrontendError, match=r"m\.onnx.*is an ONNX model.*fxq\.load_onnx"):
+        fxq.load(onnx_file)
+    with pytest.raises(fxq.FrontendError, match=r"m\.fxq.*not ONNX.*fxq\.load\b"):
+        fxq.load_onnx(fxq_file)
+    junk = tmp_path / "junk.fxq"
+    junk.write_bytes(b"\x80\x02garbage")
+    with pytest.raises(fxq.FrontendError, match=r"junk\.fxq.*not a readable fxq model file.*fxq\.save") as info:
+        fxq.load(junk)
+    assert "weights_only" not in str(info.value)
+    blob = torch.load(fxq_file, weights_only=True)
+    torch.save(dict(blob, version=99), tmp_path / "future.fxq")
+    with pytest.raises(fxq.FrontendError, match=r"future\.fxq.*version 99.*upgrade fxq"):
+        fxq.load(tmp_path / "future.fxq")
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, tmp_path / "other.pt")
+    with pytest.raises(fxq.FrontendError, match=r"other\.pt.*another tool.*fxq\.quantize"):
+        fxq.load(tmp_path / "other.pt")

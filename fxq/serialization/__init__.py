@@ -20,7 +20,7 @@ import torch
 from torch import fx, nn
 
 from fxq.errors import ConfigError, ExportError, FrontendError, FxqError, NotSupportedError
-from fxq.io import atomic_path, check_writable_dir
+from fxq.io import atomic_path, check_writable_dir, model_file_kind
 from fxq.serialization.allowlist import register_serializable
 from fxq.serialization.codec import TensorTable, check_shape, dtype_name, dtype_of
 from fxq.serialization.graph import decode_graph, decode_meta, encode_graph, encode_meta
@@ -106,22 +106,25 @@ def load(path: str | os.PathLike, map_location: Any = "cpu") -> fx.GraphModule:
     fxq's allow-list (:mod:`fxq.serialization.allowlist`) before the graph is built.
 
     Raises:
-        FrontendError: missing, unreadable, damaged (checksum mismatch) or foreign file.
+        FrontendError: the file cannot be read as an fxq model: missing, a directory, damaged (checksum mismatch),
+            another tool's (an ONNX model: the message says fxq.load_onnx; another torch.save file) or of a format
+            version this fxq does not read; the kinds and the class :func:`fxq.load_onnx` uses for the same.
         NotSupportedError: the file names a class, function or attribute outside the allow-list.
         ConfigError: ``map_location`` names a device this machine does not have.
     """
     p = Path(path)
     if p.is_dir():
-        raise FrontendError(f"{str(p)!r} is a directory, not an fxq model file")
+        raise FrontendError(f"{str(p)!r} is a directory, not an fxq model file; pass the file fxq.save wrote")
     if not p.is_file():
-        raise FrontendError(f"fxq model file {str(p)!r} does not exist")
+        raise FrontendError(f"fxq model file {str(p)!r} does not exist; check the path")
     _check_map_location(map_location)
     try:
         blob = torch.load(p, map_location=map_location, weights_only=True)
     except Exception as exc:
-        raise FrontendError(f"{str(p)!r} is not a readable fxq model file ({type(exc).__name__}: {exc})") from exc
+        raise _unreadable(p, exc) from exc
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
-        raise FrontendError(f"{str(p)!r} is not an fxq model file (saved with fxq.save)")
+        raise FrontendError(f"{str(p)!r} is not an fxq model file but a torch.save file of another tool; fxq.load "
+                            f"reads files written by fxq.save (a PyTorch model: pass the nn.Module to fxq.quantize)")
     version = blob.get("version")
     if type(version) is not int or version not in _READABLE:
         raise FrontendError(f"{str(p)!r} has format version {version!r}; this fxq reads versions "
@@ -157,6 +160,19 @@ def _check_map_location(map_location: Any) -> None:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"map_location={map_location!r} but CUDA is not available on this machine; "
                               f"load with map_location=\"cpu\"")
+
+
+def _unreadable(p: Path, exc: Exception) -> FrontendError:
+    """The error for a file torch.load refuses: an ONNX model is named as one; torch's own advice (load with
+    weights_only=False, which runs the file's code) is cut off."""
+    if model_file_kind(p) == "onnx":
+        return FrontendError(f"{str(p)!r} is an ONNX model, not an fxq model file: read it with fxq.load_onnx "
+                             f"(or quantize it with fxq.quantize)")
+    text = str(exc)
+    text = text.split("WeightsUnpickler error:", 1)[-1]  # the reason, after torch's advice
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return FrontendError(f"{str(p)!r} is not a readable fxq model file ({type(exc).__name__}: {first[:200] or 'empty or cut short'}); "
+                         f"it is damaged or not written by fxq.save: save the model again with fxq.save")
 
 
 def _check_blob(p: Path, blob: dict[str, Any], spec: Any, tensors: Any) -> None:

@@ -110,7 +110,8 @@ def load_onnx(
         The converted ``GraphModule`` in eval mode.
 
     Raises:
-        FrontendError: missing, corrupt or non-ONNX file, missing external data, ops without a converter (all
+        FrontendError: missing, corrupt or non-ONNX file (a PyTorch archive of fxq.save: the message says
+            fxq.load), missing external data, ops without a converter (all
             listed at once, with op type, domain, opset and node names), a converter failing on a node, ranks
             shape inference cannot tell without ``input_shapes`` (naming the inputs), or a converted graph that
             differs from onnxruntime (naming the first differing ONNX node).

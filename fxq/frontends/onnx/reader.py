@@ -9,6 +9,7 @@ from google.protobuf.message import DecodeError
 from onnx.external_data_helper import load_external_data_for_model, uses_external_data
 
 from fxq.errors import FrontendError
+from fxq.io import model_file_kind
 
 __all__ = ["read_model", "PROTO_SOURCE"]
 
@@ -27,6 +28,11 @@ def _read_path(path: Path, shown: str, base_dir: Path | None) -> onnx.ModelProto
     try:
         model = onnx.load(str(path), load_external_data=False)
     except (DecodeError, OSError, RuntimeError, ValueError) as exc:
+        if model_file_kind(path) == "zip":
+            raise FrontendError(
+                f"{shown!r} is a PyTorch archive (torch.save / fxq.save), not ONNX: read a file of fxq.save with "
+                "fxq.load; for another PyTorch model pass the nn.Module to fxq.quantize"
+            ) from exc
         raise FrontendError(
             f"{shown!r} is not a readable ONNX model ({type(exc).__name__}: {exc}); "
             "the file is corrupt, truncated or not ONNX: re-export it"
