@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -784,6 +785,29 @@ def test_permute_steps_reach_every_order() -> None:
     for target in [(1, 3, 2, 4, 0), (5, 4, 3, 2, 1, 0), (6, 0, 5, 1, 4, 2, 3), (7, 5, 3, 1, 6, 4, 2, 0)]:
         assert apply(_permute_steps(target), len(target)) == target
     assert len(_permute_steps((1, 3, 2, 4, 0))) == 2  # MaxViT's partition: two Permute layers
+
+
+def _ncnn_permute(x: np.ndarray, order_type: int) -> np.ndarray:
+    """ncnn's own Permute layer on ``x`` (rank 2 to 4, torch's outermost-first dims)."""
+    keys = {2: "0={} 1={}", 3: "0={} 1={} 2={}", 4: "0={} 1={} 11={} 2={}"}[x.ndim].format(*x.shape[::-1])
+    net = ncnn.Net()
+    net.load_param_mem(f"7767517\n2 2\nInput in 0 1 in {keys}\nPermute p 1 1 in out 0={order_type}\n")
+    net.load_model_mem(b"")
+    ex = net.create_extractor()
+    ex.input("in", ncnn.Mat(np.ascontiguousarray(x)))
+    _, out = ex.extract("out")
+    return np.array(out)
+
+
+def test_permute_order_type_matches_ncnn() -> None:
+    """The one order_type formula gives, for every permutation of 2 to 4 dims, the Permute whose ncnn output is
+    numpy's transpose."""
+    from fxq.backends.ncnn.layers import permute_order_type
+
+    for rank in (2, 3, 4):
+        x = np.arange(math.prod(range(2, 2 + rank)), dtype=np.float32).reshape(tuple(range(2, 2 + rank)))
+        for perm in itertools.permutations(range(rank)):
+            np.testing.assert_array_equal(_ncnn_permute(x, permute_order_type(perm)), x.transpose(perm))
 
 
 class HighRankSoftmax(nn.Module):

@@ -528,8 +528,7 @@ def _einsum(b: NcnnBuilder, node: fx.Node) -> None:
         if tuple(t[-2:]) != want:
             rank = len(b.blob_shape(operand))
             order = tuple(range(rank - 2)) + (rank - 1, rank - 2)
-            blobs[n] = b.helper(node, "Permute", [blobs[n]],
-                                {0: list(itertools.permutations(range(rank))).index(order)})
+            blobs[n] = b.helper(node, "Permute", [blobs[n]], {0: permute_order_type(order)})
     b.emit(node, "MatMul", blobs, {0: 0})
 
 
@@ -1142,12 +1141,17 @@ def _pad_args(b: NcnnBuilder, node: fx.Node) -> tuple[fx.Node, list[int], str, A
     return node.args[0], torch_pads(onnx_pads, None, None), mod.mode, value
 
 
+def permute_order_type(order: tuple[int, ...]) -> int:
+    """ncnn ``Permute``'s ``order_type`` (param 0) for ``order``, a permutation of a blob's 2 to 4 dims in torch's
+    outermost-first order: ncnn numbers a rank-r blob's orders like ``itertools.permutations(range(r))`` (the tests
+    check it against ncnn's operator table and run every order of ranks 3 and 4 through ncnn)."""
+    return list(itertools.permutations(range(len(order)))).index(tuple(order))
+
+
 @register_ncnn_converter("Transpose", any_batch_dim=True, high_rank=True)
 def _permute(b: NcnnBuilder, node: fx.Node) -> None:
-    """``Permute`` (0 order_type) of a batch-less blob of rank 2 to 4; nothing when only a batch of 1 moves.
-
-    ncnn numbers the orders of a rank-r blob like ``itertools.permutations(range(r))``, in torch's
-    outermost-first dim order (the tests run every order of ranks 3 and 4 through ncnn). A permutation of more
+    """``Permute`` (0 order_type: :func:`permute_order_type`) of a batch-less blob of rank 2 to 4; nothing when only
+    a batch of 1 moves. A permutation of more
     than 4 blob dims (MaxViT's window partition) is a few ``Reshape`` + ``Permute`` pairs (:func:`_permute_steps`).
     """
     x = _arg(node, 0, "input")
@@ -1165,8 +1169,7 @@ def _permute(b: NcnnBuilder, node: fx.Node) -> None:
     if len(order) > 4 or b.high_rank(x):
         _permute_high_rank(b, node, x, order, out_bd)
         return
-    b.emit(node, "Permute", [b.blob(x, node)], {0: list(itertools.permutations(range(len(order)))).index(order)},
-           batch_dim=out_bd)
+    b.emit(node, "Permute", [b.blob(x, node)], {0: permute_order_type(order)}, batch_dim=out_bd)
 
 
 def _permute_high_rank(b: NcnnBuilder, node: fx.Node, x: fx.Node, order: tuple[int, ...], out_bd: int | None
@@ -1194,8 +1197,8 @@ def _permute_high_rank(b: NcnnBuilder, node: fx.Node, x: fx.Node, order: tuple[i
         if chunk_shape != stored:
             blob = b.add_layer(node, "Reshape", [blob], shape_params(chunk_shape),
                                name=b.unique_layer_name(f"{name}_group{k}")).tops[0]
-        index = list(itertools.permutations(range(len(chunks)))).index(perm)
-        blob = b.add_layer(node, "Permute", [blob], {0: index}, name=b.unique_layer_name(f"{name}_step{k}")).tops[0]
+        blob = b.add_layer(node, "Permute", [blob], {0: permute_order_type(perm)},
+                           name=b.unique_layer_name(f"{name}_step{k}")).tops[0]
         current = tuple(g for i in perm for g in chunks[i])
         stored = tuple(chunk_shape[i] for i in perm)
     out = fold_dims(drop_dim(b.shape(node), out_bd))
