@@ -291,3 +291,40 @@ def test_ncnn_islands_traced_on_the_users_example(tmp_path, monkeypatch):
     mine = torch.full((2, 3, 8, 8), 0.25)
     fxq.export(q, "ncnn_int8", tmp_path / "m", example_inputs=mine)
     assert len(seen) == 1 and torch.equal(seen[0][0], mine[:1])
+
+
+class GateOnceOrTwice(nn.Module):
+    def __init__(self, calls: int) -> None:
+        super().__init__()
+        self.head = nn.Conv2d(3, 4, 1)
+        self.gate = Gate()  # its 1x1 conv: 16 weights + 4 biases
+        self.tail = nn.Conv2d(4, 2, 1)
+        self.calls = calls
+
+    def forward(self, x):
+        y = self.head(x)
+        for _ in range(self.calls):
+            y = self.gate(y)
+        return self.tail(y)
+
+
+def test_island_called_twice_writes_each_call_once(tmp_path):
+    """An island module called twice is two sets of float layers, each with its weights once in the .bin (ncnn
+    layers never share weights: a plain conv called twice is two Convolution layers too), not a call's weights twice.
+    """
+    pytest.importorskip("ncnn")
+    sizes, params = {}, {}
+    for calls in (1, 2):
+        torch.manual_seed(0)
+        q = fxq.quantize(GateOnceOrTwice(calls).eval(), _data(), "ncnn_int8", progress=False)
+        fxq.export(q, "ncnn_int8", tmp_path / f"m{calls}")
+        sizes[calls] = {k: (tmp_path / f"m{calls}{k}").stat().st_size for k in (".bin", ".fp32.bin")}
+        params[calls] = (tmp_path / f"m{calls}.param").read_text().splitlines()
+    gate_conv_bytes = 4 + 4 * (16 + 4)  # ncnn's weight-data tag, then float32 weights and biases
+    assert sizes[2][".bin"] - sizes[1][".bin"] == gate_conv_bytes
+    assert sizes[2][".fp32.bin"] - sizes[1][".fp32.bin"] == gate_conv_bytes
+    assert sizes[1][".fp32.bin"] == 4 + 4 * (12 + 4) + gate_conv_bytes + 4 + 4 * (8 + 2)  # head, gate, tail
+    gate_convs = [f[1] for f in map(str.split, params[2]) if f[0] == "Convolution" and f[1].startswith("gate/")]
+    assert gate_convs == ["gate/scale/Conv", "gate/scale/Conv_1"]
+    layer_count = int(params[2][1].split()[0])
+    assert layer_count == len(params[2]) - 2 == len(params[1]) - 2 + 4  # one more Split, Conv, Sigmoid, Mul
