@@ -48,7 +48,7 @@ def file_digest(spec: str, tensors: dict[str, torch.Tensor]) -> str:
     h.update(spec.encode("utf-8"))
     for key in sorted(tensors):
         t = tensors[key]
-        data = b"" if t.is_meta else t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1).view(
+        data = b"" if t.is_meta or not t.numel() else t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1).view(
             torch.uint8).numpy().tobytes()
         header = json.dumps([key, str(t.dtype), list(t.shape), len(data), "meta" if t.is_meta else "data"])
         h.update(b"\0" + header.encode("utf-8") + b"\0")

@@ -124,6 +124,7 @@ def load_onnx(
     """
     from onnx2torch import convert
 
+    from fxq.frontends.onnx.converters.auto_pad import inline_wrappers
     from fxq.frontends.onnx.converters.registry import load_builtin_converters
 
     load_builtin_converters()
@@ -156,6 +157,7 @@ def load_onnx(
             f"converted ONNX model {source!r} but could not map its names onto the graph "
             f"({type(exc).__name__}: {exc}); please report this with the model"
         ) from exc
+    inline_wrappers(gm)  # SAME-padded convs / pools: their conv visible to the quantizers
     functionalize_recurrent(gm)  # LSTM / GRU weights become graph inputs, as for nn.LSTM / nn.GRU
     gm.meta["onnx"]["source_input_shapes"] = {k: list(v) for k, v in declared.items()}
     if fixed:

@@ -6,7 +6,10 @@ from the input size (shape inference must know it):
 ``total = stride * (in - 1) + output_padding + (kernel - 1) * dilation + 1 - out``, split in half with the odd
 element at the end for ``SAME_UPPER`` and at the start otherwise. ``nn.ConvTranspose`` pads both ends alike and
 adds ``output_padding`` at the end only, so begin-pad ``b`` and end-pad ``e`` are ``padding=b`` and
-``output_padding + b - e``, which torch takes while that stays in ``[0, max(stride, dilation))``.
+``output_padding + b - e``, which torch takes while that stays in ``[0, max(stride, dilation))``; other pads (e.g.
+SAME_UPPER with kernel 3, stride 2: ``(0, 1)``) run the full transposed conv and crop its output (an ``OnnxPad`` with
+negative pads). SAME's pads do not depend on the input size (``total = output_padding + (kernel - 1) * dilation + 1
+- stride``), so they hold at every input size.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from onnx2torch.utils.common import OperationConverterResult
 from torch import nn
 
 from fxq.frontends.onnx.converters._common import dim_of, result
+from fxq.frontends.onnx.converters.pad import OnnxPad
 from fxq.frontends.onnx.converters.registry import register_onnx_converter
 
 __all__: list[str] = []
@@ -34,6 +38,8 @@ def _pads(node: OnnxNode, graph: OnnxGraph, kernel: list[int], stride: list[int]
         pads = list(a.get("pads", [0] * 2 * n)) if auto_pad == "NOTSET" else [0] * 2 * n
         return [(int(pads[i]), int(pads[n + i])) for i in range(n)]
     sizes = [dim_of(graph, node.input_values[0], 2 + i) for i in range(n)]
+    if output_shape is None:  # SAME: out = in * stride, and the input size cancels out of the total
+        sizes = [1] * n
     if any(s is None for s in sizes):
         raise NotImplementedError("ConvTranspose: output_shape / auto_pad need the input's spatial size, which shape "
                                   "inference does not know (pass input_shapes to load_onnx)")
@@ -59,17 +65,25 @@ def _convert_conv_transpose(node: OnnxNode, graph: OnnxGraph) -> OperationConver
     stride = [int(s) for s in a.get("strides", [1] * n)]
     dilation = [int(d) for d in a.get("dilations", [1] * n)]
     out_pad = [int(p) for p in a.get("output_padding", [0] * n)]
-    padding, torch_out_pad = [], []
-    for i, (begin, end) in enumerate(_pads(node, graph, kernel, stride, dilation, out_pad)):
-        extra = out_pad[i] + begin - end
-        if begin < 0 or not 0 <= extra < max(stride[i], dilation[i]):
-            raise NotImplementedError(f"ConvTranspose: pads ({begin}, {end}) with output_padding {out_pad[i]} on "
-                                      f"spatial dim {i} (stride {stride[i]}) have no nn.ConvTranspose form")
-        padding.append(begin)
-        torch_out_pad.append(extra)
-    module = _CLASSES[n](weight.shape[0], weight.shape[1] * groups, kernel, stride=stride, padding=padding,
-                         output_padding=torch_out_pad, groups=groups, bias=has_bias, dilation=dilation)
+    pads = _pads(node, graph, kernel, stride, dilation, out_pad)
+    extras = [out_pad[i] + b - e for i, (b, e) in enumerate(pads)]
+    crop = None
+    if any(b < 0 or not 0 <= x < max(st, d) for (b, e), x, st, d in zip(pads, extras, stride, dilation)):
+        bad = [i for i, ((b, e), p, st, d) in enumerate(zip(pads, out_pad, stride, dilation))
+               if b < 0 or e < 0 or p >= max(st, d)]
+        if bad:
+            i = bad[0]
+            raise NotImplementedError(f"ConvTranspose: pads {pads[i]} with output_padding {out_pad[i]} on spatial "
+                                      f"dim {i} (stride {stride[i]}) have no nn.ConvTranspose form")
+        crop = [-v for b, e in reversed(pads) for v in (b, e)]  # F.pad order, negative: crop the full output
+        pads, extras = [(0, 0)] * n, out_pad
+    module: nn.Module = _CLASSES[n](weight.shape[0], weight.shape[1] * groups, kernel, stride=stride,
+                                    padding=[b for b, _ in pads], output_padding=extras, groups=groups, bias=has_bias,
+                                    dilation=dilation)
     module.weight.data = weight
     if has_bias:
         module.bias.data = graph.initializers[node.input_values[2]].to_torch()
+    if crop is not None:
+        module = nn.Sequential(module, OnnxPad(crop, "constant", rank=n + 2))
+        module.fxq_inline = True  # the load inlines it: the conv stays visible to quantizers
     return result(module, node, [node.input_values[0]])

@@ -3,7 +3,8 @@
 onnx2torch 1.5.15 builds a one-output ``nn.MaxPool`` whatever the node asks, so a node that also wants ``Indices``
 (SegNet-style ``MaxUnpool`` models) lost that output: the converted graph returned the values where ONNX has two
 tensors. Here such a node gets torch's indices, which count within each (N, C) plane, moved to ONNX's count over
-the whole input (``storage_order=0``). A one-output node keeps onnx2torch's module.
+the whole input (``storage_order=0``). A one-output node keeps onnx2torch's module; ``auto_pad`` SAME_UPPER /
+SAME_LOWER pads with ``-inf`` at run time (:mod:`.auto_pad`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from onnx2torch.utils.common import OperationConverterResult
 from torch import nn
 
 from fxq.frontends.onnx.converters._common import result
+from fxq.frontends.onnx.converters.auto_pad import is_same_pad, same_pad_converter
 from fxq.frontends.onnx.converters.registry import register_onnx_converter
 from fxq.graph.op_types import register_op_type
 
@@ -40,9 +42,16 @@ class OnnxMaxPoolWithIndices(nn.Module):
 
 
 def _max_pool(version: int):
+    same = same_pad_converter(_ONNX2TORCH_MAX_POOL[version], value=float("-inf"))
+
     def convert(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+        wants_indices = len(node.output_values) > 1 and node.output_values[1] != ""
+        if is_same_pad(node):
+            if wants_indices:
+                raise NotImplementedError("MaxPool: Indices with auto_pad SAME_* (they would count the padding)")
+            return same(node, graph)
         converted = _ONNX2TORCH_MAX_POOL[version](node, graph)
-        if len(node.output_values) < 2 or node.output_values[1] == "":
+        if not wants_indices:
             return converted
         pool = converted.torch_module
         if not isinstance(pool, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)):

@@ -10,8 +10,14 @@ The resizes torch computes the ONNX way (nearest asymmetric/floor, nearest half_
 ``nearest-exact``, linear/cubic half_pixel, pytorch_half_pixel, align_corners with cubic a=-0.75, on the spatial
 dims) run as one ``F.interpolate``; every other one is resampled axis by axis from ONNX's formulas (:func:`_taps`):
 each output position reads 1 (nearest), 2 (linear) or 4 (cubic) input positions with weights. torch.onnx writes
-either back as one Resize with the node's attributes. ``antialias`` and ``keep_aspect_ratio_policy`` other than
-``stretch`` are refused.
+either back as one Resize with the node's attributes. ``keep_aspect_ratio_policy`` other than ``stretch`` is
+refused.
+
+``antialias=1`` (Resize-18+, linear and cubic) widens the filter when a dim is downscaled, as onnxruntime does
+(Pillow's resampling): output ``i`` with source centre ``c = coordinate(i) + 0.5`` takes input ``j`` with weight
+``filter((j + 0.5 - c) * min(scale, 1))`` (triangle for linear, Keys cubic with ``cubic_coeff_a``), the taps past
+the input's edges dropped and the rest normalised to sum 1 (:func:`_antialias_weights`). Each resized dim is one
+matrix product with an ``[out, in]`` weight matrix. Nearest with antialias is nearest (ONNX: no effect).
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from torch import nn
 
 from fxq.frontends.onnx.converters.registry import register_onnx_converter
 
-__all__ = ["OnnxResizeExact"]
+__all__ = ["OnnxResizeExact", "OnnxUpsample7"]
 
 _TORCH_MODE = {("linear", 1): "linear", ("linear", 2): "bilinear", ("linear", 3): "trilinear", ("cubic", 2): "bicubic"}
 
@@ -111,6 +117,27 @@ def _taps(mode: str, coords: torch.Tensor, n_in: int, nearest_mode: str, cubic_a
     raise NotImplementedError(f"Resize: mode={mode!r}")
 
 
+def _antialias_weights(mode: str, coords: torch.Tensor, n_in: int, scale: float, cubic_a: float,
+                       exclude: bool) -> torch.Tensor:
+    """``[n_out, n_in]`` antialiased resampling weights of one dim (see the module docstring)."""
+    ss = min(scale, 1.0)
+    reach = int(math.ceil((1 if mode == "linear" else 2) / ss)) + 1
+    taps = torch.arange(-reach, n_in + reach)
+    d = ((taps.to(torch.float32)[None, :] + 0.5 - (coords[:, None] + 0.5)) * ss).abs()
+    if mode == "linear":
+        w = (1 - d).clamp(min=0)
+    else:
+        near = ((cubic_a + 2) * d - (cubic_a + 3)) * d * d + 1
+        far = ((cubic_a * d - 5 * cubic_a) * d + 8 * cubic_a) * d - 4 * cubic_a
+        w = torch.where(d <= 1, near, torch.where(d < 2, far, torch.zeros(())))
+    inside = (taps >= 0) & (taps < n_in)
+    if exclude:
+        w = torch.where(inside[None, :], w, torch.zeros(()))
+    total = w.sum(1, keepdim=True)
+    w = w / torch.where(total == 0, torch.ones(()), total)
+    return torch.zeros(len(coords), n_in).index_add_(1, taps.clamp(0, n_in - 1), w)  # outside taps read the edge
+
+
 class OnnxResizeExact(nn.Module, OnnxToTorchModuleWithCustomExport):
     """ONNX ``Resize`` (``roi``, ``scales``, ``sizes`` read when called, as the node may compute them).
 
@@ -120,8 +147,9 @@ class OnnxResizeExact(nn.Module, OnnxToTorchModuleWithCustomExport):
     """
 
     def __init__(self, mode: str, ctm: str, nearest_mode: str, cubic_a: float, exclude_outside: bool,
-                 extrapolation_value: float, axes: list[int] | None) -> None:
+                 extrapolation_value: float, axes: list[int] | None, antialias: bool = False) -> None:
         super().__init__()
+        self.antialias = antialias and mode != "nearest"
         self.mode, self.ctm, self.nearest_mode = mode, ctm, nearest_mode
         self.cubic_a, self.exclude_outside, self.extrapolation_value = cubic_a, exclude_outside, extrapolation_value
         self.axes = axes
@@ -181,11 +209,15 @@ class OnnxResizeExact(nn.Module, OnnxToTorchModuleWithCustomExport):
             return None
         if self.ctm == "tf_half_pixel_for_nn" and opset_version >= 18:
             return None
+        if getattr(self, "antialias", False) and opset_version < 18:
+            return None
         attrs: dict[str, object] = {
             "mode_s": self.mode, "coordinate_transformation_mode_s": self.ctm, "nearest_mode_s": nearest.pop(),
             "cubic_coeff_a_f": self.cubic_a, "exclude_outside_i": int(self.exclude_outside),
             "extrapolation_value_f": self.extrapolation_value,
         }
+        if getattr(self, "antialias", False):
+            attrs["antialias_i"] = 1
         return attrs
 
     def _export_inputs(self, x: torch.Tensor, roi: torch.Tensor | None, scales: torch.Tensor | None,
@@ -212,7 +244,8 @@ class OnnxResizeExact(nn.Module, OnnxToTorchModuleWithCustomExport):
                    or self.ctm == "tf_crop_and_resize"]
         if not changed:
             return x
-        if self._interpolates(shape, out, scale, changed):
+        antialias = getattr(self, "antialias", False)  # absent from modules saved before it existed
+        if not antialias and self._interpolates(shape, out, scale, changed):
             torch_mode, align = self.torch_mode  # type: ignore[misc]
             if torch_mode in ("linear", "cubic"):
                 torch_mode = _TORCH_MODE[torch_mode, len(shape) - 2]
@@ -221,6 +254,11 @@ class OnnxResizeExact(nn.Module, OnnxToTorchModuleWithCustomExport):
                                  align_corners=align if torch_mode not in ("nearest", "nearest-exact") else None)
         for d in changed:
             coords = _source_coords(self.ctm, shape[d], out[d], scale[d], rois[d])
+            if antialias:
+                w_aa = _antialias_weights(self.mode, coords, shape[d], scale[d], self.cubic_a,
+                                          self.exclude_outside)
+                x = torch.matmul(x.movedim(d, -1), w_aa.t().to(x.device, x.dtype)).movedim(-1, d)
+                continue
             idx, w = _taps(self.mode, coords, shape[d], self._nearest(scale[d]), self.cubic_a, self.exclude_outside)
             view = [1] * x.dim()
             view[d] = out[d]
@@ -269,17 +307,36 @@ def _convert_resize_10(node: OnnxNode, graph: OnnxGraph) -> OperationConverterRe
 @register_onnx_converter("Resize", (11, 13, 18, 19), override=True)
 def _convert_resize(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     a = node.attributes
-    if a.get("antialias", 0):
-        raise NotImplementedError("Resize: antialias=1")
     if a.get("keep_aspect_ratio_policy", "stretch") != "stretch":
         raise NotImplementedError(f"Resize: keep_aspect_ratio_policy={a['keep_aspect_ratio_policy']!r}")
     axes = a.get("axes")
+    if a.get("antialias", 0) and a.get("coordinate_transformation_mode") == "tf_crop_and_resize":
+        raise NotImplementedError("Resize: antialias=1 with coordinate_transformation_mode='tf_crop_and_resize'")
     module = OnnxResizeExact(
         mode=a.get("mode", "nearest"), ctm=a.get("coordinate_transformation_mode", "half_pixel"),
         nearest_mode=a.get("nearest_mode", "round_prefer_floor"), cubic_a=float(a.get("cubic_coeff_a", -0.75)),
         exclude_outside=bool(a.get("exclude_outside", 0)),
         extrapolation_value=float(a.get("extrapolation_value", 0.0)),
-        axes=[int(v) for v in axes] if axes is not None else None,
+        axes=[int(v) for v in axes] if axes is not None else None, antialias=bool(a.get("antialias", 0)),
     )
     return OperationConverterResult(torch_module=module,
                                     onnx_mapping=OnnxMapping(inputs=node.input_values, outputs=node.output_values))
+
+
+class OnnxUpsample7(OnnxResizeExact):
+    """ONNX ``Upsample-7``: Upsample-9's resize (asymmetric coordinates) with the scales in an attribute, kept here."""
+
+    def __init__(self, mode: str, scales: list[float]) -> None:
+        super().__init__(mode=mode, ctm="asymmetric", nearest_mode="simple", cubic_a=-0.75, exclude_outside=False,
+                         extrapolation_value=0.0, axes=None)
+        self.scales = list(scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x, None, torch.tensor(self.scales, dtype=torch.float32, device=x.device))
+
+
+@register_onnx_converter("Upsample", 7)
+def _convert_upsample_7(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    module = OnnxUpsample7(node.attributes.get("mode", "nearest"), [float(v) for v in node.attributes["scales"]])
+    return OperationConverterResult(torch_module=module, onnx_mapping=OnnxMapping(
+        inputs=(node.input_values[0],), outputs=node.output_values))
