@@ -7,6 +7,8 @@ converter reading a missing attribute with the wrong default fails. Three small 
 through quantize -> export (trt_int8) and the exported file runs in onnxruntime as fxq's simulation does."""
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import onnx
 import pytest
@@ -16,6 +18,7 @@ from test_onnx_op_semantics import LEVELS, ORT_MAX_IR, _assert_same, _ort, _ours
 from test_onnx_op_semantics import _model as _one_node_model
 
 import fxq
+from fxq.backends.qdq.lowering import torch_onnx_export
 from fxq.frontends.onnx import load_onnx
 
 ort = pytest.importorskip("onnxruntime")
@@ -52,7 +55,7 @@ def _attrs(**kw) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- Trilu
-@pytest.mark.parametrize("dtype", [np.float32, np.int64])
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.bool_])
 @pytest.mark.parametrize("shape", [(5, 6), (2, 3, 6, 4)])
 @pytest.mark.parametrize("k", [None, -2, 0, 1, 9])
 @pytest.mark.parametrize("upper", [None, 0, 1])
@@ -109,7 +112,7 @@ def _one_hot_reference(indices: np.ndarray, depth: int, values: np.ndarray, axis
 
 
 @pytest.mark.parametrize("axis", [None, 0, 1, -1, -3])
-@pytest.mark.parametrize("opset", [9, 11])
+@pytest.mark.parametrize("opset", [9, 11, 28])
 def test_one_hot(opset, axis) -> None:
     """Negative indices count from depth; indices out of [-depth, depth - 1] give the off value only."""
     indices = np.array([[0, 2, -1], [5, -4, 1], [-5, 3, 3]], np.int64)
@@ -366,6 +369,8 @@ SAVE_CASES = {
     "LpNormalization": (22, {"x": (2, 3, 4)}, {}, {"p": 1, "axis": 1}),
     "GlobalLpPool": (2, {"x": (2, 3, 4, 4)}, {}, {"p": 3}),
     "LpPool": (18, {"x": (2, 3, 7, 7)}, {}, {"kernel_shape": [3, 2], "auto_pad": "SAME_LOWER", "ceil_mode": 1}),
+    "LpPool-dilated": (18, {"x": (2, 3, 7, 7)}, {}, {"kernel_shape": [3, 2], "dilations": [2, 1], "strides": [2, 2],
+                                                     "pads": [1, 0, 0, 1], "p": 1}),
     "GroupNormalization": (18, {"x": (2, 4, 3, 3)}, {"s": np.arange(2, dtype=np.float32),
                                                      "b": np.ones(2, np.float32)}, {"num_groups": 2}),
     "MeanVarianceNormalization": (13, {"x": (2, 3, 4, 4)}, {}, {"axes": [1, 2]}),
@@ -373,17 +378,40 @@ SAVE_CASES = {
 }
 
 
-@pytest.mark.parametrize("op", list(SAVE_CASES))
-def test_modules_round_trip_through_fxq_files(tmp_path, op) -> None:
-    opset, shapes, consts, attrs = SAVE_CASES[op]
+def _save_case(case: str) -> tuple[onnx.ModelProto, list[np.ndarray]]:
+    opset, shapes, consts, attrs = SAVE_CASES[case]
     xs = [RNG.integers(-2, 3, s).astype(np.int64) if n == "i" else RNG.uniform(-1, 1, s).astype(np.float32)
           for n, s in shapes.items()]
-    gm = load_onnx(_model(op, opset, dict(zip(shapes, xs)), consts, **attrs))
+    return _model(case.split("-")[0], opset, dict(zip(shapes, xs)), consts, **attrs), xs
+
+
+@pytest.mark.parametrize("op", list(SAVE_CASES))
+def test_modules_round_trip_through_fxq_files(tmp_path, op) -> None:
+    model, xs = _save_case(op)
+    gm = load_onnx(model)
     again = fxq.load(fxq.save(gm, tmp_path / f"{op}.fxq"))
     assert type(dict(again.named_modules())[_converted_name(gm)]) is type(dict(gm.named_modules())[_converted_name(gm)])
     ts = [torch.from_numpy(x) for x in xs]
     with torch.no_grad():
         assert torch.equal(again(*ts), gm(*ts))
+
+
+@pytest.mark.parametrize("op", list(SAVE_CASES))
+def test_modules_export_back_to_standard_onnx(op) -> None:
+    """torch.onnx (TorchScript exporter, as fxq's exporters use it) writes each module as standard ONNX ops that
+    compute what the module does."""
+    model, xs = _save_case(op)
+    gm = load_onnx(model)
+    buffer = io.BytesIO()
+    torch_onnx_export(gm, tuple(torch.from_numpy(x) for x in xs), buffer, opset=17,
+                      input_names=[i.name for i in model.graph.input], output_names=["y"])
+    again = onnx.load_from_string(buffer.getvalue())
+    again.ir_version = min(again.ir_version, ORT_MAX_IR)
+    assert {n.domain for n in again.graph.node} <= {"", "ai.onnx"}
+    with torch.no_grad():
+        want = gm(*(torch.from_numpy(x) for x in xs)).numpy()
+    for level in LEVELS:
+        _assert_same(_ort(again, xs, level), [want], 1e-5)
 
 
 def _converted_name(gm: torch.fx.GraphModule) -> str:

@@ -74,7 +74,11 @@ class OnnxOneHot(nn.Module):
         idx = indices.to(torch.int64)
         idx = torch.where(idx < 0, idx + n, idx)
         hit = idx.unsqueeze(-1) == torch.arange(n, device=idx.device)
-        return torch.where(hit, values[1], values[0]).movedim(-1, self.axis)
+        out = torch.where(hit, values[1], values[0])
+        if self.axis == -1:
+            return out
+        last = out.dim() - 1  # torch.onnx writes a bad Transpose for negative dims
+        return out.movedim(last, self.axis % out.dim())
 
     def extra_repr(self) -> str:
         return f"axis={self.axis}, depth={self.depth}"

@@ -1,11 +1,16 @@
 """``LpNormalization-1/22``, ``GlobalLpPool-1/2/22`` and ``LpPool-1/2/11/18/22``: p-norms onnx2torch 1.5.15 lacks.
 
-The pools sum ``|x|^p`` over each window and take the p-th root (zero padding adds nothing). ``LpPool`` is computed
-window by window with ``Tensor.unfold`` (dilations, unequal begin/end pads and ceil mode included) rather than with
-``nn.LPPool*d``, which has no pads or dilations and raises ``x`` (not ``|x|``) to the power p. ``auto_pad`` SAME pads
+The pools sum ``|x|^p`` over each window and take the p-th root (zero padding adds nothing). ``LpPool`` pads
+explicitly (unequal begin/end pads, SAME and the extra end of ceil mode), then sums whole windows as an average pool
+times the window size, or, with dilations, as one strided slice per kernel position; not with ``nn.LPPool*d``,
+which has no pads or dilations and raises ``x`` (not ``|x|``) to the power p. torch.onnx writes either form. ``auto_pad`` SAME pads
 are computed from the input's size when called, so one loaded graph serves every input size.
 """
 from __future__ import annotations
+
+import functools
+import itertools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -136,11 +141,24 @@ class OnnxLpPool(nn.Module):
         flat = [v for begin_end in reversed(pads) for v in begin_end]  # F.pad: last dim first
         if any(flat):
             y = F.pad(y, flat)
-        for i in range(n):
-            y = y.unfold(2 + i, self.dilations[i] * (self.kernel[i] - 1) + 1, self.strides[i])
-        if any(d != 1 for d in self.dilations):
-            y = y[(Ellipsis, *(slice(None, None, d) for d in self.dilations))]
-        return _root(y.sum(tuple(range(-n, 0))), self.p)
+        if all(d == 1 for d in self.dilations) and n <= 3:  # every window whole: the mean times its size
+            pool = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)[n - 1]
+            return _root(pool(y, self.kernel, self.strides) * math.prod(self.kernel), self.p)
+        return _root(self._window_sum(y), self.p)
+
+    def _window_sum(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum of each dilated window: one strided slice per kernel position (torch.onnx writes Slice and Add)."""
+        n = len(self.kernel)
+        sizes = [(y.shape[2 + i] - self.dilations[i] * (self.kernel[i] - 1) - 1) // self.strides[i] + 1
+                 for i in range(n)]
+        parts = []
+        for offsets in itertools.product(*(range(k) for k in self.kernel)):
+            index = [slice(None), slice(None)]
+            for i, o in enumerate(offsets):
+                start = o * self.dilations[i]
+                index.append(slice(start, start + (sizes[i] - 1) * self.strides[i] + 1, self.strides[i]))
+            parts.append(y[tuple(index)])
+        return functools.reduce(torch.add, parts)
 
     def extra_repr(self) -> str:
         return (f"p={self.p}, kernel={self.kernel}, strides={self.strides}, pads={self.pads}, "
