@@ -229,8 +229,12 @@ _FXQ_CLASSES = (
                                      "CaffeChannelScale3d", "CaffePower", "CaffeLRNWithinChannel", "CaffeInterp")),
     ("fxq.frontends.onnx.converters.auto_pad", ("OnnxSamePad",)),
     ("fxq.frontends.onnx.converters.cumsum", ("OnnxCumSum",)),
+    ("fxq.frontends.onnx.converters.grid_sample", ("OnnxGridSample",)),
+    ("fxq.frontends.onnx.converters.group_norm", ("OnnxGroupNormalization", "OnnxMeanVarianceNormalization")),
+    ("fxq.frontends.onnx.converters.hardmax", ("OnnxHardmax", "OnnxOneHot")),
     ("fxq.frontends.onnx.converters.layout", ("OnnxFlatten", "OnnxDepthToSpace", "OnnxSpaceToDepth",
                                               "OnnxGatherElements", "OnnxNonZero")),
+    ("fxq.frontends.onnx.converters.lp", ("OnnxLpNormalization", "OnnxGlobalLpPool", "OnnxLpPool")),
     ("fxq.frontends.onnx.converters.max_pool", ("OnnxMaxPoolWithIndices", "OnnxGlobalMaxPool")),
     ("fxq.frontends.onnx.converters.pad", ("OnnxPad",)),
     ("fxq.frontends.onnx.converters.reduce", ("OnnxReduce",)),
@@ -241,6 +245,7 @@ _FXQ_CLASSES = (
                                               "OnnxCenterCropPad")),
     ("fxq.frontends.onnx.converters.split", ("OnnxSplit",)),
     ("fxq.frontends.onnx.converters.topk", ("OnnxTopK",)),
+    ("fxq.frontends.onnx.converters.trilu", ("OnnxTrilu",)),
 )
 
 TENSOR_METHODS = frozenset({

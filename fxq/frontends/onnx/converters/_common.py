@@ -8,7 +8,7 @@ from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OnnxMapping, OperationConverterResult, get_const_value
 
-__all__ = ["const_input", "has_input", "rank_of", "result", "int_list"]
+__all__ = ["const_input", "const_or_run_time", "has_input", "rank_of", "result", "int_list"]
 
 
 def has_input(node: OnnxNode, index: int) -> bool:
@@ -33,6 +33,15 @@ def const_input(node: OnnxNode, graph: OnnxGraph, index: int, what: str) -> torc
             "only constant (initializer) values are supported"
         ) from None
     return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+
+
+def const_or_run_time(node: OnnxNode, graph: OnnxGraph, index: int, what: str) -> torch.Tensor | None:
+    """:func:`const_input`, but None (rather than raising) for an input computed at run time: for converters whose
+    module then takes that input when called. Check :func:`has_input` first where absent differs from run time."""
+    try:
+        return const_input(node, graph, index, what)
+    except NotImplementedError:
+        return None
 
 
 def int_list(t: torch.Tensor) -> list[int]:
