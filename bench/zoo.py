@@ -448,7 +448,7 @@ def summarize(rows: list[dict[str, Any]], paths: list[str], platforms: list[str]
         return bool(cap) and all(r["status"] == "ok" for r in cap)
 
     head = "| family | models | " + " | ".join(
-        f"{p} capture | " + " | ".join(f"{p} {pl}" for pl in platforms) for p in paths) + " |"
+        " | ".join([f"{p} capture"] + [f"{p} {pl}" for pl in platforms]) for p in paths) + " |"
     lines = [head, "|" + "---|" * (2 + len(paths) * (1 + len(platforms)))]
     total = sorted({r["model"] for r in rows})
     for fam in sorted(fams) + ["all"]:
