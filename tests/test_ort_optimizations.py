@@ -6,6 +6,11 @@ A bias fxq simulates in FP32 (``trt_int8``) is then rounded to that grid: well u
 ordinary models, but where activations vanish (input scale at the 1e-8 floor) the codes overflow int32 and the
 session computes garbage. The exporters say so with a WARNING naming the nodes; the file stays what fxq
 simulates (``ORT_DISABLE_ALL`` and a session without that pass reproduce it).
+
+Its ``QDQSelectorActionTransformer`` (level 2) runs DQ -> Conv -> Q and DQ -> Gemm (-> Q) with int32 biases as
+QLinearConv / QGemm, which add the bias codes in an int32 accumulator that wraps around: where the input scale is
+at the floor with non-zero codes (ShuffleNet-V2's and S3D's classifiers at random init) the codes sit at the int32
+limits and outputs jump by 2^32 bias steps. The exporters warn about those too.
 """
 from __future__ import annotations
 
@@ -71,6 +76,22 @@ class Vanishing(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.conv2(F.relu(self.conv1(x))))
         return F.relu(self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)))
+
+
+class Faint(nn.Module):
+    """A Conv whose output is ~1e-6 (its quantizer's scale sits at the 1e-8 floor, its codes are not zero), pooled,
+    then a Linear with a real bias: ShuffleNet-V2's classifier at random init."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 16, 3, padding=1), nn.Linear(16, 8)
+        with torch.no_grad():
+            self.conv.weight.mul_(1e-6)
+            self.conv.bias.zero_()
+            self.fc.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(F.relu(self.conv(x)), 1), 1))
 
 
 def _inception() -> nn.Module:
@@ -185,6 +206,88 @@ def test_bias_rounding_check_on_a_hand_written_graph():
         as_written = _run_model(m, x, "ORT_DISABLE_ALL")
         assert as_written.ravel()[0] == pytest.approx(0.5)
         assert bool(np.any(_run_model(m, x, "ORT_ENABLE_BASIC") != as_written)) == flagged
+
+
+def test_faint_input_to_an_int32_bias_ort_export_warns_about_the_wrapping_accumulator(tmp_path, caplog):
+    """ort_int8: int32 bias codes saturated at the int32 limits plus non-zero input codes; QGemm wraps."""
+    torch.manual_seed(0)
+    path, x, sim, warnings = _export(Faint().eval(), "ort_int8", tmp_path, caplog)
+    found = [w for w in warnings if "QDQSelectorActionTransformer" in w]
+    assert len(found) == 1, warnings
+    assert "Gemm" in found[0] and "'fc.bias" in found[0] and "wraps around" in found[0], found[0]
+    assert "calibrate with representative data" in found[0] and "WeightBiasQuantization" not in found[0]
+    issues = ort_bias_issues(onnx.load(path))
+    assert len(issues) == 1 and "fc.bias" in issues[0], issues
+    # what the warning is about: the fused session computes something else; as written, and without the fusion,
+    # onnxruntime computes fxq's simulation
+    assert _cosine(_run(path, x, "ORT_ENABLE_ALL"), sim) < 0.99
+    assert _cosine(_run(path, x, "ORT_DISABLE_ALL"), sim) >= 0.999
+    assert _cosine(_run(path, x, "ORT_ENABLE_ALL", ("QDQSelectorActionTransformer",)), sim) >= 0.999
+
+
+def test_faint_input_trt_export_warns_once_per_node(tmp_path, caplog):
+    """trt_int8 (FP32 biases): WeightBiasQuantization's codes overflow; the node is named once."""
+    torch.manual_seed(0)
+    path, x, sim, warnings = _export(Faint().eval(), "trt_int8", tmp_path, caplog)
+    found = [w for w in warnings if "onnxruntime" in w]
+    assert len(found) == 1 and "WeightBiasQuantization" in found[0] and "'fc.bias'" in found[0], warnings
+    assert len(ort_bias_issues(onnx.load(path))) == 1
+    assert _cosine(_run(path, x, "ORT_DISABLE_ALL"), sim) >= 0.999
+
+
+def _biased_graph(op: str, code: int, quantized_output: bool, fp32_bias: bool) -> onnx.ModelProto:
+    """x -> Q/DQ (uint8) -> op(DQ int8 weights of 100, bias [code, -code - 1] x 1e-4: DQ of int32 codes, or FP32
+    that WeightBiasQuantization turns into those codes) [-> Q/DQ] -> y."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    wshape = {"Conv": (2, 3, 1, 1), "ConvTranspose": (3, 2, 1, 1), "Gemm": (2, 3)}[op]
+    axis = 1 if op == "ConvTranspose" else 0
+    inits = [numpy_helper.from_array(np.asarray(v, dt), n) for n, v, dt in (
+        ("s_in", 1e-2, np.float32), ("z", 0, np.uint8), ("s_w", [1e-2, 1e-2], np.float32), ("zw", [0, 0], np.int8),
+        ("s_b", [1e-4, 1e-4], np.float32), ("zb", [0, 0], np.int32), ("b", [code, -code - 1], np.int32),
+        ("s_out", 0.1, np.float32), ("wq", np.full(wshape, 100), np.int8))]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s_in", "z"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "s_in", "z"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "s_w", "zw"], ["wd"], axis=axis),
+             helper.make_node(op, ["xd", "wd", "b" if fp32_bias else "bd"], ["c"], name="op",
+                              **({"transB": 1} if op == "Gemm" else {}))]
+    if fp32_bias:
+        inits[6] = numpy_helper.from_array(np.asarray([code, -code - 1], np.float64).astype(np.float32) * 1e-4, "b")
+    else:
+        nodes.append(helper.make_node("DequantizeLinear", ["b", "s_b", "zb"], ["bd"], axis=0))
+    if quantized_output:
+        nodes += [helper.make_node("QuantizeLinear", ["c", "s_out", "z"], ["cq"]),
+                  helper.make_node("DequantizeLinear", ["cq", "s_out", "z"], ["y"])]
+    else:
+        nodes.append(helper.make_node("Identity", ["c"], ["y"]))
+    shape = [1, 3] if op == "Gemm" else [1, 3, 1, 1]
+    m = helper.make_model(helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits),
+                          opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 10
+    return m
+
+
+@pytest.mark.parametrize("fp32_bias", [False, True])
+@pytest.mark.parametrize("op,quantized_output,fused", [("Conv", True, True), ("Gemm", True, True),
+                                                       ("Gemm", False, True), ("Conv", False, False),
+                                                       ("ConvTranspose", True, False)])
+def test_int32_bias_wrap_check_on_hand_written_graphs(op, quantized_output, fused, fp32_bias):
+    """Flagged exactly where onnxruntime's fused kernel wraps: bias codes within 3 x 255 x 100 of the int32
+    limits, inputs at the top of their range (a Conv without Q after it, and ConvTranspose, are not fused; an FP32
+    bias becomes int32 codes only where the output is quantized)."""
+    x = torch.full((1, 3) if op == "Gemm" else (1, 3, 1, 1), 2.55)
+    fused = fused and (quantized_output or not fp32_bias)
+    for code, near in ((2**31 - 1000, True), (2**31 - 1000 - 3 * 255 * 100, False), (10_000, False)):
+        m = _biased_graph(op, code, quantized_output, fp32_bias)
+        issues = ort_bias_issues(m)
+        assert len(issues) == int(near and fused), (code, issues)
+        if issues:
+            assert f"{op} 'op'" in issues[0] and "'b'" in issues[0] and "2 of its 2" in issues[0], issues
+            assert ("WeightBiasQuantization" in issues[0]) == fp32_bias, issues
+        as_written = _run_model(m, x, "ORT_DISABLE_ALL")
+        fused_out = _run_model(m, x, "ORT_ENABLE_ALL")  # an FP32 output may differ in its last bit
+        assert (not np.allclose(fused_out, as_written, rtol=1e-5, atol=0)) == bool(issues), (code, fused_out)
 
 
 class SqueezeInBranch(nn.Module):

@@ -18,9 +18,11 @@ biases, and attention softmax (QLinearSoftmax's fixed-point table), can be one c
 A default session also quantizes the FP32 bias of every Conv/Gemm that reads a dequantized input and whose output
 is quantized (onnxruntime's ``WeightBiasQuantization`` pass): int32 codes of input scale x weight scale. Where
 those codes overflow int32 (input scales at the 1e-8 floor: vanishing activations) or the rounding moves the bias
-by half an output step, that session computes something else than fxq's simulation; :func:`ort_bias_issues`
-(:mod:`fxq.backends.qdq.ort_bias`) finds those nodes and both QDQ exporters log them as a WARNING
-(``ORT_DISABLE_ALL`` runs the file as written).
+by half an output step, that session computes something else than fxq's simulation. The fused QLinearConv/QGemm
+also add int32 bias codes (``ort_int8``'s own included) in an int32 accumulator that wraps around: codes saturated
+at the int32 limits (a bias read through an input scale at the floor with non-zero input codes, e.g. ShuffleNet-V2's
+classifier at random init) jump by 2^32 bias steps. :func:`ort_bias_issues` (:mod:`fxq.backends.qdq.ort_bias`)
+finds those nodes and both QDQ exporters log them as a WARNING (``ORT_DISABLE_ALL`` runs the file as written).
 """
 from __future__ import annotations
 

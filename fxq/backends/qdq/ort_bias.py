@@ -1,10 +1,19 @@
-"""What a default onnxruntime session does to the FP32 biases of a Q/DQ model, for both QDQ exporters to warn about.
+"""What a default onnxruntime session does to the biases of a Q/DQ model, for both QDQ exporters to warn about.
 
-A default session (graph optimizations on) quantizes the FP32 bias of every Conv/Gemm that reads a dequantized
-input and whose output is quantized (onnxruntime's ``WeightBiasQuantization`` pass): int32 codes of input scale x
-weight scale. Where those codes overflow int32 (input scales at the 1e-8 floor: vanishing activations) or the
-rounding moves the bias by half an output step, that session computes something else than fxq's simulation;
-:func:`ort_bias_issues` finds those nodes and :func:`warn_ort_bias_issues` logs them as one WARNING.
+A default session (graph optimizations on) changes two things fxq's simulation and ``ORT_DISABLE_ALL`` do not:
+
+* **FP32 biases become int32 codes** (``WeightBiasQuantization``, level 1): every Conv/Gemm that reads a
+  dequantized input and whose output is quantized gets its FP32 bias as codes of input scale x weight scale.
+  Where those overflow int32 or the rounding moves the bias by half an output step, the session adds another bias.
+* **int32 biases are added in an int32 accumulator that wraps** (``QDQSelectorActionTransformer``, level 2: the
+  fused QLinearConv / QGemm): the kernel adds the bias codes (the file's, or those of the pass above) to
+  sum(input codes x weight codes) in int32 arithmetic, modulo 2^32. Where a bias code sits within that sum's reach
+  of +-2^31 (codes saturated at the int32 limits because the input scale is at the 1e-8 floor: vanishing
+  activations) an output of the same sign wraps to the other end of the range, e.g. 150 output codes on
+  ShuffleNet-V2's classifier; ONNX's DequantizeLinear -> float Conv/Gemm (what fxq simulates) does not wrap.
+
+:func:`ort_bias_issues` finds those nodes from the file alone and :func:`warn_ort_bias_issues` logs them as one
+WARNING; the file itself stays what fxq simulates.
 """
 from __future__ import annotations
 
@@ -17,8 +26,11 @@ __all__ = ["ort_bias_issues", "warn_ort_bias_issues"]
 
 logger = logging.getLogger(__name__)
 
-_INT32_LIMIT = float(2**31)
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _BIAS_OPS = ("Conv", "ConvTranspose", "Gemm")
+_FUSED = {"Conv": "QLinearConv", "Gemm": "QGemm"}
+"""The ops whose fused int8 kernel adds an int32 bias (onnxruntime's CPU provider fuses no ConvTranspose)."""
+_ROUNDING, _WRAP = "WeightBiasQuantization", "QDQSelectorActionTransformer"
 
 
 def _quantized_path(node: Any, cons: dict[str, list[Any]]) -> Any:
@@ -36,15 +48,62 @@ def _quantized_path(node: Any, cons: dict[str, list[Any]]) -> Any:
     return None
 
 
-def ort_bias_issues(model: Any) -> list[str]:
-    """FP32 biases that a default onnxruntime session (graph optimizations on) does not add as written.
+def _accumulator_reach(node: Any, dq_in: Any, dq_w: Any, const: Any, prod: dict[str, Any]) -> np.ndarray | None:
+    """Per output channel, the largest |sum(input codes x weight codes)| the fused kernel can accumulate:
+    sum |weight code - zero-point| over the channel's weights x the input codes' largest distance from their
+    zero-point (over the whole range of their element type). None where the codes are not constants."""
+    from onnx import helper
 
-    Mirrors onnxruntime's ``WeightBiasQuantization`` pass: a Conv/ConvTranspose/Gemm whose input comes from a
-    per-tensor DequantizeLinear, whose output reaches a QuantizeLinear (through Relu/Clip only) and whose bias is
-    a 1-D FP32 initializer gets that bias as ``round(bias / (input_scale * weight_scale))`` int32 codes (and an
-    FP32 weight as per-tensor int8). Returns one line per node where the codes overflow int32, the rounding moves
-    the bias by half an output step, or a weight is FP32.
-    """
+    from fxq.backends.qdq.onnx_graph import INT_RANGES, attr
+
+    w = const(dq_w.input[0])
+    s_w = const(dq_w.input[1])
+    zw = const(dq_w.input[2]) if len(dq_w.input) > 2 and dq_w.input[2] else None
+    if w is None:  # weights="qdq": the codes are those of a QuantizeLinear of an FP32 constant, folded
+        q_w = prod.get(dq_w.input[0])
+        w = const(q_w.input[0]) if q_w is not None and q_w.op_type == "QuantizeLinear" else None
+        if w is None or s_w is None or w.ndim < 2:
+            return None
+        shape = [1] * w.ndim
+        if s_w.size > 1:
+            shape[int(attr(dq_w, "axis", 1)) % w.ndim] = -1
+        code_type = helper.np_dtype_to_tensor_dtype(zw.dtype if zw is not None else np.dtype(np.uint8))
+        w = np.round(w / s_w.reshape(shape)) + (0 if zw is None else zw.astype(np.float64).reshape(shape))
+        w = np.clip(w, *INT_RANGES[code_type])
+    if w.ndim < 2:
+        return None
+    w = w.astype(np.int64)
+    if zw is not None and zw.size:
+        shape = [1] * w.ndim
+        if zw.size > 1:
+            shape[int(attr(dq_w, "axis", 1)) % w.ndim] = -1
+        w = w - zw.astype(np.int64).reshape(shape)
+    out_axis = 0 if node.op_type == "Conv" or attr(node, "transB", 0) else 1
+    per_out = np.abs(w).sum(axis=tuple(a for a in range(w.ndim) if a != out_axis))
+    zx = const(dq_in.input[2]) if len(dq_in.input) > 2 and dq_in.input[2] else np.zeros((), np.uint8)
+    if zx is None:
+        return None
+    lo, hi = INT_RANGES[helper.np_dtype_to_tensor_dtype(zx.dtype)]
+    z = int(zx.reshape(-1)[0])
+    return per_out * max(z - lo, hi - z)
+
+
+def _wrap_issue(codes: np.ndarray, reach: np.ndarray | None, where: str, fused: str) -> str | None:
+    """The line for int32 bias ``codes`` that ``reach`` more accumulation can push past int32, or None."""
+    if reach is None or reach.size not in (1, codes.size):
+        return None
+    codes = codes.astype(np.int64)
+    high, low = codes + reach > _INT32_MAX, codes - reach < _INT32_MIN
+    n = int(np.count_nonzero(high | low))
+    if not n:
+        return None
+    return (f"{where}: {n} of its {codes.size} int32 bias codes lie within {int(reach.max()):.3g} (input codes x "
+            f"weight codes) of the int32 limits (largest |code| {int(np.abs(codes).max()):.3g}), and {fused}'s int32 "
+            f"accumulator wraps around there")
+
+
+def _issues(model: Any) -> list[tuple[str, str]]:
+    """(cause, line) per node a default session computes otherwise; cause is the onnxruntime pass responsible."""
     from onnx import numpy_helper
 
     from fxq.backends.qdq.onnx_graph import attr, consumers, producers
@@ -57,7 +116,7 @@ def ort_bias_issues(model: Any) -> list[str]:
         t = consts.get(name)
         return None if t is None else numpy_helper.to_array(t)
 
-    out: list[str] = []
+    out: list[tuple[str, str]] = []
     for node in graph.node:
         if node.op_type not in _BIAS_OPS or len(node.input) < 2:
             continue
@@ -66,16 +125,34 @@ def ort_bias_issues(model: Any) -> list[str]:
             continue
         s_in = const(dq_in.input[1])
         q = _quantized_path(node, cons)
-        if s_in is None or s_in.size != 1 or q is None:
+        if s_in is None or s_in.size != 1:
             continue
-        bias = const(node.input[2]) if len(node.input) > 2 and node.input[2] else None
-        bias = bias if bias is not None and bias.ndim == 1 and bias.dtype == np.float32 else None
         where = f"{node.op_type} {node.name or node.output[0]!r}"
+        q_in = prod.get(dq_in.input[0])
+        src = q_in.input[0] if q_in is not None and q_in.op_type == "QuantizeLinear" else dq_in.input[0]
         dq_w = prod.get(node.input[1])
+        bias_name = node.input[2] if len(node.input) > 2 else ""
+        dq_b = prod.get(bias_name) if bias_name else None
+        if dq_b is not None and dq_b.op_type == "DequantizeLinear":  # int32 codes in the file (ort_int8)
+            codes = const(dq_b.input[0])
+            fused = node.op_type in _FUSED and (q is not None or node.op_type == "Gemm")  # QGemm may output FP32
+            if (fused and codes is not None and codes.dtype == np.int32 and dq_w is not None
+                    and dq_w.op_type == "DequantizeLinear"):
+                line = _wrap_issue(codes, _accumulator_reach(node, dq_in, dq_w, const, prod),
+                                   f"{where} (bias {dq_b.input[0]!r}; input {src!r} at scale "
+                                   f"{float(s_in.reshape(-1)[0]):.3g})", _FUSED[node.op_type])
+                if line:
+                    out.append((_WRAP, line))
+            continue
+        if q is None:
+            continue
+        bias = const(bias_name) if bias_name else None
+        bias = bias if bias is not None and bias.ndim == 1 and bias.dtype == np.float32 else None
         if dq_w is None or dq_w.op_type != "DequantizeLinear":
             w = const(node.input[1])
             if w is not None and w.dtype == np.float32:
-                out.append(f"{where}: onnxruntime quantizes its FP32 weight {node.input[1]!r} to per-tensor int8")
+                out.append((_ROUNDING, f"{where}: onnxruntime quantizes its FP32 weight {node.input[1]!r} to "
+                                       f"per-tensor int8"))
             continue
         s_w = const(dq_w.input[1])
         if bias is None or s_w is None:
@@ -93,29 +170,54 @@ def ort_bias_issues(model: Any) -> list[str]:
             moved = np.abs(codes.astype(np.float64) * b_scale - bias)
         s_out = const(q.input[1]) if len(q.input) > 1 else None
         step = float(np.min(s_out)) if s_out is not None and s_out.size else float("inf")
-        q_in = prod.get(dq_in.input[0])
-        src = q_in.input[0] if q_in is not None and q_in.op_type == "QuantizeLinear" else dq_in.input[0]
-        where += f" (bias {node.input[2]!r}; input {src!r} at scale {float(s_in.reshape(-1)[0]):.3g})"
-        if not bool(np.all(np.isfinite(codes))) or float(np.abs(codes).max(initial=0.0)) >= _INT32_LIMIT:
-            out.append(f"{where}: bias / (input scale x weight scale) reaches "
-                       f"{float(np.nanmax(np.abs(ratio))):.3g}, beyond int32")
+        where += f" (bias {bias_name!r}; input {src!r} at scale {float(s_in.reshape(-1)[0]):.3g})"
+        if not bool(np.all(np.isfinite(codes))) or float(np.abs(codes).max(initial=0.0)) >= 2**31:
+            out.append((_ROUNDING, f"{where}: bias / (input scale x weight scale) reaches "
+                                   f"{float(np.nanmax(np.abs(ratio))):.3g}, beyond int32"))
         elif moved.size and float(moved.max()) >= 0.5 * step:
-            out.append(f"{where}: int32 rounding moves the bias by {float(moved.max()):.3g}, "
-                       f"{float(moved.max()) / step:.2f} output steps")
+            out.append((_ROUNDING, f"{where}: int32 rounding moves the bias by {float(moved.max()):.3g}, "
+                                   f"{float(moved.max()) / step:.2f} output steps"))
+        elif node.op_type in _FUSED:
+            line = _wrap_issue(codes, _accumulator_reach(node, dq_in, dq_w, const, prod),
+                               f"{where} (int32 codes from {_ROUNDING})", _FUSED[node.op_type])
+            if line:
+                out.append((_WRAP, line))
     return out
+
+
+def ort_bias_issues(model: Any) -> list[str]:
+    """Conv/Gemm biases that a default onnxruntime session (graph optimizations on) does not add as written.
+
+    Mirrors two passes. ``WeightBiasQuantization``: a Conv/ConvTranspose/Gemm whose input comes from a per-tensor
+    DequantizeLinear, whose output reaches a QuantizeLinear (through Relu/Clip only) and whose bias is a 1-D FP32
+    initializer gets that bias as ``round(bias / (input_scale * weight_scale))`` int32 codes (and an FP32 weight
+    as per-tensor int8): flagged where the codes overflow int32, the rounding moves the bias by half an output
+    step, or a weight is FP32. ``QDQSelectorActionTransformer``: a Conv (output quantized) or Gemm with dequantized
+    input, weight and int32 bias runs as QLinearConv / QGemm, whose int32 accumulator wraps: flagged where a bias
+    code plus the largest possible sum of input x weight codes passes an int32 limit. One line per node.
+    """
+    return [line for _, line in _issues(model)]
 
 
 def warn_ort_bias_issues(model: Any, exporter: str) -> list[str]:
     """Log :func:`ort_bias_issues` of ``model`` as one WARNING; returns the lines."""
-    issues = ort_bias_issues(model)
-    if issues:
-        shown = issues[:8] + ([f"... and {len(issues) - 8} more"] if len(issues) > 8 else [])
-        logger.warning(
-            "%s: a default onnxruntime session (graph optimizations on) will not compute what fxq simulates for "
-            "%d node(s): it quantizes their FP32 biases to int32 codes of input scale x weight scale, which cannot "
-            "hold them:\n  %s\nTiny input scales mean the activations vanish (e.g. untrained BatchNorm statistics, "
-            "or calibration data unlike real inputs): calibrate with representative data. The file itself is "
-            "written as fxq simulates it (onnxruntime computes it with ORT_DISABLE_ALL, or with "
-            "disabled_optimizers=['WeightBiasQuantization']); a platform with int32 biases (ort_int8) avoids it.",
-            exporter, len(issues), "\n  ".join(shown))
+    found = _issues(model)
+    issues = [line for _, line in found]
+    if not issues:
+        return issues
+    causes = sorted({cause for cause, _ in found})
+    why = []
+    if _ROUNDING in causes:
+        why.append(f"{_ROUNDING} quantizes FP32 biases to int32 codes of input scale x weight scale, which cannot "
+                   f"hold them")
+    if _WRAP in causes:
+        why.append(f"{_WRAP} runs them as QLinearConv/QGemm, which add int32 bias codes near the int32 limits in "
+                   f"an int32 accumulator that wraps around")
+    shown = issues[:8] + ([f"... and {len(issues) - 8} more"] if len(issues) > 8 else [])
+    logger.warning(
+        "%s: a default onnxruntime session (graph optimizations on) will not compute what fxq simulates for %d "
+        "node(s): %s:\n  %s\nTiny input scales mean the activations vanish (e.g. untrained BatchNorm statistics, "
+        "or calibration data unlike real inputs): calibrate with representative data. The file itself is written "
+        "as fxq simulates it (onnxruntime computes it with ORT_DISABLE_ALL, or with disabled_optimizers=%s).",
+        exporter, len(issues), "; ".join(why), "\n  ".join(shown), causes)
     return issues

@@ -19,8 +19,8 @@ data: each ``.onnx`` of the set gets a ``<name>.onnx.data`` beside it (``model.o
 ``model_fp32.onnx.data`` with ``legacy=True``), written in the same atomic set (:mod:`fxq.onnx_data`).
 
 FP32 biases are written as fxq simulates them; a default onnxruntime session rounds them to int32 codes of input
-scale x weight scale, and where those overflow (vanishing activations) the export logs a WARNING naming the nodes
-(:func:`fxq.backends.qdq.ort_bias.ort_bias_issues`).
+scale x weight scale, and where those overflow or come within reach of the fused kernels' wrapping int32 accumulator
+(vanishing activations) the export logs a WARNING naming the nodes (:func:`fxq.backends.qdq.ort_bias.ort_bias_issues`).
 """
 from __future__ import annotations
 
