@@ -3,7 +3,6 @@
 Public API, re-exported name by name; everything not listed here is private.
 """
 # isort: skip_file  (grouped by topic, spec first; the order is deliberate)
-import logging as _logging
 
 from fxq.algorithms import register_algorithm
 from fxq.analysis import (
@@ -49,7 +48,9 @@ from fxq.serialization import load, save
 from fxq.setting import QuantizationSetting, QuantizationSettingFactory
 from fxq.spec import FloatFormat, QuantState, RoundingPolicy, TensorQuantConfig
 
-_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+# No NullHandler on the "fxq" logger: where the application configured no logging, Python's last-resort handler
+# prints WARNING and above to stderr, so a user is told when fxq keeps a layer FP32, protects a mixed-range concat
+# or writes a file a default onnxruntime session computes differently. Configured logging takes over as usual.
 
 __version__ = "0.1.0"
 

@@ -59,6 +59,8 @@ def _accumulator_reach(node: Any, dq_in: Any, dq_w: Any, const: Any, prod: dict[
     w = const(dq_w.input[0])
     s_w = const(dq_w.input[1])
     zw = const(dq_w.input[2]) if len(dq_w.input) > 2 and dq_w.input[2] else None
+    if (zw is not None and zw.dtype.kind not in "iu") or (w is not None and w.dtype.kind not in "iu"):
+        return None  # FP8 codes: onnxruntime has no fused integer kernel for them, nothing accumulates in int32
     if w is None:  # weights="qdq": the codes are those of a QuantizeLinear of an FP32 constant, folded
         q_w = prod.get(dq_w.input[0])
         w = const(q_w.input[0]) if q_w is not None and q_w.op_type == "QuantizeLinear" else None
