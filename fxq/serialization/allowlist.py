@@ -228,6 +228,7 @@ _FXQ_CLASSES = (
     ("fxq.frontends.caffe.modules", ("CaffePooling2d", "CaffeScale", "CaffeChannelScale1d", "CaffeChannelScale2d",
                                      "CaffeChannelScale3d", "CaffePower", "CaffeLRNWithinChannel", "CaffeInterp")),
     ("fxq.frontends.onnx.converters.auto_pad", ("OnnxSamePad",)),
+    ("fxq.frontends.onnx.converters.clip", ("OnnxClipRunTime",)),
     ("fxq.frontends.onnx.converters.cumsum", ("OnnxCumSum",)),
     ("fxq.frontends.onnx.converters.grid_sample", ("OnnxGridSample",)),
     ("fxq.frontends.onnx.converters.group_norm", ("OnnxGroupNormalization", "OnnxMeanVarianceNormalization")),
