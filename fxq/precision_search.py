@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -36,7 +37,7 @@ from fxq.analysis.metrics import MetricAccumulator
 from fxq.analysis.runner import GraphRunner, analysis_mode, tensors_of
 from fxq.api import quantize
 from fxq.errors import CalibrationError, ConfigError
-from fxq.graph.data import call_model, iter_batches
+from fxq.graph.data import algorithm_errors, call_model, diagnose_batch, first_batch_errors, iter_batches
 from fxq.graph.info import source_names
 from fxq.graph.quant_graph import QuantGraph
 from fxq.qconfig.base import Platform, get_platform
@@ -297,15 +298,20 @@ class _Judge:
     def set_reference(self, gm: fx.GraphModule) -> None:
         """FP32 outputs per batch, from the FP32 view of a realized model (the FP32 model after BN folding)."""
         runner = GraphRunner(gm)
+        self.reference = []
         with analysis_mode(gm):
-            self.reference = [[t.detach() for t in tensors_of(runner.run(runner.bind(b), fp32=True))]
-                              for b in self.batches]
+            for i, b in enumerate(self.batches):
+                with first_batch_errors("auto_quantize evaluation", i == 0):  # the FP32 model meets eval_data here
+                    self.reference.append([t.detach() for t in tensors_of(runner.run(runner.bind(b), fp32=True))])
 
     def outputs_error(self, gm: fx.GraphModule) -> float:
         accs: list[MetricAccumulator] = []
         with analysis_mode(gm), self._precision(gm):
             for batch, ref in zip(self.batches, self.reference):
-                got = tensors_of(call_model(gm, batch, check=False))
+                # set_reference ran the FP32 model on these batches: a failure here is fxq's, naming the node
+                with algorithm_errors("auto_quantize", functools.partial(diagnose_batch, gm, batch,
+                                                                         what="auto_quantize")):
+                    got = tensors_of(call_model(gm, batch, check=False))
                 while len(accs) < len(got):
                     accs.append(MetricAccumulator(self.method))
                 for acc, f, q in zip(accs, ref, got):

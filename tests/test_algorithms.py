@@ -6,6 +6,7 @@ block at a time; algorithms leave the model calibrated (baked, convertible).
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -341,3 +342,94 @@ def test_lsq_epochs_alias():
     st = LSQSetting()
     st.epochs = 3
     assert st.steps == 3
+
+
+# --------------------------------------------------------------------------- failures inside an algorithm's pass
+def _input_quantizer(gm: torch.fx.GraphModule, op: str) -> torch.fx.Node:
+    """The activation quantizer node feeding computing op ``op``."""
+    node = next(n for n in gm.graph.nodes if n.name == op).args[0]
+    assert node.op == "call_module" and str(node.target).startswith("fxq_quantizers.")
+    return node
+
+
+def _break(gm: torch.fx.GraphModule, node: torch.fx.Node, backward: bool = False) -> None:
+    """Make the quantizer of ``node`` fail only while it quantizes (calibration observes, FP32 views disable it):
+    in its forward, or (``backward``) only in the backward pass of a training step."""
+    fq = gm.get_submodule(str(node.target))
+    original = fq.forward
+
+    class _Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("simulated quantizer backward bug")
+
+    def fail(x):
+        if not fq.quant_enabled:
+            return original(x)
+        if not backward:
+            raise RuntimeError("simulated quantizer bug")
+        y = original(x)
+        return _Boom.apply(y) if torch.is_grad_enabled() else y
+
+    fq.forward = fq.forward_ = fail
+
+
+def _not_the_datas(exc_info) -> str:
+    msg = str(exc_info.value)
+    assert not isinstance(exc_info.value, fxq.CalibrationError)
+    assert "fxq's own rewrite, not of your data" in msg and "report it to fxq" in msg
+    return msg
+
+
+def test_bias_correction_failure_is_fxqs_naming_the_node():
+    """A quantizer failing inside bias correction's quantized block pass (after calibration ran the same batches)
+    is fxq's GraphError naming the algorithm and the quantizer's node; a batch the FP32 model cannot run either
+    stays the data's CalibrationError."""
+    data = _data(2)
+    q = _quantize(_model(), data, "academic_int8")
+    node = _input_quantizer(q, "c3")
+    _break(q, node)
+    with pytest.raises(fxq.GraphError) as exc_info:
+        fxq.algorithms.bias_correction.bias_correction(q, data, QuantizationSetting())
+    msg = _not_the_datas(exc_info)
+    assert msg.startswith(f"node {node.name!r} failed in fxq's quantized model during algorithm 'bias_correct' on a "
+                          f"batch that the FP32 model runs (RuntimeError: simulated quantizer bug)")
+    q = _quantize(_model(), data, "academic_int8")
+    with pytest.raises(fxq.CalibrationError, match="algorithm 'bias_correct': the FP32 model fails on calibration "
+                                                   "batch 0 too, at node 'c1'"):
+        fxq.algorithms.bias_correction.bias_correction(q, [data[0].double()], QuantizationSetting())
+
+
+def test_adaround_failure_is_fxqs_naming_the_node():
+    data = _data(1)
+    q = _quantize(_model(), data, "academic_int8")
+    node = _input_quantizer(q, "fc1")
+    _break(q, node)
+    s = QuantizationSetting()
+    s.adaround_setting.steps = 2
+    with pytest.raises(fxq.GraphError) as exc_info:
+        fxq.algorithms.adaround.adaround(q, data, s)
+    assert _not_the_datas(exc_info).startswith(f"node {node.name!r} failed in fxq's quantized model during "
+                                               f"algorithm 'adaround'")
+
+
+def test_brecq_backward_failure_names_the_blocks_nodes():
+    """A failure in a training step's backward does not reproduce node by node: the error names the block."""
+    from fxq.algorithms.brecq import blockwise_reconstruction
+
+    data = _data(1)
+    q = _quantize(_model(), data, "academic_int8")
+    node = _input_quantizer(q, "c2")
+    _break(q, node, backward=True)
+    s = QuantizationSetting()
+    s.blockwise_reconstruction_setting.steps = 2
+    s.blockwise_reconstruction_setting.drop_prob = 0.0
+    with pytest.raises(fxq.GraphError) as exc_info:
+        blockwise_reconstruction(q, data, s)
+    assert re.match(r"block 0 \(\d+ nodes from '\w+' to '\w+', computing ops 'c1', 'c2', 'c3', 'fc1'\) failed in "
+                    r"fxq's quantized model during algorithm 'blockwise_reconstruction' on a batch that the FP32 "
+                    r"model runs \(RuntimeError: simulated quantizer backward bug\)", _not_the_datas(exc_info))

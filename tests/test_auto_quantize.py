@@ -171,3 +171,39 @@ def test_cli_budget_writes_report_and_exports(digits, tmp_path, monkeypatch, cap
     assert main(["quantize", "digits.onnx", "--calib", "calib", "--budget", "snr=fast", "-q"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a number" in err[0]
+
+
+def test_a_failure_judging_a_quantized_model_is_fxqs_naming_the_node(monkeypatch):
+    """The search runs the quantized model on batches the FP32 model ran just before: a quantizer failing there is
+    fxq's GraphError naming auto_quantize and the node, not a raw torch error blamed on the data."""
+    import fxq.precision_search as aq
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3)).eval()
+    data = [torch.randn(2, 1, 8, 8)]
+    broken: list[str] = []
+
+    def quantize_then_break(*args, **kwargs):
+        gm = fxq.quantize(*args, **kwargs)  # calibrated as usual; its second conv's input quantizer then fails
+        node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.conv2d
+                    and n.args[0].op == "call_module" and n.args[0].args[0].op != "placeholder").args[0]
+        fq = gm.get_submodule(str(node.target))
+        original = fq.forward
+
+        def fail(x):
+            if fq.quant_enabled:
+                raise RuntimeError("simulated quantizer bug")
+            return original(x)
+
+        fq.forward = fq.forward_ = fail
+        broken.append(node.name)
+        return gm
+
+    monkeypatch.setattr(aq, "quantize", quantize_then_break)
+    with pytest.raises(fxq.GraphError) as exc_info:
+        fxq.auto_quantize(model, data, "trt_int8", budget="snr=5%")
+    msg = str(exc_info.value)
+    assert not isinstance(exc_info.value, fxq.CalibrationError)
+    assert msg.startswith(f"node {broken[-1]!r} failed in fxq's quantized model during auto_quantize on a batch that "
+                          f"the FP32 model runs (RuntimeError: simulated quantizer bug)"), msg
+    assert "fxq's own rewrite, not of your data" in msg

@@ -542,3 +542,29 @@ def test_first_batch_errors():
     with pytest.raises(ConfigError):  # fxq's own errors pass through
         with first_batch_errors("analysis", first=True):
             raise ConfigError("x")
+
+
+def test_algorithm_errors_diagnose_only_a_failure_and_pass_memory_errors():
+    from fxq.errors import CalibrationError, GraphError
+    from fxq.graph.data import algorithm_errors
+
+    calls = []
+
+    def diagnose(exc):
+        calls.append(exc)
+        raise ValueError("the diagnosis fails too")
+
+    with algorithm_errors("algorithm 'x'", diagnose):
+        pass
+    assert not calls  # nothing runs on the success path
+    with pytest.raises(torch.OutOfMemoryError):  # memory: as it is, undiagnosed
+        with algorithm_errors("algorithm 'x'", diagnose):
+            raise torch.OutOfMemoryError("out of memory")
+    assert not calls
+    with pytest.raises(GraphError, match=r"^the model failed in fxq's quantized model during algorithm 'x' .*"
+                                         r"\(IndexError: deep\).*not of your data"):
+        with algorithm_errors("algorithm 'x'", diagnose):
+            raise IndexError("deep")
+    with pytest.raises(CalibrationError, match="algorithm 'x': the FP32 model fails on a batch too"):
+        with algorithm_errors("algorithm 'x'", lambda exc: None):
+            raise RuntimeError("bad")

@@ -161,7 +161,8 @@ def adaround(gm: fx.GraphModule, data: Any, setting: Checked, steps: int | None 
     """
     st = setting.adaround_setting
     with unbaked(gm):
-        runner = BlockRunner(gm, data, steps, collate_fn, block_size=1, collecting_device=st.collecting_device)
+        runner = BlockRunner(gm, data, steps, collate_fn, block_size=1, collecting_device=st.collecting_device,
+                             algorithm="algorithm 'adaround'")
         todo = sum(1 for b in runner.blocks for op in b.computing if matches_layer(op, st.interested_layers))
         bar = tqdm(total=todo * st.steps, desc="adaround", leave=False, disable=None)
         for bd in runner:

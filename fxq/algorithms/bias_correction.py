@@ -67,7 +67,7 @@ def bias_correction(gm: fx.GraphModule, data: Any, setting: Checked, steps: int 
     n = bs.steps if steps is None else min(bs.steps, steps)
     corrected = 0
     with unbaked(gm):
-        runner = BlockRunner(gm, data, n, collate_fn, bs.block_size)
+        runner = BlockRunner(gm, data, n, collate_fn, bs.block_size, algorithm="algorithm 'bias_correct'")
         total = sum(len(b.computing) for b in runner.blocks)
         bar = tqdm(total=total, desc="bias correction", leave=False, disable=None)
         for bd in runner:

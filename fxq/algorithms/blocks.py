@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 from torch import fx, nn
 
-from fxq.errors import CalibrationError, GraphError
+from fxq.errors import CalibrationError, FxqError, GraphError
 from fxq.graph.convert import (
     apply_alignment,
     bake_parameters,
@@ -30,7 +31,14 @@ from fxq.graph.convert import (
     is_baked,
     unbake_parameters,
 )
-from fxq.graph.data import iter_batches, model_device, placeholder_values, to_device
+from fxq.graph.data import (
+    algorithm_errors,
+    diagnose_block_failure,
+    iter_batches,
+    model_device,
+    placeholder_values,
+    to_device,
+)
 from fxq.graph.info import NodeQuant, graph_quant, is_quantizer_node, match_node_name
 from fxq.graph.nodes import get_attr_value
 from fxq.graph.passes import rewrite_out_of_place
@@ -50,6 +58,8 @@ __all__ = [
     "param_target",
     "matches_layer",
     "unbaked",
+    "block_errors",
+    "call_block",
 ]
 
 logger = logging.getLogger(__name__)
@@ -268,7 +278,7 @@ class BlockData:
 
     ``fp_inputs[b]`` / ``q_inputs[b]`` are the block's inputs in the FP32 model and in the quantized model
     (with all earlier blocks already optimized); :attr:`fp_outputs` are the FP32 block outputs, the
-    reconstruction targets (computed on first use).
+    reconstruction targets (computed on first use). ``algorithm`` names the pass in errors (:func:`block_errors`).
     """
 
     block: Block
@@ -277,6 +287,7 @@ class BlockData:
     device: torch.device
     _fp_outputs: list[tuple] | None = None
     _store: str | torch.device = "cpu"
+    algorithm: str = "a block-wise algorithm"
     q_outputs: list[tuple] | None = None
     """The block's quantized outputs per batch in its final state, when the algorithm already computed them
     (:func:`fxq.algorithms.training.kept_if_better` does): the runner then does not run the block again."""
@@ -322,8 +333,36 @@ def run_block(module: fx.GraphModule, data: BlockData, quantized: bool, store: s
     out = []
     with ctx:
         for b in range(data.num_batches):
-            out.append(stored(module(*data.inputs(b, quantized=quantized)), store))
+            inputs = data.inputs(b, quantized=quantized)
+            with block_errors(data, module, b, inputs):
+                out.append(stored(call_block(module, inputs), store))
     return out
+
+
+def block_errors(data: BlockData, module: fx.GraphModule, batch: int, inputs: Sequence[Any]) -> ContextManager[None]:
+    """Around running block ``module`` (of ``data.block``) on ``inputs`` for cached batch ``batch``.
+
+    The model ran these batches in calibration, so a failure is fxq's (or the algorithm's): a :class:`GraphError`
+    naming the algorithm and the failing node (the block's nodes when no single node fails), unless the FP32 block
+    fails on the batch too (the data's :class:`CalibrationError`). Diagnosed only after a failure.
+    """
+    return algorithm_errors(data.algorithm, functools.partial(_diagnose_block, data, module, batch, tuple(inputs)))
+
+
+def _diagnose_block(data: BlockData, module: fx.GraphModule, batch: int, inputs: tuple,
+                    exc: BaseException) -> FxqError:
+    block = data.block
+    ops = ", ".join(repr(n.name) for n in block.computing) or "none"
+    where = f"block {block.index} ({len(block.nodes)} nodes from {block.nodes[0].name!r} to " \
+            f"{block.nodes[-1].name!r}, computing ops {ops})"
+    return diagnose_block_failure(module, inputs, data.inputs(batch, quantized=False), exc, data.algorithm, where,
+                                  batch)
+
+
+def call_block(module: fx.GraphModule, inputs: Sequence[Any]) -> Any:
+    """``module(*inputs)`` past torch.fx's wrapper, which prints a failure's generated code to stderr (the error
+    :func:`block_errors` raises names the node)."""
+    return nn.Module.__call__(module, *inputs)
 
 
 def stored(outputs: tuple, store: str | torch.device) -> tuple:
@@ -343,15 +382,18 @@ class BlockRunner:
         data, steps, collate_fn: calibration batches, as for :func:`fxq.calibrate`.
         block_size: computing ops per block.
         collecting_device: where cached values live between uses (``"cpu"`` keeps GPU memory free).
+        algorithm: the pass the runner serves, named in its errors.
 
     Attributes:
         peak_cache_bytes: the largest number of bytes cached at once (FP32 + quantized values).
     """
 
     def __init__(self, gm: fx.GraphModule, data: Any, steps: int | None, collate_fn: Callable | None,
-                 block_size: int, collecting_device: str | torch.device = "cpu") -> None:
+                 block_size: int, collecting_device: str | torch.device = "cpu",
+                 algorithm: str = "a block-wise algorithm") -> None:
         graph_quant(gm)
         self.gm = gm
+        self.algorithm = algorithm
         self.blocks = partition_blocks(gm, block_size)
         self.device = model_device(gm)
         self.store = torch.device(collecting_device) if collecting_device else torch.device("cpu")
@@ -392,7 +434,7 @@ class BlockRunner:
         order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
         for k, block in enumerate(self.blocks):
             nb = len(next(iter(self._fp.values())))
-            data = BlockData(block=block, device=self.device, _store=self.store,
+            data = BlockData(block=block, device=self.device, _store=self.store, algorithm=self.algorithm,
                              fp_inputs=[tuple(self._fp[n][b] for n in block.inputs) for b in range(nb)],
                              q_inputs=[tuple(self._q[n][b] for n in block.inputs) for b in range(nb)])
             yield data

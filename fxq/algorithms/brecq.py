@@ -66,7 +66,8 @@ def blockwise_reconstruction(gm: fx.GraphModule, data: Any, setting: Checked,
     st = setting.blockwise_reconstruction_setting
     ada = setting.adaround_setting
     with unbaked(gm):
-        runner = BlockRunner(gm, data, steps, collate_fn, st.block_size, st.collecting_device)
+        runner = BlockRunner(gm, data, steps, collate_fn, st.block_size, st.collecting_device,
+                             algorithm="algorithm 'blockwise_reconstruction'")
         todo = [b for b in runner.blocks if any(matches_layer(op, st.interested_layers) for op in b.computing)]
         bar = tqdm(total=len(todo) * st.steps, desc="block reconstruction", leave=False, disable=None)
         for bd in runner:

@@ -31,7 +31,7 @@ from torch import fx
 from fxq.algorithms.blocks import param_target
 from fxq.algorithms.pipeline import register_algorithm
 from fxq.checked import Checked, checked_setting, opt
-from fxq.graph.data import iter_batches, placeholder_values
+from fxq.graph.data import first_batch_errors, iter_batches, placeholder_values
 from fxq.graph.info import NodeQuant, is_quantizer_node
 from fxq.graph.nodes import Interpreter, get_attr_value
 from fxq.nn.fake_quantize import fake_quant_mode
@@ -201,8 +201,10 @@ def _activation_ranges(gm: fx.GraphModule, nodes: set[fx.Node], data: Any, steps
 
     rec = _Recorder(gm)
     with fake_quant_mode(gm, "disabled"):
-        for batch in iter_batches(data, steps, collate_fn):
-            rec.run(*placeholder_values(gm, batch).values())
+        # before calibration: the FP32 model meets the data here first, a first batch it fails on is the data's
+        for index, batch in enumerate(iter_batches(data, steps, collate_fn)):
+            with first_batch_errors("cross-layer equalization", index == 0):
+                rec.run(*placeholder_values(gm, batch).values())
     return ranges
 
 

@@ -82,7 +82,8 @@ def lsq_optimization(gm: fx.GraphModule, data: Any, setting: Checked, steps: int
     """
     st = setting.lsq_optimization_setting
     with unbaked(gm):
-        runner = BlockRunner(gm, data, steps, collate_fn, st.block_size, st.collecting_device)
+        runner = BlockRunner(gm, data, steps, collate_fn, st.block_size, st.collecting_device,
+                             algorithm="algorithm 'lsq_optimization'")
         todo = [b for b in runner.blocks if any(matches_layer(op, st.interested_layers) for op in b.computing)]
         bar = tqdm(total=len(todo) * st.steps, desc="lsq", leave=False, disable=None)
         for bd in runner:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import fx, nn
 
-from fxq.algorithms.blocks import BlockData, stored
+from fxq.algorithms.blocks import BlockData, block_errors, call_block, stored
 from fxq.checked import LEARNING_RATE, OPTIMIZATION_STEPS, Checked, checked_setting, opt
 from fxq.errors import GraphError
 from fxq.nn.fake_quantize import FakeQuantize
@@ -87,8 +87,11 @@ def block_error(data: BlockData, module: fx.GraphModule, keep: list[tuple] | Non
     """
     total = 0.0
     for b in range(data.num_batches):
-        out = module(*data.inputs(b, quantized=True))
-        total += float(reconstruction_loss(out, data.target(b)))
+        target = data.target(b)  # the FP32 block: its own errors
+        inputs = data.inputs(b, quantized=True)
+        with block_errors(data, module, b, inputs):
+            out = call_block(module, inputs)
+        total += float(reconstruction_loss(out, target))
         if keep is not None:
             keep.append(stored(out, data.store))
     return total / max(1, data.num_batches)
@@ -155,11 +158,13 @@ def train_block(
         inputs = data.inputs(b, quantized=True)
         if drop_prob > 0:
             inputs = _mix(data.inputs(b, quantized=False), inputs, drop_prob)
-        out = module(*inputs)
-        rec = reconstruction_loss(out, data.target(b))
-        loss = rec if regularizer is None else rec + regularizer(step)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        target = data.target(b)  # the FP32 block: its own errors
+        with block_errors(data, module, b, inputs):  # the forward and backward of fxq's quantized block
+            out = call_block(module, inputs)
+            rec = reconstruction_loss(out, target)
+            loss = rec if regularizer is None else rec + regularizer(step)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
         opt.step()
         if positive:
             with torch.no_grad():

@@ -9,17 +9,16 @@ import torch
 from torch import fx
 from tqdm.auto import tqdm
 
-from fxq.errors import CalibrationError, FxqError
+from fxq.errors import CalibrationError
 from fxq.functional import representable_range
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
 from fxq.graph.data import (
     call_model,
     check_steps,
     count_batches,
-    diagnose_failure,
+    diagnose_batch,
     first_batch_errors,
     iter_batches,
-    placeholder_values,
 )
 from fxq.graph.info import NodeQuant, graph_quant
 from fxq.graph.nodes import get_attr_value
@@ -55,10 +54,6 @@ def calibrate_parameters(gm: fx.GraphModule) -> None:
         fq(get_attr_value(gm, fq.param).detach())
         fq.compute_qparams()
         fq.set_mode("quantize")
-
-
-def _diagnose(model: fx.GraphModule, batch: Any, exc: BaseException) -> FxqError | None:
-    return diagnose_failure(model, placeholder_values(model, batch), exc)
 
 
 @torch.no_grad()
@@ -115,7 +110,7 @@ def calibrate(
         for batch in tqdm(iter_batches(data, steps, collate_fn), total=total, desc=desc, disable=not progress,
                           leave=False):
             # the calibrating model is fxq's rewrite: a batch the FP32 model runs does not fail for the data
-            diagnose = functools.partial(_diagnose, model, batch)
+            diagnose = functools.partial(diagnose_batch, model, batch)
             with first_batch_errors("calibration", seen == 0, diagnose=diagnose):
                 call_model(model, batch, check=(seen == 0))
             seen += 1

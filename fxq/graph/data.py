@@ -5,7 +5,7 @@ import contextlib
 import contextvars
 import itertools
 import logging
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
@@ -25,6 +25,9 @@ __all__ = [
     "first_batch_errors",
     "rewrite_failure",
     "diagnose_failure",
+    "diagnose_batch",
+    "diagnose_block_failure",
+    "algorithm_errors",
     "check_steps",
 ]
 
@@ -246,13 +249,17 @@ def placeholder_values(gm: fx.GraphModule, batch: Any, check: bool = False) -> d
     return values
 
 
-def rewrite_failure(node: str | None, exc: BaseException) -> GraphError:
+def rewrite_failure(node: str | None, exc: BaseException, what: str | None = None,
+                    block: str | None = None) -> GraphError:
     """The error for fxq's quantized model failing on a batch its FP32 model runs: fxq's rewrite, not the data.
 
-    ``node``: the fx node that failed (None when the failure did not reproduce node by node).
+    ``node``: the fx node that failed (None when the failure did not reproduce node by node: then ``block``, the
+    part that failed in words, when a part did). ``what``: the pass that ran it (an algorithm), if not calibration
+    or analysis.
     """
-    where = f"node {node!r}" if node is not None else "the model"
-    return GraphError(f"{where} failed in fxq's quantized model on a batch that the FP32 model runs "
+    where = f"node {node!r}" if node is not None else block or "the model"
+    during = f" during {what}" if what else ""
+    return GraphError(f"{where} failed in fxq's quantized model{during} on a batch that the FP32 model runs "
                       f"({type(exc).__name__}: {' '.join(str(exc).split())}): this is a failure of fxq's own "
                       f"rewrite, not of your data; please report it to fxq with this message")
 
@@ -267,20 +274,22 @@ class _Locator(Interpreter):
         return super().run_node(n)
 
 
-class _FP32(Interpreter):
+class _FP32(_Locator):
     """The FP32 model inside fxq's rewrite: quantizer nodes pass their input through without running their module
     (with :func:`~fxq.graph.convert.fp32_mode` for the weights)."""
 
     def run_node(self, n: fx.Node) -> Any:
         if is_quantizer_node(n):
+            self.current = n
             args, _ = self.fetch_args_kwargs_from_env(n)
             return args[0]
         return super().run_node(n)
 
 
-def diagnose_failure(gm: fx.GraphModule, values: dict[fx.Node, Any], exc: BaseException) -> GraphError | None:
+def diagnose_failure(gm: fx.GraphModule, values: dict[fx.Node, Any], exc: BaseException,
+                     what: str | None = None) -> GraphError | None:
     """Whose failure ``exc`` of quantized ``gm`` on one batch is: None when the FP32 model fails on it too (the
-    data's), else :func:`rewrite_failure` naming the node where ``gm`` as it is fails.
+    data's), else :func:`rewrite_failure` naming the node where ``gm`` as it is fails (``what``: the pass).
 
     ``values``: the batch's placeholder values (:func:`placeholder_values`). Only called after a failure: it runs
     the batch up to twice more and may leave observers with more data.
@@ -289,18 +298,83 @@ def diagnose_failure(gm: fx.GraphModule, values: dict[fx.Node, Any], exc: BaseEx
 
     args = [values[n] for n in gm.graph.nodes if n.op == "placeholder"]
     with torch.no_grad():
+        with fp32_mode(gm):
+            if _fp32_fails(gm, args) is not None:
+                return None
+        return _locate(gm, args, exc, what)
+
+
+def diagnose_batch(gm: fx.GraphModule, batch: Any, exc: BaseException, what: str | None = None) -> GraphError | None:
+    """:func:`diagnose_failure` for one batch as the data gives it (its values are computed only now)."""
+    return diagnose_failure(gm, placeholder_values(gm, batch), exc, what)
+
+
+def diagnose_block_failure(module: fx.GraphModule, args: Sequence[Any], fp32_args: Sequence[Any],
+                           exc: BaseException, what: str, block: str, batch: int) -> FxqError:
+    """Whose failure ``exc`` of a block ``module`` (a sub-graph of fxq's model, weights unbaked) run on ``args`` is.
+
+    A :class:`CalibrationError` naming the node when the FP32 block fails on ``fp32_args`` (the FP32 model's values
+    for batch ``batch``): the data does not fit the model. Else :func:`rewrite_failure`, naming the node where the
+    block fails on ``args``, or ``block`` (the block in words) when it does not fail node by node (a backward pass).
+    """
+    with torch.no_grad():
+        node = _fp32_fails(module, list(fp32_args))
+        if node is not None:
+            return CalibrationError(f"{what}: the FP32 model fails on calibration batch {batch} too, at node {node!r} "
+                                    f"({type(exc).__name__}: {' '.join(str(exc).split())}); give batches that "
+                                    f"the model runs (the ones it was calibrated on)")
+        return _locate(module, list(args), exc, what, block)
+
+
+def _fp32_fails(gm: fx.GraphModule, args: list[Any]) -> str | None:
+    """The node where ``gm`` with its quantizers passed through fails on ``args`` ("?" unknown), None if it runs."""
+    fp32 = _FP32(gm)
+    try:
+        fp32.run(*args)
+    except Exception:  # noqa: BLE001  (any failure of the FP32 model: the data does not fit it)
+        return fp32.current.name if fp32.current is not None else "?"
+    return None
+
+
+def _locate(gm: fx.GraphModule, args: list[Any], exc: BaseException, what: str | None,
+            block: str | None = None) -> GraphError:
+    """:func:`rewrite_failure` naming the node where ``gm`` fails on ``args`` again (``block`` if it does not).
+
+    The message quotes ``exc``, the failure as it happened (torch.fx's interpreter adds its graph dump to ``again``).
+    """
+    locator = _Locator(gm)
+    try:
+        locator.run(*args)
+    except Exception:  # noqa: BLE001
+        node = locator.current
+        return rewrite_failure(node.name if node is not None else None, exc, what, block)
+    return rewrite_failure(None, exc, what, block)
+
+
+@contextlib.contextmanager
+def algorithm_errors(what: str, diagnose: Callable[[BaseException], FxqError | None]) -> Iterator[None]:
+    """Name whose failure it is when fxq's quantized model (or a block of it) fails inside the pass ``what``.
+
+    For passes over batches that the FP32 model runs first (calibration did, or the pass itself did): a failure is
+    fxq's own. ``diagnose(exc)`` (:func:`diagnose_batch`, :func:`diagnose_block_failure`) runs only after a failure
+    and returns the error to raise: fxq's :class:`GraphError` naming the node, or a :class:`CalibrationError` when
+    the FP32 model fails on the batch too (None: that, without a node). fxq's own errors and out-of-memory pass as
+    they are; a diagnosis that fails itself still reports fxq's failure, without a node.
+    """
+    try:
+        yield
+    except (FxqError, torch.OutOfMemoryError):  # memory: neither the data's nor the rewrite's fault
+        raise
+    except Exception as exc:  # noqa: BLE001  (any error inside fxq's model: say whose it is)
         try:
-            with fp32_mode(gm):
-                _FP32(gm).run(*args)
-        except Exception:  # noqa: BLE001  (any failure of the FP32 model: the data does not fit it)
-            return None
-        locator = _Locator(gm)
-        try:
-            locator.run(*args)
-        except Exception as again:  # noqa: BLE001
-            node = locator.current
-            return rewrite_failure(node.name if node is not None else None, again)
-    return rewrite_failure(None, exc)
+            own = diagnose(exc)
+        except Exception:  # noqa: BLE001
+            logger.debug("diagnosing %s in %s failed", type(exc).__name__, what, exc_info=True)
+            own = rewrite_failure(None, exc, what)
+        if own is None:
+            own = CalibrationError(f"{what}: the FP32 model fails on a batch too ({type(exc).__name__}: "
+                                   f"{' '.join(str(exc).split())}); give batches that the model runs")
+        raise own from exc
 
 
 @contextlib.contextmanager
