@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import fx, nn
 
-from fxq.backends.ncnn.fuse import FUSED_OPS, fuse_erf_gelu, fuse_layer_norm
+from fxq.backends.ncnn.fuse import FUSED_OPS, drop_broadcast_expands, fuse_erf_gelu, fuse_layer_norm
 from fxq.backends.ncnn.islands import inline_islands, island_note
 from fxq.backends.ncnn.registry import NCNN_CONVERTERS, converts_tuples, takes_any_batch_dim, takes_high_rank
 from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim, shape_params
@@ -617,7 +617,8 @@ def _insert_splits(model: NcnnModel) -> None:
 
 def build_ncnn_model(gm: fx.GraphModule, example_inputs: Any = None) -> tuple[NcnnModel, NcnnBuilder]:
     """Convert a prepared (and calibrated) GraphModule, at batch 1, its FP32 islands as float layers
-    (:mod:`fxq.backends.ncnn.islands`) and ONNX's spelled-out GELU / LayerNorm as one layer each; raises
+    (:mod:`fxq.backends.ncnn.islands`), ONNX's spelled-out GELU / LayerNorm as one layer each and its Expand
+    before broadcasting arithmetic left to the arithmetic; raises
     :class:`ExportError` naming the node. ``example_inputs``: what the islands are traced on."""
     view = _at_batch_one(gm)
     _check_calibrated(view)  # before the islands' inputs are recorded: a pending quantizer observes
@@ -627,6 +628,7 @@ def build_ncnn_model(gm: fx.GraphModule, example_inputs: Any = None) -> tuple[Nc
         view = _graph_copy(gm) if view is gm else view
         fuse_erf_gelu(view)
         fuse_layer_norm(view)
+        drop_broadcast_expands(view)
     builder = NcnnBuilder(view)
     return builder.build(), builder
 

@@ -19,9 +19,9 @@ from torch import fx
 from fxq.graph.nodes import get_attr_value
 from fxq.graph.op_types import op_type
 
-__all__ = ["fuse_erf_gelu", "fuse_layer_norm", "mean_args", "FUSED_OPS"]
+__all__ = ["drop_broadcast_expands", "fuse_erf_gelu", "fuse_layer_norm", "reduce_args", "FUSED_OPS"]
 
-FUSED_OPS = frozenset({"Erf", "Sqrt"})
+FUSED_OPS = frozenset({"Erf", "Sqrt", "Expand"})
 """Op types that mark a graph these rewrites may change (the exporter copies such a graph first)."""
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,46 @@ def fuse_layer_norm(gm: fx.GraphModule) -> int:
     """Replace each ``(x - mean(x)) / sqrt(mean((x - mean(x)) ** 2) + eps) [* gamma] [+ beta]`` over the last dims
     of ``gm`` by ``F.layer_norm``, in place; returns how many."""
     return _rewrite(gm, "Sqrt", _match_layer_norm, F.layer_norm, "spelled-out LayerNorm")
+
+
+_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div"})
+
+
+def drop_broadcast_expands(gm: fx.GraphModule) -> int:
+    """Read the input of each ``Expand`` whose every user is elementwise arithmetic whose other operand already
+    has the result's shape (``F.normalize`` as torch.onnx writes it: ``x / Expand(Clip(ReduceL2(x)), Shape(x))``),
+    in place; returns how many. The arithmetic broadcasts the smaller value to the same result (ncnn's
+    ``BinaryOp`` does too), and ncnn has no layer that expands; other ``Expand`` nodes are left as they are."""
+    modules = dict(gm.named_modules())
+    count = 0
+    for node in [n for n in gm.graph.nodes if op_type(n, modules) == "Expand"]:
+        src = node.args[0] if node.args else None
+        if not isinstance(src, fx.Node) or not node.users or not all(
+                _broadcasts_to_itself(u, node, modules) for u in node.users):
+            continue
+        node.replace_all_uses_with(src)
+        inputs = [a for a in node.all_input_nodes if a is not src]
+        gm.graph.erase_node(node)
+        for a in inputs:  # the target shape (Shape(x)), now unused
+            if not a.users and a.op == "call_module" and op_type(a, modules) == "Shape":
+                gm.graph.erase_node(a)
+        count += 1
+    if count:
+        gm.recompile()
+        logger.debug("ncnn export: %d Expand(s) left to the broadcasting of their arithmetic", count)
+    return count
+
+
+def _broadcasts_to_itself(user: fx.Node, expand: fx.Node, modules: dict[str, Any]) -> bool:
+    """``user`` is two-operand arithmetic of ``expand`` and a value of ``user``'s own shape."""
+    if op_type(user, modules) not in _BROADCASTING or len(user.args) != 2 or user.kwargs:
+        return False
+    others = [a for a in user.args if a is not expand]
+    out = user.meta.get("val")
+    if len(others) != 1 or not isinstance(others[0], fx.Node) or not isinstance(out, torch.Tensor):
+        return False
+    val = others[0].meta.get("val")
+    return isinstance(val, torch.Tensor) and tuple(val.shape) == tuple(out.shape)
 
 
 def _rewrite(gm: fx.GraphModule, anchor: str, match: Callable[..., Any], target: Callable[..., Any], what: str
@@ -134,17 +174,23 @@ def _scalar(gm: fx.GraphModule, value: Any) -> float | None:
     return None
 
 
-def mean_args(node: fx.Node, modules: dict[str, Any]) -> tuple[Any, bool] | None:
-    """(dims, keepdim) of a ReduceMean node (``x.mean``, onnx2torch's ``OnnxReduceStaticAxes``, fxq's
-    ``OnnxReduce``; dims None = all), or None for another reduction or a no-op one."""
+def reduce_args(node: fx.Node, modules: dict[str, Any], op: str = "ReduceMean") -> tuple[Any, bool] | None:
+    """(dims, keepdim) of a ``Reduce*`` node of ONNX op type ``op`` (dims None or empty = all): from torch's
+    ``x.mean`` / ``torch.sum`` / ``torch.amax``... (dim and keepdim in the same places), fxq's ``OnnxReduce``,
+    onnx2torch's ``OnnxReduceStaticAxes`` / ``OnnxReduceSumStaticAxes``; None for a module of another op, a
+    no-op one (``noop_with_empty_axes``) or one whose axes are a runtime input, which ncnn cannot take."""
     mod = modules.get(str(node.target)) if node.op == "call_module" else None
     if mod is None:
         dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         return dims, bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
-    if getattr(mod, "op_type", None) == "ReduceMean" and hasattr(mod, "dims"):
+    if getattr(mod, "op_type", None) == op and hasattr(mod, "dims"):  # fxq's OnnxReduce
         return None if mod.noop else (mod.dims, bool(mod.keepdim))
-    if getattr(mod, "operation_type", "ReduceMean") == "ReduceMean" and hasattr(mod, "axes"):
+    if getattr(mod, "operation_type", None) == op and hasattr(mod, "axes"):  # onnx2torch, up to opset 13
         return mod.axes, bool(mod.keepdims)
+    if op == "ReduceSum" and hasattr(mod, "_axes") and hasattr(mod, "_keepdims"):  # onnx2torch's ReduceSum-13
+        if not mod._axes and getattr(mod, "_noop_with_empty_axes", 0):
+            return None
+        return mod._axes, bool(mod._keepdims)
     return None
 
 
@@ -164,7 +210,7 @@ def _match_layer_norm(gm: fx.GraphModule, modules: dict[str, Any], sqrt: fx.Node
 
     def trailing(mean: fx.Node, rank: int) -> int | None:
         """How many last dims ``mean`` averages (keeping them), or None."""
-        got = mean_args(mean, modules) if t(mean) == "ReduceMean" else None
+        got = reduce_args(mean, modules) if t(mean) == "ReduceMean" else None
         if got is None or not got[1] or got[0] is None:
             return None
         dims = sorted({int(d) % rank for d in ((got[0],) if isinstance(got[0], int) else got[0])})

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fxq.backends.ncnn.builder import NcnnBuilder, WeightInfo, fold_dims
-from fxq.backends.ncnn.fuse import mean_args
+from fxq.backends.ncnn.fuse import reduce_args
 from fxq.backends.ncnn.platforms import is_depthwise, is_matmul_by_matrix, pair
 from fxq.backends.ncnn.registry import register_ncnn_converter
 from fxq.backends.ncnn.writer import Int8Scales, drop_dim, shape_params
@@ -658,41 +658,57 @@ def _global_pool(b: NcnnBuilder, node: fx.Node) -> None:
     _adaptive(b, node, 1 if b.op(node) == "GlobalAveragePool" else 0)
 
 
-@register_ncnn_converter("ReduceMean", any_batch_dim=True)
-def _mean(b: NcnnBuilder, node: fx.Node) -> None:
-    """The spatial mean of (N, C, H, W) as global average ``Pooling``; other means as ``Reduction`` (0 operation
-    3 = mean, 1 reduce_all, 3 axes, 4 keepdims, 5 fixbug0 = 1: axes count without the batch). A mean over every
-    non-batch dim (``x.mean()``, ``x.mean((1, 2, 3))``; the batch of 1 too) is ``reduce_all``: one value."""
+_REDUCTION = {"ReduceSum": 0, "ReduceSumSquare": 2, "ReduceMean": 3, "ReduceMax": 4, "ReduceMin": 5, "ReduceProd": 6,
+              "ReduceL1": 7, "ReduceL2": 8, "ReduceLogSum": 9, "ReduceLogSumExp": 10}
+"""ONNX op type -> operation of ncnn's ``Reduction`` (1 asum is L1 too)."""
+
+
+def _is_noop_reduce(mod: Any) -> bool:
+    """A reduce module of empty axes with ``noop_with_empty_axes`` (fxq's ``OnnxReduce``, onnx2torch's ReduceSum)."""
+    return bool(getattr(mod, "noop", False)) or (
+        bool(getattr(mod, "_noop_with_empty_axes", 0)) and not getattr(mod, "_axes", None))
+
+
+@register_ncnn_converter(*_REDUCTION, any_batch_dim=True)
+def _reduce(b: NcnnBuilder, node: fx.Node) -> None:
+    """``Reduce*`` as ncnn's ``Reduction`` (0 operation, 1 reduce_all, 3 axes, 4 keepdims, 5 fixbug0 = 1: axes
+    count without the batch); the spatial mean of (N, C, H, W) as global average ``Pooling``. A reduction over
+    every non-batch dim (``x.mean()``, ``x.sum((1, 2, 3))``; the batch of 1 too) is ``reduce_all``: one value.
+    ncnn blobs have no batch, so a reduction over a batch larger than 1 is refused."""
     x = node.args[0]
     shape, bd = b.shape(x), b.batch_dim(x)
-    args = mean_args(node, b.modules)
-    if args is None and getattr(b.module(node), "noop", False):  # ReduceMean-18 of empty axes, noop_with_empty_axes
+    op = b.op(node)
+    what = op[len("Reduce"):].lower()
+    args = reduce_args(node, b.modules, op)
+    if args is None and _is_noop_reduce(b.module(node)):  # Reduce*-18 of empty axes, noop_with_empty_axes
         b.alias(node, x, bd)
         return
     if args is None:
-        raise b.fail(node, f"reduce module {type(b.module(node)).__name__} is not a ReduceMean with static axes",
-                     "use ReduceMean with constant axes")
+        raise b.fail(node, f"reduce module {type(b.module(node)).__name__} is not a {op} with static axes",
+                     f"use {op} with constant axes")
     dims, keep = args
     rank = len(shape)
-    dims = sorted({d % rank for d in ((dims,) if isinstance(dims, int) else tuple(dims or range(rank)))})
-    if len(shape) == 4 and bd == 0 and dims == [2, 3]:
+    dims = sorted({int(d) % rank for d in ((dims,) if isinstance(dims, int) else tuple(dims or range(rank)))})
+    operation = _REDUCTION[op]
+    if op == "ReduceMean" and len(shape) == 4 and bd == 0 and dims == [2, 3]:
         params = {0: 1, 7: 1, 8: 1, 18: 1} if keep else {0: 1, 4: 1}
         b.emit(node, "Pooling", [b.blob(x, node)], params)
         return
     rest = [d for d in range(rank) if d != bd]
     if set(rest) <= set(dims):  # every value of the sample: ncnn's reduce_all (with the batch only at batch 1)
         if bd is not None and bd in dims and shape[bd] != 1:
-            raise b.fail(node, f"mean over dims {tuple(dims)} of shape {shape} averages over the batch "
+            raise b.fail(node, f"{what} over dims {tuple(dims)} of shape {shape} reduces over the batch "
                          f"(dim {bd}, size {shape[bd]})", _BATCH_FIX)
         out_bd = bd if keep or (bd is not None and bd not in dims) else None
-        b.emit(node, "Reduction", [b.blob(x, node)], {0: 3, 1: 1, 4: int(keep), 5: 1}, batch_dim=out_bd)
+        b.emit(node, "Reduction", [b.blob(x, node)], {0: operation, 1: 1, 4: int(keep), 5: 1}, batch_dim=out_bd)
         return
     out_bd = bd if keep or bd is None else bd - sum(d < bd for d in dims)
     if bd is not None and bd in dims:
-        raise b.fail(node, f"mean over dims {tuple(dims)} of shape {shape} averages over the batch (dim {bd})",
-                     "average the other dims; ncnn blobs have no batch dimension")
+        raise b.fail(node, f"{what} over dims {tuple(dims)} of shape {shape} reduces over the batch (dim {bd})",
+                     "reduce the other dims; ncnn blobs have no batch dimension")
     axes = [b.ncnn_axis(node, d, x) for d in dims]
-    b.emit(node, "Reduction", [b.blob(x, node)], {0: 3, 1: 0, 3: axes, 4: int(keep), 5: 1}, batch_dim=out_bd)
+    b.emit(node, "Reduction", [b.blob(x, node)], {0: operation, 1: 0, 3: axes, 4: int(keep), 5: 1},
+           batch_dim=out_bd)
 
 
 # --------------------------------------------------------------------------- tensor ops
