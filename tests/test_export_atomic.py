@@ -344,3 +344,13 @@ def test_concurrent_exports_leave_one_complete_set(ncnn_sets, tmp_path):
                 p.kill()
     assert [p.exitcode for p in procs] == [0, 0]
     assert sorted(_contents(tmp_path)) == sorted(ncnn_paths("net")[k].name for k in ncnn_paths("net"))
+
+
+@pytest.mark.parametrize("platform,exporter,options,stem", SETS, ids=IDS)
+def test_dotted_model_name_gets_its_extension(models, tmp_path, platform, exporter, options, stem):
+    """A model named like PaddleOCR's ``ch_ppocr_mobile_v2.0_cls_infer`` (the CLI's stem ``<model>_<platform>``):
+    ``.0_cls_infer_trt_int8`` is not an extension, so every file still gets its own (it was written without)."""
+    got = _export(models[platform][0], exporter, tmp_path, "ocr_v2.0_cls_" + platform, options)
+    main = {"ncnn": ".param", "tensorrt": ".onnx", "openppl": ".onnx"}[exporter]
+    assert f"ocr_v2.0_cls_{platform}{main}" in got
+    assert all(Path(name).suffix in {".param", ".bin", ".table", ".onnx", ".json", ".cache"} for name in got), got

@@ -45,7 +45,8 @@ def quantized_graph(model: nn.Module) -> fx.GraphModule:
 
 
 def plan_paths(path: str | os.PathLike, suffix: str, extras: dict[str, str] | None = None) -> dict[str, Path]:
-    """The main file (``path``, given ``suffix`` when it has none) and companions ``stem + ext`` beside it.
+    """The main file (``path``, with ``suffix`` appended unless it already ends in it: ``ocr_v2.0_trt`` becomes
+    ``ocr_v2.0_trt.onnx``, not a file without an extension) and companions ``stem + ext`` beside it.
 
     Checks that the folder is writable or can be created (the exporter creates it when it writes), before anything is
     computed or written.
@@ -53,8 +54,8 @@ def plan_paths(path: str | os.PathLike, suffix: str, extras: dict[str, str] | No
     p = Path(path)
     if p.is_dir():
         raise ExportError(f"export path {str(p)!r} is a directory; give a file path such as {str(p / ('model' + suffix))!r}")
-    if not p.suffix:
-        p = p.with_suffix(suffix)
+    if p.suffix.lower() != suffix.lower():
+        p = p.with_name(p.name + suffix)
     check_output_dir(p.parent)
     out = {"main": p}
     for key, ext in (extras or {}).items():
