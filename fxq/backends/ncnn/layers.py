@@ -1282,21 +1282,69 @@ def _permutation(b: NcnnBuilder, node: fx.Node, rank: int) -> list[Any]:
     return [dims] if isinstance(dims, int) else list(_const(b, node, dims, "the permutation"))
 
 
+_INTERP = {"nearest": 1, "nearest-exact": 1, "bilinear": 2, "bicubic": 3, "linear": 2, "cubic": 3}
+"""torch / ONNX resize mode -> ncnn ``Interp`` resize_type (nearest-exact only for integer upscaling, where it
+picks the same pixels as nearest)."""
+
+
+def _resize_mode(b: NcnnBuilder, node: fx.Node) -> tuple[str, bool, Any]:
+    """(mode, align_corners, scale factors or None) of a resize: ``nn.Upsample``, ``F.interpolate`` or the ONNX
+    frontend's ``OnnxResizeExact`` where torch computes its coordinate rules (nearest asymmetric-floor, linear /
+    cubic half_pixel or align_corners: what ncnn's ``Interp`` computes too)."""
+    mod = b.module(node)
+    if isinstance(mod, nn.Upsample):
+        return mod.mode, bool(mod.align_corners), mod.scale_factor
+    if mod is None:
+        factor = _static(_arg(node, 2, "scale_factor", None))
+        return _arg(node, 3, "mode", "nearest"), bool(_arg(node, 4, "align_corners", None)), factor
+    torch_mode = getattr(mod, "torch_mode", None) if hasattr(mod, "_plan") else None
+    if torch_mode is None or getattr(mod, "antialias", False):
+        what = (f"mode {mod.mode!r}, coordinate_transformation_mode {mod.ctm!r}, nearest_mode {mod.nearest_mode!r}"
+                if hasattr(mod, "ctm") else type(mod).__name__)
+        raise b.fail(node, f"resize ({what}) has coordinate rules ncnn's Interp does not compute",
+                     "ncnn resizes nearest (asymmetric, floor) and bilinear / bicubic (half_pixel or align_corners, "
+                     "cubic_coeff_a -0.75, no antialias): export the model with one of those")
+
+    def value(a: Any) -> torch.Tensor | None:
+        if a is None:
+            return None
+        src = b.strip(a) if isinstance(a, fx.Node) else a
+        if isinstance(src, fx.Node) and src.op == "get_attr":
+            return torch.as_tensor(get_attr_value(b.gm, str(src.target)))
+        if isinstance(src, fx.Node) and src in b.static_nodes:
+            return torch.as_tensor(b.static_value(src))
+        return None if isinstance(src, fx.Node) else torch.as_tensor(src)
+
+    roi, scales, sizes = (value(_arg(node, i, k, None)) for i, k in ((1, "roi"), (2, "scales"), (3, "sizes")))
+    factor = None
+    if (sizes is None or not sizes.numel()) and scales is not None and scales.numel():
+        _, scale, _, _ = mod._plan(list(b.shape(node.args[0])), roi, scales, sizes)
+        factor = tuple(scale[2:])
+    return torch_mode[0], bool(torch_mode[1]), factor
+
+
 @register_ncnn_converter("Resize")
 def _resize(b: NcnnBuilder, node: fx.Node) -> None:
+    """2-D resize as ncnn's ``Interp``. A resize by integer factors is written as its factors (params 1, 2), so the
+    file resizes any input size as the model does (an FPN's 2x upsampling on every image size of a detector);
+    any other as the output size seen at export (params 3, 4)."""
     x = node.args[0]
-    mod = b.module(node)
-    if mod is not None and not isinstance(mod, nn.Upsample):
-        raise b.fail(node, f"resize module {type(mod).__name__} has its own coordinate rules",
-                     "export resizes written as nn.Upsample / F.interpolate")
-    mode = mod.mode if mod is not None else _arg(node, 3, "mode", "nearest")
-    align = mod.align_corners if mod is not None else _arg(node, 4, "align_corners", None)
-    kinds = {"nearest": 1, "bilinear": 2, "bicubic": 3}
-    if mode not in kinds or len(b.shape(x)) != 4:
+    mode, align, factor = _resize_mode(b, node)
+    if mode not in _INTERP or len(b.shape(x)) != 4:
         raise b.fail(node, f"resize mode {mode!r} on a rank-{len(b.shape(x))} tensor",
                      "ncnn's Interp does 2-D nearest / bilinear / bicubic")
     _, _, h, w = b.shape(x)
     _, _, oh, ow = b.shape(node)
-    if mode == "nearest" and (oh % h or ow % w):
+    if mode.startswith("nearest") and (oh % h or ow % w):
         raise b.fail(node, "nearest resize by a non-integer factor", "use an integer scale factor")
-    b.emit(node, "Interp", [b.blob(x, node)], {0: kinds[mode], 3: oh, 4: ow, 6: int(bool(align))})
+    if mode == "nearest-exact" and (oh < h or ow < w):
+        raise b.fail(node, "nearest resize with half-pixel centres that downsamples",
+                     "ncnn's nearest Interp picks floor(x * in / out): upsample by integer factors, or use "
+                     "asymmetric / floor coordinates")
+    factors = (factor, factor) if isinstance(factor, (int, float)) else factor
+    if (factors is not None and len(factors) == 2 and all(float(f).is_integer() and f >= 1 for f in factors)
+            and (oh, ow) == (h * int(factors[0]), w * int(factors[1]))):
+        b.emit(node, "Interp", [b.blob(x, node)], {0: _INTERP[mode], 1: float(factors[0]), 2: float(factors[1]),
+                                                   6: int(align)})
+        return
+    b.emit(node, "Interp", [b.blob(x, node)], {0: _INTERP[mode], 3: oh, 4: ow, 6: int(align)})
