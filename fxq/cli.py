@@ -199,6 +199,50 @@ def _onnx_open_shapes(path: Path, shapes: Any) -> dict[str, list[int]] | None:
     return open_dims or None
 
 
+def _load_model_for(args: argparse.Namespace) -> _Loaded:
+    """:func:`load_model` of ``args``. An ONNX file whose symbolic dims must be fixed for loading, given no
+    ``--input-shape``, is loaded at the shapes of the first calibration batch (what the error would advise; the
+    exports keep those dims dynamic), with a WARNING saying so."""
+    from fxq.errors import FrontendError, FxqError
+
+    shapes = _input_shapes(args)
+    try:
+        return load_model(args.model, args.caffemodel, shapes)
+    except FrontendError as exc:
+        if shapes or Path(args.model).suffix.lower() != ".onnx" or "input_shapes=" not in str(exc) \
+                or not getattr(args, "calib", None):
+            raise
+        try:
+            data_shapes = _first_batch_shapes(args)
+        except (FxqError, OSError, ValueError) as data_exc:
+            logger.debug("could not read the calibration data's shapes: %s", data_exc)
+            data_shapes = None
+        if data_shapes is None:
+            raise
+        shown = " ".join(f"{k}={','.join(map(str, v))}" for k, v in data_shapes.items()) \
+            if isinstance(data_shapes, dict) else ",".join(map(str, data_shapes))
+        logger.warning("%s has symbolic dims that loading must fix: fixed from the first calibration batch (%s); "
+                       "the exports keep them dynamic. Pass --input-shape to choose other sizes", args.model, shown)
+        return load_model(args.model, args.caffemodel, data_shapes)
+
+
+def _first_batch_shapes(args: argparse.Namespace) -> list[int] | dict[str, list[int]] | None:
+    """Input shapes of the first batch of the calibration folder (one tensor, or a dict by input name)."""
+    import torch
+
+    from fxq.data import load_calibration_folder
+
+    kwargs = {"max_image_pixels": args.max_image_pixels} if args.max_image_pixels else {}
+    data = load_calibration_folder(args.calib, dtype=args.dtype, layout=args.layout, batch_size=args.batch_size,
+                                   **kwargs)
+    first = next(iter(data), None)
+    if isinstance(first, torch.Tensor):
+        return list(first.shape)
+    if isinstance(first, dict) and all(isinstance(v, torch.Tensor) for v in first.values()):
+        return {str(k): list(v.shape) for k, v in first.items()}
+    return None
+
+
 def _model_input_shapes(loaded: _Loaded) -> list[int] | dict[str, list[int]] | None:
     """Static input shapes recorded by the ONNX / caffe frontends (None when unknown or symbolic)."""
     meta = getattr(loaded.module, "meta", {}) or {}
@@ -350,7 +394,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     """Quantize MODEL on the calibration folder, save it and export it for the platform."""
     fxq = _fxq()
     out = _preflight(args)
-    loaded = load_model(args.model, args.caffemodel, _input_shapes(args))
+    loaded = _load_model_for(args)
     data = load_data(args, loaded)
     gm = _quantize(args, loaded, data)
     summary = fxq.summary(gm)
@@ -393,7 +437,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Quantize MODEL (unless it is a saved fxq model) and write the exporter's files only."""
     out = _preflight(args)
-    loaded = load_model(args.model, args.caffemodel, _input_shapes(args))
+    loaded = _load_model_for(args)
     if loaded.quantized:
         gm = loaded.module
     else:
@@ -412,7 +456,7 @@ def _quantized_for_analysis(args: argparse.Namespace) -> tuple[_Loaded, Any, Any
     """The loaded model, its quantized GraphModule and the batches to analyse (``--data``, else the calibration)."""
     from fxq.errors import ConfigError
 
-    loaded = load_model(args.model, args.caffemodel, _input_shapes(args))
+    loaded = _load_model_for(args)
     if loaded.quantized:  # a saved model: only the analysis data
         if not (args.data or args.calib):
             raise ConfigError("give the analysis data: --data DIR (or --calib DIR)")

@@ -220,12 +220,24 @@ def test_cli_quantize_torch_export_without_output_names(tmp_path) -> None:
 def test_cli_input_shape_fixes_symbolic_dims(files, tmp_path, capsys) -> None:
     _write_calib(tmp_path / "calib")
     args = ["quantize", str(files["shuffle_bn_11"]), "--calib", str(tmp_path / "calib"), "--out",
-            str(tmp_path / "out"), "-q"]
-    assert main(args) == 1
-    assert "--input-shape x=" in capsys.readouterr().err
-    assert main(args + ["--input-shape", "2,3,32,32"]) == 0
+            str(tmp_path / "out")]
+    assert main(args + ["--input-shape", "2,3,32,32", "-q"]) == 0
     dims = onnx.load(str(tmp_path / "out" / "_ShuffleBN_11_trt_int8.onnx")).graph.input[0].type.tensor_type.shape.dim
     assert [d.dim_param for d in dims] == ["batch", "", "H", "W"]
+    # without --input-shape the first calibration batch fixes them for loading, and says so; exports stay dynamic
+    capsys.readouterr()
+    (tmp_path / "out" / "_ShuffleBN_11_trt_int8.onnx").unlink()
+    assert main(args) == 0
+    assert "fixed from the first calibration batch (2,3,32,32)" in capsys.readouterr().err
+    dims = onnx.load(str(tmp_path / "out" / "_ShuffleBN_11_trt_int8.onnx")).graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_param for d in dims] == ["batch", "", "H", "W"]
+    # data that cannot tell its shapes (raw .bin files): the error says how to give them
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    np.zeros(CALIB, np.float32).tofile(raw / "b0.bin")
+    assert main(["quantize", str(files["shuffle_bn_11"]), "--calib", str(raw), "--out", str(tmp_path / "o2"),
+                 "-q"]) == 1
+    assert "--input-shape x=" in capsys.readouterr().err
 
 
 def test_cli_failed_save_does_not_stop_the_exports(files, tmp_path, monkeypatch, capsys) -> None:
@@ -242,3 +254,80 @@ def test_cli_failed_save_does_not_stop_the_exports(files, tmp_path, monkeypatch,
     assert "could not write the saved model" in err and "No space left on device" in err
     assert (tmp_path / "out" / "_ShuffleBN_11_trt_int8.onnx").is_file()
     assert not (tmp_path / "out" / "_ShuffleBN_11_trt_int8.fxq").exists()
+
+
+def _tokens_file(path: Path) -> Path:
+    """PP-OCR's recognizer pattern (paddle2onnx): a feature map flattened to tokens by a reshape whose shape is
+    computed (``Concat(Shape(y)[0:2], [-1])``), then a head split by a reshape that reads the token count from
+    ``Shape(v)[1]``. torch.onnx kept the traced, static sizes after fxq's marks, so its constant folding froze
+    the token count and the exported file failed at every other width."""
+    rng = np.random.RandomState(0)
+    ints = {"zero": [0], "one": [1], "two": [2], "four": [4], "minus": [-1]}
+    inits = [numpy_helper.from_array((rng.randn(8, 3, 3, 3) * 0.3).astype(np.float32), "w"),
+             numpy_helper.from_array((rng.randn(8, 8) * 0.3).astype(np.float32), "m")]
+    inits += [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in ints.items()]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]),
+             helper.make_node("Shape", ["y"], ["sy"]),
+             helper.make_node("Slice", ["sy", "zero", "two"], ["nc"]),
+             helper.make_node("Concat", ["nc", "minus"], ["flat"], axis=0),
+             helper.make_node("Reshape", ["y", "flat"], ["t"]),
+             helper.make_node("Transpose", ["t"], ["u"], perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["u", "m"], ["v"]),
+             helper.make_node("Shape", ["v"], ["sv"]),
+             helper.make_node("Cast", ["sv"], ["sv32"], to=TensorProto.INT32),
+             helper.make_node("Slice", ["sv32", "one", "two"], ["tok32"]),
+             helper.make_node("Cast", ["tok32"], ["tok"], to=TensorProto.INT64),
+             helper.make_node("Concat", ["zero", "tok", "two", "four"], ["heads"], axis=0),
+             helper.make_node("Reshape", ["v", "heads"], ["out"])]
+    graph = helper.make_graph(nodes, "tokens", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                              ["n", 3, "?", "w"])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 12)])
+    model.ir_version = 7
+    onnx.save(model, path)
+    return path
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
+def test_exported_token_count_follows_the_width(tmp_path, platform: str) -> None:
+    gm = fxq.load_onnx(_tokens_file(tmp_path / "tokens.onnx"), input_shapes={"x": [1, 3, 4, 16]})
+    gm = fxq.quantize(gm, [torch.randn(1, 3, 4, 16) for _ in range(2)], platform, progress=False)
+    out = tmp_path / "q.onnx"
+    fxq.export(gm, platform, out)
+    model = onnx.load(out)
+    assert [d.dim_param for d in model.graph.output[0].type.tensor_type.shape.dim][:2] == ["out_dim0", "out_dim1"]
+    for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = level
+        sess = ort.InferenceSession(str(out), opts, providers=["CPUExecutionProvider"])
+        for shape in ((1, 3, 4, 16), (1, 3, 4, 24), (2, 3, 4, 8)):
+            x = torch.randn(*shape)
+            with torch.no_grad():
+                sim = gm(x).numpy()
+            got = sess.run(None, {"x": x.numpy()})[0]
+            assert got.shape == sim.shape == (shape[0], 4 * shape[3], 2, 4)
+            np.testing.assert_allclose(got, sim, atol=1e-5)  # shape ops only after the last Q/DQ: exact
+
+
+def test_calibration_batches_may_vary_in_the_source_files_symbolic_dims(tmp_path) -> None:
+    """A model loaded from a file whose width is symbolic takes batches of other widths (OCR text lines)."""
+    gm = fxq.load_onnx(_tokens_file(tmp_path / "tokens.onnx"), input_shapes={"x": [1, 3, 4, 16]})
+    gm = fxq.quantize(gm, [torch.randn(1, 3, 4, w) for w in (16, 24, 8)], "trt_int8", progress=False)
+    with torch.no_grad():
+        assert gm(torch.randn(2, 3, 4, 40)).shape == (2, 160, 2, 4)
+    report = fxq.graphwise_error_analyse(gm, [torch.randn(1, 3, 4, 12)])  # analysis data of another width
+    assert report.batches == 1 and len(list(report)) > 0
+    fixed = fxq.load_onnx(_fixed_width(tmp_path), input_shapes={"x": [1, 3, 4, 16]})
+    fixed = fxq.quantize(fixed, [torch.randn(1, 3, 4, 16)], "trt_int8", progress=False)
+    with pytest.raises(fxq.CalibrationError, match=r"prepared for \(1, 3, 4, 16\) \(batch dimension free\)"):
+        fxq.graphwise_error_analyse(fixed, [torch.randn(1, 3, 4, 12)])  # a file with a fixed width: refused
+
+
+def _fixed_width(tmp_path: Path) -> Path:
+    model = onnx.load(_tokens_file(tmp_path / "tokens.onnx"))
+    for i, d in enumerate(model.graph.input[0].type.tensor_type.shape.dim):
+        if i > 0:
+            d.dim_value = [3, 4, 16][i - 1]
+    path = tmp_path / "fixed.onnx"
+    onnx.save(model, path)
+    return path

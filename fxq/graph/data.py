@@ -170,6 +170,19 @@ def to_device(value: Any, device: torch.device | str) -> Any:
     return value
 
 
+def _source_dynamic_dims(model: nn.Module, name: str) -> set[int]:
+    """Dims of input ``name`` that the model's source ONNX file leaves symbolic or unknown (any size runs)."""
+    meta = getattr(model, "meta", None)
+    onnx_meta = meta.get("onnx") if isinstance(meta, dict) else None
+    shapes = onnx_meta.get("source_input_shapes") if isinstance(onnx_meta, dict) else None
+    dims = shapes.get(name) if isinstance(shapes, dict) else None
+    return {i for i, d in enumerate(dims or []) if not (isinstance(d, int) and d > 0)}
+
+
+def _free_text(free: set[int]) -> str:
+    return "batch dimension" if free == {0} else f"dims {sorted(free)}: batch and the source file's symbolic dims"
+
+
 def _check(model: nn.Module, args: tuple, kwargs: dict) -> None:
     phs = _placeholders(model)
     if not phs:
@@ -186,10 +199,14 @@ def _check(model: nn.Module, args: tuple, kwargs: dict) -> None:
     for p in phs:
         val, ref = named.get(p.name), p.meta.get("val")
         if isinstance(val, torch.Tensor) and isinstance(ref, torch.Tensor):
-            if val.dim() != ref.dim() or tuple(val.shape[1:]) != tuple(ref.shape[1:]):
+            info = p.meta.get("onnx")
+            onnx_names = info.get("outputs", []) if isinstance(info, dict) else []
+            free = _source_dynamic_dims(model, onnx_names[0] if onnx_names else p.name) | {0}
+            if val.dim() != ref.dim() or any(a != b for i, (a, b) in enumerate(zip(val.shape, ref.shape))
+                                             if i not in free):
                 raise CalibrationError(
                     f"input {p.name!r}: batch has shape {tuple(val.shape)}, the model was prepared for "
-                    f"{tuple(ref.shape)} (batch dimension free); fix the data or the example_inputs"
+                    f"{tuple(ref.shape)} ({_free_text(free)} free); fix the data or the example_inputs"
                 )
 
 

@@ -23,7 +23,15 @@ from torch import fx
 
 from fxq import onnx_data
 from fxq.backends.qdq.common import fold_initializer_identities
-from fxq.backends.qdq.marking import MARK_DOMAIN, MARK_OP, Mark, MarkedModule, freeze_quant_mark_inputs
+from fxq.backends.qdq.marking import (
+    MARK_DOMAIN,
+    MARK_OP,
+    Mark,
+    MarkedModule,
+    dynamic_dims_while_exporting,
+    dynamic_mark_dims,
+    freeze_quant_mark_inputs,
+)
 from fxq.backends.qdq.onnx_graph import (
     all_tensor_names,
     attr,
@@ -211,11 +219,15 @@ def _tensor_bytes(module: torch.nn.Module) -> int:
 
 def _torch_export(marked: MarkedModule, args: tuple, export_opset: int, dynamic_axes: dict | None,
                   target: Any) -> None:
-    """torch.onnx's TorchScript exporter over the marked module, with stand-in input / output names."""
-    torch_onnx_export(marked.module, args, target, opset=export_opset,
-                      input_names=[f"fxq_input_{i}" for i in range(len(marked.input_names))],
-                      output_names=[f"fxq_output_{i}" for i in range(len(marked.output_names))],
-                      dynamic_axes=dynamic_axes, custom_opsets={MARK_DOMAIN: 1})
+    """torch.onnx's TorchScript exporter over the marked module, with stand-in input / output names; the marks'
+    values keep the dims that follow the dynamic axes dynamic (:func:`dynamic_mark_dims`)."""
+    named_axes = {marked.input_names[int(k[len("fxq_input_"):])]: v for k, v in (dynamic_axes or {}).items()
+                  if k.startswith("fxq_input_")}
+    with dynamic_dims_while_exporting(dynamic_mark_dims(marked, args, named_axes)):
+        torch_onnx_export(marked.module, args, target, opset=export_opset,
+                          input_names=[f"fxq_input_{i}" for i in range(len(marked.input_names))],
+                          output_names=[f"fxq_output_{i}" for i in range(len(marked.output_names))],
+                          dynamic_axes=dynamic_axes, custom_opsets={MARK_DOMAIN: 1})
 
 
 def torch_onnx_export(module: torch.nn.Module, args: tuple, target: Any, *, opset: int, input_names: Sequence[str],
@@ -271,6 +283,10 @@ def _restore_io_names(graph: onnx.GraphProto, io_names: dict[str, str]) -> None:
     aside = {name: unique_name(f"{name}_", used) for name in wanted & present if name not in io_names}
     rename_tensors(graph, aside)
     rename_tensors(graph, {stand: name for stand, name in io_names.items() if stand in present})
+    for value in list(graph.input) + list(graph.output):  # dims torch.onnx named after a stand-in or a mark
+        for i, dim in enumerate(value.type.tensor_type.shape.dim):
+            if dim.dim_param and any(key in dim.dim_param for key in (*io_names, MARK_OP)):
+                dim.dim_param = f"{value.name}_dim{i}"
 
 
 def mark_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:

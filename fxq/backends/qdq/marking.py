@@ -7,9 +7,11 @@ The user's model is never modified: the copy shares its parameters and modules.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor, fx
@@ -19,7 +21,7 @@ from fxq.graph.info import NodeQuant, computed_from_parameters, is_quantizer_nod
 from fxq.graph.quant_graph import QuantGraph, quantizer_name
 
 __all__ = ["Mark", "MarkedModule", "build_marked_module", "freeze_quant_mark_inputs", "MARK_DOMAIN", "MARK_OP",
-           "flat_output_count"]
+           "flat_output_count", "dynamic_mark_dims", "dynamic_dims_while_exporting"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +39,21 @@ def _(x, mark_id):
     return torch.empty_like(x)
 
 
+_EXPORTING = threading.local()
+"""``dims``: per mark id, the dims of its value that follow the export's dynamic input axes (this thread's export)."""
+
+
 @symbolic_helper.parse_args("v", "i")
 def _mark_symbolic(g: Any, x: Any, mark_id: int) -> Any:
     out = g.op(f"{MARK_DOMAIN}::{MARK_OP}", x, id_i=mark_id)
-    out.setType(x.type())
+    typ = x.type()
+    dynamic = getattr(_EXPORTING, "dims", {}).get(mark_id)
+    sizes = typ.varyingSizes() if dynamic and hasattr(typ, "varyingSizes") else None
+    if sizes is not None:
+        # torch.onnx cannot infer a custom op's shape and keeps the type it is given: the traced, static sizes would
+        # let its constant folding freeze every Shape read downstream (a dynamic width became a constant 40)
+        typ = typ.with_sizes([None if i in dynamic else d for i, d in enumerate(sizes)])
+    out.setType(typ)
     return out
 
 
@@ -303,3 +316,65 @@ def freeze_quant_mark_inputs(marked: MarkedModule, ids: set[int], args: tuple) -
         mark.replace_input_with(src, frozen[src])
     gm.recompile()
     return [str(n.target) for n in frozen.values()]
+
+
+@contextlib.contextmanager
+def dynamic_dims_while_exporting(dims: dict[int, tuple[int, ...]]) -> Iterator[None]:
+    """Give the marks' ONNX symbolic the dims :func:`dynamic_mark_dims` found, for one export in this thread."""
+    before = getattr(_EXPORTING, "dims", {})
+    _EXPORTING.dims = dims
+    try:
+        yield
+    finally:
+        _EXPORTING.dims = before
+
+
+def dynamic_mark_dims(marked: MarkedModule, args: tuple, axes: dict[str, dict[int, str]] | None
+                      ) -> dict[int, tuple[int, ...]]:
+    """Per mark id, the dims of its value that change when the dynamic input axes do (doubled: the example
+    repeated along them), found by running the marked module at the example's size and the doubled one: all axes
+    at once, else each alone (an OCR recognizer's height is symbolic in its file but only its width varies); ``{}``
+    without dynamic axes or where no doubled size runs (those exports keep the traced sizes)."""
+    wanted = [(i, d) for i, name in enumerate(marked.input_names) if i < len(args)
+              and isinstance(args[i], torch.Tensor) for d in sorted((axes or {}).get(name) or {}) if d < args[i].dim()]
+    if not wanted:
+        return {}
+    base = _mark_shapes(marked.module, args)
+    if base is None:
+        return {}
+    found: dict[int, set[int]] = {}
+    for group in [wanted] + ([[w] for w in wanted] if len(wanted) > 1 else []):
+        probe = list(args)
+        for i, d in group:
+            probe[i] = probe[i].repeat(*[2 if k == d else 1 for k in range(probe[i].dim())])
+        bigger = _mark_shapes(marked.module, tuple(probe))
+        if bigger is None:
+            continue
+        for mark_id, shape in base.items():
+            other = bigger.get(mark_id)
+            if other is not None and len(other) == len(shape):
+                found.setdefault(mark_id, set()).update(k for k, (p, q) in enumerate(zip(shape, other)) if p != q)
+        if group is wanted:
+            break  # every axis at once ran: nothing more to learn
+    return {mark_id: tuple(sorted(dims)) for mark_id, dims in found.items() if dims}
+
+
+def _mark_shapes(module: fx.GraphModule, args: tuple) -> dict[int, tuple[int, ...]] | None:
+    """Output shape of every mark of ``module`` run on ``args``; None when it fails there."""
+    shapes: dict[int, tuple[int, ...]] = {}
+
+    class _Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            result = super().run_node(n)
+            mark = n.meta.get("fxq_export_mark")
+            if isinstance(mark, Mark) and isinstance(result, Tensor):
+                shapes[mark.id] = tuple(result.shape)
+            return result
+
+    try:
+        with torch.no_grad():
+            _Recorder(module).run(*args)
+    except Exception as exc:  # the model takes only the example's sizes: keep its traced sizes
+        logger.debug("export: the model does not run with its dynamic axes doubled (%s); shapes stay as traced", exc)
+        return None
+    return shapes
