@@ -113,3 +113,24 @@ def test_onnx_resize_ncnn_cannot_compute_says_why(tmp_path: Path, ctm: str, near
     with pytest.raises(ExportError, match=rf"Resize.*coordinate_transformation_mode '{ctm}'.*ncnn's Interp does not "
                                           r"compute.*Fix: ncnn resizes nearest \(asymmetric, floor\)"):
         export(gm, "ncnn", tmp_path / "net")
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+def test_onnx_split_pieces_along_channels(tmp_path: Path, opset: int) -> None:
+    """ShuffleNet's ``chunk(2, dim=1)`` as torch's dynamo exporter writes it (opset-18 ``Split`` with
+    ``num_outputs``): the pieces were cut along the batch dim (the module's ``axis`` was not read) and refused."""
+    rng = np.random.RandomState(0)
+    inits = [numpy_helper.from_array((rng.randn(8, 3, 3, 3) * 0.3).astype(np.float32), "w")]
+    if opset >= 18:
+        split = helper.make_node("Split", ["y"], ["a", "b"], axis=1, num_outputs=2)
+    else:
+        inits.append(numpy_helper.from_array(np.array([3, 5], np.int64), "sizes"))
+        split = helper.make_node("Split", ["y", "sizes"], ["a", "b"], axis=1)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]), split,
+             helper.make_node("Relu", ["b"], ["rb"]), helper.make_node("Concat", ["rb", "a"], ["out"], axis=1)]
+    graph = helper.make_graph(nodes, "split", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "m.onnx")
+    check(fxq.load_onnx(tmp_path / "m.onnx"), (1, 3, 8, 8), tmp_path / "net")

@@ -927,7 +927,9 @@ def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
     val = src.meta.get("val") if isinstance(src, fx.Node) else None
     if isinstance(val, (tuple, list)) and b.op(src) == "Split" and isinstance(index, int):
         x = _arg(src, 0, "input")
-        dim = int(_const(b, node, _arg(src, 2, "dim", 0), "dim")) % len(b.shape(x))
+        split_mod = b.module(src)  # the ONNX frontend's Split (``axis``), else torch.split / chunk (``dim``)
+        dim_arg = split_mod.axis if split_mod is not None and hasattr(split_mod, "axis") else _arg(src, 2, "dim", 0)
+        dim = int(_const(b, node, dim_arg, "dim")) % len(b.shape(x))
         sizes = [int(t.shape[dim]) for t in val]
         start = sum(sizes[:index % len(sizes)])
         index = (slice(None),) * dim + (slice(start, start + sizes[index]),)
