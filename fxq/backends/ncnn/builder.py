@@ -173,14 +173,25 @@ class NcnnBuilder:
         return ExportError(f"ncnn export: node {node.name!r} (op {self.op(node)}, target {_target(node)}){where}: "
                            f"{why}. Fix: {fix}{island_fix}")
 
-    def param(self, arg: Any, node: fx.Node, what: str) -> torch.Tensor:
-        """Value of a parameter argument (a get_attr node, possibly under a quantizer)."""
+    def fixed_value(self, arg: Any) -> Any:
+        """The export-time value of ``arg`` (past quantizers): a stored tensor (get_attr) or a value computed from
+        stored tensors and shapes only (:meth:`static_value`); ``arg`` itself when it is no node; None for a value
+        the network computes."""
         src = self.strip(arg) if isinstance(arg, fx.Node) else arg
-        if isinstance(src, fx.Node) and src.op == "get_attr":
-            return get_attr_value(self.gm, str(src.target)).detach().float().cpu()
-        if isinstance(src, fx.Node) and src in self.static_nodes:
-            value = torch.as_tensor(self.static_value(src))
-            if self.resolution_dependent(src).any():
+        if not isinstance(src, fx.Node):
+            return src
+        if src.op == "get_attr":
+            return get_attr_value(self.gm, str(src.target))
+        return self.static_value(src) if src in self.static_nodes else None
+
+    def param(self, arg: Any, node: fx.Node, what: str) -> torch.Tensor:
+        """Value of a parameter argument (a get_attr node, possibly under a quantizer, or a shape-only value: warned
+        about when it follows the input's spatial size)."""
+        src = self.strip(arg) if isinstance(arg, fx.Node) else arg
+        value = self.fixed_value(arg)
+        if isinstance(src, fx.Node) and value is not None:
+            value = torch.as_tensor(value)
+            if src in self.static_nodes and self.resolution_dependent(src).any():
                 self.warn_once(f"baked:{src.name}", "ncnn export: the %s of node %s is computed from the input's "
                                "spatial size (node %s); the ncnn file keeps its export-time value %s and runs only "
                                "at that input size", what, node.name, src.name, value.tolist())
@@ -229,10 +240,7 @@ class NcnnBuilder:
     def is_constant(self, arg: Any) -> bool:
         """Whether ``arg`` is a floating-point tensor fixed at export time: a stored tensor (get_attr) or a value
         computed from stored tensors and shapes only (a static node, :meth:`static_value`)."""
-        src = self.strip(arg) if isinstance(arg, fx.Node) else arg
-        if not isinstance(src, fx.Node) or (src.op != "get_attr" and src not in self.static_nodes):
-            return False
-        value = get_attr_value(self.gm, str(src.target)) if src.op == "get_attr" else self.static_value(src)
+        value = self.fixed_value(arg) if isinstance(arg, fx.Node) else None
         return isinstance(value, torch.Tensor) and value.is_floating_point()
 
     def emit(self, node: fx.Node, layer_type: str, bottoms: list[str], params: dict[int, Any] | None = None,

@@ -22,7 +22,6 @@ from fxq.backends.ncnn.fuse import reduce_args
 from fxq.backends.ncnn.platforms import is_depthwise, is_matmul_by_matrix, pair
 from fxq.backends.ncnn.registry import register_ncnn_converter
 from fxq.backends.ncnn.writer import Int8Scales, drop_dim, shape_params
-from fxq.graph.nodes import get_attr_value
 from fxq.spec import QUANTIZING_STATES
 
 __all__: list[str] = []
@@ -953,10 +952,10 @@ def _gather(b: NcnnBuilder, node: fx.Node) -> None:
         raise b.fail(node, "only ONNX Gather (numpy.take) of stored indices is exported (no embedding lookups)",
                      "index with ints or slices, or keep the lookup outside the exported model")
     x, idx_arg = node.args
-    src = b.strip(idx_arg) if isinstance(idx_arg, fx.Node) else idx_arg
-    if not isinstance(src, fx.Node) or (src.op != "get_attr" and src not in b.static_nodes):
+    fixed = b.fixed_value(idx_arg) if isinstance(idx_arg, fx.Node) else None
+    if fixed is None:
         raise b.fail(node, "its indices are computed in the graph", "gather with stored (constant) indices")
-    idx = torch.as_tensor(get_attr_value(b.gm, str(src.target)) if src.op == "get_attr" else b.static_value(src))
+    idx = torch.as_tensor(fixed)
     axis, shape = int(mod._axis) % len(b.shape(x)), b.shape(x)
     flat = [int(i) % shape[axis] for i in idx.reshape(-1).tolist()]
     if idx.dim() == 0:
@@ -1308,14 +1307,8 @@ def _resize_mode(b: NcnnBuilder, node: fx.Node) -> tuple[str, bool, Any]:
                      "cubic_coeff_a -0.75, no antialias): export the model with one of those")
 
     def value(a: Any) -> torch.Tensor | None:
-        if a is None:
-            return None
-        src = b.strip(a) if isinstance(a, fx.Node) else a
-        if isinstance(src, fx.Node) and src.op == "get_attr":
-            return torch.as_tensor(get_attr_value(b.gm, str(src.target)))
-        if isinstance(src, fx.Node) and src in b.static_nodes:
-            return torch.as_tensor(b.static_value(src))
-        return None if isinstance(src, fx.Node) else torch.as_tensor(src)
+        fixed = b.fixed_value(a)
+        return None if fixed is None else torch.as_tensor(fixed)
 
     roi, scales, sizes = (value(_arg(node, i, k, None)) for i, k in ((1, "roi"), (2, "scales"), (3, "sizes")))
     factor = None

@@ -219,15 +219,11 @@ def _tensor_bytes(module: torch.nn.Module) -> int:
 
 def _torch_export(marked: MarkedModule, args: tuple, export_opset: int, dynamic_axes: dict | None,
                   target: Any) -> None:
-    """torch.onnx's TorchScript exporter over the marked module, with stand-in input / output names; the marks'
-    values keep the dims that follow the dynamic axes dynamic (:func:`dynamic_mark_dims`)."""
-    named_axes = {marked.input_names[int(k[len("fxq_input_"):])]: v for k, v in (dynamic_axes or {}).items()
-                  if k.startswith("fxq_input_")}
-    with dynamic_dims_while_exporting(dynamic_mark_dims(marked, args, named_axes)):
-        torch_onnx_export(marked.module, args, target, opset=export_opset,
-                          input_names=[f"fxq_input_{i}" for i in range(len(marked.input_names))],
-                          output_names=[f"fxq_output_{i}" for i in range(len(marked.output_names))],
-                          dynamic_axes=dynamic_axes, custom_opsets={MARK_DOMAIN: 1})
+    """torch.onnx's TorchScript exporter over the marked module, with stand-in input / output names."""
+    torch_onnx_export(marked.module, args, target, opset=export_opset,
+                      input_names=[f"fxq_input_{i}" for i in range(len(marked.input_names))],
+                      output_names=[f"fxq_output_{i}" for i in range(len(marked.output_names))],
+                      dynamic_axes=dynamic_axes, custom_opsets={MARK_DOMAIN: 1})
 
 
 def torch_onnx_export(module: torch.nn.Module, args: tuple, target: Any, *, opset: int, input_names: Sequence[str],
@@ -399,21 +395,23 @@ def lower(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | No
     :attr:`Lowered.opset` is the one written. Quant marks that torch.onnx folded away with a constant value are
     fed from buffers and the model is exported again
     (:func:`~fxq.backends.qdq.marking.freeze_quant_mark_inputs`), so every quantizer of the simulation has its
-    Q/DQ in the file.
+    Q/DQ in the file. The marks' values keep the dims that follow ``dynamic_axes`` dynamic
+    (:func:`~fxq.backends.qdq.marking.dynamic_mark_dims`, probed once for every torch.onnx run here).
     """
-    model, opset = _export_at_needed_opset(marked, args, opset, dynamic_axes, raise_opset)
-    present = {int(attr(n, "id", -1)) for n in mark_nodes(model.graph)}
-    lost = {i for i, m in marked.marks.items() if m.kind == "quant" and i not in present}
-    if lost:
-        names = freeze_quant_mark_inputs(marked, lost, args)
-        logger.info("torch.onnx folded %d quantized value(s) computed only from constants and shapes (%s): "
-                    "exported again with them as initializers, quantized as fxq simulates them", len(names),
-                    ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""))
-        model = _export(marked, args, opset, dynamic_axes)
-        still = sorted(lost - {int(attr(n, "id", -1)) for n in mark_nodes(model.graph)})
-        if still:  # not folding after all (e.g. a value torch.onnx dropped as unused): say so, never silently
-            logger.warning("the exported file has no Q/DQ for quantizer(s) %s: torch.onnx dropped the values they "
-                           "quantize", ", ".join(repr(marked.marks[i].quantizer) for i in still))
+    with dynamic_dims_while_exporting(dynamic_mark_dims(marked, args, dynamic_axes)):
+        model, opset = _export_at_needed_opset(marked, args, opset, dynamic_axes, raise_opset)
+        present = {int(attr(n, "id", -1)) for n in mark_nodes(model.graph)}
+        lost = {i for i, m in marked.marks.items() if m.kind == "quant" and i not in present}
+        if lost:
+            names = freeze_quant_mark_inputs(marked, lost, args)
+            logger.info("torch.onnx folded %d quantized value(s) computed only from constants and shapes (%s): "
+                        "exported again with them as initializers, quantized as fxq simulates them", len(names),
+                        ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""))
+            model = _export(marked, args, opset, dynamic_axes)
+            still = sorted(lost - {int(attr(n, "id", -1)) for n in mark_nodes(model.graph)})
+            if still:  # not folding after all (e.g. a value torch.onnx dropped as unused): say so, never silently
+                logger.warning("the exported file has no Q/DQ for quantizer(s) %s: torch.onnx dropped the values "
+                               "they quantize", ", ".join(repr(marked.marks[i].quantizer) for i in still))
     fold_initializer_identities(model.graph)
     tensor_of, fx_of_node = _resolve_names(model, marked)
     return Lowered(model, marked, tensor_of, opset, fx_of_node)
