@@ -8,7 +8,8 @@ from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OnnxMapping, OperationConverterResult, get_const_value
 
-__all__ = ["const_input", "const_or_run_time", "has_input", "rank_of", "result", "int_list"]
+__all__ = ["const_input", "const_or_run_time", "has_input", "rank_of", "result", "int_list", "text",
+           "index_from_end"]
 
 
 def has_input(node: OnnxNode, index: int) -> bool:
@@ -42,6 +43,17 @@ def const_or_run_time(node: OnnxNode, graph: OnnxGraph, index: int, what: str) -
         return const_input(node, graph, index, what)
     except NotImplementedError:
         return None
+
+
+def text(value: Any) -> str:
+    """A string attribute as ``str`` (onnx2torch hands some over as ``bytes``)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def index_from_end(indices: torch.Tensor, size: torch.Tensor | int) -> torch.Tensor:
+    """Negative indices counted from the end of a dim of ``size``, as ONNX allows (torch's scatter / gather take
+    non-negative ones only)."""
+    return torch.where(indices < 0, indices + size, indices)
 
 
 def int_list(t: torch.Tensor) -> list[int]:

@@ -16,7 +16,7 @@ from onnx2torch.utils.common import OperationConverterResult
 from torch import nn
 
 from fxq.errors import NotSupportedError
-from fxq.frontends.onnx.converters._common import rank_of, result
+from fxq.frontends.onnx.converters._common import rank_of, result, text
 from fxq.frontends.onnx.converters.registry import register_onnx_converter
 
 __all__ = ["OnnxGridSample"]
@@ -51,16 +51,12 @@ class OnnxGridSample(nn.Module):
         return f"mode={self.mode!r}, padding_mode={self.padding_mode!r}, align_corners={self.align_corners}"
 
 
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 @register_onnx_converter("GridSample", (16, 20, 22))
 def _convert_grid_sample(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     a = node.attributes
     where = f"GridSample node {node.name!r}"
-    mode = _text(a.get("mode", "linear"))  # 16's default "bilinear" is 20's "linear"
-    padding = _text(a.get("padding_mode", "zeros"))
+    mode = text(a.get("mode", "linear"))  # 16's default "bilinear" is 20's "linear"
+    padding = text(a.get("padding_mode", "zeros"))
     if mode not in _MODES or padding not in _PADDING:
         raise NotSupportedError(f"{where}: mode={mode!r}, padding_mode={padding!r} are not ONNX values")
     rank = rank_of(graph, node.input_values[0])

@@ -12,7 +12,7 @@ from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OperationConverterResult
 from torch import nn
 
-from fxq.frontends.onnx.converters._common import const_or_run_time, result
+from fxq.frontends.onnx.converters._common import const_or_run_time, index_from_end, result
 from fxq.frontends.onnx.converters.registry import register_onnx_converter
 
 __all__ = ["OnnxHardmax", "OnnxOneHot"]
@@ -71,8 +71,7 @@ class OnnxOneHot(nn.Module):
     def forward(self, indices: torch.Tensor, *given: torch.Tensor) -> torch.Tensor:
         n = self.depth if self.depth is not None else int(given[0].reshape(-1)[0])
         values = self.values if self.values is not None else given[-1]
-        idx = indices.to(torch.int64)
-        idx = torch.where(idx < 0, idx + n, idx)
+        idx = index_from_end(indices.to(torch.int64), n)
         hit = idx.unsqueeze(-1) == torch.arange(n, device=idx.device)
         out = torch.where(hit, values[1], values[0])
         if self.axis == -1:

@@ -20,7 +20,8 @@ from onnx2torch.utils.common import OperationConverterResult
 from torch import nn
 
 from fxq.errors import NotSupportedError
-from fxq.frontends.onnx.converters._common import result
+from fxq.frontends.onnx.converters._common import result, text
+from fxq.frontends.onnx.converters.auto_pad import same_pads
 from fxq.frontends.onnx.converters.registry import register_onnx_converter
 
 __all__ = ["OnnxLpNormalization", "OnnxGlobalLpPool", "OnnxLpPool"]
@@ -113,20 +114,20 @@ class OnnxLpPool(nn.Module):
     def _pads(self, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
         """(begin, end) zero padding per spatial dim, the end one including what ceil mode adds."""
         n = len(self.kernel)
+        if self.auto_pad in ("SAME_UPPER", "SAME_LOWER"):  # F.pad order (last dim first) back to (begin, end)
+            flat = same_pads(list(sizes), list(self.kernel), list(self.strides), list(self.dilations),
+                             self.auto_pad == "SAME_UPPER")
+            return [(flat[2 * (n - 1 - i)], flat[2 * (n - 1 - i) + 1]) for i in range(n)]
         out = []
         for i, size in enumerate(sizes):
             span = self.dilations[i] * (self.kernel[i] - 1) + 1
             stride = self.strides[i]
-            if self.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-                total = max(0, (-(-size // stride) - 1) * stride + span - size)
-                small = total // 2
-                begin, end = (small, total - small) if self.auto_pad == "SAME_UPPER" else (total - small, small)
-            elif self.auto_pad == "VALID":
+            if self.auto_pad == "VALID":
                 begin = end = 0
             else:
                 begin, end = self.pads[i], self.pads[i + n]
             padded = size + begin + end
-            if self.ceil_mode and self.auto_pad in ("NOTSET", "VALID"):
+            if self.ceil_mode:
                 count = -(-(padded - span) // stride) + 1
                 if (count - 1) * stride >= size + begin:  # the last window would start in the end padding
                     count -= 1
@@ -169,8 +170,7 @@ def _convert_lp_pool(node: OnnxNode, graph: OnnxGraph, version: int) -> Operatio
     a = node.attributes
     kernel = tuple(int(k) for k in a["kernel_shape"])
     n = len(kernel)
-    auto_pad = a.get("auto_pad", "NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)
+    auto_pad = text(a.get("auto_pad", "NOTSET"))
     if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
         raise NotSupportedError(f"LpPool node {node.name!r}: auto_pad={auto_pad!r} is not an ONNX value")
     dilations = tuple(int(d) for d in a.get("dilations", (1,) * n)) if version >= 18 else (1,) * n
@@ -184,8 +184,6 @@ def _convert_lp_pool(node: OnnxNode, graph: OnnxGraph, version: int) -> Operatio
         bool(a.get("ceil_mode", 0)) if version >= 18 else False,
     )
     return result(module, node, [node.input_values[0]])
-
-
 
 
 @register_onnx_converter("LpPool", (1, 2, 11))

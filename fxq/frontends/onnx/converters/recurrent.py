@@ -12,7 +12,7 @@ from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OperationConverterResult
 
-from fxq.frontends.onnx.converters._common import const_input, has_input, result
+from fxq.frontends.onnx.converters._common import const_input, has_input, result, text
 from fxq.frontends.onnx.converters.registry import register_onnx_converter
 from fxq.recurrent.modules import RecurrentLayer
 
@@ -24,7 +24,7 @@ _GATES = {"LSTM": 4, "GRU": 3}
 
 def _check_attributes(node: OnnxNode, kind: str, dirs: int) -> None:
     attrs = node.attributes
-    acts = [a.decode() if isinstance(a, bytes) else str(a) for a in attrs.get("activations", [])]
+    acts = [text(a) for a in attrs.get("activations", [])]
     if acts and [a.lower() for a in acts] != [a.lower() for a in _DEFAULT_ACTIVATIONS[kind] * dirs]:
         raise NotImplementedError(f"{kind}: activations {acts} are not supported (only the defaults "
                                   f"{_DEFAULT_ACTIVATIONS[kind]}); re-export the layer with standard activations")
@@ -38,8 +38,7 @@ def _check_attributes(node: OnnxNode, kind: str, dirs: int) -> None:
 
 
 def _convert(node: OnnxNode, graph: OnnxGraph, kind: str) -> OperationConverterResult:
-    direction = node.attributes.get("direction", "forward")
-    direction = direction.decode() if isinstance(direction, bytes) else str(direction)
+    direction = text(node.attributes.get("direction", "forward"))
     dirs = 2 if direction == "bidirectional" else 1
     _check_attributes(node, kind, dirs)
     w = const_input(node, graph, 1, "W")

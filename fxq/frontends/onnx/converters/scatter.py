@@ -13,17 +13,12 @@ from onnx2torch.utils.common import OperationConverterResult, get_onnx_version
 from onnx2torch.utils.custom_export_to_onnx import DefaultExportToOnnx, OnnxToTorchModuleWithCustomExport
 from torch import nn
 
-from fxq.frontends.onnx.converters._common import dim_of, result
+from fxq.frontends.onnx.converters._common import dim_of, index_from_end, result
 from fxq.frontends.onnx.converters.registry import register_onnx_converter
 
 __all__ = ["OnnxScatterElements", "OnnxGatherND"]
 
 _REDUCE = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}  # ONNX reduction -> scatter_reduce's
-
-
-def _in_range(indices: torch.Tensor, size: torch.Tensor | int) -> torch.Tensor:
-    """Negative indices counted from the end, as ONNX allows."""
-    return torch.where(indices < 0, indices + size, indices)
 
 
 class OnnxScatterElements(nn.Module, OnnxToTorchModuleWithCustomExport):
@@ -64,7 +59,7 @@ class OnnxScatterElements(nn.Module, OnnxToTorchModuleWithCustomExport):
         return attrs
 
     def _scatter(self, data: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
-        index = _in_range(indices.long(), data.shape[self.axis])
+        index = index_from_end(indices.long(), data.shape[self.axis])
         if self.reduction == "none":
             return data.scatter(self.axis, index, updates)
         return data.scatter_reduce(self.axis, index, updates, _REDUCE[self.reduction], include_self=True)
@@ -107,7 +102,7 @@ class OnnxGatherND(nn.Module):
         flat = torch.zeros_like(idx[..., 0])
         for j in range(k):  # row-major position of each index tuple in the indexed dims
             size = data.shape[b + j]
-            flat = flat * size + _in_range(idx[..., j], size)
+            flat = flat * size + index_from_end(idx[..., j], size)
         rows = torch.arange(table.shape[0], device=data.device).reshape(-1, 1)
         return table[rows, flat].reshape(indices.shape[:-1] + data.shape[b + k:])
 
