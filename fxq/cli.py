@@ -743,8 +743,9 @@ def _configure_logging(level: int) -> logging.Handler:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
+    from fxq.errors import one_line
+
+    return one_line(exc) or type(exc).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,7 +15,13 @@ __all__ = [
     "ExportError",
     "RegistryError",
     "NotSupportedError",
+    "one_line",
 ]
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line (whitespace runs collapsed), for quoting it inside fxq's own messages."""
+    return " ".join(str(exc).split())
 
 
 class FxqError(Exception):

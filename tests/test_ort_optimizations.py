@@ -123,11 +123,11 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     return 1.0 if na == nb == 0 else float(a @ b / (na * nb)) if na and nb else 0.0
 
 
-def _export(model: nn.Module, platform: str, tmp_path, caplog) -> tuple:
+def _export(model: nn.Module, platform: str, tmp_path, caplog, **options) -> tuple:
     q = quantize_model(model, platform, shape=(2, 3, 32, 32))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="fxq.backends"):
-        path = fxq.export(q, platform, tmp_path / f"{platform}.onnx")[0]
+        path = fxq.export(q, platform, tmp_path / f"{platform}.onnx", **options)[0]
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     torch.manual_seed(5)
     x = torch.randn(2, 3, 32, 32)
@@ -208,10 +208,15 @@ def test_bias_rounding_check_on_a_hand_written_graph():
         assert bool(np.any(_run_model(m, x, "ORT_ENABLE_BASIC") != as_written)) == flagged
 
 
-def test_faint_input_to_an_int32_bias_ort_export_warns_about_the_wrapping_accumulator(tmp_path, caplog):
-    """ort_int8: int32 bias codes saturated at the int32 limits plus non-zero input codes; QGemm wraps."""
+@pytest.mark.parametrize("weights", ["dq", "qdq"])
+def test_faint_input_to_an_int32_bias_ort_export_warns_about_the_wrapping_accumulator(tmp_path, caplog, weights):
+    """ort_int8: int32 bias codes saturated at the int32 limits plus non-zero input codes; QGemm wraps. With
+    ``weights="qdq"`` the weight codes are read through the file's QuantizeLinear of the FP32 weights."""
     torch.manual_seed(0)
-    path, x, sim, warnings = _export(Faint().eval(), "ort_int8", tmp_path, caplog)
+    path, x, sim, warnings = _export(Faint().eval(), "ort_int8", tmp_path, caplog, weights=weights)
+    model = onnx.load(path)
+    weight_q = [n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0].startswith("fc.weight")]
+    assert bool(weight_q) == (weights == "qdq")
     found = [w for w in warnings if "QDQSelectorActionTransformer" in w]
     assert len(found) == 1, warnings
     assert "Gemm" in found[0] and "'fc.bias" in found[0] and "wraps around" in found[0], found[0]

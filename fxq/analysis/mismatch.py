@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import fx
 
-from fxq.errors import ConfigError, FrontendError, NotSupportedError
+from fxq.errors import ConfigError, FrontendError, NotSupportedError, one_line
 from fxq.graph.nodes import Interpreter
 from fxq.onnx_data import ort_session
 
@@ -351,7 +351,7 @@ def locate_mismatch(
     try:
         sess = _session(model, optimize)
     except Exception as exc:  # noqa: BLE001  (onnxruntime's own errors: one line)
-        raise FrontendError(f"onnxruntime cannot load the exported file: {' '.join(str(exc).split())}") from exc
+        raise FrontendError(f"onnxruntime cannot load the exported file: {one_line(exc)}") from exc
 
     runner = GraphRunner(qmodel)
     placeholders = [n for n in qmodel.graph.nodes if n.op == "placeholder"]
@@ -387,7 +387,7 @@ def locate_mismatch(
             try:
                 got = sess.run(fetch, feed)
             except Exception as exc:  # noqa: BLE001
-                raise ConfigError(f"onnxruntime failed on batch {batches}: {' '.join(str(exc).split())}") from exc
+                raise ConfigError(f"onnxruntime failed on batch {batches}: {one_line(exc)}") from exc
             for rec, ref, out in zip(records, sim, got):
                 out = np.asarray(out).astype(np.int64)
                 if out.shape != ref.shape:

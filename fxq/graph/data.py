@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import fx, nn
 
-from fxq.errors import CalibrationError, ConfigError, FxqError, GraphError
+from fxq.errors import CalibrationError, ConfigError, FxqError, GraphError, one_line
 from fxq.graph.info import is_quantizer_node
 from fxq.graph.nodes import Interpreter
 
@@ -277,7 +277,7 @@ def rewrite_failure(node: str | None, exc: BaseException, what: str | None = Non
     where = f"node {node!r}" if node is not None else block or "the model"
     during = f" during {what}" if what else ""
     return GraphError(f"{where} failed in fxq's quantized model{during} on a batch that the FP32 model runs "
-                      f"({type(exc).__name__}: {' '.join(str(exc).split())}): this is a failure of fxq's own "
+                      f"({type(exc).__name__}: {one_line(exc)}): this is a failure of fxq's own "
                       f"rewrite, not of your data; please report it to fxq with this message")
 
 
@@ -338,7 +338,7 @@ def diagnose_block_failure(module: fx.GraphModule, args: Sequence[Any], fp32_arg
         node = _fp32_fails(module, list(fp32_args))
         if node is not None:
             return CalibrationError(f"{what}: the FP32 model fails on calibration batch {batch} too, at node {node!r} "
-                                    f"({type(exc).__name__}: {' '.join(str(exc).split())}); give batches that "
+                                    f"({type(exc).__name__}: {one_line(exc)}); give batches that "
                                     f"the model runs (the ones it was calibrated on)")
         return _locate(module, list(args), exc, what, block)
 
@@ -390,7 +390,7 @@ def algorithm_errors(what: str, diagnose: Callable[[BaseException], FxqError | N
             own = rewrite_failure(None, exc, what)
         if own is None:
             own = CalibrationError(f"{what}: the FP32 model fails on a batch too ({type(exc).__name__}: "
-                                   f"{' '.join(str(exc).split())}); give batches that the model runs")
+                                   f"{one_line(exc)}); give batches that the model runs")
         raise own from exc
 
 

@@ -61,25 +61,27 @@ def _accumulator_reach(node: Any, dq_in: Any, dq_w: Any, const: Any, prod: dict[
     zw = const(dq_w.input[2]) if len(dq_w.input) > 2 and dq_w.input[2] else None
     if (zw is not None and zw.dtype.kind not in "iu") or (w is not None and w.dtype.kind not in "iu"):
         return None  # FP8 codes: onnxruntime has no fused integer kernel for them, nothing accumulates in int32
+
+    def along_axis(v: np.ndarray, rank: int) -> np.ndarray:
+        """A per-tensor or per-channel parameter of the DequantizeLinear, shaped to broadcast over the weight."""
+        shape = [1] * rank
+        if v.size > 1:
+            shape[int(attr(dq_w, "axis", 1)) % rank] = -1
+        return v.reshape(shape)
+
     if w is None:  # weights="qdq": the codes are those of a QuantizeLinear of an FP32 constant, folded
         q_w = prod.get(dq_w.input[0])
         w = const(q_w.input[0]) if q_w is not None and q_w.op_type == "QuantizeLinear" else None
         if w is None or s_w is None or w.ndim < 2:
             return None
-        shape = [1] * w.ndim
-        if s_w.size > 1:
-            shape[int(attr(dq_w, "axis", 1)) % w.ndim] = -1
         code_type = helper.np_dtype_to_tensor_dtype(zw.dtype if zw is not None else np.dtype(np.uint8))
-        w = np.round(w / s_w.reshape(shape)) + (0 if zw is None else zw.astype(np.float64).reshape(shape))
-        w = np.clip(w, *INT_RANGES[code_type])
+        w = np.round(w / along_axis(s_w, w.ndim)) + (0 if zw is None else along_axis(zw.astype(np.float64), w.ndim))
+        w = np.clip(w, *INT_RANGES[code_type])  # QuantizeLinear: half to even, saturated
     if w.ndim < 2:
         return None
     w = w.astype(np.int64)
     if zw is not None and zw.size:
-        shape = [1] * w.ndim
-        if zw.size > 1:
-            shape[int(attr(dq_w, "axis", 1)) % w.ndim] = -1
-        w = w - zw.astype(np.int64).reshape(shape)
+        w = w - along_axis(zw.astype(np.int64), w.ndim)
     out_axis = 0 if node.op_type == "Conv" or attr(node, "transB", 0) else 1
     per_out = np.abs(w).sum(axis=tuple(a for a in range(w.ndim) if a != out_axis))
     zx = const(dq_in.input[2]) if len(dq_in.input) > 2 and dq_in.input[2] else np.zeros((), np.uint8)
