@@ -2,6 +2,7 @@
 
     python bench/export_memory.py                                   # resnet152 and vit_l_16, trt_int8 and ort_int8
     python bench/export_memory.py --models resnet50 --platforms trt_int8,ncnn_int8 --size 64
+    python bench/export_memory.py --models mlp --json     # 6 x Linear(2048): 96 MiB, tests/test_export_memory.py
 
 Each model x platform runs in its own subprocess. A stage's peak is the process's resident high-water mark
 (``VmHWM``, reset through ``/proc/self/clear_refs`` before the stage) minus its resident size when the stage began,
@@ -23,7 +24,7 @@ import sys
 
 _CHILD = r"""
 import json, os, sys, tempfile
-import torch, torchvision
+import torch
 import fxq
 
 def status(key):
@@ -42,9 +43,14 @@ def peak_over(fn):
 name, platform, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.manual_seed(0)
 torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-model = getattr(torchvision.models, name)().eval()
+if name == "mlp":  # no convolutions: the export's own copies dominate, nothing of torchvision is imported
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(6)]).eval()
+    x = torch.randn(4, 2048)
+else:
+    import torchvision
+    model = getattr(torchvision.models, name)().eval()
+    x = torch.randn(1, 3, size, size)
 weights = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
-x = torch.randn(1, 3, size, size)
 q, q_peak = peak_over(lambda: fxq.quantize(model, [(x,), (x + 0.1,)], platform=platform, progress=False))
 with tempfile.TemporaryDirectory() as d:
     files, e_peak = peak_over(lambda: fxq.export(q, platform, os.path.join(d, "m.onnx")))
@@ -60,21 +66,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="resnet152,vit_l_16")
     ap.add_argument("--platforms", default="trt_int8,ort_int8")
     ap.add_argument("--size", type=int, default=0, help="input side (default: 224 for ViTs, 64 otherwise)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per model x platform, not a table")
     args = ap.parse_args(argv)
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    print("| model | platform | FP32 weights MiB | quantize peak / weights | export peak / weights | files MiB |")
-    print("|---|---|---:|---:|---:|---:|")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # freed tensors leave at once: live memory is measured
+    if not args.json:
+        print("| model | platform | FP32 weights MiB | quantize peak / weights | export peak / weights | files MiB |")
+        print("|---|---|---:|---:|---:|---:|")
     for name in args.models.split(","):
         size = args.size or (224 if name.startswith(("vit_", "swin_", "maxvit")) else 64)
         for platform in args.platforms.split(","):
             proc = subprocess.run([sys.executable, "-c", _CHILD, name, platform, str(size)], capture_output=True,
                                   text=True, env=env)
             if proc.returncode != 0:
-                print(f"| {name} | {platform} | failed: {proc.stderr.strip().splitlines()[-1:]} |||")
+                error = proc.stderr.strip()[-3000:]
+                print(json.dumps({"model": name, "platform": platform, "error": error}) if args.json else
+                      f"| {name} | {platform} | failed: {error.splitlines()[-1:]} |||", flush=True)
                 continue
             r = json.loads(proc.stdout.strip().splitlines()[-1])
-            print(f"| {name} | {platform} | {r['weights_mib']} | {r['quantize_x']} | {r['export_x']} | "
-                  f"{r['files_mib']} |", flush=True)
+            print(json.dumps(r) if args.json else f"| {name} | {platform} | {r['weights_mib']} | {r['quantize_x']} | "
+                  f"{r['export_x']} | {r['files_mib']} |", flush=True)
     return 0
 
 
