@@ -200,17 +200,18 @@ def _onnx_open_shapes(path: Path, shapes: Any) -> dict[str, list[int]] | None:
 
 
 def _load_model_for(args: argparse.Namespace) -> _Loaded:
-    """:func:`load_model` of ``args``. An ONNX file whose symbolic dims must be fixed for loading, given no
-    ``--input-shape``, is loaded at the shapes of the first calibration batch (what the error would advise; the
-    exports keep those dims dynamic), with a WARNING saying so."""
+    """:func:`load_model` of ``args``. An ONNX file with symbolic input dims that fails to load without
+    ``--input-shape`` is loaded again at the shapes of the first calibration batch (what its error advises: a rank
+    shape inference cannot tell, a converter that needs a size; the exports keep those dims dynamic), with a
+    WARNING saying so."""
     from fxq.errors import FrontendError, FxqError
 
     shapes = _input_shapes(args)
     try:
         return load_model(args.model, args.caffemodel, shapes)
-    except FrontendError as exc:
-        if shapes or Path(args.model).suffix.lower() != ".onnx" or "input_shapes=" not in str(exc) \
-                or not getattr(args, "calib", None):
+    except FrontendError:
+        if shapes or Path(args.model).suffix.lower() != ".onnx" or not getattr(args, "calib", None) \
+                or not _has_open_dims(Path(args.model)):
             raise
         try:
             data_shapes = _first_batch_shapes(args)
@@ -219,11 +220,23 @@ def _load_model_for(args: argparse.Namespace) -> _Loaded:
             data_shapes = None
         if data_shapes is None:
             raise
-        shown = " ".join(f"{k}={','.join(map(str, v))}" for k, v in data_shapes.items()) \
-            if isinstance(data_shapes, dict) else ",".join(map(str, data_shapes))
-        logger.warning("%s has symbolic dims that loading must fix: fixed from the first calibration batch (%s); "
-                       "the exports keep them dynamic. Pass --input-shape to choose other sizes", args.model, shown)
-        return load_model(args.model, args.caffemodel, data_shapes)
+    shown = " ".join(f"{k}={','.join(map(str, v))}" for k, v in data_shapes.items()) \
+        if isinstance(data_shapes, dict) else ",".join(map(str, data_shapes))
+    logger.warning("%s has symbolic dims that loading must fix: fixed from the first calibration batch (%s); "
+                   "the exports keep them dynamic. Pass --input-shape to choose other sizes", args.model, shown)
+    return load_model(args.model, args.caffemodel, data_shapes)
+
+
+def _has_open_dims(path: Path) -> bool:
+    """Whether ONNX file ``path`` declares an input with a symbolic or unknown dim (or rank)."""
+    import onnx
+
+    from fxq.frontends.onnx.shapes import symbolic_inputs
+
+    try:
+        return bool(symbolic_inputs(onnx.load(str(path), load_external_data=False)))
+    except Exception:  # noqa: BLE001  (unreadable: load_onnx's error stands)
+        return False
 
 
 def _first_batch_shapes(args: argparse.Namespace) -> list[int] | dict[str, list[int]] | None:

@@ -331,3 +331,4 @@ def _fixed_width(tmp_path: Path) -> Path:
     path = tmp_path / "fixed.onnx"
     onnx.save(model, path)
     return path
+
