@@ -309,6 +309,29 @@ def test_exported_token_count_follows_the_width(tmp_path, platform: str) -> None
             np.testing.assert_allclose(got, sim, atol=1e-5)  # shape ops only after the last Q/DQ: exact
 
 
+def test_ncnn_token_count_follows_the_width(tmp_path, caplog) -> None:
+    """The ncnn file of the recognizer's pattern runs at widths other than the calibration's: the head split's
+    token count (read from a rank-3 tensor's shape) is written as ncnn's inferred dim (-1), not baked in. The
+    builder used to probe only rank-4 tensors' spatial dims, so it took this count for a constant."""
+    ncnn = pytest.importorskip("ncnn")
+    from test_export_ncnn import run_ncnn
+
+    gm = fxq.load_onnx(_tokens_file(tmp_path / "tokens.onnx"), input_shapes={"x": [1, 3, 4, 16]})
+    gm = fxq.quantize(gm, [torch.randn(1, 3, 4, 16) for _ in range(2)], "ncnn_int8", progress=False)
+    fxq.export(gm, "ncnn_int8", tmp_path / "q")
+    assert "export-time" not in caplog.text  # no "runs only at the export-time input size" warning either
+    heads = [line.split() for line in (tmp_path / "q.param").read_text().splitlines() if line.startswith("Reshape")]
+    assert ["0=4", "1=2", "2=-1"] == heads[-1][6:], heads
+    assert ncnn is not None
+    for width in (16, 24, 8):
+        x = torch.randn(1, 3, 4, width)
+        with torch.no_grad():
+            sim = gm(x).numpy()[0]
+        got = run_ncnn(tmp_path / "q.param", tmp_path / "q.bin", [x], int8=True)[0]["out0"]
+        assert got.shape == sim.shape == (4 * width, 2, 4)
+        assert np.abs(got - sim).max() <= 0.05 * np.abs(sim).max()  # int8 conv / matmul in ncnn's own kernels
+
+
 def test_calibration_batches_may_vary_in_the_source_files_symbolic_dims(tmp_path) -> None:
     """A model loaded from a file whose width is symbolic takes batches of other widths (OCR text lines)."""
     gm = fxq.load_onnx(_tokens_file(tmp_path / "tokens.onnx"), input_shapes={"x": [1, 3, 4, 16]})

@@ -16,6 +16,7 @@ from fxq.graph.nodes import Interpreter
 
 __all__ = [
     "to_device",
+    "source_dynamic_dims",
     "iter_batches",
     "call_model",
     "model_device",
@@ -170,12 +171,17 @@ def to_device(value: Any, device: torch.device | str) -> Any:
     return value
 
 
-def _source_dynamic_dims(model: nn.Module, name: str) -> set[int]:
-    """Dims of input ``name`` that the model's source ONNX file leaves symbolic or unknown (any size runs)."""
+def source_dynamic_dims(model: nn.Module, placeholder: fx.Node) -> set[int] | None:
+    """Dims of an input that the model's source ONNX file leaves symbolic or unknown (any size runs there);
+    None when the model has no source file's shapes (a native model: nothing says which dims may vary)."""
     meta = getattr(model, "meta", None)
     onnx_meta = meta.get("onnx") if isinstance(meta, dict) else None
     shapes = onnx_meta.get("source_input_shapes") if isinstance(onnx_meta, dict) else None
-    dims = shapes.get(name) if isinstance(shapes, dict) else None
+    if not isinstance(shapes, dict):
+        return None
+    info = placeholder.meta.get("onnx")
+    names = info.get("outputs", []) if isinstance(info, dict) else []
+    dims = shapes.get(names[0] if names else placeholder.name)
     return {i for i, d in enumerate(dims or []) if not (isinstance(d, int) and d > 0)}
 
 
@@ -199,9 +205,7 @@ def _check(model: nn.Module, args: tuple, kwargs: dict) -> None:
     for p in phs:
         val, ref = named.get(p.name), p.meta.get("val")
         if isinstance(val, torch.Tensor) and isinstance(ref, torch.Tensor):
-            info = p.meta.get("onnx")
-            onnx_names = info.get("outputs", []) if isinstance(info, dict) else []
-            free = _source_dynamic_dims(model, onnx_names[0] if onnx_names else p.name) | {0}
+            free = (source_dynamic_dims(model, p) or set()) | {0}
             if val.dim() != ref.dim() or any(a != b for i, (a, b) in enumerate(zip(val.shape, ref.shape))
                                              if i not in free):
                 raise CalibrationError(

@@ -38,8 +38,9 @@ from fxq.backends.ncnn.registry import NCNN_CONVERTERS, converts_tuples, takes_a
 from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim, shape_params
 from fxq.errors import ExportError
 from fxq.functional import fake_quantize
+from fxq.graph.data import source_dynamic_dims
 from fxq.graph.info import is_quantizer_node
-from fxq.graph.nodes import get_attr_value
+from fxq.graph.nodes import Interpreter, get_attr_value
 from fxq.graph.op_types import op_type
 from fxq.graph.passes import propagate_tensor_meta
 from fxq.graph.quant_graph import QuantGraph
@@ -107,7 +108,8 @@ class NcnnBuilder:
         self.used_quantizers: set[tuple[fx.Node, fx.Node]] = set()  # (quantizer node, consumer node)
         self._warned: set[str] = set()
         self.static_nodes: set[fx.Node] = set()  # values computed from shapes, constants and stored tensors
-        self._static: dict[tuple[fx.Node, bool], Any] = {}
+        self._static: dict[tuple[fx.Node, int | None], Any] = {}
+        self._probes: list[dict[fx.Node, tuple[int, ...]]] | None = None  # :meth:`probe_shapes`
 
     # ------------------------------------------------------------------ graph helpers
     def is_quantizer(self, node: Any) -> bool:
@@ -330,14 +332,15 @@ class NcnnBuilder:
             if self.op(node) == "Shape" or (ins and all(i in self.static_nodes or i.op == "get_attr" for i in ins)):
                 self.static_nodes.add(node)
 
-    def static_value(self, node: fx.Node, probe: bool = False) -> Any:
+    def static_value(self, node: fx.Node, probe: int | None = None) -> Any:
         """The export-time value of a shape-only node, run on stand-ins of the recorded shapes (batch 1).
 
-        ``probe``: with the spatial dims (dims 2+ of rank >= 4 values) doubled, to tell which numbers follow
-        the input's size (:meth:`resolution_dependent`)."""
+        ``probe``: the value at the input size of probe ``probe`` (:meth:`probe_shapes`), to tell which numbers
+        follow the input's size (:meth:`resolution_dependent`)."""
         key = (node, probe)
         if key in self._static:
             return self._static[key]
+        shapes = self.probe_shapes()[probe] if probe is not None else {}
 
         def value(a: Any) -> Any:
             if not isinstance(a, fx.Node):
@@ -348,9 +351,7 @@ class NcnnBuilder:
                 return get_attr_value(self.gm, str(a.target)).detach()
             val = a.meta.get("val")
             if isinstance(val, torch.Tensor):
-                shape = [int(d) for d in val.shape]
-                if probe and len(shape) >= 4:
-                    shape[2:] = [2 * d for d in shape[2:]]
+                shape = shapes.get(a, tuple(int(d) for d in val.shape))
                 return torch.zeros((), dtype=val.dtype).expand(shape)  # the shape, no memory
             return val
 
@@ -365,17 +366,85 @@ class NcnnBuilder:
         self._static[key] = out
         return out
 
-    def resolution_dependent(self, node: fx.Node) -> torch.Tensor:
-        """Per element of a shape-only value: whether it follows the input's spatial size (all False when the
-        probe fails)."""
-        value = torch.as_tensor(self.static_value(node))
+    def varying_input_dims(self) -> list[tuple[fx.Node, int]]:
+        """The input dims an ncnn file should follow (ncnn has no batch): those the source ONNX file leaves
+        symbolic, or, for a model without a source file, the spatial dims (2+) of inputs of rank 4 or more."""
+        dims = []
+        for ph in (n for n in self.gm.graph.nodes if n.op == "placeholder"):
+            val = ph.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                continue
+            source = source_dynamic_dims(self.gm, ph)
+            free = source - {0} if source is not None else set(range(2, val.dim()) if val.dim() >= 4 else ())
+            dims += [(ph, d) for d in sorted(free) if d < val.dim()]
+        return dims
+
+    def probe_shapes(self) -> list[dict[fx.Node, tuple[int, ...]]]:
+        """Every node's output shape with the varying input dims (:meth:`varying_input_dims`) doubled: all at
+        once, else each alone (an OCR recognizer's height is symbolic in its file but only its width may vary).
+        Run once, on seeded stand-in inputs; a size the model does not run at gives no probe."""
+        if self._probes is not None:
+            return self._probes
+        wanted = self.varying_input_dims()
+        self._probes = []
+        for group in [wanted] + ([[w] for w in wanted] if len(wanted) > 1 else []):
+            shapes = self._run_shapes(group) if group else None
+            if shapes is not None:
+                self._probes.append(shapes)
+                if group is wanted:
+                    break  # every dim at once ran: nothing more to learn
+        return self._probes
+
+    def _run_shapes(self, doubled: list[tuple[fx.Node, int]]) -> dict[fx.Node, tuple[int, ...]] | None:
+        gen = torch.Generator().manual_seed(0)
+        device = next((t.device for t in self.gm.parameters()), torch.device("cpu"))
+        args = []
+        for ph in (n for n in self.gm.graph.nodes if n.op == "placeholder"):
+            val = ph.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                return None
+            shape = [int(d) * (2 if (ph, i) in doubled else 1) for i, d in enumerate(val.shape)]
+            x = torch.randn(shape, generator=gen) if val.dtype.is_floating_point else torch.zeros(shape)
+            args.append(x.to(val.dtype).to(device))
+        shapes: dict[fx.Node, tuple[int, ...]] = {}
+
+        class _Recorder(Interpreter):
+            def run_node(self, n: fx.Node) -> Any:
+                out = super().run_node(n)
+                if isinstance(out, torch.Tensor):
+                    shapes[n] = tuple(int(d) for d in out.shape)
+                return out
+
         try:
-            other = torch.as_tensor(self.static_value(node, probe=True))
-        except Exception:  # noqa: BLE001  (a graph that does not run at another size: nothing follows it)
-            return torch.zeros(value.shape, dtype=torch.bool)
-        if other.shape != value.shape:
-            return torch.ones(value.shape, dtype=torch.bool)
-        return other != value
+            with torch.no_grad():
+                _Recorder(self.gm).run(*args)
+        except Exception as exc:  # noqa: BLE001  (the model takes only its export-time sizes there)
+            logger.debug("ncnn export: the model does not run with input dims %s doubled (%s)",
+                         [(ph.name, d) for ph, d in doubled], exc)
+            return None
+        return shapes
+
+    def probed_shapes(self, *nodes: fx.Node) -> list[tuple[tuple[int, ...], ...]]:
+        """The torch shapes of ``nodes`` (past quantizers) at each probe size (:meth:`probe_shapes`) where all
+        of them have their export-time rank."""
+        srcs = [(self.strip(n), len(self.shape(n))) for n in nodes]
+        return [tuple(p[s] for s, _ in srcs) for p in self.probe_shapes()
+                if all(s in p and len(p[s]) == rank for s, rank in srcs)]
+
+    def resolution_dependent(self, node: fx.Node) -> torch.Tensor:
+        """Per element of a shape-only value: whether it follows the input's size (all False without a probe,
+        :meth:`probe_shapes`)."""
+        value = torch.as_tensor(self.static_value(node))
+        follows = torch.zeros(value.shape, dtype=torch.bool)
+        for i in range(len(self.probe_shapes())):
+            try:
+                other = torch.as_tensor(self.static_value(node, probe=i))
+            except Exception:  # noqa: BLE001  (a value that cannot be computed at that size tells nothing)
+                continue
+            if other.shape != value.shape:
+                return torch.ones(value.shape, dtype=torch.bool)
+            follows |= other != value
+        return follows
 
     # ------------------------------------------------------------------ weights and int8
     def weight(self, arg: Any, node: fx.Node, out_axis: int = 0) -> WeightInfo:

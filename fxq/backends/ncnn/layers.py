@@ -858,63 +858,74 @@ def _reshape(b: NcnnBuilder, node: fx.Node) -> None:
     if not blob_shape:
         raise b.fail(node, f"reshape {in_shape} -> {out_shape} gives a rank-0 blob",
                      "ncnn blobs have rank 1 to 4 without the batch dimension")
-    if blob_shape == b.blob_shape(x):
+    if blob_shape == b.blob_shape(x) or fold_dims(blob_shape) == b.stored_shape(x):
         b.alias(node, x, out_bd)
     elif len(blob_shape) == 1:
         b.emit(node, "Flatten", [b.blob(x, node)], batch_dim=out_bd)
-    elif bd == 0 and out_bd == 0 and len(blob_shape) <= 4 and not b.high_rank(x):
-        b.emit(node, "Reshape", [b.blob(x, node)], _reshape_params(b, node, x, blob_shape), batch_dim=0)
-    elif fold_dims(blob_shape) == b.stored_shape(x):
-        b.alias(node, x, out_bd)
     else:
-        b.emit(node, "Reshape", [b.blob(x, node)], shape_params(fold_dims(blob_shape)), batch_dim=out_bd)
+        b.emit(node, "Reshape", [b.blob(x, node)], _reshape_params(b, node, x, out_bd), batch_dim=out_bd)
 
 
 _NAMES = {1: "w", 2: "hw", 3: "chw", 4: "cdhw"}  # ncnn's names of a blob's dims, outermost first
 
 
-def _reshape_params(b: NcnnBuilder, node: fx.Node, x: fx.Node, blob_shape: tuple[int, ...]) -> dict[int, int]:
-    """ncnn ``Reshape`` params of a batch-first reshape to ``blob_shape``, written to follow the input's size
-    where they can: a dim equal to the input's same-named ncnn dim (w, h, d; c when it follows the input's size)
-    is 0 (keep), the target's -1 stays -1, or else one dim that follows the input's size is -1 (inferred).
+def _reshape_params(b: NcnnBuilder, node: fx.Node, x: fx.Node, out_bd: int | None) -> dict[int, int]:
+    """ncnn ``Reshape`` params of ``node`` (its blob leaves out torch dim ``out_bd``), written to follow the
+    input's size where they can.
 
-    The target's numbers come from the node (a shape-only value, :meth:`NcnnBuilder.static_value`, tells which
-    follow the input's spatial size); a dim that follows it but can be neither is baked in, with a warning."""
-    target: list[Any] | None = None
-    dep: list[bool] | None = None
-    shape_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("shape")
-    if b.op(node) == "Reshape" and b.module(node) is not None and isinstance(shape_arg, fx.Node):
-        src = b.strip(shape_arg)
-        if src in b.static_nodes:
-            target = [int(v) for v in torch.as_tensor(b.static_value(src)).reshape(-1).tolist()]
-            dep = [bool(v) for v in b.resolution_dependent(src).reshape(-1).tolist()]
-        elif src.op == "get_attr":
-            target = [int(v) for v in b.param(src, node, "shape").reshape(-1).tolist()]
-    elif b.op(node) == "Reshape" and b.module(node) is None:
-        items = node.args[1:] if not isinstance(shape_arg, (list, tuple)) else shape_arg
-        target = [v if isinstance(v, int) else None for v in items]
-    codes = list(blob_shape)
-    if target is None or len(target) != len(blob_shape) + 1 or (dep is not None and len(dep) != len(target)):
-        return shape_params(blob_shape)
-    target, dep = target[1:], (dep[1:] if dep is not None else None)
-    in_shape = b.blob_shape(x)
-    in_dims = dict(zip(_NAMES.get(len(in_shape), ""), in_shape))
-    for i, name in enumerate(_NAMES[len(blob_shape)]):
-        follows = dep[i] if dep is not None else name != "c"  # unknown: spatial names only
-        if target[i] == -1:
-            codes[i] = -1
-        elif in_dims.get(name) == blob_shape[i] and (follows or target[i] == 0):
+    Which dims follow it is measured: the blobs' shapes at the builder's probe sizes
+    (:meth:`NcnnBuilder.probed_shapes`, the varying input dims doubled). A dim that follows is 0 (keep) where it
+    equals the input blob's same-named ncnn dim (w, h, d, c) at every size, else the one -1 (inferred); a second
+    one that follows can be neither and is baked in, with a warning. Without a probe (no varying input dims, or
+    the model does not run at another size), a batch-first reshape keeps the target's -1 and writes 0 for a dim
+    equal to the input's same-named spatial dim, as the node's own numbers say (a target's 0 keeps ``c`` too).
+    The input's outermost dim is never kept: with packing on, ncnn's x86 Reshape reads it in packs (a rank-4
+    input's ``c`` of 24 kept as 3)."""
+    in_bd = b.batch_dim(x)
+    in_blob, out_blob = b.stored_shape(x), fold_dims(drop_dim(b.shape(node), out_bd))
+    names, packed = _NAMES[len(out_blob)], _NAMES[len(in_blob)][0]  # packed: the input's outermost dim,
+    codes = list(out_blob)  # which ncnn's packed layouts keep in packs
+    base_in, base_out = b.shape(x), b.shape(node)
+    sizes = [(in_blob, out_blob)] + [
+        (fold_dims(drop_dim(pi, in_bd)), fold_dims(drop_dim(po, out_bd))) for pi, po in b.probed_shapes(x, node)
+        if (in_bd is None or pi[in_bd] == base_in[in_bd]) and (out_bd is None or po[out_bd] == base_out[out_bd])]
+    sizes = [(i, o) for i, o in sizes if len(i) == len(in_blob) and len(o) == len(out_blob)]
+    if len(sizes) == 1:
+        target = _reshape_target(b, node) if in_bd == 0 and out_bd == 0 and not b.high_rank(x) else None
+        if target is None or len(target) != len(out_blob) + 1:
+            return shape_params(out_blob)
+        in_dims = dict(zip(_NAMES[len(in_blob)], in_blob))
+        for i, name in enumerate(names):
+            if target[i + 1] == -1:
+                codes[i] = -1
+            elif in_dims.get(name) == out_blob[i] and name != packed and (name != "c" or target[i + 1] == 0):
+                codes[i] = 0
+        return shape_params(tuple(codes))
+    follows = [any(o[i] != out_blob[i] for _, o in sizes) for i in range(len(out_blob))]
+    for i, name in enumerate(names):
+        if follows[i] and name != packed and all(dict(zip(_NAMES[len(inp)], inp)).get(name) == o[i]
+                                                 for inp, o in sizes):
             codes[i] = 0
-    if dep is not None:
-        left = [i for i, c in enumerate(codes) if dep[i] and c > 0]
-        if left and -1 not in codes:
-            codes[left.pop(0)] = -1
-        if left:
-            b.warn_once(f"baked:{node.name}", "ncnn export: reshape %s -> %s of node %s has dims %s that follow the "
-                        "input's spatial size but ncnn's Reshape can neither keep (0) nor infer (-1) them; the file "
-                        "runs only at the export-time input size", b.shape(x), b.shape(node), node.name,
-                        [blob_shape[i] for i in left])
+    left = [i for i in range(len(codes)) if follows[i] and codes[i] > 0]
+    if left:
+        codes[left.pop(0)] = -1
+    if left:
+        b.warn_once(f"baked:{node.name}", "ncnn export: reshape %s -> %s of node %s has dims %s that follow the "
+                    "input's size but ncnn's Reshape can neither keep (0) nor infer (-1) them; the file runs only at "
+                    "the export-time input size", base_in, base_out, node.name, [out_blob[i] for i in left])
     return shape_params(tuple(codes))
+
+
+def _reshape_target(b: NcnnBuilder, node: fx.Node) -> list[int] | None:
+    """The numbers a ``Reshape`` node asks for (ONNX's 0 and -1 included), where they are known at export."""
+    shape_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("shape")
+    if b.op(node) != "Reshape":
+        return None
+    if b.module(node) is not None:
+        value = b.fixed_value(shape_arg) if isinstance(shape_arg, fx.Node) else None
+        return None if value is None else [int(v) for v in torch.as_tensor(value).reshape(-1).tolist()]
+    items = node.args[1:] if not isinstance(shape_arg, (list, tuple)) else shape_arg
+    return [v if isinstance(v, int) else -2 for v in items]  # -2: computed at run time, neither 0 nor -1
 
 
 @register_ncnn_converter("Slice", any_batch_dim=True, high_rank=True)
