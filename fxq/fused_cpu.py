@@ -227,11 +227,13 @@ def _writable_cpu(x: torch.Tensor, *params: torch.Tensor) -> bool:
 
 
 def _plain_cpu(x: torch.Tensor, others: tuple[torch.Tensor, ...], x_types: tuple[type, ...]) -> bool:
-    """A contiguous float32/float64 CPU ``x`` of one of ``x_types``, plain CPU tensors ``others``, nothing tracing."""
+    """A contiguous float32/float64 CPU ``x`` of one of ``x_types``, plain CPU tensors or ``nn.Parameter``s
+    ``others`` (learned scales and offsets of LSQ / QAT: the kernels only read them, detached), nothing
+    tracing."""
     if type(x) not in x_types or x.dtype not in _FUSED_DTYPES or not x.is_cpu or not x.is_contiguous():
         return False
     for t in others:
-        if type(t) is not torch.Tensor or not t.is_cpu:
+        if type(t) not in _PLAIN_TYPES or not t.is_cpu:
             return False
     return not _tracing_or_mode_active()
 

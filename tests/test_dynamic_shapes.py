@@ -318,7 +318,10 @@ def test_ncnn_token_count_follows_the_width(tmp_path, caplog) -> None:
 
     gm = fxq.load_onnx(_tokens_file(tmp_path / "tokens.onnx"), input_shapes={"x": [1, 3, 4, 16]})
     gm = fxq.quantize(gm, [torch.randn(1, 3, 4, 16) for _ in range(2)], "ncnn_int8", progress=False)
+    gm.train()  # the probe runs in eval mode and gives the modules their own modes back
     fxq.export(gm, "ncnn_int8", tmp_path / "q")
+    assert all(m.training for m in gm.modules())
+    gm.eval()
     assert "export-time" not in caplog.text  # no "runs only at the export-time input size" warning either
     heads = [line.split() for line in (tmp_path / "q.param").read_text().splitlines() if line.startswith("Reshape")]
     assert ["0=4", "1=2", "2=-1"] == heads[-1][6:], heads

@@ -142,6 +142,30 @@ def test_weight_parameters_take_the_fused_path(forced):
     assert_bit_identical(scale.grad, s2.grad)
 
 
+def test_learned_scale_and_offset_parameters_take_the_fused_path(forced):
+    """LSQ and QAT learn a quantizer's scale and offset as ``nn.Parameter``s (``make_learnable``): fused forward
+    and backward, values and gradients of the reference, the parameters never written. The kernels used to
+    accept only plain tensors there, so every learned quantizer ran the eager reference."""
+    x = torch.randn(4, 6, 9, 9, requires_grad=True)
+    scale = torch.nn.Parameter(torch.tensor([0.04]))
+    offset = torch.nn.Parameter(torch.tensor([3.0]))
+    args = (-1, 0, 255, int(RoundingPolicy.HALF_EVEN))
+    weights = torch.arange(float(x.numel())).view(x.shape).remainder(7)
+    before = _fused_calls()
+    y = op.fake_quant_linear(x, scale, offset, *args)
+    (y * weights).sum().backward()
+    assert _fused_calls() == before + 2, "the fused path was not taken"
+    assert scale.item() == pytest.approx(0.04) and offset.item() == 3.0
+    with cpu_fusion(enabled=False):
+        x2 = x.detach().clone().requires_grad_(True)
+        s2, o2 = (torch.nn.Parameter(t.detach().clone()) for t in (scale, offset))
+        y2 = op.fake_quant_linear(x2, s2, o2, *args)
+        (y2 * weights).sum().backward()
+    assert_bit_identical(y.detach(), y2.detach())
+    for got, want in ((x.grad, x2.grad), (scale.grad, s2.grad), (offset.grad, o2.grad)):
+        assert_bit_identical(got, want)
+
+
 def test_overwrite_keeps_gradients(forced):
     """``overwrite=True`` never takes the in-place (no-autograd) path while a gradient is wanted."""
     from fxq.spec import TensorQuantConfig

@@ -415,13 +415,18 @@ class NcnnBuilder:
                     shapes[n] = tuple(int(d) for d in out.shape)
                 return out
 
-        try:
+        training = {m: m.training for m in self.gm.modules()}
+        try:  # in eval mode: a model left in train mode must not update BatchNorm statistics here
+            self.gm.eval()
             with torch.no_grad():
                 _Recorder(self.gm).run(*args)
         except Exception as exc:  # noqa: BLE001  (the model takes only its export-time sizes there)
             logger.debug("ncnn export: the model does not run with input dims %s doubled (%s)",
                          [(ph.name, d) for ph, d in doubled], exc)
             return None
+        finally:
+            for m, flag in training.items():
+                m.training = flag
         return shapes
 
     def probed_shapes(self, *nodes: fx.Node) -> list[tuple[tuple[int, ...], ...]]:
