@@ -394,6 +394,51 @@ def test_conv_transpose_output_shape_auto_pad_and_unequal_pads(case: str, group:
         _assert_same(got, _ort(model, [x], level))
 
 
+@pytest.mark.parametrize("case", [c for c in CONV_T_CASES if c.startswith("output_shape")])
+@pytest.mark.parametrize("input_shapes", [None, {"x": [1, 2, 5, 6]}])
+def test_conv_transpose_output_shape_on_a_symbolic_input(tmp_path, case: str, input_shapes) -> None:
+    """``output_shape`` on a graph input of symbolic size: ONNX computes the pads from the size at run time, so
+    the converted module crops to ``output_shape`` at every input size. It used to be refused, with advice
+    (``input_shapes``) that did not help: the input's declaration stays symbolic. The conv is quantized, the
+    ``.fxq`` file loads, and the trt_int8 file follows the simulation at other sizes."""
+    rng = np.random.default_rng(0)
+    consts = {"w": rng.standard_normal((2, 3, 3, 3)).astype(np.float32),
+              "b": rng.standard_normal(3).astype(np.float32)}
+    model = _model("ConvTranspose", 11, {"x": np.zeros((1, 2, 5, 6), np.float32)}, consts, **CONV_T_CASES[case])
+    for i, d in enumerate(model.graph.input[0].type.tensor_type.shape.dim):
+        d.dim_param = ["n", "c", "h", "w"][i]  # every dim symbolic (c too: shape inference learns it from w)
+    path = tmp_path / "ct.onnx"
+    onnx.save(model, path)
+    gm = load_onnx(path, input_shapes=input_shapes)
+    sizes = [(1, 2, 5, 6), (2, 2, 6, 7), (1, 2, 7, 8)]  # sizes whose pads are >= 0 (a crop of the full output)
+    for shape in sizes:
+        x = rng.standard_normal(shape).astype(np.float32)
+        with torch.no_grad():
+            got = [gm(torch.from_numpy(x)).numpy()]
+        for level in LEVELS:
+            _assert_same(got, _ort(model, [x], level))
+    calib = [torch.from_numpy(rng.standard_normal((1, 2, 5, 6)).astype(np.float32)) for _ in range(2)]
+    q = fxq.quantize(gm, calib, "trt_int8", progress=False)
+    fxq.save(q, tmp_path / "q.fxq")
+    q = fxq.load(tmp_path / "q.fxq")
+    fxq.export(q, "trt_int8", tmp_path / "q.onnx", dynamic_batch=True)
+    exported = onnx.load(tmp_path / "q.onnx")
+    producers = {o: n for n in exported.graph.node for o in n.output}
+    conv_t = [n for n in exported.graph.node if n.op_type == "ConvTranspose"]
+    assert len(conv_t) == 1 and producers[conv_t[0].input[1]].op_type == "DequantizeLinear"  # its weight: int8
+    out_dq = producers[exported.graph.output[0].name]
+    while out_dq.op_type != "DequantizeLinear":  # the crop (Pad) reads the conv's quantized output
+        out_dq = producers[out_dq.input[0]]
+    step = float(next(numpy_helper.to_array(t) for t in exported.graph.initializer if t.name == out_dq.input[1]))
+    for shape in sizes:
+        x = rng.standard_normal(shape).astype(np.float32)
+        with torch.no_grad():
+            sim = q(torch.from_numpy(x)).numpy()
+        for level in LEVELS:
+            diff = np.abs(_ort(exported, [x], level)[0] - sim)
+            assert diff.max() <= 1.001 * step and (diff > 1e-6).mean() <= 0.01, (shape, level)  # rounding ties
+
+
 class _SqueezeExcite(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -229,6 +229,7 @@ _FXQ_CLASSES = (
                                      "CaffeChannelScale3d", "CaffePower", "CaffeLRNWithinChannel", "CaffeInterp")),
     ("fxq.frontends.onnx.converters.auto_pad", ("OnnxSamePad",)),
     ("fxq.frontends.onnx.converters.clip", ("OnnxClipRunTime",)),
+    ("fxq.frontends.onnx.converters.conv_transpose", ("OnnxConvTransposeToShape",)),
     ("fxq.frontends.onnx.converters.cumsum", ("OnnxCumSum",)),
     ("fxq.frontends.onnx.converters.grid_sample", ("OnnxGridSample",)),
     ("fxq.frontends.onnx.converters.group_norm", ("OnnxGroupNormalization", "OnnxMeanVarianceNormalization")),

@@ -13,6 +13,10 @@ negative pads). SAME's pads do not depend on the input size (``total = output_pa
 """
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+import torch.nn.functional as F
 from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OperationConverterResult
@@ -22,14 +26,15 @@ from fxq.frontends.onnx.converters._common import dim_of, result
 from fxq.frontends.onnx.converters.pad import OnnxPad
 from fxq.frontends.onnx.converters.registry import register_onnx_converter
 
-__all__: list[str] = []
+__all__ = ["OnnxConvTransposeToShape"]
 
 _CLASSES = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 
 
 def _pads(node: OnnxNode, graph: OnnxGraph, kernel: list[int], stride: list[int], dilation: list[int],
-          out_pad: list[int]) -> list[tuple[int, int]]:
-    """(begin, end) pad of each spatial dim, from ``pads``, ``auto_pad`` or ``output_shape``."""
+          out_pad: list[int]) -> list[tuple[int, int]] | None:
+    """(begin, end) pad of each spatial dim, from ``pads``, ``auto_pad`` or ``output_shape``; None for an
+    ``output_shape`` whose pads depend on an input size shape inference does not know."""
     a = node.attributes
     n = len(kernel)
     auto_pad = a.get("auto_pad", "NOTSET")  # onnx2torch decodes string attributes
@@ -41,15 +46,44 @@ def _pads(node: OnnxNode, graph: OnnxGraph, kernel: list[int], stride: list[int]
     if output_shape is None:  # SAME: out = in * stride, and the input size cancels out of the total
         sizes = [1] * n
     if any(s is None for s in sizes):
-        raise NotImplementedError("ConvTranspose: output_shape / auto_pad need the input's spatial size, which shape "
-                                  "inference does not know (pass input_shapes to load_onnx)")
+        return None  # output_shape on an input of unknown size: cropped when the module runs
     out = list(output_shape)[-n:] if output_shape is not None else [s * st for s, st in zip(sizes, stride)]
-    result_pads = []
-    for i in range(n):
-        total = stride[i] * (sizes[i] - 1) + out_pad[i] + (kernel[i] - 1) * dilation[i] + 1 - int(out[i])
-        small, large = total // 2, total - total // 2
-        result_pads.append((small, large) if auto_pad == "SAME_UPPER" else (large, small))
-    return result_pads
+    return [_split(stride[i] * (sizes[i] - 1) + out_pad[i] + (kernel[i] - 1) * dilation[i] + 1 - int(out[i]),
+                   auto_pad == "SAME_UPPER") for i in range(n)]
+
+
+def _split(total: Any, upper: bool) -> tuple[Any, Any]:
+    """(begin, end) of ONNX's ``total`` pad: the odd element at the end for SAME_UPPER, else at the start."""
+    small = total // 2
+    large = total - small
+    return (small, large) if upper else (large, small)
+
+
+class OnnxConvTransposeToShape(nn.Module):
+    """``ConvTranspose`` with ``output_shape`` on an input whose size only the run knows: ``conv`` (no padding,
+    the node's ``output_padding``) gives the full output, cropped to ``output_shape`` by pads computed from the
+    input's size at each call, as ONNX computes them. Where an input is so small that ``output_shape`` exceeds the
+    full output (negative pads), the extra positions are zeros here and the bias in onnxruntime. Inlined at load (:func:`~fxq.frontends.onnx.converters.
+    auto_pad.inline_wrappers`), so the conv's weight is quantized and exports write the crop as shape arithmetic."""
+
+    fxq_inline = True
+
+    def __init__(self, conv: nn.Module, output_shape: list[int], upper: bool) -> None:
+        super().__init__()
+        self.conv = conv
+        self.output_shape, self.upper = [int(v) for v in output_shape], upper
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        crop: list[Any] = []
+        for i in reversed(range(len(self.output_shape))):  # F.pad order: last spatial dim first
+            size = y.shape[2 + i]  # = stride * (in - 1) + output_padding + (kernel - 1) * dilation + 1
+            begin, end = _split(size - self.output_shape[i], self.upper)
+            crop += [-begin, -end]
+        return F.pad(y, crop)
+
+    def extra_repr(self) -> str:
+        return f"output_shape={self.output_shape}, {'SAME_UPPER' if self.upper else 'SAME_LOWER'}"
 
 
 @register_onnx_converter("ConvTranspose", (1, 11), override=True)
@@ -66,6 +100,14 @@ def _convert_conv_transpose(node: OnnxNode, graph: OnnxGraph) -> OperationConver
     dilation = [int(d) for d in a.get("dilations", [1] * n)]
     out_pad = [int(p) for p in a.get("output_padding", [0] * n)]
     pads = _pads(node, graph, kernel, stride, dilation, out_pad)
+    if pads is None:  # the crop follows the input's size at run time
+        if any(p >= max(st, d) for p, st, d in zip(out_pad, stride, dilation)):
+            raise NotImplementedError(f"ConvTranspose: output_padding {out_pad} reaches stride {stride} / "
+                                      f"dilation {dilation}: no nn.ConvTranspose form")
+        conv = _conv(node, graph, weight, groups, kernel, stride, dilation, [0] * n, out_pad, has_bias)
+        upper = a.get("auto_pad", "NOTSET") == "SAME_UPPER"
+        return result(OnnxConvTransposeToShape(conv, list(a["output_shape"])[-n:], upper), node,
+                      [node.input_values[0]])
     extras = [out_pad[i] + b - e for i, (b, e) in enumerate(pads)]
     crop = None
     if any(b < 0 or not 0 <= x < max(st, d) for (b, e), x, st, d in zip(pads, extras, stride, dilation)):
@@ -77,13 +119,19 @@ def _convert_conv_transpose(node: OnnxNode, graph: OnnxGraph) -> OperationConver
                                       f"dim {i} (stride {stride[i]}) have no nn.ConvTranspose form")
         crop = [-v for b, e in reversed(pads) for v in (b, e)]  # F.pad order, negative: crop the full output
         pads, extras = [(0, 0)] * n, out_pad
-    module: nn.Module = _CLASSES[n](weight.shape[0], weight.shape[1] * groups, kernel, stride=stride,
-                                    padding=[b for b, _ in pads], output_padding=extras, groups=groups, bias=has_bias,
-                                    dilation=dilation)
-    module.weight.data = weight
-    if has_bias:
-        module.bias.data = graph.initializers[node.input_values[2]].to_torch()
+    module = _conv(node, graph, weight, groups, kernel, stride, dilation, [b for b, _ in pads], extras, has_bias)
     if crop is not None:
         module = nn.Sequential(module, OnnxPad(crop, "constant", rank=n + 2))
         module.fxq_inline = True  # the load inlines it: the conv stays visible to quantizers
     return result(module, node, [node.input_values[0]])
+
+
+def _conv(node: OnnxNode, graph: OnnxGraph, weight: torch.Tensor, groups: int, kernel: list[int], stride: list[int],
+          dilation: list[int], padding: list[int], output_padding: list[int], has_bias: bool) -> nn.Module:
+    n = len(kernel)
+    module = _CLASSES[n](weight.shape[0], weight.shape[1] * groups, kernel, stride=stride, padding=padding,
+                         output_padding=output_padding, groups=groups, bias=has_bias, dilation=dilation)
+    module.weight.data = weight
+    if has_bias:
+        module.bias.data = graph.initializers[node.input_values[2]].to_torch()
+    return module
