@@ -54,6 +54,7 @@ __all__ = [
     "fake_quant_float_inplace",
     "squared_error_sums",
     "values_only",
+    "plain_eager",
     "KERNELS",
     "BoundCall",
     "bind",
@@ -183,8 +184,16 @@ def values_only(tensors: tuple[torch.Tensor, ...]) -> bool:
     op's CPU kernel (:data:`KERNELS`) directly gives the same values and skips the dispatcher's cost
     (about 10 us a call, more than the arithmetic of a small activation)."""
     grad = torch.is_grad_enabled()
+    return all(not (grad and t.requires_grad) for t in tensors) and plain_eager(tensors)
+
+
+def plain_eager(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether an op call on these CPU ``tensors`` is plain eager torch: plain tensors or Parameters, no
+    tracing, compiling, dispatch or function mode, no functorch transform. Then autograd may record the CPU
+    kernels (:data:`KERNELS`) directly (:mod:`fxq.ops`): the custom op's dispatch and its autograd wrapper cost
+    about 100 us a call, forward and backward together, as much as the arithmetic of a 200 K-element activation."""
     for t in tensors:
-        if type(t) not in _PLAIN_TYPES or (grad and t.requires_grad) or not t.is_cpu:
+        if type(t) not in _PLAIN_TYPES or not t.is_cpu:
             return False
     return not (_tracing_or_mode_active() or torch._C._is_torch_function_mode_enabled()
                 or torch._C._functorch.peek_interpreter_stack() is not None)

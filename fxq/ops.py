@@ -74,19 +74,44 @@ def _define(spec: OpSpec) -> type[torch.autograd.Function]:
     return Traced
 
 
+def _eager_cpu(spec: OpSpec) -> type[torch.autograd.Function]:
+    """The op's CPU kernels (:data:`fxq.fused_cpu.KERNELS`) recorded by autograd directly, for plain eager calls
+    that need gradients (QAT, LSQ): the values and gradients of the op, without its dispatch and its autograd
+    wrapper, which cost about as much as the arithmetic of a mid-sized activation."""
+    n_attrs = len(spec.attrs)
+    forward_kernel = fused_cpu.KERNELS[spec.qualname]
+    backward_kernel = fused_cpu.KERNELS[spec.backward_qualname]
+
+    def forward(ctx: Any, *inputs: Any) -> Tensor:
+        _setup_context(spec, ctx, inputs)
+        return forward_kernel(*inputs)
+
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return _grads(ctx, grad, backward_kernel, n_attrs)
+
+    # named at creation: autograd names the graph's node class after it (``_EagerCpu_<op>Backward``)
+    return type(f"_EagerCpu_{spec.name}", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
 _TRACED: dict[str, type[torch.autograd.Function]] = {spec.name: _define(spec) for spec in OP_SPECS}
+_EAGER_CPU: dict[str, type[torch.autograd.Function]] = {spec.name: _eager_cpu(spec) for spec in OP_SPECS}
 
 
 def _call(spec: OpSpec, *args: Any) -> Tensor:
     """``torch.ops.fxq.<name>`` eagerly (fused CPU loop, Triton on CUDA); on CPU inside ``torch.compile``, the
     reference's aten ops, so inductor fuses them (bit-identical: inductor's C++ divides exactly). CUDA stays on
     the op's Triton kernel, which divides exactly where inductor's Triton code would not. An eager CPU call that
-    only needs values (no autograd, nothing tracing) runs the op's CPU kernel without the dispatcher."""
+    only needs values (no autograd, nothing tracing) runs the op's CPU kernel without the dispatcher, and one that needs gradients records the CPU kernels in autograd
+    directly (:func:`_eager_cpu`)."""
     if args[0].device.type == "cpu":
         if torch.compiler.is_compiling():
             return _TRACED[spec.name].apply(*args)
-        if fused_cpu.values_only(args[: spec.num_tensors]):
+        tensors = args[: spec.num_tensors]
+        if fused_cpu.values_only(tensors):
             return fused_cpu.KERNELS[spec.qualname](*args)
+        if fused_cpu.plain_eager(tensors):
+            return _EAGER_CPU[spec.name].apply(*args)
     return getattr(torch.ops.fxq, spec.name)(*args)
 
 
