@@ -358,3 +358,21 @@ def _fixed_width(tmp_path: Path) -> Path:
     onnx.save(model, path)
     return path
 
+
+
+def test_doubled_dim_probes_all_at_once_else_one_by_one() -> None:
+    """The one probing policy of the exporters (QDQ marks, ncnn reshapes): every dynamic dim doubled at once; where
+    the model does not run there (a recognizer whose height is symbolic in its file but fixed in its code), each
+    dim alone, keeping those that run."""
+    from fxq.graph.data import doubled_dim_probes
+
+    calls: list[list[str]] = []
+
+    def runs_only_with_w(group: list[str]) -> list[str] | None:
+        calls.append(group)
+        return group if group == ["w"] else None
+
+    assert doubled_dim_probes(["h", "w"], runs_only_with_w) == [["w"]]
+    assert calls == [["h", "w"], ["h"], ["w"]]
+    assert doubled_dim_probes(["h", "w"], lambda group: group) == [["h", "w"]]  # all at once ran: done
+    assert doubled_dim_probes([], runs_only_with_w) == []

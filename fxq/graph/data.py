@@ -5,7 +5,7 @@ import contextlib
 import contextvars
 import itertools
 import logging
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 from torch import fx, nn
@@ -17,6 +17,7 @@ from fxq.graph.nodes import Interpreter
 __all__ = [
     "to_device",
     "source_dynamic_dims",
+    "doubled_dim_probes",
     "iter_batches",
     "call_model",
     "model_device",
@@ -33,6 +34,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 # Set by iter_batches while the batch it just yielded has other non-batch sizes than the first one: first_batch_errors
 # then reports a model failure on it as a CalibrationError naming the batch and the shapes.
@@ -183,6 +187,20 @@ def source_dynamic_dims(model: nn.Module, placeholder: fx.Node) -> set[int] | No
     names = info.get("outputs", []) if isinstance(info, dict) else []
     dims = shapes.get(names[0] if names else placeholder.name)
     return {i for i, d in enumerate(dims or []) if not (isinstance(d, int) and d > 0)}
+
+
+def doubled_dim_probes(wanted: Sequence[T], run: Callable[[list[T]], R | None]) -> list[R]:
+    """What ``run(dims)`` gives with the ``wanted`` input dims doubled: all at once, else each alone (an OCR
+    recognizer's height is symbolic in its file but only its width may vary); ``run`` returns None where the
+    model does not run at that size. The one probing policy of the exporters that keep dims dynamic."""
+    results: list[R] = []
+    for group in [list(wanted)] + ([[w] for w in wanted] if len(wanted) > 1 else []):
+        result = run(group) if group else None
+        if result is not None:
+            results.append(result)
+            if len(group) == len(wanted):
+                break  # every dim at once ran: nothing more to learn
+    return results
 
 
 def _free_text(free: set[int]) -> str:

@@ -38,7 +38,7 @@ from fxq.backends.ncnn.registry import NCNN_CONVERTERS, converts_tuples, takes_a
 from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim, shape_params
 from fxq.errors import ExportError
 from fxq.functional import fake_quantize
-from fxq.graph.data import source_dynamic_dims
+from fxq.graph.data import doubled_dim_probes, source_dynamic_dims
 from fxq.graph.info import is_quantizer_node
 from fxq.graph.nodes import Interpreter, get_attr_value
 from fxq.graph.op_types import op_type
@@ -380,19 +380,11 @@ class NcnnBuilder:
         return dims
 
     def probe_shapes(self) -> list[dict[fx.Node, tuple[int, ...]]]:
-        """Every node's output shape with the varying input dims (:meth:`varying_input_dims`) doubled: all at
-        once, else each alone (an OCR recognizer's height is symbolic in its file but only its width may vary).
-        Run once, on seeded stand-in inputs; a size the model does not run at gives no probe."""
-        if self._probes is not None:
-            return self._probes
-        wanted = self.varying_input_dims()
-        self._probes = []
-        for group in [wanted] + ([[w] for w in wanted] if len(wanted) > 1 else []):
-            shapes = self._run_shapes(group) if group else None
-            if shapes is not None:
-                self._probes.append(shapes)
-                if group is wanted:
-                    break  # every dim at once ran: nothing more to learn
+        """Every node's output shape with the varying input dims (:meth:`varying_input_dims`) doubled
+        (:func:`~fxq.graph.data.doubled_dim_probes`), run once, on seeded stand-in inputs; a size the model does
+        not run at gives no probe."""
+        if self._probes is None:
+            self._probes = doubled_dim_probes(self.varying_input_dims(), self._run_shapes)
         return self._probes
 
     def _run_shapes(self, doubled: list[tuple[fx.Node, int]]) -> dict[fx.Node, tuple[int, ...]] | None:

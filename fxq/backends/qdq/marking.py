@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, fx
 from torch.onnx import symbolic_helper
 
+from fxq.graph.data import doubled_dim_probes
 from fxq.graph.info import NodeQuant, computed_from_parameters, is_quantizer_node
 from fxq.graph.quant_graph import QuantGraph, quantizer_name
 
@@ -342,20 +343,19 @@ def dynamic_mark_dims(marked: MarkedModule, args: tuple, axes: dict[str, dict[in
     base = _mark_shapes(marked.module, args)
     if base is None:
         return {}
-    found: dict[int, set[int]] = {}
-    for group in [wanted] + ([[w] for w in wanted] if len(wanted) > 1 else []):
+
+    def doubled(group: list[tuple[int, int]]) -> dict[int, tuple[int, ...]] | None:
         probe = list(args)
         for i, d in group:
             probe[i] = probe[i].repeat(*[2 if k == d else 1 for k in range(probe[i].dim())])
-        bigger = _mark_shapes(marked.module, tuple(probe))
-        if bigger is None:
-            continue
+        return _mark_shapes(marked.module, tuple(probe))
+
+    found: dict[int, set[int]] = {}
+    for bigger in doubled_dim_probes(wanted, doubled):
         for mark_id, shape in base.items():
             other = bigger.get(mark_id)
             if other is not None and len(other) == len(shape):
                 found.setdefault(mark_id, set()).update(k for k, (p, q) in enumerate(zip(shape, other)) if p != q)
-        if group is wanted:
-            break  # every axis at once ran: nothing more to learn
     return {mark_id: tuple(sorted(dims)) for mark_id, dims in found.items() if dims}
 
 
