@@ -113,6 +113,33 @@ def test_converted_qat_model_saves_and_loads(tmp_path):
         assert torch.equal(again(x), q(x))
 
 
+@pytest.mark.parametrize("method", ["lsq", "ema"])
+def test_unconverted_qat_model_exports_as_it_computes(tmp_path, method):
+    """A QAT model in the middle of training (learned scales still ``nn.Parameter``s, train mode) exports for
+    TensorRT with a dynamic batch: the file computes what the model computes in eval mode, and the export leaves
+    the model's state and modes as they were. It used to fail inside the Q/DQ inserter (``numpy()`` on a tensor
+    that requires grad)."""
+    ort = pytest.importorskip("onnxruntime")
+    x, y = _batch()
+    qat = fxq.prepare_qat(_net(), "trt_int8", x, method=method)
+    _train(qat, 3, x, y, lr=1e-4)
+    qat.train()
+    before = {k: v.clone() for k, v in qat.state_dict().items() if isinstance(v, torch.Tensor)}
+    fxq.export(qat, "trt_int8", tmp_path / "qat.onnx", dynamic_batch=True)
+    after = qat.state_dict()
+    assert [k for k, v in before.items() if not torch.equal(v, after[k])] == []
+    assert all(m.training for m in qat.modules())
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(str(tmp_path / "qat.onnx"), opts, providers=["CPUExecutionProvider"])
+    xs = x[:5]
+    with torch.no_grad():
+        sim = qat.eval()(xs).numpy()
+    got = sess.run(None, {sess.get_inputs()[0].name: xs.numpy()})[0]
+    assert got.shape == sim.shape
+    assert float((got - sim).__abs__().max()) <= 1e-4 * max(1.0, float(abs(sim).max()))
+
+
 def test_ema_tracks_ranges_in_train_mode_only():
     x, _ = _batch()
     qat = fxq.prepare_qat(_net(), "trt_int8", x, method="ema", momentum=0.5)

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from fxq.errors import ExportError
@@ -43,9 +44,12 @@ class Exporter:
         raise NotImplementedError
 
     def export(self, model: nn.Module, path: str | os.PathLike, **options: Any) -> list[Path]:
-        """Render the files, then write them as one atomic set; returns the paths written."""
+        """Render the files, then write them as one atomic set; returns the paths written. Nothing in an export
+        needs gradients: a model with learned scales (QAT, LSQ, not converted yet) exports as it computes now."""
         self.check_options(options)
-        return write_files(self.render_files(model, path, **options))
+        with torch.no_grad():
+            files = self.render_files(model, path, **options)
+        return write_files(files)
 
     def check_options(self, options: dict[str, Any]) -> None:
         unknown = sorted(set(options) - set(self.options))
