@@ -37,8 +37,8 @@ def _grads(ctx: Any, grad: Tensor, backward: Callable[..., tuple[Tensor, ...]], 
     return (*(g if n else None for g, n in zip(grads, needs)), *(None,) * n_attrs)
 
 
-def _define(spec: OpSpec) -> type[torch.autograd.Function]:
-    """Register ``spec``'s forward and backward ops; return the form of it that torch.compile traces through."""
+def _define(spec: OpSpec) -> None:
+    """Register ``spec``'s forward and backward ops as ``fxq::`` custom ops (fake implementation, autograd)."""
     n_attrs = len(spec.attrs)
     forward = torch.library.custom_op(spec.qualname, spec.forward, mutates_args=(), schema=spec.schema())
     backward = torch.library.custom_op(
@@ -52,58 +52,49 @@ def _define(spec: OpSpec) -> type[torch.autograd.Function]:
         setup_context=lambda ctx, inputs, output: _setup_context(spec, ctx, inputs),
     )
 
-    class Traced(torch.autograd.Function):
-        """The op as the reference's own aten ops, for graphs that torch.compile builds.
 
-        The ``fxq::`` op is opaque to inductor: nothing fuses across it and its output is one more tensor in
-        memory. Traced through instead, the reference forward and backward (the same functions the op runs)
-        become pointwise ops that inductor fuses with their neighbours (bias add, ReLU, the next quantizer's
-        division...). Values are those of the reference; the tests compare compiled and eager bit for bit on CPU.
-        """
-
-        @staticmethod
-        def forward(ctx: Any, *inputs: Any) -> Tensor:
-            _setup_context(spec, ctx, inputs)
-            return spec.forward(*inputs)
-
-        @staticmethod
-        def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-            return _grads(ctx, grad, spec.backward, n_attrs)
-
-    Traced.__name__ = Traced.__qualname__ = f"_Traced_{spec.name}"
-    return Traced
-
-
-def _eager_cpu(spec: OpSpec) -> type[torch.autograd.Function]:
-    """The op's CPU kernels (:data:`fxq.fused_cpu.KERNELS`) recorded by autograd directly, for plain eager calls
-    that need gradients (QAT, LSQ): the values and gradients of the op, without its dispatch and its autograd
-    wrapper, which cost about as much as the arithmetic of a mid-sized activation."""
+def _function(name: str, spec: OpSpec, forward_fn: Callable[..., Tensor],
+              backward_fn: Callable[..., tuple[Tensor, ...]]) -> type[torch.autograd.Function]:
+    """An ``autograd.Function`` of ``spec``'s op computing with ``forward_fn`` and ``backward_fn`` (the op's own
+    signatures), named at creation: autograd names its graph node class after it (``<name>Backward``)."""
     n_attrs = len(spec.attrs)
-    forward_kernel = fused_cpu.KERNELS[spec.qualname]
-    backward_kernel = fused_cpu.KERNELS[spec.backward_qualname]
 
     def forward(ctx: Any, *inputs: Any) -> Tensor:
         _setup_context(spec, ctx, inputs)
-        return forward_kernel(*inputs)
+        return forward_fn(*inputs)
 
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return _grads(ctx, grad, backward_kernel, n_attrs)
+        return _grads(ctx, grad, backward_fn, n_attrs)
 
-    # named at creation: autograd names the graph's node class after it (``_EagerCpu_<op>Backward``)
-    return type(f"_EagerCpu_{spec.name}", (torch.autograd.Function,),
+    return type(name, (torch.autograd.Function,),
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-_TRACED: dict[str, type[torch.autograd.Function]] = {spec.name: _define(spec) for spec in OP_SPECS}
-_EAGER_CPU: dict[str, type[torch.autograd.Function]] = {spec.name: _eager_cpu(spec) for spec in OP_SPECS}
+for _spec in OP_SPECS:
+    _define(_spec)
+
+_TRACED: dict[str, type[torch.autograd.Function]] = {
+    spec.name: _function(f"_Traced_{spec.name}", spec, spec.forward, spec.backward) for spec in OP_SPECS}
+"""The ops as the reference's own aten ops, for graphs that torch.compile builds. The ``fxq::`` op is opaque to
+inductor: nothing fuses across it and its output is one more tensor in memory. Traced through instead, the reference
+forward and backward (the same functions the op runs) become pointwise ops that inductor fuses with their neighbours
+(bias add, ReLU, the next quantizer's division...). Values are those of the reference; the tests compare compiled
+and eager bit for bit on CPU."""
+
+_EAGER_CPU: dict[str, type[torch.autograd.Function]] = {
+    spec.name: _function(f"_EagerCpu_{spec.name}", spec, fused_cpu.KERNELS[spec.qualname],
+                         fused_cpu.KERNELS[spec.backward_qualname]) for spec in OP_SPECS}
+"""The ops' CPU kernels (:data:`fxq.fused_cpu.KERNELS`) recorded by autograd directly, for plain eager calls that
+need gradients (QAT, LSQ): the values and gradients of the op, without its dispatch and its autograd wrapper, which
+cost about as much as the arithmetic of a mid-sized activation."""
 
 
 def _call(spec: OpSpec, *args: Any) -> Tensor:
     """``torch.ops.fxq.<name>`` eagerly (fused CPU loop, Triton on CUDA); on CPU inside ``torch.compile``, the
     reference's aten ops, so inductor fuses them (bit-identical: inductor's C++ divides exactly). CUDA stays on
     the op's Triton kernel, which divides exactly where inductor's Triton code would not. An eager CPU call that
-    only needs values (no autograd, nothing tracing) runs the op's CPU kernel without the dispatcher, and one that needs gradients records the CPU kernels in autograd
-    directly (:func:`_eager_cpu`)."""
+    only needs values (no autograd, nothing tracing) runs the op's CPU kernel without the dispatcher, and one that
+    needs gradients records the CPU kernels in autograd directly (:data:`_EAGER_CPU`)."""
     if args[0].device.type == "cpu":
         if torch.compiler.is_compiling():
             return _TRACED[spec.name].apply(*args)
