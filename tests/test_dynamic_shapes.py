@@ -361,18 +361,19 @@ def _fixed_width(tmp_path: Path) -> Path:
 
 
 def test_doubled_dim_probes_all_at_once_else_one_by_one() -> None:
-    """The one probing policy of the exporters (QDQ marks, ncnn reshapes): every dynamic dim doubled at once; where
-    the model does not run there (a recognizer whose height is symbolic in its file but fixed in its code), each
-    dim alone, keeping those that run."""
+    """The one probing policy of the exporters (QDQ marks, ncnn reshapes): the inputs repeated along every dynamic
+    dim at once; where the model does not run there (a recognizer whose height is symbolic in its file but fixed in
+    its code), each dim alone, keeping the sizes that run."""
     from fxq.graph.data import doubled_dim_probes
 
-    calls: list[list[str]] = []
+    x = torch.zeros(1, 3, 4, 5)
+    seen: list[tuple[int, ...]] = []
 
-    def runs_only_with_w(group: list[str]) -> list[str] | None:
-        calls.append(group)
-        return group if group == ["w"] else None
+    def runs_only_at_height_4(args: tuple) -> tuple[int, ...] | None:
+        seen.append(tuple(args[0].shape))
+        return tuple(args[0].shape) if args[0].shape[2] == 4 else None
 
-    assert doubled_dim_probes(["h", "w"], runs_only_with_w) == [["w"]]
-    assert calls == [["h", "w"], ["h"], ["w"]]
-    assert doubled_dim_probes(["h", "w"], lambda group: group) == [["h", "w"]]  # all at once ran: done
-    assert doubled_dim_probes([], runs_only_with_w) == []
+    assert doubled_dim_probes((x,), [(0, 2), (0, 3)], runs_only_at_height_4) == [(1, 3, 4, 10)]
+    assert seen == [(1, 3, 8, 10), (1, 3, 8, 5), (1, 3, 4, 10)]
+    assert doubled_dim_probes((x,), [(0, 2), (0, 3)], lambda a: a[0].shape) == [(1, 3, 8, 10)]  # all at once: done
+    assert doubled_dim_probes((x,), [], runs_only_at_height_4) == []

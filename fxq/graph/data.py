@@ -35,7 +35,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 R = TypeVar("R")
 
 # Set by iter_batches while the batch it just yielded has other non-batch sizes than the first one: first_batch_errors
@@ -189,13 +188,19 @@ def source_dynamic_dims(model: nn.Module, placeholder: fx.Node) -> set[int] | No
     return {i for i, d in enumerate(dims or []) if not (isinstance(d, int) and d > 0)}
 
 
-def doubled_dim_probes(wanted: Sequence[T], run: Callable[[list[T]], R | None]) -> list[R]:
-    """What ``run(dims)`` gives with the ``wanted`` input dims doubled: all at once, else each alone (an OCR
-    recognizer's height is symbolic in its file but only its width may vary); ``run`` returns None where the
-    model does not run at that size. The one probing policy of the exporters that keep dims dynamic."""
+def doubled_dim_probes(args: tuple, wanted: Sequence[tuple[int, int]],
+                       run: Callable[[tuple], R | None]) -> list[R]:
+    """What ``run`` gives on ``args`` repeated twice along the ``wanted`` (input index, dim) pairs: all of them at
+    once, else each alone (an OCR recognizer's height is symbolic in its file but only its width may vary);
+    ``run`` returns None where the model does not run at that size. The one probing policy of the exporters that
+    keep dims dynamic (the QDQ marks, ncnn's reshapes)."""
     results: list[R] = []
-    for group in [list(wanted)] + ([[w] for w in wanted] if len(wanted) > 1 else []):
-        result = run(group) if group else None
+    groups = [list(wanted)] + ([[w] for w in wanted] if len(wanted) > 1 else [])
+    for group in groups if wanted else []:
+        probe = list(args)
+        for i, d in group:
+            probe[i] = probe[i].repeat(*[2 if k == d else 1 for k in range(probe[i].dim())])
+        result = run(tuple(probe))
         if result is not None:
             results.append(result)
             if len(group) == len(wanted):

@@ -1,11 +1,13 @@
 """fx helpers every graph pass needs, kept below all of them (no fxq imports) so any pass can use them."""
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
-from torch import fx
+import torch
+from torch import fx, nn
 
-__all__ = ["get_attr_value", "redirect_later_readers", "thaw", "Interpreter"]
+__all__ = ["get_attr_value", "redirect_later_readers", "thaw", "Interpreter", "eval_mode", "output_shapes"]
 
 
 def get_attr_value(gm: fx.GraphModule, target: str) -> Any:
@@ -46,3 +48,33 @@ class Interpreter(fx.Interpreter):
     def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple, dict]:
         args, kwargs = super().fetch_args_kwargs_from_env(n)
         return thaw(args), thaw(kwargs)
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` with every submodule in eval mode inside the block (BatchNorm statistics, dropout and QAT's
+    running ranges untouched by a run fxq makes for itself), each submodule's own mode back after it."""
+    modes = {m: m.training for m in module.modules()}
+    module.eval()
+    try:
+        yield module
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def output_shapes(gm: fx.GraphModule, args: tuple) -> dict[fx.Node, tuple[int, ...]]:
+    """The shape of each tensor a node of ``gm`` computes on ``args``: one run in eval mode without gradients,
+    so nothing the model keeps changes; raises what that run raises."""
+    shapes: dict[fx.Node, tuple[int, ...]] = {}
+
+    class _Recorder(Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            if isinstance(out, torch.Tensor):
+                shapes[n] = tuple(int(d) for d in out.shape)
+            return out
+
+    with eval_mode(gm), torch.no_grad():
+        _Recorder(gm).run(*args)
+    return shapes

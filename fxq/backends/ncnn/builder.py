@@ -36,11 +36,12 @@ from fxq.backends.ncnn.fuse import FUSED_OPS, drop_broadcast_expands, fuse_erf_g
 from fxq.backends.ncnn.islands import inline_islands, island_note
 from fxq.backends.ncnn.registry import NCNN_CONVERTERS, converts_tuples, takes_any_batch_dim, takes_high_rank
 from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim, shape_params
+from fxq.backends.qdq.lowering import example_inputs_for
 from fxq.errors import ExportError
 from fxq.functional import fake_quantize
 from fxq.graph.data import doubled_dim_probes, source_dynamic_dims
 from fxq.graph.info import is_quantizer_node
-from fxq.graph.nodes import Interpreter, get_attr_value
+from fxq.graph.nodes import get_attr_value, output_shapes
 from fxq.graph.op_types import op_type
 from fxq.graph.passes import propagate_tensor_meta
 from fxq.graph.quant_graph import QuantGraph
@@ -366,60 +367,42 @@ class NcnnBuilder:
         self._static[key] = out
         return out
 
-    def varying_input_dims(self) -> list[tuple[fx.Node, int]]:
-        """The input dims an ncnn file should follow (ncnn has no batch): those the source ONNX file leaves
-        symbolic, or, for a model without a source file, the spatial dims (2+) of inputs of rank 4 or more."""
+    def varying_input_dims(self) -> list[tuple[int, int]]:
+        """The (input index, dim) pairs an ncnn file should follow (ncnn has no batch): the dims the source ONNX
+        file leaves symbolic, or, for a model without a source file, the spatial dims (2+) of inputs of rank 4 or
+        more."""
         dims = []
-        for ph in (n for n in self.gm.graph.nodes if n.op == "placeholder"):
+        for i, ph in enumerate(n for n in self.gm.graph.nodes if n.op == "placeholder"):
             val = ph.meta.get("val")
             if not isinstance(val, torch.Tensor):
                 continue
             source = source_dynamic_dims(self.gm, ph)
             free = source - {0} if source is not None else set(range(2, val.dim()) if val.dim() >= 4 else ())
-            dims += [(ph, d) for d in sorted(free) if d < val.dim()]
+            dims += [(i, d) for d in sorted(free) if d < val.dim()]
         return dims
 
     def probe_shapes(self) -> list[dict[fx.Node, tuple[int, ...]]]:
         """Every node's output shape with the varying input dims (:meth:`varying_input_dims`) doubled
-        (:func:`~fxq.graph.data.doubled_dim_probes`), run once, on seeded stand-in inputs; a size the model does
-        not run at gives no probe."""
+        (:func:`~fxq.graph.data.doubled_dim_probes` of the exporters' seeded stand-in inputs,
+        :func:`~fxq.graph.nodes.output_shapes`), run once; a size the model does not run at gives no probe."""
         if self._probes is None:
-            self._probes = doubled_dim_probes(self.varying_input_dims(), self._run_shapes)
+            self._probes = []
+            wanted = self.varying_input_dims()
+            try:
+                args = example_inputs_for(self.gm) if wanted else None
+            except ExportError:  # an input without a recorded tensor shape: nothing to double
+                args = None
+            if args is not None:
+                self._probes = doubled_dim_probes(args, wanted, self._run_shapes)
         return self._probes
 
-    def _run_shapes(self, doubled: list[tuple[fx.Node, int]]) -> dict[fx.Node, tuple[int, ...]] | None:
-        gen = torch.Generator().manual_seed(0)
-        device = next((t.device for t in self.gm.parameters()), torch.device("cpu"))
-        args = []
-        for ph in (n for n in self.gm.graph.nodes if n.op == "placeholder"):
-            val = ph.meta.get("val")
-            if not isinstance(val, torch.Tensor):
-                return None
-            shape = [int(d) * (2 if (ph, i) in doubled else 1) for i, d in enumerate(val.shape)]
-            x = torch.randn(shape, generator=gen) if val.dtype.is_floating_point else torch.zeros(shape)
-            args.append(x.to(val.dtype).to(device))
-        shapes: dict[fx.Node, tuple[int, ...]] = {}
-
-        class _Recorder(Interpreter):
-            def run_node(self, n: fx.Node) -> Any:
-                out = super().run_node(n)
-                if isinstance(out, torch.Tensor):
-                    shapes[n] = tuple(int(d) for d in out.shape)
-                return out
-
-        training = {m: m.training for m in self.gm.modules()}
-        try:  # in eval mode: a model left in train mode must not update BatchNorm statistics here
-            self.gm.eval()
-            with torch.no_grad():
-                _Recorder(self.gm).run(*args)
+    def _run_shapes(self, args: tuple) -> dict[fx.Node, tuple[int, ...]] | None:
+        try:
+            return output_shapes(self.gm, args)
         except Exception as exc:  # noqa: BLE001  (the model takes only its export-time sizes there)
-            logger.debug("ncnn export: the model does not run with input dims %s doubled (%s)",
-                         [(ph.name, d) for ph, d in doubled], exc)
+            logger.debug("ncnn export: the model does not run at input shapes %s (%s)",
+                         [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)], exc)
             return None
-        finally:
-            for m, flag in training.items():
-                m.training = flag
-        return shapes
 
     def probed_shapes(self, *nodes: fx.Node) -> list[tuple[tuple[int, ...], ...]]:
         """The torch shapes of ``nodes`` (past quantizers) at each probe size (:meth:`probe_shapes`) where all

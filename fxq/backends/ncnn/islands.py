@@ -23,7 +23,7 @@ from torch import fx, nn
 from fxq.backends.qdq.lowering import example_inputs_for
 from fxq.errors import ExportError, FxqError
 from fxq.graph.capture import ISLANDS_KEY
-from fxq.graph.nodes import get_attr_value
+from fxq.graph.nodes import eval_mode, get_attr_value
 from fxq.graph.passes import propagate_tensor_meta
 
 __all__ = ["ISLAND_META", "inline_islands", "island_note"]
@@ -67,13 +67,8 @@ def inline_islands(gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphMo
     example_inputs = tuple(t[:1] if isinstance(t, torch.Tensor) and t.dim() else t
                            for t in example_inputs_for(gm, example_inputs))  # ncnn files are batch 1
     paths = list(dict.fromkeys(str(n.target) for n in nodes))
-    modes = {m: m.training for m in gm.modules()}
-    gm.eval()  # as the ONNX exporters trace: BatchNorm statistics and dropout untouched
-    try:
+    with eval_mode(gm):  # as the ONNX exporters trace: BatchNorm statistics and dropout untouched
         calls = record_inputs(gm, paths, [example_inputs], 1, None)
-    finally:
-        for m, training in modes.items():
-            m.training = training
     env: dict[fx.Node, fx.Node] = {}
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, env))

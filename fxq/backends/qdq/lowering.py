@@ -43,6 +43,7 @@ from fxq.backends.qdq.onnx_graph import (
 )
 from fxq.errors import ExportError
 from fxq.graph.export_capture import FIXED_BATCH_KEY
+from fxq.graph.nodes import eval_mode
 from fxq.io import write_error
 
 __all__ = ["Lowered", "OpsetTooLow", "lower", "example_inputs_for", "dynamic_axes_for", "mark_nodes",
@@ -236,10 +237,9 @@ def torch_onnx_export(module: torch.nn.Module, args: tuple, target: Any, *, opse
     Raises:
         ExportError: torch.onnx fails, naming the op (and its fx nodes when ``module`` is a GraphModule).
     """
-    was_training = module.training
-    module.eval()
     try:
-        with _TORCH_ONNX_LOCK, _opset_visible_to_onnx2torch(opset), warnings.catch_warnings(), torch.no_grad():
+        with eval_mode(module), _TORCH_ONNX_LOCK, _opset_visible_to_onnx2torch(opset), warnings.catch_warnings(), \
+                torch.no_grad():
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 module, args, target, dynamo=False, opset_version=opset, input_names=list(input_names),
@@ -266,8 +266,6 @@ def torch_onnx_export(module: torch.nn.Module, args: tuple, target: Any, *, opse
             f"torch.onnx cannot express {what}. Fix: use another opset (opset=...), register a symbolic with "
             f"torch.onnx.register_custom_op_symbolic, or move that op out of the exported model"
         ) from exc
-    finally:
-        module.train(was_training)
 
 
 def _restore_io_names(graph: onnx.GraphProto, io_names: dict[str, str]) -> None:

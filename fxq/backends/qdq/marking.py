@@ -19,6 +19,7 @@ from torch.onnx import symbolic_helper
 
 from fxq.graph.data import doubled_dim_probes
 from fxq.graph.info import NodeQuant, computed_from_parameters, is_quantizer_node
+from fxq.graph.nodes import output_shapes
 from fxq.graph.quant_graph import QuantGraph, quantizer_name
 
 __all__ = ["Mark", "MarkedModule", "build_marked_module", "freeze_quant_mark_inputs", "MARK_DOMAIN", "MARK_OP",
@@ -343,15 +344,8 @@ def dynamic_mark_dims(marked: MarkedModule, args: tuple, axes: dict[str, dict[in
     base = _mark_shapes(marked.module, args)
     if base is None:
         return {}
-
-    def doubled(group: list[tuple[int, int]]) -> dict[int, tuple[int, ...]] | None:
-        probe = list(args)
-        for i, d in group:
-            probe[i] = probe[i].repeat(*[2 if k == d else 1 for k in range(probe[i].dim())])
-        return _mark_shapes(marked.module, tuple(probe))
-
     found: dict[int, set[int]] = {}
-    for bigger in doubled_dim_probes(wanted, doubled):
+    for bigger in doubled_dim_probes(args, wanted, lambda probe: _mark_shapes(marked.module, probe)):
         for mark_id, shape in base.items():
             other = bigger.get(mark_id)
             if other is not None and len(other) == len(shape):
@@ -360,21 +354,12 @@ def dynamic_mark_dims(marked: MarkedModule, args: tuple, axes: dict[str, dict[in
 
 
 def _mark_shapes(module: fx.GraphModule, args: tuple) -> dict[int, tuple[int, ...]] | None:
-    """Output shape of every mark of ``module`` run on ``args``; None when it fails there."""
-    shapes: dict[int, tuple[int, ...]] = {}
-
-    class _Recorder(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            result = super().run_node(n)
-            mark = n.meta.get("fxq_export_mark")
-            if isinstance(mark, Mark) and isinstance(result, Tensor):
-                shapes[mark.id] = tuple(result.shape)
-            return result
-
+    """Output shape of every mark of ``module`` run on ``args`` (:func:`~fxq.graph.nodes.output_shapes`); None
+    when it fails there."""
     try:
-        with torch.no_grad():
-            _Recorder(module).run(*args)
-    except Exception as exc:  # the model takes only the example's sizes: keep its traced sizes
+        shapes = output_shapes(module, args)
+    except Exception as exc:  # noqa: BLE001  (the model takes only the example's sizes: keep its traced sizes)
         logger.debug("export: the model does not run with its dynamic axes doubled (%s); shapes stay as traced", exc)
         return None
-    return shapes
+    return {n.meta["fxq_export_mark"].id: shape for n, shape in shapes.items()
+            if isinstance(n.meta.get("fxq_export_mark"), Mark)}
