@@ -877,30 +877,20 @@ def _reshape_params(b: NcnnBuilder, node: fx.Node, x: fx.Node, out_bd: int | Non
     (:meth:`NcnnBuilder.probed_shapes`, the varying input dims doubled). A dim that follows is 0 (keep) where it
     equals the input blob's same-named ncnn dim (w, h, d, c) at every size, else the one -1 (inferred); a second
     one that follows can be neither and is baked in, with a warning. Without a probe (no varying input dims, or
-    the model does not run at another size), a batch-first reshape keeps the target's -1 and writes 0 for a dim
-    equal to the input's same-named spatial dim, as the node's own numbers say (a target's 0 keeps ``c`` too).
+    the model does not run at another size) the file runs at the export-time size only: the numbers are written.
     The input's outermost dim is never kept: with packing on, ncnn's x86 Reshape reads it in packs (a rank-4
     input's ``c`` of 24 kept as 3)."""
     in_bd = b.batch_dim(x)
     in_blob, out_blob = b.stored_shape(x), fold_dims(drop_dim(b.shape(node), out_bd))
-    names, packed = _NAMES[len(out_blob)], _NAMES[len(in_blob)][0]  # packed: the input's outermost dim,
-    codes = list(out_blob)  # which ncnn's packed layouts keep in packs
+    names, packed = _NAMES[len(out_blob)], _NAMES[len(in_blob)][0]  # packed: the input's outermost dim
+    codes = list(out_blob)
     base_in, base_out = b.shape(x), b.shape(node)
     sizes = [(in_blob, out_blob)] + [
         (fold_dims(drop_dim(pi, in_bd)), fold_dims(drop_dim(po, out_bd))) for pi, po in b.probed_shapes(x, node)
         if (in_bd is None or pi[in_bd] == base_in[in_bd]) and (out_bd is None or po[out_bd] == base_out[out_bd])]
     sizes = [(i, o) for i, o in sizes if len(i) == len(in_blob) and len(o) == len(out_blob)]
-    if len(sizes) == 1:
-        target = _reshape_target(b, node) if in_bd == 0 and out_bd == 0 and not b.high_rank(x) else None
-        if target is None or len(target) != len(out_blob) + 1:
-            return shape_params(out_blob)
-        in_dims = dict(zip(_NAMES[len(in_blob)], in_blob))
-        for i, name in enumerate(names):
-            if target[i + 1] == -1:
-                codes[i] = -1
-            elif in_dims.get(name) == out_blob[i] and name != packed and (name != "c" or target[i + 1] == 0):
-                codes[i] = 0
-        return shape_params(tuple(codes))
+    if len(sizes) == 1:  # no probe: nothing says the size varies, or the model runs at its export size only
+        return shape_params(out_blob)
     follows = [any(o[i] != out_blob[i] for _, o in sizes) for i in range(len(out_blob))]
     for i, name in enumerate(names):
         if follows[i] and name != packed and all(dict(zip(_NAMES[len(inp)], inp)).get(name) == o[i]
@@ -914,18 +904,6 @@ def _reshape_params(b: NcnnBuilder, node: fx.Node, x: fx.Node, out_bd: int | Non
                     "input's size but ncnn's Reshape can neither keep (0) nor infer (-1) them; the file runs only at "
                     "the export-time input size", base_in, base_out, node.name, [out_blob[i] for i in left])
     return shape_params(tuple(codes))
-
-
-def _reshape_target(b: NcnnBuilder, node: fx.Node) -> list[int] | None:
-    """The numbers a ``Reshape`` node asks for (ONNX's 0 and -1 included), where they are known at export."""
-    shape_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("shape")
-    if b.op(node) != "Reshape":
-        return None
-    if b.module(node) is not None:
-        value = b.fixed_value(shape_arg) if isinstance(shape_arg, fx.Node) else None
-        return None if value is None else [int(v) for v in torch.as_tensor(value).reshape(-1).tolist()]
-    items = node.args[1:] if not isinstance(shape_arg, (list, tuple)) else shape_arg
-    return [v if isinstance(v, int) else -2 for v in items]  # -2: computed at run time, neither 0 nor -1
 
 
 @register_ncnn_converter("Slice", any_batch_dim=True, high_rank=True)
