@@ -19,7 +19,7 @@ from torch import fx
 from fxq.graph.nodes import get_attr_value
 from fxq.graph.op_types import op_type
 
-__all__ = ["drop_broadcast_expands", "fuse_erf_gelu", "fuse_layer_norm", "reduce_args", "FUSED_OPS"]
+__all__ = ["drop_broadcast_expands", "fuse_erf_gelu", "fuse_layer_norm", "is_noop_reduce", "reduce_args", "FUSED_OPS"]
 
 FUSED_OPS = frozenset({"Erf", "Sqrt", "Expand"})
 """Op types that mark a graph these rewrites may change (the exporter copies such a graph first)."""
@@ -183,15 +183,22 @@ def reduce_args(node: fx.Node, modules: dict[str, Any], op: str = "ReduceMean") 
     if mod is None:
         dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         return dims, bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    if is_noop_reduce(mod):
+        return None
     if getattr(mod, "op_type", None) == op and hasattr(mod, "dims"):  # fxq's OnnxReduce
-        return None if mod.noop else (mod.dims, bool(mod.keepdim))
+        return mod.dims, bool(mod.keepdim)
     if getattr(mod, "operation_type", None) == op and hasattr(mod, "axes"):  # onnx2torch, up to opset 13
         return mod.axes, bool(mod.keepdims)
     if op == "ReduceSum" and hasattr(mod, "_axes") and hasattr(mod, "_keepdims"):  # onnx2torch's ReduceSum-13
-        if not mod._axes and getattr(mod, "_noop_with_empty_axes", 0):
-            return None
         return mod._axes, bool(mod._keepdims)
     return None
+
+
+def is_noop_reduce(mod: Any) -> bool:
+    """A reduce module of empty axes with ``noop_with_empty_axes`` (fxq's ``OnnxReduce``, onnx2torch's
+    ReduceSum-13): it passes its input through."""
+    return bool(getattr(mod, "noop", False)) or (
+        bool(getattr(mod, "_noop_with_empty_axes", 0)) and not getattr(mod, "_axes", None))
 
 
 def _match_layer_norm(gm: fx.GraphModule, modules: dict[str, Any], sqrt: fx.Node

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fxq.backends.ncnn.builder import NcnnBuilder, WeightInfo, fold_dims
-from fxq.backends.ncnn.fuse import reduce_args
+from fxq.backends.ncnn.fuse import is_noop_reduce, reduce_args
 from fxq.backends.ncnn.platforms import is_depthwise, is_matmul_by_matrix, pair
 from fxq.backends.ncnn.registry import register_ncnn_converter
 from fxq.backends.ncnn.writer import Int8Scales, drop_dim, shape_params
@@ -662,12 +662,6 @@ _REDUCTION = {"ReduceSum": 0, "ReduceSumSquare": 2, "ReduceMean": 3, "ReduceMax"
 """ONNX op type -> operation of ncnn's ``Reduction`` (1 asum is L1 too)."""
 
 
-def _is_noop_reduce(mod: Any) -> bool:
-    """A reduce module of empty axes with ``noop_with_empty_axes`` (fxq's ``OnnxReduce``, onnx2torch's ReduceSum)."""
-    return bool(getattr(mod, "noop", False)) or (
-        bool(getattr(mod, "_noop_with_empty_axes", 0)) and not getattr(mod, "_axes", None))
-
-
 @register_ncnn_converter(*_REDUCTION, any_batch_dim=True)
 def _reduce(b: NcnnBuilder, node: fx.Node) -> None:
     """``Reduce*`` as ncnn's ``Reduction`` (0 operation, 1 reduce_all, 3 axes, 4 keepdims, 5 fixbug0 = 1: axes
@@ -679,7 +673,7 @@ def _reduce(b: NcnnBuilder, node: fx.Node) -> None:
     op = b.op(node)
     what = op[len("Reduce"):].lower()
     args = reduce_args(node, b.modules, op)
-    if args is None and _is_noop_reduce(b.module(node)):  # Reduce*-18 of empty axes, noop_with_empty_axes
+    if args is None and is_noop_reduce(b.module(node)):  # Reduce*-18 of empty axes, noop_with_empty_axes
         b.alias(node, x, bd)
         return
     if args is None:
