@@ -183,8 +183,7 @@ def values_only(tensors: tuple[torch.Tensor, ...]) -> bool:
     plain tensors, no tracing, compiling, dispatch or function mode, no functorch transform. Then calling the
     op's CPU kernel (:data:`KERNELS`) directly gives the same values and skips the dispatcher's cost
     (about 10 us a call, more than the arithmetic of a small activation)."""
-    grad = torch.is_grad_enabled()
-    return all(not (grad and t.requires_grad) for t in tensors) and plain_eager(tensors)
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and plain_eager(tensors)
 
 
 def plain_eager(tensors: tuple[torch.Tensor, ...]) -> bool:

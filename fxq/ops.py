@@ -99,10 +99,10 @@ def _call(spec: OpSpec, *args: Any) -> Tensor:
         if torch.compiler.is_compiling():
             return _TRACED[spec.name].apply(*args)
         tensors = args[: spec.num_tensors]
-        if fused_cpu.values_only(tensors):
-            return fused_cpu.KERNELS[spec.qualname](*args)
         if fused_cpu.plain_eager(tensors):
-            return _EAGER_CPU[spec.name].apply(*args)
+            if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+                return _EAGER_CPU[spec.name].apply(*args)
+            return fused_cpu.KERNELS[spec.qualname](*args)
     return getattr(torch.ops.fxq, spec.name)(*args)
 
 
