@@ -418,3 +418,29 @@ def test_bound_calls_hold_only_while_nothing_changed(forced):
     assert y.grad_fn is not None
     y.sum().backward()
     assert xg.grad is not None
+
+
+def test_compiling_with_the_fx_graph_cache_off_logs_nothing(monkeypatch):
+    """With inductor's FX graph cache off (``TORCHINDUCTOR_FX_GRAPH_CACHE=0``), ``standalone_compile`` warns that it
+    cannot build a saveable artifact: fxq never saves one, so the user must not see that warning."""
+    from torch._inductor import config as inductor_config
+
+    class Records(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    seen = Records()
+    torch_log = logging.getLogger("torch._inductor.standalone_compile")  # torch's loggers do not propagate to root
+    torch_log.addHandler(seen)
+    try:
+        x = torch.randn(64, 3)
+        compiled = fused_cpu._compile_graph(lambda t: (t * 3.0).relu(), [x], exact=True)
+    finally:
+        torch_log.removeHandler(seen)
+    assert torch.equal(compiled(x.clone()), (x * 3.0).relu())
+    assert not seen.messages
