@@ -81,6 +81,16 @@ forward and backward (the same functions the op runs) become pointwise ops that 
 (bias add, ReLU, the next quantizer's division...). Values are those of the reference; the tests compare compiled
 and eager bit for bit on CPU."""
 
+def _traced(name: str, *args: Any) -> Tensor:
+    """:data:`_TRACED`'s op, which dynamo records as one call: it does not speculate the autograd.Function's
+    forward and backward at every quantizer (two thirds of dynamo's time on a QAT ResNet-18), and AOTAutograd
+    traces the call into the same aten ops for inductor."""
+    return _TRACED[name].apply(*args)
+
+
+torch._dynamo.allow_in_graph(_traced)
+
+
 _EAGER_CPU: dict[str, type[torch.autograd.Function]] = {
     spec.name: _function(f"_EagerCpu_{spec.name}", spec, fused_cpu.KERNELS[spec.qualname],
                          fused_cpu.KERNELS[spec.backward_qualname]) for spec in OP_SPECS}
@@ -97,7 +107,7 @@ def _call(spec: OpSpec, *args: Any) -> Tensor:
     needs gradients records the CPU kernels in autograd directly (:data:`_EAGER_CPU`)."""
     if args[0].device.type == "cpu":
         if torch.compiler.is_compiling():
-            return _TRACED[spec.name].apply(*args)
+            return _traced(spec.name, *args)
         tensors = args[: spec.num_tensors]
         if fused_cpu.plain_eager(tensors):
             if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
