@@ -562,3 +562,51 @@ def test_shape_inference_runs_on_a_copy_without_weight_data(tmp_path) -> None:
     import onnx2torch.converter
 
     assert onnx2torch.converter.safe_shape_inference.__name__ == "safe_shape_inference"  # put back after loading
+
+
+def test_conversion_skips_the_random_init_the_file_overwrites(tmp_path, monkeypatch) -> None:
+    """onnx2torch builds every conv / linear with torch's random init, then sets the file's weights: the init is
+    put off and, since the file sets every parameter, never run (a third of a VGG's load). The values are the
+    file's; ``torch.nn.init`` is torch's own again afterwards."""
+    calls: list[tuple[int, ...]] = []
+    real = torch.nn.init.kaiming_uniform_
+
+    def spy(tensor, *args, **kwargs):
+        calls.append(tuple(tensor.shape))
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).eval()
+    path = tmp_path / "m.onnx"
+    x = torch.randn(1, 3, 8, 8)
+    torch.onnx.export(model, (x,), path, input_names=["x"], output_names=["y"], dynamo=False)
+    calls.clear()
+    gm = load_onnx(path)
+    assert calls == []
+    assert torch.nn.init.kaiming_uniform_ is spy
+    torch.testing.assert_close(gm(x), model(x))
+
+
+def test_put_off_init_runs_on_tensors_nothing_replaced() -> None:
+    """Inside the conversion block, a module whose parameters the converter does not replace is initialised as
+    torch would when the block ends; one whose parameters are replaced keeps the replacement untouched; another
+    thread's modules are initialised at once."""
+    import threading
+
+    from fxq.frontends.onnx.loader import _onnx2torch_shortcuts
+
+    other: list[torch.Tensor] = []
+    with _onnx2torch_shortcuts():
+        kept = nn.Linear(8, 8)
+        replaced = nn.Linear(8, 8)
+        with torch.no_grad():
+            replaced.weight.data = torch.full((8, 8), 2.0)
+            replaced.bias.data = torch.zeros(8)
+        worker = threading.Thread(target=lambda: other.append(nn.Linear(8, 8).weight.detach().clone()))
+        worker.start()
+        worker.join()
+        assert other[0].abs().sum() > 0 and other[0].abs().max() <= 8 ** -0.5
+    w = kept.weight.detach()
+    assert torch.isfinite(w).all() and w.abs().max() <= 8 ** -0.5 and w.std() > 0
+    assert torch.equal(replaced.weight.detach(), torch.full((8, 8), 2.0))

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import keyword
 import logging
 import os
 import threading
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import onnx
+import torch
 from torch import fx
 
 from fxq.errors import FrontendError
@@ -32,20 +34,58 @@ _CONVERT_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _inferred_shapes_kept() -> Iterator[None]:
-    """``onnx2torch.convert`` starts by running onnx's shape inference on the whole model, serializing every
-    weight (a quarter of a ResNet-18 load). The model it gets here is inferred already
-    (:func:`fxq.frontends.onnx.shapes.infer_for_conversion`: the same inference with data propagation, on a copy
-    without the weights' data), so inside this block that step hands the model back as it is."""
+def _onnx2torch_shortcuts() -> Iterator[None]:
+    """Two steps of ``onnx2torch.convert`` that only cost time here, skipped inside this block (one conversion at a
+    time; other threads are not affected):
+
+    * it starts by running onnx's shape inference on the whole model, serializing every weight (a quarter of a
+      ResNet-18 load). The model it gets here is inferred already (:func:`fxq.frontends.onnx.shapes.
+      infer_for_conversion`: the same inference with data propagation, on a copy without the weights' data), so
+      that step hands the model back as it is;
+    * it builds each module with torch's random init and then overwrites the weights with the file's: a third of
+      a VGG's load. In this thread, ``torch.nn.init``'s ``kaiming_uniform_`` and ``uniform_`` are put off until
+      the block ends, and then run only on the tensors that still hold their own memory (none, so far: every
+      converter sets its module's parameters).
+    """
     import onnx2torch.converter as converter
 
     with _CONVERT_LOCK:
         original = converter.safe_shape_inference
+        inits = {name: getattr(torch.nn.init, name) for name in _RANDOM_INITS}
         converter.safe_shape_inference = lambda model, **kwargs: model
+        for name, init in inits.items():
+            setattr(torch.nn.init, name, _deferred_in_this_thread(init))
+        _LOADING.deferred = []
         try:
             yield
+            for tensor, address, init, args, kwargs in _LOADING.deferred:
+                if tensor.data_ptr() == address:  # not replaced by the file's values: initialise it as torch would
+                    init(tensor, *args, **kwargs)
         finally:
+            _LOADING.deferred = None
+            for name, init in inits.items():
+                setattr(torch.nn.init, name, init)
             converter.safe_shape_inference = original
+
+
+_RANDOM_INITS = ("kaiming_uniform_", "uniform_")
+"""The ``torch.nn.init`` functions that the reset_parameters of convolutions and linear layers call."""
+
+_LOADING = threading.local()
+"""``deferred``: in a thread inside :func:`_onnx2torch_shortcuts`, the init calls put off (tensor, its memory's
+address, the init and its arguments); None or absent elsewhere."""
+
+
+def _deferred_in_this_thread(init: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(init)
+    def deferred(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls = getattr(_LOADING, "deferred", None)
+        if calls is None:
+            return init(tensor, *args, **kwargs)
+        calls.append((tensor, tensor.data_ptr(), init, args, kwargs))
+        return tensor
+
+    return deferred
 
 
 def _locate_failures(
@@ -146,7 +186,7 @@ def load_onnx(
         raise FrontendError(shapes.advice(proto, source, unknown))
     aliases = cleanup.alias_dotted_domains(proto)
     try:
-        with _inferred_shapes_kept():
+        with _onnx2torch_shortcuts():
             gm = convert(proto, save_input_names=_placeholder_names_ok(proto), attach_onnx_mapping=True)
     except Exception as exc:  # noqa: BLE001  (onnx2torch raises anything; we name the node)
         raise _locate_failures(proto, source, exc, aliases) from exc
