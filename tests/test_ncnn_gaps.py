@@ -138,12 +138,13 @@ class Sliced(nn.Module):
         return y[:, 1:4, :, 2:] + 1.0, y.transpose(0, 1)[2:5].transpose(0, 1), y[0:1, :, 1:3]
 
 
-@pytest.mark.parametrize("form", ["torch", "onnx"])
+@pytest.mark.parametrize("form", ["torch", "onnx", "onnx-opset9"])
 def test_unit_step_slices(tmp_path: Path, form: str) -> None:
+    """Also ``Slice-1`` (opset < 10: bounds as attributes, held by the module)."""
     torch.manual_seed(0)
     model: Any = Sliced().eval()
-    if form == "onnx":
-        model = _onnx(model, (1, 3, 4, 5), tmp_path / "m.onnx")
+    if form.startswith("onnx"):
+        model = _onnx(model, (1, 3, 4, 5), tmp_path / "m.onnx", opset=9 if form == "onnx-opset9" else 13)
     check(model, (1, 3, 4, 5), tmp_path / "net")
 
 

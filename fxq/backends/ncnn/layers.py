@@ -953,11 +953,16 @@ def _gather(b: NcnnBuilder, node: fx.Node) -> None:
 
 
 def _onnx_slice_index(b: NcnnBuilder, node: fx.Node) -> tuple[slice, ...]:
-    """onnx2torch's ``OnnxSlice(x, starts, ends, axes=None, steps=None)`` with stored bounds as a torch index."""
+    """The ONNX frontend's ``Slice`` as a torch index: bounds stored as tensors and given to the module
+    (``OnnxSliceIndexed(x, starts, ends, axes=None, steps=None)``), or held by it (``Slice-1``)."""
     rank = len(b.shape(node.args[0]))
-    starts, ends, axes, steps = (
-        [int(v) for v in b.param(a, node, "slice bound").reshape(-1).tolist()] if a is not None else None
-        for a in (list(node.args[1:5]) + [None] * 4)[:4])
+    mod = b.module(node)
+    if isinstance(getattr(mod, "starts", None), list):  # Slice-1: attributes, unit steps
+        starts, ends, axes, steps = mod.starts, mod.ends, mod.axes, None
+    else:
+        starts, ends, axes, steps = (
+            [int(v) for v in b.param(a, node, "slice bound").reshape(-1).tolist()] if a is not None else None
+            for a in (list(node.args[1:5]) + [None] * 4)[:4])
     if starts is None or ends is None:
         raise b.fail(node, "its starts / ends are not stored tensors", "give the ONNX Slice constant bounds")
     axes = [a % rank for a in (axes or range(len(starts)))]
