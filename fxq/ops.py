@@ -5,9 +5,10 @@ Each entry of :data:`fxq.numeric.opspec.OP_SPECS` becomes two ops, ``fxq::<name>
 implementation, a fake (meta) implementation, autograd through the backward op, the fused CPU kernels
 (:mod:`fxq.fused_cpu`) and the Triton CUDA kernels (:mod:`fxq.triton_kernels`). Eager code and ``torch.fx``
 graphs keep one node per quantizer and differentiate through it. Inside ``torch.compile``, for CPU tensors, the
-wrappers hand dynamo the reference's own aten ops instead (forward and backward), which inductor fuses with the
-ops around them: the same values, fewer memory passes. CUDA tensors keep the op (its Triton kernel divides
-exactly; inductor's generated Triton division may be 1-2 ulp off and flip rounding ties).
+wrappers hand dynamo one call of the reference instead (:func:`_traced`), which AOTAutograd traces into aten ops
+(forward and backward) that inductor fuses with the ops around them: the same values, fewer memory passes. CUDA
+tensors keep the op (its Triton kernel divides exactly; inductor's generated Triton division may be 1-2 ulp off
+and flip rounding ties).
 """
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ inductor: nothing fuses across it and its output is one more tensor in memory. T
 forward and backward (the same functions the op runs) become pointwise ops that inductor fuses with their neighbours
 (bias add, ReLU, the next quantizer's division...). Values are those of the reference; the tests compare compiled
 and eager bit for bit on CPU."""
+
 
 def _traced(name: str, *args: Any) -> Tensor:
     """:data:`_TRACED`'s op, which dynamo records as one call: it does not speculate the autograd.Function's
