@@ -420,7 +420,7 @@ def test_bound_calls_hold_only_while_nothing_changed(forced):
     assert xg.grad is not None
 
 
-def test_compiling_with_the_fx_graph_cache_off_logs_nothing(monkeypatch):
+def test_compiling_with_the_fx_graph_cache_off_logs_nothing():
     """With inductor's FX graph cache off (``TORCHINDUCTOR_FX_GRAPH_CACHE=0``), ``standalone_compile`` warns that it
     cannot build a saveable artifact: fxq never saves one, so the user must not see that warning."""
     from torch._inductor import config as inductor_config
@@ -433,14 +433,17 @@ def test_compiling_with_the_fx_graph_cache_off_logs_nothing(monkeypatch):
         def emit(self, record: logging.LogRecord) -> None:
             self.messages.append(record.getMessage())
 
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
     seen = Records()
     torch_log = logging.getLogger("torch._inductor.standalone_compile")  # torch's loggers do not propagate to root
     torch_log.addHandler(seen)
+    x = torch.randn(64, 3)
+    # torch's own patch, not pytest's monkeypatch: pytest 9.2 restores a module attribute that is not in the module's
+    # __dict__ (torch's config entries) by deleting it, which hides the entry from every later compile
     try:
-        x = torch.randn(64, 3)
-        compiled = fused_cpu._compile_graph(lambda t: (t * 3.0).relu(), [x], exact=True)
+        with inductor_config.patch(fx_graph_cache=False):
+            compiled = fused_cpu._compile_graph(lambda t: (t * 3.0).relu(), [x], exact=True)
     finally:
         torch_log.removeHandler(seen)
     assert torch.equal(compiled(x.clone()), (x * 3.0).relu())
     assert not seen.messages
+    assert isinstance(inductor_config.fx_graph_cache, bool)  # the setting is torch's again
