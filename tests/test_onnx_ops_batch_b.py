@@ -1,9 +1,11 @@
 """ONNX ops and attributes onnx2torch refuses or gets wrong (batch B), loaded with load_onnx and run against
 onnxruntime (default session and ORT_DISABLE_ALL) and, where written here, a float64 numpy reference:
-ScatterElements / Scatter, GatherND batch_dims, auto_pad SAME_* / VALID on Conv, ConvTranspose, MaxPool and
+ScatterElements / Scatter, ScatterND, GatherND batch_dims, auto_pad SAME_* / VALID on Conv, ConvTranspose, MaxPool and
 AveragePool (also at a second input size), Resize antialias, Unique, Compress, ReverseSequence, Upsample-7 and
 CenterCropPad; then save/load round trips and trt_int8 exports of the auto_pad and ScatterElements models."""
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import onnx
@@ -53,7 +55,8 @@ def _scatter_reference(data: np.ndarray, indices: np.ndarray, updates: np.ndarra
 
 
 @pytest.mark.parametrize("op, opset, reduction", [
-    ("Scatter", 9, None), ("Scatter", 10, None),  # Scatter-11 is the deprecation (onnxruntime refuses it) ("ScatterElements", 11, None), ("ScatterElements", 13, None),
+    ("Scatter", 9, None), ("Scatter", 10, None),  # Scatter-11 is the deprecation (onnxruntime refuses it)
+    ("ScatterElements", 11, None), ("ScatterElements", 13, None),
     ("ScatterElements", 16, "add"), ("ScatterElements", 16, "mul"), ("ScatterElements", 18, "max"),
     ("ScatterElements", 18, "min"), ("ScatterElements", 18, "none"),
 ])
@@ -81,6 +84,84 @@ def test_scatter_elements_all_inputs_at_run_time_and_duplicate_adds() -> None:
     model = _model("ScatterElements", 18, {"data": data, "indices": indices, "updates": updates}, {},
                    reduction="add")
     _check(model, [data, indices, updates], [_scatter_reference(data, indices, updates, 0, "add")])
+
+
+# ------------------------------------------------------------------------------------------------ ScatterND
+def _scatter_nd_reference(data: np.ndarray, indices: np.ndarray, updates: np.ndarray, reduction: str) -> np.ndarray:
+    out = data.astype(np.float64).copy()
+    k = indices.shape[-1]
+    for pos in np.ndindex(*indices.shape[:-1]):
+        t = tuple(int(i) % n for i, n in zip(indices[pos], data.shape[:k]))
+        u = updates[pos].astype(np.float64)
+        out[t] = {"none": u, "add": out[t] + u, "mul": out[t] * u, "max": np.maximum(out[t], u),
+                  "min": np.minimum(out[t], u)}[reduction]
+    return out
+
+
+@pytest.mark.parametrize("opset, reduction", [
+    (11, None), (13, None), (16, "add"), (16, "mul"), (18, "max"), (18, "min"), (18, "none"),
+])
+@pytest.mark.parametrize("indices", [
+    [[1], [-1]],  # whole slices of dim 0
+    [[0, 2], [3, -1], [-4, 0]],  # rows of dims 0-1
+    [[[1, 2, 0], [0, -1, 2]], [[3, 4, -1], [2, 0, 1]]],  # single elements, indices of rank 3
+], ids=["slices", "rows", "elements"])
+def test_scatter_nd(opset: int, reduction: str | None, indices: list) -> None:
+    """onnx2torch's ScatterND wrote with a list of index lists (deprecated by torch: a later torch reads it as one
+    index tensor) and had no reduction; fxq's converter against onnxruntime and a float64 reference."""
+    data = _f(4, 5, 3)
+    idx = np.array(indices, np.int64)
+    updates = _f(*idx.shape[:-1], *data.shape[idx.shape[-1]:])
+    attrs = {} if reduction is None else {"reduction": reduction}
+    model = _model("ScatterND", opset, {"data": data}, {"indices": idx, "updates": updates}, **attrs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check(model, [data], [_scatter_nd_reference(data, idx, updates, reduction or "none")])
+
+
+def test_scatter_nd_duplicate_adds_at_run_time() -> None:
+    data, updates = _f(4, 3), _f(3, 3)
+    indices = np.array([[1], [1], [-3]], np.int64)
+    model = _model("ScatterND", 16, {"data": data, "indices": indices, "updates": updates}, {}, reduction="add")
+    _check(model, [data, indices, updates], [_scatter_nd_reference(data, indices, updates, "add")])
+
+
+class _DetectHead(torch.nn.Module):
+    """A YOLOv5-style head: slices of the output rewritten in place, which torch.onnx writes as ScatterND."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 21, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x).reshape(1, 3, 7, 4, 4).permute(0, 1, 3, 4, 2).sigmoid()
+        y[..., 0:2] = y[..., 0:2] * 2 - 0.5
+        y[..., 2:4] = (y[..., 2:4] * 2) ** 2 * 8
+        return y
+
+
+@pytest.mark.parametrize("opset", [11, 13, 17])
+def test_detect_head_with_scatter_nd_quantizes_and_deploys(tmp_path, opset: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 4, 4)
+    path = tmp_path / "head.onnx"
+    torch.onnx.export(_DetectHead().eval(), (x,), path, opset_version=opset, dynamo=False, input_names=["x"],
+                      output_names=["y"])
+    assert "ScatterND" in {n.op_type for n in onnx.load(str(path)).graph.node}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm = load_onnx(path)
+        got = gm(x)
+    np.testing.assert_allclose(got.detach().numpy(), _ort(onnx.load(str(path)), [x.numpy()], "default")[0], rtol=1e-5,
+                               atol=1e-5)
+    q = fxq.quantize(gm, [x, torch.randn(1, 3, 4, 4)], platform="trt_int8", progress=False)
+    files = fxq.export(q, "trt_int8", tmp_path / "q.onnx")
+    exported = onnx.load(str(next(f for f in files if f.suffix == ".onnx")))
+    assert "ScatterND" in {n.op_type for n in exported.graph.node}
+    with torch.no_grad():
+        sim = q(x).numpy()
+    for level in LEVELS:
+        np.testing.assert_allclose(_ort(exported, [x.numpy()], level)[0], sim, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------- GatherND

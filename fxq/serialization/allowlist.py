@@ -242,7 +242,7 @@ _FXQ_CLASSES = (
     ("fxq.frontends.onnx.converters.reduce", ("OnnxReduce",)),
     ("fxq.frontends.onnx.converters.reshape", ("OnnxReshape",)),
     ("fxq.frontends.onnx.converters.resize", ("OnnxResizeExact", "OnnxUpsample7")),
-    ("fxq.frontends.onnx.converters.scatter", ("OnnxScatterElements", "OnnxGatherND")),
+    ("fxq.frontends.onnx.converters.scatter", ("OnnxScatterElements", "OnnxScatterND", "OnnxGatherND")),
     ("fxq.frontends.onnx.converters.slice", ("OnnxSliceIndexed", "OnnxSliceAttributes")),
     ("fxq.frontends.onnx.converters.select", ("OnnxUnique", "OnnxCompress", "OnnxReverseSequence",
                                               "OnnxCenterCropPad")),

@@ -1,7 +1,9 @@
-"""``ScatterElements-11/13/16/18``, the deprecated ``Scatter-9/11`` and ``GatherND-11/12/13`` with ``batch_dims``.
+"""``ScatterElements-11/13/16/18``, the deprecated ``Scatter-9/11``, ``ScatterND-11/13/16/18`` and
+``GatherND-11/12/13`` with ``batch_dims``.
 
 onnx2torch 1.5.15 has no ScatterElements or Scatter converter, and its GatherND raises at run time for
-``batch_dims != 0``. Indices may be negative (counted from the end of the axis) in all of them; they are moved into
+``batch_dims != 0``. Its ScatterND writes with a *list* of index lists, which torch deprecates (a UserWarning on every
+call, and a later torch reads the list as one index tensor: another result, silently), and has no reduction. Indices may be negative (counted from the end of the axis) in all of them; they are moved into
 range with ``where`` (torch's ``scatter`` / ``gather`` take non-negative indices only).
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import nn
 from fxq.frontends.onnx.converters._common import dim_of, index_from_end, result
 from fxq.frontends.onnx.converters.registry import register_onnx_converter
 
-__all__ = ["OnnxScatterElements", "OnnxGatherND"]
+__all__ = ["OnnxScatterElements", "OnnxScatterND", "OnnxGatherND"]
 
 _REDUCE = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}  # ONNX reduction -> scatter_reduce's
 
@@ -38,25 +40,11 @@ class OnnxScatterElements(nn.Module, OnnxToTorchModuleWithCustomExport):
 
     def forward(self, data: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
         if torch.onnx.is_in_onnx_export():
-            attrs = self._export_attrs()
+            attrs = _export_attrs(self.reduction, {"axis_i": self.axis})
             if attrs is not None:
                 return DefaultExportToOnnx.export(lambda: self._scatter(data, indices, updates), "ScatterElements",
                                                   data, indices, updates, attrs)
         return self._scatter(data, indices, updates)
-
-    def _export_attrs(self) -> dict[str, object] | None:
-        """Attributes of the one ScatterElements node torch.onnx writes (its own forms are a scatter into zeros
-        plus an Add, which TensorRT's rules read as a residual Add, or an If); None: the export opset lacks it."""
-        try:
-            opset = get_onnx_version()
-        except AttributeError:  # torch's shim without the opset: fxq's exporters set it
-            return None
-        if opset < 11 or (self.reduction != "none" and opset < 16) or (self.reduction in ("max", "min") and opset < 18):
-            return None
-        attrs: dict[str, object] = {"axis_i": self.axis}
-        if self.reduction != "none":
-            attrs["reduction_s"] = self.reduction
-        return attrs
 
     def _scatter(self, data: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
         index = index_from_end(indices.long(), data.shape[self.axis])
@@ -66,6 +54,71 @@ class OnnxScatterElements(nn.Module, OnnxToTorchModuleWithCustomExport):
 
     def extra_repr(self) -> str:
         return f"axis={self.axis}, reduction={self.reduction!r}"
+
+
+def _export_attrs(reduction: str, attrs: dict[str, object]) -> dict[str, object] | None:
+    """Attributes of the one scatter node torch.onnx writes for a scatter module (torch's own forms of a scatter are
+    a scatter into zeros plus an Add, which TensorRT's rules read as a residual Add, or an If); None: the export
+    opset lacks the node or its reduction."""
+    try:
+        opset = get_onnx_version()
+    except AttributeError:  # torch's shim without the opset: fxq's exporters set it
+        return None
+    if opset < 11 or (reduction != "none" and opset < 16) or (reduction in ("max", "min") and opset < 18):
+        return None
+    return {**attrs, "reduction_s": reduction} if reduction != "none" else dict(attrs)
+
+
+class OnnxScatterND(nn.Module, OnnxToTorchModuleWithCustomExport):
+    """ONNX ``ScatterND``: ``data`` with the slices addressed by the last dim of ``indices`` replaced by (or reduced
+    with) ``updates``. Exported by torch.onnx as one ``ScatterND`` node.
+
+    The indexed dims are flattened, each index tuple becomes one row of the flattened data, and one indexed write
+    (``none``) or ``scatter_reduce`` (``add``, ``mul``, ``max``, ``min``: from the data's own row, as ONNX) does
+    every row. Indices may be negative.
+
+    Args:
+        reduction: ``none``, ``add``, ``mul``, ``max`` or ``min``.
+    """
+
+    def __init__(self, reduction: str = "none") -> None:
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, data: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
+        if torch.onnx.is_in_onnx_export():
+            attrs = _export_attrs(self.reduction, {})
+            if attrs is not None:
+                return DefaultExportToOnnx.export(lambda: self._scatter(data, indices, updates), "ScatterND",
+                                                  data, indices, updates, attrs)
+        return self._scatter(data, indices, updates)
+
+    def _scatter(self, data: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
+        k = indices.shape[-1]
+        idx = indices.long().reshape(-1, k)
+        rows = torch.zeros_like(idx[:, 0])
+        for j in range(k):  # row-major position of each index tuple in the indexed dims
+            size = data.shape[j]
+            rows = rows * size + index_from_end(idx[:, j], size)
+        table = data.reshape((-1, *data.shape[k:])).clone()
+        values = updates.reshape((-1, *data.shape[k:])).to(data.dtype)
+        if self.reduction == "none":
+            table[rows] = values
+        else:
+            index = rows.reshape((-1,) + (1,) * (values.dim() - 1)).expand_as(values)
+            table.scatter_reduce_(0, index, values, _REDUCE[self.reduction], include_self=True)
+        return table.reshape(data.shape)
+
+    def extra_repr(self) -> str:
+        return f"reduction={self.reduction!r}"
+
+
+@register_onnx_converter("ScatterND", (11, 13, 16, 18), override=True)
+def _convert_scatter_nd(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    reduction = node.attributes.get("reduction", "none")
+    if reduction not in ("none", *_REDUCE):
+        raise NotImplementedError(f"ScatterND: reduction={reduction!r}")
+    return result(OnnxScatterND(reduction), node, node.input_values[:3])
 
 
 @register_onnx_converter("ScatterElements", (11, 13, 16, 18))

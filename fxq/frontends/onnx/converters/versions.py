@@ -5,8 +5,8 @@ Two kinds, each checked against the ONNX schema history (inputs, outputs, attrib
 - **type-only bumps**: the newer version only widens the allowed types (bfloat16, float8, int4, ...), so the older
   converter is right as is. The converter is looked up when a model is converted, never copied.
 - **bumps with new options**: the older converter is right when the new options keep their defaults
-  (``AveragePool-19`` dilations, ``ScatterND-18`` max/min); other values
-  raise ``NotImplementedError`` naming the option, which the loader reports with the node.
+  (``AveragePool-19`` dilations); other values raise ``NotImplementedError`` naming the option, which the loader
+  reports with the node. (``ScatterND``, every version, has a converter of its own: :mod:`.scatter`.)
 """
 from __future__ import annotations
 
@@ -87,14 +87,7 @@ def _check_average_pool(node: OnnxNode) -> None:
         raise NotImplementedError(f"AveragePool: dilations={list(dilations)} (torch's avg_pool has no dilation)")
 
 
-def _check_scatter_nd(node: OnnxNode) -> None:
-    reduction = node.attributes.get("reduction", "none")
-    if reduction in ("max", "min"):
-        raise NotImplementedError(f"ScatterND: reduction={reduction!r}")
-
-
 for _op, (_old, _new) in TYPE_ONLY_BUMPS.items():
     register_onnx_converter(_op, _new)(_delegate(_op, _old))
 
 register_onnx_converter("AveragePool", (19, 22))(_delegate("AveragePool", 11, _check_average_pool))
-register_onnx_converter("ScatterND", 18)(_delegate("ScatterND", 16, _check_scatter_nd))
