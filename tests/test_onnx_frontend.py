@@ -589,9 +589,9 @@ def test_conversion_skips_the_random_init_the_file_overwrites(tmp_path, monkeypa
 
 
 def test_put_off_init_runs_on_tensors_nothing_replaced() -> None:
-    """Inside the conversion block, a module whose parameters the converter does not replace is initialised as
-    torch would when the block ends; one whose parameters are replaced keeps the replacement untouched; another
-    thread's modules are initialised at once."""
+    """Inside the conversion block, a module whose parameters the converter does not set is initialised as torch
+    would when the block ends; one whose parameters are replaced (``.data =``) or written in place (``copy_``,
+    same address) keeps the converter's values; another thread's modules are initialised at once."""
     import threading
 
     from fxq.frontends.onnx.loader import _onnx2torch_shortcuts
@@ -600,9 +600,12 @@ def test_put_off_init_runs_on_tensors_nothing_replaced() -> None:
     with _onnx2torch_shortcuts():
         kept = nn.Linear(8, 8)
         replaced = nn.Linear(8, 8)
+        copied = nn.Linear(8, 8)
         with torch.no_grad():
             replaced.weight.data = torch.full((8, 8), 2.0)
             replaced.bias.data = torch.zeros(8)
+            copied.weight.copy_(torch.full((8, 8), 3.0))
+            copied.bias.data.copy_(torch.ones(8))
         worker = threading.Thread(target=lambda: other.append(nn.Linear(8, 8).weight.detach().clone()))
         worker.start()
         worker.join()
@@ -610,6 +613,8 @@ def test_put_off_init_runs_on_tensors_nothing_replaced() -> None:
     w = kept.weight.detach()
     assert torch.isfinite(w).all() and w.abs().max() <= 8 ** -0.5 and w.std() > 0
     assert torch.equal(replaced.weight.detach(), torch.full((8, 8), 2.0))
+    assert torch.equal(copied.weight.detach(), torch.full((8, 8), 3.0))
+    assert torch.equal(copied.bias.detach(), torch.ones(8))
 
 
 class _UnitSlices(nn.Module):

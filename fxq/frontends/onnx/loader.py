@@ -44,8 +44,9 @@ def _onnx2torch_shortcuts() -> Iterator[None]:
       that step hands the model back as it is;
     * it builds each module with torch's random init and then overwrites the weights with the file's: a third of
       a VGG's load. In this thread, ``torch.nn.init``'s ``kaiming_uniform_`` and ``uniform_`` are put off until
-      the block ends, and then run only on the tensors that still hold their own memory (none, so far: every
-      converter sets its module's parameters).
+      the block ends, and then run only on the tensors nothing wrote: neither replaced (``.data = ``, a new
+      address) nor written in place (``copy_``: the NaN put in their first element is gone). None, so far: every
+      converter sets its module's parameters.
     """
     import onnx2torch.converter as converter
 
@@ -59,7 +60,7 @@ def _onnx2torch_shortcuts() -> Iterator[None]:
         try:
             yield
             for tensor, address, init, args, kwargs in _LOADING.deferred:
-                if tensor.data_ptr() == address:  # not replaced by the file's values: initialise it as torch would
+                if tensor.data_ptr() == address and _unwritten(tensor):  # initialise it as torch would
                     init(tensor, *args, **kwargs)
         finally:
             _LOADING.deferred = None
@@ -80,12 +81,19 @@ def _deferred_in_this_thread(init: Callable[..., torch.Tensor]) -> Callable[...,
     @functools.wraps(init)
     def deferred(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         calls = getattr(_LOADING, "deferred", None)
-        if calls is None:
+        if calls is None or not tensor.is_floating_point() or not tensor.numel():
             return init(tensor, *args, **kwargs)
+        with torch.no_grad():
+            tensor[(0,) * tensor.dim()].fill_(float("nan"))  # a mark any write of the file's values removes
         calls.append((tensor, tensor.data_ptr(), init, args, kwargs))
         return tensor
 
     return deferred
+
+
+def _unwritten(tensor: torch.Tensor) -> bool:
+    """Whether the mark :func:`_deferred_in_this_thread` put in ``tensor``'s first element is still there."""
+    return bool(torch.isnan(tensor[(0,) * tensor.dim()]))
 
 
 def _locate_failures(
