@@ -359,7 +359,6 @@ def _fixed_width(tmp_path: Path) -> Path:
     return path
 
 
-
 def test_doubled_dim_probes_all_at_once_else_one_by_one() -> None:
     """The one probing policy of the exporters (QDQ marks, ncnn reshapes): the inputs repeated along every dynamic
     dim at once; where the model does not run there (a recognizer whose height is symbolic in its file but fixed in

@@ -63,8 +63,9 @@ class OnnxConvTransposeToShape(nn.Module):
     """``ConvTranspose`` with ``output_shape`` on an input whose size only the run knows: ``conv`` (no padding,
     the node's ``output_padding``) gives the full output, cropped to ``output_shape`` by pads computed from the
     input's size at each call, as ONNX computes them. Where an input is so small that ``output_shape`` exceeds the
-    full output (negative pads), the extra positions are zeros here and the bias in onnxruntime. Inlined at load (:func:`~fxq.frontends.onnx.converters.
-    auto_pad.inline_wrappers`), so the conv's weight is quantized and exports write the crop as shape arithmetic."""
+    full output (negative pads), the extra positions are zeros here and the bias in onnxruntime. Inlined at load
+    (:func:`~fxq.frontends.onnx.converters.auto_pad.inline_wrappers`), so the conv's weight is quantized and
+    exports write the crop as shape arithmetic."""
 
     fxq_inline = True
 

@@ -2,11 +2,14 @@
 ``GatherND-11/12/13`` with ``batch_dims``.
 
 onnx2torch 1.5.15 has no ScatterElements or Scatter converter, and its GatherND raises at run time for
-``batch_dims != 0``. Its ScatterND writes with a *list* of index lists, which torch deprecates (a UserWarning on every
-call, and a later torch reads the list as one index tensor: another result, silently), and has no reduction. Indices may be negative (counted from the end of the axis) in all of them; they are moved into
-range with ``where`` (torch's ``scatter`` / ``gather`` take non-negative indices only).
+``batch_dims != 0``. Its ScatterND writes with a *list* of index lists, which torch deprecates (a UserWarning on
+every call, and a later torch reads the list as one index tensor: another result, silently), and has no reduction.
+Indices may be negative (counted from the end of the axis) in all of them; they are moved into range with ``where``
+(torch's ``scatter`` / ``gather`` take non-negative indices only).
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 from onnx2torch.onnx_graph import OnnxGraph
@@ -56,6 +59,15 @@ class OnnxScatterElements(nn.Module, OnnxToTorchModuleWithCustomExport):
         return f"axis={self.axis}, reduction={self.reduction!r}"
 
 
+def _positions(indices: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """The row-major position of each index tuple (the last dim of ``indices``, negative counted from the end) in
+    dims of ``sizes``: ScatterND's and GatherND's rows of the data flattened over those dims."""
+    flat = torch.zeros_like(indices[..., 0])
+    for j, size in enumerate(sizes):
+        flat = flat * size + index_from_end(indices[..., j], size)
+    return flat
+
+
 def _export_attrs(reduction: str, attrs: dict[str, object]) -> dict[str, object] | None:
     """Attributes of the one scatter node torch.onnx writes for a scatter module (torch's own forms of a scatter are
     a scatter into zeros plus an Add, which TensorRT's rules read as a residual Add, or an If); None: the export
@@ -95,11 +107,7 @@ class OnnxScatterND(nn.Module, OnnxToTorchModuleWithCustomExport):
 
     def _scatter(self, data: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
         k = indices.shape[-1]
-        idx = indices.long().reshape(-1, k)
-        rows = torch.zeros_like(idx[:, 0])
-        for j in range(k):  # row-major position of each index tuple in the indexed dims
-            size = data.shape[j]
-            rows = rows * size + index_from_end(idx[:, j], size)
+        rows = _positions(indices.long().reshape(-1, k), data.shape[:k])
         table = data.reshape((-1, *data.shape[k:])).clone()
         values = updates.reshape((-1, *data.shape[k:])).to(data.dtype)
         if self.reduction == "none":
@@ -151,11 +159,7 @@ class OnnxGatherND(nn.Module):
             table = table.flatten(0, b - 1)
         else:
             table = table.unsqueeze(0)
-        idx = indices.long().reshape(table.shape[0], -1, k)
-        flat = torch.zeros_like(idx[..., 0])
-        for j in range(k):  # row-major position of each index tuple in the indexed dims
-            size = data.shape[b + j]
-            flat = flat * size + index_from_end(idx[..., j], size)
+        flat = _positions(indices.long().reshape(table.shape[0], -1, k), [data.shape[b + j] for j in range(k)])
         rows = torch.arange(table.shape[0], device=data.device).reshape(-1, 1)
         return table[rows, flat].reshape(indices.shape[:-1] + data.shape[b + k:])
 
