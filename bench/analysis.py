@@ -27,7 +27,7 @@ with ``quantize_onnx_model(..., TargetPlatform.TRT_INT8, trt_setting)``, then ro
 round is PPQ's first analysis in that process.
 
 Usage: ``python bench/analysis.py [--models resnet18 mobilenet_v2] [--paths native onnx] [--batches 8]
-[--batch-size 8] [--size 224] [--rounds 5] [--all-ops] [--no-fused] [--ppq-python PATH]``
+[--batch-size 8] [--size 224] [--rounds 5] [--all-ops] [--no-fused] [--ppq-python PATH] [--allocator steady|default]``
 """
 from __future__ import annotations
 
@@ -152,10 +152,13 @@ def main() -> None:
     ap.add_argument("--one", help=argparse.SUPPRESS)  # MODEL:PATH, run in a child process
     ap.add_argument("--onnx-file", help=argparse.SUPPRESS)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _host import add_allocator_argument, apply_allocator
     from _ppq_bridge import add_ppq_argument
 
     add_ppq_argument(ap)
+    add_allocator_argument(ap)
     args = ap.parse_args()
+    allocator = apply_allocator(args.allocator)
     if args.no_fused:
         os.environ["FXQ_CPU_FUSED"] = "0"
     if args.one:
@@ -167,9 +170,9 @@ def main() -> None:
     from _ppq_bridge import batches, export_onnx, machine, run_ppq, save_batches, seeded_model
 
     torch.set_num_threads(args.threads)
-    print(machine(), flush=True)
+    print(f"{machine()}, {allocator}", flush=True)
     passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("batches", "batch_size", "size",
-                                                                           "threads", "rounds")]
+                                                                           "threads", "rounds", "allocator")]
     passthrough += ["--all-ops"] * args.all_ops + ["--no-fused"] * args.no_fused
     results = []
     with tempfile.TemporaryDirectory(prefix="fxq_analysis_") as tmp:

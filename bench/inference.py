@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 import torchvision
+from _host import add_allocator_argument, apply_allocator
 from torch import nn
 
 import fxq
@@ -106,11 +107,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeat", type=int, default=2)
+    add_allocator_argument(parser)
     args = parser.parse_args(argv)
+    allocator = apply_allocator(args.allocator)
     _SIZE = args.size
     logging.basicConfig(level=logging.WARNING)
     print(f"{time.strftime('%Y-%m-%d')}: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}, images {args.size}x{args.size}")
+          f"{platform.processor() or platform.machine()}, images {args.size}x{args.size}, {allocator}")
     return [row for m in args.models for row in bench(m, args.steps, args.repeat)]
 
 

@@ -22,6 +22,7 @@ import time
 
 import torch
 import torchvision
+from _host import add_allocator_argument, apply_allocator
 
 import fxq
 
@@ -68,9 +69,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=2)
+    add_allocator_argument(parser)
     args = parser.parse_args(argv)
+    allocator = apply_allocator(args.allocator)
     logging.basicConfig(level=logging.WARNING)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, {allocator}")
     results = [bench(m, s, args.batches, args.batch_size, args.repeat) for m in args.models for s in args.sources]
     for r in results:
         print(f"{r['model']:14s} {r['source']:6s} PTQ / FP32 forward: median {r['median_ratio']:.2f}x, "

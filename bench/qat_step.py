@@ -1,6 +1,7 @@
 """QAT train step against the FP32 train step, eager and under ``torch.compile``, on CPU.
 
     python bench/qat_step.py [--models resnet18 mobilenet_v2] [--batch-size 8] [--size 112] [--steps 10] [--repeat 3]
+                             [--modes eager compiled] [--allocator steady|default]
 
 For each model: an SGD step (forward, cross-entropy, backward, update) of the torchvision FP32 model and of
 ``fxq.prepare_qat(model, "trt_int8")`` (LSQ scales, BN folded), each eager and compiled
@@ -28,6 +29,7 @@ if __name__ == "__main__":  # compile times from cold caches: a fresh inductor c
 import torch
 import torch.nn.functional as F
 import torchvision
+from _host import add_allocator_argument, apply_allocator
 
 import fxq
 
@@ -59,7 +61,8 @@ _WARMUP_S = 10.0
 _DATA: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
 
-def bench(name: str, batch_size: int, size: int, steps: int, repeat: int) -> dict:
+def bench(name: str, batch_size: int, size: int, steps: int, repeat: int,
+          modes: tuple[str, ...] = ("eager", "compiled")) -> dict:
     global _DATA
     torch.manual_seed(0)
     _DATA = (torch.randn(batch_size, 3, size, size), torch.randint(0, 1000, (batch_size,)))
@@ -69,25 +72,28 @@ def bench(name: str, batch_size: int, size: int, steps: int, repeat: int) -> dic
     variants = {}
     compile_s = {}
     for label, model, compiled in (("fp32 eager", fp32, False), ("qat eager", qat, False),
-                                   ("fp32 compiled", copy.deepcopy(fp32), True),
-                                   ("qat compiled", copy.deepcopy(qat), True)):
-        variants[label], compile_s[label] = _step_fn(model, compiled)
+                                   ("fp32 compiled", fp32, True), ("qat compiled", qat, True)):
+        if label.split()[1] in modes:
+            variants[label], compile_s[label] = _step_fn(copy.deepcopy(model) if compiled else model, compiled)
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(repeat):
         for label, step in variants.items():
             times[label].append(statistics.median(step() for _ in range(steps)))
     med = {k: statistics.median(v) for k, v in times.items()}
     row = {"model": name, **{f"{k} s": v for k, v in med.items()},
-           "eager ratio": med["qat eager"] / med["fp32 eager"],
-           "compiled ratio": med["qat compiled"] / med["fp32 compiled"],
-           "compile ratio": compile_s["qat compiled"] / compile_s["fp32 compiled"],
-           "rounds": {k: [round(t, 4) for t in v] for k, v in times.items()},
-           "compile s": compile_s}
-    print(f"{name:14s} step fp32 eager {med['fp32 eager']:.3f} s, qat eager {med['qat eager']:.3f} s "
-          f"({row['eager ratio']:.2f}x); fp32 compiled {med['fp32 compiled']:.3f} s, qat compiled "
-          f"{med['qat compiled']:.3f} s ({row['compiled ratio']:.2f}x); compile fp32 "
-          f"{compile_s['fp32 compiled']:.1f} s, qat {compile_s['qat compiled']:.1f} s ({row['compile ratio']:.2f}x)",
-          flush=True)
+           "rounds": {k: [round(t, 4) for t in v] for k, v in times.items()}, "compile s": compile_s}
+    parts = []
+    if "eager" in modes:
+        row["eager ratio"] = med["qat eager"] / med["fp32 eager"]
+        parts.append(f"step fp32 eager {med['fp32 eager']:.3f} s, qat eager {med['qat eager']:.3f} s "
+                     f"({row['eager ratio']:.2f}x)")
+    if "compiled" in modes:
+        row["compiled ratio"] = med["qat compiled"] / med["fp32 compiled"]
+        row["compile ratio"] = compile_s["qat compiled"] / compile_s["fp32 compiled"]
+        parts.append(f"fp32 compiled {med['fp32 compiled']:.3f} s, qat compiled {med['qat compiled']:.3f} s "
+                     f"({row['compiled ratio']:.2f}x); compile fp32 {compile_s['fp32 compiled']:.1f} s, "
+                     f"qat {compile_s['qat compiled']:.1f} s ({row['compile ratio']:.2f}x)")
+    print(f"{name:14s} " + "; ".join(parts), flush=True)
     print(f"  rounds: {row['rounds']}", flush=True)
     return row
 
@@ -99,11 +105,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--size", type=int, default=112)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
+    add_allocator_argument(parser)
     args = parser.parse_args(argv)
+    allocator = apply_allocator(args.allocator)
     logging.basicConfig(level=logging.WARNING)
     print(f"{time.strftime('%Y-%m-%d')}: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}, batch {args.batch_size}x3x{args.size}x{args.size}")
-    return [bench(m, args.batch_size, args.size, args.steps, args.repeat) for m in args.models]
+          f"{platform.processor() or platform.machine()}, batch {args.batch_size}x3x{args.size}x{args.size}, "
+          f"{allocator}")
+    return [bench(m, args.batch_size, args.size, args.steps, args.repeat, tuple(args.modes)) for m in args.models]
 
 
 if __name__ == "__main__":

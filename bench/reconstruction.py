@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _host import add_allocator_argument, apply_allocator  # noqa: E402
 from _ppq_bridge import (  # noqa: E402
     add_ppq_argument,
     batches,
@@ -191,14 +192,16 @@ def main(argv: list[str] | None = None) -> dict:
                         help="run one side only (e.g. to re-run PPQ's long passes alone)")
     parser.add_argument("--json", help="write the results here")
     add_ppq_argument(parser)
+    add_allocator_argument(parser)
     args = parser.parse_args(argv)
+    allocator = apply_allocator(args.allocator)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     steps = dict(QUICK_STEPS if args.quick else PPQ_DEFAULT_STEPS)
     if args.steps:
         steps = dict.fromkeys(steps, args.steps)
     fields = matched_settings(steps)
-    print(machine(), flush=True)
+    print(f"{machine()}, {allocator}", flush=True)
 
     model = seeded_model("resnet18")
     calib = batches(args.batches, args.batch_size, args.size, seed=0)

@@ -70,9 +70,13 @@ DEFAULT_WARMUP_S = 3.0
 
 _FUSED_DTYPES = (torch.float32, torch.float64)
 # Pin the floating-point flags the bit-identity relies on (these are inductor's defaults today).
+# ``dynamic_threads``: every kernel gets a parallel region sized by OpenMP at run time (torch's thread count of the
+# moment). Without it inductor sizes the loops from the traced stand-ins (a few thousand elements) and writes
+# serial kernels, so every call ran on one core whatever the tensor.
 _INDUCTOR_OPTIONS = {
     "cpp.enable_unsafe_math_opt_flag": False,
     "cpp.enable_floating_point_contract_flag": "off",
+    "cpp.dynamic_threads": True,
 }
 
 

@@ -6,6 +6,9 @@ handful of graphs (``cpu_fusion(min_numel=0, warmup_seconds=0)``); the rest chec
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
 
 import pytest
 import torch
@@ -447,3 +450,37 @@ def test_compiling_with_the_fx_graph_cache_off_logs_nothing():
     assert torch.equal(compiled(x.clone()), (x * 3.0).relu())
     assert not seen.messages
     assert isinstance(inductor_config.fx_graph_cache, bool)  # the setting is torch's again
+
+
+def _thread_cpu_ticks() -> dict[int, int]:
+    """CPU time (clock ticks: user + system) of each thread of this process, from ``/proc``."""
+    ticks = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        ticks[int(tid)] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2,
+                    reason="needs Linux /proc and two intra-op threads")
+def test_fused_kernels_use_torch_threads(forced):
+    """A compiled graph runs on torch's intra-op threads: inductor sized its loops from the small traced stand-ins
+    and wrote serial kernels, so a large quantizer ran on one core (measured: the kernel 1.9x slower on 2 threads).
+    Seen from /proc: while the main thread runs the kernel, another thread of the process works too."""
+    x = torch.randn(1 << 22)
+    s, o = torch.tensor([0.05]), torch.tensor([0.0])
+    op.fake_quant_linear(x, s, o, 0, -128, 127, int(RoundingPolicy.HALF_EVEN))  # compile
+    time.sleep(0.5)  # OpenMP workers of earlier parallel regions stop spinning
+    main = threading.get_native_id()
+    before = _thread_cpu_ticks()
+    start = time.process_time()
+    while time.process_time() - start < 1.0:
+        op.fake_quant_linear(x, s, o, 0, -128, 127, int(RoundingPolicy.HALF_EVEN))
+    after = _thread_cpu_ticks()
+    worked = {tid: after[tid] - before.get(tid, 0) for tid in after}
+    others = sum(t for tid, t in worked.items() if tid != main)
+    assert others >= worked[main] // 4, f"only the calling thread computed: ticks per thread {worked}"
