@@ -128,6 +128,12 @@ def fake_quantize(
     """
     scale = cfg.scale if scale is None else scale
     offset = cfg.offset if offset is None else offset
+    if not cfg.per_channel and not x.is_contiguous():
+        laid_out = fused_cpu.fusable_layout(x)
+        if laid_out is not None:  # elementwise: the same values, fused, in x's own stride order
+            xc, order, copied = laid_out
+            y = fake_quantize(xc, cfg, scale, offset, overwrite=overwrite or copied)
+            return y.permute(tuple(sorted(range(len(order)), key=order.__getitem__)))
     bound = None if overwrite else _BOUND.get(cfg)
     if bound is not None:
         y = bound.run(x, (scale,) if cfg.is_floating else (scale, offset), _call_tag(cfg))

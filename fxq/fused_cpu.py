@@ -54,6 +54,7 @@ __all__ = [
     "fake_quant_float_inplace",
     "squared_error_sums",
     "values_only",
+    "fusable_layout",
     "plain_eager",
     "KERNELS",
     "BoundCall",
@@ -200,6 +201,21 @@ def plain_eager(tensors: tuple[torch.Tensor, ...]) -> bool:
             return False
     return not (_tracing_or_mode_active() or torch._C._is_torch_function_mode_enabled()
                 or torch._C._functorch.peek_interpreter_stack() is not None)
+
+
+def fusable_layout(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], bool] | None:
+    """For a non-contiguous ``x`` of an elementwise values-only call the fused path would take if it were
+    contiguous: ``x`` laid out contiguously in its own stride order (a view of ``x`` when it is a permuted dense
+    tensor, e.g. a transpose; else a copy, e.g. of a slice), that order, and whether it is a copy; or None.
+    The fused result permuted back with the inverse order has the strides the op's eager result would have (the
+    order of ``x``'s). Heads of attention are both: transposed, and slices of one projection."""
+    enabled, min_numel, _ = _state.resolved()
+    if (not enabled or _state.broken is not None or x.numel() < max(min_numel, 1) or x.dtype not in _FUSED_DTYPES
+            or not x.is_cpu or type(x) not in _PLAIN_TYPES or not values_only((x,))):
+        return None
+    order = tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+    view = x.permute(order)
+    return (view, order, False) if view.is_contiguous() else (view.contiguous(), order, True)
 
 
 def _canonical(x: torch.Tensor, numels: tuple[int, ...], axis: int) -> tuple[tuple[int, ...], int] | None:

@@ -484,3 +484,30 @@ def test_fused_kernels_use_torch_threads(forced):
     worked = {tid: after[tid] - before.get(tid, 0) for tid in after}
     others = sum(t for tid, t in worked.items() if tid != main)
     assert others >= worked[main] // 4, f"only the calling thread computed: ticks per thread {worked}"
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "sliced-transposed"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_non_contiguous_values_take_the_fused_path(forced, layout, overwrite):
+    """Attention heads reach their quantizers transposed and sliced out of one projection: per-tensor values-only
+    calls lay them out contiguously in their own stride order and run fused (they ran the eager reference, six
+    passes). Bit for bit the reference, with the strides the eager op gives."""
+    from fxq.spec import QuantState, TensorQuantConfig
+
+    cfg = TensorQuantConfig(num_bits=8, scale=torch.tensor([0.05]), state=QuantState.ACTIVATED)
+    base = _x((3, 40, 96), torch.tensor([0.05]), 0, 3.0)
+    make = {"transposed": lambda: base.clone().transpose(0, 1),
+            "sliced": lambda: base.clone()[:, :, 16:80],
+            "sliced-transposed": lambda: base.clone()[:, :, :48].transpose(1, 2)}[layout]
+    with cpu_fusion(enabled=False):
+        expected = F.fake_quantize(make(), cfg)
+    x = make()
+    assert not x.is_contiguous()
+    before = _fused_calls()
+    with torch.no_grad():
+        got = F.fake_quantize(x, cfg, overwrite=overwrite)
+    assert _fused_calls() > before, "the non-contiguous tensor ran the eager reference"
+    assert_bit_identical(got, expected, layout)
+    assert got.stride() == expected.stride()
+    if not overwrite:
+        assert_bit_identical(x, make(), "x was changed")
