@@ -1,12 +1,18 @@
 """Tracing, graph passes, dispatch, placement rules per platform, calibration inputs, switching."""
+import operator
+import tempfile
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _export_helpers import fx_values, run_ort
 from torch import nn
 
 import fxq
 from fxq.graph.info import NodeQuant, is_quantizer_node
-from fxq.graph.quant_graph import QuantGraph
+from fxq.graph.quant_graph import QuantGraph, quantizer_name
 from fxq.spec import QuantState
 
 from _models import noise_ratio, small_cnn
@@ -176,6 +182,51 @@ def test_trt_placement_fusion_passive_and_axes():
     # every add input is quantized (residual adds take Q/DQ inputs)
     add = _node(q, "add").meta["fxq"]
     assert all(add.inputs.values())
+
+
+class SplitHeads(nn.Module):
+    """One projection cut into query, key and value (attention's in_proj; YOLO's split of xy / wh / conf)."""
+
+    def __init__(self, split: str) -> None:
+        super().__init__()
+        self.split = split
+        self.proj = nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        q, k, v = y.chunk(3, dim=-1) if self.split == "chunk" else y.split((16, 16, 16), dim=-1)
+        return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+
+
+@pytest.mark.parametrize("split", ["chunk", "split"])
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8", "ppl_cuda_int8"])
+def test_pieces_of_a_split_share_its_input_grid(platform, split):
+    """A split cuts a quantized tensor into pieces on its grid: each piece is covered by the projection's
+    quantizer (PASSIVE), not quantized again on a grid of its own (a second rounding, and 3 more quantizers)."""
+    q = fxq.quantize(SplitHeads(split).eval(), _data((2, 5, 16)), platform, progress=False)
+    proj = _node(q, "proj").meta["fxq"]
+    assert proj.output_state is QuantState.ACTIVATED
+    pieces = [n for n in q.graph.nodes if n.op == "call_function" and n.target is operator.getitem]
+    assert len(pieces) == 3
+    for n in pieces:
+        assert n.meta["fxq"].output_state is QuantState.PASSIVE and n.meta["fxq"].output == proj.output, n.name
+    assert not [name for name, _ in QuantGraph(q).quantizers() if "getitem" in name]
+    x = _data((2, 5, 16))[0]
+    values = fx_values(q, x)
+    grid = values[next(n.name for n in q.graph.nodes if quantizer_name(n) == proj.output)]
+    for i, n in enumerate(pieces):
+        assert torch.equal(values[n.name], grid[..., 16 * i: 16 * (i + 1)])  # the quantized values, as they are
+    if platform == "ppl_cuda_int8":
+        return  # OpenPPL's files are the float graph and a json of the grids (tests/test_export_openppl.py)
+    with torch.no_grad():
+        sim = q(x).numpy()
+    (last,) = [n for n in q.graph.nodes if n.op == "output"][0].all_input_nodes
+    step = float(QuantGraph(q)[quantizer_name(last)].scale)
+    with tempfile.TemporaryDirectory() as tmp:
+        (path,) = [p for p in fxq.export(q, platform, Path(tmp) / "m.onnx") if p.suffix == ".onnx"]
+        np.testing.assert_allclose(run_ort(str(path), x, optimize=False), sim, rtol=0, atol=1e-6)
+        # a default session fuses int8 kernels that round once where Q/DQ rounds twice: a code here and there
+        np.testing.assert_allclose(run_ort(str(path), x, optimize=True), sim, rtol=0, atol=1.01 * step)
 
 
 def test_ncnn_quantizes_only_conv_and_gemm_inputs():

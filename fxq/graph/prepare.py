@@ -174,6 +174,7 @@ class _Builder:
                 nq.inputs[bias_node.name] = self._quantize_bias(node, bias_node, p, t, data_q, weight_q)
             # ---- output
             if not self.wants_output(node):
+                self._pass_pieces_through(node, p, t, passive_enabled)
                 continue
             fused = self.fused_into(node)
             if fused is not None:
@@ -203,6 +204,18 @@ class _Builder:
             if isinstance(nq, NodeQuant) and node in self.output_decided:
                 nq.output, nq.output_state = self.covering[node]
         return gq
+
+    def _pass_pieces_through(self, node: fx.Node, p: Platform, t: str, passive_enabled: bool) -> None:
+        """A passive op with several outputs (split, chunk, unbind: a tuple, which no quantizer reads) cuts a
+        quantized input into pieces on that input's grid: its pieces (``getitem``, passive too) are covered by the
+        input's quantizer, instead of each being quantized again on a grid of its own."""
+        val = node.meta.get("val")
+        if not (passive_enabled and t in p.passive_ops and p.quantizes_output(t) and isinstance(val, (tuple, list))
+                and val and all(is_float_tensor(v) for v in val) and node.all_input_nodes):
+            return
+        upstream = self._cover_of(node.all_input_nodes[0])
+        if upstream is not None:
+            self.covering[node] = (upstream[0], QuantState.PASSIVE)
 
     def _cover_of(self, n: fx.Node) -> tuple[str, QuantState] | None:
         if is_quantizer_node(n):
