@@ -132,7 +132,8 @@ def fake_quantize(
         laid_out = fused_cpu.fusable_layout(x)
         if laid_out is not None:  # elementwise: the same values, fused, in x's own stride order
             xc, order, copied = laid_out
-            y = fake_quantize(xc, cfg, scale, offset, overwrite=overwrite or copied)
+            # a Parameter is never overwritten, nor through a view (the in-place kernels refuse it as x)
+            y = fake_quantize(xc, cfg, scale, offset, overwrite=copied or (overwrite and type(x) is torch.Tensor))
             return y.permute(tuple(sorted(range(len(order)), key=order.__getitem__)))
     bound = None if overwrite else _BOUND.get(cfg)
     if bound is not None:

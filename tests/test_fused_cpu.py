@@ -511,3 +511,7 @@ def test_non_contiguous_values_take_the_fused_path(forced, layout, overwrite):
     assert got.stride() == expected.stride()
     if not overwrite:
         assert_bit_identical(x, make(), "x was changed")
+    weight = torch.nn.Parameter(make(), requires_grad=False)
+    with torch.no_grad():
+        assert_bit_identical(F.fake_quantize(weight, cfg, overwrite=overwrite), expected, layout)
+    assert_bit_identical(weight.detach(), make(), "a Parameter was overwritten")
