@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     allocator = apply_allocator(args.allocator)
     logging.basicConfig(level=logging.WARNING)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, {allocator}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{platform.processor() or platform.machine()}, {allocator}")
     results = [bench(m, s, args.batches, args.batch_size, args.repeat) for m in args.models for s in args.sources]
     for r in results:
         print(f"{r['model']:14s} {r['source']:6s} PTQ / FP32 forward: median {r['median_ratio']:.2f}x, "

@@ -129,12 +129,12 @@ def fake_quantize(
     scale = cfg.scale if scale is None else scale
     offset = cfg.offset if offset is None else offset
     if not cfg.per_channel and not x.is_contiguous():
-        laid_out = fused_cpu.fusable_layout(x)
+        laid_out = fused_cpu.fusable_layout(x, *(t for t in (scale, offset) if t is not None))
         if laid_out is not None:  # elementwise: the same values, fused, in x's own stride order
-            xc, order, copied = laid_out
+            xc, back, copied = laid_out
             # a Parameter is never overwritten, nor through a view (the in-place kernels refuse it as x)
             y = fake_quantize(xc, cfg, scale, offset, overwrite=copied or (overwrite and type(x) is torch.Tensor))
-            return y.permute(tuple(sorted(range(len(order)), key=order.__getitem__)))
+            return y.permute(back)
     bound = None if overwrite else _BOUND.get(cfg)
     if bound is not None:
         y = bound.run(x, (scale,) if cfg.is_floating else (scale, offset), _call_tag(cfg))

@@ -206,19 +206,24 @@ def plain_eager(tensors: tuple[torch.Tensor, ...]) -> bool:
                 or torch._C._functorch.peek_interpreter_stack() is not None)
 
 
-def fusable_layout(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], bool] | None:
-    """For a non-contiguous ``x`` of an elementwise values-only call the fused path would take if it were
-    contiguous: ``x`` laid out contiguously in its own stride order (a view of ``x`` when it is a permuted dense
-    tensor, e.g. a transpose; else a copy, e.g. of a slice), that order, and whether it is a copy; or None.
-    The fused result permuted back with the inverse order has the strides the op's eager result would have (the
-    order of ``x``'s). Heads of attention are both: transposed, and slices of one projection."""
-    enabled, min_numel, _ = _state.resolved()
-    if (not enabled or _state.broken is not None or x.numel() < max(min_numel, 1) or x.dtype not in _FUSED_DTYPES
-            or not x.is_cpu or type(x) not in _PLAIN_TYPES or not values_only((x,))):
+def fusable_layout(x: torch.Tensor, *params: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], bool] | None:
+    """For a non-contiguous ``x`` of an elementwise values-only call (``params``: its scale and offset) that the
+    fused path would take if ``x`` were contiguous: ``x`` laid out contiguously in its own stride order (a view of
+    ``x`` when it is a permuted dense tensor, e.g. a transpose; else a copy, e.g. of a slice), the order that puts
+    the result back (whose strides are then the ones the op's eager result would have) and whether it is a copy;
+    or None. Heads of attention are both: transposed, and slices of one projection."""
+    if not _fused_size(x) or x.dtype not in _FUSED_DTYPES or not values_only((x, *params)):
         return None
-    order = tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+    back = tuple(sorted(range(x.dim()), key=order.__getitem__))
     view = x.permute(order)
-    return (view, order, False) if view.is_contiguous() else (view.contiguous(), order, True)
+    return (view, back, False) if view.is_contiguous() else (view.contiguous(), back, True)
+
+
+def _fused_size(x: torch.Tensor) -> bool:
+    """The fused path is on (not broken) and takes a tensor of ``x``'s size."""
+    enabled, min_numel, _ = _state.resolved()
+    return enabled and _state.broken is None and x.numel() >= max(min_numel, 1)
 
 
 def _canonical(x: torch.Tensor, numels: tuple[int, ...], axis: int) -> tuple[tuple[int, ...], int] | None:
@@ -243,8 +248,7 @@ def _canonical(x: torch.Tensor, numels: tuple[int, ...], axis: int) -> tuple[tup
 def _eligible(x: torch.Tensor, grad: torch.Tensor | None, *params: torch.Tensor) -> bool:
     """Large contiguous float32/float64 CPU ``x`` (and ``grad``, or any second operand, like it), plain
     tensors or a weight ``nn.Parameter`` as ``x``, nothing tracing."""
-    enabled, min_numel, _ = _state.resolved()
-    if not enabled or _state.broken is not None or x.numel() < max(min_numel, 1):
+    if not _fused_size(x):
         return False
     if grad is not None and (grad.dtype != x.dtype or grad.shape != x.shape or not grad.is_contiguous()):
         return False
