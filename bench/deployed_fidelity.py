@@ -33,9 +33,10 @@ import fxq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _export_helpers import ort_session, output_lsb, segment_check  # noqa: E402
 from accuracy import DigitsCNN, load_digits, train  # noqa: E402
 from zoo import ncnn_net, ncnn_run  # noqa: E402
+
+from _export_helpers import ort_session, output_lsb, segment_check  # noqa: E402
 
 PLATFORMS = ("trt_int8", "ort_int8", "ncnn_int8")
 

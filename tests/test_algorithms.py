@@ -10,7 +10,6 @@ import re
 
 import pytest
 import torch
-from _export_helpers import fx_values
 from torch import nn
 
 import fxq
@@ -19,6 +18,8 @@ from fxq.algorithms.blocks import BlockRunner, computing_nodes, partition_blocks
 from fxq.algorithms.equalization import find_equalization_groups
 from fxq.setting import LSQSetting, QuantizationSetting
 from fxq.spec import QuantState
+
+from _export_helpers import fx_values
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _export_helpers import small_quantized
 from torch import nn
 
 import fxq
@@ -12,6 +11,8 @@ from fxq.backends import EXPORTERS
 from fxq.backends.capability import capabilities_of, check_capabilities
 from fxq.backends.ncnn import NcnnInt8
 from fxq.qconfig import PLATFORMS
+
+from _export_helpers import small_quantized
 
 BUILT_IN = {"trt_int8": "tensorrt", "trt_fp8": "tensorrt", "ort_int8": "onnxruntime", "dsp_int8": "onnxruntime",
             "academic_int8": "onnxruntime", "academic_int4": "onnxruntime", "academic_mix": "onnxruntime",

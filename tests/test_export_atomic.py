@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _export_helpers import SmallCNN, quantize_model
 
 import fxq
 import fxq.io
 from fxq.backends.ncnn import ncnn_paths
+
+from _export_helpers import SmallCNN, quantize_model
 
 # (platform, exporter, options, stem): each writes several files
 SETS = [("ncnn_int8", "ncnn", {}, "net"), ("trt_int8", "tensorrt", {"legacy": True}, "model.onnx"),

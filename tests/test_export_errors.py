@@ -5,10 +5,11 @@ import os
 
 import pytest
 import torch
-from _export_helpers import SmallCNN, quantize_model, small_quantized
 from torch import nn
 
 import fxq
+
+from _export_helpers import SmallCNN, quantize_model, small_quantized
 
 EXPORTS = [("trt_int8", "tensorrt"), ("ort_int8", "onnxruntime"), ("ppl_cuda_int8", "openppl")]
 

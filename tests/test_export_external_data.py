@@ -13,12 +13,13 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from _export_helpers import SmallCNN, end_to_end, ort_session, quantize_model, run_ort, segment_check
 
 import fxq
 import fxq.io
 from fxq import onnx_data
 from fxq.backends.tensorrt.check import check_tensorrt
+
+from _export_helpers import SmallCNN, end_to_end, ort_session, quantize_model, run_ort, segment_check
 
 # (platform, exporter, options): every ONNX-writing exporter; TensorRT's legacy set has a second .onnx
 CASES = [("trt_int8", "tensorrt", {}), ("trt_int8", "tensorrt", {"legacy": True}),

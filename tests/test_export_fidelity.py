@@ -26,10 +26,10 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from _export_helpers import ort_session
 
 import fxq
 
+from _export_helpers import ort_session
 from _models import mobilenet_v2
 
 ncnn = pytest.importorskip("ncnn")

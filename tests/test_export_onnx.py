@@ -30,6 +30,10 @@ from __future__ import annotations
 import onnx
 import pytest
 import torch
+
+import fxq
+from fxq.graph.quant_graph import QuantGraph
+
 from _export_helpers import (
     SHAPE,
     end_to_end,
@@ -40,10 +44,6 @@ from _export_helpers import (
     small_quantized,
     torchvision_quantized,
 )
-
-import fxq
-from fxq.graph.quant_graph import QuantGraph
-
 from _models import torch_encoder
 
 CASES = [("resnet18", "trt_int8"), ("resnet18", "ort_int8"), ("mobilenet_v2", "trt_int8"),

@@ -6,10 +6,11 @@ import json
 import onnx
 import pytest
 import torch
-from _export_helpers import ort_session, small_quantized
 
 import fxq
 from fxq.backends.openppl import PPL_KEYS
+
+from _export_helpers import ort_session, small_quantized
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,14 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from _export_helpers import SmallCNN, ort_session, quantize_model, small_quantized
 from onnx import numpy_helper
 
 import fxq
 from fxq.backends.tensorrt.check import check_tensorrt
 from fxq.backends.tensorrt.legacy import cache_version, parse_calibration_cache
 from fxq.graph.quant_graph import QuantGraph
+
+from _export_helpers import SmallCNN, ort_session, quantize_model, small_quantized
 
 
 @pytest.fixture(scope="module")

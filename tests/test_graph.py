@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _export_helpers import fx_values, run_ort
 from torch import nn
 
 import fxq
@@ -15,6 +14,7 @@ from fxq.graph.info import NodeQuant, is_quantizer_node
 from fxq.graph.quant_graph import QuantGraph, quantizer_name
 from fxq.spec import QuantState
 
+from _export_helpers import fx_values, run_ort
 from _models import noise_ratio, small_cnn
 
 

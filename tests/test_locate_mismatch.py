@@ -10,13 +10,14 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from _export_helpers import small_quantized
 from onnx import numpy_helper
 
 import fxq
 from fxq.analysis.mismatch import HISTOGRAM_BINS, MismatchReport
 from fxq.cli import main
 from fxq.graph.info import is_quantizer_node
+
+from _export_helpers import small_quantized
 
 PLATFORMS = ["trt_int8", "ort_int8"]
 

@@ -15,7 +15,6 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from _export_helpers import fx_values, ort_session, run_ort
 from onnx import TensorProto, helper, numpy_helper
 from torch import fx, nn
 
@@ -23,6 +22,8 @@ import fxq
 from fxq.graph.calibrate import MIXED_RANGE_KEY, MIXED_RANGE_RATIO
 from fxq.graph.quant_graph import QuantGraph
 from fxq.spec import QuantState
+
+from _export_helpers import fx_values, ort_session, run_ort
 
 QDQ_PLATFORMS = ["trt_int8", "ort_int8", "ppl_cuda_int8"]
 SHAPE = (2, 3, 32, 32)

@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from _export_helpers import run_ort
 from test_ncnn_gaps import check, run_ncnn
 from torch import nn
 
@@ -25,6 +24,8 @@ import fxq
 from fxq.backends import export
 from fxq.backends.ncnn import ncnn_paths
 from fxq.errors import ExportError
+
+from _export_helpers import run_ort
 
 pytest.importorskip("ncnn")
 

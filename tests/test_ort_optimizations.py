@@ -21,12 +21,12 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
-from _export_helpers import quantize_model
 from torch import nn
 
 import fxq
 from fxq.backends.onnxruntime import ort_bias_issues
 
+from _export_helpers import quantize_model
 from _models import with_bn_statistics
 
 ort = pytest.importorskip("onnxruntime")

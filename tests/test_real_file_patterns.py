@@ -5,10 +5,11 @@ from __future__ import annotations
 import onnx
 import pytest
 import torch
-from _export_helpers import run_ort
 from torch import nn
 
 import fxq
+
+from _export_helpers import run_ort
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

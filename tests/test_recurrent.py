@@ -10,7 +10,6 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from _export_helpers import ort_session
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
@@ -18,6 +17,8 @@ import fxq
 from fxq.graph.info import QUANTIZERS_ATTR
 from fxq.graph.trace import trace
 from fxq.recurrent import RECURRENT_TARGETS
+
+from _export_helpers import ort_session
 
 PLATFORMS = ["trt_int8", "ort_int8"]
 FEATURES, HIDDEN, FRAMES = 8, 16, 20

@@ -8,12 +8,13 @@ import warnings
 import onnx
 import pytest
 import torch
-from _export_helpers import SmallCNN, quantize_model, small_quantized
 from torch import nn
 
 import fxq
 from fxq.graph.info import GraphQuant, iter_quantizers
 from fxq.graph.quant_graph import QuantGraph
+
+from _export_helpers import SmallCNN, quantize_model, small_quantized
 
 
 @pytest.fixture(scope="module")

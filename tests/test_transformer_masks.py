@@ -21,12 +21,13 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
-from _export_helpers import ort_session, segment_check
 from torch import fx, nn
 
 import fxq
 from fxq.graph.attention import ATTENTION_MASK_OP, apply_attention_mask, decompose_attention_functions
 from fxq.graph.trace import trace
+
+from _export_helpers import ort_session, segment_check
 
 L, E, HEADS, N = 5, 16, 4, 2
 

@@ -6,12 +6,13 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
-from _export_helpers import ort_session
 from onnx import TensorProto, helper, numpy_helper
 
 import fxq
 from fxq.backends.qdq.fp16 import cast_float_parts, fp16_simulation
 from fxq.backends.tensorrt.check import check_tensorrt
+
+from _export_helpers import ort_session
 
 
 class _Net(torch.nn.Module):
