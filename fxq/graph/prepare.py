@@ -206,9 +206,9 @@ class _Builder:
         return gq
 
     def _pass_pieces_through(self, node: fx.Node, p: Platform, t: str, passive_enabled: bool) -> None:
-        """A passive op with several outputs (split, chunk, unbind: a tuple, which no quantizer reads) cuts a
-        quantized input into pieces on that input's grid: its pieces (``getitem``, passive too) are covered by the
-        input's quantizer, instead of each being quantized again on a grid of its own."""
+        """A passive op with several outputs (``Split``: split, chunk, ONNX Split; a tuple, which no quantizer
+        reads) cuts a quantized input into pieces on that input's grid: its pieces (``getitem``, passive too) are
+        covered by the input's quantizer, instead of each being quantized again on a grid of its own."""
         val = node.meta.get("val")
         if not (passive_enabled and t in p.passive_ops and p.quantizes_output(t) and isinstance(val, (tuple, list))
                 and val and all(is_float_tensor(v) for v in val) and node.all_input_nodes):
