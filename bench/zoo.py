@@ -11,7 +11,8 @@ own subprocess with a timeout:
 * paths: ``native`` (the ``nn.Module`` itself, captured by :func:`fxq.graph.capture.capture` with ``--capture``:
   ``auto`` by default; with several, ``native`` becomes ``native-fx``, ``native-export``, ``native-auto``; the
   ``captured_by`` column says which path ``auto`` took: ``fx``, ``export`` or ``fx+islands``), ``legacy13`` / ``legacy17`` (``torch.onnx.export(dynamo=False)`` at
-  that opset, then :func:`fxq.load_onnx`), ``dynamo`` (``torch.onnx.export(dynamo=True)``, then ``load_onnx``);
+  that opset, then :func:`fxq.load_onnx`; where the load error names a cut before post-processing fxq cannot
+  convert, such as a detector's NMS, the file is loaded at that cut: ``captured_by`` ``onnx-cut(N outputs)``), ``dynamo`` (``torch.onnx.export(dynamo=True)``, then ``load_onnx``);
 * per platform (``trt_int8``, ``ort_int8``, ``ncnn_int8``): ``quantize`` (:func:`fxq.quantize`, two calibration
   batches), ``export`` (:func:`fxq.export`), ``runtime`` — the exported file in onnxruntime (default session and
   ``ORT_DISABLE_ALL``) or ncnn against fxq's simulation on a fresh input, passing at cosine >= 0.999. An ONNX file
@@ -191,6 +192,8 @@ def _native_capture(path: str) -> str | None:
 def captured_by(gm: Any) -> str:
     if not hasattr(gm, "graph"):
         return "parts"
+    if "zoo_cut" in gm.meta:
+        return f"onnx-cut({len(gm.meta['zoo_cut'])} outputs)"
     islands = gm.meta.get("fxq_fp32_islands") or {}
     return gm.meta.get("fxq_capture", "fx") + (f"+islands({len(islands)})" if islands else "")
 
@@ -214,7 +217,15 @@ def _capture(name: str, path: str, model: Any, args: tuple, tmp: Path) -> Any:
         torch.onnx.export(model, args, onnx_path, opset_version=int(path[len("legacy"):]), dynamo=False)
     else:
         torch.onnx.export(model, args, onnx_path, dynamo=True)
-    return fxq.load_onnx(onnx_path)
+    try:
+        return fxq.load_onnx(onnx_path)
+    except fxq.FrontendError as exc:
+        if not exc.suggested_outputs:
+            raise
+        # what a user does next: the cut the error names (the post-processing stays out, run in FP32 beside it)
+        gm = fxq.load_onnx(onnx_path, outputs=exc.suggested_outputs)
+        gm.meta["zoo_cut"] = list(exc.suggested_outputs)
+        return gm
 
 
 def _run_ort(file: Path, args: tuple, optimize: bool) -> Any:
@@ -291,7 +302,8 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
             row("-", "capture", _error(exc))
             return rows
         row("-", "capture", "ok", seconds=round(time.perf_counter() - t0, 2),
-            captured_by=captured_by(source) if _native_capture(path) else "")
+            captured_by=captured_by(source) if _native_capture(path) or "zoo_cut" in getattr(source, "meta", {})
+            else "")
         with torch.no_grad():
             t0 = time.perf_counter()
             try:

@@ -117,9 +117,10 @@ class _Loaded:
         self.module, self.kind, self.name, self.quantized = module, kind, name, quantized
 
 
-def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None) -> _Loaded:
+def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None,
+               outputs: list[str] | None = None) -> _Loaded:
     """Load ``spec``: an ``.onnx`` file, a ``.prototxt`` (+ caffemodel), a ``.fxq`` file (:func:`fxq.save`) or
-    ``module:factory``."""
+    ``module:factory``. ``outputs``: ONNX tensor names to cut the graph at (``load_onnx(outputs=...)``)."""
     from torch import nn
 
     from fxq.errors import ConfigError, FrontendError
@@ -128,13 +129,16 @@ def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None) -> 
     suffix = path.suffix.lower()
     if caffemodel and suffix != ".prototxt":
         raise ConfigError(f"--caffemodel {caffemodel!r} applies only to a .prototxt model, not to {spec!r}")
+    if outputs and suffix != ".onnx":
+        raise ConfigError(f"--outputs applies only to an .onnx model, not to {spec!r}")
     if path.is_dir():
         raise FrontendError(f"model {spec!r} is a folder; give a model file (.onnx, .prototxt, .fxq) or "
                             f"module:factory")
     if suffix in (".onnx", ".prototxt", ".fxq") or (suffix and path.exists()):
         _readable_file(path, "model file")
         if suffix == ".onnx":
-            return _Loaded(_fxq().load_onnx(path, input_shapes=_onnx_open_shapes(path, shapes)), "onnx", path.stem)
+            return _Loaded(_fxq().load_onnx(path, input_shapes=_onnx_open_shapes(path, shapes), outputs=outputs),
+                           "onnx", path.stem)
         if suffix == ".prototxt":
             weights = Path(caffemodel) if caffemodel else path.with_suffix(".caffemodel")
             if weights.is_dir():
@@ -207,8 +211,9 @@ def _load_model_for(args: argparse.Namespace) -> _Loaded:
     from fxq.errors import FrontendError, FxqError
 
     shapes = _input_shapes(args)
+    outputs = getattr(args, "outputs", None)
     try:
-        return load_model(args.model, args.caffemodel, shapes)
+        return load_model(args.model, args.caffemodel, shapes, outputs)
     except FrontendError:
         if shapes or Path(args.model).suffix.lower() != ".onnx" or not getattr(args, "calib", None) \
                 or not _has_open_dims(Path(args.model)):
@@ -224,7 +229,7 @@ def _load_model_for(args: argparse.Namespace) -> _Loaded:
         if isinstance(data_shapes, dict) else ",".join(map(str, data_shapes))
     logger.warning("%s has symbolic dims that loading must fix: fixed from the first calibration batch (%s); "
                    "the exports keep them dynamic. Pass --input-shape to choose other sizes", args.model, shown)
-    return load_model(args.model, args.caffemodel, data_shapes)
+    return load_model(args.model, args.caffemodel, data_shapes, outputs)
 
 
 def _has_open_dims(path: Path) -> bool:
@@ -620,6 +625,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
 
 
+def _names(text: str) -> list[str]:
+    """``a,b`` -> ``["a", "b"]`` (tensor names; empty entries refused)."""
+    names = [t.strip() for t in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated tensor names, e.g. boxes,scores")
+    return names
+
+
 def _model_args(p: argparse.ArgumentParser, calib_required: bool = True) -> None:
     p.add_argument("model", help="model.onnx, model.prototxt (+ --caffemodel), module:factory, or a quantized "
                                  "model.fxq (fxq.save) for analyse / export / report")
@@ -632,6 +645,9 @@ def _model_args(p: argparse.ArgumentParser, calib_required: bool = True) -> None
     p.add_argument("--input-shape", action="append", metavar="[NAME=]N,C,H,W", type=_parse_shape,
                    help="input shape (needed for raw .bin files; checked against the data; fixes an ONNX file's "
                         "symbolic dims for loading, exports stay dynamic); repeat with NAME= for several inputs")
+    p.add_argument("--outputs", metavar="NAME[,NAME...]", type=_names,
+                   help="ONNX models: load the graph up to these tensors, as its outputs (cut before a detector's "
+                        "NMS / data-dependent If; load errors for such nodes name the cut)")
     p.add_argument("--dtype", default=None, type=_dtype_name, help="convert calibration tensors to this dtype (default: keep; "
                                                  "float64 -> float32; raw files float32)")
     p.add_argument("--layout", default="NCHW", choices=["NCHW", "NHWC"], help="image layout (default NCHW)")

@@ -57,7 +57,12 @@ class CalibrationError(FxqError, ValueError):
 
 
 class FrontendError(FxqError):
-    """A model file (ONNX, caffe) could not be read or converted."""
+    """A model file (ONNX, caffe) could not be read or converted.
+
+    ``suggested_outputs``: for a graph part fxq cannot convert (a data-dependent If, a Loop), the tensor names of a
+    cut that loads the graph without it (``load_onnx(..., outputs=...)``); empty otherwise."""
+
+    suggested_outputs: list[str] = []
 
 
 class ExportError(FxqError):

@@ -42,6 +42,19 @@ def ort_session(model_or_path, optimize: bool = True):
     return onnx_data.ort_session(model_or_path, opts)  # a path, or a ModelProto (over 2 GiB: data in memory)
 
 
+def relu_loop_body() -> onnx.GraphProto:
+    """The body of an ONNX ``Loop`` that applies Relu to its carried value (a Loop fxq refuses to convert)."""
+    from onnx import TensorProto, helper
+
+    return helper.make_graph(
+        [helper.make_node("Identity", ["c_in"], ["c_out"]), helper.make_node("Relu", ["v_in"], ["v_out"])], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_in", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_out", TensorProto.FLOAT, None)])
+
+
 def run_ort(model_or_path, x: torch.Tensor, optimize: bool = True) -> np.ndarray:
     """The first output of the exported model on ``x`` (its single input), in onnxruntime."""
     sess = ort_session(model_or_path, optimize)

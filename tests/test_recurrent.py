@@ -18,7 +18,7 @@ from fxq.graph.info import QUANTIZERS_ATTR
 from fxq.graph.trace import trace
 from fxq.recurrent import RECURRENT_TARGETS
 
-from _export_helpers import ort_session
+from _export_helpers import ort_session, relu_loop_body
 
 PLATFORMS = ["trt_int8", "ort_int8"]
 FEATURES, HIDDEN, FRAMES = 8, 16, 20
@@ -416,13 +416,7 @@ def test_onnx_if_on_values_and_loop_are_refused(vad, tmp_path):
         helper.make_node("Greater", ["peak_i", "two"], ["loud"], name="gt")], "loud")
     with pytest.raises(fxq.FrontendError, match=r"If node 'pick'.*input_shapes"):
         fxq.load_onnx(proto)
-    body = helper.make_graph(
-        [helper.make_node("Identity", ["c_in"], ["c_out"]), helper.make_node("Relu", ["v_in"], ["v_out"])], "body",
-        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
-         helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
-         helper.make_tensor_value_info("v_in", TensorProto.FLOAT, None)],
-        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
-         helper.make_tensor_value_info("v_out", TensorProto.FLOAT, None)])
+    body = relu_loop_body()
     graph = helper.make_graph(
         [helper.make_node("Loop", ["trip", "go", "x"], ["y"], body=body, name="frames_loop")], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],

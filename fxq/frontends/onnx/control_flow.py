@@ -24,7 +24,7 @@ from fxq.backends.qdq.onnx_graph import (
     rename_tensors,
     unique_name,
 )
-from fxq.errors import FrontendError
+from fxq.frontends.onnx.cut import refusal
 from fxq.frontends.onnx.shapes import shape_value, tensor_dims
 
 __all__ = ["fold_constant_ifs", "refuse_loops"]
@@ -159,12 +159,13 @@ def fold_constant_ifs(model: onnx.ModelProto, source: str, fixed: Mapping[str, S
         node = model.graph.node[index]
         value, why = _fold(model, node.input[0], infos, fixed or {})
         if value is None or value.size != 1:
-            raise FrontendError(
+            raise refusal(
                 f"cannot load ONNX model {source!r}: If node {node.name!r} branches on {node.input[0]!r}, which does "
                 f"not fold to a constant ({why or 'not a single value'}); fxq takes an If only when its condition "
                 "is fixed at load time. What to do: if it depends on input sizes, pass load_onnx(..., "
-                "input_shapes={...}); otherwise re-export the model with the branch decided (torch.onnx.export "
-                "with dynamo=False traces Python ifs into the branch taken)")
+                "input_shapes={...}); if it is Python code of yours, re-export the model with the branch decided "
+                "(torch.onnx.export with dynamo=False traces Python ifs into the branch taken; scripted code, such "
+                "as torchvision's NMS, stays an If)", model, [index], source)
         taken = bool(value.reshape(()))
         branch = next(helper.get_attribute_value(a) for a in node.attribute
                       if a.name == ("then_branch" if taken else "else_branch"))
@@ -188,11 +189,12 @@ def _drop_dead_nodes(graph: onnx.GraphProto) -> None:
 
 def refuse_loops(model: onnx.ModelProto, source: str) -> None:
     """Raise :class:`FrontendError` naming every top-level ``Loop`` / ``Scan`` node, with what to do instead."""
-    found = [f"{n.name or '<unnamed>'!r} ({n.op_type})" for n in model.graph.node if n.op_type in _REFUSED]
+    loops = [i for i, n in enumerate(model.graph.node) if n.op_type in _REFUSED]
+    found = [f"{model.graph.node[i].name or '<unnamed>'!r} ({model.graph.node[i].op_type})" for i in loops]
     if found:
-        raise FrontendError(
+        raise refusal(
             f"cannot load ONNX model {source!r}: node(s) {', '.join(found)} loop over a body graph, which fxq does "
             "not convert (a loop cannot be quantized as one graph). What to do: re-export with the loop unrolled "
             "(torch.onnx.export(..., dynamo=False) of the model traces Python loops into plain nodes for a fixed "
             "length), and write recurrent layers as nn.LSTM / nn.GRU, which export as single LSTM / GRU nodes "
-            "that fxq converts and quantizes")
+            "that fxq converts and quantizes", model, loops, source)

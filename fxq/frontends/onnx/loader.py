@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from fxq.errors import FrontendError
-from fxq.frontends.onnx import cleanup, control_flow, naming, reader, shapes, support
+from fxq.frontends.onnx import cleanup, control_flow, cut, naming, reader, shapes, support
 from fxq.frontends.onnx import verify as checks
 from fxq.recurrent.modules import functionalize_recurrent
 
@@ -133,6 +133,7 @@ def load_onnx(
     base_dir: str | os.PathLike | None = None,
     input_shapes: Mapping[str, Sequence[int]] | Sequence[int] | None = None,
     verify: bool | str = "auto",
+    outputs: Sequence[str] | None = None,
 ) -> fx.GraphModule:
     """Load an ONNX model as a ``torch.fx.GraphModule`` whose nodes carry their ONNX names.
 
@@ -153,6 +154,9 @@ def load_onnx(
         verify: run the converted graph and onnxruntime on one generated input and raise when they differ;
             ``"auto"`` (default) does so when onnxruntime is installed, the weights take at most
             ``VERIFY_AUTO_MAX_BYTES`` (256 MiB) and every input dim is known (from the file or ``input_shapes``).
+        outputs: tensor names to load the graph up to, as its outputs (in this order): only the nodes, inputs
+            and weights they need are loaded. For cutting a model before what fxq cannot convert or should not
+            quantize (a detector's NMS and data-dependent ``If``; the error for such a node names the cut).
 
     Returns:
         The converted ``GraphModule`` in eval mode.
@@ -177,6 +181,8 @@ def load_onnx(
 
     load_builtin_converters()
     proto, source = reader.read_model(model, base_dir)
+    if outputs is not None:
+        proto = cut.keep_outputs(proto, [outputs] if isinstance(outputs, str) else list(outputs), source)
     fixed = shapes.fix_input_shapes(proto, input_shapes, source)
     original = None
     if checks.wants_check(proto, verify):

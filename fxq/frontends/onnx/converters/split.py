@@ -1,6 +1,10 @@
-"""``Split-18``: sizes from the ``split`` input or, new in 18, the ``num_outputs`` attribute.
+"""``Split-2/11/13/18``: sizes from the ``split`` attribute (2, 11), the ``split`` input (13, 18; a constant or
+computed at run time) or, new in 18, the ``num_outputs`` attribute.
 
-With ``num_outputs`` every chunk has ``ceil(dim / num_outputs)`` elements and the last one takes what is left.
+With ``num_outputs`` (or no sizes at all) every chunk has ``ceil(dim / n)`` elements and the last one takes what is
+left; before 18 the spec asks for equal parts, which that gives. onnx2torch 1.5.15's Split-2/11/13 return a tuple
+even for a node with one output, which the converted graph then hands on as if it were the tensor (torchvision's
+detectors, exported by torch.onnx, split a tensor into one piece: ``Squeeze`` got the tuple).
 """
 from __future__ import annotations
 
@@ -30,8 +34,10 @@ class OnnxSplit(nn.Module):
         self.sizes = sizes
         self.chunks = chunks
 
-    def forward(self, x: torch.Tensor):
-        if self.sizes is not None:
+    def forward(self, x: torch.Tensor, split: torch.Tensor | None = None):
+        if split is not None:  # sizes computed at run time
+            parts = torch.split(x, [int(v) for v in split.reshape(-1).tolist()], dim=self.axis)
+        elif self.sizes is not None:
             parts = torch.split(x, self.sizes, dim=self.axis)
         else:
             parts = torch.chunk(x, self.chunks, dim=self.axis)
@@ -41,12 +47,18 @@ class OnnxSplit(nn.Module):
         return f"axis={self.axis}, sizes={self.sizes}, chunks={self.chunks}"
 
 
-@register_onnx_converter("Split", 18)
+@register_onnx_converter("Split", (2, 11, 13, 18), override=True)
 def _convert_split(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     axis = int(node.attributes.get("axis", 0))
     data = node.input_values[0]
     n_out = len(node.output_values)
-    split_t = const_input(node, graph, 1, "split")
+    if "split" in node.attributes:  # Split-2 / 11
+        split_t: torch.Tensor | None = torch.as_tensor(list(node.attributes["split"]))
+    else:
+        try:
+            split_t = const_input(node, graph, 1, "split")
+        except NotImplementedError:  # computed at run time: read when called
+            return result(OnnxSplit(axis, None, n_out), node, [data, node.input_values[1]])
     if split_t is not None:
         sizes: list[int] | None = int_list(split_t)
     else:

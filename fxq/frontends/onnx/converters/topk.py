@@ -5,6 +5,8 @@ differed from onnxruntime (by 4 positions on a 3x6 tensor of small integers). A 
 first, for ``largest`` 1 and 0. onnx2torch's ``TopK-1`` also expected ``k`` as an input, where that version has it
 as an attribute. ``sorted=0`` leaves the order free: there ``torch.topk(sorted=False)`` is kept, whose order
 is onnxruntime's more often than a sorted one is (on a 3x50 input: the same order for k=20; for k=5 neither is).
+Exported, the module is ``torch.topk`` again, which torch.onnx writes as one ``TopK`` (a stable sort is not
+exportable) whose runtime keeps the ONNX order.
 """
 from __future__ import annotations
 
@@ -39,8 +41,8 @@ class OnnxTopK(nn.Module):
 
     def forward(self, x: torch.Tensor, k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.k if k is None else int(k.reshape(-1)[0])
-        if not self.sort:
-            values, indices = torch.topk(x, n, dim=self.axis, largest=self.largest, sorted=False)
+        if not self.sort or torch.onnx.is_in_onnx_export():  # exported as TopK: the runtime keeps the ONNX order
+            values, indices = torch.topk(x, n, dim=self.axis, largest=self.largest, sorted=self.sort)
             return values, indices
         values, indices = torch.sort(x, dim=self.axis, descending=self.largest, stable=True)
         return values.narrow(self.axis, 0, n), indices.narrow(self.axis, 0, n)

@@ -1,0 +1,134 @@
+"""Load part of an ONNX graph: ``load_onnx(path, outputs=[...])`` keeps what those tensors need.
+
+Deployment engineers cut a detector before its post-processing (NMS, data-dependent ``If`` / ``Loop``): the network
+runs int8 on the accelerator, the rest stays FP32 beside it. fxq cannot convert a branch on run-time values, so
+when it meets one it names the cut that leaves it out (:func:`suggest_outputs`): the tensors that the part it
+cannot take reads from the part before it.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Iterable, Sequence
+
+import onnx
+
+from fxq.backends.qdq.onnx_graph import outer_reads, subgraphs
+from fxq.errors import FrontendError
+from fxq.frontends.onnx.cleanup import infer_shapes
+
+__all__ = ["keep_outputs", "suggest_outputs", "refusal"]
+
+_SHAPE_ONLY = ("Shape", "Size")
+"""Ops whose output depends on their input's dims, not its values: a tensor computed from them alone is fixed once
+the input sizes are."""
+
+
+def _reads(node: onnx.NodeProto) -> list[str]:
+    """Every tensor ``node`` reads: its inputs and what its If / Loop / Scan bodies read from outside."""
+    names = [i for i in node.input if i]
+    if subgraphs(node):
+        alone = onnx.GraphProto()
+        alone.node.add().CopyFrom(node)
+        names += sorted(outer_reads(alone))
+    return names
+
+
+def keep_outputs(model: onnx.ModelProto, outputs: Sequence[str], source: str) -> onnx.ModelProto:
+    """A copy of ``model`` whose graph outputs are ``outputs`` (in that order), with only the nodes, initializers
+    and inputs they need.
+
+    Raises:
+        FrontendError: a name that no node, input or initializer of the graph produces (with the closest names),
+            an empty list, or an output whose element type shape inference cannot tell.
+    """
+    graph = model.graph
+    outputs = list(dict.fromkeys(outputs))
+    if not outputs:
+        raise FrontendError(f"load_onnx({source!r}, outputs=[]): name at least one tensor of the graph")
+    produced = {o for n in graph.node for o in n.output if o}
+    inits = {t.name for t in graph.initializer}
+    inputs = {i.name for i in graph.input}
+    unknown = [o for o in outputs if o not in produced and o not in inputs and o not in inits]
+    if unknown:
+        known = sorted(set(produced) | inputs)
+        hints = {u: difflib.get_close_matches(u, known, n=3, cutoff=0.5) for u in unknown}
+        raise FrontendError(
+            f"load_onnx({source!r}, outputs=...): {unknown} are not tensors of the graph"
+            + "".join(f"; for {u!r} did you mean {h}" for u, h in hints.items() if h)
+            + ". Tensor names are the node outputs of the file (Netron shows them)")
+    producer = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
+    needed: set[str] = set()
+    kept: set[int] = set()
+    stack = list(outputs)
+    while stack:
+        name = stack.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        index = producer.get(name)
+        if index is not None and index not in kept:
+            kept.add(index)
+            stack.extend(_reads(graph.node[index]))
+    typed = infer_shapes(model)
+    infos = {v.name: v for v in [*typed.graph.value_info, *typed.graph.output, *typed.graph.input]}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    g.ClearField("node")
+    g.node.extend(n for i, n in enumerate(graph.node) if i in kept)
+    g.ClearField("input")
+    g.input.extend(i for i in graph.input if i.name in needed)
+    g.ClearField("initializer")
+    g.initializer.extend(t for t in graph.initializer if t.name in needed)
+    g.ClearField("output")
+    for name in outputs:
+        info = infos.get(name)
+        if info is None or not info.type.tensor_type.elem_type:
+            raise FrontendError(f"load_onnx({source!r}, outputs=...): the type of tensor {name!r} is unknown to "
+                                "ONNX shape inference; name a tensor before or after it")
+        g.output.add().CopyFrom(info)
+    g.ClearField("value_info")
+    g.value_info.extend(v for v in graph.value_info if v.name in needed)
+    return out
+
+
+def suggest_outputs(model: onnx.ModelProto, blocking: Iterable[int]) -> list[str]:
+    """The outputs of a cut that leaves out the ``blocking`` nodes (their indices in the graph) and everything
+    computed from them: the tensors the left-out part reads from the kept part that carry the input's values (not
+    constants, not sizes of tensors), and the graph outputs the kept part computes. In file order; empty when
+    nothing would be left."""
+    nodes = list(model.graph.node)
+    left_out = set(blocking)
+    left_out_tensors = {o for i in left_out for o in nodes[i].output if o}
+    for i, node in enumerate(nodes):  # file order is topological
+        if i not in left_out and any(r in left_out_tensors for r in _reads(node)):
+            left_out.add(i)
+            left_out_tensors.update(o for o in node.output if o)
+    inits = {t.name for t in model.graph.initializer}
+    carries = {i.name for i in model.graph.input if i.name not in inits}  # tensors that carry the input's values
+    for node in nodes:
+        if node.op_type not in _SHAPE_ONLY and any(r in carries for r in _reads(node)):
+            carries.update(o for o in node.output if o)
+    conditions = {nodes[i].input[0] for i in left_out if nodes[i].op_type == "If" and nodes[i].input}
+    suggested: list[str] = []
+    for i in sorted(left_out):
+        for name in _reads(nodes[i]):
+            if (name in carries and name not in left_out_tensors and name not in conditions
+                    and name not in suggested):
+                suggested.append(name)
+    suggested += [o.name for o in model.graph.output
+                  if o.name in carries and o.name not in left_out_tensors and o.name not in suggested]
+    return suggested
+
+
+def refusal(message: str, model: onnx.ModelProto, blocking: Iterable[int], source: str) -> FrontendError:
+    """A :class:`FrontendError` refusing the ``blocking`` nodes (indices): ``message`` plus, when something would be
+    left, the cut that loads the graph without them and what follows from them; the cut's names are also its
+    ``suggested_outputs`` attribute (empty when there is none)."""
+    names = suggest_outputs(model, blocking)
+    if names:
+        message += (f"; or load the part before it and run the rest (post-processing) in FP32 beside the quantized "
+                    f"model: fxq.load_onnx({source!r}, outputs={names!r}) (CLI: --outputs {','.join(names)})")
+    exc = FrontendError(message)
+    exc.suggested_outputs = names
+    return exc
