@@ -95,7 +95,40 @@ def derive_passive_parameters(gm: fx.GraphModule) -> None:
                                    bias.config.per_channel, bias_name)
         if value is not None and _widen_zero_weight_channels(gm, wq, value, scale, bias.config.quant_max):
             scale = passive_bias_scale(s_in, wq.scale.detach(), value.numel(), bias.config.per_channel, bias_name)
+        _leave_accumulator_room(gm, bias, qs[data_q], wq)
         bias.set_qparams(scale, torch.zeros_like(scale), state=QuantState.PASSIVE)
+
+
+def _leave_accumulator_room(gm: fx.GraphModule, bias: FakeQuantize, data: FakeQuantize, wq: FakeQuantize) -> None:
+    """Narrow an integer bias grid by the largest ``sum(input codes x weight codes)`` its op can accumulate.
+
+    Integer kernels (onnxruntime's QLinearConv / QGemm, which a default session fuses every exported Q/DQ
+    Conv / Gemm into) add the bias codes to that sum in an int32 accumulator that wraps. Bias codes sit near the
+    int32 limits only when the input scale is tiny (vanishing activations, a dead branch: scale at its floor), and
+    there the sum pushed them past the limit: the file computed an output at the other end of its range. With this
+    room nothing wraps and every runtime adds what fxq simulates; ordinary biases are far inside and unchanged.
+    """
+    cfg = bias.config
+    if cfg.is_floating or wq.param is None or data.config.is_floating or wq.config.is_floating:
+        return
+    full_min, full_max = -(2 ** (cfg.num_bits - 1)), 2 ** (cfg.num_bits - 1) - 1
+    weight = wq.fp32_backup if wq.baked else get_attr_value(gm, wq.param)
+    if weight is None or weight.dim() < 2:
+        return
+    axis = wq.config.channel_axis if wq.config.per_channel else 0
+    s_w = wq.scale.detach().double().reshape(-1)
+    rows = weight.detach().double().movedim(axis % weight.dim(), 0).reshape(weight.shape[axis % weight.dim()], -1)
+    scales = s_w if s_w.numel() == rows.shape[0] else s_w[:1].expand(rows.shape[0])
+    offsets = wq.offset.detach().double().reshape(-1) if wq.offset is not None else torch.zeros(1, dtype=s_w.dtype)
+    offsets = offsets if offsets.numel() == rows.shape[0] else offsets[:1].expand(rows.shape[0])
+    codes = torch.clamp(torch.round(rows / scales[:, None]) + offsets[:, None], wq.config.quant_min,
+                        wq.config.quant_max) - offsets[:, None]
+    zero = float(data.offset.detach().reshape(-1)[0]) if data.offset is not None else 0.0
+    reach_in = max(abs(data.config.quant_min - zero), abs(data.config.quant_max - zero))
+    reach = int(float(codes.abs().sum(dim=1).max()) * reach_in) + 1
+    if reach >= full_max // 2:  # an accumulator this wide is not a runtime's: keep the full grid
+        return
+    cfg.quant_min, cfg.quant_max = full_min + reach, full_max - reach
 
 
 def _widen_zero_weight_channels(gm: fx.GraphModule, wq: FakeQuantize, bias: torch.Tensor, scale: torch.Tensor,

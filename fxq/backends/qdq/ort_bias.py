@@ -12,8 +12,10 @@ A default session (graph optimizations on) changes two things fxq's simulation a
   activations) an output of the same sign wraps to the other end of the range, e.g. 150 output codes on
   ShuffleNet-V2's classifier; ONNX's DequantizeLinear -> float Conv/Gemm (what fxq simulates) does not wrap.
 
-:func:`ort_bias_issues` finds those nodes from the file alone and :func:`warn_ort_bias_issues` logs them as one
-WARNING; the file itself stays what fxq simulates.
+fxq's own int32 bias grids leave the accumulator that room (``fxq.graph.convert``: the bias range stops short of
+the int32 limits by the largest sum its op can accumulate), so its ort_int8 files do not wrap. FP32 biases
+(trt_int8: TensorRT adds them in float) are rounded by the first pass. :func:`ort_bias_issues` finds such nodes from
+the file alone and :func:`warn_ort_bias_issues` logs them as one WARNING; the file itself stays what fxq simulates.
 """
 from __future__ import annotations
 
