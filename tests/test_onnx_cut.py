@@ -164,6 +164,35 @@ def test_conversion_check_still_catches_a_wrong_pick(monkeypatch):
         fxq.load_onnx(model)
 
 
+def _threshold_model(op: str) -> onnx.ModelProto:
+    """``Where(Sigmoid(x * 1e-6 + 0.3) > t, x, 0)`` with ``t`` one of those values: many sit within an ulp of the
+    threshold, where onnxruntime's sigmoid and torch's fall on different sides (retinanet's score threshold)."""
+    t = np.float32(1 / (1 + np.exp(-0.3)))
+    nodes = [helper.make_node("Mul", ["x", "s"], ["m"]), helper.make_node("Add", ["m", "c"], ["a"]),
+             helper.make_node("Sigmoid", ["a"], ["e"]), helper.make_node(op, ["e", "t"], ["keep"], name="cmp"),
+             helper.make_node("Where", ["keep", "x", "zero"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4000])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.array(1e-6, np.float32), "s"),
+                               numpy_helper.from_array(np.array(0.3, np.float32), "c"),
+                               numpy_helper.from_array(np.array(t, np.float32), "t"),
+                               numpy_helper.from_array(np.array(0, np.float32), "zero")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("op", ["Greater", "LessOrEqual"])
+def test_conversion_check_takes_threshold_ties_either_way(op):
+    fxq.load_onnx(_threshold_model(op))  # raised "conversion bug" at the comparison before
+
+
+def test_conversion_check_still_catches_a_wrong_comparison(monkeypatch):
+    from onnx2torch.node_converters.comparisons import OnnxCompare
+
+    monkeypatch.setattr(OnnxCompare, "forward", lambda self, x, y: torch.less(x, y))
+    with pytest.raises(fxq.FrontendError, match=r"'cmp' \(Greater\)"):
+        fxq.load_onnx(_threshold_model("Greater"))
+
+
 @pytest.mark.parametrize("opset,pieces", [(11, 1), (13, 1), (13, 2), (17, 1), (18, 1)])
 def test_split_with_one_output_is_a_tensor(opset, pieces):
     """``Split`` into one piece (torchvision's detectors): onnx2torch handed the tuple on as if it were the tensor."""

@@ -113,8 +113,8 @@ def _fx_values(gm: fx.GraphModule, args: list[torch.Tensor], ref: Mapping[str, n
     """Run ``gm`` keeping every value under its ONNX tensor name.
 
     With ``ref`` (onnxruntime's value of every tensor) and ``attrs`` (each ONNX node's attributes, by its first
-    output), a selecting node (:data:`_SELECTIONS`) whose result differs from onnxruntime's but is an equally valid
-    answer (:func:`_forced_selection`) continues with onnxruntime's result: the two broke a
+    output), a deciding node (:data:`_DECISIONS`) whose result differs from onnxruntime's but is an equally valid
+    answer (:func:`_forced_decision`) continues with onnxruntime's result: the two broke a
     near-tie differently, and what follows is compared on the same choice."""
     values: dict[str, Any] = {}
     failed: list[tuple[fx.Node, Exception]] = []
@@ -129,10 +129,9 @@ def _fx_values(gm: fx.GraphModule, args: list[torch.Tensor], ref: Mapping[str, n
                 raise
             meta = n.meta.get("onnx") or {}
             names = meta.get("outputs") if n.op in ("call_module", "call_function") else None
-            if (names and ref is not None and n.op == "call_module" and meta.get("op_type") in _SELECTIONS
-                    and n.args and isinstance(n.args[0], fx.Node)):
-                value = _forced_selection(meta, value, self.env[n.args[0]], ref, (attrs or {}).get(names[0], {}),
-                                          forced)
+            if names and ref is not None and meta.get("op_type") in _DECISIONS and "args" in meta:
+                inputs = [self.env[a] if isinstance(a, fx.Node) else a for a in n.args]
+                value = _forced_decision(meta, value, inputs, ref, (attrs or {}).get(names[0], {}), forced)
             if names:
                 if len(names) == 1 and isinstance(value, torch.Tensor):
                     values[names[0]] = value
@@ -152,33 +151,64 @@ def _fx_values(gm: fx.GraphModule, args: list[torch.Tensor], ref: Mapping[str, n
 class _FxRun(NamedTuple):
     values: dict[str, Any]  # by ONNX tensor name
     failed: tuple[fx.Node, Exception] | None  # the node that raised
-    forced: list[str]  # selecting nodes continued with onnxruntime's result (their first output's name)
+    forced: list[str]  # deciding nodes continued with onnxruntime's result (their first output's name)
     result: Any  # what the graph returned (None when it failed)
 
 
 _SELECTIONS = ("TopK", "ArgMax", "ArgMin")
-"""ONNX ops whose result is a choice among values: a last-bit difference of their input from onnxruntime's (another
-summation order or ``exp``) may change which of two near-equal values they pick."""
+_COMPARISONS = ("Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal")
+_DECISIONS = _SELECTIONS + _COMPARISONS
+"""ONNX ops whose result is a decision between values: a last-bit difference of their input from onnxruntime's
+(another summation order or ``exp``) may change which of two near-equal values they pick, or which side of a
+threshold a value falls on."""
 
 
-def _forced_selection(meta: dict[str, Any], value: Any, data: Any, ref: Mapping[str, np.ndarray],
-                      attrs: dict[str, Any], forced: list[str]) -> Any:
-    """onnxruntime's result of a selecting node in place of ``value`` (fxq's, on fxq's input ``data``) when the two
-    differ though fxq's input is onnxruntime's within tolerance and fxq's result is exactly the ONNX op's on fxq's
-    input (:func:`_onnx_selection`): the two picked differently among near-equal values. Else ``value``."""
+def _forced_decision(meta: dict[str, Any], value: Any, inputs: list[Any], ref: Mapping[str, np.ndarray],
+                     attrs: dict[str, Any], forced: list[str]) -> Any:
+    """onnxruntime's result of a deciding node in place of ``value`` (fxq's, on fxq's ``inputs``) when the two
+    differ only by a near-tie: fxq's inputs are onnxruntime's within tolerance, and fxq's result is exactly the ONNX
+    op's on fxq's inputs (:func:`_onnx_selection`) or, for a comparison, differs only where onnxruntime's operands
+    order the other way (:func:`_flips_at_ties`). Else ``value``."""
     outputs = [o for o in meta["outputs"] if o]
     got = list(value) if isinstance(value, (tuple, list)) else [value]
-    source = meta["inputs"][0] if meta.get("inputs") else None
-    if (source not in ref or not isinstance(data, torch.Tensor) or len(got) != len(outputs)
-            or any(o not in ref for o in outputs) or _diff(data, ref[source]) is not None
+    if (len(got) != len(outputs) or any(o not in ref for o in outputs) or not inputs
+            or not all(isinstance(g, torch.Tensor) for g in got)
             or all(_diff(v, ref[o]) is None for v, o in zip(got, outputs))):
         return value
-    want = _onnx_selection(meta["op_type"], attrs, data.detach().cpu().numpy(), len(got), ref[outputs[0]].shape)
-    if want is None or any(not np.array_equal(g.detach().cpu().numpy(), w) for g, w in zip(got, want)):
-        return value
+    for name, x in zip(meta["args"], inputs):  # inputs onnxruntime computed too (not initializers) must agree
+        if name in ref and (not isinstance(x, torch.Tensor) or _diff(x, ref[name]) is not None):
+            return value
+    if meta["op_type"] in _COMPARISONS:
+        theirs = [ref[name] if name in ref else x for name, x in zip(meta["args"], inputs)]
+        if not _flips_at_ties(inputs, theirs, got[0], ref[outputs[0]]):
+            return value
+    else:
+        data = inputs[0]
+        want = (_onnx_selection(meta["op_type"], attrs, data.detach().cpu().numpy(), len(got),
+                                ref[outputs[0]].shape) if isinstance(data, torch.Tensor) else None)
+        if want is None or any(not np.array_equal(g.detach().cpu().numpy(), w) for g, w in zip(got, want)):
+            return value
     forced.append(outputs[0])
     theirs = [torch.from_numpy(np.ascontiguousarray(ref[o])).to(v.dtype) for v, o in zip(got, outputs)]
     return type(value)(theirs) if isinstance(value, (tuple, list)) else theirs[0]
+
+
+def _flips_at_ties(inputs: list[Any], theirs: list[Any], got: torch.Tensor, want: np.ndarray) -> bool:
+    """Whether a comparison's result ``got`` (fxq's, on its ``inputs``) differs from onnxruntime's ``want`` only
+    where onnxruntime's operands (``theirs``) order the other way, or tie where fxq's do not (or the reverse): the
+    difference of the inputs explains each flip."""
+    if len(inputs) != 2 or len(theirs) != 2 or tuple(got.shape) != want.shape:
+        return False
+    try:
+        ours_a, ours_b, their_a, their_b = (
+            np.asarray(x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x, dtype=np.float64)
+            for x in (*inputs, *theirs))
+        ours = np.broadcast_to(np.sign(ours_a - ours_b), want.shape)
+        their = np.broadcast_to(np.sign(their_a - their_b), want.shape)
+    except (TypeError, ValueError):
+        return False
+    flipped = got.detach().cpu().numpy() != want
+    return bool(np.all(ours[flipped] != their[flipped]))
 
 
 def _onnx_selection(op_type: str, attrs: dict[str, Any], data: np.ndarray, n_outputs: int,
@@ -243,8 +273,9 @@ def check_conversion(gm: fx.GraphModule, original: onnx.ModelProto, fixed: Mappi
     """Run ``gm`` and onnxruntime (on ``original``, the file as read) on one generated input and compare.
 
     When the outputs differ, both run again with every tensor compared; a TopK / ArgMax / ArgMin that picked
-    differently from onnxruntime among values equal within tolerance continues with onnxruntime's pick, and the
-    outputs are compared on the same choices (see :func:`_fx_values`).
+    differently from onnxruntime among values equal within tolerance, or a comparison whose operands onnxruntime
+    computed the other way round within tolerance, continues with onnxruntime's decision, and the outputs are
+    compared on the same choices (see :func:`_fx_values`).
 
     Raises:
         FrontendError: the converted graph fails or differs; names the first differing ONNX node, its op type and
@@ -285,7 +316,7 @@ def _outputs_differ(got: Any, names: list[str], ref: Mapping[str, np.ndarray]) -
 def _locate(gm: fx.GraphModule, original: onnx.ModelProto, feeds: dict[str, np.ndarray], args: list[torch.Tensor],
             source: str, failure: str) -> str | None:
     """The error message naming the first ONNX node whose value differs, or None when the graph matches
-    onnxruntime once its selecting nodes take onnxruntime's picks among near-equal values."""
+    onnxruntime once its deciding nodes take onnxruntime's decisions between near-equal values."""
     head = (f"load_onnx checked its conversion of ONNX model {source!r} against onnxruntime on a generated input "
             f"({_feeds_desc(feeds)}) and the converted graph differs: ")
     tail = (" This is a conversion bug in fxq (or onnx2torch), not a problem of your model or data: please report "
@@ -297,13 +328,13 @@ def _locate(gm: fx.GraphModule, original: onnx.ModelProto, feeds: dict[str, np.n
         _LOG.debug("could not expose intermediate outputs in onnxruntime: %s", exc)
         ref = {}
     attrs = {node.output[0]: {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-             for node in original.graph.node if node.op_type in _SELECTIONS and node.output}
+             for node in original.graph.node if node.op_type in _DECISIONS and node.output}
     run = _fx_values(gm, args, ref, attrs)
     outputs = [o.name for o in original.graph.output]
     if run.forced and run.failed is None and all(o in ref for o in outputs):
         if _outputs_differ(run.result, outputs, ref) is None:
-            _LOG.info("conversion of %r checked against onnxruntime: outputs match once %d selecting node(s) (%s) "
-                      "take onnxruntime's pick among values equal within tolerance", source, len(run.forced),
+            _LOG.info("conversion of %r checked against onnxruntime: outputs match once %d deciding node(s) (%s) "
+                      "take onnxruntime's decision between values equal within tolerance", source, len(run.forced),
                       ", ".join(run.forced[:5]))
             return None
     for node in original.graph.node:
