@@ -275,6 +275,26 @@ def ncnn_run(net: Any, args: tuple, n_outputs: int) -> Any:
     return np.concatenate(outs)
 
 
+def _map_tensors(fn: Any, obj: Any) -> Any:
+    """``obj`` (tensors in tuples, lists, dicts) with ``fn`` applied to every tensor."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_tensors(fn, o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(fn, v) for k, v in obj.items()}
+    return obj
+
+
+def _tensors(obj: Any) -> list[Any]:
+    """The tensors of ``obj`` in the order torch.onnx makes them the file's inputs."""
+    out: list[Any] = []
+    _map_tensors(out.append, obj)
+    return out
+
+
 def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[str, Any]]:
     """Run one model through one capture path and every platform; one record per step."""
     import torch
@@ -291,8 +311,8 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
     model = build(name)
     torch.manual_seed(1)
     args = example_input(name, family, model)
-    calib = [args, tuple(a + 0.1 * torch.randn_like(a) if isinstance(a, torch.Tensor) else a for a in args)]
-    fresh = tuple(torch.randn_like(a) if isinstance(a, torch.Tensor) else a for a in args)
+    calib = [args, _map_tensors(lambda a: a + 0.1 * torch.randn_like(a), args)]
+    fresh = _map_tensors(torch.randn_like, args)
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         t0 = time.perf_counter()
@@ -301,6 +321,8 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
         except Exception as exc:
             row("-", "capture", _error(exc))
             return rows
+        if _native_capture(path) is None:  # an ONNX file takes the tensors of the model's inputs, flattened
+            calib, fresh = [tuple(_tensors(c)) for c in calib], tuple(_tensors(fresh))
         row("-", "capture", "ok", seconds=round(time.perf_counter() - t0, 2),
             captured_by=captured_by(source) if _native_capture(path) or "zoo_cut" in getattr(source, "meta", {})
             else "")
