@@ -18,6 +18,10 @@ from fxq.frontends.onnx.cleanup import infer_shapes
 
 __all__ = ["keep_outputs", "suggest_outputs", "refusal"]
 
+_DATA_SHAPED = ("NonZero", "NonMaxSuppression", "Unique", "Compress")
+"""Ops whose output size depends on their input's values (a score threshold, NMS): a cut before the part fxq cannot
+convert also leaves out those that feed it, so the loaded graph's outputs have sizes set by the input's."""
+
 _SHAPE_ONLY = ("Shape", "Size")
 """Ops whose output depends on their input's dims, not its values: a tensor computed from them alone is fixed once
 the input sizes are."""
@@ -93,12 +97,13 @@ def keep_outputs(model: onnx.ModelProto, outputs: Sequence[str], source: str) ->
 
 
 def suggest_outputs(model: onnx.ModelProto, blocking: Iterable[int]) -> list[str]:
-    """The outputs of a cut that leaves out the ``blocking`` nodes (their indices in the graph) and everything
-    computed from them: the tensors the left-out part reads from the kept part that carry the input's values (not
+    """The outputs of a cut that leaves out the ``blocking`` nodes (their indices in the graph), the ops with
+    value-dependent output sizes that feed them (:data:`_DATA_SHAPED`), and everything computed from those: the
+    tensors the left-out part reads from the kept part that carry the input's values (not
     constants, not sizes of tensors), and the graph outputs the kept part computes. In file order; empty when
     nothing would be left."""
     nodes = list(model.graph.node)
-    left_out = set(blocking)
+    left_out = set(blocking) | _data_shaped_ancestors(nodes, set(blocking))
     left_out_tensors = {o for i in left_out for o in nodes[i].output if o}
     for i, node in enumerate(nodes):  # file order is topological
         if i not in left_out and any(r in left_out_tensors for r in _reads(node)):
@@ -119,6 +124,20 @@ def suggest_outputs(model: onnx.ModelProto, blocking: Iterable[int]) -> list[str
     suggested += [o.name for o in model.graph.output
                   if o.name in carries and o.name not in left_out_tensors and o.name not in suggested]
     return suggested
+
+
+def _data_shaped_ancestors(nodes: list[onnx.NodeProto], blocking: set[int]) -> set[int]:
+    """Indices of the :data:`_DATA_SHAPED` nodes that the ``blocking`` nodes read from, directly or not."""
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    seen: set[int] = set()
+    stack = list(blocking)
+    while stack:
+        for name in _reads(nodes[stack.pop()]):
+            i = producer.get(name)
+            if i is not None and i not in seen:
+                seen.add(i)
+                stack.append(i)
+    return {i for i in seen if nodes[i].op_type in _DATA_SHAPED}
 
 
 def refusal(message: str, model: onnx.ModelProto, blocking: Iterable[int], source: str) -> FrontendError:
