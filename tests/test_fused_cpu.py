@@ -408,6 +408,15 @@ def test_bound_calls_hold_only_while_nothing_changed(forced):
         check(F.fake_quantize(x, cfg, scale, offset), x, scale, offset, -8, 7)
         scale.copy_(torch.tensor([0.25]))  # the same parameter updated in place: still the binding, new values
         check(F.fake_quantize(x, cfg, scale, offset), x, scale, offset, -8, 7)
+        learned = torch.nn.Parameter(torch.tensor([0.2]))  # a learned scale, evaluated without gradients
+        check(F.fake_quantize(x, cfg, learned, offset), x, learned.detach(), offset, -8, 7)
+        check(F.fake_quantize(x, cfg, learned, offset), x, learned.detach(), offset, -8, 7)
+        learned.data = torch.tensor([0.125])  # the same Parameter on new storage: the binding does not hold
+        check(F.fake_quantize(x, cfg, learned, offset), x, learned.detach(), offset, -8, 7)
+        x3 = (torch.randn(80, 64) * 20).t()  # a 64x80 view laid out the other way: values in x's own strides
+        y3 = F.fake_quantize(x3, cfg, scale, offset)
+        check(y3, x3, scale, offset, -8, 7)
+        assert y3.stride() == x3.stride()
         other = torch.tensor([0.5])
         check(F.fake_quantize(x, cfg, other, offset), x, other, offset, -8, 7)
         x2 = torch.randn(32, 80) * 20
