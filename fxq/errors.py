@@ -62,7 +62,7 @@ class FrontendError(FxqError):
     ``suggested_outputs``: for a graph part fxq cannot convert (a data-dependent If, a Loop), the tensor names of a
     cut that loads the graph without it (``load_onnx(..., outputs=...)``); empty otherwise."""
 
-    suggested_outputs: list[str] = []
+    suggested_outputs: tuple[str, ...] = ()
 
 
 class ExportError(FxqError):

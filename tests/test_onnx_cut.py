@@ -62,7 +62,7 @@ def test_nms_if_error_names_a_cut_that_loads_quantizes_and_deploys(detector_file
     names = re.search(r"outputs=(\[[^\]]*\])", message).group(1)
     cli = re.search(r"--outputs (\S+)\)", message).group(1)
     names = [n.strip(" '") for n in names.strip("[]").split(",")]
-    assert cli.split(",") == names == err.value.suggested_outputs and names
+    assert cli.split(",") == names == list(err.value.suggested_outputs) and names
     gm = fxq.load_onnx(detector_file, outputs=names)  # the advice, followed (conversion checked against onnxruntime)
     assert gm.meta["onnx"]["outputs"] == names
     # the threshold's NonZero (sizes set by the values) stays out with the NMS: every output has the same size for
@@ -257,3 +257,120 @@ def test_cli_outputs(detector_file, tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     assert main(["quantize", str(detector_file), "--outputs", "nope", "--calib", "calib", "-q"]) == 1
     assert "not tensors of the graph" in capsys.readouterr().err
+
+
+def test_a_wrong_op_before_a_comparison_is_not_taken_for_a_tie(monkeypatch):
+    """An Add off by 0.5 on a tensor whose largest value is 5000 passes the value check (its tolerance scales with
+    that value), and it flips thousands of comparisons: those are not near-ties (review of the tie rule)."""
+    from onnx2torch.node_converters.binary_math_operations import OnnxBinaryMathOperation
+
+    big = np.ones((1, 4000), np.float32)
+    big[0, 0] = 5000.0
+    nodes = [helper.make_node("Mul", ["x", "big"], ["u"]), helper.make_node("Add", ["u", "c"], ["a"], name="add"),
+             helper.make_node("Greater", ["a", "t"], ["keep"], name="cmp"),
+             helper.make_node("Where", ["keep", "x", "zero"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4000])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(big, "big"),
+                               *[numpy_helper.from_array(np.array(0.0, np.float32), n) for n in ("c", "t", "zero")]])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    fxq.load_onnx(model)
+    forward = OnnxBinaryMathOperation.forward
+
+    def off_by_half(self, *args):
+        out = forward(self, *args)
+        return out + 0.5 if self.math_op_function is torch.add else out
+
+    monkeypatch.setattr(OnnxBinaryMathOperation, "forward", off_by_half)
+    with pytest.raises(fxq.FrontendError, match=r"'cmp' \(Greater\)"):
+        fxq.load_onnx(model)
+
+
+def test_no_cut_is_suggested_with_names_the_file_does_not_have():
+    """A value If inside the taken branch of a size If: the branch's tensors are renamed when it is inlined, so a
+    cut naming them could not be followed; none is suggested (the rest of the advice stands)."""
+    inner = [helper.make_graph([helper.make_node(op, ["t"], [o])], o, [],
+                               [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)])
+             for op, o in (("Identity", "o1"), ("Neg", "o2"))]
+    then = helper.make_graph([helper.make_node("Relu", ["x"], ["t"]),
+                              helper.make_node("ReduceSum", ["t"], ["s"], keepdims=0),
+                              helper.make_node("Greater", ["s", "zero"], ["cond2"]),
+                              helper.make_node("If", ["cond2"], ["bo"], then_branch=inner[0], else_branch=inner[1],
+                                               name="valueif")],
+                             "then", [], [helper.make_tensor_value_info("bo", TensorProto.FLOAT, None)])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["eo"])], "else", [],
+                              [helper.make_tensor_value_info("eo", TensorProto.FLOAT, None)])
+    graph = helper.make_graph(
+        [helper.make_node("Shape", ["x"], ["shp"]), helper.make_node("Gather", ["shp", "zi"], ["n"]),
+         helper.make_node("Equal", ["n", "one"], ["cond"]),
+         helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other, name="sizeif")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array(0, np.int64), "zi"), numpy_helper.from_array(np.array(1, np.int64), "one"),
+         numpy_helper.from_array(np.array(0, np.float32), "zero")])
+    with pytest.raises(fxq.FrontendError, match="valueif") as err:
+        fxq.load_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert err.value.suggested_outputs == () and "outputs=" not in str(err.value)
+
+
+def test_the_cut_keeps_a_condition_the_rest_needs():
+    """The If's condition comes from the kept part (a ReduceMax of ``mid``): it is one of the cut's outputs, so the
+    FP32 rest can be run from them."""
+    w = numpy_helper.from_array(np.random.default_rng(0).random((4, 3, 1, 1)).astype(np.float32), "w")
+    branches = [helper.make_graph([helper.make_node(op, ["feat"], [o])], o, [],
+                                  [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)])
+                for op, o in (("Identity", "o1"), ("Neg", "o2"))]
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["mid"]), helper.make_node("Conv", ["mid", "w"], ["feat"]),
+         helper.make_node("ReduceMax", ["mid"], ["mx"], keepdims=0),
+         helper.make_node("Greater", ["mx", "half"], ["cond"]),
+         helper.make_node("If", ["cond"], ["y"], then_branch=branches[0], else_branch=branches[1], name="post")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 4, 4])],
+        [w, numpy_helper.from_array(np.array(0.5, np.float32), "half")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(fxq.FrontendError) as err:
+        fxq.load_onnx(model)
+    assert set(err.value.suggested_outputs) == {"cond", "feat"}
+    rest = onnx.utils.Extractor(onnx.shape_inference.infer_shapes(model)).extract_model(
+        list(err.value.suggested_outputs), ["y"])
+    assert [n.op_type for n in rest.graph.node] == ["If"]
+
+
+@pytest.mark.parametrize("names,match", [(["x"], "graph inputs or weights"), (["w"], "graph inputs or weights"),
+                                         (["feat", "feat"], "more than once")])
+def test_cut_names_must_be_node_outputs_given_once(names, match):
+    w = numpy_helper.from_array(np.ones((4, 3, 1, 1), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["feat"]), helper.make_node("Relu", ["feat"], ["y"])],
+                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+    with pytest.raises(fxq.FrontendError, match=match):
+        fxq.load_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), outputs=names)
+
+
+def test_split_sizes_computed_at_run_time_stay_dynamic_in_the_export(tmp_path):
+    """Sizes from Shape -> Gather -> Sub -> Concat: the exported file splits a wider input by the same rule."""
+    w = numpy_helper.from_array(np.random.default_rng(0).random((4, 3, 1, 1)).astype(np.float32), "w")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("Shape", ["c"], ["shape"]),
+             helper.make_node("Gather", ["shape", "three"], ["n"]), helper.make_node("Sub", ["n", "two"], ["rest"]),
+             helper.make_node("Concat", ["two", "rest"], ["sizes"], axis=0),
+             helper.make_node("Split", ["c", "sizes"], ["a", "b"], axis=3)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, "w"])],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("a", "b")],
+                              [w, numpy_helper.from_array(np.array(3, np.int64), "three"),
+                               numpy_helper.from_array(np.array([2], np.int64), "two")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    gm = fxq.load_onnx(model, input_shapes={"x": [1, 3, 4, 8]})
+    torch.manual_seed(0)
+    q = fxq.quantize(gm, [torch.randn(1, 3, 4, 8) for _ in range(2)], "ort_int8", progress=False)
+    path = fxq.export(q, "ort_int8", tmp_path / "split.onnx", example_inputs=(torch.randn(1, 3, 4, 8),))[0]
+    for optimize in (True, False):
+        sess = ort_session(str(path), optimize)
+        for width in (8, 12):
+            x = torch.randn(1, 3, 4, width)
+            got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+            with torch.no_grad():
+                sim = q(x)
+            assert [g.shape for g in got] == [tuple(s.shape) for s in sim] == [(1, 4, 4, 2), (1, 4, 4, width - 2)]
+            for g, s in zip(got, sim):
+                np.testing.assert_allclose(g, s.numpy(), atol=1e-5)

@@ -336,3 +336,35 @@ def test_quantized_value_read_inside_an_if_branch(platform, tmp_path):
         sim = q(x).numpy()
     for level in ("ORT_DISABLE_ALL", "ORT_ENABLE_ALL"):
         assert _cosine(_run(path, x, level), sim) >= 0.999, level
+
+
+class FaintUp(nn.Module):
+    """A faint conv (input scale of the next op at the floor), then a ConvTranspose with a real bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.up = nn.Conv2d(3, 64, 3, padding=1), nn.ConvTranspose2d(64, 2, 1)
+        with torch.no_grad():
+            self.conv.weight.abs_().mul_(1e-6)
+            self.conv.bias.fill_(1e-6)
+            self.up.weight.uniform_(0.5, 1.0)
+            self.up.bias.fill_(0.4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(F.relu(self.conv(x)))
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_bias_room_of_a_conv_transpose_sums_over_its_output_channels(per_channel):
+    """A ConvTranspose weight is (C_in, C_out, k, k): output o accumulates column o. The room covers that sum with
+    per-tensor weights too (it summed the rows, 25x too little)."""
+    torch.manual_seed(0)
+    q = quantize_model(FaintUp(), "ort_int8", shape=(2, 3, 16, 16), per_channel=per_channel)
+    qg = QuantGraph(q)
+    bias = next(fq for name, fq in qg.quantizers() if fq.role == "bias" and fq.param == "up.bias")
+    weight = next(fq for name, fq in qg.quantizers() if fq.role == "weight" and fq.param == "up.weight")
+    w = (weight.fp32_backup if weight.baked else q.get_parameter("up.weight")).detach().double()
+    s = weight.scale.detach().double().reshape(1, -1, 1, 1) if per_channel else weight.scale.detach().double()
+    codes = torch.clamp(torch.round(w / s), weight.config.quant_min, weight.config.quant_max)
+    reach = float(codes.abs().sum(dim=(0, 2, 3)).max()) * 255  # uint8 input codes from a zero-point of 0
+    assert 2**31 - 1 - bias.config.quant_max >= reach > 2**20

@@ -115,7 +115,7 @@ def _leave_accumulator_room(gm: fx.GraphModule, bias: FakeQuantize, data: FakeQu
     weight = wq.fp32_backup if wq.baked else get_attr_value(gm, wq.param)
     if weight is None or weight.dim() < 2:
         return
-    axis = wq.config.channel_axis if wq.config.per_channel else 0
+    axis = wq.config.channel_axis  # the op's output channels (1 for ConvTranspose), per-tensor weights too
     s_w = wq.scale.detach().double().reshape(-1)
     rows = weight.detach().double().movedim(axis % weight.dim(), 0).reshape(weight.shape[axis % weight.dim()], -1)
     scales = s_w if s_w.numel() == rows.shape[0] else s_w[:1].expand(rows.shape[0])

@@ -10,7 +10,7 @@ node. The condition is evaluated with onnx's reference evaluator on its constant
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -139,10 +139,12 @@ def _inline(graph: onnx.GraphProto, index: int, branch: onnx.GraphProto, if_node
     graph.node.extend(rest[:index] + nodes + rest[index + 1:])
 
 
-def fold_constant_ifs(model: onnx.ModelProto, source: str, fixed: Mapping[str, Sequence[int]] | None = None) -> int:
+def fold_constant_ifs(model: onnx.ModelProto, source: str, fixed: Mapping[str, Sequence[int]] | None = None,
+                      file_tensors: Collection[str] | None = None) -> int:
     """Replace every top-level ``If`` whose condition folds to a constant by its taken branch (in place).
 
     ``fixed``: input dims given to the loader (``input_shapes``), which count over the file's symbolic ones.
+    ``file_tensors``: the node outputs of the file as read, which a suggested cut may name (:func:`refusal`).
 
     Returns:
         how many ``If`` nodes were folded (nested ones included: a taken branch's Ifs are folded in turn).
@@ -165,7 +167,7 @@ def fold_constant_ifs(model: onnx.ModelProto, source: str, fixed: Mapping[str, S
                 "is fixed at load time. What to do: if it depends on input sizes, pass load_onnx(..., "
                 "input_shapes={...}); if it is Python code of yours, re-export the model with the branch decided "
                 "(torch.onnx.export with dynamo=False traces Python ifs into the branch taken; scripted code, such "
-                "as torchvision's NMS, stays an If)", model, [index], source)
+                "as torchvision's NMS, stays an If)", model, [index], source, file_tensors)
         taken = bool(value.reshape(()))
         branch = next(helper.get_attribute_value(a) for a in node.attribute
                       if a.name == ("then_branch" if taken else "else_branch"))
@@ -187,7 +189,7 @@ def _drop_dead_nodes(graph: onnx.GraphProto) -> None:
         graph.node.extend(keep)
 
 
-def refuse_loops(model: onnx.ModelProto, source: str) -> None:
+def refuse_loops(model: onnx.ModelProto, source: str, file_tensors: Collection[str] | None = None) -> None:
     """Raise :class:`FrontendError` naming every top-level ``Loop`` / ``Scan`` node, with what to do instead."""
     loops = [i for i, n in enumerate(model.graph.node) if n.op_type in _REFUSED]
     found = [f"{model.graph.node[i].name or '<unnamed>'!r} ({model.graph.node[i].op_type})" for i in loops]
@@ -197,4 +199,4 @@ def refuse_loops(model: onnx.ModelProto, source: str) -> None:
             "not convert (a loop cannot be quantized as one graph). What to do: re-export with the loop unrolled "
             "(torch.onnx.export(..., dynamo=False) of the model traces Python loops into plain nodes for a fixed "
             "length), and write recurrent layers as nn.LSTM / nn.GRU, which export as single LSTM / GRU nodes "
-            "that fxq converts and quantizes", model, loops, source)
+            "that fxq converts and quantizes", model, loops, source, file_tensors)

@@ -8,7 +8,7 @@ cannot take reads from the part before it.
 from __future__ import annotations
 
 import difflib
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 import onnx
 
@@ -42,19 +42,28 @@ def keep_outputs(model: onnx.ModelProto, outputs: Sequence[str], source: str) ->
     and inputs they need.
 
     Raises:
-        FrontendError: a name that no node, input or initializer of the graph produces (with the closest names),
-            an empty list, or an output whose element type shape inference cannot tell.
+        FrontendError: a name that no node of the graph computes (with the closest names; graph inputs and
+            initializers are named as such), a name given twice, an empty list, or an output whose element type
+            shape inference cannot tell.
     """
     graph = model.graph
-    outputs = list(dict.fromkeys(outputs))
+    outputs = list(outputs)
     if not outputs:
         raise FrontendError(f"load_onnx({source!r}, outputs=[]): name at least one tensor of the graph")
+    twice = sorted({o for o in outputs if outputs.count(o) > 1})
+    if twice:
+        raise FrontendError(f"load_onnx({source!r}, outputs=...): {twice} given more than once; name each once")
     produced = {o for n in graph.node for o in n.output if o}
     inits = {t.name for t in graph.initializer}
-    inputs = {i.name for i in graph.input}
-    unknown = [o for o in outputs if o not in produced and o not in inputs and o not in inits]
+    inputs = {i.name for i in graph.input} - inits
+    stored = [o for o in outputs if o not in produced and (o in inputs or o in inits)]
+    if stored:
+        raise FrontendError(
+            f"load_onnx({source!r}, outputs=...): {stored} are graph inputs or weights, not values a node computes; "
+            "name node outputs (a cut keeps the nodes that compute them)")
+    unknown = [o for o in outputs if o not in produced]
     if unknown:
-        known = sorted(set(produced) | inputs)
+        known = sorted(produced)
         hints = {u: difflib.get_close_matches(u, known, n=3, cutoff=0.5) for u in unknown}
         raise FrontendError(
             f"load_onnx({source!r}, outputs=...): {unknown} are not tensors of the graph"
@@ -114,12 +123,10 @@ def suggest_outputs(model: onnx.ModelProto, blocking: Iterable[int]) -> list[str
     for node in nodes:
         if node.op_type not in _SHAPE_ONLY and any(r in carries for r in _reads(node)):
             carries.update(o for o in node.output if o)
-    conditions = {nodes[i].input[0] for i in left_out if nodes[i].op_type == "If" and nodes[i].input}
     suggested: list[str] = []
     for i in sorted(left_out):
         for name in _reads(nodes[i]):
-            if (name in carries and name not in left_out_tensors and name not in conditions
-                    and name not in suggested):
+            if name in carries and name not in left_out_tensors and name not in suggested:
                 suggested.append(name)
     suggested += [o.name for o in model.graph.output
                   if o.name in carries and o.name not in left_out_tensors and o.name not in suggested]
@@ -140,14 +147,19 @@ def _data_shaped_ancestors(nodes: list[onnx.NodeProto], blocking: set[int]) -> s
     return {i for i in seen if nodes[i].op_type in _DATA_SHAPED}
 
 
-def refusal(message: str, model: onnx.ModelProto, blocking: Iterable[int], source: str) -> FrontendError:
+def refusal(message: str, model: onnx.ModelProto, blocking: Iterable[int], source: str,
+            file_tensors: Collection[str] | None = None) -> FrontendError:
     """A :class:`FrontendError` refusing the ``blocking`` nodes (indices): ``message`` plus, when something would be
     left, the cut that loads the graph without them and what follows from them; the cut's names are also its
-    ``suggested_outputs`` attribute (empty when there is none)."""
+    ``suggested_outputs`` attribute (empty when there is none). ``file_tensors``: the node outputs of the file as
+    read; a cut naming anything else (a tensor of a folded If's branch, renamed when it was inlined) is not
+    suggested, since ``outputs=`` could not find it."""
     names = suggest_outputs(model, blocking)
+    if file_tensors is not None and not set(names) <= set(file_tensors):
+        names = []
     if names:
         message += (f"; or load the part before it and run the rest (post-processing) in FP32 beside the quantized "
                     f"model: fxq.load_onnx({source!r}, outputs={names!r}) (CLI: --outputs {','.join(names)})")
     exc = FrontendError(message)
-    exc.suggested_outputs = names
+    exc.suggested_outputs = tuple(names)
     return exc

@@ -184,15 +184,16 @@ def load_onnx(
     if outputs is not None:
         proto = cut.keep_outputs(proto, [outputs] if isinstance(outputs, str) else list(outputs), source)
     fixed = shapes.fix_input_shapes(proto, input_shapes, source)
+    file_tensors = {o for n in proto.graph.node for o in n.output if o}  # what outputs= can name
     original = None
     if checks.wants_check(proto, verify):
         original = onnx.ModelProto()
         original.CopyFrom(proto)
     declared = shapes.source_dims(proto)
     proto = shapes.infer_for_conversion(cleanup.clean(proto, infer=False), fixed)
-    if control_flow.fold_constant_ifs(proto, source, fixed):  # the taken branches' nodes get their shapes
+    if control_flow.fold_constant_ifs(proto, source, fixed, file_tensors):  # the taken branches' nodes get their shapes
         proto = shapes.infer_for_conversion(cleanup.clean(proto, infer=False), fixed)
-    control_flow.refuse_loops(proto, source)
+    control_flow.refuse_loops(proto, source, file_tensors)
     support.check_wiring(proto, source)
     support.check_supported(proto, source)
     unknown = shapes.unknown_rank_nodes(proto)
