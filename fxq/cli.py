@@ -7,6 +7,8 @@ the summary) could not be: a warning names the file and the reason. ``--verbose`
 
 ``--input-shape`` also fixes the symbolic / unknown dims of an ONNX model's inputs for loading
 (``fxq.load_onnx(..., input_shapes=...)``); exports keep the dims the file has symbolic dynamic.
+``--outputs a,b`` loads an ONNX model up to those tensors (``fxq.load_onnx(..., outputs=...)``): the cut that a
+load error for a detector's NMS / data-dependent If names.
 """
 from __future__ import annotations
 
