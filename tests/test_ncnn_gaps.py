@@ -851,3 +851,29 @@ def test_ssd_l2norm_and_box_layout(tmp_path: Path) -> None:
     _, files = check(SsdL2Norm().eval(), (2, 3, 6, 7), tmp_path / "net")
     text = files["param"].read_text()
     assert text.count("Normalize") == 2 and "MemoryData" in text
+
+
+class _Unbatched(nn.Module):
+    """An unbatched ``[3, H, W]`` image, normalized by a per-channel mean and batched inside (torchvision's
+    detectors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.tensor([0.4, 0.5, 0.6]).reshape(3, 1, 1))
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv((x - self.mean)[None])
+
+
+def test_unbatched_input_is_named_with_what_works(tmp_path: Path) -> None:
+    """The ncnn export takes dim 0 as the batch; for an unbatched input the refusal says so and names the platforms
+    that take the model as it is (it told the user to give a constant size 1 along a batch the model does not
+    have); following that advice deploys the model."""
+    torch.manual_seed(0)
+    calib = [torch.randn(3, 16, 16) for _ in range(2)]
+    q = fxq.quantize(_Unbatched().eval(), calib, "ncnn_int8", progress=False)
+    with pytest.raises(ExportError, match=r"look unbatched.*deploy with trt_int8 / ort_int8"):
+        export(q, "ncnn_int8", tmp_path / "m")
+    q = fxq.quantize(_Unbatched().eval(), calib, "trt_int8", progress=False)
+    assert export(q, "trt_int8", tmp_path / "m.onnx")

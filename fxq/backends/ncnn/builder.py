@@ -103,6 +103,7 @@ class NcnnBuilder:
         self.model = NcnnModel()
         self.blob_of: dict[fx.Node, str] = {}
         self._batch_dims: dict[fx.Node, int | None] = {}  # the torch dim a value's blob leaves out (default 0)
+        self.batch_note = ""  # appended to every error: why the inputs' dim 0 does not look like a batch
         self._stored: dict[fx.Node, tuple[int, ...]] = {}  # ncnn shapes of values of more than 4 blob dims
         self._layer_names: set[str] = set()
         self._blob_names: set[str] = set()
@@ -174,7 +175,7 @@ class NcnnBuilder:
     def fail(self, node: fx.Node, why: str, fix: str) -> ExportError:
         where, island_fix = island_note(self.gm, node)
         return ExportError(f"ncnn export: node {node.name!r} (op {self.op(node)}, target {_target(node)}){where}: "
-                           f"{why}. Fix: {fix}{island_fix}")
+                           f"{why}. Fix: {fix}{island_fix}{self.batch_note}")
 
     def fixed_value(self, arg: Any) -> Any:
         """The export-time value of ``arg`` (past quantizers): a stored tensor (get_attr) or a value computed from
@@ -677,7 +678,7 @@ def build_ncnn_model(gm: fx.GraphModule, example_inputs: Any = None) -> tuple[Nc
     (:mod:`fxq.backends.ncnn.islands`), ONNX's spelled-out GELU / LayerNorm as one layer each and its Expand
     before broadcasting arithmetic left to the arithmetic; raises
     :class:`ExportError` naming the node. ``example_inputs``: what the islands are traced on."""
-    view = _at_batch_one(gm)
+    view, batch_note = _at_batch_one(gm)
     _check_calibrated(view)  # before the islands' inputs are recorded: a pending quantizer observes
     view = inline_islands(view, example_inputs)
     modules = dict(view.named_modules())
@@ -687,6 +688,7 @@ def build_ncnn_model(gm: fx.GraphModule, example_inputs: Any = None) -> tuple[Nc
         fuse_layer_norm(view)
         drop_broadcast_expands(view)
     builder = NcnnBuilder(view)
+    builder.batch_note = batch_note
     return builder.build(), builder
 
 
@@ -711,9 +713,9 @@ def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
     return view
 
 
-def _at_batch_one(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm``'s graph over the same modules and weights with its value shapes taken at batch 1; ``gm`` itself
-    is not touched.
+def _at_batch_one(gm: fx.GraphModule) -> tuple[fx.GraphModule, str]:
+    """``gm``'s graph over the same modules and weights with its value shapes taken at batch 1 (``gm`` itself is
+    not touched), and a note for the export's errors when dim 0 of the inputs does not act as a batch there.
 
     ncnn runs one sample, and a graph that folds the batch into other dims (attention's ``(T, B * H, Dh)``) is
     expressible at batch 1 only. ``gm`` as it is when its inputs have batch 1 already, or when the graph does
@@ -721,11 +723,34 @@ def _at_batch_one(gm: fx.GraphModule) -> fx.GraphModule:
     """
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     if not vals or not all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] > 1 for v in vals):
-        return gm
+        return gm, ""
     view = _graph_copy(gm)  # node meta copied shallowly: the new nodes get new values
     try:
         propagate_tensor_meta(view, [torch.zeros((1, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in vals])
     except Exception as exc:  # noqa: BLE001  (any failure: the model's own shapes)
         logger.debug("ncnn export: the graph does not run at batch 1 (%s); using its calibration shapes", exc)
-        return gm
-    return view
+        return gm, ""
+    return view, _unbatched_note(gm, view)
+
+
+def _unbatched_note(gm: fx.GraphModule, view: fx.GraphModule) -> str:
+    """A sentence for the export's errors when a node of ``view`` (at batch 1) gets back the calibration batch's
+    size along dim 0 from batch-1 inputs: a constant broadcast over dim 0 (``x - mean[:, None, None]`` of a
+    ``[3, H, W]`` image), so the inputs' dim 0 is not a batch (torchvision's detectors take unbatched images)."""
+    batch = int(next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"].shape[0])
+    for old, new in zip(gm.graph.nodes, view.graph.nodes):
+        was, now = old.meta.get("val"), new.meta.get("val")
+        if (new.op == "placeholder" or not isinstance(was, torch.Tensor) or not isinstance(now, torch.Tensor)
+                or now.dim() == 0 or was.shape != now.shape or now.shape[0] != batch):
+            continue
+        ones = [a for a in new.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)
+                and a.meta["val"].dim() and a.meta["val"].shape[0] == 1 and a.op != "get_attr"]
+        if ones:
+            inputs = ", ".join(f"{n.name!r} {list(n.meta['val'].shape)}" for n in gm.graph.nodes
+                               if n.op == "placeholder")
+            return (f". But first: the ncnn export takes dim 0 of every input as the batch and runs the graph at batch "
+                    f"1, and node {new.name!r} gets size {batch} along dim 0 back from the batch-1 value "
+                    f"{ones[0].name!r}, so the inputs {inputs} look unbatched, which fxq's ncnn exporter does not "
+                    "take: give the model a leading batch dimension, or deploy with trt_int8 / ort_int8, whose ONNX "
+                    "files take it as is")
+    return ""
