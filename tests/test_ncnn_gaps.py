@@ -877,3 +877,32 @@ def test_unbatched_input_is_named_with_what_works(tmp_path: Path) -> None:
         export(q, "ncnn_int8", tmp_path / "m")
     q = fxq.quantize(_Unbatched().eval(), calib, "trt_int8", progress=False)
     assert export(q, "trt_int8", tmp_path / "m.onnx")
+
+
+def _windows(x: torch.Tensor, size: int) -> torch.Tensor:
+    """A function symbolic tracing keeps whole (registered with torch.fx.wrap below, as torchvision's Swin)."""
+    return torch.roll(x, shifts=size // 2, dims=3)[..., :size] * 2
+
+
+torch.fx.wrap("_windows")
+
+
+class _WrappedCall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(_windows(x, 8))
+
+
+def test_opaque_wrapped_function_names_the_onnx_route(tmp_path: Path) -> None:
+    """A torch.fx.wrap'd function is one call the ncnn writer cannot convert; the refusal says so and names the
+    ONNX route, and following it (torch.onnx.export, fxq.load_onnx) deploys the model on ncnn."""
+    torch.manual_seed(0)
+    model = _WrappedCall().eval()
+    calib = [torch.randn(1, 3, 8, 16) for _ in range(2)]
+    q = fxq.quantize(model, calib, "ncnn_int8", progress=False)
+    with pytest.raises(ExportError, match=r"_windows.*torch\.fx\.wrap.*fxq\.load_onnx"):
+        export(q, "ncnn_int8", tmp_path / "m")
+    check(_onnx(model, (1, 3, 8, 16), tmp_path / "m.onnx", opset=17), (1, 3, 8, 16), tmp_path / "m_onnx")

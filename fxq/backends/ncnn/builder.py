@@ -544,10 +544,14 @@ class NcnnBuilder:
             else:
                 t = self.op(node)
                 if t not in NCNN_CONVERTERS:
+                    opaque = ("; this is a whole Python function the capture kept as one call (torch.fx.wrap, as "
+                              "torchvision's Swin attention): export the model to ONNX (torch.onnx.export) and load "
+                              "it with fxq.load_onnx, which writes the function as its ONNX ops"
+                              if node.op == "call_function" and t == "Unknown" and _is_wrapped(node.target) else "")
                     raise self.fail(node, f"the ncnn writer has no converter for op type {t!r} "
                                     f"(it converts {', '.join(NCNN_CONVERTERS.names())})",
                                     "register one with fxq.backends.ncnn.register_ncnn_converter, or "
-                                    "rewrite this op with supported ones")
+                                    f"rewrite this op with supported ones{opaque}")
                 if not takes_any_batch_dim(t):
                     self._check_batch_first(node)
                 if not takes_high_rank(t):
@@ -711,6 +715,16 @@ def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
         setattr(view, name, child)
     view.meta = gm.meta
     return view
+
+
+def _is_wrapped(fn: object) -> bool:
+    """Whether ``fn`` is a function registered with ``torch.fx.wrap``, which symbolic tracing keeps as one call
+    (torch.fx keeps that registry private: without it, no function is taken for wrapped)."""
+    from torch.fx import _symbolic_trace
+
+    registry = getattr(_symbolic_trace, "_wrapped_fns_to_patch", None)
+    glb, name = getattr(fn, "__globals__", None), getattr(fn, "__name__", None)
+    return isinstance(registry, dict) and glb is not None and (id(glb), name) in registry
 
 
 def _at_batch_one(gm: fx.GraphModule) -> tuple[fx.GraphModule, str]:
