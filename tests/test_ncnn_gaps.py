@@ -906,3 +906,34 @@ def test_opaque_wrapped_function_names_the_onnx_route(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match=r"_windows.*torch\.fx\.wrap.*fxq\.load_onnx"):
         export(q, "ncnn_int8", tmp_path / "m")
     check(_onnx(model, (1, 3, 8, 16), tmp_path / "m.onnx", opset=17), (1, 3, 8, 16), tmp_path / "m_onnx")
+
+
+class _Rolled(nn.Module):
+    """Shifted windows as Swin writes them: ``torch.roll`` of a feature map along H and W, then back."""
+
+    def __init__(self, shifts: Any, dims: Any) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 4, 1)
+        self.shifts, self.dims = shifts, dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.roll(torch.relu(self.conv1(x)), shifts=self.shifts, dims=self.dims)
+        return self.conv2(y).roll(1, 1)
+
+
+@pytest.mark.parametrize("shifts,dims", [((-3, -3), (2, 3)), (5, 3), ((2, 9), (2, 3)), (0, 2)])
+def test_roll(tmp_path: Path, shifts: Any, dims: Any) -> None:
+    """torch.roll by constant shifts (negative, wrapping past the size, zero): Crops and a Concat per dim; the ncnn
+    files match torch (fp32) and the simulation (int8) at the export size."""
+    check(_Rolled(shifts, dims).eval(), (1, 3, 8, 12), tmp_path / "m")
+
+
+def test_roll_without_dims_is_refused(tmp_path: Path) -> None:
+    class Flat(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.roll(x, 2)
+
+    q = fxq.quantize(nn.Sequential(nn.Conv2d(3, 4, 1), Flat()).eval(), [torch.randn(1, 3, 4, 4) for _ in range(2)],
+                     "ncnn_int8", progress=False)
+    with pytest.raises(ExportError, match=r"rolls the flattened tensor.*dims="):
+        export(q, "ncnn_int8", tmp_path / "m")

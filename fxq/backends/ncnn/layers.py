@@ -924,6 +924,34 @@ def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
     _crop(b, node, x, ranges, dropped, new_axes, steps)
 
 
+@register_ncnn_converter("Roll", any_batch_dim=True)
+def _roll(b: NcnnBuilder, node: fx.Node) -> None:
+    """``torch.roll`` by constant shifts along given dims (Swin's shifted windows): per dim, its last ``shift``
+    elements then the rest, two ``Crop`` s and a ``Concat``."""
+    x = node.args[0]
+    shifts = _const(b, node, _arg(node, 1, "shifts"), "shifts")
+    dims = _const(b, node, _arg(node, 2, "dims", None), "dims")
+    if dims is None or (isinstance(dims, (tuple, list)) and not dims):
+        raise b.fail(node, "it rolls the flattened tensor (no dims)", "roll along given dims: torch.roll(x, s, dims=d)")
+    shifts = [shifts] if isinstance(shifts, int) else list(shifts)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    shape = b.shape(x)
+    moves = [(int(s) % shape[int(d)], int(d) % len(shape)) for s, d in zip(shifts, dims)]
+    moves = [(s, d) for s, d in moves if s]
+    if not moves:
+        b.alias(node, x, b.batch_dim(x))
+        return
+    blob = b.blob(x, node)
+    for k, (shift, dim) in enumerate(moves):
+        axis, n = b.ncnn_axis(node, dim, x), shape[dim]
+        tail = b.helper(node, "Crop", [blob], {9: [n - shift], 10: [n], 11: [axis]})
+        head = b.helper(node, "Crop", [blob], {9: [0], 10: [n - shift], 11: [axis]})
+        if k == len(moves) - 1:
+            b.emit(node, "Concat", [tail, head], {0: axis})
+        else:
+            blob = b.helper(node, "Concat", [tail, head], {0: axis})
+
+
 @register_ncnn_converter("Gather", any_batch_dim=True, high_rank=True)
 def _gather(b: NcnnBuilder, node: fx.Node) -> None:
     """ONNX ``Gather`` (onnx2torch's ``OnnxGather``, ``numpy.take`` along ``axis``) of a computed tensor by
