@@ -154,15 +154,44 @@ def _local_names(graph: onnx.GraphProto) -> set[str]:
             | {o for n in graph.node for o in n.output if o})
 
 
+def _body_reads(node: onnx.NodeProto) -> set[str]:
+    """Names that ``node``'s If/Loop/Scan bodies (at any depth) read from outside them."""
+    reads: set[str] = set()
+    for sub in subgraphs(node):
+        inner = {i for n in sub.node for i in n.input if i} | {o.name for o in sub.output} | outer_reads(sub)
+        reads |= inner - _local_names(sub)
+    return reads
+
+
 def outer_reads(graph: onnx.GraphProto) -> set[str]:
     """Names that If/Loop/Scan bodies of ``graph`` (at any depth) read from ``graph``'s scope or above."""
     reads: set[str] = set()
     for node in graph.node:
-        for sub in subgraphs(node):
-            local = _local_names(sub)
-            inner = {i for n in sub.node for i in n.input if i} | {o.name for o in sub.output} | outer_reads(sub)
-            reads |= inner - local
+        reads |= _body_reads(node)
     return reads
+
+
+def node_reads(node: onnx.NodeProto) -> list[str]:
+    """Every tensor ``node`` reads: its inputs, then what its If/Loop/Scan bodies read from outside (sorted)."""
+    return [i for i in node.input if i] + sorted(_body_reads(node))
+
+
+def drop_dead_nodes(graph: onnx.GraphProto) -> set[str]:
+    """Remove the nodes none of whose outputs is read, directly or through later nodes, by the graph outputs (one
+    pass from the end: file order is topological). Returns the names the kept nodes and the outputs read."""
+    live = {o.name for o in graph.output}
+    keep: list[bool] = []
+    for node in reversed(graph.node):
+        alive = any(o in live for o in node.output if o)
+        keep.append(alive)
+        if alive:
+            live.update(node_reads(node))
+    keep.reverse()
+    if not all(keep):
+        kept = [n for n, k in zip(graph.node, keep) if k]
+        graph.ClearField("node")
+        graph.node.extend(kept)
+    return live
 
 
 def rename_outer_reads(graph: onnx.GraphProto, moved: dict[str, str]) -> None:

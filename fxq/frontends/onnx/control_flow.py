@@ -18,8 +18,8 @@ from onnx import helper, numpy_helper
 
 from fxq.backends.qdq.onnx_graph import (
     all_tensor_names,
+    drop_dead_nodes,
     initializers,
-    outer_reads,
     producers,
     rename_tensors,
     unique_name,
@@ -174,19 +174,8 @@ def fold_constant_ifs(model: onnx.ModelProto, source: str, fixed: Mapping[str, S
         _LOG.info("If node %r: condition %r is %s at load time; taking its %s branch (%d nodes)", node.name,
                   node.input[0], taken, "then" if taken else "else", len(branch.node))
         _inline(model.graph, index, branch, node)
-        _drop_dead_nodes(model.graph)  # the condition's computation
+        drop_dead_nodes(model.graph)  # the condition's computation
         folded += 1
-
-
-def _drop_dead_nodes(graph: onnx.GraphProto) -> None:
-    """Remove nodes none of whose outputs is read (by a node, a body graph or the graph outputs)."""
-    while True:
-        read = ({i for n in graph.node for i in n.input if i} | {o.name for o in graph.output} | outer_reads(graph))
-        keep = [n for n in graph.node if any(o in read for o in n.output if o)]
-        if len(keep) == len(graph.node):
-            return
-        graph.ClearField("node")
-        graph.node.extend(keep)
 
 
 def refuse_loops(model: onnx.ModelProto, source: str, file_tensors: Collection[str] | None = None) -> None:

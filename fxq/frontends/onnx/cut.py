@@ -12,7 +12,7 @@ from typing import Collection, Iterable, Sequence
 
 import onnx
 
-from fxq.backends.qdq.onnx_graph import outer_reads, subgraphs
+from fxq.backends.qdq.onnx_graph import drop_dead_nodes, node_reads, remove_initializers
 from fxq.errors import FrontendError
 from fxq.frontends.onnx.cleanup import infer_shapes
 
@@ -25,16 +25,6 @@ convert also leaves out those that feed it, so the loaded graph's outputs have s
 _SHAPE_ONLY = ("Shape", "Size")
 """Ops whose output depends on their input's dims, not its values: a tensor computed from them alone is fixed once
 the input sizes are."""
-
-
-def _reads(node: onnx.NodeProto) -> list[str]:
-    """Every tensor ``node`` reads: its inputs and what its If / Loop / Scan bodies read from outside."""
-    names = [i for i in node.input if i]
-    if subgraphs(node):
-        alone = onnx.GraphProto()
-        alone.node.add().CopyFrom(node)
-        names += sorted(outer_reads(alone))
-    return names
 
 
 def keep_outputs(model: onnx.ModelProto, outputs: Sequence[str], source: str) -> onnx.ModelProto:
@@ -69,39 +59,25 @@ def keep_outputs(model: onnx.ModelProto, outputs: Sequence[str], source: str) ->
             f"load_onnx({source!r}, outputs=...): {unknown} are not tensors of the graph"
             + "".join(f"; for {u!r} did you mean {h}" for u, h in hints.items() if h)
             + ". Tensor names are the node outputs of the file (Netron shows them)")
-    producer = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
-    needed: set[str] = set()
-    kept: set[int] = set()
-    stack = list(outputs)
-    while stack:
-        name = stack.pop()
-        if name in needed:
-            continue
-        needed.add(name)
-        index = producer.get(name)
-        if index is not None and index not in kept:
-            kept.add(index)
-            stack.extend(_reads(graph.node[index]))
     typed = infer_shapes(model)
     infos = {v.name: v for v in [*typed.graph.value_info, *typed.graph.output, *typed.graph.input]}
+    untyped = [o for o in outputs if o not in infos or not infos[o].type.tensor_type.elem_type]
+    if untyped:
+        raise FrontendError(f"load_onnx({source!r}, outputs=...): the type of tensor(s) {untyped} is unknown to ONNX "
+                            "shape inference; name tensors before or after them")
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
-    g.ClearField("node")
-    g.node.extend(n for i, n in enumerate(graph.node) if i in kept)
-    g.ClearField("input")
-    g.input.extend(i for i in graph.input if i.name in needed)
-    g.ClearField("initializer")
-    g.initializer.extend(t for t in graph.initializer if t.name in needed)
     g.ClearField("output")
-    for name in outputs:
-        info = infos.get(name)
-        if info is None or not info.type.tensor_type.elem_type:
-            raise FrontendError(f"load_onnx({source!r}, outputs=...): the type of tensor {name!r} is unknown to "
-                                "ONNX shape inference; name a tensor before or after it")
-        g.output.add().CopyFrom(info)
+    g.output.extend(infos[o] for o in outputs)
+    needed = drop_dead_nodes(g)
+    kept_inputs = [i for i in g.input if i.name in needed]
+    g.ClearField("input")
+    g.input.extend(kept_inputs)
+    remove_initializers(g, {t.name for t in g.initializer} - needed)
+    kept_infos = [v for v in g.value_info if v.name in needed]
     g.ClearField("value_info")
-    g.value_info.extend(v for v in graph.value_info if v.name in needed)
+    g.value_info.extend(kept_infos)
     return out
 
 
@@ -115,17 +91,17 @@ def suggest_outputs(model: onnx.ModelProto, blocking: Iterable[int]) -> list[str
     left_out = set(blocking) | _data_shaped_ancestors(nodes, set(blocking))
     left_out_tensors = {o for i in left_out for o in nodes[i].output if o}
     for i, node in enumerate(nodes):  # file order is topological
-        if i not in left_out and any(r in left_out_tensors for r in _reads(node)):
+        if i not in left_out and any(r in left_out_tensors for r in node_reads(node)):
             left_out.add(i)
             left_out_tensors.update(o for o in node.output if o)
     inits = {t.name for t in model.graph.initializer}
     carries = {i.name for i in model.graph.input if i.name not in inits}  # tensors that carry the input's values
     for node in nodes:
-        if node.op_type not in _SHAPE_ONLY and any(r in carries for r in _reads(node)):
+        if node.op_type not in _SHAPE_ONLY and any(r in carries for r in node_reads(node)):
             carries.update(o for o in node.output if o)
     suggested: list[str] = []
     for i in sorted(left_out):
-        for name in _reads(nodes[i]):
+        for name in node_reads(nodes[i]):
             if name in carries and name not in left_out_tensors and name not in suggested:
                 suggested.append(name)
     suggested += [o.name for o in model.graph.output
@@ -139,7 +115,7 @@ def _data_shaped_ancestors(nodes: list[onnx.NodeProto], blocking: set[int]) -> s
     seen: set[int] = set()
     stack = list(blocking)
     while stack:
-        for name in _reads(nodes[stack.pop()]):
+        for name in node_reads(nodes[stack.pop()]):
             i = producer.get(name)
             if i is not None and i not in seen:
                 seen.add(i)
