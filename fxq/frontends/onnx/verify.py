@@ -210,12 +210,7 @@ def _agree_closely(ours: Any, theirs: np.ndarray) -> bool:
         return False
     if a.dtype.kind != "f" or b.dtype.kind != "f":
         return bool(np.array_equal(a, b))
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    if not np.array_equal(np.isnan(a), np.isnan(b)):
-        return False
-    fin = ~np.isnan(b)
-    scale = float(np.abs(b[fin]).max(initial=0.0))
-    return bool(np.all(np.abs(a[fin] - b[fin]) <= _TIE_RTOL * scale + 1e-30))
+    return _close(a.astype(np.float64), b.astype(np.float64), atol=0.0, rtol=_TIE_RTOL)
 
 
 def _flips_at_ties(inputs: list[Any], theirs: list[Any], got: torch.Tensor, want: np.ndarray) -> bool:
@@ -282,11 +277,12 @@ def _diff(ours: Any, ref: np.ndarray) -> str | None:
             f"(onnxruntime's values reach {float(np.nanmax(np.abs(b))) if b.size else 0.0:.4g})")
 
 
-def _close(a: np.ndarray, b: np.ndarray) -> bool:
+def _close(a: np.ndarray, b: np.ndarray, atol: float = _ATOL, rtol: float = _RTOL) -> bool:
+    """NaN where ``b`` has NaN, elsewhere within ``atol + rtol *`` (``b``'s largest magnitude) of ``b``."""
     scale = float(np.nanmax(np.abs(b))) if b.size and not np.all(np.isnan(b)) else 0.0
     nan_ok = np.array_equal(np.isnan(a), np.isnan(b))
     fin = ~np.isnan(b)
-    return nan_ok and bool(np.all(np.abs(a[fin] - b[fin]) <= _ATOL + _RTOL * scale))
+    return nan_ok and bool(np.all(np.abs(a[fin] - b[fin]) <= atol + rtol * scale))
 
 
 def _feeds_desc(feeds: dict[str, np.ndarray]) -> str:
