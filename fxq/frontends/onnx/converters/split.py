@@ -35,13 +35,11 @@ class OnnxSplit(nn.Module):
         self.chunks = chunks
 
     def forward(self, x: torch.Tensor, split: torch.Tensor | None = None):
-        if split is not None and torch.onnx.is_in_onnx_export():  # sizes stay computed: one Slice per piece
+        if split is not None:  # sizes computed at run time: one slice per piece (exported as Slices on them)
             ends = torch.cumsum(split.reshape(-1), 0)
             starts = ends - split.reshape(-1)
             axis = self.axis % x.dim()
             parts = tuple(x[(slice(None),) * axis + (slice(starts[i], ends[i]),)] for i in range(self.chunks))
-        elif split is not None:  # sizes computed at run time
-            parts = torch.split(x, [int(v) for v in split.reshape(-1).tolist()], dim=self.axis)
         elif self.sizes is not None:
             parts = torch.split(x, self.sizes, dim=self.axis)
         else:
