@@ -47,6 +47,7 @@ __all__ = [
     "round_scale_to_power_of_2",
     "broadcast_qparam",
     "representable_range",
+    "accumulator_reach",
 ]
 
 
@@ -77,6 +78,17 @@ def quantize_to_int(x: torch.Tensor, cfg: TensorQuantConfig) -> torch.Tensor:
     o = broadcast_qparam(cfg.offset.to(x.device, dtype), xc, cfg.channel_axis)
     q = linear_codes(xc, s, o, cfg.quant_min, cfg.quant_max, cfg.rounding)
     return q.to(torch.int64 if cfg.num_bits > 31 else torch.int32)
+
+
+def accumulator_reach(weight_codes: torch.Tensor, out_axis: int, input_min: float, input_max: float,
+                      input_zero: float) -> torch.Tensor:
+    """Per output channel, the largest ``|sum(input codes x weight codes)|`` an integer kernel can accumulate:
+    the sum of ``|weight code - zero-point|`` over the channel's weights (``weight_codes``, zero-points already
+    taken off; channels along ``out_axis``) times the input codes' largest distance from their zero-point
+    (codes in ``[input_min, input_max]``). An int64 tensor. What an int32 bias code needs of room not to wrap."""
+    dims = [d for d in range(weight_codes.dim()) if d != out_axis % weight_codes.dim()]
+    per_out = weight_codes.to(torch.int64).abs().sum(dim=dims)
+    return per_out * int(max(input_zero - input_min, input_max - input_zero))
 
 
 def representable_range(cfg: TensorQuantConfig, scale: torch.Tensor | None = None,

@@ -8,7 +8,15 @@ import torch
 from torch import fx
 
 from fxq.errors import ConfigError
-from fxq.functional import fake_quantize, qparams_from_minmax, representable_range, round_scale_to_power_of_2
+from fxq.functional import (
+    accumulator_reach,
+    broadcast_qparam,
+    fake_quantize,
+    qparams_from_minmax,
+    quantize_to_int,
+    representable_range,
+    round_scale_to_power_of_2,
+)
 from fxq.graph.info import GraphQuant, graph_quant
 from fxq.graph.nodes import get_attr_value
 from fxq.graph.quant_graph import QuantGraph
@@ -116,16 +124,10 @@ def _leave_accumulator_room(gm: fx.GraphModule, bias: FakeQuantize, data: FakeQu
     if weight is None or weight.dim() < 2:
         return
     axis = wq.config.channel_axis  # the op's output channels (1 for ConvTranspose), per-tensor weights too
-    s_w = wq.scale.detach().double().reshape(-1)
-    rows = weight.detach().double().movedim(axis % weight.dim(), 0).reshape(weight.shape[axis % weight.dim()], -1)
-    scales = s_w if s_w.numel() == rows.shape[0] else s_w[:1].expand(rows.shape[0])
-    offsets = wq.offset.detach().double().reshape(-1) if wq.offset is not None else torch.zeros(1, dtype=s_w.dtype)
-    offsets = offsets if offsets.numel() == rows.shape[0] else offsets[:1].expand(rows.shape[0])
-    codes = torch.clamp(torch.round(rows / scales[:, None]) + offsets[:, None], wq.config.quant_min,
-                        wq.config.quant_max) - offsets[:, None]
+    offset = broadcast_qparam(wq.offset.detach().to(torch.int64), weight, axis)
+    codes = quantize_to_int(weight, wq.config).to(torch.int64) - offset
     zero = float(data.offset.detach().reshape(-1)[0]) if data.offset is not None else 0.0
-    reach_in = max(abs(data.config.quant_min - zero), abs(data.config.quant_max - zero))
-    reach = int(float(codes.abs().sum(dim=1).max()) * reach_in) + 1
+    reach = int(accumulator_reach(codes, axis, data.config.quant_min, data.config.quant_max, zero).max()) + 1
     if reach >= full_max // 2:  # an accumulator this wide is not a runtime's: keep the full grid
         return
     cfg.quant_min, cfg.quant_max = full_min + reach, full_max - reach

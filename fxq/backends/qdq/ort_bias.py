@@ -54,9 +54,11 @@ def _accumulator_reach(node: Any, dq_in: Any, dq_w: Any, const: Any, prod: dict[
     """Per output channel, the largest |sum(input codes x weight codes)| the fused kernel can accumulate:
     sum |weight code - zero-point| over the channel's weights x the input codes' largest distance from their
     zero-point (over the whole range of their element type). None where the codes are not constants."""
+    import torch
     from onnx import helper
 
     from fxq.backends.qdq.onnx_graph import INT_RANGES, attr
+    from fxq.functional import accumulator_reach
 
     w = const(dq_w.input[0])
     s_w = const(dq_w.input[1])
@@ -85,13 +87,11 @@ def _accumulator_reach(node: Any, dq_in: Any, dq_w: Any, const: Any, prod: dict[
     if zw is not None and zw.size:
         w = w - along_axis(zw.astype(np.int64), w.ndim)
     out_axis = 0 if node.op_type == "Conv" or attr(node, "transB", 0) else 1
-    per_out = np.abs(w).sum(axis=tuple(a for a in range(w.ndim) if a != out_axis))
     zx = const(dq_in.input[2]) if len(dq_in.input) > 2 and dq_in.input[2] else np.zeros((), np.uint8)
     if zx is None:
         return None
     lo, hi = INT_RANGES[helper.np_dtype_to_tensor_dtype(zx.dtype)]
-    z = int(zx.reshape(-1)[0])
-    return per_out * max(z - lo, hi - z)
+    return accumulator_reach(torch.from_numpy(w), out_axis, lo, hi, int(zx.reshape(-1)[0])).numpy()
 
 
 def _wrap_issue(codes: np.ndarray, reach: np.ndarray | None, where: str, fused: str) -> str | None:
