@@ -2,6 +2,7 @@
 it, and what is loaded quantizes and deploys; the conversion check's near-tie selections; single-output Split."""
 from __future__ import annotations
 
+import logging
 import re
 
 import numpy as np
@@ -142,14 +143,17 @@ def _near_tie_model(op: str, select: str) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-@pytest.mark.parametrize("op", ["Sigmoid", "Exp", "Tanh"])
-@pytest.mark.parametrize("select", ["TopK", "ArgMax"])
-def test_conversion_check_takes_near_ties_either_way(op, select):
+@pytest.mark.parametrize("op,select", [("Sigmoid", "TopK"), ("Exp", "TopK"), ("Tanh", "TopK"),
+                                       ("Sigmoid", "ArgMax")])
+def test_conversion_check_takes_near_ties_either_way(op, select, caplog):
     """Picks among values equal within tolerance (a last-ulp difference of the input) are not a conversion bug: the
-    check continues with onnxruntime's pick. It raised "conversion bug" on torchvision's detectors (the RPN's TopK)."""
+    check continues with onnxruntime's pick. It raised "conversion bug" on torchvision's detectors (the RPN's TopK).
+    Each case here does pick differently from onnxruntime (the log says so), so each exercises the rule."""
     model = _near_tie_model(op, select)
     x = torch.from_numpy(np.random.default_rng(0).standard_normal((4, 4000)).astype(np.float32))
-    gm = fxq.load_onnx(model)
+    with caplog.at_level(logging.INFO, logger="fxq.frontends.onnx.verify"):
+        gm = fxq.load_onnx(model)
+    assert any("take onnxruntime's decision" in r.getMessage() for r in caplog.records)
     ours = gm(x)
     ours = ours if isinstance(ours, tuple) else (ours,)
     ref = ort_session(model, False).run(None, {"x": x.numpy()})
@@ -187,8 +191,10 @@ def _threshold_model(op: str) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("op", ["Greater", "LessOrEqual"])
-def test_conversion_check_takes_threshold_ties_either_way(op):
-    fxq.load_onnx(_threshold_model(op))  # raised "conversion bug" at the comparison before
+def test_conversion_check_takes_threshold_ties_either_way(op, caplog):
+    with caplog.at_level(logging.INFO, logger="fxq.frontends.onnx.verify"):
+        fxq.load_onnx(_threshold_model(op))  # raised "conversion bug" at the comparison before
+    assert any("take onnxruntime's decision" in r.getMessage() for r in caplog.records)
 
 
 def test_conversion_check_still_catches_a_wrong_comparison(monkeypatch):
