@@ -258,14 +258,23 @@ def ncnn_net(files: list[Path]) -> Any:
     return net
 
 
-def ncnn_run(net: Any, args: tuple, n_outputs: int) -> Any:
-    """The outputs ``out0..`` of one sample (batch 1 inputs ``in0..``), flattened and concatenated."""
+def ncnn_run(net: Any, args: tuple, n_outputs: int, param: Path | None = None) -> Any:
+    """The outputs ``out0..`` of one sample (batch 1 inputs ``in0..``), flattened and concatenated. An input whose
+    ``Input`` layer in ``param`` has the tensor's whole rank is unbatched (a detector's ``[3, H, W]`` image): fed as
+    it is, not its first sample."""
     import ncnn
     import numpy as np
 
+    ranks = {}
+    if param is not None:
+        for line in param.read_text().splitlines():
+            parts = line.split()
+            if parts and parts[0] == "Input":
+                ranks[parts[1]] = sum(p.split("=")[0] in ("0", "1", "11", "2") for p in parts if "=" in p)
     ex = net.create_extractor()
     for i, a in enumerate(args):
-        ex.input(f"in{i}", ncnn.Mat(np.ascontiguousarray(a[0].numpy())).clone())
+        whole = ranks.get(f"in{i}") == a.dim()
+        ex.input(f"in{i}", ncnn.Mat(np.ascontiguousarray((a if whole else a[0]).numpy())).clone())
     outs = []
     for i in range(n_outputs):
         ret, m = ex.extract(f"out{i}")
@@ -344,12 +353,24 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
             ptq_s = time.perf_counter() - t0
             row(platform, "quantize", "ok", seconds=round(ptq_s, 2),
                 ptq_over_fp32=round(ptq_s / fp32_s, 2) if fp32_s == fp32_s and fp32_s > 0 else "")
+            out = tmp / f"{name}_{path}_{platform}.onnx"
             try:
-                files = fxq.export(qmodel, platform, tmp / f"{name}_{path}_{platform}.onnx")
+                try:
+                    files = fxq.export(qmodel, platform, out)
+                except fxq.ExportError as exc:
+                    if not exc.suggested_outputs or _native_capture(path) is not None:
+                        raise
+                    # what a user does next: load the file up to the cut the error names (ncnn has no layer for
+                    # what follows: a score threshold's comparisons), quantize that, export it
+                    qmodel = fxq.quantize(fxq.load_onnx(tmp / f"{name}_{path}.onnx", outputs=exc.suggested_outputs),
+                                          calib, platform=platform, progress=False)
+                    files = fxq.export(qmodel, platform, out)
+                    row(platform, "export", "ok", captured_by=f"export-cut({len(exc.suggested_outputs)} outputs)")
+                else:
+                    row(platform, "export", "ok")
             except Exception as exc:
                 row(platform, "export", _error(exc))
                 continue
-            row(platform, "export", "ok")
             try:
                 from fxq.parts import quantized_parts
 
@@ -366,7 +387,8 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
                 if platform == "ncnn_int8":
                     outs = qmodel(*fresh)
                     n_out = len(outs) if isinstance(outs, (list, tuple)) else 1
-                    cos = {"ncnn": cosine(ncnn_run(ncnn_net(files), fresh, n_out), sim.numpy())}
+                    param = next(f for f in files if f.name.endswith(".param") and not f.name.endswith(".fp32.param"))
+                    cos = {"ncnn": cosine(ncnn_run(ncnn_net(files), fresh, n_out, param), sim.numpy())}
                 else:
                     cos = {"ort": cosine(_run_ort(files[0], fresh, True), sim.numpy()),
                            "ort_disable_all": cosine(_run_ort(files[0], fresh, False), sim.numpy())}

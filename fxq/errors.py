@@ -66,7 +66,12 @@ class FrontendError(FxqError):
 
 
 class ExportError(FxqError):
-    """A backend exporter cannot express the model, or cannot write where asked."""
+    """A backend exporter cannot express the model, or cannot write where asked.
+
+    ``suggested_outputs``: for ops of an ONNX-loaded model the target has no layer for (ncnn and comparisons),
+    the tensor names of a cut that loads the file without them (``load_onnx(..., outputs=...)``); empty otherwise."""
+
+    suggested_outputs: tuple[str, ...] = ()
 
 
 class RegistryError(FxqError, KeyError):

@@ -26,7 +26,9 @@ from fxq.errors import ExportError
 ncnn = pytest.importorskip("ncnn")
 
 
-def run_ncnn(param: Path, bin_: Path, x: torch.Tensor, n_out: int, *, int8: bool) -> list[np.ndarray]:
+def run_ncnn(param: Path, bin_: Path, x: torch.Tensor, n_out: int, *, int8: bool, whole: bool = False
+             ) -> list[np.ndarray]:
+    """The outputs of the files on ``x[0]`` (one sample), or on ``x`` itself when ``whole`` (an unbatched input)."""
     net = ncnn.Net()
     o = net.opt
     o.use_vulkan_compute = False
@@ -35,7 +37,7 @@ def run_ncnn(param: Path, bin_: Path, x: torch.Tensor, n_out: int, *, int8: bool
     o.use_fp16_storage = o.use_fp16_packed = o.use_fp16_arithmetic = o.use_bf16_storage = False
     assert net.load_param(str(param)) == 0 and net.load_model(str(bin_)) == 0
     ex = net.create_extractor()
-    ex.input("in0", ncnn.Mat(np.ascontiguousarray(x[0].numpy())).clone())
+    ex.input("in0", ncnn.Mat(np.ascontiguousarray((x if whole else x[0]).numpy())).clone())
     outs = []
     for k in range(n_out):
         ret, m = ex.extract(f"out{k}")
@@ -854,29 +856,112 @@ def test_ssd_l2norm_and_box_layout(tmp_path: Path) -> None:
 
 
 class _Unbatched(nn.Module):
-    """An unbatched ``[3, H, W]`` image, normalized by a per-channel mean and batched inside (torchvision's
-    detectors)."""
+    """An unbatched ``[3, H, W]`` image through what torchvision's detectors do to it: normalized by a per-channel
+    mean and std, resized as a batch of one and taken back, padded, batched by a one-tensor concat; a conv; then an
+    unbatched head: boxes clipped with max / min and their corners joined along a new dim."""
 
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("mean", torch.tensor([0.4, 0.5, 0.6]).reshape(3, 1, 1))
+        self.register_buffer("std", torch.tensor([0.2, 0.25, 0.3]).reshape(3, 1, 1))
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = (x - self.mean) / self.std
+        x = F.interpolate(x[None], scale_factor=0.5, mode="bilinear", align_corners=False)[0]
+        x = torch.cat([F.pad(x, (0, 1, 0, 1))[None]], 0)
+        features = torch.relu(self.conv(x))
+        boxes = self.head(features).flatten(2)[0]  # [4, H * W]
+        lo = torch.maximum(boxes[:2], torch.zeros(()) + 0.1)
+        hi = torch.minimum(boxes[2:], torch.ones(()) * 2.0)
+        return features, torch.cat([lo.unsqueeze(2), hi.unsqueeze(2)], 2)
+
+
+@pytest.mark.parametrize("form", ["torch", "onnx"])
+def test_unbatched_input_exports(tmp_path: Path, form: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A model whose input has no batch dimension (torchvision's detectors) exports for ncnn: its input is one blob
+    of the whole ``[3, H, W]`` image and unbatched values inside stay whole; the files match torch (FP32) and the
+    simulation (int8). (Before, the export took dim 0 as the batch and refused the first node.)"""
+    torch.manual_seed(0)
+    model = _Unbatched().eval()
+    source = _onnx(model, (3, 16, 16), tmp_path / "m.onnx") if form == "onnx" else model
+    gm = fxq.quantize(source, [torch.rand(3, 16, 16) for _ in range(2)], "ncnn_int8", progress=False)
+    with caplog.at_level(logging.INFO, logger="fxq.backends.ncnn.builder"):
+        export(gm, "ncnn", tmp_path / "net")
+    assert "are unbatched" in caplog.text
+    files = ncnn_paths(tmp_path / "net")
+    assert re.search(r"^Input\s+in0\s+0 1 in0 0=16 1=16 2=3$", files["param"].read_text(), re.M)
+    x = torch.rand(3, 16, 16)
+    with torch.no_grad():
+        sim = [t.numpy().ravel() for t in gm(x)]
+        with fxq.fp32_mode(gm):
+            ref = [t.numpy().ravel() for t in gm(x)]
+    fp32 = run_ncnn(files["fp32_param"], files["fp32_bin"], x, 2, int8=False, whole=True)
+    int8 = run_ncnn(files["param"], files["bin"], x, 2, int8=True, whole=True)
+    for r, q, a, b in zip(ref, sim, fp32, int8):
+        assert a.size == r.size and np.abs(a.ravel() - r).max() <= 1e-4 * max(1.0, float(np.abs(r).max()))
+        b, q = b.ravel().astype(np.float64), q.astype(np.float64)
+        assert b @ q / (np.linalg.norm(b) * np.linalg.norm(q)) >= 0.9999
+
+
+class _MovedConcat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv((x - self.mean)[None])
+        y = self.fc(x).transpose(0, 1)  # (T, 1, 5): the batch of 1 moved
+        return torch.cat([y, y], dim=2).transpose(0, 1)
 
 
-def test_unbatched_input_is_named_with_what_works(tmp_path: Path) -> None:
-    """The ncnn export takes dim 0 as the batch; for an unbatched input the refusal says so and names the platforms
-    that take the model as it is (it told the user to give a constant size 1 along a batch the model does not
-    have); following that advice deploys the model."""
+def test_concat_of_values_whose_batch_moved(tmp_path: Path) -> None:
+    """Concat maps its dim past a batch of 1 that moved (it was refused: its converter took only batch-first
+    values)."""
+    check(_MovedConcat().eval(), (1, 8, 16), tmp_path / "net")
+
+
+class _Thresholded(nn.Module):
+    """A head whose outputs include a score threshold (``scores > 0.5``), which ncnn has no layer for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(self.conv(x)).flatten(1)
+        return self.conv(x).mean(1), scores > 0.5
+
+
+def test_op_without_ncnn_layer_names_the_cut_that_deploys(tmp_path: Path) -> None:
+    """An ONNX-loaded model with a comparison among its outputs: the ncnn refusal names the cut without it (the
+    comparison's input instead, the other outputs kept), as advice and as ``suggested_outputs``; following it gives
+    ncnn files that match the simulation."""
     torch.manual_seed(0)
-    calib = [torch.randn(3, 16, 16) for _ in range(2)]
-    q = fxq.quantize(_Unbatched().eval(), calib, "ncnn_int8", progress=False)
-    with pytest.raises(ExportError, match=r"look unbatched.*deploy with trt_int8 / ort_int8"):
-        export(q, "ncnn_int8", tmp_path / "m")
-    q = fxq.quantize(_Unbatched().eval(), calib, "trt_int8", progress=False)
-    assert export(q, "trt_int8", tmp_path / "m.onnx")
+    path = tmp_path / "m.onnx"
+    torch.onnx.export(_Thresholded().eval(), (torch.randn(1, 3, 8, 8),), str(path), dynamo=False, opset_version=13,
+                      input_names=["x"], output_names=["mean", "keep"])
+    calib = [torch.randn(1, 3, 8, 8) for _ in range(2)]
+    gm = fxq.quantize(fxq.load_onnx(path), calib, "ncnn_int8", progress=False)
+    with pytest.raises(ExportError, match=r"op Greater.*ncnn has no layer for it.*outputs=\['mean', ") as err:
+        export(gm, "ncnn", tmp_path / "net")
+    cut = err.value.suggested_outputs
+    assert cut[0] == "mean" and len(cut) == 2 and f"--outputs {','.join(cut)}" in str(err.value)
+    gm = fxq.quantize(fxq.load_onnx(path, outputs=cut), calib, "ncnn_int8", progress=False)
+    export(gm, "ncnn", tmp_path / "net")
+    files = ncnn_paths(tmp_path / "net")
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        sim = [t.numpy()[0].ravel() for t in gm(x)]
+    got = run_ncnn(files["param"], files["bin"], x, 2, int8=True)
+    assert [g.size for g in got] == [s.size for s in sim]
+    for g, q in zip(got, sim):
+        g, q = g.ravel().astype(np.float64), q.astype(np.float64)
+        assert g @ q / (np.linalg.norm(g) * np.linalg.norm(q)) >= 0.9999
+    native = fxq.quantize(_Thresholded().eval(), calib, "ncnn_int8", progress=False)
+    with pytest.raises(ExportError, match="no converter") as err:  # no file to cut: no cut advice
+        export(native, "ncnn", tmp_path / "native")
+    assert err.value.suggested_outputs == () and "outputs=" not in str(err.value)
 
 
 def _windows(x: torch.Tensor, size: int) -> torch.Tensor:

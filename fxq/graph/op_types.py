@@ -91,7 +91,7 @@ _FUNCTIONS: dict[Callable[..., Any], str] = {
     operator.getitem: "Slice", torch.split: "Split", torch.chunk: "Split", torch.squeeze: "Squeeze",
     torch.unsqueeze: "Unsqueeze", F.interpolate: "Resize", F.pad: "Pad", torch.mean: "ReduceMean",
     torch.sum: "ReduceSum", torch.amax: "ReduceMax", torch.amin: "ReduceMin", torch.prod: "ReduceProd",
-    torch.logsumexp: "ReduceLogSumExp",
+    torch.logsumexp: "ReduceLogSumExp", torch.maximum: "Max", torch.minimum: "Min",
     F.dropout: "Identity", torch.numel: "Shape", getattr: "Shape", torch.arange: "Range",
     torch.argmax: "ArgMax", torch.argmin: "ArgMin", torch.topk: "TopK", torch.nonzero: "NonZero",
     F.embedding: "Gather",
@@ -106,7 +106,7 @@ _METHODS: dict[str, str] = {
     "chunk": "Split", "split": "Split", "mean": "ReduceMean", "size": "Shape", "dim": "Shape", "numel": "Shape",
     "expand": "Expand", "repeat": "Tile", "argmax": "ArgMax", "topk": "TopK", "to": "Cast", "float": "Cast",
     "type_as": "Cast", "clone": "Identity", "detach": "Identity",
-    "sum": "ReduceSum", "amax": "ReduceMax", "amin": "ReduceMin", "prod": "ReduceProd", "logsumexp": "ReduceLogSumExp",
+    "maximum": "Max", "minimum": "Min", "sum": "ReduceSum", "amax": "ReduceMax", "amin": "ReduceMin", "prod": "ReduceProd", "logsumexp": "ReduceLogSumExp",
 }
 
 _MODULES: dict[type, str] = {

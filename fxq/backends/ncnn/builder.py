@@ -3,7 +3,9 @@
 Layer converters (one per canonical op type, :mod:`fxq.backends.ncnn.layers`) are registered with
 :func:`~fxq.backends.ncnn.registry.register_ncnn_converter` (the package imports the built-in ones) and
 receive the :class:`NcnnBuilder` and the node. Blobs follow ncnn's batch-less layout: a torch value of shape
-``(N, *rest)`` is an ncnn blob of shape ``rest`` (graph inputs and outputs always). Inside the graph a batch of 1 may move: ``x.transpose(0, 1)`` of a ``(1, T, D)`` value is
+``(N, *rest)`` is an ncnn blob of shape ``rest`` (graph inputs and outputs always). A model whose inputs are
+unbatched (torchvision's detectors take one ``[3, H, W]`` image and add the batch inside, :func:`_unbatched_evidence`)
+has inputs whose blob is their whole shape. Inside the graph a batch of 1 may move: ``x.transpose(0, 1)`` of a ``(1, T, D)`` value is
 ``(T, 1, D)``, still the blob ``(T, D)``, and torch's attention folds the batch into the heads,
 ``(T, B * H, Dh)``, a blob with every dim. :meth:`NcnnBuilder.batch_dim` records which torch dim a value's
 blob leaves out (``None``: none); converters registered with ``any_batch_dim=True`` read it, every other
@@ -97,13 +99,13 @@ class WeightInfo:
 class NcnnBuilder:
     """Walks a quantized GraphModule once and collects ncnn layers (see the module docstring)."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, unbatched_inputs: bool = False) -> None:
         self.gm = gm
+        self.unbatched_inputs = unbatched_inputs  # the inputs' dim 0 is no batch: each input is one whole blob
         self.modules = dict(gm.named_modules())
         self.model = NcnnModel()
         self.blob_of: dict[fx.Node, str] = {}
         self._batch_dims: dict[fx.Node, int | None] = {}  # the torch dim a value's blob leaves out (default 0)
-        self.batch_note = ""  # appended to every error: why the inputs' dim 0 does not look like a batch
         self._stored: dict[fx.Node, tuple[int, ...]] = {}  # ncnn shapes of values of more than 4 blob dims
         self._layer_names: set[str] = set()
         self._blob_names: set[str] = set()
@@ -175,7 +177,7 @@ class NcnnBuilder:
     def fail(self, node: fx.Node, why: str, fix: str) -> ExportError:
         where, island_fix = island_note(self.gm, node)
         return ExportError(f"ncnn export: node {node.name!r} (op {self.op(node)}, target {_target(node)}){where}: "
-                           f"{why}. Fix: {fix}{island_fix}{self.batch_note}")
+                           f"{why}. Fix: {fix}{island_fix}")
 
     def fixed_value(self, arg: Any) -> Any:
         """The export-time value of ``arg`` (past quantizers): a stored tensor (get_attr) or a value computed from
@@ -371,14 +373,16 @@ class NcnnBuilder:
     def varying_input_dims(self) -> list[tuple[int, int]]:
         """The (input index, dim) pairs an ncnn file should follow (ncnn has no batch): the dims the source ONNX
         file leaves symbolic, or, for a model without a source file, the spatial dims (2+) of inputs of rank 4 or
-        more."""
+        more (1+ of rank 3 or more for unbatched inputs)."""
         dims = []
         for i, ph in enumerate(n for n in self.gm.graph.nodes if n.op == "placeholder"):
             val = ph.meta.get("val")
             if not isinstance(val, torch.Tensor):
                 continue
             source = source_dynamic_dims(self.gm, ph)
-            free = source - {0} if source is not None else set(range(2, val.dim()) if val.dim() >= 4 else ())
+            lead = 0 if self.unbatched_inputs else 1  # the batch, which ncnn does not have
+            spatial = set(range(lead + 1, val.dim())) if val.dim() - lead >= 3 else set()
+            free = source - set(range(lead)) if source is not None else spatial
             dims += [(i, d) for d in sorted(free) if d < val.dim()]
         return dims
 
@@ -535,23 +539,14 @@ class NcnnBuilder:
         for node in graph.nodes:
             if node.op == "placeholder":
                 self._input(node)
-            elif node.op in ("get_attr", "output") or self.is_quantizer(node) or node in self.static_nodes:
-                continue
-            elif node in self.blob_of:
-                continue  # an output of a multi-output layer, set by its converter
-            elif not isinstance(node.meta.get("val"), torch.Tensor) and not converts_tuples(self.op(node)):
-                continue  # shape / index arithmetic: its consumers read their static output shapes
+            elif node in self.blob_of or not self._computes_value(node):
+                continue  # an output of a multi-output layer (set by its converter), or no value of the network
             else:
                 t = self.op(node)
                 if t not in NCNN_CONVERTERS:
-                    opaque = ("; this is a whole Python function the capture kept as one call (torch.fx.wrap, as "
-                              "torchvision's Swin attention): export the model to ONNX (torch.onnx.export) and load "
-                              "it with fxq.load_onnx, which writes the function as its ONNX ops"
-                              if node.op == "call_function" and t == "Unknown" and _is_wrapped(node.target) else "")
-                    raise self.fail(node, f"the ncnn writer has no converter for op type {t!r} "
-                                    f"(it converts {', '.join(NCNN_CONVERTERS.names())})",
-                                    "register one with fxq.backends.ncnn.register_ncnn_converter, or "
-                                    f"rewrite this op with supported ones{opaque}")
+                    raise self._no_converter(node)
+                if not isinstance(node.meta.get("val"), torch.Tensor) and not converts_tuples(t):
+                    continue  # a split: its readers take the pieces
                 if not takes_any_batch_dim(t):
                     self._check_batch_first(node)
                 if not takes_high_rank(t):
@@ -571,13 +566,87 @@ class NcnnBuilder:
         self.model.validate()
         return self.model
 
+    def _computes_value(self, node: fx.Node) -> bool:
+        """Whether ``node`` computes a value of the network (a tensor, or tensors: a split, a top-k): not an input,
+        output, stored tensor, quantizer or shape / index arithmetic (its consumers read their static output
+        shapes)."""
+        if node.op in ("placeholder", "get_attr", "output") or self.is_quantizer(node) or node in self.static_nodes:
+            return False
+        val = node.meta.get("val")
+        return (isinstance(val, torch.Tensor) or converts_tuples(self.op(node))
+                or (isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)))
+
+    def _no_converter(self, node: fx.Node) -> ExportError:
+        """The refusal of ``node``, whose op type has no converter: for an ONNX-loaded model, with the cut that loads
+        the file without every such op (:meth:`onnx_cut`, also the error's ``suggested_outputs``)."""
+        t = self.op(node)
+        fix = "register one with fxq.backends.ncnn.register_ncnn_converter, or rewrite this op with supported ones"
+        if node.op == "call_function" and t == "Unknown" and _is_wrapped(node.target):
+            fix += ("; this is a whole Python function the capture kept as one call (torch.fx.wrap, as torchvision's "
+                    "Swin attention): export the model to ONNX (torch.onnx.export) and load it with fxq.load_onnx, "
+                    "which writes the function as its ONNX ops")
+        missing = [n for n in self.gm.graph.nodes if self._computes_value(n) and self.op(n) not in NCNN_CONVERTERS]
+        cut = self.onnx_cut(missing)
+        if cut:
+            from fxq.frontends.onnx.cut import cut_advice  # noqa: PLC0415  (only ONNX-loaded models have a cut)
+
+            ops = sorted({self.op(n) for n in missing})
+            fix += (f"; or, since ncnn has no layer for it ({len(missing)} node(s) of op types {', '.join(ops)}), "
+                    + cut_advice(self.gm.meta["onnx"]["source"], cut, "beside the ncnn model"))
+        exc = self.fail(node, f"the ncnn writer has no converter for op type {t!r} "
+                        f"(it converts {', '.join(NCNN_CONVERTERS.names())})", fix)
+        exc.suggested_outputs = tuple(cut)
+        return exc
+
+    def onnx_cut(self, missing: list[fx.Node]) -> list[str]:
+        """Tensor names of the source ONNX file that load it up to just before the ``missing`` nodes: the graph's
+        outputs that do not depend on them, then the computed inputs of each that no other missing node precedes,
+        each traced back through ops of one computed input that only feed what is cut off (SSD's score columns,
+        one ``Gather`` per class before a threshold, are their score tensor). Empty for a model not loaded from a
+        file, or where a name is not a tensor of the file."""
+        meta = self.gm.meta.get("onnx")
+        if not missing or not isinstance(meta, dict) or not meta.get("source"):
+            return []
+        gone: set[fx.Node] = set(missing)  # the missing nodes and everything computed from them
+        for n in self.gm.graph.nodes:
+            if n not in gone and any(a in gone for a in n.all_input_nodes):
+                gone.add(n)
+        out = next(n for n in self.gm.graph.nodes if n.op == "output")
+        kept: list[fx.Node] = []
+        fx.node.map_arg(out.args, lambda v: kept.append(v) if v not in gone else None)
+
+        def computed(n: fx.Node) -> list[fx.Node]:
+            return [a for a in map(self.strip, n.all_input_nodes) if a.op != "get_attr" and a not in self.static_nodes]
+
+        def feeds_only_gone(n: fx.Node) -> bool:
+            return all(u in gone or (self.is_quantizer(u) and feeds_only_gone(u)) for u in n.users)
+
+        for m in missing:
+            if any(a in gone for a in m.all_input_nodes):
+                continue
+            for a in computed(m):
+                while a not in kept and len(computed(a)) == 1 and feeds_only_gone(a):
+                    a = computed(a)[0]
+                kept.append(a)
+        names = []
+        for v in map(self.strip, kept):
+            outputs = v.meta.get("onnx", {}).get("outputs") if isinstance(v.meta.get("onnx"), dict) else None
+            if not outputs or len(outputs) != 1:
+                return []
+            if outputs[0] not in names:
+                names.append(outputs[0])
+        return names if names != list(meta.get("outputs", [])) else []
+
     def _check_batch_first(self, node: fx.Node) -> None:
         for arg in node.all_input_nodes:
             if self.strip(arg) in self.blob_of and self.batch_dim(arg) != 0:
-                raise self.fail(node, f"its input {self.strip(arg).name!r} of shape {self.shape(arg)} has its batch "
-                                f"dimension at dim {self.batch_dim(arg)} (moved by a transpose / reshape); the ncnn "
-                                "converter of this op needs it at dim 0",
-                                "transpose / reshape the value back to batch-first before this op")
+                bd = self.batch_dim(arg)
+                where = (f"has its batch dimension at dim {bd} (moved by a transpose / reshape)" if bd is not None
+                         else "has no batch dimension (an unbatched input, or a batch folded into another dim)")
+                raise self.fail(node, f"its input {self.strip(arg).name!r} of shape {self.shape(arg)} {where}; the "
+                                "ncnn converter of this op needs a batch-first value",
+                                "give the value a leading batch dimension (x[None], or transpose / reshape it back "
+                                "to batch-first) before this op")
 
     def _check_rank(self, node: fx.Node) -> None:
         for arg in node.all_input_nodes:
@@ -591,10 +660,13 @@ class NcnnBuilder:
     def _input(self, node: fx.Node) -> None:
         if not node.users:
             return
+        if self.unbatched_inputs:
+            self._batch_dims[node] = None
         shape = self.blob_shape(node)
         if not 1 <= len(shape) <= 4:
-            raise self.fail(node, f"input of shape {self.shape(node)} has rank {len(shape)} without the batch "
-                            "dimension; ncnn blobs have rank 1 to 4", "reshape the input")
+            batch = "" if self.unbatched_inputs else " without the batch dimension"
+            raise self.fail(node, f"input of shape {self.shape(node)} has rank {len(shape)}{batch}; ncnn blobs "
+                            "have rank 1 to 4", "reshape the input")
         params = shape_params(shape)
         name = f"in{len(self.model.inputs)}"
         self._layer_names.add(name)
@@ -604,7 +676,8 @@ class NcnnBuilder:
         self.blob_of[node] = name
 
     def _outputs(self) -> None:
-        """Graph outputs are blobs of ``shape[1:]``: a value whose batch of 1 moved is reshaped back."""
+        """Graph outputs are blobs of ``shape[1:]``: a value whose batch of 1 moved is reshaped back. A model with
+        unbatched inputs may return unbatched values (no batch dim): their blob is their whole shape."""
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
         values: list[fx.Node] = []
         fx.node.map_arg(out.args, lambda n: values.append(n) or n)
@@ -617,7 +690,7 @@ class NcnnBuilder:
                 raise self.fail(src, f"it is graph output {i}, of shape {self.shape(src)}, with more than 4 dims "
                                 "besides the batch; ncnn blobs have at most 4", "return a tensor of at most 4 dims "
                                 "besides the batch (reshape it in the model; the caller can reshape it back)")
-            if self.batch_dim(src) != 0:
+            if self.batch_dim(src) != 0 and not (self.unbatched_inputs and self.batch_dim(src) is None):
                 shape = self.shape(src)
                 if shape[0] != 1 or not 1 <= len(shape) - 1 <= 4:
                     raise self.fail(src, f"it is graph output {i}, of shape {shape}, whose dim 0 is not the batch "
@@ -682,7 +755,7 @@ def build_ncnn_model(gm: fx.GraphModule, example_inputs: Any = None) -> tuple[Nc
     (:mod:`fxq.backends.ncnn.islands`), ONNX's spelled-out GELU / LayerNorm as one layer each and its Expand
     before broadcasting arithmetic left to the arithmetic; raises
     :class:`ExportError` naming the node. ``example_inputs``: what the islands are traced on."""
-    view, batch_note = _at_batch_one(gm)
+    view, unbatched = _at_batch_one(gm)
     _check_calibrated(view)  # before the islands' inputs are recorded: a pending quantizer observes
     view = inline_islands(view, example_inputs)
     modules = dict(view.named_modules())
@@ -691,8 +764,7 @@ def build_ncnn_model(gm: fx.GraphModule, example_inputs: Any = None) -> tuple[Nc
         fuse_erf_gelu(view)
         fuse_layer_norm(view)
         drop_broadcast_expands(view)
-    builder = NcnnBuilder(view)
-    builder.batch_note = batch_note
+    builder = NcnnBuilder(view, unbatched_inputs=unbatched)
     return builder.build(), builder
 
 
@@ -727,9 +799,9 @@ def _is_wrapped(fn: object) -> bool:
     return isinstance(registry, dict) and glb is not None and (id(glb), name) in registry
 
 
-def _at_batch_one(gm: fx.GraphModule) -> tuple[fx.GraphModule, str]:
+def _at_batch_one(gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
     """``gm``'s graph over the same modules and weights with its value shapes taken at batch 1 (``gm`` itself is
-    not touched), and a note for the export's errors when dim 0 of the inputs does not act as a batch there.
+    not touched), and whether the inputs' dim 0 is no batch (then ``gm`` as it is: each input is one sample).
 
     ncnn runs one sample, and a graph that folds the batch into other dims (attention's ``(T, B * H, Dh)``) is
     expressible at batch 1 only. ``gm`` as it is when its inputs have batch 1 already, or when the graph does
@@ -737,20 +809,27 @@ def _at_batch_one(gm: fx.GraphModule) -> tuple[fx.GraphModule, str]:
     """
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     if not vals or not all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] > 1 for v in vals):
-        return gm, ""
+        return gm, False
     view = _graph_copy(gm)  # node meta copied shallowly: the new nodes get new values
     try:
         propagate_tensor_meta(view, [torch.zeros((1, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in vals])
     except Exception as exc:  # noqa: BLE001  (any failure: the model's own shapes)
         logger.debug("ncnn export: the graph does not run at batch 1 (%s); using its calibration shapes", exc)
-        return gm, ""
-    return view, _unbatched_note(gm, view)
+        return gm, False
+    evidence = _unbatched_evidence(gm, view)
+    if evidence is None:
+        return view, False
+    inputs = ", ".join(f"{n.name!r} {list(n.meta['val'].shape)}" for n in gm.graph.nodes if n.op == "placeholder")
+    logger.info("ncnn export: the inputs %s are unbatched (at size 1 along dim 0, node %s gets its calibration size "
+                "back from %s): each ncnn input is the whole tensor, a Mat of its shape", inputs, *evidence)
+    return gm, True
 
 
-def _unbatched_note(gm: fx.GraphModule, view: fx.GraphModule) -> str:
-    """A sentence for the export's errors when a node of ``view`` (at batch 1) gets back the calibration batch's
-    size along dim 0 from batch-1 inputs: a constant broadcast over dim 0 (``x - mean[:, None, None]`` of a
-    ``[3, H, W]`` image), so the inputs' dim 0 is not a batch (torchvision's detectors take unbatched images)."""
+def _unbatched_evidence(gm: fx.GraphModule, view: fx.GraphModule) -> tuple[str, str] | None:
+    """(node, operand) where a node of ``view`` (``gm`` at size 1 along the inputs' dim 0) gets back ``gm``'s
+    size along dim 0 from an operand of size 1 there: a constant broadcast over dim 0 (``x - mean[:, None, None]`` of
+    a ``[3, H, W]`` image), so the inputs' dim 0 is not a batch (torchvision's detectors take unbatched images);
+    None when no node does."""
     batch = int(next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"].shape[0])
     for old, new in zip(gm.graph.nodes, view.graph.nodes):
         was, now = old.meta.get("val"), new.meta.get("val")
@@ -760,11 +839,5 @@ def _unbatched_note(gm: fx.GraphModule, view: fx.GraphModule) -> str:
         ones = [a for a in new.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)
                 and a.meta["val"].dim() and a.meta["val"].shape[0] == 1 and a.op != "get_attr"]
         if ones:
-            inputs = ", ".join(f"{n.name!r} {list(n.meta['val'].shape)}" for n in gm.graph.nodes
-                               if n.op == "placeholder")
-            return (f". But first: the ncnn export takes dim 0 of every input as the batch and runs the graph at batch "
-                    f"1, and node {new.name!r} gets size {batch} along dim 0 back from the batch-1 value "
-                    f"{ones[0].name!r}, so the inputs {inputs} look unbatched, which fxq's ncnn exporter does not "
-                    "take: give the model a leading batch dimension, or deploy with trt_int8 / ort_int8, whose ONNX "
-                    "files take it as is")
-    return ""
+            return new.name, ones[0].name
+    return None

@@ -705,16 +705,20 @@ def _reduce(b: NcnnBuilder, node: fx.Node) -> None:
 
 
 # --------------------------------------------------------------------------- tensor ops
-_BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "Pow": 6}  # Pow: ONNX's (LayerNorm spelled out before opset 17)
-_REVERSED = {0: 0, 1: 7, 2: 2, 3: 8, 6: 9}  # scalar (op) tensor -> ncnn op with the tensor first
+_BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "Max": 4, "Min": 5, "Pow": 6}  # Pow: ONNX's (LayerNorm spelled
+# out before opset 17); Max / Min: elementwise of two operands (ONNX's, torch.maximum / minimum: box clipping)
+_REVERSED = {0: 0, 1: 7, 2: 2, 3: 8, 4: 4, 5: 5, 6: 9}  # scalar (op) tensor -> ncnn op with the tensor first
 
 
-@register_ncnn_converter("Add", "Sub", "Mul", "Div", "Pow", any_batch_dim=True)
+@register_ncnn_converter("Add", "Sub", "Mul", "Div", "Max", "Min", "Pow", any_batch_dim=True)
 def _binary(b: NcnnBuilder, node: fx.Node) -> None:
     """``BinaryOp``: with a scalar (1 with_scalar, 2 b; ``3 - x`` / ``6 / x`` as RSUB / RDIV), which a stored
     one-element tensor (ONNX initializers) and shape arithmetic (``head_dim ** -0.5``) count as; else of two
     blobs brought to one rank (a stored tensor becomes a ``MemoryData``), where ncnn broadcasts size-1 axes."""
     op = _BINARY[b.op(node)]
+    operands = len(node.args) + sum(k in ("input", "other") for k in node.kwargs)
+    if operands != 2:  # ONNX's Max / Min take any number
+        raise b.fail(node, f"it takes {operands} operands", "take two operands at a time")
     lhs, rhs = (_scalar_operand(b, node, _static(_arg(node, i, k))) for i, k in ((0, "input"), (1, "other")))
     if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("rounding_mode") is not None:
         raise b.fail(node, "alpha / rounding_mode are not 1 / None", "write the arithmetic explicitly")
@@ -820,8 +824,11 @@ def _broadcast_operands(b: NcnnBuilder, node: fx.Node, lhs: fx.Node, rhs: fx.Nod
     return blobs
 
 
-@register_ncnn_converter("Concat")
+@register_ncnn_converter("Concat", any_batch_dim=True)
 def _concat(b: NcnnBuilder, node: fx.Node) -> None:
+    """``Concat`` (0 axis) of values of one layout; one value is itself (torchvision's detectors batch their one
+    image so, along the batch). Values whose batch of 1 lies along the concat dim, or at different dims, are
+    concatenated as blobs of their whole shape (box corners ``unsqueeze(2)``-ed and joined along dim 2)."""
     if node.target is torch.stack:
         raise b.fail(node, "torch.stack adds a dimension", "use torch.cat on unsqueezed tensors")
     mod = b.module(node)
@@ -829,8 +836,22 @@ def _concat(b: NcnnBuilder, node: fx.Node) -> None:
         tensors, dim = list(node.args), int(mod.axis)
     else:
         tensors, dim = list(_arg(node, 0, "tensors")), int(_arg(node, 1, "dim", 0))
-    axis = b.ncnn_axis(node, dim, tensors[0])
-    b.emit(node, "Concat", [b.blob(t, node) for t in tensors], {0: axis})
+    if len(tensors) == 1:
+        b.alias(node, tensors[0], b.batch_dim(tensors[0]))
+        return
+    layouts = {b.batch_dim(t) for t in tensors}
+    rank = len(b.shape(node))
+    if len(layouts) == 1 and dim % rank not in layouts:
+        b.emit(node, "Concat", [b.blob(t, node) for t in tensors], {0: b.ncnn_axis(node, dim, tensors[0])})
+        return
+    batched = [t for t in tensors if b.batch_dim(t) is not None and b.shape(t)[b.batch_dim(t)] != 1]
+    if batched or rank > 4:
+        raise b.fail(node, f"it concatenates along dim {dim} values whose batch dimensions are at dims "
+                     f"{[b.batch_dim(t) for t in tensors]} (shapes {[b.shape(t) for t in tensors]})",
+                     "concatenate batch-first values along another dim")
+    blobs = [b.blob(t, node) if b.batch_dim(t) is None
+             else b.helper(node, "Reshape", [b.blob(t, node)], shape_params(b.shape(t))) for t in tensors]
+    b.emit(node, "Concat", blobs, {0: dim % rank}, batch_dim=None)
 
 
 @register_ncnn_converter("Flatten", "Reshape", "Squeeze", "Unsqueeze", any_batch_dim=True, high_rank=True)
@@ -922,6 +943,13 @@ def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
                      "ncnn writer cannot split", "index tensors, or take the pieces of split / chunk")
     ranges, dropped, new_axes, steps = _index_ranges(b, node, b.shape(x), index, b.batch_dim(x))
     _crop(b, node, x, ranges, dropped, new_axes, steps)
+
+
+@register_ncnn_converter("Split", any_batch_dim=True, high_rank=True)
+def _split_whole(b: NcnnBuilder, node: fx.Node) -> None:
+    """A split into one piece is its input (torchvision's detectors split the batch of one image so); the pieces of
+    a split into several are taken by :func:`_getitem` (the split itself, a tuple, has no blob)."""
+    b.alias(node, node.args[0], b.batch_dim(node.args[0]))
 
 
 @register_ncnn_converter("Roll", any_batch_dim=True)
@@ -1067,7 +1095,10 @@ def _crop(b: NcnnBuilder, node: fx.Node, x: fx.Node, ranges: list[tuple[int, int
         raise b.fail(node, f"it slices the batch dimension (dim {bd} of shape {shape})",
                      "slice the other dims; ncnn blobs have no batch dimension")
     added = new_axes or [0] * len(shape)
-    out_bd = None if bd is None or bd in dropped else bd - sum(d < bd for d in dropped) + added[bd]
+    if bd is None:  # a value without a batch (an unbatched image): ``x[None]`` gives it one, its new dim 0
+        out_bd = 0 if shape and added[0] else None
+    else:
+        out_bd = None if bd in dropped else bd - sum(d < bd for d in dropped) + added[bd]
     target = fold_dims(drop_dim(b.shape(node), out_bd))
     cropped = fold_dims(drop_dim(tuple(hi - lo for lo, hi in ranges), bd))
     if cut:
@@ -1135,18 +1166,22 @@ def _folded_crops(b: NcnnBuilder, node: fx.Node, x: fx.Node, cut: dict[int, tupl
 _PAD_TYPES = {"constant": 0, "replicate": 1, "reflect": 2}
 
 
-@register_ncnn_converter("Pad")
+@register_ncnn_converter("Pad", any_batch_dim=True)
 def _pad(b: NcnnBuilder, node: fx.Node) -> None:
     """``Padding``: 0 top, 1 bottom, 2 left, 3 right, 4 type (0 constant, 1 replicate, 2 reflect), 5 value,
-    7 front, 8 behind (the channels of a (C, H, W) blob)."""
+    7 front, 8 behind (the channels of a (C, H, W) blob). The padded dims are the last ones, of the blob too: the
+    batch, where there is one, must come before them (an unbatched ``[3, H, W]`` image is the blob itself)."""
     x, pads, mode, value = _pad_args(b, node)
     if not any(pads):  # Swin's window padding at a size the window divides: nothing to pad
         b.alias(node, x, b.batch_dim(x))
         return
-    rank = len(b.shape(x))
-    if mode not in _PAD_TYPES or len(pads) % 2 or len(pads) // 2 >= min(rank, 4) or min(pads, default=0) < 0:
-        raise b.fail(node, f"{mode!r} padding {pads} of a rank-{rank} tensor", "ncnn's Padding pads the "
-                     "non-batch dims of a rank 2-4 tensor by >= 0 (constant, replicate or reflect)")
+    rank, bd, pairs = len(b.shape(x)), b.batch_dim(x), len(pads) // 2
+    blob_rank = rank - (bd is not None)
+    if (mode not in _PAD_TYPES or len(pads) % 2 or pairs > min(blob_rank, 3) or min(pads, default=0) < 0
+            or (bd is not None and bd >= rank - pairs)):
+        raise b.fail(node, f"{mode!r} padding {pads} of a rank-{rank} tensor (batch dim {bd})", "ncnn's Padding "
+                     "pads the last 1-3 non-batch dims of a tensor of rank 2-4 besides the batch by >= 0 (constant, "
+                     "replicate or reflect)")
     left, right, top, bottom, front, behind = pads + [0] * (6 - len(pads))
     params = {0: top, 1: bottom, 2: left, 3: right, 4: _PAD_TYPES[mode],
               5: float(_const(b, node, value, "value") or 0.0)}

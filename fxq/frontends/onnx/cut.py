@@ -16,7 +16,7 @@ from fxq.backends.qdq.onnx_graph import drop_dead_nodes, node_reads, remove_init
 from fxq.errors import FrontendError
 from fxq.frontends.onnx.cleanup import infer_shapes
 
-__all__ = ["keep_outputs", "suggest_outputs", "refusal"]
+__all__ = ["keep_outputs", "suggest_outputs", "refusal", "cut_advice"]
 
 _DATA_SHAPED = ("NonZero", "NonMaxSuppression", "Unique", "Compress")
 """Ops whose output size depends on their input's values (a score threshold, NMS): a cut before the part fxq cannot
@@ -134,8 +134,13 @@ def refusal(message: str, model: onnx.ModelProto, blocking: Iterable[int], sourc
     if file_tensors is not None and not set(names) <= set(file_tensors):
         names = []
     if names:
-        message += (f"; or load the part before it and run the rest (post-processing) in FP32 beside the quantized "
-                    f"model: fxq.load_onnx({source!r}, outputs={names!r}) (CLI: --outputs {','.join(names)})")
+        message += "; or " + cut_advice(source, names, "in FP32 beside the quantized model")
     exc = FrontendError(message)
     exc.suggested_outputs = tuple(names)
     return exc
+
+
+def cut_advice(source: str, names: Sequence[str], where: str) -> str:
+    """The advice to load ``source`` only up to the tensors ``names`` (Python and CLI), the rest run ``where``."""
+    return (f"load the part before it and run the rest (post-processing) {where}: "
+            f"fxq.load_onnx({source!r}, outputs={list(names)!r}) (CLI: --outputs {','.join(names)})")
