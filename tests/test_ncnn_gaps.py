@@ -922,15 +922,41 @@ def test_concat_of_values_whose_batch_moved(tmp_path: Path) -> None:
 
 
 class _Thresholded(nn.Module):
-    """A head whose outputs include a score threshold (``scores > 0.5``), which ncnn has no layer for."""
+    """A head whose outputs include a score threshold (``scores > 0.5``), which ncnn has no layer for, and boxes
+    masked by it (their values are needed beside the ncnn model too)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.boxes = nn.Conv2d(3, 4, 1)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         scores = torch.sigmoid(self.conv(x)).flatten(1)
-        return self.conv(x).mean(1), scores > 0.5
+        keep = scores > 0.5
+        return self.conv(x).mean(1), keep, self.boxes(x).flatten(1) * keep
+
+
+class _Flattened(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv(x))
+        return self.fc(y.view(y.size(0), -1))
+
+
+@pytest.mark.parametrize("batch", [2, 3, 4])
+def test_batched_onnx_shape_arithmetic_is_not_taken_for_unbatched(tmp_path: Path, batch: int,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A dynamic-batch ONNX file's ``Shape`` (length: the rank) and the reshape target built from it keep their
+    size at batch 1: integer values are no evidence of an unbatched input (review finding: batches 2-4 were)."""
+    path = tmp_path / "m.onnx"
+    torch.onnx.export(_Flattened().eval(), (torch.randn(batch, 3, 8, 8),), str(path), dynamo=False,
+                      opset_version=13, input_names=["x"], dynamic_axes={"x": {0: "n"}})
+    with caplog.at_level(logging.INFO, logger="fxq.backends.ncnn.builder"):
+        check(fxq.load_onnx(path), (batch, 3, 8, 8), tmp_path / "net")
+    assert "unbatched" not in caplog.text
 
 
 def test_op_without_ncnn_layer_names_the_cut_that_deploys(tmp_path: Path) -> None:
@@ -940,20 +966,20 @@ def test_op_without_ncnn_layer_names_the_cut_that_deploys(tmp_path: Path) -> Non
     torch.manual_seed(0)
     path = tmp_path / "m.onnx"
     torch.onnx.export(_Thresholded().eval(), (torch.randn(1, 3, 8, 8),), str(path), dynamo=False, opset_version=13,
-                      input_names=["x"], output_names=["mean", "keep"])
+                      input_names=["x"], output_names=["mean", "keep", "kept_boxes"])
     calib = [torch.randn(1, 3, 8, 8) for _ in range(2)]
     gm = fxq.quantize(fxq.load_onnx(path), calib, "ncnn_int8", progress=False)
     with pytest.raises(ExportError, match=r"op Greater.*ncnn has no layer for it.*outputs=\['mean', ") as err:
         export(gm, "ncnn", tmp_path / "net")
-    cut = err.value.suggested_outputs
-    assert cut[0] == "mean" and len(cut) == 2 and f"--outputs {','.join(cut)}" in str(err.value)
+    cut = err.value.suggested_outputs  # the mean, the scores and the boxes (the two the threshold part reads)
+    assert cut[0] == "mean" and len(cut) == 3 and f"--outputs {','.join(cut)}" in str(err.value)
     gm = fxq.quantize(fxq.load_onnx(path, outputs=cut), calib, "ncnn_int8", progress=False)
     export(gm, "ncnn", tmp_path / "net")
     files = ncnn_paths(tmp_path / "net")
     x = torch.randn(1, 3, 8, 8)
     with torch.no_grad():
         sim = [t.numpy()[0].ravel() for t in gm(x)]
-    got = run_ncnn(files["param"], files["bin"], x, 2, int8=True)
+    got = run_ncnn(files["param"], files["bin"], x, 3, int8=True)
     assert [g.size for g in got] == [s.size for s in sim]
     for g, q in zip(got, sim):
         g, q = g.ravel().astype(np.float64), q.astype(np.float64)

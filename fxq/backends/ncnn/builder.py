@@ -5,7 +5,8 @@ Layer converters (one per canonical op type, :mod:`fxq.backends.ncnn.layers`) ar
 receive the :class:`NcnnBuilder` and the node. Blobs follow ncnn's batch-less layout: a torch value of shape
 ``(N, *rest)`` is an ncnn blob of shape ``rest`` (graph inputs and outputs always). A model whose inputs are
 unbatched (torchvision's detectors take one ``[3, H, W]`` image and add the batch inside, :func:`_unbatched_evidence`)
-has inputs whose blob is their whole shape. Inside the graph a batch of 1 may move: ``x.transpose(0, 1)`` of a ``(1, T, D)`` value is
+has inputs whose blob is their whole shape. Inside the graph a batch of 1 may move: ``x.transpose(0, 1)`` of a
+``(1, T, D)`` value is
 ``(T, 1, D)``, still the blob ``(T, D)``, and torch's attention folds the batch into the heads,
 ``(T, B * H, Dh)``, a blob with every dim. :meth:`NcnnBuilder.batch_dim` records which torch dim a value's
 blob leaves out (``None``: none); converters registered with ``any_batch_dim=True`` read it, every other
@@ -600,8 +601,9 @@ class NcnnBuilder:
 
     def onnx_cut(self, missing: list[fx.Node]) -> list[str]:
         """Tensor names of the source ONNX file that load it up to just before the ``missing`` nodes: the graph's
-        outputs that do not depend on them, then the computed inputs of each that no other missing node precedes,
-        each traced back through ops of one computed input that only feed what is cut off (SSD's score columns,
+        outputs that do not depend on them, then every computed value that the part left out (the missing nodes
+        and what depends on them) reads, each traced back through ops of one computed input that only feed what is
+        cut off (SSD's score columns,
         one ``Gather`` per class before a threshold, are their score tensor). Empty for a model not loaded from a
         file, or where a name is not a tensor of the file."""
         meta = self.gm.meta.get("onnx")
@@ -614,6 +616,8 @@ class NcnnBuilder:
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
         kept: list[fx.Node] = []
         fx.node.map_arg(out.args, lambda v: kept.append(v) if v not in gone else None)
+        # then every value the part left out reads (the missing nodes' inputs and any other: a box regression
+        # gathered by a threshold's indices), traced back as the docstring says
 
         def computed(n: fx.Node) -> list[fx.Node]:
             return [a for a in map(self.strip, n.all_input_nodes) if a.op != "get_attr" and a not in self.static_nodes]
@@ -621,11 +625,14 @@ class NcnnBuilder:
         def feeds_only_gone(n: fx.Node) -> bool:
             return all(u in gone or (self.is_quantizer(u) and feeds_only_gone(u)) for u in n.users)
 
-        for m in missing:
-            if any(a in gone for a in m.all_input_nodes):
+        for g in self.gm.graph.nodes:
+            if g not in gone:
                 continue
-            for a in computed(m):
-                while a not in kept and len(computed(a)) == 1 and feeds_only_gone(a):
+            for a in computed(g):
+                if a in gone or a.op == "placeholder":
+                    continue
+                while (a not in kept and len(computed(a)) == 1 and feeds_only_gone(a)
+                       and computed(a)[0].op != "placeholder"):
                     a = computed(a)[0]
                 kept.append(a)
         names = []
@@ -834,10 +841,11 @@ def _unbatched_evidence(gm: fx.GraphModule, view: fx.GraphModule) -> tuple[str, 
     for old, new in zip(gm.graph.nodes, view.graph.nodes):
         was, now = old.meta.get("val"), new.meta.get("val")
         if (new.op == "placeholder" or not isinstance(was, torch.Tensor) or not isinstance(now, torch.Tensor)
-                or now.dim() == 0 or was.shape != now.shape or now.shape[0] != batch):
-            continue
+                or not now.is_floating_point() or now.dim() == 0 or was.shape != now.shape or now.shape[0] != batch):
+            continue  # integer values are shape arithmetic (a Shape's length is the rank, at any batch)
         ones = [a for a in new.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)
-                and a.meta["val"].dim() and a.meta["val"].shape[0] == 1 and a.op != "get_attr"]
+                and a.meta["val"].is_floating_point() and a.meta["val"].dim() and a.meta["val"].shape[0] == 1
+                and a.op != "get_attr"]
         if ones:
             return new.name, ones[0].name
     return None

@@ -134,7 +134,7 @@ def refusal(message: str, model: onnx.ModelProto, blocking: Iterable[int], sourc
     if file_tensors is not None and not set(names) <= set(file_tensors):
         names = []
     if names:
-        message += "; or " + cut_advice(source, names, "in FP32 beside the quantized model")
+        message += "; or " + cut_advice(source, names, "(post-processing) in FP32 beside the quantized model")
     exc = FrontendError(message)
     exc.suggested_outputs = tuple(names)
     return exc
@@ -142,5 +142,5 @@ def refusal(message: str, model: onnx.ModelProto, blocking: Iterable[int], sourc
 
 def cut_advice(source: str, names: Sequence[str], where: str) -> str:
     """The advice to load ``source`` only up to the tensors ``names`` (Python and CLI), the rest run ``where``."""
-    return (f"load the part before it and run the rest (post-processing) {where}: "
+    return (f"load the part before it and run the rest {where}: "
             f"fxq.load_onnx({source!r}, outputs={list(names)!r}) (CLI: --outputs {','.join(names)})")
