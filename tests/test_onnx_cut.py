@@ -343,6 +343,26 @@ def test_the_cut_keeps_a_condition_the_rest_needs():
     assert [n.op_type for n in rest.graph.node] == ["If"]
 
 
+def test_the_cut_never_names_a_graph_input():
+    """An If whose branches read the graph input itself: the caller has the input, and ``outputs=`` refuses graph
+    inputs, so the cut names only what nodes compute (review: it named the input, and following it failed)."""
+    branches = [helper.make_graph([helper.make_node(op, ["x"], [o])], o, [],
+                                  [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)])
+                for op, o in (("Identity", "o1"), ("Neg", "o2"))]
+    graph = helper.make_graph(
+        [helper.make_node("ReduceMax", ["x"], ["mx"], keepdims=0),
+         helper.make_node("Greater", ["mx", "half"], ["cond"]),
+         helper.make_node("If", ["cond"], ["y"], then_branch=branches[0], else_branch=branches[1], name="post")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 4, 4])],
+        [numpy_helper.from_array(np.array(0.5, np.float32), "half")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(fxq.FrontendError) as err:
+        fxq.load_onnx(model)
+    assert err.value.suggested_outputs == ("cond",)
+    assert fxq.load_onnx(model, outputs=err.value.suggested_outputs) is not None
+
+
 @pytest.mark.parametrize("names,match", [(["x"], "graph inputs or weights"), (["w"], "graph inputs or weights"),
                                          (["feat", "feat"], "more than once")])
 def test_cut_names_must_be_node_outputs_given_once(names, match):

@@ -601,43 +601,38 @@ class NcnnBuilder:
 
     def onnx_cut(self, missing: list[fx.Node]) -> list[str]:
         """Tensor names of the source ONNX file that load it up to just before the ``missing`` nodes: the graph's
-        outputs that do not depend on them, then every computed value that the part left out (the missing nodes
-        and what depends on them) reads, each traced back through ops of one computed input that only feed what is
-        cut off (SSD's score columns,
-        one ``Gather`` per class before a threshold, are their score tensor). Empty for a model not loaded from a
-        file, or where a name is not a tensor of the file."""
+        outputs that do not depend on them, then every computed value the part left out (the missing nodes and what
+        depends on them, :func:`~fxq.frontends.onnx.cut.cut_frontier`) reads, each traced back through ops of one
+        computed input that only feed what is cut off (SSD's score columns, one ``Gather`` per class before a
+        threshold, are their score tensor). Empty for a model not loaded from a file, or where a name is not a
+        tensor of the file."""
+        from fxq.frontends.onnx.cut import cut_frontier  # noqa: PLC0415  (only ONNX-loaded models have a cut)
+
         meta = self.gm.meta.get("onnx")
         if not missing or not isinstance(meta, dict) or not meta.get("source"):
             return []
-        gone: set[fx.Node] = set(missing)  # the missing nodes and everything computed from them
-        for n in self.gm.graph.nodes:
-            if n not in gone and any(a in gone for a in n.all_input_nodes):
-                gone.add(n)
-        out = next(n for n in self.gm.graph.nodes if n.op == "output")
-        kept: list[fx.Node] = []
-        fx.node.map_arg(out.args, lambda v: kept.append(v) if v not in gone else None)
-        # then every value the part left out reads (the missing nodes' inputs and any other: a box regression
-        # gathered by a threshold's indices), traced back as the docstring says
+        nodes = list(self.gm.graph.nodes)
+        gone, read = cut_frontier(nodes, lambda n: [self.strip(a) for a in n.all_input_nodes], missing)
 
         def computed(n: fx.Node) -> list[fx.Node]:
-            return [a for a in map(self.strip, n.all_input_nodes) if a.op != "get_attr" and a not in self.static_nodes]
+            return [a for a in map(self.strip, n.all_input_nodes)
+                    if a.op not in ("get_attr", "placeholder") and a not in self.static_nodes]
 
         def feeds_only_gone(n: fx.Node) -> bool:
             return all(u in gone or (self.is_quantizer(u) and feeds_only_gone(u)) for u in n.users)
 
-        for g in self.gm.graph.nodes:
-            if g not in gone:
+        out = next(n for n in nodes if n.op == "output")
+        kept: list[fx.Node] = []
+        fx.node.map_arg(out.args, lambda v: kept.append(self.strip(v)) if v not in gone else None)
+        for a in read:
+            if a.op in ("get_attr", "placeholder") or a in self.static_nodes:
                 continue
-            for a in computed(g):
-                if a in gone or a.op == "placeholder":
-                    continue
-                while (a not in kept and len(computed(a)) == 1 and feeds_only_gone(a)
-                       and computed(a)[0].op != "placeholder"):
-                    a = computed(a)[0]
-                kept.append(a)
+            while a not in kept and len(computed(a)) == 1 and feeds_only_gone(a):
+                a = computed(a)[0]
+            kept.append(a)
         names = []
-        for v in map(self.strip, kept):
-            outputs = v.meta.get("onnx", {}).get("outputs") if isinstance(v.meta.get("onnx"), dict) else None
+        for v in kept:
+            outputs = v.meta["onnx"].get("outputs") if isinstance(v.meta.get("onnx"), dict) else None
             if not outputs or len(outputs) != 1:
                 return []
             if outputs[0] not in names:

@@ -8,7 +8,7 @@ cannot take reads from the part before it.
 from __future__ import annotations
 
 import difflib
-from typing import Collection, Iterable, Sequence
+from typing import Any, Callable, Collection, Hashable, Iterable, Sequence
 
 import onnx
 
@@ -16,7 +16,7 @@ from fxq.backends.qdq.onnx_graph import drop_dead_nodes, node_reads, remove_init
 from fxq.errors import FrontendError
 from fxq.frontends.onnx.cleanup import infer_shapes
 
-__all__ = ["keep_outputs", "suggest_outputs", "refusal", "cut_advice"]
+__all__ = ["keep_outputs", "suggest_outputs", "refusal", "cut_advice", "cut_frontier"]
 
 _DATA_SHAPED = ("NonZero", "NonMaxSuppression", "Unique", "Compress")
 """Ops whose output size depends on their input's values (a score threshold, NMS): a cut before the part fxq cannot
@@ -83,30 +83,40 @@ def keep_outputs(model: onnx.ModelProto, outputs: Sequence[str], source: str) ->
 
 def suggest_outputs(model: onnx.ModelProto, blocking: Iterable[int]) -> list[str]:
     """The outputs of a cut that leaves out the ``blocking`` nodes (their indices in the graph), the ops with
-    value-dependent output sizes that feed them (:data:`_DATA_SHAPED`), and everything computed from those: the
-    tensors the left-out part reads from the kept part that carry the input's values (not
-    constants, not sizes of tensors), and the graph outputs the kept part computes. In file order; empty when
-    nothing would be left."""
+    value-dependent output sizes that feed them (:data:`_DATA_SHAPED`), and everything computed from those
+    (:func:`cut_frontier`): the tensors the left-out part reads from the kept part that nodes compute and that carry
+    the input's values (not constants, not sizes of tensors), then the graph outputs the kept part computes. In file
+    order; empty when nothing would be left."""
     nodes = list(model.graph.node)
     left_out = set(blocking) | _data_shaped_ancestors(nodes, set(blocking))
-    left_out_tensors = {o for i in left_out for o in nodes[i].output if o}
-    for i, node in enumerate(nodes):  # file order is topological
-        if i not in left_out and any(r in left_out_tensors for r in node_reads(node)):
-            left_out.add(i)
-            left_out_tensors.update(o for o in node.output if o)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
     inits = {t.name for t in model.graph.initializer}
     carries = {i.name for i in model.graph.input if i.name not in inits}  # tensors that carry the input's values
     for node in nodes:
         if node.op_type not in _SHAPE_ONLY and any(r in carries for r in node_reads(node)):
             carries.update(o for o in node.output if o)
-    suggested: list[str] = []
-    for i in sorted(left_out):
-        for name in node_reads(nodes[i]):
-            if name in carries and name not in left_out_tensors and name not in suggested:
-                suggested.append(name)
-    suggested += [o.name for o in model.graph.output
-                  if o.name in carries and o.name not in left_out_tensors and o.name not in suggested]
-    return suggested
+    gone, read = cut_frontier(list(producer), lambda t: node_reads(nodes[producer[t]]) if t in producer else (),
+                              [o for i in sorted(left_out) for o in nodes[i].output if o])
+    suggested = [t for t in read if t in carries and t in producer]
+    return suggested + [o.name for o in model.graph.output
+                        if o.name in carries and o.name not in gone and o.name not in suggested]
+
+
+def cut_frontier(order: Sequence[Hashable], reads: Callable[[Any], Iterable[Hashable]],
+                 left_out: Iterable[Hashable]) -> tuple[set[Any], list[Any]]:
+    """The part of a graph a cut leaves out, ``left_out`` and every value computed from it, and the values that part
+    reads from the rest, in order of first read: the cut's outputs, besides the graph outputs it keeps. ``order``:
+    the graph's values in topological order; ``reads``: what the node computing a value reads. One definition for
+    the ONNX graph (:func:`suggest_outputs`) and for an exporter's fx graph (the ncnn writer's cut)."""
+    gone = set(left_out)
+    for v in order:
+        if v not in gone and any(r in gone for r in reads(v)):
+            gone.add(v)
+    read: list[Any] = []
+    for v in order:
+        if v in gone:
+            read += [r for r in reads(v) if r not in gone and r not in read]
+    return gone, read
 
 
 def _data_shaped_ancestors(nodes: list[onnx.NodeProto], blocking: set[int]) -> set[int]:
