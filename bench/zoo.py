@@ -265,12 +265,15 @@ def ncnn_run(net: Any, args: tuple, n_outputs: int, param: Path | None = None) -
     import ncnn
     import numpy as np
 
+    from fxq.backends.ncnn.writer import shape_params
+
+    dims = {str(k) for k in shape_params((1, 1, 1, 1))}  # the param ids of a blob's dims (w, h, d, c)
     ranks = {}
     if param is not None:
         for line in param.read_text().splitlines():
             parts = line.split()
             if parts and parts[0] == "Input":
-                ranks[parts[1]] = sum(p.split("=")[0] in ("0", "1", "11", "2") for p in parts if "=" in p)
+                ranks[parts[1]] = sum(p.split("=")[0] in dims for p in parts if "=" in p)
     ex = net.create_extractor()
     for i, a in enumerate(args):
         whole = ranks.get(f"in{i}") == a.dim()

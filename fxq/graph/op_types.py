@@ -106,7 +106,8 @@ _METHODS: dict[str, str] = {
     "chunk": "Split", "split": "Split", "mean": "ReduceMean", "size": "Shape", "dim": "Shape", "numel": "Shape",
     "expand": "Expand", "repeat": "Tile", "argmax": "ArgMax", "topk": "TopK", "to": "Cast", "float": "Cast",
     "type_as": "Cast", "clone": "Identity", "detach": "Identity",
-    "maximum": "Max", "minimum": "Min", "sum": "ReduceSum", "amax": "ReduceMax", "amin": "ReduceMin", "prod": "ReduceProd", "logsumexp": "ReduceLogSumExp",
+    "maximum": "Max", "minimum": "Min", "sum": "ReduceSum", "amax": "ReduceMax", "amin": "ReduceMin",
+    "prod": "ReduceProd", "logsumexp": "ReduceLogSumExp",
 }
 
 _MODULES: dict[type, str] = {

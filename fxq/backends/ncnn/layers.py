@@ -705,8 +705,9 @@ def _reduce(b: NcnnBuilder, node: fx.Node) -> None:
 
 
 # --------------------------------------------------------------------------- tensor ops
-_BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "Max": 4, "Min": 5, "Pow": 6}  # Pow: ONNX's (LayerNorm spelled
-# out before opset 17); Max / Min: elementwise of two operands (ONNX's, torch.maximum / minimum: box clipping)
+_BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "Max": 4, "Min": 5, "Pow": 6}
+"""ncnn BinaryOp's op of each op type. Pow: ONNX's (LayerNorm spelled out before opset 17); Max / Min: of two
+operands (ONNX's, ``torch.maximum`` / ``minimum``: box clipping)."""
 _REVERSED = {0: 0, 1: 7, 2: 2, 3: 8, 4: 4, 5: 5, 6: 9}  # scalar (op) tensor -> ncnn op with the tensor first
 
 
