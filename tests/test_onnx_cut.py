@@ -153,7 +153,7 @@ def test_conversion_check_takes_near_ties_either_way(op, select, caplog):
     x = torch.from_numpy(np.random.default_rng(0).standard_normal((4, 4000)).astype(np.float32))
     with caplog.at_level(logging.INFO, logger="fxq.frontends.onnx.verify"):
         gm = fxq.load_onnx(model)
-    assert any("take onnxruntime's decision" in r.getMessage() for r in caplog.records)
+    assert any("breaks near-ties of 1 deciding node(s) the other way" in r.getMessage() for r in caplog.records)
     ours = gm(x)
     ours = ours if isinstance(ours, tuple) else (ours,)
     ref = ort_session(model, False).run(None, {"x": x.numpy()})
@@ -194,7 +194,7 @@ def _threshold_model(op: str) -> onnx.ModelProto:
 def test_conversion_check_takes_threshold_ties_either_way(op, caplog):
     with caplog.at_level(logging.INFO, logger="fxq.frontends.onnx.verify"):
         fxq.load_onnx(_threshold_model(op))  # raised "conversion bug" at the comparison before
-    assert any("take onnxruntime's decision" in r.getMessage() for r in caplog.records)
+    assert any("breaks near-ties of 1 deciding node(s) the other way" in r.getMessage() for r in caplog.records)
 
 
 def test_conversion_check_still_catches_a_wrong_comparison(monkeypatch):
@@ -267,7 +267,9 @@ def test_cli_outputs(detector_file, tmp_path, monkeypatch, capsys):
 
 def test_a_wrong_op_before_a_comparison_is_not_taken_for_a_tie(monkeypatch):
     """An Add off by 0.5 on a tensor whose largest value is 5000 passes the value check (its tolerance scales with
-    that value), and it flips thousands of comparisons: those are not near-ties (review of the tie rule)."""
+    that value), and it flips thousands of comparisons: those are not near-ties (review of the tie rule). Fed
+    onnxruntime's inputs, the Add is 1e-4 off, where the exact answer (onnx.reference in float64) is 5e-8 from
+    onnxruntime's: the Add is named."""
     from onnx2torch.node_converters.binary_math_operations import OnnxBinaryMathOperation
 
     big = np.ones((1, 4000), np.float32)
@@ -288,7 +290,7 @@ def test_a_wrong_op_before_a_comparison_is_not_taken_for_a_tie(monkeypatch):
         return out + 0.5 if self.math_op_function is torch.add else out
 
     monkeypatch.setattr(OnnxBinaryMathOperation, "forward", off_by_half)
-    with pytest.raises(fxq.FrontendError, match=r"'cmp' \(Greater\)"):
+    with pytest.raises(fxq.FrontendError, match=r"'add' \(Add\) is off by 0\.0001.* more than float rounding"):
         fxq.load_onnx(model)
 
 
@@ -400,3 +402,44 @@ def test_split_sizes_computed_at_run_time_stay_dynamic_in_the_export(tmp_path):
             assert [g.shape for g in got] == [tuple(s.shape) for s in sim] == [(1, 4, 4, 2), (1, 4, 4, width - 2)]
             for g, s in zip(got, sim):
                 np.testing.assert_allclose(g, s.numpy(), atol=1e-5)
+
+
+def _upsample_threshold_model() -> onnx.ModelProto:
+    """torchvision's detector transform: a bilinear half-pixel Resize of a 320x320 image to 800x800, then a score
+    threshold. float32 coordinates carry ~2e-5 of rounding in onnxruntime and in torch alike (each its own), so
+    thresholds of values near 0.5 fall on different sides."""
+    nodes = [helper.make_node("Resize", ["x", "", "", "sizes"], ["up"], mode="linear", name="resize",
+                              coordinate_transformation_mode="half_pixel"),
+             helper.make_node("Greater", ["up", "t"], ["keep"], name="cmp"),
+             helper.make_node("Where", ["keep", "up", "zero"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 320, 320])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.array([1, 8, 800, 800], np.int64), "sizes"),
+                               numpy_helper.from_array(np.array(0.5, np.float32), "t"),
+                               numpy_helper.from_array(np.array(0, np.float32), "zero")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_float_rounding_of_resize_coordinates_is_not_a_conversion_bug(caplog):
+    """fxq's Resize and onnxruntime's differ by 4e-5 of the image's range on the same input, more than a tight
+    rounding bound, yet both are that close to the exact answer (onnx.reference in float64): the check passes and
+    says which threshold broke its near-ties (it refused torchvision's detectors, 8 of 12, before)."""
+    with caplog.at_level(logging.DEBUG, logger="fxq.frontends.onnx.verify"):
+        fxq.load_onnx(_upsample_threshold_model())
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("'resize' (Resize)" in m and "the same function rounded another way" in m for m in messages)
+    assert any("breaks near-ties of 1 deciding node(s) the other way (cmp)" in m for m in messages)
+
+
+def test_a_small_bug_in_resize_is_still_named(monkeypatch):
+    """5e-4 of the range passes the value check, but is 8x more than onnxruntime's distance to the exact answer."""
+    from fxq.frontends.onnx.converters.resize import OnnxResizeExact
+
+    forward = OnnxResizeExact.forward
+
+    def off_by_5e_4(self, x, roi=None, scales=None, sizes=None):
+        return forward(self, x, roi, scales, sizes) * (1 + 5e-4)
+
+    monkeypatch.setattr(OnnxResizeExact, "forward", off_by_5e_4)
+    with pytest.raises(fxq.FrontendError, match=r"'resize' \(Resize\) is off by 0\.0005.* more than float rounding"):
+        fxq.load_onnx(_upsample_threshold_model())
