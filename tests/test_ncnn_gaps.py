@@ -1048,3 +1048,24 @@ def test_roll_without_dims_is_refused(tmp_path: Path) -> None:
                      "ncnn_int8", progress=False)
     with pytest.raises(ExportError, match=r"rolls the flattened tensor.*dims="):
         export(q, "ncnn_int8", tmp_path / "m")
+
+
+class _OneTensorTwoRanks(nn.Module):
+    """One stored tensor used with a [N, 8] value first, then with a [N, 8, H, 8] one (along W)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 8)
+        self.s = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.conv(x)
+        return y * self.s, self.fc(y.mean((2, 3))) + self.s
+
+
+def test_a_stored_tensor_used_at_two_ranks_gets_a_blob_per_layout(tmp_path):
+    """The MemoryData was made once, laid out for its first use (a 1-D blob), and handed to the second, where ncnn
+    broadcast the 1-D blob along channels instead of W: the FP32 file was wrong."""
+    _, files = check(_OneTensorTwoRanks().eval(), (1, 3, 8, 8), tmp_path / "m")
+    param = files["fp32_param"].read_text()
+    assert len(re.findall(r"^MemoryData ", param, flags=re.M)) == 2

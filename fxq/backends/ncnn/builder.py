@@ -107,6 +107,7 @@ class NcnnBuilder:
         self.model = NcnnModel()
         self.blob_of: dict[fx.Node, str] = {}
         self._batch_dims: dict[fx.Node, int | None] = {}  # the torch dim a value's blob leaves out (default 0)
+        self._constants: dict[tuple[fx.Node, tuple[int, ...]], str] = {}  # MemoryData blob by (tensor, layout)
         self._stored: dict[fx.Node, tuple[int, ...]] = {}  # ncnn shapes of values of more than 4 blob dims
         self._layer_names: set[str] = set()
         self._blob_names: set[str] = set()
@@ -299,7 +300,9 @@ class NcnnBuilder:
         """A stored tensor operand of ``node`` as an ncnn ``MemoryData`` blob laid out like the operand ``like``.
 
         A lower rank gains leading dims of 1 (torch's broadcasting), so ncnn sees both operands at one rank; the
-        constant must have size 1 along ``like``'s batch dim (torch broadcasts it over the batch).
+        constant must have size 1 along ``like``'s batch dim (torch broadcasts it over the batch). One
+        ``MemoryData`` per layout: a tensor used at two ranks (``x4d * s`` and ``x2d + s``) is stored twice, since
+        ncnn reads a blob by its rank (a 1-D blob broadcasts along channels).
         """
         src = self.strip(arg)
         if src in self.blob_of:
@@ -317,11 +320,13 @@ class NcnnBuilder:
         if not 1 <= len(blob_shape) <= 4:
             raise self.fail(node, f"its constant operand {src.name!r} has rank {len(blob_shape)} without the batch "
                             "dimension", "ncnn blobs have rank 1 to 4")
-        name = self.layer_name(src)
-        self.model.layers.append(NcnnLayer("MemoryData", name, [], [self._new_blob(name)],
-                                           shape_params(blob_shape), [("raw", value.numpy())], source=src.name))
-        self._set_blob(src, self.model.layers[-1].tops[0], bd)
-        return self.blob(arg, node)
+        key = (src, blob_shape)
+        if key not in self._constants:
+            name = self.layer_name(src)
+            self.model.layers.append(NcnnLayer("MemoryData", name, [], [self._new_blob(name)],
+                                               shape_params(blob_shape), [("raw", value.numpy())], source=src.name))
+            self._constants[key] = self.model.layers[-1].tops[0]
+        return self._constants[key]
 
     # ------------------------------------------------------------------ shape arithmetic
     def _find_static(self) -> None:
