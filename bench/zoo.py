@@ -15,9 +15,10 @@ own subprocess with a timeout:
   convert, such as a detector's NMS, the file is loaded at that cut: ``captured_by`` ``onnx-cut(N outputs)``), ``dynamo`` (``torch.onnx.export(dynamo=True)``, then ``load_onnx``);
 * per platform (``trt_int8``, ``ort_int8``, ``ncnn_int8``): ``quantize`` (:func:`fxq.quantize`, two calibration
   batches), ``export`` (:func:`fxq.export`), ``runtime`` — the exported file in onnxruntime (default session and
-  ``ORT_DISABLE_ALL``) or ncnn against fxq's simulation on a fresh input, passing at cosine >= 0.999. An ONNX file
+  ``ORT_DISABLE_ALL``) or ncnn against fxq's simulation on a fresh input, passing at cosine >= 0.999. A file
   below the bar is diagnosed (``tf_*`` and ``cosine_sim_perturbed`` columns): ``Sensitive`` when its codes,
-  teacher-forced in ``ORT_DISABLE_ALL``, are within 1 LSB of the simulation's and the simulation itself moves
+  teacher-forced (ONNX in ``ORT_DISABLE_ALL``, ncnn in ncnn), are within 1 LSB of the simulation's and the
+  simulation itself moves
   below the bar on a 1e-4 input perturbation (a rounding tie amplified by the model, not an export fault), else
   ``Mismatch``; a simulation whose every output is at most 1e-6 is ``Degenerate`` (cosine of rounding noise). None
   of these passes.
@@ -392,12 +393,13 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
                     n_out = len(outs) if isinstance(outs, (list, tuple)) else 1
                     param = next(f for f in files if f.name.endswith(".param") and not f.name.endswith(".fp32.param"))
                     cos = {"ncnn": cosine(ncnn_run(ncnn_net(files), fresh, n_out, param), sim.numpy())}
+                    diagnosed = param
                 else:
                     cos = {"ort": cosine(_run_ort(files[0], fresh, True), sim.numpy()),
                            "ort_disable_all": cosine(_run_ort(files[0], fresh, False), sim.numpy())}
+                    diagnosed = files[0]
                 worst = min(cos.values())
-                extra = ({} if worst >= COSINE_BAR or platform == "ncnn_int8"
-                         else _diagnose(qmodel, files[0], fresh, sim))
+                extra = {} if worst >= COSINE_BAR else _diagnose(qmodel, diagnosed, fresh, sim)
             except Exception as exc:
                 row(platform, "runtime", _error(exc))
                 continue
@@ -408,7 +410,8 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
                           f"{peak:.1e} everywhere (activations vanish at random init), so cosine compares rounding "
                           f"noise")
             elif extra.get("tf_max_code_diff", 2) <= 1 and extra.get("cosine_sim_perturbed", 1.0) < COSINE_BAR:
-                status = (f"Sensitive: cosine {worst:.5f} < {COSINE_BAR}; teacher-forced codes (ORT_DISABLE_ALL) "
+                where = "ncnn" if platform == "ncnn_int8" else "ORT_DISABLE_ALL"
+                status = (f"Sensitive: cosine {worst:.5f} < {COSINE_BAR}; teacher-forced codes ({where}) "
                           f"within 1 LSB, the simulation against itself on a 1e-4 perturbed input "
                           f"reaches {extra['cosine_sim_perturbed']:.5f}")
             row(platform, "runtime", status, **{f"cosine_{k}": round(v, 6) for k, v in cos.items()}, **extra)
@@ -416,8 +419,9 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
 
 
 def _diagnose(qmodel: Any, file: Path, args: tuple, sim: Any) -> dict[str, Any]:
-    """Why a Q/DQ file's output disagrees: the file's codes teacher-forced against the simulation in
-    ``ORT_DISABLE_ALL`` (local mismatches only: a within-1-LSB file computes what the simulation computes), and the
+    """Why an exported file's output disagrees: the file's codes teacher-forced against the simulation (a Q/DQ file
+    in ``ORT_DISABLE_ALL``, an ncnn ``.param`` in ncnn; local mismatches only: a within-1-LSB file computes what the
+    simulation computes), and the
     simulation's own sensitivity (cosine of its output against its output on inputs perturbed by 1e-4 of their
     spread, worst of two draws): a model that turns one rounding tie into that much output change fails the bar
     on any runtime whose float accumulation order differs from torch's."""

@@ -522,15 +522,17 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Compare an exported ONNX file, run in onnxruntime, with the saved model's simulation, tensor by tensor."""
+    """Compare an exported ONNX Q/DQ file (onnxruntime) or ncnn int8 .param (ncnn) with the saved model's
+    simulation, tensor by tensor."""
     from fxq.errors import ConfigError, NotSupportedError
 
     _preflight(args)
     exported = Path(args.exported)
     _readable_file(exported, "exported file")
-    if exported.suffix.lower() != ".onnx":
+    if exported.suffix.lower() not in (".onnx", ".param"):
         raise NotSupportedError(f"exported file {args.exported!r}: only ONNX Q/DQ files (.onnx from trt_int8 / "
-                                f"ort_int8 exports) can be verified")
+                                f"ort_int8 exports) and ncnn int8 files (.param from ncnn_int8 exports) can be "
+                                f"verified")
     if Path(args.model).suffix.lower() != ".fxq":
         raise ConfigError(f"model {args.model!r}: give the quantized model saved with fxq.save (.fxq) that the file "
                           f"was exported from")
@@ -729,12 +731,15 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("verify", help="compare an exported ONNX file (onnxruntime) with the simulation, per tensor")
+    p = sub.add_parser("verify", help="compare an exported ONNX (onnxruntime) or ncnn file with the simulation, "
+                                      "per tensor")
     p.add_argument("model", help="the quantized model.fxq (fxq.save) the file was exported from")
-    p.add_argument("exported", help="the exported .onnx file (trt_int8 / ort_int8 Q/DQ export)")
+    p.add_argument("exported", help="the exported .onnx file (trt_int8 / ort_int8 Q/DQ export) or ncnn .param "
+                                    "(ncnn_int8 export, its .bin beside it)")
     p.add_argument("--data", required=True, metavar="DIR", help="data folder: one batch per file (as --calib)")
     p.add_argument("--teacher-forced", action="store_true",
-                   help="feed every DequantizeLinear with the simulation's codes (local mismatches only)")
+                   help="feed every DequantizeLinear (every compared ncnn blob) with the simulation's values (local "
+                        "mismatches only)")
     p.add_argument("--no-optimize", action="store_true", help="onnxruntime with ORT_DISABLE_ALL (default ENABLE_ALL)")
     p.add_argument("--top", type=_positive_int, default=30, help="rows of the table (default 30)")
     p.add_argument("--steps", type=_positive_int, default=4, help="batches to compare (default 4)")

@@ -1,4 +1,5 @@
-"""fxq.locate_mismatch and ``fxq verify``: exported ONNX against the simulation, tensor by tensor, in codes."""
+"""fxq.locate_mismatch and ``fxq verify``: exported ONNX and ncnn files against the simulation, tensor by tensor, in
+codes."""
 from __future__ import annotations
 
 import copy
@@ -92,8 +93,13 @@ def test_optimized_session_and_top(exported):
 
 def test_not_supported_and_bad_files(exported, tmp_path):
     gm, _ = exported["trt_int8"]
-    with pytest.raises(fxq.NotSupportedError, match="ONNX"):
+    with pytest.raises(fxq.FrontendError, match="not found"):
         fxq.locate_mismatch(gm, tmp_path / "model.param", _data(1))
+    bad = tmp_path / "model.param"
+    bad.write_text("not ncnn\n")
+    (tmp_path / "model.bin").write_bytes(b"")
+    with pytest.raises(fxq.FrontendError, match="magic"):
+        fxq.locate_mismatch(gm, bad, _data(1))
     with pytest.raises(fxq.FrontendError, match="not found"):
         fxq.locate_mismatch(gm, tmp_path / "missing.onnx", _data(1))
     junk = tmp_path / "junk.onnx"
@@ -274,3 +280,67 @@ def test_simulation_failure_is_fxqs_not_the_datas(exported):
         fxq.locate_mismatch(broken, path, _data(1))
     with pytest.raises(fxq.CalibrationError, match="first mismatch analysis batch failed"):
         fxq.locate_mismatch(broken, path, [_data(1)[0].double()])
+
+
+@pytest.fixture(scope="module")
+def ncnn_exported(tmp_path_factory) -> tuple:
+    """A small CNN quantized for ncnn_int8 and exported: (model, .param path)."""
+    pytest.importorskip("ncnn")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 14 * 14, 5)).eval()
+    gm = fxq.quantize(model, _data(), "ncnn_int8", progress=False)
+    stem = tmp_path_factory.mktemp("ncnn") / "small"
+    fxq.export(gm, "ncnn", stem)
+    return gm, stem.with_suffix(".param")
+
+
+@pytest.mark.parametrize("teacher_forced", [False, True])
+def test_ncnn_file_against_the_simulation(ncnn_exported, teacher_forced):
+    gm, param = ncnn_exported
+    report = fxq.locate_mismatch(gm, param, _data(), teacher_forced=teacher_forced)
+    assert report.runtime == "ncnn int8" and report.batches == 2 and len(report) == 4
+    assert report.identical == 1.0 and report.first_divergence is None, report.table()
+    assert sum(r.elements for r in report) == 2 * 2 * (3 * 16 * 16 + 2 * 8 * 16 * 16 + 4 * 14 * 14)  # every sample
+    assert "ncnn int8" in report.table()
+    assert fxq.locate_mismatch(gm, param.with_suffix(".bin"), _data(1)).batches == 1  # the .bin names the pair
+
+
+def test_ncnn_teacher_forcing_names_the_wrong_layer(ncnn_exported, tmp_path):
+    """The second ReLU made leaky in the file: free-running, it and everything after it differ; teacher-forced,
+    only it does."""
+    gm, param = ncnn_exported
+    text = param.read_text().splitlines()
+    relus = [i for i, line in enumerate(text) if line.startswith("ReLU")]
+    text[relus[1]] += " 0=0.5"
+    bad = tmp_path / "bad.param"
+    bad.write_text("\n".join(text) + "\n")
+    (tmp_path / "bad.bin").write_bytes(param.with_suffix(".bin").read_bytes())
+    second = text[relus[1]].split()[5]
+    free = fxq.locate_mismatch(gm, bad, _data(1))
+    forced = fxq.locate_mismatch(gm, bad, _data(1), teacher_forced=True)
+    assert free.first_divergence.name == forced.first_divergence.name == second
+    assert [r.name for r in forced.diverged()] == [second]
+    assert len(free.diverged()) == 2
+
+
+def test_ncnn_file_of_another_model_is_refused(ncnn_exported, tmp_path):
+    gm, param = ncnn_exported
+    other = fxq.quantize(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1)).eval(), _data(), "ncnn_int8", progress=False)
+    with pytest.raises(fxq.ConfigError, match="not exported from this model"):
+        fxq.locate_mismatch(other, param, _data(1))
+
+
+def test_cli_verify_of_an_ncnn_file(ncnn_exported, tmp_path, monkeypatch, capsys):
+    gm, param = ncnn_exported
+    monkeypatch.chdir(tmp_path)
+    fxq.save(gm, tmp_path / "small.fxq")
+    (tmp_path / "data").mkdir()
+    for i, x in enumerate(_data()):
+        np.save(tmp_path / "data" / f"{i}.npy", x.numpy())
+    assert main(["verify", "small.fxq", str(param), "--data", "data", "--teacher-forced", "-q", "--json",
+                 "r.json"]) == 0
+    out = capsys.readouterr().out
+    assert "teacher-forced, ncnn int8" in out and "all 4 tensors identical" in out
+    assert json.loads((tmp_path / "r.json").read_text())["runtime"] == "ncnn int8"

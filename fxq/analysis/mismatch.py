@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,7 +29,8 @@ __all__ = ["TensorMismatch", "MismatchReport", "locate_mismatch", "simulation_va
 
 HISTOGRAM_BINS = ("<=-3", "-2", "-1", "0", "+1", "+2", ">=+3")  # runtime code - simulation code
 _INT_TYPES = {2: (np.uint8, 0, 255), 3: (np.int8, -128, 127), 4: (np.uint16, 0, 65535), 5: (np.int16, -32768, 32767)}
-_SUPPORTED = "ONNX files with QuantizeLinear / DequantizeLinear (fxq.export for trt_int8, ort_int8)"
+_SUPPORTED = ("ONNX files with QuantizeLinear / DequantizeLinear (fxq.export for trt_int8, ort_int8) and ncnn int8 "
+              ".param files (fxq.export for ncnn_int8)")
 
 
 @dataclasses.dataclass
@@ -69,14 +71,15 @@ class MismatchReport(list):
     Attributes:
         mode: ``free-running`` or ``teacher-forced``.
         optimize: onnxruntime ran with ``ORT_ENABLE_ALL`` (else ``ORT_DISABLE_ALL``).
+        runtime: ``onnxruntime`` or ``ncnn int8``.
         batches: batches compared.
         unmatched: Q inputs with no simulated value (not compared).
     """
 
     def __init__(self, records: list[TensorMismatch], *, mode: str, optimize: bool, batches: int,
-                 unmatched: list[str] | None = None) -> None:
+                 unmatched: list[str] | None = None, runtime: str = "onnxruntime") -> None:
         super().__init__(records)
-        self.mode, self.optimize, self.batches = mode, optimize, batches
+        self.mode, self.optimize, self.batches, self.runtime = mode, optimize, batches, runtime
         self.unmatched = list(unmatched or [])
 
     def diverged(self, tolerance: float = 0.0) -> list[TensorMismatch]:
@@ -97,15 +100,16 @@ class MismatchReport(list):
 
     def to_dict(self) -> dict[str, Any]:
         first = self.first_divergence
-        return {"mode": self.mode, "optimize": self.optimize, "batches": self.batches,
+        return {"mode": self.mode, "runtime": self.runtime, "optimize": self.optimize, "batches": self.batches,
                 "identical": self.identical, "first_divergence": first.name if first else None,
                 "bins": list(HISTOGRAM_BINS), "tensors": [dataclasses.asdict(r) for r in self],
                 "unmatched": list(self.unmatched)}
 
     def table(self, limit: int | None = None) -> str:
         """The table in graph order (``limit``: rows from the first divergence on, when there is one)."""
-        title = (f"runtime vs simulation, integer codes, {self.mode}, onnxruntime "
-                 f"{'ORT_ENABLE_ALL' if self.optimize else 'ORT_DISABLE_ALL'}, {self.batches} "
+        runtime = (f"onnxruntime {'ORT_ENABLE_ALL' if self.optimize else 'ORT_DISABLE_ALL'}"
+                   if self.runtime == "onnxruntime" else self.runtime)
+        title = (f"runtime vs simulation, integer codes, {self.mode}, {runtime}, {self.batches} "
                  f"batch{'es' if self.batches != 1 else ''}, graph order")
         rows = list(self)
         start = 0
@@ -172,8 +176,6 @@ def _load(exported: Any) -> Any:
         m.CopyFrom(exported)
         return m
     path = Path(exported)
-    if path.suffix.lower() in (".param", ".bin"):
-        raise NotSupportedError(f"{str(path)!r}: ncnn files are not supported; supported: {_SUPPORTED}")
     if not path.is_file():
         raise FrontendError(f"exported file {str(path)!r} not found")
     try:
@@ -279,15 +281,19 @@ def locate_mismatch(
     steps: int | None = 4,
     collate_fn: Callable[[Any], Any] | None = None,
 ) -> MismatchReport:
-    """Compare an exported Q/DQ ONNX file, run in onnxruntime, with fxq's simulation, tensor by tensor.
+    """Compare an exported file, run in its runtime, with fxq's simulation, tensor by tensor, in integer codes.
+
+    A Q/DQ ONNX file runs in onnxruntime, an ncnn int8 ``.param`` (its ``.bin`` beside it) in ncnn, one sample at
+    a time (:mod:`fxq.analysis.mismatch_ncnn`).
 
     Args:
         qmodel: the quantized ``GraphModule`` the file was exported from.
-        exported_file: path of the ``.onnx`` file (or an ``onnx.ModelProto``).
+        exported_file: path of the ``.onnx`` file (or an ``onnx.ModelProto``), or of the ncnn ``.param``.
         data: batches (list, DataLoader, tensor, tuples or dicts).
-        teacher_forced: feed every cut DequantizeLinear with the simulation's codes (local mismatches only).
-        optimize: onnxruntime ``ORT_ENABLE_ALL`` (True) or ``ORT_DISABLE_ALL``. Exposing the Q outputs keeps
-            them as graph outputs, which can stop some of the runtime's Q/DQ fusions.
+        teacher_forced: feed every cut DequantizeLinear (every compared ncnn blob) with the simulation's value
+            (local mismatches only).
+        optimize: onnxruntime ``ORT_ENABLE_ALL`` (True) or ``ORT_DISABLE_ALL`` (ncnn: not used). Exposing the Q
+            outputs keeps them as graph outputs, which can stop some of the runtime's Q/DQ fusions.
         steps: compare at most this many batches (None: all).
         collate_fn: applied to each batch first.
 
@@ -295,8 +301,8 @@ def locate_mismatch(
         :class:`MismatchReport` in graph order; ``first_divergence`` names the first differing tensor.
 
     Raises:
-        NotSupportedError: not an ONNX Q/DQ file (e.g. ncnn); FrontendError: unreadable file;
-        ConfigError: inputs of the file and the model do not match; CalibrationError: empty data.
+        NotSupportedError: an ONNX file without Q/DQ; FrontendError: unreadable file; ConfigError: inputs of the
+        file and the model do not match (an ncnn file not exported from ``qmodel``); CalibrationError: empty data.
     """
     import onnx
     from onnx import numpy_helper
@@ -308,6 +314,12 @@ def locate_mismatch(
 
     if not isinstance(qmodel, fx.GraphModule):
         raise ConfigError(f"qmodel must be a quantized fx.GraphModule, got {type(qmodel).__name__}")
+    if isinstance(exported_file, (str, Path)) and str(exported_file).lower().endswith((".param", ".bin")):
+        from fxq.analysis.mismatch_ncnn import locate_ncnn_mismatch
+
+        param = Path(re.sub(r"\.bin$", ".param", str(exported_file), flags=re.I))
+        return locate_ncnn_mismatch(qmodel, param, data, teacher_forced=teacher_forced, steps=steps,
+                                    collate_fn=collate_fn)
     model = _load(exported_file)
     g = model.graph
     inits = {t.name: t for t in g.initializer}

@@ -1,0 +1,165 @@
+"""Where an exported ncnn int8 file and fxq's simulation part ways, blob by blob, in integer codes.
+
+ncnn's int8 layers quantize their inputs themselves, so its blobs carry float values; each blob whose value the
+simulation quantizes is read back from the ncnn runtime and put on that quantizer's grid, and those codes are
+compared with the simulation's codes of the same tensor (the :class:`~fxq.analysis.mismatch.MismatchReport` of
+the ONNX files, one sample at a time as ncnn runs).
+
+The blob of each tensor is known by exporting the model again in memory (the export is deterministic); a file
+whose layers (types, names, blobs; parameters may differ) are not those of the model is refused.
+
+* free-running: the runtime computes every blob from its own upstream values (mismatches propagate);
+* teacher-forced: the blob compared is computed with every other compared blob set to the simulation's value, so
+  only local mismatches remain.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import fx
+
+from fxq.errors import ConfigError, FrontendError, one_line
+
+__all__ = ["locate_ncnn_mismatch"]
+
+
+def _layers(text: str, source: str) -> list[tuple[str, ...]]:
+    """The ``.param`` text's layers as (type, name, bottoms..., tops...), their parameters left out."""
+    lines = text.splitlines()
+    if not lines or lines[0].strip() != "7767517":
+        raise FrontendError(f"{source!r} is not an ncnn .param file (its first line is not the magic 7767517)")
+    layers = []
+    for line in lines[2:]:
+        fields = line.split()
+        if len(fields) < 4 or not fields[2].isdigit() or not fields[3].isdigit():
+            continue
+        layers.append(tuple(fields[:4 + int(fields[2]) + int(fields[3])]))
+    return layers
+
+
+def _bin_path(param: Path) -> Path:
+    return param.with_name(re.sub(r"\.param$", ".bin", param.name))
+
+
+def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teacher_forced: bool,
+                         steps: int | None, collate_fn: Callable[[Any], Any] | None) -> Any:
+    """:func:`fxq.locate_mismatch` for an ncnn int8 ``.param`` (its ``.bin`` beside it); see there."""
+    try:
+        import ncnn
+    except ImportError as exc:
+        raise ConfigError("comparing an ncnn file needs the ncnn package: pip install ncnn") from exc
+    from fxq.analysis.engine import iter_bound_batches
+    from fxq.analysis.mismatch import MismatchReport, TensorMismatch, simulation_values
+    from fxq.analysis.runner import GraphRunner
+    from fxq.backends.ncnn.builder import build_ncnn_model
+    from fxq.functional import quantize_to_int
+    from fxq.graph.data import diagnose_failure, first_batch_errors
+
+    if not param.is_file() or not _bin_path(param).is_file():
+        raise FrontendError(f"ncnn files {str(param)!r} and its .bin not found")
+    try:
+        in_file = _layers(param.read_text(), str(param))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FrontendError(f"ncnn file {str(param)!r} cannot be read: {exc}") from exc
+    model, builder = build_ncnn_model(qmodel)
+    view = builder.gm
+    ours = _layers(model.to_param(int8=True), "the model's export")
+    if ours != in_file:
+        first = next((f"layer {k}: {' '.join(a)} in the file, {' '.join(b)} from the model"
+                      for k, (a, b) in enumerate(zip(in_file, ours)) if a != b),
+                     f"{len(in_file)} layers in the file, {len(ours)} from the model")
+        raise ConfigError(f"{str(param)!r} was not exported from this model ({first}): export it again with "
+                          "fxq.export(model, 'ncnn', ...) and compare that file")
+    placeholders = [n for n in view.graph.nodes if n.op == "placeholder"]
+    inputs_blob = {p: builder.blob_of[p] for p in placeholders if p in builder.blob_of}
+
+    # the compared tensors: values with a blob that the simulation quantizes, in graph order
+    compared: list[tuple[fx.Node, Any, str]] = []
+    for node in view.graph.nodes:
+        if node.op == "output" or builder.is_quantizer(node) or node not in builder.blob_of:
+            continue
+        fq = next((view.get_submodule(str(u.target)) for u in node.users if builder.is_quantizer(u)
+                   and _quantizing(view.get_submodule(str(u.target)))), None)
+        if fq is not None:
+            compared.append((node, fq, builder.blob_of[node]))
+    unmatched = [n.name for n, _, _ in compared if builder.batch_dim(n) not in (0, None)]
+    compared = [c for c in compared if c[0].name not in unmatched]
+    records = [TensorMismatch(n.name, builder.op(n), n.name) for n, _, _ in compared]
+
+    net = ncnn.Net()
+    opt = net.opt
+    opt.use_vulkan_compute = False
+    opt.num_threads = max(1, torch.get_num_threads())
+    opt.use_int8_inference = True
+    opt.use_fp16_storage = opt.use_fp16_packed = opt.use_fp16_arithmetic = opt.use_bf16_storage = False
+    if net.load_param(str(param)) != 0 or net.load_model(str(_bin_path(param))) != 0:
+        raise FrontendError(f"ncnn cannot load {str(param)!r} and its .bin")
+
+    def mat(value: torch.Tensor, node: fx.Node) -> Any:
+        return ncnn.Mat(np.ascontiguousarray(value.detach().float().cpu().numpy().reshape(
+            builder.stored_shape(node)))).clone()
+
+    runner = GraphRunner(view)
+    batches = 0
+    training = qmodel.training
+    qmodel.eval()
+    try:
+        for bound in iter_bound_batches(runner, data, steps, collate_fn, progress=False, desc=""):
+            samples = [bound] if builder.unbatched_inputs else [
+                {p: v[i:i + 1] if isinstance(v, torch.Tensor) else v for p, v in bound.items()}
+                for i in range(_batch_size(bound))]
+            for sample in samples:
+                with first_batch_errors("mismatch analysis", batches == 0,
+                                        diagnose=functools.partial(diagnose_failure, view, sample)):
+                    values = simulation_values(view, sample, {n.name for n, _, _ in compared})
+                fed = ({blob: mat(_unbatch(values[n.name], builder.batch_dim(n)), n) for n, _, blob in compared}
+                       if teacher_forced else {})
+                ex = None
+                for (node, fq, blob), rec in zip(compared, records):
+                    if ex is None or teacher_forced:  # free-running: one extractor keeps what it computed
+                        ex = net.create_extractor()
+                        for p, name in inputs_blob.items():
+                            ex.input(name, mat(_unbatch(sample[p], builder.batch_dim(p)), p))
+                        for other, value in fed.items() if teacher_forced else ():
+                            if other != blob:
+                                ex.input(other, value)
+                    ret, out = ex.extract(blob)
+                    if ret != 0:
+                        raise FrontendError(f"ncnn failed computing blob {blob!r} (node {node.name!r}): code {ret}")
+                    sim = _unbatch(values[node.name], builder.batch_dim(node))
+                    got = torch.from_numpy(np.array(out).copy())
+                    if got.numel() != sim.numel():
+                        raise ConfigError(f"blob {blob!r} (node {node.name!r}): ncnn gives {list(got.shape)}, the "
+                                          f"simulation {list(sim.shape)}")
+                    ours = quantize_to_int(sim.float(), fq.config).numpy().astype(np.int64)
+                    theirs = quantize_to_int(got.reshape(sim.shape), fq.config).numpy().astype(np.int64)
+                    rec.add(theirs - ours)
+            batches += 1
+    except FrontendError:
+        raise
+    except RuntimeError as exc:
+        raise FrontendError(f"ncnn comparison failed: {one_line(exc)}") from exc
+    finally:
+        qmodel.train(training)
+    return MismatchReport(records, mode="teacher-forced" if teacher_forced else "free-running", optimize=False,
+                          batches=batches, unmatched=unmatched, runtime="ncnn int8")
+
+
+def _quantizing(fq: Any) -> bool:
+    cfg = getattr(fq, "config", None)
+    return (cfg is not None and getattr(cfg, "is_quantizing", False) and not cfg.is_floating
+            and cfg.scale is not None)
+
+
+def _batch_size(bound: dict[fx.Node, Any]) -> int:
+    return next((int(v.shape[0]) for v in bound.values() if isinstance(v, torch.Tensor) and v.dim()), 1)
+
+
+def _unbatch(value: torch.Tensor, batch_dim: int | None) -> torch.Tensor:
+    """A batch-1 value without its batch dim (ncnn's blob), or the whole value where it has none."""
+    return value if batch_dim is None else value.squeeze(batch_dim) if value.dim() > batch_dim else value
