@@ -399,10 +399,13 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
                            "ort_disable_all": cosine(_run_ort(files[0], fresh, False), sim.numpy())}
                     diagnosed = files[0]
                 worst = min(cos.values())
-                extra = {} if worst >= COSINE_BAR else _diagnose(qmodel, diagnosed, fresh, sim)
             except Exception as exc:
                 row(platform, "runtime", _error(exc))
                 continue
+            try:  # a failed diagnosis leaves the measured cosine standing
+                extra = {} if worst >= COSINE_BAR else _diagnose(qmodel, diagnosed, fresh, sim)
+            except Exception as exc:
+                extra = {"diagnosis": _error(exc)}
             status = "ok" if worst >= COSINE_BAR else f"Mismatch: cosine {worst:.5f} < {COSINE_BAR}"
             peak = float(sim.abs().max()) if sim.numel() else 0.0
             if worst < COSINE_BAR and peak <= DEGENERATE_OUTPUT:
@@ -585,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown models {unknown}")
     fields = ["model", "family", "path", "platform", "step", "status", "seconds", "captured_by", "ptq_over_fp32",
               "cosine_ort",
-              "cosine_ort_disable_all", "cosine_ncnn", "tf_identical", "tf_max_code_diff", "cosine_sim_perturbed"]
+              "cosine_ort_disable_all", "cosine_ncnn", "tf_identical", "tf_max_code_diff", "cosine_sim_perturbed",
+              "diagnosis"]
     Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     with open(args.csv, "w", newline="") as fh:  # rows are written as they come: a long run can be read midway

@@ -344,3 +344,34 @@ def test_cli_verify_of_an_ncnn_file(ncnn_exported, tmp_path, monkeypatch, capsys
     out = capsys.readouterr().out
     assert "teacher-forced, ncnn int8" in out and "all 4 tensors identical" in out
     assert json.loads((tmp_path / "r.json").read_text())["runtime"] == "ncnn int8"
+
+
+def test_the_fp32_ncnn_file_is_refused_by_name(ncnn_exported):
+    gm, param = ncnn_exported
+    with pytest.raises(fxq.ConfigError, match="FP32 file of this model's export"):
+        fxq.locate_mismatch(gm, param.with_name("small.fp32.param"), _data(1))
+
+
+class _SignBranch(torch.nn.Module):
+    """Python control flow on the values: fxq keeps it an FP32 island, and ncnn gets the branch its example took."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.mean() > 0:
+            return x * 2
+        return -x
+
+
+def test_an_ncnn_island_that_took_the_other_branch_is_named(tmp_path):
+    """The comparison is against the model, not the exporter's traced view (which agrees with ncnn by
+    construction): where the data takes the other branch, the island's value diverges (review)."""
+    pytest.importorskip("ncnn")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_SignBranch(), torch.nn.Conv2d(3, 4, 3)).eval()
+    gm = fxq.quantize(model, [torch.randn(2, 3, 8, 8) + 3 for _ in range(2)], "ncnn_int8", progress=False)
+    positive = torch.randn(1, 3, 8, 8) + 3
+    fxq.export(gm, "ncnn", tmp_path / "m", example_inputs=positive)
+    same = fxq.locate_mismatch(gm, tmp_path / "m.param", [positive], example_inputs=positive, teacher_forced=True)
+    assert same.first_divergence is None and [r.name for r in same] == ["_0"]  # the island's value
+    other = fxq.locate_mismatch(gm, tmp_path / "m.param", [positive - 6], example_inputs=positive,
+                                teacher_forced=True)
+    assert other.first_divergence.name == "_0" and other.first_divergence.identical < 0.5

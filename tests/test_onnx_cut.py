@@ -443,3 +443,73 @@ def test_a_small_bug_in_resize_is_still_named(monkeypatch):
     monkeypatch.setattr(OnnxResizeExact, "forward", off_by_5e_4)
     with pytest.raises(fxq.FrontendError, match=r"'resize' \(Resize\) is off by 0\.0005.* more than float rounding"):
         fxq.load_onnx(_upsample_threshold_model())
+
+
+def test_outputs_wired_to_the_wrong_tensors_are_named(monkeypatch):
+    """Every node right, the graph's outputs swapped: fed onnxruntime's values node by node, nothing differs, so
+    the outputs themselves are compared on those values (review: the node-by-node check alone accepted this)."""
+    from fxq.frontends.onnx import naming
+
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Neg", ["x"], ["b"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("a", "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    rebuild = naming._rebuild_output
+
+    def swapped(gm, graph, tensor_node, module_node):
+        rebuild(gm, graph, tensor_node, module_node)
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        out.args = (tuple(reversed(out.args[0])),)
+
+    monkeypatch.setattr(naming, "_rebuild_output", swapped)
+    with pytest.raises(fxq.FrontendError, match="returns other tensors than the file's outputs"):
+        fxq.load_onnx(model)
+
+
+def test_infinities_where_onnxruntime_has_them_match():
+    """``Where(x > 0, x, -inf)``: equal infinities are equal (inf - inf is NaN, which read as a difference)."""
+    nodes = [helper.make_node("Greater", ["x", "zero"], ["keep"]),
+             helper.make_node("Where", ["keep", "x", "ninf"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.array(0, np.float32), "zero"),
+                               numpy_helper.from_array(np.array(-np.inf, np.float32), "ninf")])
+    fxq.load_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def test_verify_diff_of_infinities_and_integers():
+    """Equal infinities match; integers (indices, counts) match only exactly, not within the float tolerance
+    (an index off by one in 4000 passed that)."""
+    from fxq.frontends.onnx.verify import _diff
+
+    assert _diff(torch.tensor([0, 1, 3999]), np.array([0, 1, 3998])) is not None
+    assert _diff(torch.tensor([0, 1, 3999], dtype=torch.int32), np.array([0, 1, 3999])) is None
+
+    inf = float("inf")
+    assert _diff(torch.tensor([1.0, -inf, 2.0]), np.array([1.0, -inf, 2.0], np.float32)) is None
+    assert "max abs diff inf" in _diff(torch.tensor([1.0, inf, 2.0]), np.array([1.0, -inf, 2.0], np.float32))
+    assert "reach 2" in _diff(torch.tensor([1.0, 5.0, -inf]), np.array([1.0, 2.0, -inf], np.float32))
+    assert _diff(torch.tensor([1.0, float("nan")]), np.array([1.0, np.nan], np.float32)) is None
+
+
+def test_a_cropped_conv_transpose_names_the_cropped_tensor():
+    """ConvTranspose with unequal pads is a transposed conv then a crop: the file's output name belongs to the crop,
+    whose value is the tensor the file names (it sat on the uncropped conv, so any other difference made the check
+    name the ConvTranspose for its shape)."""
+    rng = np.random.default_rng(0)
+    node = helper.make_node("ConvTranspose", ["x", "w"], ["y"], strides=[2, 2], pads=[0, 0, 1, 1], name="up")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 5, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(rng.standard_normal((2, 3, 3, 3)).astype(np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    gm = fxq.load_onnx(model)
+    named = [n for n in gm.graph.nodes if (n.meta.get("onnx") or {}).get("outputs") == ["y"]]
+    convs = [n for n in gm.graph.nodes if n.op == "call_module" and "ConvTranspose" in type(
+        gm.get_submodule(str(n.target))).__name__]
+    assert len(named) == 1 and len(convs) == 1 and named[0] is not convs[0]
+    assert convs[0].meta["onnx"]["node_name"] == "up" and "params" in convs[0].meta["onnx"]
+    x = torch.randn(1, 2, 5, 6)
+    want = ort_session(model, False).run(None, {"x": x.numpy()})[0]
+    from fxq.frontends.onnx.verify import _fx_values
+
+    assert tuple(_fx_values(gm, [x]).values["y"].shape) == want.shape

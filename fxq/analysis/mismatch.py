@@ -280,6 +280,7 @@ def locate_mismatch(
     optimize: bool = True,
     steps: int | None = 4,
     collate_fn: Callable[[Any], Any] | None = None,
+    example_inputs: Any = None,
 ) -> MismatchReport:
     """Compare an exported file, run in its runtime, with fxq's simulation, tensor by tensor, in integer codes.
 
@@ -296,6 +297,7 @@ def locate_mismatch(
             outputs keeps them as graph outputs, which can stop some of the runtime's Q/DQ fusions.
         steps: compare at most this many batches (None: all).
         collate_fn: applied to each batch first.
+        example_inputs: ncnn only: the ``example_inputs`` the file was exported with (FP32 islands follow them).
 
     Returns:
         :class:`MismatchReport` in graph order; ``first_divergence`` names the first differing tensor.
@@ -319,7 +321,7 @@ def locate_mismatch(
 
         param = Path(re.sub(r"\.bin$", ".param", str(exported_file), flags=re.I))
         return locate_ncnn_mismatch(qmodel, param, data, teacher_forced=teacher_forced, steps=steps,
-                                    collate_fn=collate_fn)
+                                    collate_fn=collate_fn, example_inputs=example_inputs)
     model = _load(exported_file)
     g = model.graph
     inits = {t.name: t for t in g.initializer}

@@ -29,7 +29,8 @@ __all__ = ["locate_ncnn_mismatch"]
 
 
 def _layers(text: str, source: str) -> list[tuple[str, ...]]:
-    """The ``.param`` text's layers as (type, name, bottoms..., tops...), their parameters left out."""
+    """The ``.param`` text's layers as (type, name, bottoms..., tops..., int8 or not), their other parameters left
+    out (the FP32 file has the int8 file's layers without the int8 term ``8=``)."""
     lines = text.splitlines()
     if not lines or lines[0].strip() != "7767517":
         raise FrontendError(f"{source!r} is not an ncnn .param file (its first line is not the magic 7767517)")
@@ -38,17 +39,20 @@ def _layers(text: str, source: str) -> list[tuple[str, ...]]:
         fields = line.split()
         if len(fields) < 4 or not fields[2].isdigit() or not fields[3].isdigit():
             continue
-        layers.append(tuple(fields[:4 + int(fields[2]) + int(fields[3])]))
+        n = 4 + int(fields[2]) + int(fields[3])
+        layers.append((*fields[:n], "int8" if any(f.startswith("8=") for f in fields[n:]) else "fp32"))
     return layers
 
 
 def _bin_path(param: Path) -> Path:
-    return param.with_name(re.sub(r"\.param$", ".bin", param.name))
+    return param.with_name(re.sub(r"\.param$", ".bin", param.name, flags=re.I))
 
 
 def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teacher_forced: bool,
-                         steps: int | None, collate_fn: Callable[[Any], Any] | None) -> Any:
-    """:func:`fxq.locate_mismatch` for an ncnn int8 ``.param`` (its ``.bin`` beside it); see there."""
+                         steps: int | None, collate_fn: Callable[[Any], Any] | None,
+                         example_inputs: Any = None) -> Any:
+    """:func:`fxq.locate_mismatch` for an ncnn int8 ``.param`` (its ``.bin`` beside it); see there.
+    ``example_inputs``: those the file was exported with (its FP32 islands' traced branches)."""
     try:
         import ncnn
     except ImportError as exc:
@@ -57,6 +61,7 @@ def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teac
     from fxq.analysis.mismatch import MismatchReport, TensorMismatch, simulation_values
     from fxq.analysis.runner import GraphRunner
     from fxq.backends.ncnn.builder import build_ncnn_model
+    from fxq.backends.ncnn.islands import ISLAND_RESULT
     from fxq.functional import quantize_to_int
     from fxq.graph.data import diagnose_failure, first_batch_errors
 
@@ -66,30 +71,41 @@ def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teac
         in_file = _layers(param.read_text(), str(param))
     except (OSError, UnicodeDecodeError) as exc:
         raise FrontendError(f"ncnn file {str(param)!r} cannot be read: {exc}") from exc
-    model, builder = build_ncnn_model(qmodel)
+    model, builder = build_ncnn_model(qmodel, example_inputs)
     view = builder.gm
     ours = _layers(model.to_param(int8=True), "the model's export")
     if ours != in_file:
+        if [layer[:-1] for layer in ours] == [layer[:-1] for layer in in_file]:
+            raise ConfigError(f"{str(param)!r} is the FP32 file of this model's export; compare the int8 .param "
+                              "(the one without .fp32)")
         first = next((f"layer {k}: {' '.join(a)} in the file, {' '.join(b)} from the model"
                       for k, (a, b) in enumerate(zip(in_file, ours)) if a != b),
                      f"{len(in_file)} layers in the file, {len(ours)} from the model")
         raise ConfigError(f"{str(param)!r} was not exported from this model ({first}): export it again with "
-                          "fxq.export(model, 'ncnn', ...) and compare that file")
+                          "fxq.export(model, 'ncnn', ...) and compare that file (a file exported with "
+                          "example_inputs=... needs the same example_inputs here: its FP32 islands follow them)")
     placeholders = [n for n in view.graph.nodes if n.op == "placeholder"]
     inputs_blob = {p: builder.blob_of[p] for p in placeholders if p in builder.blob_of}
 
-    # the compared tensors: values with a blob that the simulation quantizes, in graph order
-    compared: list[tuple[fx.Node, Any, str]] = []
+    # the compared tensors: values with a blob that the simulation quantizes, in graph order; the simulation is
+    # the model's own (the export's view traces FP32 islands on one example and fuses ops: its nodes keep the
+    # model's names, and a value the model does not have by that name is not compared)
+    in_model = {n.name for n in qmodel.graph.nodes}
+    compared: list[tuple[fx.Node, Any, str, str]] = []  # (view node, quantizer, blob, the model's node name)
+    unmatched_names: list[str] = []
     for node in view.graph.nodes:
         if node.op == "output" or builder.is_quantizer(node) or node not in builder.blob_of:
             continue
         fq = next((view.get_submodule(str(u.target)) for u in node.users if builder.is_quantizer(u)
                    and _quantizing(view.get_submodule(str(u.target)))), None)
+        own = str(node.meta.get(ISLAND_RESULT, node.name))  # an FP32 island's result: the island's node
         if fq is not None:
-            compared.append((node, fq, builder.blob_of[node]))
-    unmatched = [n.name for n, _, _ in compared if builder.batch_dim(n) not in (0, None)]
-    compared = [c for c in compared if c[0].name not in unmatched]
-    records = [TensorMismatch(n.name, builder.op(n), n.name) for n, _, _ in compared]
+            if own in in_model:
+                compared.append((node, fq, builder.blob_of[node], own))
+            else:
+                unmatched_names.append(node.name)
+    records = [TensorMismatch(own, builder.op(n), own) for n, _, _, own in compared]
+    view_input = {p.name: p for p in inputs_blob}  # the model's placeholders by name -> the view's
 
     net = ncnn.Net()
     opt = net.opt
@@ -104,7 +120,7 @@ def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teac
         return ncnn.Mat(np.ascontiguousarray(value.detach().float().cpu().numpy().reshape(
             builder.stored_shape(node)))).clone()
 
-    runner = GraphRunner(view)
+    runner = GraphRunner(qmodel)
     batches = 0
     training = qmodel.training
     qmodel.eval()
@@ -115,23 +131,25 @@ def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teac
                 for i in range(_batch_size(bound))]
             for sample in samples:
                 with first_batch_errors("mismatch analysis", batches == 0,
-                                        diagnose=functools.partial(diagnose_failure, view, sample)):
-                    values = simulation_values(view, sample, {n.name for n, _, _ in compared})
-                fed = ({blob: mat(_unbatch(values[n.name], builder.batch_dim(n)), n) for n, _, blob in compared}
+                                        diagnose=functools.partial(diagnose_failure, qmodel, sample)):
+                    values = simulation_values(qmodel, sample, {own for *_, own in compared})
+                fed = ({blob: mat(_unbatch(values[own], builder.batch_dim(n)), n) for n, _, blob, own in compared}
                        if teacher_forced else {})
                 ex = None
-                for (node, fq, blob), rec in zip(compared, records):
+                for (node, fq, blob, own), rec in zip(compared, records):
                     if ex is None or teacher_forced:  # free-running: one extractor keeps what it computed
                         ex = net.create_extractor()
-                        for p, name in inputs_blob.items():
-                            ex.input(name, mat(_unbatch(sample[p], builder.batch_dim(p)), p))
+                        for q, value in sample.items():
+                            p = view_input.get(q.name)
+                            if p is not None:
+                                ex.input(inputs_blob[p], mat(_unbatch(value, builder.batch_dim(p)), p))
                         for other, value in fed.items() if teacher_forced else ():
                             if other != blob:
                                 ex.input(other, value)
                     ret, out = ex.extract(blob)
                     if ret != 0:
                         raise FrontendError(f"ncnn failed computing blob {blob!r} (node {node.name!r}): code {ret}")
-                    sim = _unbatch(values[node.name], builder.batch_dim(node))
+                    sim = _unbatch(values[own], builder.batch_dim(node))
                     got = torch.from_numpy(np.array(out).copy())
                     if got.numel() != sim.numel():
                         raise ConfigError(f"blob {blob!r} (node {node.name!r}): ncnn gives {list(got.shape)}, the "
@@ -147,7 +165,7 @@ def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teac
     finally:
         qmodel.train(training)
     return MismatchReport(records, mode="teacher-forced" if teacher_forced else "free-running", optimize=False,
-                          batches=batches, unmatched=unmatched, runtime="ncnn int8")
+                          batches=batches, unmatched=unmatched_names, runtime="ncnn int8")
 
 
 def _quantizing(fq: Any) -> bool:

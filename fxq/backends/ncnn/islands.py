@@ -26,12 +26,16 @@ from fxq.graph.capture import ISLANDS_KEY
 from fxq.graph.nodes import eval_mode, get_attr_value
 from fxq.graph.passes import propagate_tensor_meta
 
-__all__ = ["ISLAND_META", "inline_islands", "island_note"]
+__all__ = ["ISLAND_META", "ISLAND_RESULT", "inline_islands", "island_note"]
 
 logger = logging.getLogger(__name__)
 
 ISLAND_META = "fxq_island"
 """``node.meta[ISLAND_META]``: the path of the FP32 island a node of the export graph was spliced from."""
+
+ISLAND_RESULT = "fxq_island_result"
+"""``node.meta[ISLAND_RESULT]``: the name of the model's node (the island call, or its ``getitem``) whose value this
+node of the export graph computes in its place."""
 
 _HOLDER = "fxq_ncnn_islands"  # the view's submodule holding each island's loaded graph
 _OPSET = 13
@@ -177,8 +181,11 @@ def _splice(graph: fx.Graph, call: fx.Node, island: fx.GraphModule, prefix: str,
                     onnx_meta["node_name"] = f"{path}/{name.removeprefix('module/')}"
                 new.meta = {"onnx": onnx_meta, ISLAND_META: path} if onnx_meta else {ISLAND_META: path}
                 env[n] = new
+    made = set(env.values())
     if isinstance(result, fx.Node):
         call.replace_all_uses_with(result)
+        if result in made:
+            result.meta[ISLAND_RESULT] = call.name
     else:
         for user in list(call.users):
             if not (user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)):
@@ -186,5 +193,7 @@ def _splice(graph: fx.Graph, call: fx.Node, island: fx.GraphModule, prefix: str,
                                   "reads them as a whole. Fix: index the island's result (out[0], out[1]) in the "
                                   "model")
             user.replace_all_uses_with(result[user.args[1]])
+            if result[user.args[1]] in made:
+                result[user.args[1]].meta[ISLAND_RESULT] = user.name
             graph.erase_node(user)
     graph.erase_node(call)

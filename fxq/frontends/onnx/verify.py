@@ -334,22 +334,25 @@ def _diff(ours: Any, ref: np.ndarray) -> str | None:
     exact = not (_floats(ours) or _floats(ref))
     if a.numel() == 0 or (torch.equal(a, b) if exact else _close(a, b)):
         return None
-    err = torch.where(torch.isnan(a) & torch.isnan(b), 0.0, (a.double() - b.double()).abs())
-    err = torch.where(torch.isnan(err), float("inf"), err)
-    reach = float(b.double().abs().nan_to_num(0.0).max())
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    err = (a.double() - b.double()).abs()
+    err = torch.where(same, 0.0, torch.where(torch.isnan(err), float("inf"), err))
+    reach = float(torch.where(torch.isfinite(b), b.double().abs(), 0.0).max())
     return f"max abs diff {float(err.max()):.4g} (onnxruntime's values reach {reach:.4g})"
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, atol: float = _ATOL, rtol: float = _RTOL) -> bool:
-    """NaN where ``b`` has NaN, elsewhere within ``atol + rtol *`` (``b``'s largest magnitude) of ``b``."""
+    """NaN and infinities where ``b`` has them, elsewhere within ``atol + rtol *`` (``b``'s largest finite
+    magnitude) of ``b``."""
     err = float((a - b).abs().max())
     if np.isfinite(err):  # no NaN or infinity on either side: one pass each
         return err <= atol + rtol * _largest_magnitude(b)
-    nan = torch.isnan(b)
-    if not torch.equal(torch.isnan(a), nan):
+    finite = torch.isfinite(b)
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    if not bool(torch.where(finite, True, same).all()):  # a NaN or an infinity of one side only
         return False
-    scale = float(torch.where(nan, 0, b.abs()).max())
-    return bool(torch.where(nan, True, (a - b).abs() <= atol + rtol * scale).all())
+    scale = float(torch.where(finite, b.abs(), 0).max())
+    return bool(torch.where(finite, (a - b).abs() <= atol + rtol * scale, True).all())
 
 
 def _feeds_desc(feeds: dict[str, np.ndarray]) -> str:
@@ -423,9 +426,10 @@ def _locate(gm: fx.GraphModule, original: onnx.ModelProto, feeds: dict[str, np.n
     attrs = {node.output[0]: {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
              for node in original.graph.node if node.op_type in _SELECTIONS and node.output}
     forced = _fx_values(gm, args, ref)
+    known = ChainMap(ref, feeds)  # every tensor's onnxruntime value, graph inputs included
     nodes = list(original.graph.node)
     for node in nodes:
-        d = _node_error(node, forced, ref, attrs.get(node.output[0], {}) if node.output else {})
+        d = _node_error(node, forced, known, attrs.get(node.output[0], {}) if node.output else {})
         if d is not None:
             return (head + f"first differing ONNX node {node.name or '(unnamed)'!r} ({node.op_type}), fed "
                     f"onnxruntime's own inputs, {d}." + tail)
@@ -434,22 +438,33 @@ def _locate(gm: fx.GraphModule, original: onnx.ModelProto, feeds: dict[str, np.n
     for run in (forced, own):
         if run.failed is not None:
             return head + _failing_node(*run.failed) + tail
-    if not ref:
+    outputs = [o.name for o in original.graph.output]
+    if not ref or not all(o in ref for o in outputs):
         return head + failure + "." + tail
+    wiring = _outputs_differ(forced.result, outputs, ref)  # on onnxruntime's values, only wiring can differ
+    if wiring is not None:
+        return (head + f"the graph returns other tensors than the file's outputs ({wiring}, every node fed "
+                "onnxruntime's own values)." + tail)
     for node in nodes:
         excess = max((_relative_error(forced.values[o], ref[o]) for o in node.output
                       if o in ref and o in forced.values), default=0.0)
-        if excess > _ROUNDING_RTOL and not _as_exact_as_onnxruntime(node, original, forced, ChainMap(ref, feeds)):
+        if excess > _ROUNDING_RTOL and not _as_exact_as_onnxruntime(node, original, forced, known):
             return (head + f"{failure}. Fed onnxruntime's own inputs, ONNX node {node.name or '(unnamed)'!r} "
                     f"({node.op_type}) is off by {excess:.2g} of its output's largest magnitude: within the value "
                     f"check's tolerance, but more than float rounding ({_ROUNDING_RTOL:g}), and the graph "
                     "amplifies it." + tail)
     flipped = [node.name or node.output[0] for node in nodes if node.op_type in _DECISIONS and any(
         o in ref and o in own.values and _diff(own.values[o], ref[o]) is not None for o in node.output)]
-    _LOG.info("conversion of %r checked against onnxruntime node by node: every node, fed onnxruntime's own "
-              "inputs, agrees to float rounding; the outputs differ (%s) by rounding accumulated over the graph%s",
-              source, failure, f", which breaks near-ties of {len(flipped)} deciding node(s) the other way "
-              f"({', '.join(flipped[:5])})" if flipped else "")
+    if flipped:
+        _LOG.info("conversion of %r checked against onnxruntime node by node: every node, fed onnxruntime's own "
+                  "inputs, agrees to float rounding; the outputs differ (%s) by rounding accumulated over the graph, "
+                  "which breaks near-ties of %d deciding node(s) the other way (%s)", source, failure, len(flipped),
+                  ", ".join(flipped[:5]))
+    else:
+        _LOG.warning("conversion of %r checked against onnxruntime node by node: every node, fed onnxruntime's own "
+                     "inputs, agrees to float rounding, yet the outputs differ (%s): the model amplifies float "
+                     "rounding that much (another runtime's summation order moves its outputs as far)", source,
+                     failure)
     return None
 
 

@@ -148,8 +148,10 @@ def inline_wrappers(gm: fx.GraphModule) -> fx.GraphModule:
     """Replace each ``call_module`` of a module marked ``fxq_inline`` (:class:`OnnxSamePad`, ConvTranspose's crop)
     by its traced code; the torch.nn modules inside stay ``call_module`` nodes (of ``<node>.<child>``).
 
-    The first module call inside (the conv or pool of the data) takes the ONNX node's name and metadata (its ``params`` keys lose the child's
-    prefix), so quantizers, exports and error messages still name the ONNX node.
+    The first module call inside (the conv or pool of the data) takes the ONNX node's name and metadata (its
+    ``params`` keys lose the child's prefix), so quantizers, exports and error messages still name the ONNX node;
+    the ONNX output names go to the node that returns the wrapper's result where that is another one (ConvTranspose's
+    crop), since that is the tensor the file names.
     """
     modules = dict(gm.named_modules())
     changed = False
@@ -182,6 +184,10 @@ def inline_wrappers(gm: fx.GraphModule) -> fx.GraphModule:
             info["params"] = {k[len(child) + 1:] if k.startswith(child + ".") else k: v
                               for k, v in info.get("params", {}).items()}
             calls[0].meta.update({**meta, "onnx": info})
+            if isinstance(result_node, fx.Node) and result_node is not calls[0]:
+                # the ONNX output is what the wrapper returned (the cropped result), not the inner op's value
+                result_node.meta["onnx"] = {k: v for k, v in info.items() if k not in ("params", "args")}
+                info.pop("outputs", None)
         node.replace_all_uses_with(result_node)
         gm.graph.erase_node(node)
         if calls:
