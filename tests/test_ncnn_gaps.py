@@ -998,25 +998,58 @@ def _windows(x: torch.Tensor, size: int) -> torch.Tensor:
 torch.fx.wrap("_windows")
 
 
+def _scaled_windows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, size: int) -> torch.Tensor:
+    """A wrapped function that also reads parameters: they are constants of its trace."""
+    return F.linear(_windows(x, size).transpose(1, 3), weight, bias).transpose(1, 3)
+
+
+torch.fx.wrap("_scaled_windows")
+
+
 class _WrappedCall(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(_windows(x, 8))
+        return _scaled_windows(self.conv(_windows(x, 8)), self.fc.weight, self.fc.bias, 4)
 
 
-def test_opaque_wrapped_function_names_the_onnx_route(tmp_path: Path) -> None:
-    """A torch.fx.wrap'd function is one call the ncnn writer cannot convert; the refusal says so and names the
-    ONNX route, and following it (torch.onnx.export, fxq.load_onnx) deploys the model on ncnn."""
+def test_opaque_wrapped_functions_are_float_islands(tmp_path: Path) -> None:
+    """A torch.fx.wrap'd function is one call of no op type; the ncnn export writes it as float layers, traced by
+    torch.onnx on the values the network gives it (its parameter arguments constants of the trace), as FP32 island
+    modules are. It was refused (torchvision's Swin on the native path). The ONNX route stays."""
     torch.manual_seed(0)
     model = _WrappedCall().eval()
-    calib = [torch.randn(1, 3, 8, 16) for _ in range(2)]
-    q = fxq.quantize(model, calib, "ncnn_int8", progress=False)
-    with pytest.raises(ExportError, match=r"_windows.*torch\.fx\.wrap.*fxq\.load_onnx"):
-        export(q, "ncnn_int8", tmp_path / "m")
+    gm, files = check(model, (1, 3, 8, 16), tmp_path / "m")
+    report = fxq.locate_mismatch(gm, files["param"], [torch.randn(1, 3, 8, 16)], teacher_forced=True)
+    assert "_windows" in [r.name for r in report] and report.first_divergence is None, report.table()
     check(_onnx(model, (1, 3, 8, 16), tmp_path / "m.onnx", opset=17), (1, 3, 8, 16), tmp_path / "m_onnx")
+
+
+def _gate(x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(scale)
+
+
+torch.fx.wrap("_gate")
+
+
+class _KeywordFromTheNetwork(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return _gate(y, scale=y.mean((2, 3), keepdim=True))
+
+
+def test_a_wrapped_function_with_a_keyword_from_the_network_is_refused_by_name(tmp_path: Path) -> None:
+    q = fxq.quantize(_KeywordFromTheNetwork().eval(), [torch.randn(1, 3, 4, 4) for _ in range(2)], "ncnn_int8",
+                     progress=False)
+    with pytest.raises(ExportError, match=r"'_gate'.*keyword argument computed from the network"):
+        export(q, "ncnn", tmp_path / "m")
 
 
 class _Rolled(nn.Module):

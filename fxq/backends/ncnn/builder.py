@@ -587,10 +587,6 @@ class NcnnBuilder:
         the file without every such op (:meth:`onnx_cut`, also the error's ``suggested_outputs``)."""
         t = self.op(node)
         fix = "register one with fxq.backends.ncnn.register_ncnn_converter, or rewrite this op with supported ones"
-        if node.op == "call_function" and t == "Unknown" and _is_wrapped(node.target):
-            fix += ("; this is a whole Python function the capture kept as one call (torch.fx.wrap, as torchvision's "
-                    "Swin attention): export the model to ONNX (torch.onnx.export) and load it with fxq.load_onnx, "
-                    "which writes the function as its ONNX ops")
         missing = [n for n in self.gm.graph.nodes if self._computes_value(n) and self.op(n) not in NCNN_CONVERTERS]
         cut = self.onnx_cut(missing)
         if cut:
@@ -794,16 +790,6 @@ def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
         setattr(view, name, child)
     view.meta = gm.meta
     return view
-
-
-def _is_wrapped(fn: object) -> bool:
-    """Whether ``fn`` is a function registered with ``torch.fx.wrap``, which symbolic tracing keeps as one call
-    (torch.fx keeps that registry private: without it, no function is taken for wrapped)."""
-    from torch.fx import _symbolic_trace
-
-    registry = getattr(_symbolic_trace, "_wrapped_fns_to_patch", None)
-    glb, name = getattr(fn, "__globals__", None), getattr(fn, "__name__", None)
-    return isinstance(registry, dict) and glb is not None and (id(glb), name) in registry
 
 
 def _at_batch_one(gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:

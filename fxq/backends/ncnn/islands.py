@@ -7,6 +7,10 @@ exported the same way, alone, on the inputs the network gives it for the export'
 loaded back with :func:`fxq.load_onnx` (which checks the conversion against onnxruntime) and its nodes replace the
 ``call_module`` in a copy of the graph. The builder then converts them with the converters of every other float
 op, so the island is float ncnn layers in the same param/bin. The simulation keeps running the Python module.
+
+A call of a Python function the capture kept whole (``torch.fx.wrap``, as torchvision's Swin attention and patch
+merging), of no op type fxq knows, is an island the same way: traced alone on the values it gets, its arguments that
+do not depend on the network's inputs (weights, tables) constants of the trace.
 """
 from __future__ import annotations
 
@@ -66,23 +70,29 @@ def inline_islands(gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphMo
 
     islands = getattr(gm, "meta", {}).get(ISLANDS_KEY) or {}
     nodes = [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target) in islands]
-    if not nodes:
+    functions = _opaque_functions(gm)
+    if not nodes and not functions:
         return gm
     example_inputs = tuple(t[:1] if isinstance(t, torch.Tensor) and t.dim() else t
                            for t in example_inputs_for(gm, example_inputs))  # ncnn files are batch 1
     paths = list(dict.fromkeys(str(n.target) for n in nodes))
     with eval_mode(gm):  # as the ONNX exporters trace: BatchNorm statistics and dropout untouched
         calls = record_inputs(gm, paths, [example_inputs], 1, None)
+        called = _function_inputs(gm, functions, example_inputs)
     env: dict[fx.Node, fx.Node] = {}
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, env))
     holder = nn.Module()
-    for k, node in enumerate(nodes):
-        path = str(node.target)
-        recorded = calls[path].pop(0) if calls[path] else None
-        island = _island_graph(gm, node, path, recorded)
+    for k, node in enumerate([n for n in gm.graph.nodes if n in nodes or n in functions]):
+        if node.op == "call_module":
+            path = str(node.target)
+            recorded = calls[path].pop(0) if calls[path] else None
+            island, inputs = _island_graph(gm, node, path, recorded)
+        else:
+            path = node.name
+            island, inputs = _island_graph(gm, node, path, called.get(node), functions[node])
         holder.add_module(f"island{k}", island)
-        _splice(graph, env[node], island, f"{_HOLDER}.island{k}", path)
+        _splice(graph, env[node], [env[a] for a in inputs], island, f"{_HOLDER}.island{k}", path)
     owners = {str(n.target): get_attr_value(holder, str(n.target).split(".", 1)[1])
               if str(n.target).startswith(_HOLDER + ".") else get_attr_value(gm, str(n.target))
               for n in graph.nodes if n.op in ("get_attr", "call_module")}
@@ -94,9 +104,62 @@ def inline_islands(gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphMo
     return view
 
 
-def _island_graph(gm: fx.GraphModule, node: fx.Node, path: str, recorded: Any) -> fx.GraphModule:
-    """The island's float ops as a GraphModule of fxq's ONNX frontend; its placeholders are ``node``'s tensor
-    arguments in order."""
+def _opaque_functions(gm: fx.GraphModule) -> dict[fx.Node, set[int]]:
+    """The calls of Python functions the capture kept whole (``torch.fx.wrap``, as torchvision's Swin attention),
+    of no op type fxq knows, that read the network's inputs, each with the positions of its arguments
+    that do (the others are constants of the export: weights, tables, and values computed from them)."""
+    import inspect
+
+    from fxq.backends.ncnn.registry import NCNN_CONVERTERS
+    from fxq.graph.op_types import op_type
+
+    modules = dict(gm.named_modules())
+    live: set[fx.Node] = set()
+    found: dict[fx.Node, set[int]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or any(a in live for a in n.all_input_nodes):
+            live.add(n)
+        if (n in live and n.op == "call_function" and inspect.isfunction(n.target)
+                and op_type(n, modules) == "Unknown" and "Unknown" not in NCNN_CONVERTERS):
+            found[n] = {i for i, a in enumerate(n.args) if isinstance(a, fx.Node) and a in live}
+            if any(isinstance(a, fx.Node) and a in live for a in n.kwargs.values()):
+                found[n].add(-1)  # a kwarg read from the network: refused by name in _island_graph
+    return found
+
+
+def _function_inputs(gm: fx.GraphModule, nodes: dict[fx.Node, set[int]], example_inputs: tuple) -> dict[fx.Node, Any]:
+    """``{node: (args, kwargs)}``: the values each opaque function call gets on ``example_inputs``, detached."""
+    from fxq.graph.nodes import Interpreter
+
+    seen: dict[fx.Node, Any] = {}
+
+    class _Record(Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            if n in nodes and n not in seen:
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                seen[n] = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(),
+                                                            (tuple(args), dict(kwargs)))
+            return super().run_node(n)
+
+    with torch.no_grad():
+        _Record(gm).run(*example_inputs)
+    return seen
+
+
+class _Function(nn.Module):
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def _island_graph(gm: fx.GraphModule, node: fx.Node, path: str, recorded: Any,
+                  slots: set[int] | None = None) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """The island's float ops as a GraphModule of fxq's ONNX frontend, and the nodes its placeholders stand for:
+    a module island's tensor arguments in order, or an opaque function call's arguments at ``slots`` (its other
+    arguments, recorded as ``(args, kwargs)``, are constants of the trace)."""
     from fxq.backends.qdq.lowering import torch_onnx_export
     from fxq.frontends.onnx import load_onnx
 
@@ -104,19 +167,30 @@ def _island_graph(gm: fx.GraphModule, node: fx.Node, path: str, recorded: Any) -
         return ExportError(f"ncnn export: FP32 island {path!r} (node {node.name!r}, {_why(gm, path)}) {why}. "
                            f"Fix: {fix}")
 
-    if not isinstance(recorded, tuple):
-        raise refuse("is called with keyword arguments or was not reached by the export's example batch",
-                     "call the island module with positional tensor arguments only")
-    kwarg_nodes: list[fx.Node] = []
-    fx.node.map_arg(node.kwargs, lambda a: kwarg_nodes.append(a) or a)
-    if kwarg_nodes:
-        raise refuse("takes a tensor keyword argument", "pass its tensors positionally")
-    slots = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)]
-    if not all(isinstance(recorded[i], torch.Tensor) for i in slots):
+    if slots is not None:  # an opaque function call
+        if -1 in slots:
+            raise refuse("takes a keyword argument computed from the network's inputs", "pass it positionally")
+        if not isinstance(recorded, tuple):
+            raise refuse("was not reached by the export's example batch", "give example_inputs that reach it")
+        args, kwargs = recorded
+        positions = sorted(slots)
+        target: nn.Module = _Function(node.target)
+    else:
+        if not isinstance(recorded, tuple):
+            raise refuse("is called with keyword arguments or was not reached by the export's example batch",
+                         "call the island module with positional tensor arguments only")
+        kwarg_nodes: list[fx.Node] = []
+        fx.node.map_arg(node.kwargs, lambda a: kwarg_nodes.append(a) or a)
+        if kwarg_nodes:
+            raise refuse("takes a tensor keyword argument", "pass its tensors positionally")
+        args, kwargs = recorded, dict(node.kwargs)
+        positions = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)]
+        target = gm.get_submodule(path)
+    if not all(isinstance(args[i], torch.Tensor) for i in positions):
         raise refuse("takes a non-tensor value computed in the graph (a list or tuple of tensors)",
                      "pass each tensor as its own positional argument")
-    call = _Call(gm.get_submodule(path), recorded, dict(node.kwargs), slots)
-    tensors = tuple(recorded[i] for i in slots)
+    call = _Call(target, args, kwargs, positions)
+    tensors = tuple(args[i] for i in positions)
     with torch.no_grad():
         out = call(*tensors)
     outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -137,7 +211,7 @@ def _island_graph(gm: fx.GraphModule, node: fx.Node, path: str, recorded: Any) -
     logger.warning("ncnn export: FP32 island %r is written as float ncnn layers (ONNX ops %s) traced by torch.onnx "
                    "at input shapes %s; a branch on tensor values is fixed as that example took it", path,
                    dict(ops), [tuple(t.shape) for t in tensors])
-    return island
+    return island, [node.args[i] for i in positions]
 
 
 def _why(gm: fx.GraphModule, path: str) -> str:
@@ -160,9 +234,11 @@ class _Call(nn.Module):
         return self.module(*args, **self.kwargs)
 
 
-def _splice(graph: fx.Graph, call: fx.Node, island: fx.GraphModule, prefix: str, path: str) -> None:
-    """Replace ``call`` in ``graph`` by the nodes of ``island`` (registered on the view under ``prefix``)."""
-    inputs = iter(a for a in call.args if isinstance(a, fx.Node))
+def _splice(graph: fx.Graph, call: fx.Node, args: list[fx.Node], island: fx.GraphModule, prefix: str,
+            path: str) -> None:
+    """Replace ``call`` in ``graph`` by the nodes of ``island`` (registered on the view under ``prefix``), whose
+    placeholders read ``args``."""
+    inputs = iter(args)
     env: dict[fx.Node, Any] = {}
     result: Any = None
     with graph.inserting_before(call):
