@@ -87,12 +87,13 @@ def inline_islands(gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphMo
         if node.op == "call_module":
             path = str(node.target)
             recorded = calls[path].pop(0) if calls[path] else None
-            island, inputs = _island_graph(gm, node, path, recorded)
+            island, positions = _island_graph(gm, node, path, recorded)
         else:
             path = node.name
-            island, inputs = _island_graph(gm, node, path, called.get(node), functions[node])
+            island, positions = _island_graph(gm, node, path, called.get(node), functions[node])
         holder.add_module(f"island{k}", island)
-        _splice(graph, env[node], [env[a] for a in inputs], island, f"{_HOLDER}.island{k}", path)
+        call = env[node]  # its arguments as they are now: an earlier island may have replaced one
+        _splice(graph, call, [call.args[i] for i in positions], island, f"{_HOLDER}.island{k}", path)
     owners = {str(n.target): get_attr_value(holder, str(n.target).split(".", 1)[1])
               if str(n.target).startswith(_HOLDER + ".") else get_attr_value(gm, str(n.target))
               for n in graph.nodes if n.op in ("get_attr", "call_module")}
@@ -156,10 +157,10 @@ class _Function(nn.Module):
 
 
 def _island_graph(gm: fx.GraphModule, node: fx.Node, path: str, recorded: Any,
-                  slots: set[int] | None = None) -> tuple[fx.GraphModule, list[fx.Node]]:
-    """The island's float ops as a GraphModule of fxq's ONNX frontend, and the nodes its placeholders stand for:
-    a module island's tensor arguments in order, or an opaque function call's arguments at ``slots`` (its other
-    arguments, recorded as ``(args, kwargs)``, are constants of the trace)."""
+                  slots: set[int] | None = None) -> tuple[fx.GraphModule, list[int]]:
+    """The island's float ops as a GraphModule of fxq's ONNX frontend, and the positions of ``node``'s arguments
+    its placeholders stand for: a module island's tensor arguments, or an opaque function call's ``slots`` (its
+    other arguments, recorded as ``(args, kwargs)``, are constants of the trace)."""
     from fxq.backends.qdq.lowering import torch_onnx_export
     from fxq.frontends.onnx import load_onnx
 
@@ -211,7 +212,7 @@ def _island_graph(gm: fx.GraphModule, node: fx.Node, path: str, recorded: Any,
     logger.warning("ncnn export: FP32 island %r is written as float ncnn layers (ONNX ops %s) traced by torch.onnx "
                    "at input shapes %s; a branch on tensor values is fixed as that example took it", path,
                    dict(ops), [tuple(t.shape) for t in tensors])
-    return island, [node.args[i] for i in positions]
+    return island, positions
 
 
 def _why(gm: fx.GraphModule, path: str) -> str:
