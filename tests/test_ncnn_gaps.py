@@ -1102,3 +1102,38 @@ def test_a_stored_tensor_used_at_two_ranks_gets_a_blob_per_layout(tmp_path):
     _, files = check(_OneTensorTwoRanks().eval(), (1, 3, 8, 8), tmp_path / "m")
     param = files["fp32_param"].read_text()
     assert len(re.findall(r"^MemoryData ", param, flags=re.M)) == 2
+
+
+def _bias_table(table: torch.Tensor, heads: int) -> torch.Tensor:
+    """Swin-V2's relative position bias in small: a wrapped function of a value computed from stored tensors."""
+    return 16 * torch.sigmoid(table.t().reshape(1, heads, -1, 1))
+
+
+torch.fx.wrap("_bias_table")
+
+
+class _ConstantThroughAnMlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.table = nn.Parameter(torch.randn(8, 2))
+        self.mlp = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) + _bias_table(self.mlp(self.table), 4)
+
+
+def test_a_wrapped_function_of_stored_tensors_is_a_constant_of_the_file(tmp_path: Path) -> None:
+    """It reads no input, but the quantizers on the MLP keep it from being folded as shape arithmetic: the value
+    the simulation computes is stored (a MemoryData), and the MLP is not written (it was refused)."""
+    torch.manual_seed(0)
+    gm = fxq.quantize(_ConstantThroughAnMlp().eval(), [torch.randn(1, 3, 8, 8) for _ in range(2)], "ncnn_int8",
+                      progress=False)
+    export(gm, "ncnn", tmp_path / "m")
+    files = ncnn_paths(tmp_path / "m")
+    assert "InnerProduct" not in files["param"].read_text() and "MemoryData" in files["param"].read_text()
+    x = torch.randn(1, 3, 8, 8)
+    (got,) = run_ncnn(files["param"], files["bin"], x, 1, int8=True)
+    sim = _outputs(gm, x)[0]
+    got, sim = got.reshape(sim.shape).astype(np.float64).ravel(), sim.astype(np.float64).ravel()
+    assert got @ sim / (np.linalg.norm(got) * np.linalg.norm(sim)) >= 0.9999

@@ -10,7 +10,9 @@ op, so the island is float ncnn layers in the same param/bin. The simulation kee
 
 A call of a Python function the capture kept whole (``torch.fx.wrap``, as torchvision's Swin attention and patch
 merging), of no op type fxq knows, is an island the same way: traced alone on the values it gets, its arguments that
-do not depend on the network's inputs (weights, tables) constants of the trace.
+do not depend on the network's inputs (weights, tables) constants of the trace. A call that reads no input at all
+(Swin-V2's relative position bias, an MLP on a stored table) is a constant of the file: the value the simulation
+computes, stored, and what only it read is not written.
 """
 from __future__ import annotations
 
@@ -70,15 +72,15 @@ def inline_islands(gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphMo
 
     islands = getattr(gm, "meta", {}).get(ISLANDS_KEY) or {}
     nodes = [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target) in islands]
-    functions = _opaque_functions(gm)
-    if not nodes and not functions:
+    functions, constants = _opaque_functions(gm)
+    if not nodes and not functions and not constants:
         return gm
     example_inputs = tuple(t[:1] if isinstance(t, torch.Tensor) and t.dim() else t
                            for t in example_inputs_for(gm, example_inputs))  # ncnn files are batch 1
     paths = list(dict.fromkeys(str(n.target) for n in nodes))
     with eval_mode(gm):  # as the ONNX exporters trace: BatchNorm statistics and dropout untouched
         calls = record_inputs(gm, paths, [example_inputs], 1, None)
-        called = _function_inputs(gm, functions, example_inputs)
+        called, values = _record_calls(gm, functions, constants, example_inputs)
     env: dict[fx.Node, fx.Node] = {}
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, env))
@@ -94,6 +96,11 @@ def inline_islands(gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphMo
         holder.add_module(f"island{k}", island)
         call = env[node]  # its arguments as they are now: an earlier island may have replaced one
         _splice(graph, call, [call.args[i] for i in positions], island, f"{_HOLDER}.island{k}", path)
+    for k, node in enumerate(constants):
+        if node not in values:
+            continue  # not reached by the example: left to the writer, which names it
+        holder.register_buffer(f"constant{k}", values[node])
+        _to_constant(graph, env[node], f"{_HOLDER}.constant{k}")
     owners = {str(n.target): get_attr_value(holder, str(n.target).split(".", 1)[1])
               if str(n.target).startswith(_HOLDER + ".") else get_attr_value(gm, str(n.target))
               for n in graph.nodes if n.op in ("get_attr", "call_module")}
@@ -105,10 +112,11 @@ def inline_islands(gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphMo
     return view
 
 
-def _opaque_functions(gm: fx.GraphModule) -> dict[fx.Node, set[int]]:
+def _opaque_functions(gm: fx.GraphModule) -> tuple[dict[fx.Node, set[int]], list[fx.Node]]:
     """The calls of Python functions the capture kept whole (``torch.fx.wrap``, as torchvision's Swin attention),
-    of no op type fxq knows, that read the network's inputs, each with the positions of its arguments
-    that do (the others are constants of the export: weights, tables, and values computed from them)."""
+    of no op type fxq knows: those that read the network's inputs, each with the positions of its arguments that do
+    (the others are constants of the export: weights, tables, and values computed from them), and those that do
+    not (Swin-V2's relative position bias, from an MLP on a stored table: a constant of the export)."""
     import inspect
 
     from fxq.backends.ncnn.registry import NCNN_CONVERTERS
@@ -117,34 +125,62 @@ def _opaque_functions(gm: fx.GraphModule) -> dict[fx.Node, set[int]]:
     modules = dict(gm.named_modules())
     live: set[fx.Node] = set()
     found: dict[fx.Node, set[int]] = {}
+    constants: list[fx.Node] = []
     for n in gm.graph.nodes:
         if n.op == "placeholder" or any(a in live for a in n.all_input_nodes):
             live.add(n)
-        if (n in live and n.op == "call_function" and inspect.isfunction(n.target)
-                and op_type(n, modules) == "Unknown" and "Unknown" not in NCNN_CONVERTERS):
-            found[n] = {i for i, a in enumerate(n.args) if isinstance(a, fx.Node) and a in live}
-            if any(isinstance(a, fx.Node) and a in live for a in n.kwargs.values()):
-                found[n].add(-1)  # a kwarg read from the network: refused by name in _island_graph
-    return found
+        if not (n.op == "call_function" and inspect.isfunction(n.target) and op_type(n, modules) == "Unknown"
+                and "Unknown" not in NCNN_CONVERTERS):
+            continue
+        if n not in live:
+            if n.all_input_nodes:
+                constants.append(n)
+            continue
+        found[n] = {i for i, a in enumerate(n.args) if isinstance(a, fx.Node) and a in live}
+        if any(isinstance(a, fx.Node) and a in live for a in n.kwargs.values()):
+            found[n].add(-1)  # a kwarg read from the network: refused by name in _island_graph
+    return found, constants
 
 
-def _function_inputs(gm: fx.GraphModule, nodes: dict[fx.Node, set[int]], example_inputs: tuple) -> dict[fx.Node, Any]:
-    """``{node: (args, kwargs)}``: the values each opaque function call gets on ``example_inputs``, detached."""
+def _record_calls(gm: fx.GraphModule, calls: dict[fx.Node, set[int]], constants: list[fx.Node],
+                  example_inputs: tuple) -> tuple[dict[fx.Node, Any], dict[fx.Node, torch.Tensor]]:
+    """``{node: (args, kwargs)}``: the values each opaque function call of ``calls`` gets on ``example_inputs``,
+    and ``{node: value}``: the value each of ``constants`` computes (a tensor; the simulation's, quantizers
+    included), detached."""
     from fxq.graph.nodes import Interpreter
 
     seen: dict[fx.Node, Any] = {}
+    values: dict[fx.Node, torch.Tensor] = {}
+    wanted = set(constants)
 
     class _Record(Interpreter):
         def run_node(self, n: fx.Node) -> Any:
-            if n in nodes and n not in seen:
+            if n in calls and n not in seen:
                 args, kwargs = self.fetch_args_kwargs_from_env(n)
                 seen[n] = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(),
                                                             (tuple(args), dict(kwargs)))
-            return super().run_node(n)
+            out = super().run_node(n)
+            if n in wanted and n not in values and isinstance(out, torch.Tensor):
+                values[n] = out.detach().clone()
+            return out
 
     with torch.no_grad():
         _Record(gm).run(*example_inputs)
-    return seen
+    return seen, values
+
+
+def _to_constant(graph: fx.Graph, call: fx.Node, target: str) -> None:
+    """Replace ``call`` by a ``get_attr`` of ``target``, and drop what only it read (an MLP on a stored table)."""
+    with graph.inserting_before(call):
+        stored = graph.get_attr(target)
+    call.replace_all_uses_with(stored)
+    dead = [call]
+    while dead:
+        n = dead.pop()
+        if n.users or n.op not in ("call_function", "call_module", "call_method", "get_attr"):
+            continue
+        dead.extend(n.all_input_nodes)
+        graph.erase_node(n)
 
 
 class _Function(nn.Module):
