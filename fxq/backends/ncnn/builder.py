@@ -36,7 +36,7 @@ import torch
 from torch import fx, nn
 
 from fxq.backends.ncnn.fuse import FUSED_OPS, drop_broadcast_expands, fuse_erf_gelu, fuse_layer_norm
-from fxq.backends.ncnn.islands import inline_islands, island_note
+from fxq.backends.ncnn.islands import FLOAT_VALUE, inline_islands, island_note
 from fxq.backends.ncnn.registry import NCNN_CONVERTERS, converts_tuples, takes_any_batch_dim, takes_high_rank
 from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim, shape_params
 from fxq.backends.qdq.lowering import example_inputs_for
@@ -323,9 +323,14 @@ class NcnnBuilder:
         key = (src, blob_shape)
         if key not in self._constants:
             name = self.layer_name(src)
-            self.model.layers.append(NcnnLayer("MemoryData", name, [], [self._new_blob(name)],
-                                               shape_params(blob_shape), [("raw", value.numpy())], source=src.name))
-            self._constants[key] = self.model.layers[-1].tops[0]
+            layer = NcnnLayer("MemoryData", name, [], [self._new_blob(name)], shape_params(blob_shape),
+                              [("raw", value.numpy())], source=src.name)
+            float_value = src.meta.get(FLOAT_VALUE)  # a constant the simulation computes: the FP32 file's own
+            if isinstance(float_value, torch.Tensor) and float_value.numel() == value.numel():
+                layer.int8_weights = layer.weights
+                layer.weights = [("raw", float_value.detach().float().cpu().reshape(value.shape).numpy())]
+            self.model.layers.append(layer)
+            self._constants[key] = layer.tops[0]
         return self._constants[key]
 
     # ------------------------------------------------------------------ shape arithmetic

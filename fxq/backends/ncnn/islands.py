@@ -29,15 +29,20 @@ from torch import fx, nn
 from fxq.backends.qdq.lowering import example_inputs_for
 from fxq.errors import ExportError, FxqError
 from fxq.graph.capture import ISLANDS_KEY
+from fxq.graph.convert import fp32_mode
 from fxq.graph.nodes import eval_mode, get_attr_value
 from fxq.graph.passes import propagate_tensor_meta
 
-__all__ = ["ISLAND_META", "ISLAND_RESULT", "inline_islands", "island_note"]
+__all__ = ["FLOAT_VALUE", "ISLAND_META", "ISLAND_RESULT", "inline_islands", "island_note"]
 
 logger = logging.getLogger(__name__)
 
 ISLAND_META = "fxq_island"
 """``node.meta[ISLAND_META]``: the path of the FP32 island a node of the export graph was spliced from."""
+
+FLOAT_VALUE = "fxq_float_value"
+"""``node.meta[FLOAT_VALUE]``: for a constant of the export computed by the simulation (:func:`_to_constant`), the
+float model's value, which the FP32 file stores."""
 
 ISLAND_RESULT = "fxq_island_result"
 """``node.meta[ISLAND_RESULT]``: the name of the model's node (the island call, or its ``getitem``) whose value this
@@ -81,10 +86,13 @@ def inline_islands(gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphMo
     with eval_mode(gm):  # as the ONNX exporters trace: BatchNorm statistics and dropout untouched
         calls = record_inputs(gm, paths, [example_inputs], 1, None)
         called, values = _record_calls(gm, functions, constants, example_inputs)
+        with fp32_mode(gm):  # the FP32 file's constants: the float model's values
+            _, float_values = _record_calls(gm, {}, constants, example_inputs)
     env: dict[fx.Node, fx.Node] = {}
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, env))
     holder = nn.Module()
+    modules = dict(gm.named_modules())
     for k, node in enumerate([n for n in gm.graph.nodes if n in nodes or n in functions]):
         if node.op == "call_module":
             path = str(node.target)
@@ -95,12 +103,17 @@ def inline_islands(gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphMo
             island, positions = _island_graph(gm, node, path, called.get(node), functions[node])
         holder.add_module(f"island{k}", island)
         call = env[node]  # its arguments as they are now: an earlier island may have replaced one
+        baked = [a for a in call.all_input_nodes if a not in [call.args[i] for i in positions]]
         _splice(graph, call, [call.args[i] for i in positions], island, f"{_HOLDER}.island{k}", path)
+        _drop_unused(graph, baked, modules)  # what only the island's constant arguments read (a quantized MLP)
     for k, node in enumerate(constants):
         if node not in values:
-            continue  # not reached by the example: left to the writer, which names it
+            continue  # not a tensor, or not reached by the example: left to the writer, which names it
         holder.register_buffer(f"constant{k}", values[node])
-        _to_constant(graph, env[node], f"{_HOLDER}.constant{k}")
+        stored = _to_constant(graph, env[node], f"{_HOLDER}.constant{k}", modules)
+        stored.meta[ISLAND_RESULT] = node.name
+        if node in float_values:
+            stored.meta[FLOAT_VALUE] = float_values[node]
     owners = {str(n.target): get_attr_value(holder, str(n.target).split(".", 1)[1])
               if str(n.target).startswith(_HOLDER + ".") else get_attr_value(gm, str(n.target))
               for n in graph.nodes if n.op in ("get_attr", "call_module")}
@@ -114,32 +127,50 @@ def inline_islands(gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphMo
 
 def _opaque_functions(gm: fx.GraphModule) -> tuple[dict[fx.Node, set[int]], list[fx.Node]]:
     """The calls of Python functions the capture kept whole (``torch.fx.wrap``, as torchvision's Swin attention),
-    of no op type fxq knows: those that read the network's inputs, each with the positions of its arguments that do
+    of no op type fxq knows: those that read the network's values, each with the positions of its arguments that do
     (the others are constants of the export: weights, tables, and values computed from them), and those that do
-    not (Swin-V2's relative position bias, from an MLP on a stored table: a constant of the export)."""
+    not (Swin-V2's relative position bias, from a quantized MLP on a stored table: a constant of the export).
+
+    Calls of shapes and stored tensors only are neither: the writer evaluates those itself at each input size
+    (:meth:`~fxq.backends.ncnn.builder.NcnnBuilder.static_value`). A network value nested in a list, tuple or
+    keyword argument is marked ``-1`` (refused by name in :func:`_island_graph`)."""
     import inspect
 
     from fxq.backends.ncnn.registry import NCNN_CONVERTERS
+    from fxq.graph.info import is_quantizer_node
     from fxq.graph.op_types import op_type
 
     modules = dict(gm.named_modules())
-    live: set[fx.Node] = set()
+    live: set[fx.Node] = set()  # depends on the network's values (not only on their shapes)
+    static: set[fx.Node] = set()  # shapes and stored tensors only, as the writer's _find_static
     found: dict[fx.Node, set[int]] = {}
     constants: list[fx.Node] = []
     for n in gm.graph.nodes:
-        if n.op == "placeholder" or any(a in live for a in n.all_input_nodes):
+        ins = n.all_input_nodes
+        kind = op_type(n, modules) if n.op in ("call_module", "call_function", "call_method") else ""
+        if n.op in ("call_module", "call_function", "call_method") and not is_quantizer_node(n) and (
+                kind == "Shape" or (ins and all(i in static or i.op == "get_attr" for i in ins))):
+            static.add(n)
+        elif n.op == "placeholder" or any(a in live for a in ins):
             live.add(n)
-        if not (n.op == "call_function" and inspect.isfunction(n.target) and op_type(n, modules) == "Unknown"
-                and "Unknown" not in NCNN_CONVERTERS):
+        if n in static or not (n.op == "call_function" and inspect.isfunction(n.target) and kind == "Unknown"
+                               and "Unknown" not in NCNN_CONVERTERS):
             continue
         if n not in live:
-            if n.all_input_nodes:
+            if ins:
                 constants.append(n)
             continue
         found[n] = {i for i, a in enumerate(n.args) if isinstance(a, fx.Node) and a in live}
-        if any(isinstance(a, fx.Node) and a in live for a in n.kwargs.values()):
-            found[n].add(-1)  # a kwarg read from the network: refused by name in _island_graph
+        nested = [a for i, a in enumerate(n.args) if not isinstance(a, fx.Node)] + list(n.kwargs.values())
+        if any(x in live for x in _nodes_in(nested)):
+            found[n].add(-1)
     return found, constants
+
+
+def _nodes_in(value: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_aggregate(value, lambda a: found.append(a) if isinstance(a, fx.Node) else None)
+    return found
 
 
 def _record_calls(gm: fx.GraphModule, calls: dict[fx.Node, set[int]], constants: list[fx.Node],
@@ -169,18 +200,29 @@ def _record_calls(gm: fx.GraphModule, calls: dict[fx.Node, set[int]], constants:
     return seen, values
 
 
-def _to_constant(graph: fx.Graph, call: fx.Node, target: str) -> None:
-    """Replace ``call`` by a ``get_attr`` of ``target``, and drop what only it read (an MLP on a stored table)."""
+def _to_constant(graph: fx.Graph, call: fx.Node, target: str, modules: dict[str, nn.Module]) -> fx.Node:
+    """Replace ``call`` by a ``get_attr`` of ``target`` (returned), and drop what only it read (an MLP on a stored
+    table)."""
     with graph.inserting_before(call):
         stored = graph.get_attr(target)
     call.replace_all_uses_with(stored)
-    dead = [call]
+    _drop_unused(graph, [call], modules)
+    return stored
+
+
+def _drop_unused(graph: fx.Graph, nodes: list[fx.Node], modules: dict[str, nn.Module]) -> None:
+    """Erase ``nodes`` and what they read, as far as nothing else reads them (in-place ops stay)."""
+    from fxq.graph.op_types import mutates_first_argument
+
+    dead, erased = list(nodes), set()
     while dead:
         n = dead.pop()
-        if n.users or n.op not in ("call_function", "call_module", "call_method", "get_attr"):
+        if (n in erased or n.users or n.op not in ("call_function", "call_module", "call_method", "get_attr")
+                or mutates_first_argument(n, modules)):
             continue
         dead.extend(n.all_input_nodes)
         graph.erase_node(n)
+        erased.add(n)
 
 
 class _Function(nn.Module):
@@ -206,7 +248,8 @@ def _island_graph(gm: fx.GraphModule, node: fx.Node, path: str, recorded: Any,
 
     if slots is not None:  # an opaque function call
         if -1 in slots:
-            raise refuse("takes a keyword argument computed from the network's inputs", "pass it positionally")
+            raise refuse("takes a value computed from the network's inputs inside a list, tuple or keyword "
+                         "argument", "pass each such tensor as its own positional argument")
         if not isinstance(recorded, tuple):
             raise refuse("was not reached by the export's example batch", "give example_inputs that reach it")
         args, kwargs = recorded
@@ -246,7 +289,8 @@ def _island_graph(gm: fx.GraphModule, node: fx.Node, path: str, recorded: Any,
     ops = Counter(str(n.meta.get("onnx", {}).get("op_type", n.target)) for n in island.graph.nodes
                   if n.op not in ("placeholder", "output", "get_attr"))
     logger.warning("ncnn export: FP32 island %r is written as float ncnn layers (ONNX ops %s) traced by torch.onnx "
-                   "at input shapes %s; a branch on tensor values is fixed as that example took it", path,
+                   "at input shapes %s: the file computes it at those shapes only (run it at the export's input "
+                   "size), and a branch on tensor values is fixed as that example took it", path,
                    dict(ops), [tuple(t.shape) for t in tensors])
     return island, positions
 

@@ -89,7 +89,9 @@ class NcnnLayer:
             ``"tagged"`` (flag word + float32) or ``"raw"`` (float32 only).
         int8: scales when this layer runs int8 (ncnn appends them to the bin after the bias).
         int8_weights: the buffers written instead of ``weights`` in the int8 model (the weights already on
-            fxq's integer grid, so that ncnn's load-time quantization reproduces fxq's integers exactly).
+            fxq's integer grid, so that ncnn's load-time quantization reproduces fxq's integers exactly; a
+            float layer's stored values as the simulation computes them, where the FP32 file stores the float
+            model's).
         int8_term: value of param 8 (``int8_scale_term``) when ``int8`` is set.
         source: the fx node this layer came from (for error messages).
     """
@@ -121,7 +123,7 @@ class NcnnLayer:
     def weight_bytes(self, int8: bool) -> bytes:
         out = bytearray()
         use_int8 = int8 and self.int8 is not None
-        buffers = self.int8_weights if use_int8 and self.int8_weights is not None else self.weights
+        buffers = self.int8_weights if int8 and self.int8_weights is not None else self.weights
         for kind, arr in buffers:
             data = np.ascontiguousarray(arr, dtype="<f4").reshape(-1)
             if kind == "tagged":
