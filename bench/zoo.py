@@ -20,8 +20,9 @@ own subprocess with a timeout:
   teacher-forced (ONNX in ``ORT_DISABLE_ALL``, ncnn in ncnn), are within 1 LSB of the simulation's and the
   simulation itself moves
   below the bar on a 1e-4 input perturbation (a rounding tie amplified by the model, not an export fault), else
-  ``Mismatch``; a simulation whose every output is at most 1e-6 is ``Degenerate`` (cosine of rounding noise). None
-  of these passes.
+  ``Mismatch``; a simulation whose every output is at most 1e-6 is ``Degenerate`` (cosine of rounding noise); a
+  Q/DQ file that passes in ``ORT_DISABLE_ALL`` but not in the default session is ``Fused`` (onnxruntime's fused
+  int8 kernels, issue #13 point 9). None of these passes.
 
 Every step records ``ok``, ``skipped`` (an earlier step failed) or the error's class and first line; the CSV has one
 row per model x path x platform x step, and the markdown table counts passes per family and step.
@@ -412,6 +413,10 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
                 status = (f"Degenerate: cosine {worst:.5f} < {COSINE_BAR}; the simulation's output is at most "
                           f"{peak:.1e} everywhere (activations vanish at random init), so cosine compares rounding "
                           f"noise")
+            elif cos.get("ort_disable_all", 0.0) >= COSINE_BAR > cos.get("ort", 1.0):
+                status = (f"Fused: cosine {worst:.5f} < {COSINE_BAR} in onnxruntime's default session only "
+                          f"(ORT_DISABLE_ALL {cos['ort_disable_all']:.5f}): its fused int8 kernels compute the file "
+                          "differently from its Q/DQ ops")
             elif extra.get("tf_max_code_diff", 2) <= 1 and extra.get("cosine_sim_perturbed", 1.0) < COSINE_BAR:
                 where = "ncnn" if platform == "ncnn_int8" else "ORT_DISABLE_ALL"
                 status = (f"Sensitive: cosine {worst:.5f} < {COSINE_BAR}; teacher-forced codes ({where}) "

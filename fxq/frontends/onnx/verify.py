@@ -178,8 +178,9 @@ threshold a value falls on."""
 _ROUNDING_RTOL = 1e-5
 """How far (relative to the tensor's largest magnitude) a node fed onnxruntime's own inputs may be from
 onnxruntime's output and still count as float rounding (another summation order, another ``exp``): 100x tighter
-than the value check. Where the graph's outputs differ, every node must meet it for the difference to be taken as
-rounding accumulated over the graph rather than a small conversion bug."""
+than the value check. Where the graph's outputs differ, every node must meet it, or be as close to the exact answer
+as onnxruntime is (:func:`_as_exact_as_onnxruntime`), for the difference to be taken as rounding accumulated over
+the graph rather than a small conversion bug."""
 
 
 def _node_error(node: onnx.NodeProto, forced: _FxRun, ref: Mapping[str, np.ndarray],
