@@ -375,3 +375,29 @@ def test_an_ncnn_island_that_took_the_other_branch_is_named(tmp_path):
     other = fxq.locate_mismatch(gm, tmp_path / "m.param", [positive - 6], example_inputs=positive,
                                 teacher_forced=True)
     assert other.first_divergence.name == "_0" and other.first_divergence.identical < 0.5
+
+
+class _NormThenLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.norm(self.fc1(x)))
+
+
+def test_ncnn_comparison_reads_a_fused_layer_norm_as_the_model_s_value(tmp_path):
+    """ONNX opset 13 spells LayerNorm out; the ncnn export fuses it into one layer, a node of its own. Its blob is
+    the value of the spelled-out LayerNorm's last op, and is compared as that (it was left out: not the model's
+    node)."""
+    pytest.importorskip("ncnn")
+    torch.manual_seed(0)
+    torch.onnx.export(_NormThenLinear().eval(), (torch.randn(1, 16),), str(tmp_path / "m.onnx"), dynamo=False,
+                      opset_version=13)
+    data = [torch.randn(1, 16) for _ in range(2)]
+    gm = fxq.quantize(fxq.load_onnx(tmp_path / "m.onnx"), data, "ncnn_int8", progress=False)
+    fxq.export(gm, "ncnn", tmp_path / "m")
+    assert "LayerNorm" in (tmp_path / "m.param").read_text()
+    report = fxq.locate_mismatch(gm, tmp_path / "m.param", data, teacher_forced=True)
+    assert [r.op_type for r in report] == ["Input", "LayerNormalization"] and not report.unmatched, report.table()
+    assert report.first_divergence is None, report.table()

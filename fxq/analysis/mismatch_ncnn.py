@@ -61,7 +61,7 @@ def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teac
     from fxq.analysis.mismatch import MismatchReport, TensorMismatch, simulation_values
     from fxq.analysis.runner import GraphRunner
     from fxq.backends.ncnn.builder import build_ncnn_model
-    from fxq.backends.ncnn.islands import ISLAND_RESULT
+    from fxq.backends.ncnn.islands import MODEL_NODE
     from fxq.functional import quantize_to_int
     from fxq.graph.data import diagnose_failure, first_batch_errors
 
@@ -98,7 +98,7 @@ def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teac
             continue
         fq = next((view.get_submodule(str(u.target)) for u in node.users if builder.is_quantizer(u)
                    and _quantizing(view.get_submodule(str(u.target)))), None)
-        own = str(node.meta.get(ISLAND_RESULT, node.name))  # an FP32 island's result: the island's node
+        own = str(node.meta.get(MODEL_NODE, node.name))  # an island's result, a fused op: the model's node
         if fq is not None:
             if own in in_model:
                 compared.append((node, fq, builder.blob_of[node], own))

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from fxq.backends.ncnn.islands import MODEL_NODE
 from fxq.graph.nodes import get_attr_value
 from fxq.graph.op_types import op_type
 
@@ -97,6 +98,7 @@ def _rewrite(gm: fx.GraphModule, anchor: str, match: Callable[..., Any], target:
         with gm.graph.inserting_after(out):
             new = gm.graph.call_function(target, (x, *args))
         new.meta["val"] = out.meta.get("val")
+        new.meta[MODEL_NODE] = out.meta.get(MODEL_NODE, out.name)
         if "onnx" in node.meta:
             new.meta["onnx"] = node.meta["onnx"]
         out.replace_all_uses_with(new)

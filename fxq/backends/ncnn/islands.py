@@ -33,7 +33,7 @@ from fxq.graph.convert import fp32_mode
 from fxq.graph.nodes import eval_mode, get_attr_value
 from fxq.graph.passes import propagate_tensor_meta
 
-__all__ = ["FLOAT_VALUE", "ISLAND_META", "ISLAND_RESULT", "inline_islands", "island_note"]
+__all__ = ["FLOAT_VALUE", "ISLAND_META", "MODEL_NODE", "inline_islands", "island_note"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +44,9 @@ FLOAT_VALUE = "fxq_float_value"
 """``node.meta[FLOAT_VALUE]``: for a constant of the export computed by the simulation (:func:`_to_constant`), the
 float model's value, which the FP32 file stores."""
 
-ISLAND_RESULT = "fxq_island_result"
-"""``node.meta[ISLAND_RESULT]``: the name of the model's node (the island call, or its ``getitem``) whose value this
-node of the export graph computes in its place."""
+MODEL_NODE = "fxq_model_node"
+"""``node.meta[MODEL_NODE]``: the name of the model's node whose value this node of the export graph computes in
+its place (an island call or its ``getitem``, a constant of the file, the last op of a fused LayerNorm / GELU)."""
 
 _HOLDER = "fxq_ncnn_islands"  # the view's submodule holding each island's loaded graph
 _OPSET = 13
@@ -111,7 +111,7 @@ def inline_islands(gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphMo
             continue  # not a tensor, or not reached by the example: left to the writer, which names it
         holder.register_buffer(f"constant{k}", values[node])
         stored = _to_constant(graph, env[node], f"{_HOLDER}.constant{k}", modules)
-        stored.meta[ISLAND_RESULT] = node.name
+        stored.meta[MODEL_NODE] = node.name
         if node in float_values:
             stored.meta[FLOAT_VALUE] = float_values[node]
     owners = {str(n.target): get_attr_value(holder, str(n.target).split(".", 1)[1])
@@ -342,7 +342,7 @@ def _splice(graph: fx.Graph, call: fx.Node, args: list[fx.Node], island: fx.Grap
     if isinstance(result, fx.Node):
         call.replace_all_uses_with(result)
         if result in made:
-            result.meta[ISLAND_RESULT] = call.name
+            result.meta[MODEL_NODE] = call.name
     else:
         for user in list(call.users):
             if not (user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)):
@@ -351,6 +351,6 @@ def _splice(graph: fx.Graph, call: fx.Node, args: list[fx.Node], island: fx.Grap
                                   "model")
             user.replace_all_uses_with(result[user.args[1]])
             if result[user.args[1]] in made:
-                result[user.args[1]].meta[ISLAND_RESULT] = user.name
+                result[user.args[1]].meta[MODEL_NODE] = user.name
             graph.erase_node(user)
     graph.erase_node(call)
