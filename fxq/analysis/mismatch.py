@@ -205,6 +205,13 @@ def _named_by_dq(graph: Any, codes: str, by_tensor: dict[str, fx.Node]) -> fx.No
     return None
 
 
+def gives_codes(fq: Any) -> bool:
+    """Whether quantizer ``fq`` puts values on an integer grid (quantizing, not a float format, scale known)."""
+    cfg = getattr(fq, "config", None)
+    return (cfg is not None and getattr(cfg, "is_quantizing", False) and not cfg.is_floating
+            and cfg.scale is not None)
+
+
 def _quantizer_for(gm: fx.GraphModule, node: fx.Node, scale: np.ndarray, zp: np.ndarray,
                    quantizers: dict[str, Any]) -> Any:
     """The FakeQuantize whose grid the value of ``node`` is exported on: among the node's quantizers the one with
@@ -212,10 +219,6 @@ def _quantizer_for(gm: fx.GraphModule, node: fx.Node, scale: np.ndarray, zp: np.
     Q may read a value that the simulation computes twice under two names: RAFT's ``coords1 - coords0`` as the
     upsampled flow and as the next iteration's flow), else the node's nearest in scale."""
     from fxq.graph.info import NodeQuant, is_quantizer_node
-
-    def usable(fq: Any) -> bool:
-        return (getattr(fq.config, "is_quantizing", False) and not fq.config.is_floating
-                and fq.config.scale is not None)
 
     def exact(fq: Any) -> bool:
         s = fq.config.scale.detach().float().cpu().numpy().reshape(-1)
@@ -230,9 +233,9 @@ def _quantizer_for(gm: fx.GraphModule, node: fx.Node, scale: np.ndarray, zp: np.
     nq = node.meta.get("fxq")
     if not cands and isinstance(nq, NodeQuant) and nq.output in quantizers:
         cands.append(quantizers[nq.output])
-    cands = [fq for fq in cands if usable(fq)]
+    cands = [fq for fq in cands if gives_codes(fq)]
     same = next((fq for fq in cands if exact(fq)), None) or next(
-        (fq for fq in quantizers.values() if fq.role == "activation" and usable(fq) and exact(fq)), None)
+        (fq for fq in quantizers.values() if fq.role == "activation" and gives_codes(fq) and exact(fq)), None)
     if same is not None:
         return same
     if not cands:

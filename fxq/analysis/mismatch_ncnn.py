@@ -58,7 +58,7 @@ def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teac
     except ImportError as exc:
         raise ConfigError("comparing an ncnn file needs the ncnn package: pip install ncnn") from exc
     from fxq.analysis.engine import iter_bound_batches
-    from fxq.analysis.mismatch import MismatchReport, TensorMismatch, simulation_values
+    from fxq.analysis.mismatch import MismatchReport, TensorMismatch, gives_codes, simulation_values
     from fxq.analysis.runner import GraphRunner
     from fxq.backends.ncnn.builder import build_ncnn_model
     from fxq.backends.ncnn.islands import MODEL_NODE
@@ -97,7 +97,7 @@ def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teac
         if node.op == "output" or builder.is_quantizer(node) or node not in builder.blob_of:
             continue
         fq = next((view.get_submodule(str(u.target)) for u in node.users if builder.is_quantizer(u)
-                   and _quantizing(view.get_submodule(str(u.target)))), None)
+                   and gives_codes(view.get_submodule(str(u.target)))), None)
         own = str(node.meta.get(MODEL_NODE, node.name))  # an island's result, a fused op: the model's node
         if fq is not None:
             if own in in_model:
@@ -166,12 +166,6 @@ def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teac
         qmodel.train(training)
     return MismatchReport(records, mode="teacher-forced" if teacher_forced else "free-running", optimize=False,
                           batches=batches, unmatched=unmatched_names, runtime="ncnn int8")
-
-
-def _quantizing(fq: Any) -> bool:
-    cfg = getattr(fq, "config", None)
-    return (cfg is not None and getattr(cfg, "is_quantizing", False) and not cfg.is_floating
-            and cfg.scale is not None)
 
 
 def _batch_size(bound: dict[fx.Node, Any]) -> int:

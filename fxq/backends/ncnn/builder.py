@@ -38,6 +38,7 @@ from torch import fx, nn
 from fxq.backends.ncnn.fuse import FUSED_OPS, drop_broadcast_expands, fuse_erf_gelu, fuse_layer_norm
 from fxq.backends.ncnn.islands import FLOAT_VALUE, inline_islands, island_note
 from fxq.backends.ncnn.registry import NCNN_CONVERTERS, converts_tuples, takes_any_batch_dim, takes_high_rank
+from fxq.backends.ncnn.static import shape_only_nodes
 from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim, shape_params
 from fxq.backends.qdq.lowering import example_inputs_for
 from fxq.errors import ExportError
@@ -335,17 +336,11 @@ class NcnnBuilder:
 
     # ------------------------------------------------------------------ shape arithmetic
     def _find_static(self) -> None:
-        """Mark the values computed only from tensor shapes (``Shape`` nodes), constants and stored tensors: ONNX's
-        Shape -> Gather -> Unsqueeze -> Concat -> Reshape, and parameter arithmetic (SSD's
-        ``weight.view(1, -1, 1, 1)``, ViT's ``class_token.expand(n, -1, -1)``). ncnn has no shape tensors; such
-        values are constants of the exported file (:meth:`static_value`): numbers where a layer takes a shape,
-        ``MemoryData`` where a layer takes a tensor (:meth:`blob`), no layers of their own."""
-        for node in self.gm.graph.nodes:
-            if node.op not in ("call_module", "call_function", "call_method") or self.is_quantizer(node):
-                continue
-            ins = node.all_input_nodes
-            if self.op(node) == "Shape" or (ins and all(i in self.static_nodes or i.op == "get_attr" for i in ins)):
-                self.static_nodes.add(node)
+        """Mark the values computed only from tensor shapes, constants and stored tensors
+        (:func:`~fxq.backends.ncnn.static.shape_only_nodes`). ncnn has no shape tensors; such values are constants
+        of the exported file (:meth:`static_value`): numbers where a layer takes a shape, ``MemoryData`` where a
+        layer takes a tensor (:meth:`blob`), no layers of their own."""
+        self.static_nodes = shape_only_nodes(self.gm, self.modules)
 
     def static_value(self, node: fx.Node, probe: int | None = None) -> Any:
         """The export-time value of a shape-only node, run on stand-ins of the recorded shapes (batch 1).

@@ -84,10 +84,12 @@ def inline_islands(gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphMo
                            for t in example_inputs_for(gm, example_inputs))  # ncnn files are batch 1
     paths = list(dict.fromkeys(str(n.target) for n in nodes))
     with eval_mode(gm):  # as the ONNX exporters trace: BatchNorm statistics and dropout untouched
-        calls = record_inputs(gm, paths, [example_inputs], 1, None)
+        calls = record_inputs(gm, paths, [example_inputs], 1, None) if paths else {}
         called, values = _record_calls(gm, functions, constants, example_inputs)
-        with fp32_mode(gm):  # the FP32 file's constants: the float model's values
-            _, float_values = _record_calls(gm, {}, constants, example_inputs)
+        float_values: dict[fx.Node, torch.Tensor] = {}
+        if constants:
+            with fp32_mode(gm):  # the FP32 file's constants: the float model's values
+                _, float_values = _record_calls(gm, {}, constants, example_inputs)
     env: dict[fx.Node, fx.Node] = {}
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, env))
@@ -137,24 +139,20 @@ def _opaque_functions(gm: fx.GraphModule) -> tuple[dict[fx.Node, set[int]], list
     import inspect
 
     from fxq.backends.ncnn.registry import NCNN_CONVERTERS
-    from fxq.graph.info import is_quantizer_node
+    from fxq.backends.ncnn.static import shape_only_nodes
     from fxq.graph.op_types import op_type
 
     modules = dict(gm.named_modules())
+    static = shape_only_nodes(gm, modules)  # the writer's own numbers
     live: set[fx.Node] = set()  # depends on the network's values (not only on their shapes)
-    static: set[fx.Node] = set()  # shapes and stored tensors only, as the writer's _find_static
     found: dict[fx.Node, set[int]] = {}
     constants: list[fx.Node] = []
     for n in gm.graph.nodes:
         ins = n.all_input_nodes
-        kind = op_type(n, modules) if n.op in ("call_module", "call_function", "call_method") else ""
-        if n.op in ("call_module", "call_function", "call_method") and not is_quantizer_node(n) and (
-                kind == "Shape" or (ins and all(i in static or i.op == "get_attr" for i in ins))):
-            static.add(n)
-        elif n.op == "placeholder" or any(a in live for a in ins):
+        if n not in static and (n.op == "placeholder" or any(a in live for a in ins)):
             live.add(n)
-        if n in static or not (n.op == "call_function" and inspect.isfunction(n.target) and kind == "Unknown"
-                               and "Unknown" not in NCNN_CONVERTERS):
+        if n in static or not (n.op == "call_function" and inspect.isfunction(n.target)
+                               and op_type(n, modules) == "Unknown" and "Unknown" not in NCNN_CONVERTERS):
             continue
         if n not in live:
             if ins:
@@ -183,6 +181,8 @@ def _record_calls(gm: fx.GraphModule, calls: dict[fx.Node, set[int]], constants:
     seen: dict[fx.Node, Any] = {}
     values: dict[fx.Node, torch.Tensor] = {}
     wanted = set(constants)
+    if not calls and not wanted:
+        return seen, values
 
     class _Record(Interpreter):
         def run_node(self, n: fx.Node) -> Any:
