@@ -382,17 +382,17 @@ def check_conversion(gm: fx.GraphModule, original: onnx.ModelProto, fixed: Mappi
         _LOG.info("conversion check of %r skipped: onnxruntime cannot run the file (%s)", source, exc)
         return
     args = [torch.from_numpy(feeds[name]) for name in gm.meta["onnx"]["inputs"]]
-    failure: str | None = None
-    try:
-        with torch.no_grad():
-            got = gm(*args)
-        failure = _outputs_differ(got, outputs, ref)
+    deciding = {o for node in original.graph.node if node.op_type in _DECISIONS for o in node.output}
+    own = _fx_values(gm, args, keep=deciding.__contains__)  # fxq's own run; the deciding nodes' values kept
+    if own.failed is not None:
+        _, exc = own.failed
+        failure = f"the converted graph fails: {type(exc).__name__}: {exc}"
+    else:
+        failure = _outputs_differ(own.result, outputs, ref)
         if failure is None:
             _LOG.debug("conversion of %r checked against onnxruntime: outputs match", source)
             return
-    except Exception as exc:  # noqa: BLE001  (localized below)
-        failure = f"the converted graph fails: {type(exc).__name__}: {exc}"
-    message = _locate(gm, original, feeds, args, source, failure)
+    message = _locate(gm, original, feeds, args, source, failure, own)
     if message is not None:
         raise FrontendError(message)
 
@@ -405,9 +405,9 @@ def _outputs_differ(got: Any, names: list[str], ref: Mapping[str, np.ndarray]) -
 
 
 def _locate(gm: fx.GraphModule, original: onnx.ModelProto, feeds: dict[str, np.ndarray], args: list[torch.Tensor],
-            source: str, failure: str) -> str | None:
-    """The error message naming the ONNX node the difference comes from, or None when the conversion is right node
-    by node and the outputs differ only by float rounding accumulated over the graph (and the near-tie decisions it
+            source: str, failure: str, own: _FxRun) -> str | None:
+    """The error message naming the ONNX node the difference comes from (``own``: fxq's own run, which failed or
+    gave ``failure``), or None when the conversion is right node by node and the outputs differ only by float rounding accumulated over the graph (and the near-tie decisions it
     flips: a detector's TopK, a score threshold).
 
     Every node is judged on onnxruntime's own inputs (a teacher-forced run, :func:`_fx_values`): the first whose
@@ -434,8 +434,6 @@ def _locate(gm: fx.GraphModule, original: onnx.ModelProto, feeds: dict[str, np.n
         if d is not None:
             return (head + f"first differing ONNX node {node.name or '(unnamed)'!r} ({node.op_type}), fed "
                     f"onnxruntime's own inputs, {d}." + tail)
-    deciding = {o for node in nodes if node.op_type in _DECISIONS for o in node.output}
-    own = _fx_values(gm, args, keep=deciding.__contains__)  # fxq's own values, of the deciding nodes
     for run in (forced, own):
         if run.failed is not None:
             return head + _failing_node(*run.failed) + tail
