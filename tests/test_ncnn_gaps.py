@@ -1083,6 +1083,74 @@ def test_roll_without_dims_is_refused(tmp_path: Path) -> None:
         export(q, "ncnn_int8", tmp_path / "m")
 
 
+class _SlicedRoll(nn.Module):
+    """``torch.roll`` as the legacy ONNX exporter writes it: ``cat([x[..., s:], x[..., :s]])``, here by 0 along H
+    (Swin3D's time dim when the window covers it): one piece is empty."""
+
+    def __init__(self, shift_h: int, shift_w: int) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 4, 1)
+        self.shift_h, self.shift_w = shift_h, shift_w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv1(x))
+        y = torch.cat([y[:, :, self.shift_h:], y[:, :, :self.shift_h]], dim=2)
+        y = torch.cat([y[:, :, :, self.shift_w:], y[:, :, :, :self.shift_w]], dim=3)
+        return self.conv2(y)
+
+
+@pytest.mark.parametrize("form", ["torch", "onnx"])
+def test_empty_slices_are_left_out_of_a_concat(tmp_path: Path, form: str) -> None:
+    """ncnn blobs cannot be empty: an empty slice has no blob and the Concat reading it takes the other pieces
+    (it was refused: "slice ... is empty")."""
+    torch.manual_seed(0)
+    model: Any = _SlicedRoll(0, 5).eval()
+    if form == "onnx":
+        model = _onnx(model, (1, 3, 6, 8), tmp_path / "m.onnx")
+    _, files = check(model, (1, 3, 6, 8), tmp_path / "net")
+    assert files["fp32_param"].read_text().count("\nConcat ") == 1  # the W roll only
+
+
+def test_an_empty_slice_read_by_another_op_is_refused_by_name(tmp_path: Path) -> None:
+    class EmptyRead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 1)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = self.conv(x)
+            return y, torch.sigmoid(y[:, :, :0])
+
+    q = fxq.quantize(EmptyRead().eval(), [torch.randn(1, 3, 4, 4) for _ in range(2)], "ncnn_int8", progress=False)
+    with pytest.raises(ExportError, match=r"node 'sigmoid'.*its input 'getitem' is empty \(shape \(1, 4, 0, 4\)\)"):
+        export(q, "ncnn_int8", tmp_path / "m")
+
+
+class _WindowPad(nn.Module):
+    """Swin's window padding: ``F.pad`` by amounts computed from the input's size (a tuple holding graph values)."""
+
+    def __init__(self, window: int = 4) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 4, 1)
+        self.window = window
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv1(x))
+        pad_h = (self.window - y.shape[2] % self.window) % self.window
+        pad_w = (self.window - y.shape[3] % self.window) % self.window
+        return self.conv2(F.pad(y, (0, pad_w, 0, pad_h)))
+
+
+def test_pads_computed_from_the_input_size(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The pads are export-time numbers of the file (they were refused: "int() argument must be ... not 'Node'"),
+    with a warning that the file runs at the export size only, where they follow the input's size."""
+    with caplog.at_level(logging.WARNING):
+        _, files = check(_WindowPad().eval(), (1, 3, 6, 7), tmp_path / "net")
+    assert "Padding" in files["fp32_param"].read_text()
+    assert re.search(r"the pad of node pad is computed from the input's spatial size.*runs only at that input size",
+                     caplog.text), caplog.text
+
+
 class _OneTensorTwoRanks(nn.Module):
     """One stored tensor used with a [N, 8] value first, then with a [N, 8, H, 8] one (along W)."""
 

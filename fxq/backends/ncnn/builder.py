@@ -117,6 +117,7 @@ class NcnnBuilder:
         self.static_nodes: set[fx.Node] = set()  # values computed from shapes, constants and stored tensors
         self._static: dict[tuple[fx.Node, int | None], Any] = {}
         self._probes: list[dict[fx.Node, tuple[int, ...]]] | None = None  # :meth:`probe_shapes`
+        self._empty: set[fx.Node] = set()  # values of no element: no blob (:meth:`mark_empty`)
 
     # ------------------------------------------------------------------ graph helpers
     def is_quantizer(self, node: Any) -> bool:
@@ -193,18 +194,27 @@ class NcnnBuilder:
             return get_attr_value(self.gm, str(src.target))
         return self.static_value(src) if src in self.static_nodes else None
 
+    def shape_number(self, arg: fx.Node, node: fx.Node, what: str) -> Any:
+        """The export-time value of a shape-only ``arg`` of ``node`` (:meth:`static_value`), warned about when it
+        follows the input's spatial size (the file then runs only at the export size)."""
+        src = self.strip(arg)
+        value = self.static_value(src)
+        if self.resolution_dependent(src).any():
+            self.warn_once(f"baked:{src.name}", "ncnn export: the %s of node %s is computed from the input's "
+                           "spatial size (node %s); the ncnn file keeps its export-time value %s and runs only "
+                           "at that input size", what, node.name, src.name,
+                           value.tolist() if isinstance(value, torch.Tensor) else value)
+        return value
+
     def param(self, arg: Any, node: fx.Node, what: str) -> torch.Tensor:
         """Value of a parameter argument (a get_attr node, possibly under a quantizer, or a shape-only value: warned
         about when it follows the input's spatial size)."""
         src = self.strip(arg) if isinstance(arg, fx.Node) else arg
         value = self.fixed_value(arg)
         if isinstance(src, fx.Node) and value is not None:
-            value = torch.as_tensor(value)
-            if src in self.static_nodes and self.resolution_dependent(src).any():
-                self.warn_once(f"baked:{src.name}", "ncnn export: the %s of node %s is computed from the input's "
-                               "spatial size (node %s); the ncnn file keeps its export-time value %s and runs only "
-                               "at that input size", what, node.name, src.name, value.tolist())
-            return value.detach().float().cpu()
+            if src in self.static_nodes:
+                value = self.shape_number(src, node, what)
+            return torch.as_tensor(value).detach().float().cpu()
         if isinstance(src, torch.Tensor):
             return src.detach().float().cpu()
         raise self.fail(node, f"its {what} is computed in the graph ({src!r}), not a stored parameter",
@@ -238,6 +248,10 @@ class NcnnBuilder:
         src = self.strip(arg)
         if src in self.blob_of:
             return self.blob_of[src]
+        if src in self._empty:
+            raise self.fail(node, f"its input {src.name!r} is empty (shape {self.shape(src)}); ncnn blobs cannot be "
+                            "empty, and only a Concat can leave such a value out", "remove the empty value (an empty "
+                            "slice) from the model, or concatenate it")
         if self.is_constant(src):
             return self.constant(arg, node, like=arg)
         if src in self.static_nodes:
@@ -245,6 +259,14 @@ class NcnnBuilder:
                             "time), not a tensor of the network", "use such values only as shapes / slice bounds")
         raise self.fail(node, f"its input node {src.name!r} has no ncnn blob",
                         "only values computed by exported layers or stored tensors can feed a layer")
+
+    def mark_empty(self, node: fx.Node) -> None:
+        """``node``'s value has no element (an empty slice: ``x[:, :0]``): ncnn blobs cannot be empty, so it has no
+        blob; a ``Concat`` leaves it out, any other reader is refused (:meth:`blob`)."""
+        self._empty.add(node)
+
+    def is_empty(self, arg: Any) -> bool:
+        return isinstance(arg, fx.Node) and self.strip(arg) in self._empty
 
     def is_constant(self, arg: Any) -> bool:
         """Whether ``arg`` is a floating-point tensor fixed at export time: a stored tensor (get_attr) or a value

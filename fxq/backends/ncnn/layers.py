@@ -60,10 +60,20 @@ def _static(value: Any) -> Any:
 
 
 def _const(b: NcnnBuilder, node: fx.Node, value: Any, what: str) -> Any:
-    value = _static(value)
-    if isinstance(value, fx.Node):
-        raise b.fail(node, f"its {what} is computed in the graph", f"make {what} a Python constant")
-    return value
+    """``value`` with every node in it (``F.pad(x, (0, pad_w, 0, pad_h))``) replaced by its export-time number:
+    the recorded number of shape arithmetic, or a shape-only value (:meth:`NcnnBuilder.shape_number`)."""
+
+    def number(v: Any) -> Any:
+        if not isinstance(v, fx.Node):
+            return v
+        if b.strip(v) in b.static_nodes:
+            return b.shape_number(v, node, what)
+        fixed = _static(v)
+        if isinstance(fixed, fx.Node):
+            raise b.fail(node, f"its {what} is computed in the graph", f"make {what} a Python constant")
+        return fixed
+
+    return fx.node.map_aggregate(value, number)
 
 
 # --------------------------------------------------------------------------- weighted layers
@@ -827,8 +837,8 @@ def _broadcast_operands(b: NcnnBuilder, node: fx.Node, lhs: fx.Node, rhs: fx.Nod
 
 @register_ncnn_converter("Concat", any_batch_dim=True)
 def _concat(b: NcnnBuilder, node: fx.Node) -> None:
-    """``Concat`` (0 axis) of values of one layout; one value is itself (torchvision's detectors batch their one
-    image so, along the batch). Values whose batch of 1 lies along the concat dim, or at different dims, are
+    """``Concat`` (0 axis) of the non-empty values, of one layout; one value is itself (torchvision's detectors batch
+    their one image so, along the batch). Values whose batch of 1 lies along the concat dim, or at different dims, are
     concatenated as blobs of their whole shape (box corners ``unsqueeze(2)``-ed and joined along dim 2)."""
     if node.target is torch.stack:
         raise b.fail(node, "torch.stack adds a dimension", "use torch.cat on unsqueezed tensors")
@@ -837,6 +847,7 @@ def _concat(b: NcnnBuilder, node: fx.Node) -> None:
         tensors, dim = list(node.args), int(mod.axis)
     else:
         tensors, dim = list(_arg(node, 0, "tensors")), int(_arg(node, 1, "dim", 0))
+    tensors = [t for t in tensors if not b.is_empty(t)]  # ``torch.roll`` by 0 as slices: ``cat([x[:, 0:], x[:, :0]])``
     if len(tensors) == 1:
         b.alias(node, tensors[0], b.batch_dim(tensors[0]))
         return
@@ -1069,10 +1080,7 @@ def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: 
                              f"sample (its blobs have no batch dim; exported at batch 1, dim {d} has size {size} "
                              "and the slice is empty)", "slice the other dims, or keep the samples in a non-batch "
                              "dim (e.g. x.reshape(1, N, ...)) before slicing")
-            if hi <= lo:
-                raise b.fail(node, f"slice {item!r} of dim {d} (size {size}) is empty", "ncnn blobs cannot be empty; "
-                             "remove the empty slice")
-            ranges.append((lo, hi))
+            ranges.append((lo, max(lo, hi)))  # empty: the node has no blob (:meth:`NcnnBuilder.mark_empty`)
         elif isinstance(_static(item), int) and not isinstance(_static(item), bool):
             i = _static(item) % size
             ranges.append((i, i + 1))
@@ -1087,6 +1095,9 @@ def _crop(b: NcnnBuilder, node: fx.Node, x: fx.Node, ranges: list[tuple[int, int
           new_axes: list[int] | None = None, steps: dict[int, int] | None = None) -> None:
     """Take ``ranges`` of ``x`` (``Crop`` of the blob axes cut short; every ``steps[d]``-th element of dim ``d``),
     drop the ``dropped`` dims and add the new axes (``new_axes[d]`` of them before dim ``d``)."""
+    if any(hi == lo for lo, hi in ranges):
+        b.mark_empty(node)
+        return
     shape, bd = b.shape(x), b.batch_dim(x)
     blob = b.blob(x, node)
     if steps:
