@@ -1028,6 +1028,63 @@ def test_opaque_wrapped_functions_are_float_islands(tmp_path: Path) -> None:
     check(_onnx(model, (1, 3, 8, 16), tmp_path / "m.onnx", opset=17), (1, 3, 8, 16), tmp_path / "m_onnx")
 
 
+def _lift(x: torch.Tensor, target_dim: int) -> tuple[torch.Tensor, int]:
+    """As torchvision's MViT ``_unsqueeze``: a tensor and a number (its rank) from one wrapped call."""
+    rank = x.dim()
+    if rank == target_dim - 1:
+        x = x.unsqueeze(1)
+    return x, rank
+
+
+def _lower(x: torch.Tensor, target_dim: int, rank: int) -> torch.Tensor:
+    return x.squeeze(1) if rank == target_dim - 1 else x
+
+
+torch.fx.wrap("_lift")
+torch.fx.wrap("_lower")
+
+
+class _TensorAndRank(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv1(x)
+        n, c, h, w = y.shape
+        z, rank = _lift(y.flatten(2).transpose(1, 2), 4)
+        z = _lower(torch.relu(z), 4, rank)
+        return self.conv2(z.transpose(1, 2).reshape(n, c, h, w))
+
+
+def test_a_wrapped_function_returning_a_tensor_and_a_number(tmp_path: Path) -> None:
+    """The number is a constant of the island's trace, put in its readers' arguments (here another wrapped call,
+    whose island then takes only the tensor); it was refused ("returns tuple, not a tensor")."""
+    torch.manual_seed(0)
+    check(_TensorAndRank().eval(), (1, 3, 6, 6), tmp_path / "m")
+
+
+class _Pieces(nn.Module):
+    """``unbind`` and ``tensor_split`` (MViT's attention and its class token), as the pieces of a split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 6, 3, padding=1), nn.Conv2d(5, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv1(x)
+        n, _, h, w = y.shape
+        a, b, c = y.reshape(n, 3, 2, h, w).unbind(1)
+        head, rest = torch.tensor_split(y, (1,), dim=1)
+        return self.conv2(torch.cat([a * b + c, head, rest[:, 2:4]], 1))
+
+
+def test_unbind_and_tensor_split_pieces(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    _, files = check(_Pieces().eval(), (1, 3, 6, 6), tmp_path / "m")
+    assert "Crop" in files["fp32_param"].read_text()
+
+
 def _gate(x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(scale)
 

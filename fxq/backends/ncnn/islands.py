@@ -96,17 +96,18 @@ def inline_islands(gm: fx.GraphModule, example_inputs: Any = None) -> fx.GraphMo
     holder = nn.Module()
     modules = dict(gm.named_modules())
     for k, node in enumerate([n for n in gm.graph.nodes if n in nodes or n in functions]):
+        call = env[node]  # its arguments as they are now: an earlier island may have made a number of one
         if node.op == "call_module":
             path = str(node.target)
             recorded = calls[path].pop(0) if calls[path] else None
-            island, positions = _island_graph(gm, node, path, recorded)
+            island, positions, returned = _island_graph(gm, node, path, recorded)
         else:
             path = node.name
-            island, positions = _island_graph(gm, node, path, called.get(node), functions[node])
+            slots = {i for i in functions[node] if i < 0 or isinstance(call.args[i], fx.Node)}
+            island, positions, returned = _island_graph(gm, node, path, called.get(node), slots)
         holder.add_module(f"island{k}", island)
-        call = env[node]  # its arguments as they are now: an earlier island may have replaced one
         baked = [a for a in call.all_input_nodes if a not in [call.args[i] for i in positions]]
-        _splice(graph, call, [call.args[i] for i in positions], island, f"{_HOLDER}.island{k}", path)
+        _splice(graph, call, [call.args[i] for i in positions], island, f"{_HOLDER}.island{k}", path, returned)
         _drop_unused(graph, baked, modules)  # what only the island's constant arguments read (a quantized MLP)
     for k, node in enumerate(constants):
         if node not in values:
@@ -234,11 +235,21 @@ class _Function(nn.Module):
         return self.fn(*args, **kwargs)
 
 
-def _island_graph(gm: fx.GraphModule, node: fx.Node, path: str, recorded: Any,
-                  slots: set[int] | None = None) -> tuple[fx.GraphModule, list[int]]:
-    """The island's float ops as a GraphModule of fxq's ONNX frontend, and the positions of ``node``'s arguments
-    its placeholders stand for: a module island's tensor arguments, or an opaque function call's ``slots`` (its
-    other arguments, recorded as ``(args, kwargs)``, are constants of the trace)."""
+class _Number:
+    """A non-tensor item of an island's result (MViT's ``_unsqueeze`` returns ``(x, x.dim())``): a number of the
+    trace, put in its readers' arguments."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _island_graph(gm: fx.GraphModule, node: fx.Node, path: str, recorded: Any, slots: set[int] | None = None
+                  ) -> tuple[fx.GraphModule, list[int], list[int | _Number] | None]:
+    """The island's float ops as a GraphModule of fxq's ONNX frontend (its tensor results), the positions of
+    ``node``'s arguments its placeholders stand for (a module island's tensor arguments, or an opaque function
+    call's ``slots``: its other arguments, recorded as ``(args, kwargs)``, are constants of the trace), and for a
+    tuple result, per item, the index of its tensor among the island's outputs or the number it is (None: one
+    tensor)."""
     from fxq.backends.qdq.lowering import torch_onnx_export
     from fxq.frontends.onnx import load_onnx
 
@@ -273,14 +284,18 @@ def _island_graph(gm: fx.GraphModule, node: fx.Node, path: str, recorded: Any,
     tensors = tuple(args[i] for i in positions)
     with torch.no_grad():
         out = call(*tensors)
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    if not outs or not all(isinstance(t, torch.Tensor) for t in outs):
-        raise refuse(f"returns {type(out).__name__}, not a tensor or a tuple of tensors",
-                     "return tensors from the island module")
+    items = list(out) if isinstance(out, (tuple, list)) else [out]
+    picked = [i for i, t in enumerate(items) if isinstance(t, torch.Tensor)]
+    if not picked or not all(i in picked or _is_number(t) for i, t in enumerate(items)):
+        raise refuse(f"returns {type(out).__name__} ({[type(t).__name__ for t in items]}), not tensors (and "
+                     "numbers)", "return tensors from the island module")
+    returned = ([picked.index(i) if i in picked else _Number(t) for i, t in enumerate(items)]
+                if isinstance(out, (tuple, list)) else None)
+    call.picked = picked if returned is not None else None
     buf = io.BytesIO()
     try:
         torch_onnx_export(call, tensors, buf, opset=_OPSET, input_names=[f"x{i}" for i in range(len(tensors))],
-                          output_names=[f"y{i}" for i in range(len(outs))])
+                          output_names=[f"y{i}" for i in range(len(picked))])
         island = load_onnx(onnx.load_from_string(buf.getvalue()))
     except FxqError as exc:
         raise refuse(f"cannot be written as float ops: {exc}",
@@ -292,7 +307,12 @@ def _island_graph(gm: fx.GraphModule, node: fx.Node, path: str, recorded: Any,
                    "at input shapes %s: the file computes it at those shapes only (run it at the export's input "
                    "size), and a branch on tensor values is fixed as that example took it", path,
                    dict(ops), [tuple(t.shape) for t in tensors])
-    return island, positions
+    return island, positions, returned
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float, bool)) or value is None
+            or isinstance(value, (tuple, list)) and all(_is_number(v) for v in value))
 
 
 def _why(gm: fx.GraphModule, path: str) -> str:
@@ -307,18 +327,21 @@ class _Call(nn.Module):
         super().__init__()
         self.module = module
         self.args, self.kwargs, self.slots = list(args), kwargs, slots
+        self.picked: list[int] | None = None  # the tensor items of a tuple result (the rest are numbers)
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         args = list(self.args)
         for i, t in zip(self.slots, tensors):
             args[i] = t
-        return self.module(*args, **self.kwargs)
+        out = self.module(*args, **self.kwargs)
+        return out if self.picked is None else tuple(out[i] for i in self.picked)
 
 
 def _splice(graph: fx.Graph, call: fx.Node, args: list[fx.Node], island: fx.GraphModule, prefix: str,
-            path: str) -> None:
+            path: str, returned: list[int | _Number] | None) -> None:
     """Replace ``call`` in ``graph`` by the nodes of ``island`` (registered on the view under ``prefix``), whose
-    placeholders read ``args``."""
+    placeholders read ``args``; the readers of a tuple result's items take the island's outputs and numbers
+    (``returned``, :func:`_island_graph`)."""
     inputs = iter(args)
     env: dict[fx.Node, Any] = {}
     result: Any = None
@@ -339,18 +362,25 @@ def _splice(graph: fx.Graph, call: fx.Node, args: list[fx.Node], island: fx.Grap
                 new.meta = {"onnx": onnx_meta, ISLAND_META: path} if onnx_meta else {ISLAND_META: path}
                 env[n] = new
     made = set(env.values())
-    if isinstance(result, fx.Node):
+    if returned is None:
         call.replace_all_uses_with(result)
         if result in made:
             result.meta[MODEL_NODE] = call.name
-    else:
-        for user in list(call.users):
-            if not (user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)):
-                raise ExportError(f"ncnn export: FP32 island {path!r} returns several tensors and node {user.name!r} "
-                                  "reads them as a whole. Fix: index the island's result (out[0], out[1]) in the "
-                                  "model")
-            user.replace_all_uses_with(result[user.args[1]])
-            if result[user.args[1]] in made:
-                result[user.args[1]].meta[MODEL_NODE] = user.name
-            graph.erase_node(user)
+        graph.erase_node(call)
+        return
+    outputs = [result] if isinstance(result, fx.Node) else list(result)
+    for user in list(call.users):
+        if not (user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)):
+            raise ExportError(f"ncnn export: FP32 island {path!r} returns several values and node {user.name!r} "
+                              "reads them as a whole. Fix: index the island's result (out[0], out[1]) in the model")
+        item = returned[user.args[1]]
+        if isinstance(item, _Number):
+            for reader in list(user.users):
+                reader.args, reader.kwargs = fx.node.map_arg((reader.args, reader.kwargs),
+                                                             lambda a, u=user, v=item.value: v if a is u else a)
+        else:
+            user.replace_all_uses_with(outputs[item])
+            if outputs[item] in made:
+                outputs[item].meta[MODEL_NODE] = user.name
+        graph.erase_node(user)
     graph.erase_node(call)

@@ -935,19 +935,25 @@ def _reshape_params(b: NcnnBuilder, node: fx.Node, x: fx.Node, out_bd: int | Non
 
 @register_ncnn_converter("Slice", any_batch_dim=True, high_rank=True)
 def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
-    """``x[...]`` with ints, unit-step slices and ``...``, and the pieces of ``split`` / ``chunk``: a ``Crop``
-    (9 starts, 10 ends, 11 axes) of the blob, then a ``Reshape`` when an int index drops a non-batch dim."""
+    """``x[...]`` with ints, unit-step slices and ``...``, and the pieces of ``split`` / ``chunk`` /
+    ``tensor_split`` / ``unbind``: a ``Crop`` (9 starts, 10 ends, 11 axes) of the blob, then a ``Reshape`` when an
+    int index drops a non-batch dim."""
     src = node.args[0]
     index = _onnx_slice_index(b, node) if b.module(node) is not None else node.args[1]
     val = src.meta.get("val") if isinstance(src, fx.Node) else None
     if isinstance(val, (tuple, list)) and b.op(src) == "Split" and isinstance(index, int):
         x = _arg(src, 0, "input")
-        split_mod = b.module(src)  # the ONNX frontend's Split (``axis``), else torch.split / chunk (``dim``)
-        dim_arg = split_mod.axis if split_mod is not None and hasattr(split_mod, "axis") else _arg(src, 2, "dim", 0)
+        split_mod = b.module(src)  # the ONNX frontend's Split (``axis``), else torch's split / chunk / tensor_split
+        unbind = src.target in (torch.unbind, "unbind")  # pieces without the dim: x[:, i]
+        dim_arg = (split_mod.axis if split_mod is not None and hasattr(split_mod, "axis")
+                   else _arg(src, 1 if unbind else 2, "dim", 0))
         dim = int(_const(b, node, dim_arg, "dim")) % len(b.shape(x))
-        sizes = [int(t.shape[dim]) for t in val]
-        start = sum(sizes[:index % len(sizes)])
-        index = (slice(None),) * dim + (slice(start, start + sizes[index]),)
+        if unbind:
+            index = (slice(None),) * dim + (index % len(val),)
+        else:
+            sizes = [int(t.shape[dim]) for t in val]
+            start = sum(sizes[:index % len(sizes)])
+            index = (slice(None),) * dim + (slice(start, start + sizes[index]),)
     elif isinstance(val, torch.Tensor):
         x = src
     else:
