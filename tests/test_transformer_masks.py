@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import io
 import math
 import pathlib
 
@@ -262,6 +263,31 @@ class HandWrittenBert(nn.Module):
         return self.head(self.norm(x + self.out(y))[:, 0])
 
 
+class SdpaBoolMask(nn.Module):
+    """SDPA with a boolean padding mask input: torch.onnx writes the mask as ``Where(mask, 0, -inf)`` (the legacy
+    exporter) or ``finfo.min`` (dynamo), added to the logits by an ONNX ``Add``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x, keep):
+        q, k, v = self.qkv(x).view(x.shape[0], SEQ, 3, 4, DIM // 4).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :].bool())
+        return self.out(y.transpose(1, 2).reshape(x.shape))
+
+
+def _onnx_loaded(model: nn.Module, batch: tuple, dynamo: bool) -> fx.GraphModule:
+    """``model`` as a user's ONNX file of it: exported by torch.onnx, loaded by fxq."""
+    if dynamo:
+        proto = torch.onnx.export(model, batch, dynamo=True, verbose=False).model_proto
+    else:
+        buf = io.BytesIO()
+        torch.onnx.export(model, batch, buf, dynamo=False, opset_version=17)
+        proto = onnx.load_from_string(buf.getvalue())
+    return fxq.load_onnx(proto)
+
+
 def _tiny_vit() -> nn.Module:
     from torchvision.models import VisionTransformer
 
@@ -282,9 +308,13 @@ def _case(name: str) -> tuple[nn.Module, list[tuple]]:
     g = torch.Generator().manual_seed(0)
     if name == "bert_padding":
         return _example().PaddedClassifier().eval(), [_tokens(g) for _ in range(3)]
-    if name == "hand_written_bert":
-        batches = [_tokens(g) for _ in range(3)]
-        return HandWrittenBert().eval(), [(t, (~p).long()) for t, p in batches]
+    if name.startswith("hand_written_bert"):
+        batches = [(t, (~p).long()) for t, p in (_tokens(g) for _ in range(3))]
+        bert = HandWrittenBert().eval()
+        return (bert if name == "hand_written_bert" else _onnx_loaded(bert, batches[0], dynamo=False)), batches
+    if name.startswith("sdpa_bool_mask"):
+        batches = [(torch.randn(4, SEQ, DIM, generator=g), (~_tokens(g, 4)[1]).long()) for _ in range(3)]
+        return _onnx_loaded(SdpaBoolMask().eval(), batches[0], dynamo=name.endswith("dynamo")), batches
     if name == "vit":
         return _tiny_vit().eval(), [(torch.randn(4, 3, 16, 16, generator=g),) for _ in range(3)]
     if name in ("gpt_sdpa_causal", "gpt_masked_fill"):
@@ -293,7 +323,10 @@ def _case(name: str) -> tuple[nn.Module, list[tuple]]:
     return MHAFloatMasks().eval(), [(torch.randn(4, SEQ, DIM, generator=g), p) for p in padding]
 
 
-CASES = ["bert_padding", "hand_written_bert", "vit", "gpt_sdpa_causal", "gpt_masked_fill", "mha_float_masks"]
+CASES = ["bert_padding", "hand_written_bert", "vit", "gpt_sdpa_causal", "gpt_masked_fill", "mha_float_masks",
+         "hand_written_bert_onnx", "sdpa_bool_mask_onnx", "sdpa_bool_mask_dynamo"]
+"""``*_onnx`` / ``*_dynamo``: the ONNX files torch's two exporters write, loaded by fxq: the masks are ONNX ops
+(``Where``, ``Cast``, ``Unsqueeze``, an ONNX ``Add``), which were quantized (NaN, or an infinite scale)."""
 
 
 def _first(out):
@@ -313,6 +346,7 @@ def test_masked_transformers_quantize_and_export(name, platform, tmp_path):
         assert r.platform == platform and r.inputs and all("ACTIVATED" in i for i in r.inputs), r
     masked = [r for r in rows if r.op_type == ATTENTION_MASK_OP]
     assert all(r.platform == "fp32" and not r.inputs for r in masked)  # the -inf step stays float
+    assert masked or not name.endswith(("_onnx", "_dynamo"))  # the files' mask adds became mask steps
     for fq in q.fxq_quantizers.values():
         assert torch.isfinite(fq.scale).all()  # no quantizer calibrated on -inf
     with torch.no_grad():
@@ -406,3 +440,30 @@ def test_sdpa_with_a_mask_is_decomposed_on_the_torch_export_path_too():
     with torch.no_grad():
         out, ref = q(*data[1]), model(*data[1])
     assert not out.isnan().any() and float((out - ref).norm() / ref.norm()) < 0.05
+
+
+def test_a_sentinel_tensor_fxq_does_not_recognise_is_refused_with_a_fix_that_works():
+    """A -inf mask added outside attention (no softmax reads it) reaches a quantizer: calibration names the quantizer
+    and the node reading it, and the dispatching-table entry it advises keeps that node FP32 and calibrates."""
+
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+        def forward(self, x, keep):
+            masked = torch.where(keep[:, :, None].bool(), 0.0, float("-inf"))
+            return self.fc2(torch.relu(self.fc1(x) + masked).clamp(max=6.0))
+
+    torch.manual_seed(0)
+    keep = torch.ones(2, SEQ, dtype=torch.long)
+    keep[1, 3:] = 0
+    data = [(torch.randn(2, SEQ, DIM), keep) for _ in range(2)]
+    with pytest.raises(fxq.errors.CalibrationError, match=r"quantizer '\w+' \(read by \['add'\]\).*NaN or Inf.*"
+                       r"attention mask.*dispatching_table = \{'add': 'fp32'\}"):
+        fxq.quantize(Gated().eval(), data, "trt_int8", progress=False)
+    setting = fxq.QuantizationSetting()
+    setting.dispatching_table = {"add": "fp32"}
+    q = fxq.quantize(Gated().eval(), data, "trt_int8", setting, progress=False)
+    with torch.no_grad():
+        assert not q(*data[0]).isnan().any()

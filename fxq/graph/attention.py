@@ -119,9 +119,12 @@ def _sdpa_arguments(node: fx.Node) -> dict[str, Any]:
     return bound
 
 
-def _is_plain_add(node: fx.Node) -> bool:
+def _is_plain_add(node: fx.Node, modules: dict[str, Any]) -> bool:
+    """``a + b``: torch's add without ``alpha``, or an ONNX ``Add`` (a module of the ONNX frontend)."""
     if node.op == "call_function" and node.target in (operator.add, torch.add):
         return len(node.args) == 2 and not node.kwargs
+    if node.op == "call_module":
+        return op_type(node, modules) == "Add" and len(node.args) == 2 and not node.kwargs
     return node.op == "call_method" and node.target == "add" and len(node.args) == 2 and not node.kwargs
 
 
@@ -140,8 +143,10 @@ def _is_mask_like(value: Any, gm: fx.GraphModule, modules: dict[str, Any]) -> bo
         if node.op == "get_attr":
             if isinstance(get_attr_value(gm, str(node.target)), nn.Parameter):
                 return False
-        elif node.op == "call_module" or (node.op != "placeholder" and op_type(node, modules) in _WEIGHTED_OPS):
+        elif node.op != "placeholder" and op_type(node, modules) in _WEIGHTED_OPS:
             return False
+        elif node.op == "call_module" and next(modules[str(node.target)].parameters(), None) is not None:
+            return False  # a layer with weights; the ONNX frontend's ops (Where, Cast, Unsqueeze) hold none
         stack.extend(node.all_input_nodes)
     return True
 
@@ -155,7 +160,7 @@ def route_mask_adds(gm: fx.GraphModule) -> int:
     modules = dict(gm.named_modules())
     routed = 0
     for node in list(gm.graph.nodes):
-        if not _is_plain_add(node) or not node.users:
+        if not _is_plain_add(node, modules) or not node.users:
             continue
         if not all(op_type(u, modules) == "Softmax" for u in node.users):
             continue

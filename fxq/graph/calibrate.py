@@ -9,7 +9,7 @@ import torch
 from torch import fx
 from tqdm.auto import tqdm
 
-from fxq.errors import CalibrationError
+from fxq.errors import CalibrationError, ConfigError, ObserverError
 from fxq.functional import representable_range
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
 from fxq.graph.data import (
@@ -57,6 +57,22 @@ def calibrate_parameters(gm: fx.GraphModule) -> None:
 
 
 @torch.no_grad()
+def _compute_qparams(name: str, fq: FakeQuantize, quant_graph: QuantGraph) -> None:
+    """``fq.compute_qparams()``; a range no grid can hold (NaN, infinities, float32's limit) is refused naming the
+    quantizer and the nodes reading it, with the setting that keeps them FP32: such values are mostly sentinels
+    (an additive attention mask of ``-inf`` / ``finfo.min`` fxq did not recognise), not bad data."""
+    try:
+        fq.compute_qparams()
+    except (ConfigError, ObserverError) as exc:
+        readers = quant_graph.consumers(name) or ["<node>"]
+        table = "{" + ", ".join(f"{r!r}: 'fp32'" for r in readers) + "}"
+        raise CalibrationError(
+            f"quantizer {name!r} (read by {readers}) cannot be calibrated: {exc}. A tensor of NaN, infinities or "
+            "values near float32's limit has no int8 grid; if the calibration data is finite, the tensor holds "
+            "sentinels (an additive attention mask of -inf / finfo.min is the usual one). Fix: keep the nodes "
+            f"reading it in FP32: setting.dispatching_table = {table}") from exc
+
+
 def calibrate(
     model: fx.GraphModule,
     data: Any,
@@ -89,7 +105,8 @@ def calibrate(
     if bake:
         bake_parameters(model)
     observing = []
-    for _, fq in QuantGraph(model).quantizers():
+    quant_graph = QuantGraph(model)
+    for _, fq in quant_graph.quantizers():
         if fq.role == "bias":
             fq.set_mode("disabled")
         elif fq.role == "activation" or fq.param is None:
@@ -119,9 +136,10 @@ def calibrate(
         for fq in observing:
             if fq.observer.passes > p + 1:
                 fq.observer.next_pass()
-    for fq in observing:
-        fq.compute_qparams()
-        fq.set_mode("quantize")
+    for name, fq in quant_graph.quantizers():
+        if any(fq is o for o in observing):
+            _compute_qparams(name, fq, quant_graph)
+            fq.set_mode("quantize")
     protect_mixed_range(model)
     apply_alignment(model)
     derive_passive_parameters(model)
