@@ -312,6 +312,35 @@ def test_export_captured_aten_ops_round_trip(tmp_path):
         assert torch.equal(again(data[1]), q(data[1]))
 
 
+class _Anchors(nn.Module):
+    """Tensor methods torch.export keeps as their aten ops (``aten.type_as``, ``aten.view_as``...): Ultralytics'
+    ``make_anchors`` writes ``torch.arange(w).type_as(feats)``; ``h, w = y.shape[2:]`` sends fxq to torch.export."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        h, w = y.shape[2:]
+        sx = torch.arange(w).type_as(y) + 0.5
+        sy = torch.arange(h).to(torch.float32).view_as(torch.empty(h, 1)) + 0.5
+        return (y + sx + sy).reshape_as(y)
+
+
+def test_export_captured_tensor_methods_round_trip(tmp_path):
+    """They were refused by fxq.save ("aten::type_as ... not in the allow-list") after a capture that worked."""
+    g = torch.Generator().manual_seed(0)
+    data = [torch.rand(1, 3, 8, 8, generator=g) for _ in range(2)]
+    q = fxq.quantize(_Anchors().eval(), data, "trt_int8", progress=False, capture="export")
+    aten_ops = {n.target._schema.name for n in q.graph.nodes
+                if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
+    assert {"aten::type_as", "aten::view_as", "aten::reshape_as"} & aten_ops, aten_ops
+    again = fxq.load(fxq.save(q, tmp_path / "anchors.fxq"))
+    with torch.no_grad():
+        assert torch.equal(again(data[1]), q(data[1]))
+
+
 def test_aten_rule_admits_only_functional_safe_overloads():
     """The aten rule over torch's whole registry: nothing admitted writes its arguments (but copy_), takes a
     storage or a free string, or is a memory / file op, even when torch tags it core (as_strided is)."""

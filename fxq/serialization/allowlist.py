@@ -30,7 +30,8 @@ aten overload is admitted by a rule, applied to torch's own registry of overload
 3. no argument is a ``Storage``, ``Stream`` or untyped (``Any``) value, and every ``str`` argument is an option
    word of :data:`_ATEN_STR_ARGS` (``approximate``, ``rounding_mode``...), never a file name or free string;
 4. it is tagged ``torch.Tag.core`` or ``torch.Tag.pointwise``, or its op is one of :data:`_ATEN_LISTED` (the
-   non-core ops fxq graphs hold: torch-level functions export keeps as aten ops, ``grid_sampler``...).
+   non-core ops fxq graphs hold: torch-level functions export keeps as aten ops, ``grid_sampler``...) or of
+   :data:`TENSOR_METHODS` (export keeps a method call as its aten op: ``aten.type_as``, ``aten.view_as``).
 
 aten packets (``torch.ops.aten.add`` without an overload) are refused: the overload a packet runs is chosen from
 the call's arguments at run time, and torch.export graphs hold overloads.
@@ -458,7 +459,8 @@ def aten_refusal(op: torch._ops.OpOverload) -> str | None:
             return f"its argument {arg.name!r} is a {kind}"
         if "str" in kind and arg.name not in _ATEN_STR_ARGS:
             return f"its argument {arg.name!r} is a free string"
-    if not {torch.Tag.core, torch.Tag.pointwise} & set(op.tags) and base not in _ATEN_LISTED + _ATEN_WRITES:
+    if (not {torch.Tag.core, torch.Tag.pointwise} & set(op.tags) and base not in _ATEN_LISTED + _ATEN_WRITES
+            and base not in TENSOR_METHODS):
         return "it is neither core ATen nor pointwise, and not among the aten ops fxq graphs hold"
     return None
 
