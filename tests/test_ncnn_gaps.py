@@ -1323,3 +1323,28 @@ def test_wrapped_function_edge_cases(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match=r"'_merge'.*inside a list, tuple or keyword"):
         export(q, "ncnn", tmp_path / "nested")
     check(_ShapeFunction().eval(), (1, 3, 8, 8), tmp_path / "ramp")
+
+
+class _SequencePooler(nn.Module):
+    """What Hugging Face models write: a softmax in float32 cast back to the input's dtype (a float32 -> float32
+    Cast), and a pooler over the sequence (``nn.AdaptiveAvgPool1d(1)`` on (N, C, L), Swin's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.head = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.pool = nn.AdaptiveAvgPool1d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.l2(F.softmax(self.l1(x), dim=-1, dtype=torch.float32).to(x.dtype))
+        return self.head(torch.flatten(self.pool(y.transpose(1, 2)), 1))
+
+
+@pytest.mark.parametrize("form", ["torch", "onnx"])
+def test_float_casts_and_sequence_pooling(tmp_path: Path, form: str) -> None:
+    """Both were refused (no converter for 'Cast'; "only 2-D and 3-D adaptive pooling")."""
+    torch.manual_seed(0)
+    model: Any = _SequencePooler().eval()
+    if form == "onnx":
+        model = _onnx(model, (1, 8, 16), tmp_path / "m.onnx", opset=17)
+    _, files = check(model, (1, 8, 16), tmp_path / "net")
+    assert "Reduction" in files["fp32_param"].read_text()

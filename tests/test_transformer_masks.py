@@ -467,3 +467,14 @@ def test_a_sentinel_tensor_fxq_does_not_recognise_is_refused_with_a_fix_that_wor
     q = fxq.quantize(Gated().eval(), data, "trt_int8", setting, progress=False)
     with torch.no_grad():
         assert not q(*data[0]).isnan().any()
+
+
+def test_a_linear_bias_before_a_softmax_in_an_onnx_file_is_no_mask():
+    """An ONNX file writes a Linear as MatMul + Add of a stored bias: that Add before a softmax is data, quantized,
+    not a mask step (a stored constant is a mask only with a mask's fill: -inf, finfo.min, -10000)."""
+    model = nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, 4), nn.Softmax(dim=-1)).eval()
+    x = torch.randn(2, SEQ, DIM)  # 3-D: MatMul + Add (a 2-D input is one Gemm)
+    buf = io.BytesIO()
+    torch.onnx.export(model, (x,), buf, dynamo=False, opset_version=17)
+    q = fxq.quantize(fxq.load_onnx(onnx.load_from_string(buf.getvalue())), [x, x], "trt_int8", progress=False)
+    assert ATTENTION_MASK_OP not in {r.op_type for r in fxq.summary(q).layers}

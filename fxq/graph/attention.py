@@ -14,6 +14,7 @@ torch.export) into these ops; the module decompositions in :mod:`fxq.graph.decom
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from typing import Any
 
@@ -128,27 +129,53 @@ def _is_plain_add(node: fx.Node, modules: dict[str, Any]) -> bool:
     return node.op == "call_method" and node.target == "add" and len(node.args) == 2 and not node.kwargs
 
 
+_SENTINEL = 1e4
+"""A mask's fill: ``-inf``, ``finfo.min`` or old BERT's ``-10000.0`` (any constant this large or non-finite)."""
+
+
 def _is_mask_like(value: Any, gm: fx.GraphModule, modules: dict[str, Any]) -> bool:
-    """Computed from graph inputs, buffers and constants only, through no weighted op and no parameter: data a
-    model adds to attention logits as a mask (a learned bias, e.g. Swin's relative positions, is not one)."""
+    """Computed through no weighted op and no parameter from graph inputs (a padding mask), or from constants of
+    which one is a mask's fill (:data:`_SENTINEL`: a causal mask of ``-inf``): data a model adds to attention
+    logits as a mask. A learned or stored bias (a Linear's bias in an ONNX file, Swin's relative positions) is
+    not one."""
     if not isinstance(value, fx.Node):
         return False
     seen: set[fx.Node] = set()
     stack = [value]
+    masks = False  # read an input or a mask's fill
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        if node.op == "get_attr":
-            if isinstance(get_attr_value(gm, str(node.target)), nn.Parameter):
+        if node.op == "placeholder":
+            masks = True
+        elif node.op == "get_attr":
+            stored = get_attr_value(gm, str(node.target))
+            if isinstance(stored, nn.Parameter):
                 return False
-        elif node.op != "placeholder" and op_type(node, modules) in _WEIGHTED_OPS:
+            masks = masks or _holds_sentinel(stored)
+        elif op_type(node, modules) in _WEIGHTED_OPS:
             return False
         elif node.op == "call_module" and next(modules[str(node.target)].parameters(), None) is not None:
             return False  # a layer with weights; the ONNX frontend's ops (Where, Cast, Unsqueeze) hold none
+        else:
+            masks = masks or any(_holds_sentinel(a) for a in _literals((node.args, node.kwargs)))
         stack.extend(node.all_input_nodes)
-    return True
+    return masks
+
+
+def _literals(value: Any) -> list[Any]:
+    found: list[Any] = []
+    fx.node.map_aggregate(value, lambda a: None if isinstance(a, fx.Node) else found.append(a))
+    return found
+
+
+def _holds_sentinel(value: Any) -> bool:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+        return bool((~torch.isfinite(value)).any() or value.abs().max() >= _SENTINEL)
+    return isinstance(value, float) and not math.isfinite(value) or isinstance(value, (int, float)) and not \
+        isinstance(value, bool) and abs(value) >= _SENTINEL
 
 
 def route_mask_adds(gm: fx.GraphModule) -> int:

@@ -649,15 +649,20 @@ def _pool3d(b: NcnnBuilder, node: fx.Node, is_max: bool) -> None:
 
 def _adaptive(b: NcnnBuilder, node: fx.Node, pool_type: int) -> None:
     """Adaptive pooling: ``Pooling`` for (N, C, H, W), ``Pooling3D`` for (N, C, D, H, W) (7 adaptive, 8/18/28 out
-    w/h/d), so the output keeps its pooled dims as torch's does."""
+    w/h/d), so the output keeps its pooled dims as torch's does; (N, C, L) pooled to one value per channel (a
+    pooler over a sequence) is a ``Reduction`` along L, keeping the dim."""
     x = node.args[0]
     if len(b.shape(x)) == 5:
         _, _, od, oh, ow = b.shape(node)
         b.emit(node, "Pooling3D", [b.blob(x, node)], {0: pool_type, 7: 1, 8: ow, 18: oh, 28: od})
         return
+    if len(b.shape(x)) == 3 and b.shape(node)[-1] == 1:  # (N, C, L) to one value per channel: nn.AdaptiveAvgPool1d(1)
+        b.emit(node, "Reduction", [b.blob(x, node)], {0: 3 if pool_type == 1 else 4, 1: 0,
+                                                        3: [b.ncnn_axis(node, 2, x)], 4: 1, 5: 1})
+        return
     if len(b.shape(x)) != 4:
-        raise b.fail(node, "only 2-D and 3-D adaptive pooling is exported", "use a (N, C, H, W) or (N, C, D, H, W) "
-                     "input")
+        raise b.fail(node, "only 2-D and 3-D adaptive pooling, and 1-D pooling to one value, is exported",
+                     "use a (N, C, H, W) or (N, C, D, H, W) input")
     _, _, oh, ow = b.shape(node)
     b.emit(node, "Pooling", [b.blob(x, node)], {0: pool_type, 7: 1, 8: ow, 18: oh})
 
@@ -665,6 +670,20 @@ def _adaptive(b: NcnnBuilder, node: fx.Node, pool_type: int) -> None:
 @register_ncnn_converter("GlobalAveragePool", "GlobalMaxPool")
 def _global_pool(b: NcnnBuilder, node: fx.Node) -> None:
     _adaptive(b, node, 1 if b.op(node) == "GlobalAveragePool" else 0)
+
+
+@register_ncnn_converter("Cast", any_batch_dim=True, high_rank=True)
+def _cast(b: NcnnBuilder, node: fx.Node) -> None:
+    """A float value cast to float32 (``softmax(..., dtype=torch.float32).to(q.dtype)`` in attention written for
+    half precision; ONNX ``Cast`` to FLOAT) is itself: ncnn computes in float32. Other casts of network values
+    (to integers, to half) change the values and are refused."""
+    x = node.args[0]
+    src, out = (b.strip(x).meta.get("val"), node.meta.get("val")) if isinstance(x, fx.Node) else (None, None)
+    if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dtype == out.dtype
+            == torch.float32):
+        raise b.fail(node, f"it casts a {getattr(src, 'dtype', '?')} value to {getattr(out, 'dtype', '?')}; ncnn "
+                     "computes in float32", "cast integers only in shape arithmetic, and keep network values float32")
+    b.alias(node, x, b.batch_dim(x))
 
 
 _REDUCTION = {"ReduceSum": 0, "ReduceSumSquare": 2, "ReduceMean": 3, "ReduceMax": 4, "ReduceMin": 5, "ReduceProd": 6,
