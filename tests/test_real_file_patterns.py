@@ -112,3 +112,33 @@ def test_renaming_a_tensor_follows_reads_inside_if_bodies():
     else_g = next(a.g for a in if_node.attribute if a.name == "else_branch")
     assert list(then_g.node[0].input) == ["relu_out"]  # the outer value, renamed
     assert list(else_g.node[1].input) == ["a"]  # the body's own 'a' stays
+
+
+class _TokenModel(nn.Module):
+    """GPT-2's first step: token ids reshaped by a size read from themselves, then an embedding lookup."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc1, self.fc2 = nn.Embedding(100, 32), nn.Linear(32, 64), nn.Linear(64, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(self.emb(ids.view(-1, ids.shape[-1])))))
+
+
+@pytest.mark.parametrize("form", ["native", "onnx-dynamic", "onnx-static"])
+def test_an_embedding_of_ids_shaped_by_their_own_size_is_quantized(tmp_path, form):
+    """The ids are integer shape-like values, but the lookup in the stored float table is data: everything after
+    it was dispatched as shape arithmetic, nothing was quantized and no file held a QuantizeLinear."""
+    torch.manual_seed(0)
+    model = _TokenModel().eval()
+    ids = torch.randint(0, 100, (2, 16))
+    if form != "native":
+        path = tmp_path / "m.onnx"
+        torch.onnx.export(model, (ids,), str(path), dynamo=False, opset_version=14, input_names=["ids"],
+                          dynamic_axes={"ids": {0: "b", 1: "s"}} if form == "onnx-dynamic" else None)
+        model = fxq.load_onnx(path)
+    q = fxq.quantize(model, [ids, ids], "trt_int8", progress=False)
+    quantized = [r for r in fxq.summary(q).layers if r.platform == "trt_int8"]
+    assert sum(r.op_type in ("MatMul", "Gemm") for r in quantized) == 2, fxq.summary(q)
+    out = next(p for p in fxq.export(q, "trt_int8", tmp_path / "q.onnx") if str(p).endswith("q.onnx"))
+    assert sum(n.op_type == "QuantizeLinear" for n in onnx.load(str(out)).graph.node) >= 4

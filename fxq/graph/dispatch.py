@@ -18,6 +18,7 @@ from torch import fx, nn
 
 from fxq.errors import ConfigError
 from fxq.graph.info import match_node_name, node_names
+from fxq.graph.nodes import get_attr_value
 from fxq.graph.op_types import op_type
 from fxq.qconfig.base import COMPUTING_OPS, RECURRENT_OPS, SHAPE_OPS, Capability, Platform, get_platform
 from fxq.registry import Registry, close_names
@@ -63,7 +64,9 @@ def _data_inputs(node: fx.Node) -> list[fx.Node]:
 
 def shape_nodes(gm: fx.GraphModule, modules: dict[str, nn.Module]) -> set[fx.Node]:
     """Nodes that compute shapes or indices (forward from shape ops and non-float values, backward
-    from values consumed only by such nodes)."""
+    from values consumed only by such nodes). A lookup in a stored float table (an embedding) is data whatever
+    computed its indices: GPT-2's ``input_ids.view(-1, input_ids.shape[-1])`` made the whole model shape
+    arithmetic, quantizing nothing."""
     shape: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
@@ -72,6 +75,8 @@ def shape_nodes(gm: fx.GraphModule, modules: dict[str, nn.Module]) -> set[fx.Nod
         val = node.meta.get("val")
         if t in SHAPE_OPS or ("val" in node.meta and not _has_float(val)):
             shape.add(node)
+            continue
+        if t == "Gather" and _reads_stored_floats(node, gm, modules):
             continue
         ins = _data_inputs(node)
         if ins and all(i in shape for i in ins):
@@ -189,6 +194,16 @@ def dispatch(
                        "keeps them FP32 as the exported file does: %s", len(kept), platform.name,
                        "; ".join(f"{name} ({why})" for name, why in kept.items()))
     return result
+
+
+def _reads_stored_floats(node: fx.Node, gm: fx.GraphModule, modules: dict[str, nn.Module]) -> bool:
+    """Whether ``node`` reads a stored float tensor: a float parameter or buffer of its module, or a float
+    ``get_attr`` argument."""
+    stored = [get_attr_value(gm, str(a.target)) for a in node.all_input_nodes if a.op == "get_attr"]
+    if node.op == "call_module":
+        mod = modules[str(node.target)]
+        stored += [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]
+    return any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in stored)
 
 
 def _has_float(val: Any) -> bool:
