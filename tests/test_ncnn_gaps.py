@@ -1064,6 +1064,29 @@ def test_a_wrapped_function_returning_a_tensor_and_a_number(tmp_path: Path) -> N
     check(_TensorAndRank().eval(), (1, 3, 6, 6), tmp_path / "m")
 
 
+def _doubled(x: torch.Tensor) -> tuple[torch.Tensor]:
+    return (x * 2,)
+
+
+torch.fx.wrap("_doubled")
+
+
+class _OneItemTuple(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv2(_doubled(self.conv1(x))[0])
+
+
+def test_a_wrapped_function_returning_a_one_item_tuple(tmp_path: Path) -> None:
+    """Its reader indexes the island's one output: the output itself was put in place of the tuple, so ``[0]``
+    took the first row of the tensor."""
+    torch.manual_seed(0)
+    check(_OneItemTuple().eval(), (1, 3, 6, 6), tmp_path / "m")
+
+
 class _Pieces(nn.Module):
     """``unbind`` and ``tensor_split`` (MViT's attention and its class token), as the pieces of a split."""
 
@@ -1168,18 +1191,23 @@ def test_empty_slices_are_left_out_of_a_concat(tmp_path: Path, form: str) -> Non
     assert files["fp32_param"].read_text().count("\nConcat ") == 1  # the W roll only
 
 
-def test_an_empty_slice_read_by_another_op_is_refused_by_name(tmp_path: Path) -> None:
-    class EmptyRead(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv = nn.Conv2d(3, 4, 1)
+class _EmptyRead(nn.Module):
+    def __init__(self, concat: bool) -> None:
+        super().__init__()
+        self.conv, self.concat = nn.Conv2d(3, 4, 1), concat
 
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            y = self.conv(x)
-            return y, torch.sigmoid(y[:, :, :0])
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.conv(x)
+        empty = torch.cat([y[:, :0], y[:, 1:1]], 1) if self.concat else y[:, :, :0]
+        return y, torch.sigmoid(empty)
 
-    q = fxq.quantize(EmptyRead().eval(), [torch.randn(1, 3, 4, 4) for _ in range(2)], "ncnn_int8", progress=False)
-    with pytest.raises(ExportError, match=r"node 'sigmoid'.*its input 'getitem' is empty \(shape \(1, 4, 0, 4\)\)"):
+
+@pytest.mark.parametrize(("concat", "source"), [(False, "getitem"), (True, "cat")], ids=["slice", "concat"])
+def test_an_empty_value_read_by_another_op_is_refused_by_name(tmp_path: Path, concat: bool, source: str) -> None:
+    """Also a Concat of empty pieces only: it is empty itself."""
+    q = fxq.quantize(_EmptyRead(concat).eval(), [torch.randn(1, 3, 4, 4) for _ in range(2)], "ncnn_int8",
+                     progress=False)
+    with pytest.raises(ExportError, match=rf"node 'sigmoid'.*its input '{source}' is empty \(shape \(1, "):
         export(q, "ncnn_int8", tmp_path / "m")
 
 

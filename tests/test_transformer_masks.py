@@ -478,3 +478,31 @@ def test_a_linear_bias_before_a_softmax_in_an_onnx_file_is_no_mask():
     torch.onnx.export(model, (x,), buf, dynamo=False, opset_version=17)
     q = fxq.quantize(fxq.load_onnx(onnx.load_from_string(buf.getvalue())), [x, x], "trt_int8", progress=False)
     assert ATTENTION_MASK_OP not in {r.op_type for r in fxq.summary(q).layers}
+
+
+def test_a_mask_expanded_to_sizes_read_from_a_layer_norm_is_a_mask():
+    """A dynamic-axes file at opset 17 expands the mask to sizes read (Shape) from a LayerNormalization's output:
+    the walk followed the size read into the layer and took the mask for data (quantized: NaN)."""
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.qkv, self.out = nn.LayerNorm(DIM), nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+
+        def forward(self, x, keep):
+            x = self.ln(x)
+            q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, DIM // 4).permute(2, 0, 3, 1, 4)
+            m = keep[:, None, None, :].bool().expand(x.shape[0], 1, x.shape[1], x.shape[1])
+            return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=m).transpose(1, 2).reshape(x.shape))
+
+    torch.manual_seed(0)
+    x, keep = torch.randn(2, SEQ, DIM), torch.ones(2, SEQ, dtype=torch.long)
+    keep[1, 3:] = 0
+    buf = io.BytesIO()
+    torch.onnx.export(Attn().eval(), (x, keep), buf, dynamo=False, opset_version=17, input_names=["x", "keep"],
+                      dynamic_axes={"x": {0: "b", 1: "s"}, "keep": {0: "b", 1: "s"}})
+    q = fxq.quantize(fxq.load_onnx(onnx.load_from_string(buf.getvalue())), [(x, keep)] * 2, "trt_int8",
+                     progress=False)
+    assert ATTENTION_MASK_OP in {r.op_type for r in fxq.summary(q).layers}
+    with torch.no_grad():
+        assert not q(x, keep).isnan().any()

@@ -148,6 +148,8 @@ def _is_mask_like(value: Any, gm: fx.GraphModule, modules: dict[str, Any]) -> bo
         if node in seen:
             continue
         seen.add(node)
+        if op_type(node, modules) in ("Shape", "Size"):
+            continue  # a size read from a value (a dynamic file's mask expanded to the logits' sizes): no data
         if node.op == "placeholder":
             masks = True
         elif node.op == "get_attr":

@@ -104,9 +104,9 @@ def calibrate(
     calibrate_parameters(model)
     if bake:
         bake_parameters(model)
-    observing = []
+    observing: dict[str, FakeQuantize] = {}
     quant_graph = QuantGraph(model)
-    for _, fq in quant_graph.quantizers():
+    for name, fq in quant_graph.quantizers():
         if fq.role == "bias":
             fq.set_mode("disabled")
         elif fq.role == "activation" or fq.param is None:
@@ -115,12 +115,12 @@ def calibrate(
                 continue
             fq.set_mode("observe")
             fq.observer.reset()
-            observing.append(fq)
-    passes = max((fq.observer.passes for fq in observing), default=1)
+            observing[name] = fq
+    passes = max((fq.observer.passes for fq in observing.values()), default=1)
     total = count_batches(data, steps)
     seen = 0
     for p in range(passes):
-        for fq in observing:
+        for fq in observing.values():
             fq.set_mode("observe" if fq.observer.passes > p else "disabled")
         desc = "calibrate" if passes == 1 else f"calibrate (pass {p + 1}/{passes})"
         seen = 0
@@ -133,13 +133,12 @@ def calibrate(
             seen += 1
         if seen == 0:
             raise CalibrationError("calibration data is empty: give at least one batch")
-        for fq in observing:
+        for fq in observing.values():
             if fq.observer.passes > p + 1:
                 fq.observer.next_pass()
-    for name, fq in quant_graph.quantizers():
-        if any(fq is o for o in observing):
-            _compute_qparams(name, fq, quant_graph)
-            fq.set_mode("quantize")
+    for name, fq in observing.items():
+        _compute_qparams(name, fq, quant_graph)
+        fq.set_mode("quantize")
     protect_mixed_range(model)
     apply_alignment(model)
     derive_passive_parameters(model)

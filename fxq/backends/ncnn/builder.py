@@ -202,8 +202,7 @@ class NcnnBuilder:
         if self.resolution_dependent(src).any():
             self.warn_once(f"baked:{src.name}", "ncnn export: the %s of node %s is computed from the input's "
                            "spatial size (node %s); the ncnn file keeps its export-time value %s and runs only "
-                           "at that input size", what, node.name, src.name,
-                           value.tolist() if isinstance(value, torch.Tensor) else value)
+                           "at that input size", what, node.name, src.name, _brief(value))
         return value
 
     def param(self, arg: Any, node: fx.Node, what: str) -> torch.Tensor:
@@ -812,6 +811,14 @@ def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
         setattr(view, name, child)
     view.meta = gm.meta
     return view
+
+
+def _brief(value: Any) -> Any:
+    """``value`` for a log line: a tensor of more than 8 elements by its shape (a grid of anchors printed whole
+    made 30 KB warnings)."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist() if value.numel() <= 8 else f"<tensor of shape {tuple(value.shape)}>"
+    return value
 
 
 def _at_batch_one(gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:

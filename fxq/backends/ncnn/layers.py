@@ -867,6 +867,9 @@ def _concat(b: NcnnBuilder, node: fx.Node) -> None:
     else:
         tensors, dim = list(_arg(node, 0, "tensors")), int(_arg(node, 1, "dim", 0))
     tensors = [t for t in tensors if not b.is_empty(t)]  # ``torch.roll`` by 0 as slices: ``cat([x[:, 0:], x[:, :0]])``
+    if not tensors:
+        b.mark_empty(node)
+        return
     if len(tensors) == 1:
         b.alias(node, tensors[0], b.batch_dim(tensors[0]))
         return
