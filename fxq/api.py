@@ -13,7 +13,7 @@ from fxq.errors import CalibrationError, ConfigError, TraceError
 from fxq.graph.calibrate import calibrate
 from fxq.graph.capture import capture as capture_graph
 from fxq.graph.convert import convert
-from fxq.graph.data import first_batch_errors, iter_batches, to_call_args
+from fxq.graph.data import first_batch_errors, iter_batches, placeholder_values, to_call_args
 from fxq.graph.dispatch import dispatch
 from fxq.graph.passes import standardize
 from fxq.graph.prepare import insert_quantizers
@@ -28,14 +28,15 @@ __all__ = ["prepare", "quantize"]
 logger = logging.getLogger(__name__)
 
 
-def _as_args(example_inputs: Any) -> tuple:
+def _as_call(example_inputs: Any) -> tuple[tuple, dict[str, Any]]:
+    """``(args, kwargs)`` of one batch: a dict is keyword inputs (``model(**batch)``), anything else positional."""
     if example_inputs is None:
-        return ()
+        return (), {}
     if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
+        return (example_inputs,), {}
     if isinstance(example_inputs, dict):
-        return tuple(example_inputs.values())
-    return tuple(example_inputs)
+        return (), dict(example_inputs)
+    return tuple(example_inputs), {}
 
 
 def _resolve_platform(platform: "str | Platform | type[Platform]", setting: QuantizationSetting,
@@ -94,10 +95,13 @@ def prepare(
     """
     setting = _checked_setting(setting)
     p = _resolve_platform(platform, setting, bit_width, symmetrical, per_channel)
-    args = _as_args(example_inputs)
-    if not args:
+    args, kwargs = _as_call(example_inputs)
+    if not args and not kwargs:
         raise ConfigError("prepare() needs example_inputs (one batch) to learn shapes and dtypes")
-    gm = capture_graph(model, args, capture=capture, leaf_modules=leaf_modules, concrete_args=concrete_args)
+    gm = capture_graph(model, args, example_kwargs=kwargs, capture=capture, leaf_modules=leaf_modules,
+                       concrete_args=concrete_args)
+    if kwargs:  # keyword inputs go to the captured graph's inputs by name, defaults to the others
+        args = tuple(placeholder_values(gm, kwargs).values())
     gm.eval()
     device = next((t.device for t in gm.parameters()), torch.device("cpu"))
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
@@ -132,7 +136,8 @@ def _checked_setting(setting: QuantizationSetting | None) -> QuantizationSetting
     return setting.validate()
 
 
-def _first_batch_args(model: nn.Module, data: Any, collate_fn: Callable[[Any], Any] | None) -> tuple:
+def _first_batch(model: nn.Module, data: Any, collate_fn: Callable[[Any], Any] | None) -> Any:
+    """The first calibration batch as the model is called with it: positional args, or a dict of keyword inputs."""
     if isinstance(model, torch.export.ExportedProgram):
         model = model.module()
     try:
@@ -140,16 +145,16 @@ def _first_batch_args(model: nn.Module, data: Any, collate_fn: Callable[[Any], A
     except StopIteration:
         raise CalibrationError("calibration data is empty: give at least one batch") from None
     args, kwargs = to_call_args(model, batch, check=False)
-    if kwargs:
-        if isinstance(model, fx.GraphModule):
-            names = [n.name for n in model.graph.nodes if n.op == "placeholder"]
-        else:
-            names = list(inspect.signature(model.forward).parameters)
-        missing = [k for k in kwargs if k not in names]
-        if missing:
-            raise CalibrationError(f"batch keys {missing} are not inputs of the model; inputs are {names}")
-        args = tuple(kwargs[n] for n in names if n in kwargs)
-    return args
+    if not kwargs:
+        return args
+    if isinstance(model, fx.GraphModule):
+        names = [str(n.target) for n in model.graph.nodes if n.op == "placeholder"]
+    else:
+        names = list(inspect.signature(model.forward).parameters)
+    missing = [k for k in kwargs if k not in names]
+    if missing:
+        raise CalibrationError(f"batch keys {missing} are not inputs of the model; inputs are {names}")
+    return kwargs
 
 
 def quantize(
@@ -185,7 +190,7 @@ def quantize(
     """
     setting = _checked_setting(setting)
     if example_inputs is None:
-        example_inputs = _first_batch_args(model, calib_data, collate_fn)
+        example_inputs = _first_batch(model, calib_data, collate_fn)
     overrides = {"bit_width": bit_width, "symmetrical": symmetrical, "per_channel": per_channel}
     try:
         gm = prepare(model, platform, example_inputs, setting, leaf_modules=leaf_modules,

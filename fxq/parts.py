@@ -288,6 +288,8 @@ def _float_parameters(model: nn.Module) -> list[str]:
 
 
 def _first_line(exc: BaseException) -> str:
-    """Capture errors run to many lines (a header, then one per path): the first path's line says what failed."""
-    lines = [line.strip(" -") for line in str(exc).splitlines() if line.strip()]
-    return (lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0]) if lines else type(exc).__name__
+    """Capture errors run to many lines (a header, then one per path): each path's line, joined."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    paths = [line.strip("- ") for line in lines[1:] if line.startswith("- ")] if lines and lines[0].endswith(":") \
+        else []
+    return "; ".join(paths) if paths else lines[0] if lines else type(exc).__name__

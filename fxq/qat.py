@@ -326,7 +326,7 @@ def prepare_qat(
         >>> compiled = torch.compile(qat, fullgraph=True)
     """
     from fxq.algorithms import run_algorithms  # noqa: PLC0415  (fxq.api imports this package)
-    from fxq.api import _as_args, _first_batch_args, prepare  # noqa: PLC0415
+    from fxq.api import _first_batch, prepare  # noqa: PLC0415
 
     if method not in QAT_METHODS:
         raise ConfigError(f"prepare_qat(method={method!r}); use one of {QAT_METHODS}")
@@ -334,9 +334,9 @@ def prepare_qat(
     if calib_data is None:
         if example_inputs is None:
             raise ConfigError("prepare_qat() needs example_inputs (one batch) or calib_data")
-        calib_data = [_as_args(example_inputs)]
+        calib_data = [example_inputs]
     if example_inputs is None:
-        example_inputs = _first_batch_args(model, calib_data, collate_fn)
+        example_inputs = _first_batch(model, calib_data, collate_fn)
     gm = prepare(model, platform, example_inputs,
                  setting, leaf_modules=leaf_modules, concrete_args=concrete_args, bit_width=bit_width,
                  symmetrical=symmetrical, per_channel=per_channel, fold_bn=fold_bn, capture=capture)

@@ -10,8 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxq
+from fxq.graph.capture import capture as capture_graph
 from fxq.graph.info import iter_quantizers
 from fxq.graph.quant_graph import QuantGraph
+
+from _export_helpers import ort_session
 
 
 class Block(nn.Module):
@@ -331,3 +334,144 @@ def test_dynamic_batch_of_a_fixed_batch_capture_is_refused(tmp_path):
         fxq.export(q, "trt_int8", tmp_path / "m.onnx", dynamic_batch=True)
     assert not list(tmp_path.iterdir())
     assert fxq.export(q, "trt_int8", tmp_path / "m.onnx")  # the advice works
+
+
+class IndexedWrites(nn.Module):
+    """Writes into slices (YOLO pose's ``y[:, 2::3] = y[:, 2::3].sigmoid()``) and a dtype cast (Hugging Face's
+    ``mask.to(torch.bool)``): torch.export records ``slice_scatter`` / ``select_scatter`` / ``copy`` / ``fill`` /
+    ``_to_copy``, none of which torch.onnx can write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 9, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x).flatten(2)
+        y[:, 2::3] = y[:, 2::3].sigmoid()
+        y[:, :2] = y[:, :2] * 2
+        y[:, 4:6] = y[:, 4:6] + 1
+        y[:, -1] = y[:, 0] - 1
+        y[:, -2] = y[:, 1] + 1
+        y[..., -3:] = 0.5
+        keep = (x[:, :1] > 0).to(torch.bool)
+        return y, torch.where(keep, x[:, :1], 0.0)
+
+
+def test_indexed_writes_and_casts_export_and_match(tmp_path):
+    model = IndexedWrites().eval()
+    x = torch.randn(2, 3, 8, 8)
+    gm = capture_graph(model, (x,))
+    left = {str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "aten" in str(n.target)}
+    assert not left & {"aten._to_copy.default", "aten.copy.default", "aten.slice_scatter.default",
+                       "aten.select_scatter.default", "aten.fill.Scalar"}, left
+    with torch.no_grad():
+        for want, got in zip(model(x), gm(x)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    calib = [torch.randn(2, 3, 8, 8) for _ in range(2)]
+    for platform in ("trt_int8", "ort_int8"):
+        qmodel = fxq.quantize(model, calib, platform=platform)
+        files = fxq.export(qmodel, platform, tmp_path / platform / "m.onnx")
+        path = next(f for f in files if str(f).endswith(".onnx"))
+        with torch.no_grad():
+            want = [t.numpy() for t in qmodel(calib[1])]
+        for optimize in (False, True):
+            session = ort_session(path, optimize=optimize)
+            got = session.run(None, {session.get_inputs()[0].name: calib[1].numpy()})
+            for w, g in zip(want, got):
+                np.testing.assert_allclose(g, w, rtol=0, atol=1e-6)
+
+
+def test_an_op_torch_onnx_cannot_write_is_named_without_opset_advice(tmp_path):
+    """An op torch.onnx has no form for at any opset: the error names it and the fx node, advises no opset change,
+    and does not carry torch's partial ONNX graph."""
+
+    class Unwritable(nn.Module):
+        def forward(self, x):
+            return torch.special.zeta(x, 2.0) + 1
+
+    gm = fxq.prepare(Unwritable().eval(), "trt_int8", example_inputs=torch.rand(1, 4) + 1.5)
+    fxq.calibrate(gm, [torch.rand(1, 4) + 1.5])
+    fxq.convert(gm)
+    with pytest.raises(fxq.ExportError) as info:
+        fxq.export(gm, "trt_int8", tmp_path / "m.onnx")
+    text = str(info.value)
+    assert "zeta" in text and "opset=" not in text and "graph(" not in text and len(text) < 1000, text
+
+
+class _KeywordInputs(nn.Module):
+    """Inputs given by keyword, as Hugging Face batches are (``model(**batch)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, input_values=None, attention_mask=None):
+        return self.fc(input_values) * attention_mask.unsqueeze(-1).to(torch.float32)
+
+
+def test_keyword_inputs_keep_a_dynamic_batch(tmp_path):
+    """torch.export was given its dynamic-batch spec as ``(args, kwargs)``, which it refuses for keyword inputs: every
+    model fed dicts was captured at the calibration batch, and its files ran at that batch only."""
+    pytest.importorskip("onnxruntime")
+    from _export_helpers import ort_session
+
+    torch.manual_seed(0)
+    batches = [{"input_values": torch.randn(2, 5, 6), "attention_mask": torch.ones(2, 5, dtype=torch.long)}
+               for _ in range(2)]
+    q = fxq.quantize(_KeywordInputs().eval(), batches, "ort_int8", capture="export", progress=False)
+    assert "fxq_fixed_batch" not in q.meta
+    path = fxq.export(q, "ort_int8", tmp_path / "m.onnx", dynamic_batch=True)[0]
+    session = ort_session(path)
+    x, mask = torch.randn(3, 5, 6), torch.tensor([[1] * 5, [1, 1, 0, 0, 0], [0] * 5])
+    got = session.run(None, {"input_values": x.numpy(), "attention_mask": mask.numpy()})[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(got, q(input_values=x, attention_mask=mask).numpy(), atol=1e-5)
+
+
+class _SkipsAnInput(nn.Module):
+    """A keyword input after one the batch leaves out (GPT-2's ``forward(input_ids, past_key_values=None,
+    attention_mask=None)``): the dict's values given in order put the mask into the cache's place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, input_values, cache=None, attention_mask=None):
+        del cache  # a stand-in for an input the batch leaves out
+        return self.fc(input_values) * attention_mask.unsqueeze(-1)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_dict_batches_are_keyword_inputs(capture):
+    torch.manual_seed(0)
+    model = _SkipsAnInput().eval()
+    batches = [{"input_values": torch.randn(2, 5, 6), "attention_mask": (torch.rand(2, 5) > 0.3).float()}
+               for _ in range(2)]
+    for q in (fxq.quantize(model, batches, "trt_int8", capture=capture, progress=False),
+              fxq.prepare_qat(model, "trt_int8", example_inputs=batches[0], capture=capture)):
+        with torch.no_grad(), fxq.fp32_mode(q):
+            torch.testing.assert_close(q(**batches[1]), model(**batches[1]))
+
+
+class _Box:
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class _ReturnsAnObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y, _Box(y)
+
+
+def test_an_output_torch_export_cannot_flatten_is_named_with_the_fix():
+    """Hugging Face's ``DynamicCache`` in the output: the error named torch's pytree internals, not the class and
+    what to do (``use_cache=False``, or register the class)."""
+    with pytest.raises(fxq.TraceError) as info:
+        fxq.prepare(_ReturnsAnObject().eval(), "trt_int8", example_inputs=torch.randn(2, 6), capture="export")
+    text = str(info.value)
+    assert "_Box" in text and "register_pytree_node" in text and "use_cache=False" in text, text

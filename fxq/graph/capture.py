@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from typing import Any, Iterable
 
 import torch
@@ -30,7 +31,7 @@ ISLANDS_KEY = "fxq_fp32_islands"
 _MAX_ISLANDS = 32
 
 
-def capture(model: Any, example_args: tuple, *, capture: str = "auto",
+def capture(model: Any, example_args: tuple, *, example_kwargs: dict[str, Any] | None = None, capture: str = "auto",
             leaf_modules: Iterable[type[nn.Module] | str] = (),
             concrete_args: dict[str, Any] | None = None) -> fx.GraphModule:
     """A float ``GraphModule`` of ``model`` (never the caller's object: a copy, or new graph over copied weights).
@@ -38,7 +39,8 @@ def capture(model: Any, example_args: tuple, *, capture: str = "auto",
     Args:
         model: ``nn.Module``, ``GraphModule`` (fx, ONNX/caffe frontends, or ``ExportedProgram.module()``), or
             ``torch.export.ExportedProgram``.
-        example_args: one batch, positional (``torch.export`` runs the model on it).
+        example_args, example_kwargs: one batch, positional and by keyword (``torch.export`` runs the model on
+            it; a dict batch is keywords, as ``model(**batch)``).
         capture: ``"auto"``, ``"fx"`` or ``"export"`` (see the module docstring).
         leaf_modules, concrete_args: symbolic tracing's; ``torch.export`` has no leaves and takes the batch as is.
 
@@ -65,13 +67,13 @@ def capture(model: Any, example_args: tuple, *, capture: str = "auto",
     if capture == "export":
         if leaf_modules or concrete_args:
             logger.warning("capture='export': leaf_modules and concrete_args are symbolic tracing's and do not apply")
-        return _export(model, example_args)
+        return _export(model, example_args, example_kwargs or {})
     try:
         gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
     except TraceError as fx_error:
         if capture == "fx":
             raise
-        return _fallback(model, example_args, fx_error, list(leaf_modules), concrete_args)
+        return _fallback(model, (example_args, example_kwargs or {}), fx_error, list(leaf_modules), concrete_args)
     return _note_script_leaves(gm)
 
 
@@ -96,18 +98,19 @@ def _name(model: Any) -> str:
     return str(getattr(model, "meta", {}).get("fxq_source") or type(model).__name__)
 
 
-def _try_export(model: nn.Module, args: tuple) -> tuple[Any, str, nn.Module, Exception | None]:
+def _try_export(model: nn.Module, args: tuple, kwargs: dict[str, Any]
+                ) -> tuple[Any, str, nn.Module, Exception | None]:
     """``(ExportedProgram or None, why it failed, the eval-mode copy it ran on, the exception)``: the caller's model
     is never run."""
     copied = copy.deepcopy(model).eval()  # as prepare() runs the traced graph: BatchNorm folds, dropout goes
     try:
-        return export_program(copied, args), "", copied, None
+        return export_program(copied, args, kwargs), "", copied, None
     except Exception as exc:  # torch.export raises many types
         return None, _export_failure(exc, copied), copied, exc
 
 
-def _export(model: nn.Module, args: tuple) -> fx.GraphModule:
-    ep, failure, _, exc = _try_export(model, args)
+def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> fx.GraphModule:
+    ep, failure, _, exc = _try_export(model, args, kwargs)
     if ep is None:
         raise TraceError(f"torch.export could not capture {type(model).__name__}: {failure}. "
                          f"Try capture='fx' (with leaf_modules=[...] around the failing part), or fix the "
@@ -115,12 +118,12 @@ def _export(model: nn.Module, args: tuple) -> fx.GraphModule:
     return from_exported_program(ep, type(model).__name__)
 
 
-def _fallback(model: nn.Module, args: tuple, fx_error: TraceError, leaves: list,
+def _fallback(model: nn.Module, example: tuple[tuple, dict[str, Any]], fx_error: TraceError, leaves: list,
               concrete_args: dict[str, Any] | None) -> fx.GraphModule:
     """torch.export, then FP32 islands, then one error naming every path's failure."""
     logger.info("symbolic tracing failed (%s); capturing %s with torch.export instead", fx_error,
                 type(model).__name__)
-    ep, export_failure, copied, _ = _try_export(model, args)
+    ep, export_failure, copied, _ = _try_export(model, *example)
     if ep is not None:
         if leaves:
             logger.warning("torch.export has no leaf modules: leaf_modules=%s do not apply to %s", leaves,
@@ -132,7 +135,7 @@ def _fallback(model: nn.Module, args: tuple, fx_error: TraceError, leaves: list,
     gm, island_failure = _with_islands(model, fx_error, leaves, concrete_args, export_failure)
     if gm is not None:
         return _note_script_leaves(gm)
-    parts = _capturable_parts(copied, args)  # the eval-mode copy: the caller's BatchNorm statistics stay as they are
+    parts = _capturable_parts(copied, example)  # the eval-mode copy: the caller's BatchNorm statistics stay as they are
     raise TraceError(
         f"fxq could not capture {type(model).__name__} by any path:\n"
         f"  - torch.fx symbolic tracing: {_first_line(fx_error)}\n"
@@ -144,7 +147,7 @@ def _fallback(model: nn.Module, args: tuple, fx_error: TraceError, leaves: list,
     ) from fx_error
 
 
-def _capturable_parts(model: nn.Module, args: tuple) -> str:
+def _capturable_parts(model: nn.Module, example: tuple[tuple, dict[str, Any]]) -> str:
     """``; parts that do capture ...`` naming the direct submodules that capture on their own, with the inputs the
     model gives them (one eager run with hooks), so the user can quantize those (``fxq.quantize(model.backbone,
     ...)``); empty when none or when the model does not run."""
@@ -159,7 +162,7 @@ def _capturable_parts(model: nn.Module, args: tuple) -> str:
     handles = [c.register_forward_pre_hook(recorder(n)) for n, c in children]
     try:
         with torch.no_grad():
-            model(*args)
+            model(*example[0], **example[1])
     except Exception:  # the model does not run this batch: nothing to suggest
         return ""
     finally:
@@ -231,7 +234,15 @@ def _export_failure(exc: BaseException, model: nn.Module) -> str:
     path = _failing_module(exc, model)
     line = failure_line(exc)
     where = " ".join(p for p in (f"module {path!r}" if path is not None else "", f"({line})" if line else "") if p)
+    unknown = _UNKNOWN_OUTPUT.search(str(exc))
+    if unknown:
+        return (f"the model returns a {unknown.group(1)}, which torch.export cannot take apart: make it return "
+                f"tensors, or tuples / lists / dicts of them (a Hugging Face model: use_cache=False in its config "
+                f"or batch), or register that class with torch.utils._pytree.register_pytree_node")
     return f"{where + ': ' if where else ''}{type(exc).__name__}: {_first_line(exc)}"
+
+
+_UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
 
 
 def _failing_module(exc: BaseException, model: nn.Module) -> str | None:

@@ -55,7 +55,8 @@ def _placeholders(model: nn.Module) -> list[fx.Node]:
 
 
 def input_names(model: nn.Module) -> list[str]:
-    return [n.name for n in _placeholders(model)]
+    """The keyword each input is passed by (a placeholder's target: its node name may carry a suffix)."""
+    return [str(n.target) for n in _placeholders(model)]
 
 
 def count_batches(data: Any, steps: int | None) -> int | None:

@@ -10,6 +10,7 @@ nodes carry ``meta["module_path"]`` like those of the fx path.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import operator
@@ -81,7 +82,11 @@ def _export_dynamic(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> to
     def batch_dim(a: Any) -> Any:
         return {0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() else None
 
-    dyn = pytree.tree_map(batch_dim, (args, kwargs) if kwargs else args)
+    if kwargs:  # torch.export takes keyword inputs' specs by parameter name
+        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+        dyn: Any = {name: pytree.tree_map(batch_dim, value) for name, value in bound.items()}
+    else:
+        dyn = pytree.tree_map(batch_dim, args)
     with _quiet():
         return torch.export.export(model, args, kwargs or None, dynamic_shapes=dyn, strict=False)
 
@@ -174,6 +179,8 @@ def lift_aten_graph(gm: fx.GraphModule, name: str = "ExportedProgram") -> fx.Gra
             _lift_indexing(node)
         elif node.target is aten.split.Tensor and isinstance(node.args[1], fx.Node):
             _lift_split(graph, node)
+        elif node.target in _WRITES:
+            _WRITES[node.target](graph, node)
         elif node.target is torch.sym_float:  # float(n) of a size; a product keeps it a value in the tracer
             node.target, node.args = operator.mul, (node.args[0], 1.0)
         elif node.target in LIFTED:
@@ -243,6 +250,111 @@ def _lift_split(graph: fx.Graph, node: fx.Node) -> None:
     node.target, node.args, node.kwargs = torch.split, (x, [size] * (k - 1) + [last], dim), {}
 
 
+def _val(node: Any) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _replace(graph: fx.Graph, node: fx.Node, value: fx.Node) -> None:
+    node.replace_all_uses_with(value)
+    graph.erase_node(node)
+
+
+def _lift_to_copy(graph: fx.Graph, node: fx.Node) -> None:
+    """``aten._to_copy(x, dtype=..., device=...)`` (``mask.to(torch.bool)``) -> ``x.to(dtype=..., device=...)``:
+    torch.onnx has no form for ``aten::_to_copy``; a copy to the same dtype and device is ``x`` itself."""
+    a = _schema_args(node)
+    wanted = {k: a[k] for k in ("dtype", "device") if a.get(k) is not None}
+    x = a["self"]
+    val = _val(x)
+    if val is not None and all(getattr(val, k) == (torch.device(v) if k == "device" else v)
+                               for k, v in wanted.items()):
+        _replace(graph, node, x)
+        return
+    node.op, node.target, node.args, node.kwargs = "call_method", "to", (x,), wanted
+
+
+def _lift_copy(graph: fx.Graph, node: fx.Node) -> None:
+    """``aten.copy(dst, src)`` (what ``dst[...] = src`` functionalizes to, before the scatter back) -> ``src``, cast
+    to ``dst``'s dtype and broadcast to its shape where they differ; torch.onnx has no form for ``aten::copy``."""
+    a = _schema_args(node)
+    dst, src = a["self"], a["src"]
+    d, s = _val(dst), _val(src)
+    if d is not None and s is not None and d.dtype == s.dtype and d.shape == s.shape:
+        _replace(graph, node, src)
+        return
+    with graph.inserting_before(node):
+        value = graph.call_method("to", (src, d.dtype)) if d is None or s is None or d.dtype != s.dtype else src
+        value = graph.call_method("expand_as", (value, dst))
+    value.meta.update(node.meta)
+    _replace(graph, node, value)
+
+
+def _lift_slice_scatter(graph: fx.Graph, node: fx.Node) -> None:
+    """``aten.slice_scatter(x, src, dim, start, end, step)`` (``x[:, a:b] = src`` functionalized) -> a ``torch.cat``
+    of ``x``'s pieces around ``src`` (Slice + Concat, which every backend has) for a unit step; ``torch.scatter``
+    along ``dim`` at ``range(start, end, step)`` otherwise. torch.onnx has no form for ``aten::slice_scatter``."""
+    a = _schema_args(node)
+    x, src, dim, start, end, step = a["self"], a["src"], a["dim"], a["start"], a["end"], a["step"]
+    _scatter_range(graph, node, x, src, dim, start, end, step)
+
+
+def _lift_select_scatter(graph: fx.Graph, node: fx.Node) -> None:
+    """``aten.select_scatter(x, src, dim, i)`` (``x[:, i] = src``) -> the slice scatter of ``src.unsqueeze(dim)``
+    at ``i:i+1``."""
+    a = _schema_args(node)
+    x, src, dim, index = a["self"], a["src"], a["dim"], a["index"]
+    val = _val(x)
+    if not isinstance(index, int) or val is None:
+        return
+    dim = dim % val.dim()
+    with graph.inserting_before(node):
+        piece = graph.call_method("unsqueeze", (src, dim))
+    _scatter_range(graph, node, x, piece, dim, index, index + 1 if index != -1 else None, 1)
+
+
+def _scatter_range(graph: fx.Graph, node: fx.Node, x: fx.Node, src: fx.Node, dim: int, start: Any, end: Any,
+                   step: int) -> None:
+    val = _val(x)
+    if val is None or not all(isinstance(v, int) or v is None for v in (dim, start, end, step)):
+        return  # stays aten (and its export names it)
+    rank = val.dim()
+    dim = dim % rank
+    size = val.shape[dim]
+    start = 0 if start is None else start
+    end = None if end is None or end >= sys.maxsize or (isinstance(size, int) and end >= size) else end
+    lead = (slice(None),) * dim
+    with graph.inserting_before(node):
+        if step == 1:  # the pieces before and after, read with the same (possibly negative) bounds
+            before = [graph.call_function(operator.getitem, (x, (*lead, slice(None, start))))] if start else []
+            after = [graph.call_function(operator.getitem, (x, (*lead, slice(end, None))))] if end is not None else []
+            value = graph.call_function(torch.cat, (before + [src] + after, dim)) if before or after else src
+        else:
+            length = size if isinstance(size, int) else graph.call_method("size", (x, dim))
+            first = start if start >= 0 else graph.call_function(operator.add, (length, start))
+            stop = length if end is None else end if end >= 0 else graph.call_function(operator.add, (length, end))
+            shape = [1] * rank
+            shape[dim] = -1
+            index = graph.call_function(torch.arange, (first, stop, step), {"device": val.device})
+            index = graph.call_method("expand_as", (graph.call_method("view", (index, shape)), src))
+            value = graph.call_function(torch.scatter, (x, dim, index, src))
+    if value is not src:
+        value.meta.update(node.meta)
+    _replace(graph, node, value)
+
+
+def _lift_fill(graph: fx.Graph, node: fx.Node) -> None:
+    """``aten.fill.Scalar(x, v)`` (``x[...] = 0.5``) -> ``torch.full_like(x, v)``."""
+    a = _schema_args(node)
+    node.target, node.args, node.kwargs = torch.full_like, (a["self"], a["value"]), {}
+
+
+_WRITES = {aten._to_copy.default: _lift_to_copy, aten.copy.default: _lift_copy,
+           aten.slice_scatter.default: _lift_slice_scatter, aten.select_scatter.default: _lift_select_scatter,
+           aten.fill.Scalar: _lift_fill}
+"""aten ops with no torch.onnx form, lifted to torch calls that compute the same (casts and indexed writes)."""
+
+
 def _functionalize(graph: fx.Graph) -> None:
     """In-place aten ops of the training IR (``relu_``, ``add_``) become their out-of-place overloads; later
     readers of the written tensor read the new node, so the graph computes what it did. Writes into inputs or
@@ -307,18 +419,30 @@ def _structured_inputs(graph: fx.Graph, in_spec: pytree.TreeSpec, arg_names: lis
                 return False
         top = path[1].idx if path[0].idx == 0 else len(args) + list(kwargs).index(path[1].key)
         routes.append((top, keys))
-    for leaf in leaves:
-        leaf._rename(f"{leaf.name}_leaf")
-    with graph.inserting_before(leaves[0]):
-        placeholders = [graph.placeholder(name) for name in tops]  # node names may get a suffix; targets are exact
-    with graph.inserting_before(leaves[-1].next):
-        for leaf, (top, keys) in zip(leaves, routes):
-            value = placeholders[top]
-            for key in keys:
-                value = graph.call_function(operator.getitem, (value, key))
-            value.meta.update(leaf.meta)
-            leaf.replace_all_uses_with(value)
-    for leaf in leaves:
+    groups: dict[int, list[tuple[fx.Node, list]]] = {}
+    for leaf, (top, keys) in zip(leaves, routes):
+        groups.setdefault(top, []).append((leaf, keys))
+    gone = []
+    for top, members in groups.items():
+        if len(members) == 1 and not members[0][1]:  # a tensor given as is: its leaf is the argument
+            leaf = members[0][0]
+            leaf.target = tops[top]
+            if leaf.name != tops[top]:
+                leaf._rename(tops[top])
+            continue
+        for leaf, _ in members:
+            leaf._rename(f"{leaf.name}_leaf")
+        with graph.inserting_before(members[0][0]):  # in the forward's order, names as the forward's
+            placeholder = graph.placeholder(tops[top])
+        with graph.inserting_before(leaves[-1].next):
+            for leaf, keys in members:
+                value = placeholder
+                for key in keys:
+                    value = graph.call_function(operator.getitem, (value, key))
+                value.meta.update(leaf.meta)
+                leaf.replace_all_uses_with(value)
+                gone.append(leaf)
+    for leaf in gone:
         graph.erase_node(leaf)
     return True
 

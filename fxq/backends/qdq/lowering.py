@@ -249,8 +249,10 @@ def torch_onnx_export(module: torch.nn.Module, args: tuple, target: Any, *, opse
     except (ExportError, OSError):  # OSError: writing ``target`` failed, the caller knows that file
         raise
     except Exception as exc:  # torch.onnx raises many types; name the op when it says which
+        logger.debug("torch.onnx failed", exc_info=True)
         m = _UNSUPPORTED.search(str(exc))
-        what = f"the model ({type(exc).__name__}: {exc})"
+        # torch's C++ errors carry the whole partial ONNX graph: the first lines say what failed
+        what = f"the model ({type(exc).__name__}: {_head(str(exc))})"
         if m:
             short = m.group(1).split("::")[-1]
             graph = module.graph.nodes if isinstance(module, fx.GraphModule) else ()
@@ -263,9 +265,16 @@ def torch_onnx_export(module: torch.nn.Module, args: tuple, target: Any, *, opse
                 raise OpsetTooLow(f"torch.onnx cannot express {what}: it writes that op from opset {needed}. Fix: "
                                   f"pass opset={needed} (or higher)", needed) from exc
         raise ExportError(
-            f"torch.onnx cannot express {what}. Fix: use another opset (opset=...), register a symbolic with "
-            f"torch.onnx.register_custom_op_symbolic, or move that op out of the exported model"
-        ) from exc
+            f"torch.onnx cannot express {what}, and says of no opset that can. Fix: register a symbolic with "
+            f"torch.onnx.register_custom_op_symbolic, or move that op out of the exported model (compute it "
+            f"after the deployed file runs)"
+        ) from None  # the cause (with torch's partial graph) is in the debug log
+
+
+def _head(text: str, lines: int = 4, limit: int = 600) -> str:
+    """The start of an error's text (torch.onnx's C++ errors end with the partial graph, thousands of lines)."""
+    head = "\n".join(text.split("ONNX graph being constructed", 1)[0].strip().splitlines()[:lines])
+    return head if len(head) <= limit else head[:limit] + "..."
 
 
 def _restore_io_names(graph: onnx.GraphProto, io_names: dict[str, str]) -> None:
