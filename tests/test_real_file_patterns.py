@@ -142,3 +142,43 @@ def test_an_embedding_of_ids_shaped_by_their_own_size_is_quantized(tmp_path, for
     assert sum(r.op_type in ("MatMul", "Gemm") for r in quantized) == 2, fxq.summary(q)
     out = next(p for p in fxq.export(q, "trt_int8", tmp_path / "q.onnx") if str(p).endswith("q.onnx"))
     assert sum(n.op_type == "QuantizeLinear" for n in onnx.load(str(out)).graph.node) >= 4
+
+
+class _ComputedWeights(nn.Module):
+    """``weight_norm`` (a Conv1d's weight is ``g * v / ||v||``, as Wav2Vec2's positional convolution) and a linear
+    layer whose weight is a transpose of the stored one: torch's legacy exporter without constant folding writes
+    both as nodes over initializers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 8, 3, padding=1), dim=2)
+        self.w = nn.Parameter(torch.randn(5, 8) * 0.3)
+        self.bn = nn.BatchNorm1d(8).eval()
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        return y.transpose(1, 2) @ self.w.t().contiguous()
+
+
+def test_parameters_computed_from_initializers_are_folded(tmp_path):
+    """The Conv converter looked its weight up among the initializers: ``KeyError: '/conv/weight/.../Mul_output_0'``.
+    The folded file keeps the Conv's parameters as weights fxq quantizes, and computes what the source file does."""
+    model = _ComputedWeights().eval()
+    x = torch.randn(2, 4, 16)
+    src = tmp_path / "unfolded.onnx"
+    torch.onnx.export(model, (x,), src, opset_version=17, dynamo=False, do_constant_folding=False,
+                      input_names=["x"], output_names=["y"])
+    assert {"ReduceL2", "Transpose"} <= {n.op_type for n in onnx.load(src).graph.node}
+    gm = fxq.load_onnx(src)
+    ops = {n.meta.get("onnx", {}).get("op_type") for n in gm.graph.nodes}
+    assert "ReduceL2" not in ops
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
+    qmodel = fxq.quantize(gm, [x, torch.randn(2, 4, 16)], platform="trt_int8", progress=False)
+    summary = str(fxq.summary(qmodel))
+    conv = next(n.name for n in qmodel.graph.nodes if n.meta.get("onnx", {}).get("op_type") == "Conv")
+    assert any(conv in line and "int8" in line for line in summary.splitlines()), summary
+    path = fxq.export(qmodel, "trt_int8", tmp_path / "q.onnx")[0]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(run_ort(path, x)), qmodel(x), rtol=0, atol=1e-5)

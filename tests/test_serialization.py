@@ -179,8 +179,12 @@ def test_bad_files(tmp_path):
         fxq.load(tmp_path / "other.fxq")
     with pytest.raises(fxq.FxqError, match="GraphModule"):
         fxq.save(SmallCNN(), tmp_path / "m.fxq")
-    with pytest.raises(fxq.ExportError, match="does not exist"):
-        fxq.save(small_quantized("trt_int8"), tmp_path / "nowhere" / "m.fxq")
+    gm = small_quantized("trt_int8")
+    (tmp_path / "a_file").write_bytes(b"")
+    with pytest.raises(fxq.ExportError, match="a_file.*is a file, not a folder"):
+        fxq.save(gm, tmp_path / "a_file" / "sub" / "m.fxq")
+    saved = fxq.save(gm, tmp_path / "new" / "sub" / "m.fxq")  # a missing folder is made, as fxq.export does
+    assert saved.is_file() and fxq.load(saved) is not None
 
 
 def test_files_cannot_name_io_functions():

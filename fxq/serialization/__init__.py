@@ -20,7 +20,7 @@ import torch
 from torch import fx, nn
 
 from fxq.errors import ConfigError, ExportError, FrontendError, FxqError, NotSupportedError
-from fxq.io import atomic_path, check_writable_dir, model_file_kind
+from fxq.io import atomic_path, check_output_dir, ensure_dir, model_file_kind
 from fxq.serialization.allowlist import register_serializable
 from fxq.serialization.codec import TensorTable, check_shape, dtype_name, dtype_of
 from fxq.serialization.graph import decode_graph, decode_meta, encode_graph, encode_meta
@@ -64,7 +64,8 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
     Raises:
         NotSupportedError: a module class or function outside the allow-list, or an attribute that is not a
             plain value / tensor (the message names the module, node or attribute).
-        ExportError: ``path`` is a directory, or its folder does not exist or is not writable.
+        ExportError: ``path`` is a directory, or its folder cannot be created (a file in the way) or written. A
+            missing folder is created, as :func:`fxq.export` does.
 
     Example:
         >>> fxq.save(qmodel, "resnet18_trt.fxq")
@@ -78,7 +79,7 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
     if target.is_dir() or str(path).endswith(("/", os.sep)):
         raise ExportError(f"fxq.save needs a file name, {str(path)!r} is a directory; save to e.g. "
                           f"{str(target / 'model.fxq')!r}")
-    check_writable_dir(target.parent)
+    check_output_dir(target.parent)
     table = TensorTable()
     doc = {
         "modules": encode_modules(model, table),
@@ -92,6 +93,7 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
     spec = json.dumps(doc, allow_nan=False)
     blob = {"format": FORMAT, "version": VERSION, "spec": spec, "tensors": table.tensors,
             "sha256": file_digest(spec, table.tensors)}
+    ensure_dir(target.parent)  # once the model encoded: a refused model leaves no new folder
     with atomic_path(target) as tmp:
         with open(tmp, "wb") as fh:  # a file object: torch.save would name the zip's records after the temp file
             torch.save(blob, fh)

@@ -7,6 +7,10 @@
   ``t``. torch's legacy exporter routes de-duplicated constants through ``Identity`` (a conv bias
   ``Identity(onnx::Conv_194) -> onnx::Conv_197``), dynamo exports without constant folding cast constants, and
   onnx2torch's converters look such inputs up among the initializers only.
+- :func:`fold_parameter_inputs`: a weight, bias or statistics input computed from initializers only
+  (``weight_norm``'s ``g * v / ||v||``, written by torch's legacy exporter without constant folding) becomes an
+  initializer: the converters take parameters from initializers only (``KeyError`` before), and fxq quantizes a
+  weight it can see.
 - :func:`drop_redundant_allowzero`: ``Reshape(allowzero=1)`` with a constant shape free of 0 means the same as
   ``allowzero=0``, the only form onnx2torch's ``Reshape-14`` converter takes (torch's default exporter writes 1).
 - :func:`infer_shapes`: onnx's shape inference (with data propagation), so converters know ranks and sizes.
@@ -29,7 +33,7 @@ from fxq import onnx_data
 from fxq.onnx_data import LIGHT_MIN_ELEMENTS, light_copy
 
 __all__ = ["clean", "alias_dotted_domains", "normalize_domains", "drop_initializer_inputs", "fold_constants", "fold_identities",
-           "drop_redundant_allowzero", "infer_shapes", "light_copy", "LIGHT_MIN_ELEMENTS"]
+           "fold_parameter_inputs", "drop_redundant_allowzero", "infer_shapes", "light_copy", "LIGHT_MIN_ELEMENTS"]
 
 _LOG = logging.getLogger(__name__)
 _DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -154,6 +158,81 @@ def fold_identities(model: onnx.ModelProto) -> int:
     return folded
 
 
+PARAMETER_INPUTS: dict[str, tuple[int, ...]] = {
+    "Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2), "MatMul": (1,), "PRelu": (1,),
+    "BatchNormalization": (1, 2, 3, 4), "InstanceNormalization": (1, 2), "LayerNormalization": (1, 2),
+}
+"""Inputs that hold a layer's parameters (weights, biases, statistics, slopes), by op type."""
+
+_NO_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli",
+            "Dropout"}
+
+
+def fold_parameter_inputs(model: onnx.ModelProto) -> int:
+    """Compute the parameter inputs (:data:`PARAMETER_INPUTS`) that nodes derive from initializers only, with
+    ``onnx.reference``, and make them initializers of the same name; returns how many. The deriving nodes go
+    where nothing else reads them."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output if o}
+    constant: dict[str, bool] = {"": True}
+
+    def derived(name: str) -> bool:  # from initializers only, through plain deterministic nodes (memoized)
+        if name in inits or name in constant:
+            return name in inits or constant[name]
+        node = producer.get(name)
+        ok = node is not None and node.domain in _DEFAULT_DOMAINS and node.op_type not in _NO_FOLD and not any(
+            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+        constant[name] = False  # a cycle cannot be constant
+        constant[name] = ok and bool(node.input) and all(derived(i) for i in node.input)
+        return constant[name]
+
+    outputs = {o.name for o in graph.output}
+    wanted = sorted({name for node in graph.node if node.domain in _DEFAULT_DOMAINS
+                     for i in PARAMETER_INPUTS.get(node.op_type, ()) if i < len(node.input)
+                     and (name := node.input[i]) and name not in inits and name not in outputs
+                     and name in producer and len(producer[name].output) == 1 and derived(name)})  # (graph outputs stay node outputs)
+    if not wanted:
+        return 0
+    needed: set[str] = set()
+    stack = list(wanted)
+    while stack:
+        name = stack.pop()
+        node = producer.get(name)
+        if name in inits or node is None or id(node) in needed:
+            continue
+        needed.add(id(node))
+        stack.extend(node.input)
+    chain = [n for n in graph.node if id(n) in needed]
+    used = sorted({i for n in chain for i in n.input if i in inits})
+    sub = onnx.helper.make_model(
+        onnx.helper.make_graph(chain, "parameters", [], [onnx.ValueInfoProto(name=w) for w in wanted],
+                               [inits[k] for k in used]),
+        opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    from onnx.reference import ReferenceEvaluator
+
+    try:
+        values = ReferenceEvaluator(sub).run(None, {})
+    except Exception as exc:  # noqa: BLE001  (the converters then name the node they cannot take)
+        _LOG.debug("computed parameters not folded: %s", exc)
+        return 0
+    for name, value in zip(wanted, values):
+        tensor = numpy_helper.from_array(np.asarray(value), name)
+        graph.initializer.append(tensor)
+    keep = list(graph.node)
+    while True:  # drop the deriving nodes nothing else reads (the wanted tensors are initializers now)
+        read = ({i for n in keep for i in n.input} | outputs) - set(wanted)
+        dead = [n for n in keep if id(n) in needed and not any(o in read for o in n.output)]
+        if not dead:
+            break
+        keep = [n for n in keep if all(n is not d for d in dead)]
+    _replace_nodes(graph, keep)
+    read = _used_names(graph) | outputs
+    for t in [t for t in graph.initializer if t.name in used and t.name not in read]:
+        graph.initializer.remove(t)
+    return len(wanted)
+
+
 def drop_redundant_allowzero(model: onnx.ModelProto) -> int:
     """Remove ``allowzero=1`` from Reshape nodes whose constant shape has no 0; returns how many."""
     inits = {t.name: t for t in model.graph.initializer}
@@ -213,9 +292,10 @@ def clean(model: onnx.ModelProto, *, infer: bool = True) -> onnx.ModelProto:
     dropped = drop_initializer_inputs(model)
     constants = fold_constants(model)
     identities = fold_identities(model)
+    parameters = fold_parameter_inputs(model)
     allowzero = drop_redundant_allowzero(model)
     _LOG.debug(
-        "ONNX clean-up: %d initializer inputs dropped, %d Constant and %d Identity/Cast folded, %d allowzero dropped",
-        dropped, constants, identities, allowzero,
+        "ONNX clean-up: %d initializer inputs dropped, %d Constant and %d Identity/Cast folded, %d computed "
+        "parameters folded, %d allowzero dropped", dropped, constants, identities, parameters, allowzero,
     )
     return infer_shapes(model, in_place=True) if infer else model
