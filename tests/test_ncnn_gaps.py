@@ -53,10 +53,10 @@ def _outputs(gm: fx.GraphModule, x: torch.Tensor) -> list[np.ndarray]:
 
 
 def check(model: nn.Module | fx.GraphModule, shape: tuple[int, ...], path: Path,
-          sizes: tuple[tuple[int, ...], ...] = ()) -> tuple[fx.GraphModule, dict[str, Path]]:
+          sizes: tuple[tuple[int, ...], ...] = (), capture: str = "auto") -> tuple[fx.GraphModule, dict[str, Path]]:
     """Quantize, export, and compare ncnn with torch (FP32) and the simulation (int8) at ``shape`` and ``sizes``."""
     torch.manual_seed(0)
-    gm = fxq.quantize(model, [torch.randn(*shape) for _ in range(2)], "ncnn_int8", progress=False)
+    gm = fxq.quantize(model, [torch.randn(*shape) for _ in range(2)], "ncnn_int8", progress=False, capture=capture)
     export(gm, "ncnn", path)
     files = ncnn_paths(path)
     for s in (shape, *sizes):
@@ -1376,3 +1376,54 @@ def test_float_casts_and_sequence_pooling(tmp_path: Path, form: str) -> None:
         model = _onnx(model, (1, 8, 16), tmp_path / "m.onnx", opset=17)
     _, files = check(model, (1, 8, 16), tmp_path / "net")
     assert "Reduction" in files["fp32_param"].read_text()
+
+
+class _AnchorHead(nn.Module):
+    """A detector head decoding boxes on an anchor grid built from the feature map's size, as Ultralytics'
+    ``make_anchors`` does: ``arange(w).type_as(feats)``, a meshgrid, ``feats.new_full(...)`` for the strides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        h, w = y.shape[2:]
+        sx = torch.arange(w).type_as(y) + 0.5
+        sy = torch.arange(h).type_as(y) + 0.5
+        gy, gx = torch.meshgrid(sy, sx, indexing="ij")
+        anchors = torch.stack((gx, gy), 0).view(2, -1)
+        stride = y.new_full((1, h * w), 2.0)
+        lt, rb = y[:, :4].flatten(2).chunk(2, 1)
+        xy = (anchors - lt + anchors + rb) / 2 * stride
+        return torch.cat((xy, y[:, 4:].flatten(2).sigmoid()), 1)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_anchor_grids_are_constants_of_the_file(tmp_path: Path, capture: str) -> None:
+    """The grid reads the feature map for its dtype and size only, so it is a constant of the ncnn file. The writer
+    took ``type_as(feats)`` / ``new_full`` as network values, and torch.export's ``arange(4)`` (a call of constants
+    only) as an op it has no converter for (Range): YOLO's native ncnn export stopped there."""
+    gm, files = check(_AnchorHead().eval(), (1, 3, 8, 8), tmp_path / "m", capture=capture)
+    assert gm.meta.get("fxq_capture", "fx") == capture
+    assert "MemoryData" in files["param"].read_text()
+
+
+class _KeypointScores(nn.Module):
+    """YOLO pose's decode: every third channel (a keypoint's score) goes through a sigmoid in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 9, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x).flatten(2)
+        y[:, 2::3] = y[:, 2::3].sigmoid()
+        return y
+
+
+def test_strided_writes_are_slices_and_concats(tmp_path: Path) -> None:
+    """torch.export records the write as ``slice_scatter(..., step=3)``; a scatter has no ncnn layer, but a write
+    into one place of every period is a reshape, slices and a concat."""
+    gm, files = check(_KeypointScores().eval(), (1, 3, 8, 8), tmp_path / "m", capture="export")
+    assert not any(n.target is torch.scatter for n in gm.graph.nodes)

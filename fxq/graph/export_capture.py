@@ -329,6 +329,8 @@ def _scatter_range(graph: fx.Graph, node: fx.Node, x: fx.Node, src: fx.Node, dim
             before = [graph.call_function(operator.getitem, (x, (*lead, slice(None, start))))] if start else []
             after = [graph.call_function(operator.getitem, (x, (*lead, slice(end, None))))] if end is not None else []
             value = graph.call_function(torch.cat, (before + [src] + after, dim)) if before or after else src
+        elif (periodic := _periodic_scatter(graph, x, src, dim, start, end, step)) is not None:
+            value = periodic
         else:
             length = size if isinstance(size, int) else graph.call_method("size", (x, dim))
             first = start if start >= 0 else graph.call_function(operator.add, (length, start))
@@ -341,6 +343,34 @@ def _scatter_range(graph: fx.Graph, node: fx.Node, x: fx.Node, src: fx.Node, dim
     if value is not src:
         value.meta.update(node.meta)
     _replace(graph, node, value)
+
+
+def _periodic_scatter(graph: fx.Graph, x: fx.Node, src: fx.Node, dim: int, start: int, end: int | None,
+                      step: int) -> fx.Node | None:
+    """A strided write that hits one position of every period of ``step`` (YOLO pose's ``y[:, 2::3] = ...``:
+    every keypoint's score) as Reshape + Slice + Concat: ``dim`` split into ``(periods, step)``, the unit-step write
+    at ``start`` of the inner axis, then the shape back. Every backend has those ops (ncnn has no scatter). None
+    where the write is not such (sizes computed at run time, a partial last period)."""
+    val, src_val = _val(x), _val(src)
+    size = val.shape[dim] if val is not None else None
+    if src_val is None or not isinstance(size, int) or size % step or not 0 <= start < step:
+        return None
+    periods = size // step
+    if len(range(start, size if end is None else end, step)) != periods:
+        return None
+
+    def sizes(v: torch.Tensor, t: fx.Node, split: tuple[int, ...]) -> list[Any]:
+        return [n for d, s in enumerate(v.shape) for n in (split if d == dim else (
+            s if isinstance(s, int) else graph.call_method("size", (t, d)),))]
+
+    wide = graph.call_method("view", (x, sizes(val, x, (periods, step))))
+    piece = graph.call_method("view", (src, sizes(src_val, src, (periods, 1))))
+    lead = (slice(None),) * (dim + 1)
+    before = [graph.call_function(operator.getitem, (wide, (*lead, slice(None, start))))] if start else []
+    after = [graph.call_function(operator.getitem, (wide, (*lead, slice(start + 1, None))))] \
+        if start + 1 < step else []
+    joined = graph.call_function(torch.cat, (before + [piece] + after, dim + 1))
+    return graph.call_method("view", (joined, sizes(val, x, (size,))))
 
 
 def _lift_fill(graph: fx.Graph, node: fx.Node) -> None:

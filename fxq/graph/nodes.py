@@ -78,3 +78,42 @@ def output_shapes(gm: fx.GraphModule, args: tuple) -> dict[fx.Node, tuple[int, .
     with eval_mode(gm), torch.no_grad():
         _Recorder(gm).run(*args)
     return shapes
+
+
+_NEW_METHODS = {"new_zeros", "new_ones", "new_full", "new_empty"}
+_LIKE = {torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like}
+_SIZE_METHODS = {"size", "dim", "numel"}
+
+
+def value_inputs(node: fx.Node) -> list[fx.Node]:
+    """The inputs whose values ``node`` reads: not those it reads for their dtype, device or shape only
+    (``a.type_as(b)``, ``a.to(b)``, ``a.expand_as(b)``, ``b.new_zeros(n)``, ``torch.zeros_like(b)``, ``b.size()``;
+    Ultralytics' anchors: ``arange(w).type_as(feats)``)."""
+    args: tuple[Any, ...] = node.args
+    meta_only: tuple[Any, ...] = ()
+    if node.op == "call_method":
+        if node.target in _SIZE_METHODS or node.target in _NEW_METHODS:
+            meta_only = args[:1]
+        elif node.target in ("type_as", "expand_as", "view_as", "reshape_as"):
+            meta_only = args[1:2]
+        elif node.target == "to":
+            meta_only = tuple(a for a in args[1:] if isinstance(a, fx.Node))
+    elif node.op == "call_function":
+        if node.target in _LIKE or node.target is torch.numel or (
+                node.target is getattr and len(args) > 1 and args[1] in ("shape", "dtype", "device", "ndim")):
+            meta_only = args[:1]
+    return [i for i in node.all_input_nodes if all(i is not m for m in meta_only)]
+
+
+def value_read_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes whose values (not only shapes or dtypes) the graph's outputs depend on (:func:`value_inputs`)."""
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    live: set[fx.Node] = set()
+    stack = [out]
+    while stack:
+        node = stack.pop()
+        for i in value_inputs(node):
+            if i not in live:
+                live.add(i)
+                stack.append(i)
+    return live

@@ -43,7 +43,7 @@ from fxq.backends.qdq.onnx_graph import (
 )
 from fxq.errors import ExportError
 from fxq.graph.export_capture import FIXED_BATCH_KEY
-from fxq.graph.nodes import eval_mode
+from fxq.graph.nodes import eval_mode, value_read_nodes
 from fxq.io import write_error
 
 __all__ = ["Lowered", "OpsetTooLow", "lower", "example_inputs_for", "dynamic_axes_for", "mark_nodes",
@@ -394,6 +394,14 @@ def _export_at_needed_opset(marked: MarkedModule, args: tuple, opset: int, dynam
             opset = exc.needed
 
 
+def _shape_only_marks(marked: MarkedModule, ids: set[int]) -> set[int]:
+    """The marks of ``ids`` on values the model reads for their shape only (``torch.full_like(x[..., -3:], v)``):
+    torch.onnx folds such reads to constants and drops the values, which loses nothing."""
+    live = value_read_nodes(marked.module.graph)
+    return {mark.id for node in marked.module.graph.nodes
+            if isinstance(mark := node.meta.get("fxq_export_mark"), Mark) and mark.id in ids and node not in live}
+
+
 def lower(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | None = None, *,
           raise_opset: bool = False) -> Lowered:
     """Export ``marked`` with torch.onnx at ``opset`` and resolve its name marks.
@@ -409,6 +417,7 @@ def lower(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | No
         model, opset = _export_at_needed_opset(marked, args, opset, dynamic_axes, raise_opset)
         present = {int(attr(n, "id", -1)) for n in mark_nodes(model.graph)}
         lost = {i for i, m in marked.marks.items() if m.kind == "quant" and i not in present}
+        lost -= _shape_only_marks(marked, lost)
         if lost:
             names = freeze_quant_mark_inputs(marked, lost, args)
             logger.info("torch.onnx folded %d quantized value(s) computed only from constants and shapes (%s): "
