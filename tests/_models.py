@@ -184,3 +184,18 @@ def train_digits(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int
             loss.backward()
             opt.step()
     return model.eval()
+
+
+class KeypointScores(nn.Module):
+    """YOLO pose's decode: every third channel (a keypoint's score) goes through a sigmoid in place
+    (torch.export records ``slice_scatter(..., step=3)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 9, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x).flatten(2)
+        y[:, 2::3] = y[:, 2::3].sigmoid()
+        return y
+

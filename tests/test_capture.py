@@ -15,6 +15,7 @@ from fxq.graph.info import iter_quantizers
 from fxq.graph.quant_graph import QuantGraph
 
 from _export_helpers import ort_session
+from _models import KeypointScores
 
 
 class Block(nn.Module):
@@ -336,18 +337,13 @@ def test_dynamic_batch_of_a_fixed_batch_capture_is_refused(tmp_path):
     assert fxq.export(q, "trt_int8", tmp_path / "m.onnx")  # the advice works
 
 
-class IndexedWrites(nn.Module):
-    """Writes into slices (YOLO pose's ``y[:, 2::3] = y[:, 2::3].sigmoid()``) and a dtype cast (Hugging Face's
-    ``mask.to(torch.bool)``): torch.export records ``slice_scatter`` / ``select_scatter`` / ``copy`` / ``fill`` /
-    ``_to_copy``, none of which torch.onnx can write."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 9, 3, padding=1)
+class IndexedWrites(KeypointScores):
+    """Writes into slices (YOLO pose's ``y[:, 2::3] = y[:, 2::3].sigmoid()``, then more) and a dtype cast (Hugging
+    Face's ``mask.to(torch.bool)``): torch.export records ``slice_scatter`` / ``select_scatter`` / ``copy`` /
+    ``fill`` / ``_to_copy``, none of which torch.onnx can write."""
 
     def forward(self, x):
-        y = self.conv(x).flatten(2)
-        y[:, 2::3] = y[:, 2::3].sigmoid()
+        y = super().forward(x)
         y[:, :2] = y[:, :2] * 2
         y[:, 4:6] = y[:, 4:6] + 1
         y[:, -1] = y[:, 0] - 1
@@ -421,7 +417,6 @@ def test_keyword_inputs_keep_a_dynamic_batch(tmp_path):
     """torch.export was given its dynamic-batch spec as ``(args, kwargs)``, which it refuses for keyword inputs: every
     model fed dicts was captured at the calibration batch, and its files ran at that batch only."""
     pytest.importorskip("onnxruntime")
-    from _export_helpers import ort_session
 
     torch.manual_seed(0)
     batches = [{"input_values": torch.randn(2, 5, 6), "attention_mask": torch.ones(2, 5, dtype=torch.long)}

@@ -23,6 +23,8 @@ from fxq.backends import export
 from fxq.backends.ncnn import NcnnInt8, ncnn_paths
 from fxq.errors import ExportError
 
+from _models import KeypointScores
+
 ncnn = pytest.importorskip("ncnn")
 
 
@@ -1409,21 +1411,8 @@ def test_anchor_grids_are_constants_of_the_file(tmp_path: Path, capture: str) ->
     assert "MemoryData" in files["param"].read_text()
 
 
-class _KeypointScores(nn.Module):
-    """YOLO pose's decode: every third channel (a keypoint's score) goes through a sigmoid in place."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 9, 3, padding=1)
-
-    def forward(self, x):
-        y = self.conv(x).flatten(2)
-        y[:, 2::3] = y[:, 2::3].sigmoid()
-        return y
-
-
 def test_strided_writes_are_slices_and_concats(tmp_path: Path) -> None:
     """torch.export records the write as ``slice_scatter(..., step=3)``; a scatter has no ncnn layer, but a write
     into one place of every period is a reshape, slices and a concat."""
-    gm, files = check(_KeypointScores().eval(), (1, 3, 8, 8), tmp_path / "m", capture="export")
+    gm, files = check(KeypointScores().eval(), (1, 3, 8, 8), tmp_path / "m", capture="export")
     assert not any(n.target is torch.scatter for n in gm.graph.nodes)
