@@ -22,6 +22,7 @@ import fxq
 from fxq.backends import export
 from fxq.backends.ncnn import NcnnInt8, ncnn_paths
 from fxq.errors import ExportError
+from fxq.graph.attention import apply_attention_mask
 
 from _models import KeypointScores
 
@@ -1416,3 +1417,37 @@ def test_strided_writes_are_slices_and_concats(tmp_path: Path) -> None:
     into one place of every period is a reshape, slices and a concat."""
     gm, files = check(KeypointScores().eval(), (1, 3, 8, 8), tmp_path / "m", capture="export")
     assert not any(n.target is torch.scatter for n in gm.graph.nodes)
+
+
+class _MaskedAttention(nn.Module):
+    """One attention head over ``(N, L, D)`` tokens with SDPA and a mask: ``"causal"`` (fixed at export, masks
+    positions), ``"keep_all"`` (Hugging Face's all-True bool mask of an unpadded batch, built from ``arange``) or
+    ``"computed"`` (a float mask the network computes from the tokens)."""
+
+    def __init__(self, mask: str) -> None:
+        super().__init__()
+        self.mask = mask
+        self.qkv = nn.Linear(8, 24)
+        self.scores = nn.Linear(8, 6)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+        if self.mask == "causal":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif self.mask == "keep_all":
+            keep = (torch.arange(x.shape[1]) >= 0).view(1, 1, 1, -1).expand(x.shape[0], 1, x.shape[1], x.shape[1])
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=-torch.relu(self.scores(x)).unsqueeze(1))
+        return self.out(y.squeeze(1))
+
+
+@pytest.mark.parametrize("mask", ["causal", "keep_all", "computed"])
+def test_attention_masks(tmp_path: Path, mask: str) -> None:
+    """fxq's decomposed attention keeps a mask as its own step (AttentionMask), which the ncnn writer refused:
+    native ViT and every model with SDPA and a mask stopped there."""
+    gm, files = check(_MaskedAttention(mask).eval(), (1, 6, 8), tmp_path / "m")
+    assert any(n.target is apply_attention_mask for n in gm.graph.nodes)
+    layers = files["param"].read_text()
+    assert ("MemoryData" in layers) == (mask == "causal")

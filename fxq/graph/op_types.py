@@ -95,7 +95,7 @@ _FUNCTIONS: dict[Callable[..., Any], str] = {
     torch.logsumexp: "ReduceLogSumExp", torch.maximum: "Max", torch.minimum: "Min",
     F.dropout: "Identity", torch.numel: "Shape", getattr: "Shape", torch.arange: "Range",
     torch.argmax: "ArgMax", torch.argmin: "ArgMin", torch.topk: "TopK", torch.nonzero: "NonZero",
-    F.embedding: "Gather",
+    F.embedding: "Gather", operator.neg: "Neg", torch.neg: "Neg",
 }
 
 _METHODS: dict[str, str] = {
@@ -109,7 +109,7 @@ _METHODS: dict[str, str] = {
     "expand": "Expand", "repeat": "Tile", "argmax": "ArgMax", "topk": "TopK", "to": "Cast", "float": "Cast",
     "type_as": "Cast", "clone": "Identity", "detach": "Identity",
     "maximum": "Max", "minimum": "Min", "sum": "ReduceSum", "amax": "ReduceMax", "amin": "ReduceMin",
-    "prod": "ReduceProd", "logsumexp": "ReduceLogSumExp",
+    "prod": "ReduceProd", "logsumexp": "ReduceLogSumExp", "neg": "Neg",
 }
 
 _MODULES: dict[type, str] = {

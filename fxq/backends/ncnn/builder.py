@@ -329,7 +329,11 @@ class NcnnBuilder:
         src = self.strip(arg)
         if src in self.blob_of:
             return self.blob(arg, node)
-        value = self.param(src, node, "constant operand")
+        return self.memory_data(self.param(src, node, "constant operand"), node, like, src)
+
+    def memory_data(self, value: torch.Tensor, node: fx.Node, like: fx.Node, src: fx.Node) -> str:
+        """``value`` (the export-time value of ``src``, a node of the graph or ``node`` itself for a value only the
+        converter computes) as a ``MemoryData`` blob laid out like ``like`` (see :meth:`constant`)."""
         rank = len(self.shape(like))
         if value.dim() < rank:
             value = value.reshape((1,) * (rank - value.dim()) + tuple(value.shape))

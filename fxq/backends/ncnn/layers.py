@@ -22,6 +22,7 @@ from fxq.backends.ncnn.fuse import is_noop_reduce, reduce_args
 from fxq.backends.ncnn.platforms import is_depthwise, is_matmul_by_matrix, pair
 from fxq.backends.ncnn.registry import register_ncnn_converter
 from fxq.backends.ncnn.writer import Int8Scales, drop_dim, shape_params
+from fxq.graph.attention import apply_attention_mask
 from fxq.spec import QUANTIZING_STATES
 
 __all__: list[str] = []
@@ -764,6 +765,42 @@ def _binary(b: NcnnBuilder, node: fx.Node) -> None:
     else:
         raise b.fail(node, f"operands {type(lhs).__name__} and {type(rhs).__name__} are not tensors / numbers",
                      "use tensor-tensor or tensor-scalar arithmetic")
+
+
+_MASK_ARGS = ("scores", "attn_mask", "key_padding_mask", "bool_keeps", "causal", "heads_folded")
+
+
+@register_ncnn_converter("AttentionMask", any_batch_dim=True)
+def _attention_mask(b: NcnnBuilder, node: fx.Node) -> None:
+    """fxq's own mask step of a decomposed attention (:func:`~fxq.graph.attention.apply_attention_mask`): masks
+    fixed at export time (a causal mask, Hugging Face's all-True mask of an unpadded ViT) are summed into one
+    ``MemoryData`` added to the scores, or nothing where they mask no position; one float mask the network
+    computes is a ``BinaryOp`` add. A bool mask the network computes has no ncnn form (ncnn has no select)."""
+    a = {**dict(zip(_MASK_ARGS, node.args)), **node.kwargs}
+    scores = a["scores"]
+    masks = {k: a[k] for k in ("attn_mask", "key_padding_mask") if a.get(k) is not None}
+    flags = {k: bool(a.get(k, False)) for k in ("bool_keeps", "causal", "heads_folded")}
+    fixed = {k: b.fixed_value(m) for k, m in masks.items()}
+    if all(isinstance(v, torch.Tensor) for v in fixed.values()):
+        total = apply_attention_mask(torch.zeros(b.shape(scores)), **fixed, **flags)
+        if not total.any():
+            b.alias(node, scores, b.batch_dim(scores))
+            return
+        if b.batch_dim(scores) is not None and total.shape[b.batch_dim(scores)] > 1:  # the same for every sample
+            total = total.narrow(b.batch_dim(scores), 0, 1)
+        mask = b.memory_data(total.float().clamp(min=torch.finfo(torch.float32).min), node, scores, node)
+        b.emit(node, "BinaryOp", [b.blob(scores, node), mask], {0: _BINARY["Add"]}, batch_dim=b.batch_dim(scores))
+        return
+    computed = [m for k, m in masks.items() if fixed[k] is None]
+    val = b.strip(computed[0]).meta.get("val") if len(computed) == 1 else None
+    if len(masks) == 1 and "attn_mask" in masks and not flags["causal"] and not flags["heads_folded"] and \
+            isinstance(val, torch.Tensor) and val.is_floating_point():
+        b.emit(node, "BinaryOp", _broadcast_operands(b, node, scores, masks["attn_mask"]), {0: _BINARY["Add"]},
+               batch_dim=b.batch_dim(scores))
+        return
+    raise b.fail(node, "its attention mask is computed in the network and is not one float mask to add "
+                 f"({', '.join(masks)}{', causal' if flags['causal'] else ''})",
+                 "give the attention one additive float mask (0 to keep, a large negative number to mask)")
 
 
 def _power(b: NcnnBuilder, node: fx.Node, x: fx.Node, exponent: float) -> None:
