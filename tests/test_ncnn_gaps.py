@@ -1451,3 +1451,27 @@ def test_attention_masks(tmp_path: Path, mask: str) -> None:
     assert any(n.target is apply_attention_mask for n in gm.graph.nodes)
     layers = files["param"].read_text()
     assert ("MemoryData" in layers) == (mask == "causal")
+
+
+class _Conv1dStack(nn.Module):
+    """1-D convolutions as audio encoders have them (Wav2Vec2's feature extractor): plain, grouped with dilation and
+    'same' padding, depthwise with a stride."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain = nn.Conv1d(4, 8, 3, padding=1)
+        self.grouped = nn.Conv1d(8, 8, 3, padding="same", dilation=2, groups=2)
+        self.depthwise = nn.Conv1d(8, 8, 5, stride=2, groups=8, bias=False)
+
+    def forward(self, x):
+        return self.depthwise(torch.relu(self.grouped(torch.relu(self.plain(x)))))
+
+
+def test_conv1d(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """ncnn has Convolution1D (and its depthwise form) but no int8 path for them: the export refused every 1-D
+    convolution, and only after calibration. They stay FP32 from prepare on, as for 3-D convolutions."""
+    with caplog.at_level(logging.WARNING, logger="fxq"):
+        _, files = check(_Conv1dStack().eval(), (1, 4, 32), tmp_path / "m")
+    assert "no int8 1-D convolution" in caplog.text
+    layers = files["param"].read_text()
+    assert layers.count("Convolution1D") == 1 and layers.count("ConvolutionDepthWise1D") == 2

@@ -133,10 +133,41 @@ def _conv3d(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, layer_type, [b.blob(x, node)], params, [("tagged", _np(w.fp32))] + tail)
 
 
+def _conv1d(b: NcnnBuilder, node: fx.Node) -> None:
+    """``Convolution1D`` / ``ConvolutionDepthWise1D`` over a ``(C, L)`` blob, FP32 in both files: ncnn has no int8
+    1-D convolution, which ``ncnn_int8``'s capability declares (prepare keeps the node FP32)."""
+    x, w_arg, bias_arg, a = _conv_args(b, node, nn.Conv1d, _CONV_ARGS)
+    w = b.weight(w_arg, node).fp32
+    bias = b.param(bias_arg, node, "bias") if bias_arg is not None else None
+    if len(b.shape(x)) - (b.batch_dim(x) is not None) != 2:
+        raise b.fail(node, f"its input of shape {b.shape(x)} is not (N, C, L)", "give 1-D convolutions (N, C, L)")
+    kernel, stride, dilation = int(w.shape[2]), _triple(a["stride"])[0], _triple(a["dilation"])[0]
+    padding = a["padding"]
+    if padding == "valid":
+        left = right = 0
+    elif padding == "same":
+        total = dilation * (kernel - 1)
+        left, right = total // 2, total - total // 2
+    elif isinstance(padding, str):
+        raise b.fail(node, f"its padding is {padding!r}", "give 1-D convolutions numeric padding")
+    else:
+        left = right = _triple(padding)[0]
+    params = {0: int(w.shape[0]), 1: kernel, 2: dilation, 3: stride, 4: left, 15: right, 5: int(bias is not None),
+              6: int(w.numel())}
+    layer_type, groups = "Convolution1D", int(a["groups"])
+    if groups > 1:
+        layer_type, params[7] = "ConvolutionDepthWise1D", groups
+    tail = [("raw", _np(bias))] if bias is not None else []
+    b.emit(node, layer_type, [b.blob(x, node)], params, [("tagged", _np(w))] + tail)
+
+
 @register_ncnn_converter("Conv")
 def _conv(b: NcnnBuilder, node: fx.Node) -> None:
     if isinstance(b.module(node), nn.Conv3d) or node.target is F.conv3d:
         _conv3d(b, node)
+        return
+    if isinstance(b.module(node), nn.Conv1d) or node.target in (F.conv1d, torch.conv1d):
+        _conv1d(b, node)
         return
     x, w_arg, bias_arg, a = _conv_args(b, node, nn.Conv2d, _CONV_ARGS)
     w = b.weight(w_arg, node)

@@ -12,11 +12,11 @@ from fxq.spec import RoundingPolicy, TensorQuantConfig
 NCNN_OPS = frozenset({"Conv", "Gemm", "MatMul"})  # MatMul: by a constant matrix only (its op rule)
 
 
-def _no_int8_3d_conv(node: fx.Node, gm: fx.GraphModule) -> str | None:
-    """not 3-D: ncnn's Convolution3D / ConvolutionDepthWise3D have no int8 path."""
+def _only_2d_int8_conv(node: fx.Node, gm: fx.GraphModule) -> str | None:
+    """2-D: ncnn's Convolution1D / Convolution3D (and their depthwise forms) have no int8 path."""
     shape = weight_shape(node, gm)
-    if shape is not None and len(shape) == 5:
-        return "ncnn has no int8 3-D convolution (Convolution3D runs in FP32)"
+    if shape is not None and len(shape) in (3, 5):
+        return f"ncnn has no int8 {len(shape) - 2}-D convolution (Convolution{len(shape) - 2}D runs in FP32)"
     return None
 
 
@@ -47,7 +47,7 @@ class NcnnInt8(Platform):
                               formats=frozenset({"int"})),
         quantized_bias=False,
         ops=NCNN_OPS,  # the inputs / weights of Convolution(DepthWise) and InnerProduct, nothing else
-        op_rules={"Conv": _no_int8_3d_conv, "MatMul": _matmul_by_matrix_only},
+        op_rules={"Conv": _only_2d_int8_conv, "MatMul": _matmul_by_matrix_only},
         hint="use platform='academic_int8' / 'academic_int4' for simulation-only schemes",
     )
 
