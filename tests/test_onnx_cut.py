@@ -122,6 +122,36 @@ def test_loop_error_names_a_cut(tmp_path):
     torch.testing.assert_close(gm(x), want)
 
 
+def test_post_processing_with_run_time_operands_names_a_cut():
+    """Ultralytics' ``export(nms=True)``: after NonZero / NMS, a Pad pads the kept boxes to a fixed count with pads
+    computed at run time, which no converter takes. The refusal named no cut (only an If or a Loop got one)."""
+    weight = np.random.default_rng(0).standard_normal((4, 3, 1, 1)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["feat"], name="conv"),
+         helper.make_node("ReduceMax", ["feat", "axes"], ["score"], keepdims=0, name="score"),
+         helper.make_node("Greater", ["score", "zero"], ["keep"], name="threshold"),
+         helper.make_node("NonZero", ["keep"], ["picked"], name="pick"),
+         helper.make_node("Shape", ["picked"], ["picked_shape"], start=1, name="count"),
+         helper.make_node("Sub", ["max_det", "picked_shape"], ["missing"], name="missing"),
+         helper.make_node("Concat", ["zeros", "missing"], ["pads"], axis=0, name="pads"),
+         helper.make_node("Cast", ["picked"], ["picked_f"], to=TensorProto.FLOAT, name="as_float"),
+         helper.make_node("Pad", ["picked_f", "pads"], ["y"], name="pad_to_max_det")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(weight, "w"), numpy_helper.from_array(np.array(0, np.float32), "zero"),
+                     numpy_helper.from_array(np.array([1, 2, 3], np.int64), "axes"),
+                     numpy_helper.from_array(np.array([5], np.int64), "max_det"),
+                     numpy_helper.from_array(np.array([0, 0, 0], np.int64), "zeros")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    with pytest.raises(fxq.FrontendError, match=r"'pad_to_max_det' \(Pad,.*computed at run time") as info:
+        fxq.load_onnx(model)
+    assert info.value.suggested_outputs == ("keep",)
+    gm = fxq.load_onnx(model, outputs=list(info.value.suggested_outputs))
+    x = torch.randn(2, 3, 4, 4)
+    want = torch.nn.functional.conv2d(x, torch.from_numpy(weight)).amax(dim=(1, 2, 3)) > 0
+    assert torch.equal(gm(x), want)
+
+
 def _near_tie_model(op: str, select: str) -> onnx.ModelProto:
     """``Sigmoid(x * 1e-6 + 0.3)``: 4000 values a few ulps apart, so that onnxruntime's sigmoid and torch's rank some
     of them differently, then a TopK / ArgMax over them and a Gather of other values by the picks."""

@@ -16,7 +16,7 @@ from fxq.backends.qdq.onnx_graph import drop_dead_nodes, node_reads, remove_init
 from fxq.errors import FrontendError
 from fxq.frontends.onnx.cleanup import infer_shapes
 
-__all__ = ["keep_outputs", "suggest_outputs", "refusal", "cut_advice", "cut_frontier"]
+__all__ = ["keep_outputs", "suggest_outputs", "refusal", "cut_advice", "cut_frontier", "follows_data_shaped"]
 
 _DATA_SHAPED = ("NonZero", "NonMaxSuppression", "Unique", "Compress")
 """Ops whose output size depends on their input's values (a score threshold, NMS): a cut before the part fxq cannot
@@ -117,6 +117,12 @@ def cut_frontier(order: Sequence[Hashable], reads: Callable[[Any], Iterable[Hash
         if v in gone:
             read += [r for r in reads(v) if r not in gone and r not in read]
     return gone, read
+
+
+def follows_data_shaped(model: onnx.ModelProto, blocking: Iterable[int]) -> bool:
+    """Whether any of the ``blocking`` nodes reads, directly or not, an op whose output size depends on the input's
+    values (:data:`_DATA_SHAPED`): a detector's post-processing, which a cut before it leaves to run beside."""
+    return bool(_data_shaped_ancestors(list(model.graph.node), set(blocking)))
 
 
 def _data_shaped_ancestors(nodes: list[onnx.NodeProto], blocking: set[int]) -> set[int]:

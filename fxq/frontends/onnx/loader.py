@@ -105,6 +105,7 @@ def _locate_failures(
 
     graph = OnnxGraph(model.graph)
     failures: list[str] = []
+    failed_outputs: set[str] = set()
     for onode in graph.nodes.values():
         opset = support.opset_of(model, onode.domain) or 0
         try:
@@ -115,16 +116,21 @@ def _locate_failures(
                 f"  - node {onode.name or onode.unique_name!r} ({onode.operation_type}, domain {domain!r}, "
                 f"opset {opset}): {type(node_exc).__name__}: {node_exc}"
             )
+            failed_outputs.update(onode.output_values)
     if not failures:
         return FrontendError(
             f"cannot convert ONNX model {source!r}: onnx2torch failed: {type(exc).__name__}: {exc}"
         )
-    return FrontendError(
+    message = (
         f"cannot convert ONNX model {source!r}: {len(failures)} node(s) use a form of their op that the "
         "converters do not handle:\n" + "\n".join(failures) + "\nWhat to do: re-export the model without these "
         "forms (other attribute values, constant instead of computed inputs), or register a converter with "
-        "fxq.frontends.onnx.register_onnx_converter(op_type, schema_version, override=True)."
+        "fxq.frontends.onnx.register_onnx_converter(op_type, schema_version, override=True)"
     )
+    blocking = [i for i, n in enumerate(model.graph.node) if set(n.output) & failed_outputs]
+    if blocking and cut.follows_data_shaped(model, blocking):  # post-processing (after NMS): cut before it
+        return cut.refusal(message, model, blocking, source)
+    return FrontendError(message + ".")
 
 
 def load_onnx(
