@@ -1475,3 +1475,23 @@ def test_conv1d(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     assert "no int8 1-D convolution" in caplog.text
     layers = files["param"].read_text()
     assert layers.count("Convolution1D") == 1 and layers.count("ConvolutionDepthWise1D") == 2
+
+
+class _PiecesReadForShape(nn.Module):
+    """Split pieces the model reads only for their sizes (YOLO's ``Split`` pieces read by ``Shape``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        a, b, c = self.conv(x).split([2, 3, 3], 1)
+        return a.flatten(1) * 2 + c.flatten(1).shape[1] + b.shape[1]
+
+
+def test_layers_nothing_reads_are_left_out(tmp_path: Path) -> None:
+    """The sizes are numbers of the file; the pieces' Crop and Flatten layers stayed in the .param, computing
+    values nothing read."""
+    _, files = check(_PiecesReadForShape().eval(), (1, 3, 8, 8), tmp_path / "m")
+    layers = [line.split()[0] for line in files["param"].read_text().splitlines()[2:]]
+    assert layers == ["Input", "Convolution", "Crop", "Flatten", "BinaryOp", "BinaryOp", "BinaryOp"], layers

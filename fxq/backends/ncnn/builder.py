@@ -593,6 +593,7 @@ class NcnnBuilder:
                                     "register_ncnn_converter(..., override=True)") from exc
         self.check_quantizers()
         self._outputs()
+        _drop_unread_layers(self.model)
         _insert_splits(self.model)
         self.model.validate()
         return self.model
@@ -738,6 +739,19 @@ def fold_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
 def _target(node: fx.Node) -> str:
     t = node.target
     return getattr(t, "__name__", None) or str(t)
+
+
+def _drop_unread_layers(model: NcnnModel) -> None:
+    """Remove the layers nothing reads (no layer, no graph output), back to front: the pieces of a split that the
+    graph reads only for their shapes (a constant of the file), what only they read."""
+    outputs = set(model.outputs)
+    while True:
+        read = outputs | {b for layer in model.layers for b in layer.bottoms}
+        unread = [layer for layer in model.layers if layer.type != "Input" and not any(t in read for t in layer.tops)]
+        if not unread:
+            return
+        gone = {id(layer) for layer in unread}
+        model.layers[:] = [layer for layer in model.layers if id(layer) not in gone]
 
 
 def _insert_splits(model: NcnnModel) -> None:
