@@ -3,6 +3,7 @@ codes."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -401,3 +402,141 @@ def test_ncnn_comparison_reads_a_fused_layer_norm_as_the_model_s_value(tmp_path)
     report = fxq.locate_mismatch(gm, tmp_path / "m.param", data, teacher_forced=True)
     assert [r.op_type for r in report] == ["Input", "LayerNormalization"] and not report.unmatched, report.table()
     assert report.first_divergence is None, report.table()
+
+
+class _BatchOfTwo(torch.nn.Module):
+    """The batch size written into a reshape, as in a file exported at batch 2 with a Reshape to [2, 8]: the graph
+    runs batches of 2 samples only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 2, 3, stride=2, padding=1)
+        self.fc = torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.conv(x)).view(2, -1))
+
+
+def _pairs(batches: int = 2) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randn(2, 3, 4, 4, generator=gen) for _ in range(batches)]
+
+
+@pytest.fixture(scope="module")
+def batch_of_two(tmp_path_factory) -> dict[str, tuple]:
+    """Per platform: (the quantized _BatchOfTwo, its exported .onnx or .param)."""
+    out = {}
+    for platform in [*PLATFORMS, "ncnn_int8"]:
+        if platform == "ncnn_int8" and importlib.util.find_spec("ncnn") is None:
+            continue
+        torch.manual_seed(0)
+        gm = fxq.quantize(_BatchOfTwo().eval(), _pairs(), platform, progress=False)
+        folder = tmp_path_factory.mktemp(platform)
+        files = fxq.export(gm, "ncnn" if platform == "ncnn_int8" else platform, folder / "two")
+        out[platform] = (gm, next(Path(f) for f in files if str(f).endswith((".onnx", "two.param"))))
+    return out
+
+
+@pytest.mark.parametrize("platform", [*PLATFORMS, "ncnn_int8"])
+@pytest.mark.parametrize("per_sample", [False, True], ids=["batches-of-2", "single-samples"])
+def test_a_batch_size_baked_into_the_graph_is_the_batch_compared(batch_of_two, platform, per_sample):
+    """The comparison runs the batch the graph takes: ncnn's one sample at a time is simulated at the model's
+    batch of 2 and compared sample by sample, and data of single samples (a folder of images) is regrouped into the
+    file's batch of 2. Before, one sample went through the simulation alone and failed (the view gives [2, 4], the
+    Linear takes 8 features; a source ONNX Reshape to [2, 8]: "shape '[2, 8]' is invalid for input of size 8"),
+    reported as the data's fault."""
+    if platform not in batch_of_two:
+        pytest.skip("ncnn is not installed")
+    gm, path = batch_of_two[platform]
+    data = [x[i:i + 1] for x in _pairs(3) for i in range(2)] if per_sample else _pairs(3)
+    report = fxq.locate_mismatch(gm, path, data, steps=None)
+    assert report.first_divergence is None and report.identical == 1.0, report.table()
+    x = next(r for r in report if r.op_type == "Input")
+    assert x.elements == 6 * 3 * 4 * 4  # every sample compared once
+    assert report.batches == (6 if platform == "ncnn_int8" and per_sample else 3)
+
+
+def test_cli_verify_regroups_single_samples_into_the_file_s_batch(batch_of_two, tmp_path, monkeypatch, capsys):
+    gm, path = batch_of_two["trt_int8"]
+    monkeypatch.chdir(tmp_path)
+    fxq.save(gm, tmp_path / "two.fxq")
+    (tmp_path / "data").mkdir()
+    for i, x in enumerate(x[j:j + 1] for x in _pairs() for j in range(2)):
+        np.save(tmp_path / "data" / f"{i}.npy", x.numpy())
+    assert main(["verify", "two.fxq", str(path), "--data", "data", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "2 batches" in out and "all 4 tensors identical" in out, out
+
+
+def test_a_file_whose_fixed_batch_the_model_does_not_run_is_fxq_s_comparison_failing(batch_of_two, tmp_path):
+    """A file whose inputs fix another batch than the model runs: the comparison cannot feed both, and says so
+    instead of blaming the data (which the model runs)."""
+    gm, path = batch_of_two["trt_int8"]
+    m = onnx.load(str(path))
+    m.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 1
+    with pytest.raises(fxq.ConfigError, match=r"batches of 1 only .*your data is not the cause.*export it again"):
+        fxq.locate_mismatch(gm, m, _pairs())
+    with pytest.raises(fxq.CalibrationError, match=r"takes batches of 2 only .* has 1 sample"):
+        fxq.locate_mismatch(gm, path, [_pairs()[0][:1]])
+
+
+class _UnfusedSoftmax(torch.nn.Module):
+    """Attention probabilities read by an op onnxruntime has no int8 kernel for (``torch.where`` on NaN, as the dynamo
+    exporter writes attention): in the deployed file onnxruntime rewrites the MatMul's int8 Q/DQ to uint8 and leaves
+    the Softmax float; with every Q output exposed (graph outputs are not rewritten) it fuses QLinearSoftmax, whose
+    table exp puts codes one off. ViT-style files exported with dynamo=True showed this in ``fxq verify``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(x @ x.transpose(-1, -2), -1)
+        return torch.where(torch.isnan(p), torch.zeros_like(p), p)
+
+
+def _exposed_outputs_differ(path: Path, x: torch.Tensor) -> bool:
+    """Whether the file with its activation Q outputs exposed gives other outputs at ORT_ENABLE_ALL than the file."""
+    from _export_helpers import run_ort
+
+    m = onnx.load(str(path))
+    weights = {t.name for t in m.graph.initializer}
+    for n in list(m.graph.node):
+        if n.op_type == "QuantizeLinear" and n.input[0] not in weights:
+            m.graph.output.append(onnx.helper.make_tensor_value_info(n.output[0], onnx.TensorProto.INT8, None))
+    return not np.array_equal(run_ort(m, x), run_ort(str(path), x))
+
+
+@pytest.mark.parametrize("teacher_forced", [False, True])
+def test_the_verdict_is_about_the_file_as_it_runs(tmp_path, monkeypatch, teacher_forced):
+    """A file whose outputs, run as deployed (ORT_ENABLE_ALL), are the simulation's is not reported as diverging,
+    though exposing its Q outputs changes onnxruntime's fusions; the rows come from a session that gives the file's
+    outputs bit for bit and say which. A file that does differ (a wrong softmax scale) is still located."""
+    from _export_helpers import run_ort
+
+    gen = torch.Generator().manual_seed(3)
+    data = [torch.randn(2, 8, 16, generator=gen) for _ in range(4)]
+    gm = fxq.quantize(_UnfusedSoftmax().eval(), data[:2], "trt_int8", progress=False)
+    path = fxq.export(gm, "trt_int8", tmp_path / "attn.onnx")[0]
+    with torch.no_grad():
+        deployed_matches = all(np.array_equal(run_ort(str(path), x), gm(x).numpy()) for x in data[2:])
+    report = fxq.locate_mismatch(gm, path, data[2:], teacher_forced=teacher_forced)
+    if deployed_matches:  # onnxruntime 1.32 on x86: the deployed file keeps the Softmax float, as the simulation
+        assert report.first_divergence is None and not report.diverged(), report.table()
+        assert "first divergence" not in report.table()
+    assert report.outputs_identical == deployed_matches and report.faithful, report.table()
+    if _exposed_outputs_differ(path, data[2]):
+        assert report.session != "ORT_ENABLE_ALL" and "ORT_ENABLE_ALL asked" in report.table()
+        assert any("fuses differently" in n for n in report.notes)
+    assert report.to_dict()["session"] == report.session
+
+    # a first batch on which exposing changes nothing at the outputs (all-zero attention logits: uniform
+    # probabilities), then one that shows it: the rows move down and the first batch is compared again there
+    late = fxq.locate_mismatch(gm, path, [torch.zeros(2, 8, 16), data[3]], teacher_forced=teacher_forced)
+    assert late.batches == 2 and late.session == report.session and late.faithful, late.table()
+    with monkeypatch.context() as m:  # inputs too large to keep: the earlier batch is left out, and that is said
+        m.setattr("fxq.analysis.mismatch._REPLAY_BYTES", 0)
+        short = fxq.locate_mismatch(gm, path, [torch.zeros(2, 8, 16), data[3]], teacher_forced=teacher_forced)
+    dropped = [n for n in short.notes if "rows cover the last 1 batch(es): 1 earlier" in n]
+    assert short.session == late.session and short.batches == (1 if dropped else 2), short.table()
+
+    bad = _corrupt(path, "softmax_scale")
+    located = fxq.locate_mismatch(gm, bad, data[2:], teacher_forced=teacher_forced)
+    assert located.outputs_identical is False and located.first_divergence is not None, located.table()
+    assert located.first_divergence.name == "softmax" and located.first_divergence.max_diff >= 2

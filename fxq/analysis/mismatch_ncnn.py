@@ -14,7 +14,7 @@ whose layers (types, names, blobs; parameters may differ) are not those of the m
 """
 from __future__ import annotations
 
-import functools
+import logging
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -26,6 +26,8 @@ from torch import fx
 from fxq.errors import ConfigError, FrontendError, one_line
 
 __all__ = ["locate_ncnn_mismatch"]
+
+logger = logging.getLogger(__name__)
 
 
 def _layers(text: str, source: str) -> list[tuple[str, ...]]:
@@ -58,12 +60,20 @@ def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teac
     except ImportError as exc:
         raise ConfigError("comparing an ncnn file needs the ncnn package: pip install ncnn") from exc
     from fxq.analysis.engine import iter_bound_batches
-    from fxq.analysis.mismatch import MismatchReport, TensorMismatch, gives_codes, simulation_values
+    from fxq.analysis.mismatch import (
+        MismatchReport,
+        Samples,
+        TensorMismatch,
+        batch_size,
+        gives_codes,
+        prepared_batch,
+        runnable_batch,
+        simulation_values,
+    )
     from fxq.analysis.runner import GraphRunner
     from fxq.backends.ncnn.builder import build_ncnn_model
     from fxq.backends.ncnn.islands import MODEL_NODE
     from fxq.functional import quantize_to_int
-    from fxq.graph.data import diagnose_failure, first_batch_errors
 
     if not param.is_file() or not _bin_path(param).is_file():
         raise FrontendError(f"ncnn files {str(param)!r} and its .bin not found")
@@ -121,20 +131,37 @@ def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teac
             builder.stored_shape(node)))).clone()
 
     runner = GraphRunner(qmodel)
-    batches = 0
+    samples = Samples(iter_bound_batches(runner, data, steps, collate_fn, progress=False, desc=""))
+    names = {own for *_, own in compared}
     training = qmodel.training
     qmodel.eval()
     try:
-        for bound in iter_bound_batches(runner, data, steps, collate_fn, progress=False, desc=""):
-            samples = [bound] if builder.unbatched_inputs else [
-                {p: v[i:i + 1] if isinstance(v, torch.Tensor) else v for p, v in bound.items()}
-                for i in range(_batch_size(bound))]
-            for sample in samples:
-                with first_batch_errors("mismatch analysis", batches == 0,
-                                        diagnose=functools.partial(diagnose_failure, qmodel, sample)):
-                    values = simulation_values(qmodel, sample, {own for *_, own in compared})
-                fed = ({blob: mat(_unbatch(values[own], builder.batch_dim(n)), n) for n, _, blob, own in compared}
-                       if teacher_forced else {})
+        # ncnn has no batch: one sample at a time, simulated alone where the model runs one sample; a graph with
+        # its batch size baked in (x.view(2, -1)) is simulated at that batch, each sample compared on its own
+        size, _, values, _ = (runnable_batch(qmodel, samples, [None], names) if builder.unbatched_inputs else
+                              runnable_batch(qmodel, samples, [1, prepared_batch(qmodel)], names))
+        if size > 1 and not builder.unbatched_inputs:
+            logger.info("ncnn comparison: the model does not run one sample alone (a batch size baked into it); "
+                        "it is simulated on batches of %d, each sample compared with ncnn's", size)
+        regroup = size if size == 1 or size == prepared_batch(qmodel) else None
+        for chunk in samples.batches(None if builder.unbatched_inputs else regroup):
+            values = values if values is not None else simulation_values(qmodel, chunk, names)
+            count = None if builder.unbatched_inputs else batch_size(chunk)
+            if count and count > 1:  # a value that does not hold the samples apart has no per-sample blob
+                keep = [_splits(values[own], builder.batch_dim(n), count) for n, _, _, own in compared]
+                for (_, _, _, own), kept in zip(compared, keep):
+                    if not kept:
+                        logger.info("ncnn comparison: %s has no dim of the %d samples it was simulated with; not "
+                                    "compared", own, count)
+                        unmatched_names.append(own)
+                compared = [c for c, kept in zip(compared, keep) if kept]
+                records = [r for r, kept in zip(records, keep) if kept]
+            for i in range(count or 1):
+                sample = {p: _pick(v, builder.batch_dim(view_input[p.name]) if p.name in view_input else 0, i,
+                                   count) for p, v in chunk.items()}
+                sample_values = {own: _pick(values[own], builder.batch_dim(n), i, count)
+                                 for n, _, _, own in compared}
+                fed = ({blob: mat(sample_values[own], n) for n, _, blob, own in compared} if teacher_forced else {})
                 ex = None
                 for (node, fq, blob, own), rec in zip(compared, records):
                     if ex is None or teacher_forced:  # free-running: one extractor keeps what it computed
@@ -142,14 +169,14 @@ def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teac
                         for q, value in sample.items():
                             p = view_input.get(q.name)
                             if p is not None:
-                                ex.input(inputs_blob[p], mat(_unbatch(value, builder.batch_dim(p)), p))
+                                ex.input(inputs_blob[p], mat(value, p))
                         for other, value in fed.items() if teacher_forced else ():
                             if other != blob:
                                 ex.input(other, value)
                     ret, out = ex.extract(blob)
                     if ret != 0:
                         raise FrontendError(f"ncnn failed computing blob {blob!r} (node {node.name!r}): code {ret}")
-                    sim = _unbatch(values[own], builder.batch_dim(node))
+                    sim = sample_values[own]
                     got = torch.from_numpy(np.array(out).copy())
                     if got.numel() != sim.numel():
                         raise ConfigError(f"blob {blob!r} (node {node.name!r}): ncnn gives {list(got.shape)}, the "
@@ -157,7 +184,7 @@ def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teac
                     ours = quantize_to_int(sim.float(), fq.config).numpy().astype(np.int64)
                     theirs = quantize_to_int(got.reshape(sim.shape), fq.config).numpy().astype(np.int64)
                     rec.add(theirs - ours)
-            batches += 1
+            values = None
     except FrontendError:
         raise
     except RuntimeError as exc:
@@ -165,11 +192,22 @@ def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teac
     finally:
         qmodel.train(training)
     return MismatchReport(records, mode="teacher-forced" if teacher_forced else "free-running", optimize=False,
-                          batches=batches, unmatched=unmatched_names, runtime="ncnn int8")
+                          batches=samples.read, unmatched=unmatched_names, runtime="ncnn int8")
 
 
-def _batch_size(bound: dict[fx.Node, Any]) -> int:
-    return next((int(v.shape[0]) for v in bound.values() if isinstance(v, torch.Tensor) and v.dim()), 1)
+def _splits(value: torch.Tensor, batch_dim: int | None, count: int) -> bool:
+    """Whether ``value``, simulated for ``count`` samples, holds them along ``batch_dim`` (one per ncnn run)."""
+    return batch_dim is not None and value.dim() > batch_dim and int(value.shape[batch_dim]) == count
+
+
+def _pick(value: Any, batch_dim: int | None, index: int, count: int | None) -> Any:
+    """Sample ``index`` of a value simulated for ``count`` samples (None: a whole batch, the inputs unbatched), as
+    ncnn's blob holds it: without its batch dim; the whole value where it has none."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if count is not None and _splits(value, batch_dim, count):
+        return value.select(batch_dim, index)
+    return _unbatch(value, batch_dim)
 
 
 def _unbatch(value: torch.Tensor, batch_dim: int | None) -> torch.Tensor:
