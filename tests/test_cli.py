@@ -76,7 +76,7 @@ def test_platforms(capsys):
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert {"trt_int8", "ncnn_int8"} <= set(rows)
     assert rows["trt_int8"]["expressible_ops"] == "any"  # Q/DQ goes before any op
-    assert rows["ncnn_int8"]["expressible_ops"].startswith("Conv, Gemm, MatMul (Conv: not 3-D")  # the capability's ops
+    assert rows["ncnn_int8"]["expressible_ops"].startswith("Conv, Gemm, MatMul (Conv: 2-D only")  # the capability's ops
 
 
 def test_quantize_python_factory(work, capsys):

@@ -13,7 +13,7 @@ NCNN_OPS = frozenset({"Conv", "Gemm", "MatMul"})  # MatMul: by a constant matrix
 
 
 def _only_2d_int8_conv(node: fx.Node, gm: fx.GraphModule) -> str | None:
-    """2-D: ncnn's Convolution1D / Convolution3D (and their depthwise forms) have no int8 path."""
+    """2-D only: ncnn's Convolution1D / Convolution3D (and their depthwise forms) have no int8 path."""
     shape = weight_shape(node, gm)
     if shape is not None and len(shape) in (3, 5):
         return f"ncnn has no int8 {len(shape) - 2}-D convolution (Convolution{len(shape) - 2}D runs in FP32)"
