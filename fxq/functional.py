@@ -147,7 +147,10 @@ def fake_quantize(
             # a Parameter is never overwritten, nor through a view (the in-place kernels refuse it as x)
             y = fake_quantize(xc, cfg, scale, offset, overwrite=copied or (overwrite and type(x) is torch.Tensor))
             return y.permute(back)
-    bound = None if overwrite else _BOUND.get(cfg)
+    # the bindings are eager bookkeeping: a traced call must not read them (dynamo guards a weak dict's keys by
+    # position, and a collected key breaks that guard: IndexError in a later compile)
+    eager = not torch.compiler.is_compiling()
+    bound = _BOUND.get(cfg) if eager and not overwrite else None
     if bound is not None:
         y = bound.run(x, (scale,) if cfg.is_floating else (scale, offset), _call_tag(cfg))
         if y is not None:
@@ -181,7 +184,7 @@ def fake_quantize(
         args = (xc, scale, offset, axis, int(cfg.quant_min), int(cfg.quant_max), int(cfg.rounding))
         y = ops.fake_quant_linear(*args)
         spec = LINEAR
-    if not overwrite and xc is x:
+    if eager and not overwrite and xc is x:
         bound = fused_cpu.bind(spec, args, _call_tag(cfg))
         if bound is not None:
             _BOUND[cfg] = bound

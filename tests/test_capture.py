@@ -385,6 +385,35 @@ def test_indexed_writes_and_casts_export_and_match(tmp_path, caplog):
                     assert off.mean() < 0.01 and np.abs(g - w).max() < 0.05 * np.abs(w).max(), platform
 
 
+class ComputedFills(nn.Module):
+    """Slices filled with a computed number (``y[..., :1] = x.mean()``, ``.fill_(x.amax())``): torch.export
+    records ``fill_.Tensor``, as some torch releases also record a constant fill (``y[...] = 0.5``)."""
+
+    def forward(self, x):
+        y = torch.relu(x) * 2
+        y[..., :1] = x.mean()
+        y[..., 1:2].fill_(x.amax())
+        y[..., -1:] = 0.25
+        return y
+
+
+def test_fills_of_tensors_lift_and_export(tmp_path):
+    model = ComputedFills().eval()
+    x = torch.randn(2, 3, 6, 6)
+    gm = capture_graph(model, (x,), capture="export")
+    left = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert not {t for t in left if "fill" in t}, left
+    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+    calib = [torch.randn(2, 3, 6, 6) for _ in range(2)]
+    qmodel = fxq.quantize(model, calib, platform="trt_int8", capture="export", progress=False)
+    path = fxq.export(qmodel, "trt_int8", tmp_path / "m.onnx")[0]
+    with torch.no_grad():
+        want = qmodel(calib[1]).numpy()
+    session = ort_session(path, optimize=False)
+    np.testing.assert_allclose(session.run(None, {session.get_inputs()[0].name: calib[1].numpy()})[0], want,
+                               rtol=0, atol=1e-6)
+
+
 def test_an_op_torch_onnx_cannot_write_is_named_without_opset_advice(tmp_path):
     """An op torch.onnx has no form for at any opset: the error names it and the fx node, advises no opset change,
     and does not carry torch's partial ONNX graph."""

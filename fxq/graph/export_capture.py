@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from fxq.graph.nodes import redirect_later_readers
+from fxq.graph.nodes import get_attr_value, redirect_later_readers
 from fxq.graph.op_types import LIFTED, WEIGHTED_FUNCTIONS
 from fxq.graph.passes import reuse_node_name
 
@@ -374,14 +374,38 @@ def _periodic_scatter(graph: fx.Graph, x: fx.Node, src: fx.Node, dim: int, start
 
 
 def _lift_fill(graph: fx.Graph, node: fx.Node) -> None:
-    """``aten.fill.Scalar(x, v)`` (``x[...] = 0.5``) -> ``torch.full_like(x, v)``."""
+    """``aten.fill.Scalar(x, v)`` (``x[...] = 0.5``) -> ``torch.full_like(x, v)``. ``aten.fill.Tensor``, as some
+    torch releases record the same write (``v`` a lifted 0-d constant), takes the constant's number, so both give
+    one graph; a computed ``v`` becomes ``v.type_as(x).expand_as(x)`` (torch.onnx has no ``full_like`` of a
+    tensor)."""
     a = _schema_args(node)
-    node.target, node.args, node.kwargs = torch.full_like, (a["self"], a["value"]), {}
+    x, value = a["self"], a["value"]
+    if isinstance(value, fx.Node):
+        constant = _constant_value(graph, value)
+        if constant is None:
+            with graph.inserting_before(node):
+                cast = graph.call_method("type_as", (value, x))
+                node.op, node.target, node.args, node.kwargs = "call_method", "expand_as", (cast, x), {}
+            return
+        value = constant
+    node.target, node.args, node.kwargs = torch.full_like, (x, value), {}
+
+
+def _constant_value(graph: fx.Graph, node: fx.Node) -> bool | int | float | None:
+    """The number a stored one-element tensor (``get_attr``, e.g. a lifted constant) holds; None for other values."""
+    module = graph.owning_module
+    if node.op != "get_attr" or module is None:
+        return None
+    try:
+        value = get_attr_value(module, str(node.target))
+    except AttributeError:
+        return None
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else None
 
 
 _WRITES = {aten._to_copy.default: _lift_to_copy, aten.copy.default: _lift_copy,
            aten.slice_scatter.default: _lift_slice_scatter, aten.select_scatter.default: _lift_select_scatter,
-           aten.fill.Scalar: _lift_fill}
+           aten.fill.Scalar: _lift_fill, aten.fill.Tensor: _lift_fill}
 """aten ops with no torch.onnx form, lifted to torch calls that compute the same (casts and indexed writes)."""
 
 
