@@ -54,6 +54,37 @@ def _parse_shape(text: str) -> tuple[str | None, list[int]]:
     return (name.strip() or None), [int(p) for p in parts]
 
 
+def _parse_value(text: str) -> tuple[str, Any]:
+    """``name=16000`` or ``name=1,0.5``: ``(name, number or list of numbers)`` for ``--input-value``.
+
+    Raises ``argparse.ArgumentTypeError`` (argparse names the flag): no name, or a value that is not numbers.
+    """
+    name, sep, raw = text.partition("=")
+    numbers: list[Any] = []
+    for part in raw.split(","):
+        try:
+            numbers.append(int(part))
+        except ValueError:
+            try:
+                numbers.append(float(part))
+            except ValueError:
+                numbers = []
+                break
+    if not sep or not name.strip() or not numbers:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE[,VALUE...], e.g. sr=16000")
+    return name.strip(), (numbers[0] if len(numbers) == 1 else numbers)
+
+
+def _input_values(args: argparse.Namespace) -> dict[str, Any] | None:
+    from fxq.errors import ConfigError
+
+    items = list(getattr(args, "input_value", None) or [])
+    values = dict(items)
+    if len(values) != len(items):
+        raise ConfigError("--input-value: the same input name is given twice")
+    return values or None
+
+
 def _int_at_least(low: int) -> Any:
     def parse(text: str) -> int:
         try:
@@ -120,9 +151,10 @@ class _Loaded:
 
 
 def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None,
-               outputs: list[str] | None = None) -> _Loaded:
+               outputs: list[str] | None = None, input_values: dict[str, Any] | None = None) -> _Loaded:
     """Load ``spec``: an ``.onnx`` file, a ``.prototxt`` (+ caffemodel), a ``.fxq`` file (:func:`fxq.save`) or
-    ``module:factory``. ``outputs``: ONNX tensor names to cut the graph at (``load_onnx(outputs=...)``)."""
+    ``module:factory``. ``outputs``: ONNX tensor names to cut the graph at (``load_onnx(outputs=...)``);
+    ``input_values``: ONNX inputs made constants (``load_onnx(input_values=...)``)."""
     from torch import nn
 
     from fxq.errors import ConfigError, FrontendError
@@ -133,14 +165,16 @@ def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None,
         raise ConfigError(f"--caffemodel {caffemodel!r} applies only to a .prototxt model, not to {spec!r}")
     if outputs and suffix != ".onnx":
         raise ConfigError(f"--outputs applies only to an .onnx model, not to {spec!r}")
+    if input_values and suffix != ".onnx":
+        raise ConfigError(f"--input-value applies only to an .onnx model, not to {spec!r}")
     if path.is_dir():
         raise FrontendError(f"model {spec!r} is a folder; give a model file (.onnx, .prototxt, .fxq) or "
                             f"module:factory")
     if suffix in (".onnx", ".prototxt", ".fxq") or (suffix and path.exists()):
         _readable_file(path, "model file")
         if suffix == ".onnx":
-            return _Loaded(_fxq().load_onnx(path, input_shapes=_onnx_open_shapes(path, shapes), outputs=outputs),
-                           "onnx", path.stem)
+            return _Loaded(_fxq().load_onnx(path, input_shapes=_onnx_open_shapes(path, shapes, input_values),
+                                            outputs=outputs, input_values=input_values), "onnx", path.stem)
         if suffix == ".prototxt":
             weights = Path(caffemodel) if caffemodel else path.with_suffix(".caffemodel")
             if weights.is_dir():
@@ -177,9 +211,10 @@ def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None,
     return _Loaded(model.eval(), "python", factory)
 
 
-def _onnx_open_shapes(path: Path, shapes: Any) -> dict[str, list[int]] | None:
+def _onnx_open_shapes(path: Path, shapes: Any, values: dict[str, Any] | None = None) -> dict[str, list[int]] | None:
     """The ``--input-shape`` entries for ONNX inputs with symbolic / unknown dims (static inputs keep the file's
-    shape for loading; ``--input-shape`` then only describes the calibration data)."""
+    shape for loading; ``--input-shape`` then only describes the calibration data). Inputs ``values`` makes
+    constants (``--input-value``) do not count."""
     if not shapes:
         return None
     import onnx
@@ -188,7 +223,8 @@ def _onnx_open_shapes(path: Path, shapes: Any) -> dict[str, list[int]] | None:
     from fxq.frontends.onnx.shapes import source_dims
 
     try:
-        declared = source_dims(onnx.load(str(path), load_external_data=False))
+        declared = {k: v for k, v in source_dims(onnx.load(str(path), load_external_data=False)).items()
+                    if k not in (values or {})}
     except Exception as exc:  # noqa: BLE001  (load_onnx reports unreadable files with their reason)
         logger.debug("could not read the inputs of %s before loading: %s", path, exc)
         return None
@@ -214,8 +250,9 @@ def _load_model_for(args: argparse.Namespace) -> _Loaded:
 
     shapes = _input_shapes(args)
     outputs = getattr(args, "outputs", None)
+    values = _input_values(args)
     try:
-        return load_model(args.model, args.caffemodel, shapes, outputs)
+        return load_model(args.model, args.caffemodel, shapes, outputs, values)
     except FrontendError:
         if shapes or Path(args.model).suffix.lower() != ".onnx" or not getattr(args, "calib", None) \
                 or not _has_open_dims(Path(args.model)):
@@ -231,7 +268,7 @@ def _load_model_for(args: argparse.Namespace) -> _Loaded:
         if isinstance(data_shapes, dict) else ",".join(map(str, data_shapes))
     logger.warning("%s has symbolic dims that loading must fix: fixed from the first calibration batch (%s); "
                    "the exports keep them dynamic. Pass --input-shape to choose other sizes", args.model, shown)
-    return load_model(args.model, args.caffemodel, data_shapes, outputs)
+    return load_model(args.model, args.caffemodel, data_shapes, outputs, values)
 
 
 def _has_open_dims(path: Path) -> bool:
@@ -652,6 +689,9 @@ def _model_args(p: argparse.ArgumentParser, calib_required: bool = True) -> None
     p.add_argument("--outputs", metavar="NAME[,NAME...]", type=_names,
                    help="ONNX models: load the graph up to these tensors, as its outputs (cut before a detector's "
                         "NMS / data-dependent If; load errors for such nodes name the cut)")
+    p.add_argument("--input-value", action="append", metavar="NAME=VALUE[,VALUE...]", type=_parse_value,
+                   help="ONNX models: make input NAME a constant of this value (an input that selects a mode, such "
+                        "as a sample rate, so an If on it folds); repeat for several inputs")
     p.add_argument("--dtype", default=None, type=_dtype_name, help="convert calibration tensors to this dtype (default: keep; "
                                                  "float64 -> float32; raw files float32)")
     p.add_argument("--layout", default="NCHW", choices=["NCHW", "NHWC"], help="image layout (default NCHW)")

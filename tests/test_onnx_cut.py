@@ -377,17 +377,20 @@ def test_the_cut_keeps_a_condition_the_rest_needs():
 
 def test_the_cut_never_names_a_graph_input():
     """An If whose branches read the graph input itself: the caller has the input, and ``outputs=`` refuses graph
-    inputs, so the cut names only what nodes compute (review: it named the input, and following it failed)."""
+    inputs, so the cut names only what nodes compute (review: it named the input, and following it failed). (The
+    condition comes from a conv: a cut keeping no layer to quantize is not suggested.)"""
     branches = [helper.make_graph([helper.make_node(op, ["x"], [o])], o, [],
                                   [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)])
                 for op, o in (("Identity", "o1"), ("Neg", "o2"))]
     graph = helper.make_graph(
-        [helper.make_node("ReduceMax", ["x"], ["mx"], keepdims=0),
+        [helper.make_node("Conv", ["x", "w"], ["feat"]),
+         helper.make_node("ReduceMax", ["feat"], ["mx"], keepdims=0),
          helper.make_node("Greater", ["mx", "half"], ["cond"]),
          helper.make_node("If", ["cond"], ["y"], then_branch=branches[0], else_branch=branches[1], name="post")],
         "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 4, 4])],
-        [numpy_helper.from_array(np.array(0.5, np.float32), "half")])
+        [numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+         numpy_helper.from_array(np.ones((2, 3, 1, 1), np.float32), "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises(fxq.FrontendError) as err:
         fxq.load_onnx(model)

@@ -244,7 +244,7 @@ def _onnx_name_map(model: nn.Module) -> dict[str, str]:
         info = p.meta.get("onnx")
         if isinstance(info, dict):
             for name in info.get("outputs", []):
-                out[name] = p.name
+                out[name] = str(p.target)  # the keyword forward takes (the node name may carry a suffix)
     return out
 
 

@@ -239,7 +239,7 @@ _FXQ_CLASSES = (
                                               "OnnxGatherElements", "OnnxNonZero")),
     ("fxq.frontends.onnx.converters.lp", ("OnnxLpNormalization", "OnnxGlobalLpPool", "OnnxLpPool")),
     ("fxq.frontends.onnx.converters.max_pool", ("OnnxMaxPoolWithIndices", "OnnxGlobalMaxPool")),
-    ("fxq.frontends.onnx.converters.pad", ("OnnxPad",)),
+    ("fxq.frontends.onnx.converters.pad", ("OnnxPad", "OnnxPadRuntime")),
     ("fxq.frontends.onnx.converters.reduce", ("OnnxReduce",)),
     ("fxq.frontends.onnx.converters.reshape", ("OnnxReshape",)),
     ("fxq.frontends.onnx.converters.resize", ("OnnxResizeExact", "OnnxUpsample7")),

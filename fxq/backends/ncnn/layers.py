@@ -1300,7 +1300,7 @@ def _pad(b: NcnnBuilder, node: fx.Node) -> None:
 
 def _pad_args(b: NcnnBuilder, node: fx.Node) -> tuple[fx.Node, list[int], str, Any]:
     """(input, ``F.pad``'s pads, torch mode, fill value) of ``F.pad``, fxq's ``OnnxPad`` (pads stored in torch
-    order) or onnx2torch's ``OnnxPadDynamic`` (ONNX pads as an input, computed from shapes in Swin's windows)."""
+    order) or fxq's ``OnnxPadRuntime`` (ONNX pads as an input, computed from shapes in Swin's windows)."""
     mod = b.module(node)
     if mod is None:
         x, mode, value = node.args[0], _arg(node, 2, "mode", "constant"), _arg(node, 3, "value", None)
@@ -1314,7 +1314,7 @@ def _pad_args(b: NcnnBuilder, node: fx.Node) -> tuple[fx.Node, list[int], str, A
     onnx_pads = [int(p) for p in b.param(node.args[1], node, "pads").reshape(-1).tolist()]
     fill = node.args[2] if len(node.args) == 3 else None
     value = float(b.param(fill, node, "fill value").reshape(-1)[0]) if fill is not None else 0.0
-    return node.args[0], torch_pads(onnx_pads, None, None), mod.mode, value
+    return node.args[0], torch_pads(onnx_pads, getattr(mod, "axes", None), len(b.shape(node.args[0]))), mod.mode, value
 
 
 def permute_order_type(order: tuple[int, ...]) -> int:

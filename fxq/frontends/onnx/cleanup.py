@@ -161,6 +161,7 @@ def fold_identities(model: onnx.ModelProto) -> int:
 PARAMETER_INPUTS: dict[str, tuple[int, ...]] = {
     "Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2), "MatMul": (1,), "PRelu": (1,),
     "BatchNormalization": (1, 2, 3, 4), "InstanceNormalization": (1, 2), "LayerNormalization": (1, 2),
+    "LSTM": (1, 2, 3, 7), "GRU": (1, 2, 3), "RNN": (1, 2, 3),  # W, R, B (and LSTM's peepholes P)
 }
 """Inputs that hold a layer's parameters (weights, biases, statistics, slopes), by op type."""
 

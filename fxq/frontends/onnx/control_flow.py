@@ -24,8 +24,9 @@ from fxq.backends.qdq.onnx_graph import (
     rename_tensors,
     unique_name,
 )
+from fxq.frontends.onnx.cleanup import clean
 from fxq.frontends.onnx.cut import refusal
-from fxq.frontends.onnx.shapes import shape_value, tensor_dims
+from fxq.frontends.onnx.shapes import infer_for_conversion, shape_value, source_dims, tensor_dims
 
 __all__ = ["fold_constant_ifs", "refuse_loops"]
 
@@ -52,8 +53,10 @@ def _gathered_dim(node: onnx.NodeProto, produced: dict[str, onnx.NodeProto], ini
                   infos: dict[str, onnx.ValueInfoProto], fixed: Mapping[str, Sequence[int]]) -> np.ndarray | None:
     """``Gather(Shape(t), i)`` when dim ``i`` of ``t`` is known though others are not (``x.shape[2]`` of a
     dynamic-batch input)."""
+    if node.op_type != "Gather":
+        return None
     shape = produced.get(node.input[0])
-    if node.op_type != "Gather" or shape is None or shape.op_type != "Shape" or shape.attribute:
+    if shape is None or shape.op_type != "Shape" or shape.attribute:
         return None
     index = inits.get(node.input[1])
     dims = _dims(infos, fixed, shape.input[0])
@@ -66,14 +69,16 @@ def _gathered_dim(node: onnx.NodeProto, produced: dict[str, onnx.NodeProto], ini
 
 
 def _fold(model: onnx.ModelProto, name: str, infos: dict[str, onnx.ValueInfoProto],
-          fixed: Mapping[str, Sequence[int]]) -> tuple[np.ndarray | None, str]:
-    """The value of tensor ``name`` when it depends only on constants and known shapes, else (None, why)."""
+          fixed: Mapping[str, Sequence[int]]) -> tuple[np.ndarray | None, str, list[str]]:
+    """The value of tensor ``name`` when it depends only on constants and known shapes, else (None, why, the graph
+    inputs whose values it reads)."""
     graph = model.graph
     produced = producers(graph)
     inits = initializers(graph)
     feeds: dict[str, onnx.TensorProto] = {}
     cone: list[onnx.NodeProto] = []
     seen: set[str] = set()
+    read_inputs: list[str] = []
     stack = [name]
     while stack:
         t = stack.pop()
@@ -85,7 +90,8 @@ def _fold(model: onnx.ModelProto, name: str, infos: dict[str, onnx.ValueInfoProt
             continue
         node = produced.get(t)
         if node is None:
-            return None, f"it reads the values of graph input {t!r}"
+            read_inputs.append(t)
+            continue
         picked = _gathered_dim(node, produced, inits, infos, fixed)
         if picked is not None:
             feeds[t] = numpy_helper.from_array(picked, t)
@@ -96,11 +102,14 @@ def _fold(model: onnx.ModelProto, name: str, infos: dict[str, onnx.ValueInfoProt
                 feeds[t] = numpy_helper.from_array(shape_value(node, dims)[t], t)
                 continue
             if node.input[0] in {i.name for i in graph.input}:
-                return None, f"it reads the size of input {node.input[0]!r}, which the file leaves open"
+                return None, f"it reads the size of input {node.input[0]!r}, which the file leaves open", []
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-            return None, f"it is computed by control flow ({node.op_type} {node.name!r})"
+            return None, f"it is computed by control flow ({node.op_type} {node.name!r})", []
         cone.append(node)  # a Shape/Size of known dims was fed above
         stack.extend(node.input)
+    if read_inputs:
+        read_inputs.sort(key=[i.name for i in graph.input].index)
+        return None, f"it reads the values of graph input(s) {', '.join(map(repr, read_inputs))}", read_inputs
     order = {id(n): i for i, n in enumerate(graph.node)}
     cone.sort(key=lambda n: order[id(n)])
     small = helper.make_model(
@@ -113,8 +122,13 @@ def _fold(model: onnx.ModelProto, name: str, infos: dict[str, onnx.ValueInfoProt
     try:
         (value,) = ReferenceEvaluator(small).run(None, {})
     except Exception as exc:  # noqa: BLE001  (the evaluator raises many types)
-        return None, f"evaluating it failed ({type(exc).__name__}: {exc})"
-    return np.asarray(value), ""
+        return None, f"evaluating it failed ({type(exc).__name__}: {exc})", []
+    return np.asarray(value), "", []
+
+
+def _holds_a_setting(dims: list | None) -> bool:
+    """Whether an input declared with ``dims`` can be a setting (a scalar or a few numbers), not data."""
+    return dims is not None and all(isinstance(d, int) and d > 0 for d in dims) and int(np.prod(dims)) <= 16
 
 
 def _inline(graph: onnx.GraphProto, index: int, branch: onnx.GraphProto, if_node: onnx.NodeProto) -> None:
@@ -159,12 +173,21 @@ def fold_constant_ifs(model: onnx.ModelProto, source: str, fixed: Mapping[str, S
         if index is None:
             return folded
         node = model.graph.node[index]
-        value, why = _fold(model, node.input[0], infos, fixed or {})
+        value, why, read_inputs = _fold(model, node.input[0], infos, fixed or {})
         if value is None or value.size != 1:
+            setting = ""
+            declared = source_dims(model)
+            read_inputs = [n for n in read_inputs if _holds_a_setting(declared.get(n))]
+            if read_inputs:
+                shown = ", ".join(f"{name!r}: ..." for name in read_inputs)
+                flags = " ".join(f"--input-value {name}=..." for name in read_inputs)
+                setting = (f"if {', '.join(map(repr, read_inputs))} selects a mode rather than carrying data (a "
+                           f"sample rate, a flag), fix its value: load_onnx(..., input_values={{{shown}}}) (CLI: "
+                           f"{flags}); ")
             raise refusal(
                 f"cannot load ONNX model {source!r}: If node {node.name!r} branches on {node.input[0]!r}, which does "
                 f"not fold to a constant ({why or 'not a single value'}); fxq takes an If only when its condition "
-                "is fixed at load time. What to do: if it depends on input sizes, pass load_onnx(..., "
+                f"is fixed at load time. What to do: {setting}if it depends on input sizes, pass load_onnx(..., "
                 "input_shapes={...}); if it is Python code of yours, re-export the model with the branch decided "
                 "(torch.onnx.export with dynamo=False traces Python ifs into the branch taken; scripted code, such "
                 "as torchvision's NMS, stays an If)", model, [index], source, file_tensors)
@@ -176,6 +199,10 @@ def fold_constant_ifs(model: onnx.ModelProto, source: str, fixed: Mapping[str, S
         _inline(model.graph, index, branch, node)
         drop_dead_nodes(model.graph)  # the condition's computation
         folded += 1
+        if any(n.op_type == "If" for n in model.graph.node):  # the next condition may read the inlined nodes' sizes
+            inferred = infer_for_conversion(clean(model, infer=False), fixed or {})
+            if inferred is not model:
+                model.CopyFrom(inferred)
 
 
 def refuse_loops(model: onnx.ModelProto, source: str, file_tensors: Collection[str] | None = None) -> None:

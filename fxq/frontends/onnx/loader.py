@@ -140,6 +140,7 @@ def load_onnx(
     input_shapes: Mapping[str, Sequence[int]] | Sequence[int] | None = None,
     verify: bool | str = "auto",
     outputs: Sequence[str] | None = None,
+    input_values: Mapping[str, Any] | None = None,
 ) -> fx.GraphModule:
     """Load an ONNX model as a ``torch.fx.GraphModule`` whose nodes carry their ONNX names.
 
@@ -163,6 +164,9 @@ def load_onnx(
         outputs: tensor names to load the graph up to, as its outputs (in this order): only the nodes, inputs
             and weights they need are loaded. For cutting a model before what fxq cannot convert or should not
             quantize (a detector's NMS and data-dependent ``If``; the error for such a node names the cut).
+        input_values: ``{input name: value}`` making inputs that select a mode rather than carry data constants of
+            the model (silero VAD's sample rate: ``{"sr": 16000}``), so an ``If`` on them folds at load time; the
+            loaded graph and its exports no longer take them.
 
     Returns:
         The converted ``GraphModule`` in eval mode.
@@ -187,6 +191,7 @@ def load_onnx(
 
     load_builtin_converters()
     proto, source = reader.read_model(model, base_dir)
+    values = shapes.fix_input_values(proto, input_values, source)
     if outputs is not None:
         proto = cut.keep_outputs(proto, [outputs] if isinstance(outputs, str) else list(outputs), source)
     fixed = shapes.fix_input_shapes(proto, input_shapes, source)
@@ -223,6 +228,8 @@ def load_onnx(
     gm.meta["onnx"]["source_input_shapes"] = {k: list(v) for k, v in declared.items()}
     if fixed:
         gm.meta["onnx"]["input_shapes"].update({k: list(v) for k, v in fixed.items()})
+    if values:
+        gm.meta["onnx"]["input_values"] = {k: v.tolist() for k, v in values.items()}
     gm.eval()
     if original is not None:
         checks.check_conversion(gm, original, fixed, source, verify)

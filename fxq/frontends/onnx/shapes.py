@@ -16,7 +16,8 @@ from onnx import numpy_helper
 from fxq.errors import FrontendError
 from fxq.frontends.onnx.cleanup import infer_shapes, light_copy
 
-__all__ = ["Dims", "source_dims", "fix_input_shapes", "infer_for_conversion", "unknown_rank_nodes", "RANK_OPS"]
+__all__ = ["Dims", "source_dims", "fix_input_shapes", "fix_input_values", "infer_for_conversion", "unknown_rank_nodes",
+           "RANK_OPS"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -90,6 +91,56 @@ def fix_input_shapes(model: onnx.ModelProto, input_shapes: Mapping[str, Sequence
             raise FrontendError(f"input_shapes[{name!r}] = {dims} gives dim {i} as {d} but {source!r} fixes it to "
                                 f"{f}; only symbolic or unknown dims can be chosen ({file_dims})")
         fixed[name] = dims
+    return fixed
+
+
+def fix_input_values(model: onnx.ModelProto, input_values: Mapping[str, object] | None,
+                     source: str) -> dict[str, np.ndarray]:
+    """Make the inputs ``input_values`` names constants of ``model`` (in place): each becomes an initializer holding
+    its value, in the input's declared element type, and stops being an input. For inputs that select a mode
+    rather than carry data (silero VAD's sample rate ``sr``, a flag): an ``If`` on them then folds at load time,
+    and the loaded graph and its exports take only the other inputs. Returns ``{input: value}`` (empty when not
+    given).
+
+    Raises:
+        FrontendError: unknown input names, a value the declared type or dims cannot hold, or no input left.
+    """
+    if not input_values:
+        return {}
+    if not isinstance(input_values, Mapping):
+        raise FrontendError(f"input_values must be a mapping {{input name: value}}, got {type(input_values).__name__}")
+    declared = source_dims(model)
+    infos = {i.name: i for i in model.graph.input}
+    fixed: dict[str, np.ndarray] = {}
+    for name, value in input_values.items():
+        if name not in declared:
+            raise FrontendError(f"input_values names {name!r}, which is not an input of ONNX model {source!r}; its "
+                                f"inputs are {list(declared)}")
+        elem = infos[name].type.tensor_type.elem_type
+        try:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(elem)
+            wanted = np.asarray(value)
+            array = wanted.astype(dtype)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise FrontendError(f"input_values[{name!r}] = {value!r} cannot be a tensor of input {name!r}'s type "
+                                f"({onnx.TensorProto.DataType.Name(elem)}): {exc}") from None
+        if wanted.dtype.kind in "fc" and dtype.kind in "iub" and not np.array_equal(array, wanted):
+            raise FrontendError(f"input_values[{name!r}] = {value!r}: input {name!r} holds integers "
+                                f"({onnx.TensorProto.DataType.Name(elem)}); give a whole number")
+        dims = tensor_dims(infos[name])  # None: the file leaves the rank open
+        if dims is not None and (len(dims) != array.ndim or any(isinstance(d, int) and d > 0 and d != n
+                                                                for d, n in zip(dims, array.shape))):
+            raise FrontendError(f"input_values[{name!r}] has shape {list(array.shape)} but input {name!r} of "
+                                f"{source!r} is declared {dims}")
+        fixed[name] = array
+    if len(fixed) == len(declared):
+        raise FrontendError(f"input_values fixes every input of ONNX model {source!r} ({list(declared)}): leave at "
+                            "least one input for the data")
+    kept = [i for i in model.graph.input if i.name not in fixed]
+    model.graph.ClearField("input")
+    model.graph.input.extend(kept)
+    model.graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in fixed.items())
+    _LOG.info("ONNX model %s: input(s) %s fixed to constants (input_values)", source, list(fixed))
     return fixed
 
 

@@ -1,8 +1,7 @@
 """``Pad-11`` and later: an optional ``axes`` input (18) and ``wrap`` mode (19).
 
-``pads``, ``constant_value`` and ``axes`` must be constant (a ``Pad-11/13`` with pads computed at run time goes to
-onnx2torch's converter). ONNX lists ``[begin of each axis..., end of each axis...]``; ``torch.nn.functional.pad``
-wants ``(begin, end)`` pairs from the last dimension backwards. ``F.pad``'s reflect / replicate / circular modes pad
+``axes`` must be constant; ``pads`` and ``constant_value`` computed at run time give :class:`OnnxPadRuntime`. ONNX
+lists ``[begin of each axis..., end of each axis...]``; ``torch.nn.functional.pad`` wants ``(begin, end)`` pairs from the last dimension backwards. ``F.pad``'s reflect / replicate / circular modes pad
 only the last 1-3 dims of a tensor of one or two more dims (onnx2torch's Pad-11/13 raised at run time for
 ``reflect`` / ``edge`` on a 4-D tensor's channel or batch dim): other pads are gathered along each dim
 (:func:`_gather_pad`).
@@ -11,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from onnx2torch.node_converters.registry import get_converter
 from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OperationConverterResult
@@ -19,11 +17,11 @@ from torch import nn
 
 from fxq.frontends.onnx.converters._common import const_input, int_list, rank_of, result
 from fxq.frontends.onnx.converters.registry import register_onnx_converter
+from fxq.frontends.onnx.cut import DATA_SHAPED
 
-__all__ = ["OnnxPad"]
+__all__ = ["OnnxPad", "OnnxPadRuntime"]
 
 _TORCH_MODE = {"constant": "constant", "reflect": "reflect", "edge": "replicate", "wrap": "circular"}
-_ONNX2TORCH_PAD_11 = get_converter(operation_type="Pad", version=11)  # taken before ours replaces it
 
 
 def _source_index(n_out: int, begin: int, n: int, mode: str) -> torch.Tensor:
@@ -87,6 +85,48 @@ class OnnxPad(nn.Module):
         return f"pads={self.pads}, mode={self.mode!r}, value={self.value}"
 
 
+class OnnxPadRuntime(nn.Module):
+    """``Pad`` whose pads (and fill) are computed at run time (scripted code: silero VAD's reflect pad of the
+    waveform): the same rules as :class:`OnnxPad`, on the pads of each call. A leaf of fx traces (it reads the pads'
+    values).
+
+    Args:
+        mode: a torch padding mode.
+        axes: the ONNX ``axes`` the pads apply to (None: all, in order).
+    """
+
+    def __init__(self, mode: str, axes: list[int] | None = None) -> None:
+        super().__init__()
+        self.mode = mode
+        self.axes = None if axes is None else list(axes)
+
+    def forward(self, x: torch.Tensor, pads: torch.Tensor, value: torch.Tensor | None = None) -> torch.Tensor:
+        fixed = OnnxPad(torch_pads([int(p) for p in pads.reshape(-1).tolist()], self.axes, x.dim()), self.mode,
+                        float(value.reshape(-1)[0]) if value is not None and value.numel() else 0.0, x.dim())
+        return fixed(x)
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}, axes={self.axes}"
+
+
+def _follows_data_shaped(graph: OnnxGraph, name: str) -> bool:
+    """Whether ``name`` is computed from an op whose output size depends on values (:data:`DATA_SHAPED`)."""
+    stack, seen = [name], set()
+    while stack:
+        value = stack.pop()
+        if value in seen or value in graph.initializers:
+            continue
+        seen.add(value)
+        try:
+            producer, _ = graph.value_as_node_output(value)
+        except KeyError:  # a graph input
+            continue
+        if producer.operation_type in DATA_SHAPED:
+            return True
+        stack.extend(v for v in producer.input_values if v)
+    return False
+
+
 def torch_pads(onnx_pads: list[int], axes: list[int] | None, rank: int | None) -> list[int]:
     """ONNX pads (for ``axes``, default all) -> ``F.pad`` order, covering only the trailing dims that are padded."""
     n = len(onnx_pads) // 2
@@ -109,26 +149,24 @@ def torch_pads(onnx_pads: list[int], axes: list[int] | None, rank: int | None) -
     return out
 
 
-@register_onnx_converter("Pad", (11, 13), override=True)
-def _convert_pad_11(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-    try:
-        const_input(node, graph, 1, "pads")
-        const_input(node, graph, 2, "constant_value")
-    except NotImplementedError:
-        return _ONNX2TORCH_PAD_11(node, graph)
-    return _convert_pad(node, graph)
-
-
-@register_onnx_converter("Pad", (18, 19, 21, 23, 24, 25))
+@register_onnx_converter("Pad", (11, 13, 18, 19, 21, 23, 24, 25), override=True)
 def _convert_pad(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     mode = node.attributes.get("mode", "constant")
     if mode not in _TORCH_MODE:
         raise NotImplementedError(f"Pad: mode {mode!r} is not one of {sorted(_TORCH_MODE)}")
-    pads_t = const_input(node, graph, 1, "pads")
-    value_t = const_input(node, graph, 2, "constant_value")
     axes_t = const_input(node, graph, 3, "axes")
+    axes = int_list(axes_t) if axes_t is not None else None
+    try:
+        pads_t = const_input(node, graph, 1, "pads")
+        value_t = const_input(node, graph, 2, "constant_value")
+    except NotImplementedError:  # computed at run time
+        if _follows_data_shaped(graph, node.input_values[1]):
+            raise NotImplementedError("Pad: pads computed at run time from a value-dependent size (after NonZero / "
+                                      "NMS): post-processing, which a cut leaves out") from None
+        inputs = [v for v in node.input_values[:3] if v]
+        return result(OnnxPadRuntime(_TORCH_MODE[mode], axes), node, inputs)
     data = node.input_values[0]
     rank = rank_of(graph, data)
-    pads = torch_pads(int_list(pads_t), int_list(axes_t) if axes_t is not None else None, rank)
+    pads = torch_pads(int_list(pads_t), axes, rank)
     value = value_t.reshape(-1)[0].item() if value_t is not None and value_t.numel() else 0.0
     return result(OnnxPad(pads, _TORCH_MODE[mode], value, rank), node, [data])
