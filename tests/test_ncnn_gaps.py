@@ -1495,3 +1495,25 @@ def test_layers_nothing_reads_are_left_out(tmp_path: Path) -> None:
     _, files = check(_PiecesReadForShape().eval(), (1, 3, 8, 8), tmp_path / "m")
     layers = [line.split()[0] for line in files["param"].read_text().splitlines()[2:]]
     assert layers == ["Input", "Convolution", "Crop", "Flatten", "BinaryOp", "BinaryOp", "BinaryOp"], layers
+
+
+class LogMelFloor(nn.Module):
+    """openwakeword's melspectrogram: ``clamp(x, min=x.max() - 8)`` (a floor 8 below the loudest value), exported
+    as ONNX ``Clip(x, ReduceMax(x) - 8)``: bounds the network computes, which ncnn's Clip cannot take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        y = torch.clamp(y, min=y.amax() - 2.0, max=y.amax() - 0.5)
+        return self.conv2(y)
+
+
+def test_clip_with_bounds_computed_at_run_time(tmp_path: Path) -> None:
+    """ncnn export failed with an internal AttributeError (``OnnxClipRunTime`` has no ``min_val``); now BinaryOp
+    max / min with the bound blobs, against torch and the simulation."""
+    gm = _onnx(LogMelFloor(), (1, 3, 8, 8), tmp_path / "logmel.onnx")
+    assert any(type(m).__name__ == "OnnxClipRunTime" for m in gm.modules())
+    check(gm, (1, 3, 8, 8), tmp_path / "logmel.param")

@@ -417,8 +417,17 @@ def _prelu(b: NcnnBuilder, node: fx.Node) -> None:
 
 @register_ncnn_converter("Clip", any_batch_dim=True)
 def _clip(b: NcnnBuilder, node: fx.Node) -> None:
+    """``Clip`` with fixed bounds; bounds the network computes (ONNX's ``Clip(x, ReduceMax(x) - 80)`` of a log-mel
+    spectrogram) are ``BinaryOp`` max / min with their blobs (ncnn's Clip takes numbers only)."""
     mod = b.module(node)
-    if mod is not None:  # ReLU6 is a Hardtanh
+    if mod is not None and hasattr(mod, "has_min"):  # the ONNX frontend's Clip with bounds computed at run time
+        bounds = iter(node.args[1:])
+        lo = next(bounds) if mod.has_min else None
+        hi = next(bounds) if mod.has_max else None
+        if not any(isinstance(v, fx.Node) and not b.is_constant(v) for v in (lo, hi)):
+            lo = None if lo is None else float(b.param(lo, node, "min").reshape(-1)[0])
+            hi = None if hi is None else float(b.param(hi, node, "max").reshape(-1)[0])
+    elif mod is not None:  # ReLU6 is a Hardtanh
         lo, hi = mod.min_val, mod.max_val
     elif node.target in (F.relu6,):
         lo, hi = 0.0, 6.0
@@ -426,12 +435,28 @@ def _clip(b: NcnnBuilder, node: fx.Node) -> None:
         lo, hi = _arg(node, 1, "min_val", -1.0), _arg(node, 2, "max_val", 1.0)
     else:  # torch.clamp / torch.clip / Tensor.clamp
         lo, hi = _arg(node, 1, "min", None), _arg(node, 2, "max", None)
+    x = node.args[0]
+    if any(isinstance(v, fx.Node) and not b.is_constant(v) for v in (lo, hi)):
+        blob = b.blob(x, node)
+        steps = [(op, v) for op, v in ((_BINARY["Max"], lo), (_BINARY["Min"], hi)) if v is not None]
+        for k, (op, v) in enumerate(steps):
+            last = k == len(steps) - 1
+            if isinstance(v, fx.Node) and not b.is_constant(v):
+                bottoms, params = [blob, _broadcast_operands(b, node, x, v)[1]], {0: op}
+            else:
+                value = v if not isinstance(v, fx.Node) else b.param(v, node, "bound").reshape(-1)[0]
+                bottoms, params = [blob], {0: op, 1: 1, 2: float(value)}
+            if last:
+                b.emit(node, "BinaryOp", bottoms, params, batch_dim=b.batch_dim(x))
+            else:
+                blob = b.helper(node, "BinaryOp", bottoms, params)
+        return
     params = {}
     if _const(b, node, lo, "min") is not None:
         params[0] = float(lo)
     if _const(b, node, hi, "max") is not None:
         params[1] = float(hi)
-    b.emit(node, "Clip", [b.blob(node.args[0], node)], params)
+    b.emit(node, "Clip", [b.blob(x, node)], params)
 
 
 @register_ncnn_converter("Softmax", any_batch_dim=True)

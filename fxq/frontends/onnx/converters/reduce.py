@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import onnx
 import torch
 from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
@@ -95,7 +96,10 @@ class OnnxReduce(nn.Module):
 def _convert_reduce(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     data = node.input_values[0]
     if "axes" in node.attributes:
-        axes = [int(a) for a in node.attributes["axes"]]
+        axes_attr = node.attributes["axes"]
+        if isinstance(axes_attr, onnx.AttributeProto):  # an empty list: onnx2torch hands it over unparsed
+            axes_attr = onnx.helper.get_attribute_value(axes_attr)
+        axes = [int(a) for a in axes_attr]
     else:
         axes_t = const_input(node, graph, 1, "axes")
         axes = int_list(axes_t) if axes_t is not None else []
