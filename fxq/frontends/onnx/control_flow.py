@@ -9,6 +9,7 @@ node. The condition is evaluated with onnx's reference evaluator on its constant
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Collection, Mapping, Sequence
 
@@ -34,23 +35,41 @@ _LOG = logging.getLogger(__name__)
 _REFUSED = ("Loop", "Scan")
 
 
-def _dims(infos: dict[str, onnx.ValueInfoProto], fixed: Mapping[str, Sequence[int]],
-          name: str) -> list[int | None] | None:
+@dataclasses.dataclass
+class _Known:
+    """What fixes sizes at load time: ``fixed``, the input dims given to the loader (``input_shapes``), and
+    ``bound``, the size each symbolic dim name of the inputs takes with them (``batch`` -> 1), which inferred shapes
+    downstream keep as names."""
+
+    fixed: Mapping[str, Sequence[int]]
+    bound: dict[str, int]
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto, fixed: Mapping[str, Sequence[int]]) -> _Known:
+        bound: dict[str, int] = {}
+        for name, dims in source_dims(model).items():
+            for d, size in zip(dims, fixed.get(name, ())):
+                if isinstance(d, str) and d:
+                    bound.setdefault(d, int(size))
+        return cls(fixed, bound)
+
+
+def _dims(infos: dict[str, onnx.ValueInfoProto], known: _Known, name: str) -> list[int | None] | None:
     """Dims of tensor ``name`` (None for an unknown one; None overall for an unknown rank)."""
-    if name in fixed:
-        return [int(d) for d in fixed[name]]
+    if name in known.fixed:
+        return [int(d) for d in known.fixed[name]]
     dims = tensor_dims(infos[name]) if name in infos else None
-    return None if dims is None else [d if isinstance(d, int) else None for d in dims]
+    return None if dims is None else [d if isinstance(d, int) else known.bound.get(d) if isinstance(d, str) else None
+                                      for d in dims]
 
 
-def _static_dims(infos: dict[str, onnx.ValueInfoProto], fixed: Mapping[str, Sequence[int]],
-                 name: str) -> list[int] | None:
-    dims = _dims(infos, fixed, name)
+def _static_dims(infos: dict[str, onnx.ValueInfoProto], known: _Known, name: str) -> list[int] | None:
+    dims = _dims(infos, known, name)
     return None if dims is None or any(d is None for d in dims) else [int(d) for d in dims]  # type: ignore[arg-type]
 
 
 def _gathered_dim(node: onnx.NodeProto, produced: dict[str, onnx.NodeProto], inits: dict[str, onnx.TensorProto],
-                  infos: dict[str, onnx.ValueInfoProto], fixed: Mapping[str, Sequence[int]]) -> np.ndarray | None:
+                  infos: dict[str, onnx.ValueInfoProto], known: _Known) -> np.ndarray | None:
     """``Gather(Shape(t), i)`` when dim ``i`` of ``t`` is known though others are not (``x.shape[2]`` of a
     dynamic-batch input)."""
     if node.op_type != "Gather":
@@ -59,7 +78,7 @@ def _gathered_dim(node: onnx.NodeProto, produced: dict[str, onnx.NodeProto], ini
     if shape is None or shape.op_type != "Shape" or shape.attribute:
         return None
     index = inits.get(node.input[1])
-    dims = _dims(infos, fixed, shape.input[0])
+    dims = _dims(infos, known, shape.input[0])
     if index is None or dims is None:
         return None
     picked = [dims[int(i)] for i in numpy_helper.to_array(index).reshape(-1)]
@@ -69,7 +88,7 @@ def _gathered_dim(node: onnx.NodeProto, produced: dict[str, onnx.NodeProto], ini
 
 
 def _fold(model: onnx.ModelProto, name: str, infos: dict[str, onnx.ValueInfoProto],
-          fixed: Mapping[str, Sequence[int]]) -> tuple[np.ndarray | None, str, list[str]]:
+          known: _Known) -> tuple[np.ndarray | None, str, list[str]]:
     """The value of tensor ``name`` when it depends only on constants and known shapes, else (None, why, the graph
     inputs whose values it reads)."""
     graph = model.graph
@@ -92,12 +111,12 @@ def _fold(model: onnx.ModelProto, name: str, infos: dict[str, onnx.ValueInfoProt
         if node is None:
             read_inputs.append(t)
             continue
-        picked = _gathered_dim(node, produced, inits, infos, fixed)
+        picked = _gathered_dim(node, produced, inits, infos, known)
         if picked is not None:
             feeds[t] = numpy_helper.from_array(picked, t)
             continue
         if node.op_type in ("Shape", "Size"):
-            dims = _static_dims(infos, fixed, node.input[0])
+            dims = _static_dims(infos, known, node.input[0])
             if dims is not None:
                 feeds[t] = numpy_helper.from_array(shape_value(node, dims)[t], t)
                 continue
@@ -173,7 +192,7 @@ def fold_constant_ifs(model: onnx.ModelProto, source: str, fixed: Mapping[str, S
         if index is None:
             return folded
         node = model.graph.node[index]
-        value, why, read_inputs = _fold(model, node.input[0], infos, fixed or {})
+        value, why, read_inputs = _fold(model, node.input[0], infos, _Known.of(model, fixed or {}))
         if value is None or value.size != 1:
             setting = ""
             declared = source_dims(model)
