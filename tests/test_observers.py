@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+import fxq
 from fxq.errors import ConfigError, ObserverError
 from fxq.functional import fake_quantize, qparams_from_minmax, quantize_to_int
+from fxq.graph.quant_graph import QuantGraph
 from fxq.nn import FakeQuantize
 from fxq.observers import OBSERVERS, Observer, build_observer
 from fxq.observers.histogram import count_indices, histogram_rows
@@ -541,3 +543,46 @@ def test_floating_beats_minmax_mse(fmt):
     pow2 = cfg.replace(power_of_2=True)
     assert mse_of(cfg, s, o, x) <= mse_of(pow2, *run("minmax", pow2, batches), x)
     assert mse_of(cfg, s, o, x) <= 1.1 * mse_of(cfg, *run("minmax", cfg, batches), x)
+
+
+class _NonNegativeOutputs(torch.nn.Module):
+    """Every op whose output cannot be negative, each read by a conv (so each gets an observed input quantizer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = torch.nn.ModuleList(torch.nn.Conv2d(4, 4, 3, padding=1) for _ in range(7))
+        self.relu6 = torch.nn.ReLU6()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.convs
+        y = c[0](torch.relu(x))
+        y = c[1](self.relu6(y))
+        y = c[2](torch.clamp(y, min=0.0))
+        y = c[3](torch.sigmoid(y) * 1.0)  # the sigmoid's own quantizer is the Mul's input
+        y = c[4](torch.nn.functional.relu6(y) + y.clamp(0, 2))
+        y = c[5](torch.softmax(y, dim=1))
+        return c[6](y.clamp(min=-1.0))  # a negative floor: both tails observed
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8", "academic_int8"])
+@pytest.mark.parametrize("algorithm", ["percentile", "minmax"])
+def test_nonnegative_outputs_skip_the_lower_tail_with_identical_parameters(monkeypatch, platform, algorithm):
+    """Observers of a ReLU / clip-at-0 / sigmoid / softmax output skip the lower tail (its statistics cannot move
+    the range off 0): every scale and offset is the one the full statistics give."""
+    import fxq.graph.calibrate as calibrate_module
+
+    torch.manual_seed(0)
+    model = _NonNegativeOutputs().eval()
+    data = [torch.randn(2, 4, 24, 24) * 3 for _ in range(3)]
+    setting = fxq.QuantizationSetting()
+    setting.quantize_activation_setting.calib_algorithm = algorithm
+    decide = calibrate_module._nonnegative_input
+    flags: dict[str, bool] = {}
+    monkeypatch.setattr(calibrate_module, "_nonnegative_input",
+                        lambda graph, name, modules: flags.setdefault(name, decide(graph, name, modules)))
+    fast = fxq.quantize(model, data, platform, setting=setting, progress=False)
+    assert sum(flags.values()) >= 3 and not all(flags.values()), flags
+    monkeypatch.setattr(calibrate_module, "_nonnegative_input", lambda *a: False)
+    full = fxq.quantize(model, data, platform, setting=setting, progress=False)
+    for (name, a), (_, b) in zip(QuantGraph(fast).quantizers(), QuantGraph(full).quantizers()):
+        assert torch.equal(a.scale, b.scale) and torch.equal(a.offset, b.offset), name

@@ -22,6 +22,7 @@ from fxq.graph.data import (
 )
 from fxq.graph.info import NodeQuant, graph_quant
 from fxq.graph.nodes import get_attr_value
+from fxq.graph.op_types import output_lower_bound
 from fxq.graph.quant_graph import AlignGroup, QuantGraph, drop_alignment, record_alignment
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import MIN_SCALE, QuantState
@@ -106,6 +107,7 @@ def calibrate(
         bake_parameters(model)
     observing: dict[str, FakeQuantize] = {}
     quant_graph = QuantGraph(model)
+    modules = dict(model.named_modules())
     for name, fq in quant_graph.quantizers():
         if fq.role == "bias":
             fq.set_mode("disabled")
@@ -115,6 +117,7 @@ def calibrate(
                 continue
             fq.set_mode("observe")
             fq.observer.reset()
+            fq.observer.nonnegative = _nonnegative_input(quant_graph, name, modules)
             observing[name] = fq
     passes = max((fq.observer.passes for fq in observing.values()), default=1)
     total = count_batches(data, steps)
@@ -149,6 +152,14 @@ def calibrate(
     model.train(was_training)
     logger.info("calibrated %d activation quantizers on %d batches x %d pass(es)", len(observing), seen, passes)
     return model
+
+
+def _nonnegative_input(quant_graph: QuantGraph, name: str, modules: dict[str, torch.nn.Module]) -> bool:
+    """Whether the op whose output quantizer ``name`` observes cannot output a negative value."""
+    node = quant_graph.node_of(name)
+    source = node.args[0] if node is not None and node.args else None
+    low = output_lower_bound(source, modules) if isinstance(source, fx.Node) else None
+    return low is not None and low >= 0
 
 
 def _ratio_setting(gm: fx.GraphModule) -> float | None:

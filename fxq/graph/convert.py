@@ -19,6 +19,7 @@ from fxq.functional import (
 )
 from fxq.graph.info import GraphQuant, graph_quant
 from fxq.graph.nodes import get_attr_value
+from fxq.graph.op_types import CLIP_BOUNDS
 from fxq.graph.quant_graph import QuantGraph
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.observers.base import channel_rows
@@ -178,13 +179,6 @@ def passive_bias_scale(s_in: torch.Tensor, s_w: torch.Tensor, n_bias: int | None
     return scale.repeat(n_bias // scale.numel())
 
 
-_CLIP_BOUNDS = {  # function name -> (position, keyword) of its lower and upper bound
-    "hardtanh": ((1, "min_val"), (2, "max_val")),
-    "clamp": ((1, "min"), (2, "max")),
-    "clip": ((1, "min"), (2, "max")),
-}
-
-
 def _passive_constant_sites(gm: fx.GraphModule):
     """(key, getter, setter, quantizer) for clip bounds and pad values of ops on platforms that quantize them."""
     from fxq.graph.info import NodeQuant
@@ -211,7 +205,7 @@ def _passive_constant_sites(gm: fx.GraphModule):
             if len(node.args) > idx or "value" in node.kwargs:
                 yield from _arg_site(node, idx, "value", q)
         elif node.op == "call_function":
-            for idx, kw in _CLIP_BOUNDS.get(getattr(node.target, "__name__", "").rstrip("_"), ()):
+            for idx, kw in CLIP_BOUNDS.get(getattr(node.target, "__name__", "").rstrip("_"), ()):
                 yield from _arg_site(node, idx, kw, q)
 
 

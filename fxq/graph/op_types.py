@@ -18,7 +18,8 @@ from fxq.graph.info import is_quantizer_node
 from fxq.graph.nodes import get_attr_value
 
 __all__ = ["LIFTED", "op_type", "register_op_type", "mutates_first_argument", "out_of_place_twin", "WEIGHTED_FUNCTIONS",
-           "WEIGHT_ARGS", "weight_arg_nodes", "weight_bias_args", "conv_attrs", "weight_shape"]
+           "WEIGHT_ARGS", "weight_arg_nodes", "weight_bias_args", "conv_attrs", "weight_shape", "CLIP_BOUNDS",
+           "output_lower_bound"]
 
 aten = torch.ops.aten
 
@@ -349,3 +350,36 @@ def _register_aten() -> None:
 
 
 _register_aten()
+
+
+CLIP_BOUNDS = {  # function / method name -> (position, keyword) of its lower and upper bound
+    "hardtanh": ((1, "min_val"), (2, "max_val")),
+    "clamp": ((1, "min"), (2, "max")),
+    "clip": ((1, "min"), (2, "max")),
+}
+
+_NONNEGATIVE = frozenset({"Relu", "Sigmoid", "Softmax"})
+
+
+def output_lower_bound(node: fx.Node, modules: dict[str, nn.Module]) -> float | None:
+    """The least value ``node``'s output can take, where the op itself fixes one (a ReLU's 0, a clip's minimum, a
+    sigmoid's or softmax's 0); None for every other op."""
+    kind = op_type(node, modules)
+    if kind in _NONNEGATIVE:
+        return 0.0
+    if kind != "Clip":
+        return None
+    if node.op == "call_module":
+        mod = modules.get(str(node.target))
+        low = getattr(mod, "min_val", None) if isinstance(mod, nn.Hardtanh) else None
+        return float(low) if isinstance(low, (int, float)) else None
+    name = getattr(node.target, "__name__", node.target) if node.op == "call_function" else node.target
+    name = str(name).rstrip("_")
+    if name == "relu6":
+        return 0.0
+    bounds = CLIP_BOUNDS.get(name)
+    if bounds is None:
+        return None
+    (index, keyword), _ = bounds
+    low = node.args[index] if len(node.args) > index else node.kwargs.get(keyword, -1.0 if name == "hardtanh" else None)
+    return float(low) if isinstance(low, (int, float)) and not isinstance(low, bool) else None

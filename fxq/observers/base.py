@@ -54,6 +54,10 @@ class Observer:
 
     name = "observer"
     passes = 1
+    nonnegative = False
+    """Set by calibration when the op producing the observed tensor cannot output a negative value (a ReLU, a clip
+    at 0, a sigmoid): observers may skip the lower tail, since :func:`fxq.functional.qparams_from_minmax` takes
+    ``min(low, 0)``, 0 for such a tensor whatever its statistics say."""
 
     def __init__(self, config: TensorQuantConfig, where: str = "") -> None:
         self.config = config
