@@ -16,6 +16,7 @@ accumulator can add, so its own files do not wrap; the check still flags files w
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import onnx
@@ -368,3 +369,37 @@ def test_bias_room_of_a_conv_transpose_sums_over_its_output_channels(per_channel
     codes = torch.clamp(torch.round(w / s), weight.config.quant_min, weight.config.quant_max)
     reach = float(codes.abs().sum(dim=(0, 2, 3)).max()) * 255  # uint8 input codes from a zero-point of 0
     assert 2**31 - 1 - bias.config.quant_max >= reach > 2**20
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.softmax(self.q(x) @ self.k(x).transpose(1, 2) / 4, dim=-1)
+        return self.o(scores @ self.v(x))
+
+
+@pytest.mark.parametrize("platform", ["ort_int8", "trt_int8"])
+def test_softmax_fused_by_the_default_session_is_named(platform, tmp_path, caplog):
+    """A default session runs DQ -> Softmax -> Q as QLinearSoftmax (a fixed-point exp table): the export names the
+    softmax and the optimizer; disabling that optimizer runs the file as fxq simulates it (it warned about nothing)."""
+    torch.manual_seed(1)
+    calib = [torch.randn(2, 8, 16) for _ in range(2)]
+    q = fxq.quantize(_Attention().eval(), calib, platform, progress=False)
+    with caplog.at_level(logging.WARNING, logger="fxq.backends"):
+        path = fxq.export(q, platform, tmp_path / "attention.onnx")[0]
+    assert re.search(r"runs 1 softmax\(es\) \(softmax\) as QLinearSoftmax.*QDQSelectorActionTransformer",
+                     caplog.text), caplog.text
+    with torch.no_grad():
+        sim = q(calib[1]).numpy()
+    for level, disabled in (("ORT_DISABLE_ALL", ()), ("ORT_ENABLE_ALL", ("QDQSelectorActionTransformer",))):
+        np.testing.assert_allclose(_run(path, calib[1], level, disabled), sim, rtol=0, atol=1e-6)
+    if platform == "ort_int8":  # quantizes inputs of computing ops only: a softmax returned as is has no Q after it
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fxq.backends"):
+            fxq.export(fxq.quantize(nn.Sequential(nn.Linear(16, 16), nn.Softmax(-1)).eval(), calib, platform,
+                                    progress=False), platform, tmp_path / "last.onnx")
+        assert "QLinearSoftmax" not in caplog.text

@@ -12,6 +12,11 @@ A default session (graph optimizations on) changes two things fxq's simulation a
   activations) an output of the same sign wraps to the other end of the range, e.g. 150 output codes on
   ShuffleNet-V2's classifier; ONNX's DequantizeLinear -> float Conv/Gemm (what fxq simulates) does not wrap.
 
+A third change is not about biases: **DequantizeLinear -> Softmax -> QuantizeLinear becomes QLinearSoftmax** (the
+same level-2 transformer), which computes from a fixed-point table of exp over the input codes: about one output
+in a hundred one code off an attention's softmax (a ViT on digits, teacher-forced). :func:`warn_fused_softmax`
+names those nodes.
+
 fxq's own int32 bias grids leave the accumulator that room (``fxq.graph.convert``: the bias range stops short of
 the int32 limits by the largest sum its op can accumulate), so its ort_int8 files do not wrap. FP32 biases
 (trt_int8: TensorRT adds them in float) are rounded by the first pass. :func:`ort_bias_issues` finds such nodes from
@@ -24,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ort_bias_issues", "warn_ort_bias_issues"]
+__all__ = ["ort_bias_issues", "warn_ort_bias_issues", "fused_softmaxes", "warn_fused_softmax"]
 
 logger = logging.getLogger(__name__)
 
@@ -227,3 +232,36 @@ def warn_ort_bias_issues(model: Any, exporter: str) -> list[str]:
         "as fxq simulates it (onnxruntime computes it with ORT_DISABLE_ALL, or with disabled_optimizers=%s).",
         exporter, len(issues), "; ".join(why), "\n  ".join(shown), causes)
     return issues
+
+
+def fused_softmaxes(model: Any) -> list[str]:
+    """Names of the Softmax nodes a default onnxruntime session runs as QLinearSoftmax: read from a
+    DequantizeLinear, read only by QuantizeLinear."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    readers: dict[str, list[Any]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    graph_outputs = {o.name for o in model.graph.output}
+    found = []
+    for n in model.graph.node:
+        if n.op_type != "Softmax" or n.output[0] in graph_outputs:
+            continue
+        source, users = producer.get(n.input[0]), readers.get(n.output[0], [])
+        if source is not None and source.op_type == "DequantizeLinear" and users and all(
+                u.op_type == "QuantizeLinear" for u in users):
+            found.append(n.name or n.output[0])
+    return found
+
+
+def warn_fused_softmax(model: Any, exporter: str) -> list[str]:
+    """Log :func:`fused_softmaxes` of ``model`` as one WARNING; returns the names."""
+    names = fused_softmaxes(model)
+    if names:
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        logger.warning(
+            "%s: a default onnxruntime session (graph optimizations on) runs %d softmax(es) (%s) as QLinearSoftmax, "
+            "which computes from a fixed-point exp table: some outputs one code off what fxq simulates. The file is "
+            "written as fxq simulates it (onnxruntime computes exactly that with ORT_DISABLE_ALL, or with "
+            "disabled_optimizers=['%s'])", exporter, len(names), shown, _WRAP)
+    return names
