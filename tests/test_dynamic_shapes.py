@@ -17,6 +17,8 @@ from fxq.backends.qdq.lowering import dynamic_axes_for
 from fxq.cli import EXIT_PARTIAL, main
 from fxq.errors import FrontendError
 
+from _export_helpers import ort_session
+
 ort = pytest.importorskip("onnxruntime")
 
 CALIB = (2, 3, 32, 32)
@@ -376,3 +378,24 @@ def test_doubled_dim_probes_all_at_once_else_one_by_one() -> None:
     assert seen == [(1, 3, 8, 10), (1, 3, 8, 5), (1, 3, 4, 10)]
     assert doubled_dim_probes((x,), [(0, 2), (0, 3)], lambda a: a[0].shape) == [(1, 3, 8, 10)]  # all at once: done
     assert doubled_dim_probes((x,), [], runs_only_at_height_4) == []
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
+def test_exports_keep_the_output_dim_names_of_the_source_file(tmp_path, platform):
+    """A file whose input and output dims are both named ``batch`` exports with both named ``batch`` (the output's
+    was ``logits_dim0``), and runs at another batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).eval()
+    src = tmp_path / "m.onnx"
+    torch.onnx.export(model, (torch.randn(1, 3, 8, 8),), str(src), dynamo=False, input_names=["images"],
+                      output_names=["logits"], dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}})
+    q = fxq.quantize(fxq.load_onnx(src), [torch.randn(2, 3, 8, 8) for _ in range(2)], platform, progress=False)
+    path = fxq.export(q, platform, tmp_path / f"{platform}.onnx")[0]
+    graph = onnx.load(str(path)).graph
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in list(graph.input) + list(graph.output)}
+    assert dims == {"images": ["batch", 3, 8, 8], "logits": ["batch", 5]}, dims
+    x = torch.randn(3, 3, 8, 8)
+    session = ort_session(path, optimize=False)
+    with torch.no_grad():
+        np.testing.assert_allclose(session.run(None, {"images": x.numpy()})[0], q(x).numpy(), rtol=0, atol=1e-5)

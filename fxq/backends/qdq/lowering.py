@@ -100,6 +100,7 @@ def dynamic_axes_for(gm: fx.GraphModule, input_names: Sequence[str], output_name
 
     The file's dims (``source_input_shapes``) count, not the shapes it was loaded or calibrated at. A dim name
     that is an identifier is kept (shared across inputs); others (``"-1"``, ``"?"``, none) get ``<input>_dim<i>``.
+    Outputs the file declares with named dims (``source_output_shapes``: ``logits [batch, 1000]``) keep those names.
     """
     axes: dict[str, dict[int, str]] = {}
     meta = gm.meta.get("onnx") if isinstance(getattr(gm, "meta", None), dict) else None
@@ -111,6 +112,11 @@ def dynamic_axes_for(gm: fx.GraphModule, input_names: Sequence[str], output_name
                for i, d in enumerate(dims) if not (isinstance(d, int) and d > 0)}
         if sym:
             axes[name] = sym
+    out_shapes = meta.get("source_output_shapes") or {}
+    for name in output_names:
+        named = {i: d for i, d in enumerate(out_shapes.get(name) or []) if isinstance(d, str) and d.isidentifier()}
+        if named and axes:  # only where some input dim is dynamic too
+            axes[name] = named
     if dynamic_batch:
         fixed = gm.meta.get(FIXED_BATCH_KEY) if isinstance(getattr(gm, "meta", None), dict) else None
         if fixed:

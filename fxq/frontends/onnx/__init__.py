@@ -16,6 +16,7 @@ Name-mapping layout (what exporters read to write back onto the user's tensor na
      "input_shapes": {name: [dims]},           # int, str (symbolic dim_param) or None (unknown) per dim;
                                                # the input_shapes given to load_onnx where given
      "source_input_shapes": {name: [dims]},    # the file's own dims (exports keep its symbolic ones dynamic)
+     "source_output_shapes": {name: [dims]},   # the file's declared output dims (exports keep their dim names)
      "opset": int,                             # default-domain opset
      "opset_imports": {domain: version},       # "ai.onnx" for the default domain
      "ir_version": int, "producer": str, "graph_name": str,

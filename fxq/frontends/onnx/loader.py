@@ -201,6 +201,7 @@ def load_onnx(
         original = onnx.ModelProto()
         original.CopyFrom(proto)
     declared = shapes.source_dims(proto)
+    declared_outputs = {o.name: shapes.tensor_dims(o) or [] for o in proto.graph.output}
     proto = shapes.infer_for_conversion(cleanup.clean(proto, infer=False), fixed)
     if control_flow.fold_constant_ifs(proto, source, fixed, file_tensors):  # the taken branches' nodes get their shapes
         proto = shapes.infer_for_conversion(cleanup.clean(proto, infer=False), fixed)
@@ -226,6 +227,7 @@ def load_onnx(
     inline_wrappers(gm)  # SAME-padded convs / pools: their conv visible to the quantizers
     functionalize_recurrent(gm)  # LSTM / GRU weights become graph inputs, as for nn.LSTM / nn.GRU
     gm.meta["onnx"]["source_input_shapes"] = {k: list(v) for k, v in declared.items()}
+    gm.meta["onnx"]["source_output_shapes"] = {k: list(v) for k, v in declared_outputs.items()}
     if fixed:
         gm.meta["onnx"]["input_shapes"].update({k: list(v) for k, v in fixed.items()})
     if values:
