@@ -214,3 +214,31 @@ def test_capture_choice(work, capsys, monkeypatch):
 def test_fallback_fp16_needs_a_budget(work, capsys):
     assert main(["quantize", "cli_small_model:build", "--calib", "calib", "--fallback", "fp16", "-q"]) == 1
     assert "--budget" in _error_line(capsys) and not (work / "fxq_out").exists()
+
+
+def test_flat_folder_for_a_two_input_model_names_the_sub_folders(work, capsys):
+    """A two-input ONNX file and a flat calibration folder: the error said "input shapes for ['a', 'b']" though the
+    user gave none (the shapes were the model's); it now names the inputs and the sub-folders, and they work."""
+
+    class TwoInputs(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+
+        def forward(self, a, b):
+            return self.conv(a) + self.conv(b)
+
+    torch.onnx.export(TwoInputs().eval(), (torch.randn(2, 3, 16, 16), torch.randn(2, 3, 16, 16)), "two.onnx",
+                      dynamo=False, input_names=["a", "b"], output_names=["y"])
+    assert main(["quantize", "two.onnx", "--calib", "calib", "--out", "out"]) != 0
+    line = _error_line(capsys)
+    assert "2 inputs are wanted (['a', 'b'])" in line and "input shapes" not in line, line
+    assert f"({Path('calib') / 'a'}, {Path('calib') / 'b'})" in line, line
+    for name in ("a", "b"):
+        (work / "calib" / name).mkdir()
+        for f in sorted((work / "calib").glob("*.npy")):
+            np.save(work / "calib" / name / f.name, np.load(f))
+    for f in (work / "calib").glob("*.npy"):
+        f.unlink()
+    assert main(["quantize", "two.onnx", "--calib", "calib", "--out", "out", "-q"]) == 0
+    assert (work / "out" / "two_trt_int8.onnx").is_file()

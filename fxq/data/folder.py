@@ -436,8 +436,10 @@ def load_calibration_folder(
     if files:
         if isinstance(input_shape, Mapping):
             if len(input_shape) != 1:
-                raise CalibrationError(f"{folder}: files for one input, but input shapes for {list(input_shape)}; "
-                                       f"put each input's files in a sub-folder named after it")
+                names = list(input_shape)
+                where = ", ".join(str(folder / str(n)) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+                raise CalibrationError(f"{folder}: its files hold one input, but {len(names)} inputs are wanted "
+                                       f"({names}); put each input's files in a sub-folder named after it ({where})")
             input_shape = next(iter(input_shape.values()))
         shape = _as_shape(input_shape, str(folder)) if input_shape is not None else None
         inputs = [_InputFiles(None, folder, files, shape, dt, layout, max_image_pixels)]
