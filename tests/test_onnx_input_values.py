@@ -51,6 +51,19 @@ def _onnxruntime(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
 
 
+def _waveform_model_matches_onnxruntime(nodes, inits, shape):
+    """``x [batch, n] -> y [batch, m]`` built from ``nodes``, loaded at ``shape``: (module, input, output), the output
+    checked equal to onnxruntime's."""
+    model = _model(nodes, [h.make_tensor_value_info("x", T.FLOAT, ["batch", "n"])],
+                   [h.make_tensor_value_info("y", T.FLOAT, ["batch", "m"])], inits, opset=13)
+    x = RNG.standard_normal(shape).astype(np.float32)
+    gm = fxq.load_onnx(model, input_shapes={"x": list(shape)})
+    with torch.no_grad():
+        got = gm(torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(got, _onnxruntime(model, {"x": x}))
+    return gm, x, got
+
+
 def test_if_on_a_mode_input_names_input_values_and_no_empty_cut():
     """The refusal names the input and the fix; it suggests no cut, since the part before the If computes nothing
     to quantize (the cut it named was the condition itself)."""
@@ -188,14 +201,8 @@ def test_reflect_pad_with_pads_computed_at_run_time(tmp_path):
              h.make_node("Pad", ["x", "pads"], ["y"], mode="reflect")]
     inits = [nh.from_array(np.array([1], np.int64), "one"), nh.from_array(np.array([32], np.int64), "k32"),
              nh.from_array(np.array([0], np.int64), "zero")]
-    model = _model(nodes, [h.make_tensor_value_info("x", T.FLOAT, ["batch", "n"])],
-                   [h.make_tensor_value_info("y", T.FLOAT, ["batch", "m"])], inits, opset=13)
-    x = RNG.standard_normal((2, 512)).astype(np.float32)
-    gm = fxq.load_onnx(model, input_shapes={"x": [2, 512]})
-    with torch.no_grad():
-        got = gm(torch.from_numpy(x)).numpy()
+    gm, x, got = _waveform_model_matches_onnxruntime(nodes, inits, [2, 512])
     assert got.shape == (2, 544)
-    np.testing.assert_array_equal(got, _onnxruntime(model, {"x": x}))
     fxq.save(gm, tmp_path / "pad.fxq")
     with torch.no_grad():
         np.testing.assert_array_equal(fxq.load(tmp_path / "pad.fxq")(torch.from_numpy(x)).numpy(), got)
@@ -243,11 +250,5 @@ def test_if_on_a_symbolic_dim_that_input_shapes_fix():
              h.make_node("If", ["single"], ["y"], then_branch=branches[0], else_branch=branches[1])]
     inits = [nh.from_array(np.array([0, 16, 0, 16], np.int64), "pads"), nh.from_array(np.array(0, np.int64), "zero_s"),
              nh.from_array(np.array(1, np.int64), "one_s")]
-    model = _model(nodes, [h.make_tensor_value_info("x", T.FLOAT, ["batch", "n"])],
-                   [h.make_tensor_value_info("y", T.FLOAT, ["batch", "m"])], inits, opset=13)
-    x = RNG.standard_normal((1, 512)).astype(np.float32)
-    gm = fxq.load_onnx(model, input_shapes={"x": [1, 512]})
-    with torch.no_grad():
-        got = gm(torch.from_numpy(x)).numpy()
-    np.testing.assert_array_equal(got, _onnxruntime(model, {"x": x}))
+    _, _, got = _waveform_model_matches_onnxruntime(nodes, inits, [1, 512])
     assert got.min() >= 0  # the batch-of-one branch

@@ -19,7 +19,7 @@ from fxq.graph.nodes import get_attr_value
 
 __all__ = ["LIFTED", "op_type", "register_op_type", "mutates_first_argument", "out_of_place_twin", "WEIGHTED_FUNCTIONS",
            "WEIGHT_ARGS", "weight_arg_nodes", "weight_bias_args", "conv_attrs", "weight_shape", "CLIP_BOUNDS",
-           "output_lower_bound"]
+           "clip_bounds", "output_lower_bound"]
 
 aten = torch.ops.aten
 
@@ -357,8 +357,27 @@ CLIP_BOUNDS = {  # function / method name -> (position, keyword) of its lower an
     "clamp": ((1, "min"), (2, "max")),
     "clip": ((1, "min"), (2, "max")),
 }
+_CLIP_DEFAULTS = {"hardtanh": (-1.0, 1.0), "relu6": (0.0, 6.0)}  # missing bounds: the function's defaults
 
 _NONNEGATIVE = frozenset({"Relu", "Sigmoid", "Softmax"})
+
+
+def clip_bounds(node: fx.Node, module: nn.Module | None = None) -> tuple[Any, Any]:
+    """``(lower, upper)`` of a clip node (op type ``Clip``, ``module`` its module for ``call_module``): numbers,
+    nodes for bounds the graph computes (the ONNX frontend's ``OnnxClipRunTime``), None for an open side."""
+    if module is not None:
+        if isinstance(module, nn.Hardtanh):  # ReLU6 is one
+            return module.min_val, module.max_val
+        bounds = iter(node.args[1:])  # a run-time Clip module: its bounds are its further arguments
+        return (next(bounds) if getattr(module, "has_min", False) else None,
+                next(bounds) if getattr(module, "has_max", False) else None)
+    name = str(getattr(node.target, "__name__", node.target)).rstrip("_")
+    low, high = _CLIP_DEFAULTS.get(name, (None, None))
+    if name == "relu6":
+        return low, high
+    ((i_low, k_low), (i_high, k_high)) = CLIP_BOUNDS.get(name, ((1, "min"), (2, "max")))
+    pick = lambda i, k, d: node.args[i] if len(node.args) > i else node.kwargs.get(k, d)  # noqa: E731
+    return pick(i_low, k_low, low), pick(i_high, k_high, high)
 
 
 def output_lower_bound(node: fx.Node, modules: dict[str, nn.Module]) -> float | None:
@@ -369,17 +388,5 @@ def output_lower_bound(node: fx.Node, modules: dict[str, nn.Module]) -> float | 
         return 0.0
     if kind != "Clip":
         return None
-    if node.op == "call_module":
-        mod = modules.get(str(node.target))
-        low = getattr(mod, "min_val", None) if isinstance(mod, nn.Hardtanh) else None
-        return float(low) if isinstance(low, (int, float)) else None
-    name = getattr(node.target, "__name__", node.target) if node.op == "call_function" else node.target
-    name = str(name).rstrip("_")
-    if name == "relu6":
-        return 0.0
-    bounds = CLIP_BOUNDS.get(name)
-    if bounds is None:
-        return None
-    (index, keyword), _ = bounds
-    low = node.args[index] if len(node.args) > index else node.kwargs.get(keyword, -1.0 if name == "hardtanh" else None)
+    low, _ = clip_bounds(node, modules.get(str(node.target)) if node.op == "call_module" else None)
     return float(low) if isinstance(low, (int, float)) and not isinstance(low, bool) else None

@@ -23,6 +23,7 @@ from fxq.backends.ncnn.platforms import is_depthwise, is_matmul_by_matrix, pair
 from fxq.backends.ncnn.registry import register_ncnn_converter
 from fxq.backends.ncnn.writer import Int8Scales, drop_dim, shape_params
 from fxq.graph.attention import apply_attention_mask
+from fxq.graph.op_types import clip_bounds
 from fxq.spec import QUANTIZING_STATES
 
 __all__: list[str] = []
@@ -419,34 +420,20 @@ def _prelu(b: NcnnBuilder, node: fx.Node) -> None:
 def _clip(b: NcnnBuilder, node: fx.Node) -> None:
     """``Clip`` with fixed bounds; bounds the network computes (ONNX's ``Clip(x, ReduceMax(x) - 80)`` of a log-mel
     spectrogram) are ``BinaryOp`` max / min with their blobs (ncnn's Clip takes numbers only)."""
-    mod = b.module(node)
-    if mod is not None and hasattr(mod, "has_min"):  # the ONNX frontend's Clip with bounds computed at run time
-        bounds = iter(node.args[1:])
-        lo = next(bounds) if mod.has_min else None
-        hi = next(bounds) if mod.has_max else None
-        if not any(isinstance(v, fx.Node) and not b.is_constant(v) for v in (lo, hi)):
-            lo = None if lo is None else float(b.param(lo, node, "min").reshape(-1)[0])
-            hi = None if hi is None else float(b.param(hi, node, "max").reshape(-1)[0])
-    elif mod is not None:  # ReLU6 is a Hardtanh
-        lo, hi = mod.min_val, mod.max_val
-    elif node.target in (F.relu6,):
-        lo, hi = 0.0, 6.0
-    elif node.target is F.hardtanh:
-        lo, hi = _arg(node, 1, "min_val", -1.0), _arg(node, 2, "max_val", 1.0)
-    else:  # torch.clamp / torch.clip / Tensor.clamp
-        lo, hi = _arg(node, 1, "min", None), _arg(node, 2, "max", None)
+    lo, hi = clip_bounds(node, b.module(node))
     x = node.args[0]
-    if any(isinstance(v, fx.Node) and not b.is_constant(v) for v in (lo, hi)):
+    # a bound the network computes (not a stored tensor, not shape arithmetic) is a blob; others are numbers
+    computed = [isinstance(v, fx.Node) and not b.is_constant(v) and b.strip(v) not in b.static_nodes for v in (lo, hi)]
+    lo, hi = (v if c or not isinstance(v, fx.Node) or not b.is_constant(v)
+              else float(b.param(v, node, "bound").reshape(-1)[0]) for v, c in zip((lo, hi), computed))
+    if any(computed):
         blob = b.blob(x, node)
-        steps = [(op, v) for op, v in ((_BINARY["Max"], lo), (_BINARY["Min"], hi)) if v is not None]
-        for k, (op, v) in enumerate(steps):
-            last = k == len(steps) - 1
-            if isinstance(v, fx.Node) and not b.is_constant(v):
-                bottoms, params = [blob, _broadcast_operands(b, node, x, v)[1]], {0: op}
-            else:
-                value = v if not isinstance(v, fx.Node) else b.param(v, node, "bound").reshape(-1)[0]
-                bottoms, params = [blob], {0: op, 1: 1, 2: float(value)}
-            if last:
+        steps = [(op, v, c) for op, v, c in ((_BINARY["Max"], lo, computed[0]), (_BINARY["Min"], hi, computed[1]))
+                 if v is not None]
+        for k, (op, v, c) in enumerate(steps):
+            bottoms, params = ([blob, _broadcast_operands(b, node, x, v)[1]], {0: op}) if c else \
+                ([blob], {0: op, 1: 1, 2: float(v)})
+            if k == len(steps) - 1:
                 b.emit(node, "BinaryOp", bottoms, params, batch_dim=b.batch_dim(x))
             else:
                 blob = b.helper(node, "BinaryOp", bottoms, params)
@@ -1515,12 +1502,8 @@ def _resize(b: NcnnBuilder, node: fx.Node) -> None:
                      "ncnn's Interp does 2-D nearest / bilinear / bicubic")
     _, _, h, w = b.shape(x)
     _, _, oh, ow = b.shape(node)
-    if mode == "nearest-exact" and (oh % h or ow % w):
-        raise b.fail(node, "nearest resize with half-pixel centres by a non-integer factor",
-                     "ncnn's nearest Interp picks floor(x * in / out): use an integer scale factor, or asymmetric / "
-                     "floor coordinates")
-    if mode == "nearest-exact" and (oh < h or ow < w):
-        raise b.fail(node, "nearest resize with half-pixel centres that downsamples",
+    if mode == "nearest-exact" and (oh % h or ow % w):  # downsampling included (oh < h leaves a remainder)
+        raise b.fail(node, "nearest resize with half-pixel centres that downsamples or scales by a non-integer factor",
                      "ncnn's nearest Interp picks floor(x * in / out): upsample by integer factors, or use "
                      "asymmetric / floor coordinates")
     factors = (factor, factor) if isinstance(factor, (int, float)) else factor

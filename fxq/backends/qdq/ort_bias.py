@@ -237,11 +237,9 @@ def warn_ort_bias_issues(model: Any, exporter: str) -> list[str]:
 def fused_softmaxes(model: Any) -> list[str]:
     """Names of the Softmax nodes a default onnxruntime session runs as QLinearSoftmax: read from a
     DequantizeLinear, read only by QuantizeLinear."""
-    producer = {o: n for n in model.graph.node for o in n.output}
-    readers: dict[str, list[Any]] = {}
-    for n in model.graph.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
+    from fxq.backends.qdq.onnx_graph import consumers, producers
+
+    producer, readers = producers(model.graph), consumers(model.graph)
     graph_outputs = {o.name for o in model.graph.output}
     found = []
     for n in model.graph.node:

@@ -19,7 +19,7 @@ from fxq.qconfig.base import COMPUTING_OPS
 
 __all__ = ["keep_outputs", "suggest_outputs", "refusal", "cut_advice", "cut_frontier", "follows_data_shaped"]
 
-DATA_SHAPED = ("NonZero", "NonMaxSuppression", "Unique", "Compress")
+_DATA_SHAPED = ("NonZero", "NonMaxSuppression", "Unique", "Compress")
 """Ops whose output size depends on their input's values (a score threshold, NMS): a cut before the part fxq cannot
 convert also leaves out those that feed it, so the loaded graph's outputs have sizes set by the input's."""
 
@@ -84,7 +84,7 @@ def keep_outputs(model: onnx.ModelProto, outputs: Sequence[str], source: str) ->
 
 def suggest_outputs(model: onnx.ModelProto, blocking: Iterable[int]) -> list[str]:
     """The outputs of a cut that leaves out the ``blocking`` nodes (their indices in the graph), the ops with
-    value-dependent output sizes that feed them (:data:`DATA_SHAPED`), and everything computed from those
+    value-dependent output sizes that feed them (:data:`_DATA_SHAPED`), and everything computed from those
     (:func:`cut_frontier`): the tensors the left-out part reads from the kept part that nodes compute and that carry
     the input's values (not constants, not sizes of tensors), then the graph outputs the kept part computes. In file
     order; empty when nothing would be left."""
@@ -120,14 +120,15 @@ def cut_frontier(order: Sequence[Hashable], reads: Callable[[Any], Iterable[Hash
     return gone, read
 
 
-def follows_data_shaped(model: onnx.ModelProto, blocking: Iterable[int]) -> bool:
-    """Whether any of the ``blocking`` nodes reads, directly or not, an op whose output size depends on the input's
-    values (:data:`DATA_SHAPED`): a detector's post-processing, which a cut before it leaves to run beside."""
-    return bool(_data_shaped_ancestors(list(model.graph.node), set(blocking)))
+def follows_data_shaped(graph: onnx.GraphProto, blocking: Iterable[int]) -> bool:
+    """Whether any of the ``blocking`` nodes (indices in ``graph``) reads, directly or not, an op whose output size
+    depends on the input's values (:data:`_DATA_SHAPED`): a detector's post-processing, which a cut before it leaves
+    to run beside."""
+    return bool(_data_shaped_ancestors(list(graph.node), set(blocking)))
 
 
 def _data_shaped_ancestors(nodes: list[onnx.NodeProto], blocking: set[int]) -> set[int]:
-    """Indices of the :data:`DATA_SHAPED` nodes that the ``blocking`` nodes read from, directly or not."""
+    """Indices of the :data:`_DATA_SHAPED` nodes that the ``blocking`` nodes read from, directly or not."""
     producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
     seen: set[int] = set()
     stack = list(blocking)
@@ -137,7 +138,7 @@ def _data_shaped_ancestors(nodes: list[onnx.NodeProto], blocking: set[int]) -> s
             if i is not None and i not in seen:
                 seen.add(i)
                 stack.append(i)
-    return {i for i in seen if nodes[i].op_type in DATA_SHAPED}
+    return {i for i in seen if nodes[i].op_type in _DATA_SHAPED}
 
 
 def refusal(message: str, model: onnx.ModelProto, blocking: Iterable[int], source: str,

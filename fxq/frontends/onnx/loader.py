@@ -128,7 +128,7 @@ def _locate_failures(
         "fxq.frontends.onnx.register_onnx_converter(op_type, schema_version, override=True)"
     )
     blocking = [i for i, n in enumerate(model.graph.node) if set(n.output) & failed_outputs]
-    if blocking and cut.follows_data_shaped(model, blocking):  # post-processing (after NMS): cut before it
+    if blocking and cut.follows_data_shaped(model.graph, blocking):  # post-processing (after NMS): cut before it
         return cut.refusal(message, model, blocking, source)
     return FrontendError(message + ".")
 

@@ -1,10 +1,10 @@
 """``Pad-11`` and later: an optional ``axes`` input (18) and ``wrap`` mode (19).
 
 ``axes`` must be constant; ``pads`` and ``constant_value`` computed at run time give :class:`OnnxPadRuntime`. ONNX
-lists ``[begin of each axis..., end of each axis...]``; ``torch.nn.functional.pad`` wants ``(begin, end)`` pairs from the last dimension backwards. ``F.pad``'s reflect / replicate / circular modes pad
-only the last 1-3 dims of a tensor of one or two more dims (onnx2torch's Pad-11/13 raised at run time for
-``reflect`` / ``edge`` on a 4-D tensor's channel or batch dim): other pads are gathered along each dim
-(:func:`_gather_pad`).
+lists ``[begin of each axis..., end of each axis...]``; ``torch.nn.functional.pad`` wants ``(begin, end)`` pairs
+from the last dimension backwards. ``F.pad``'s reflect / replicate / circular modes pad only the last 1-3 dims of a
+tensor of one or two more dims (onnx2torch's Pad-11/13 raised at run time for ``reflect`` / ``edge`` on a 4-D
+tensor's channel or batch dim): other pads are gathered along each dim (:func:`_gather_pad`).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch import nn
 
 from fxq.frontends.onnx.converters._common import const_input, int_list, rank_of, result
 from fxq.frontends.onnx.converters.registry import register_onnx_converter
-from fxq.frontends.onnx.cut import DATA_SHAPED
+from fxq.frontends.onnx.cut import follows_data_shaped
 
 __all__ = ["OnnxPad", "OnnxPadRuntime"]
 
@@ -109,24 +109,6 @@ class OnnxPadRuntime(nn.Module):
         return f"mode={self.mode!r}, axes={self.axes}"
 
 
-def _follows_data_shaped(graph: OnnxGraph, name: str) -> bool:
-    """Whether ``name`` is computed from an op whose output size depends on values (:data:`DATA_SHAPED`)."""
-    stack, seen = [name], set()
-    while stack:
-        value = stack.pop()
-        if value in seen or value in graph.initializers:
-            continue
-        seen.add(value)
-        try:
-            producer, _ = graph.value_as_node_output(value)
-        except KeyError:  # a graph input
-            continue
-        if producer.operation_type in DATA_SHAPED:
-            return True
-        stack.extend(v for v in producer.input_values if v)
-    return False
-
-
 def torch_pads(onnx_pads: list[int], axes: list[int] | None, rank: int | None) -> list[int]:
     """ONNX pads (for ``axes``, default all) -> ``F.pad`` order, covering only the trailing dims that are padded."""
     n = len(onnx_pads) // 2
@@ -160,7 +142,8 @@ def _convert_pad(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
         pads_t = const_input(node, graph, 1, "pads")
         value_t = const_input(node, graph, 2, "constant_value")
     except NotImplementedError:  # computed at run time
-        if _follows_data_shaped(graph, node.input_values[1]):
+        index = next(i for i, n in enumerate(graph.proto.node) if n == node.proto)
+        if follows_data_shaped(graph.proto, [index]):
             raise NotImplementedError("Pad: pads computed at run time from a value-dependent size (after NonZero / "
                                       "NMS): post-processing, which a cut leaves out") from None
         inputs = [v for v in node.input_values[:3] if v]
