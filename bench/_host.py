@@ -43,3 +43,25 @@ def apply_allocator(mode: str) -> str:
         if libc.mallopt(param, value) != 1:
             raise OSError(f"mallopt({param}, {value}) failed")
     return "allocator: glibc steady (" + ", ".join(f"{k}={v}" for k, (_, v) in STEADY.items()) + ")"
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the models and data live (cuda: fxq's Triton kernels; default: cpu)")
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work, so that a host clock read after it times the work (CUDA is async)."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def device_line(device: str) -> str:
+    """The device part of a bench header: the GPU's name, or the CPU's threads."""
+    import torch
+
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    return f"CPU, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"

@@ -27,7 +27,8 @@ with ``quantize_onnx_model(..., TargetPlatform.TRT_INT8, trt_setting)``, then ro
 round is PPQ's first analysis in that process.
 
 Usage: ``python bench/analysis.py [--models resnet18 mobilenet_v2] [--paths native onnx] [--batches 8]
-[--batch-size 8] [--size 224] [--rounds 5] [--all-ops] [--no-fused] [--ppq-python PATH] [--allocator steady|default]``
+[--batch-size 8] [--size 224] [--rounds 5] [--all-ops] [--no-fused] [--ppq-python PATH] [--allocator steady|default]
+[--device cpu|cuda]``
 """
 from __future__ import annotations
 
@@ -41,11 +42,17 @@ import tempfile
 import time
 from pathlib import Path
 
+_DEVICE = "cpu"
+
 
 def _timed(fn) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process)."""
+    """(wall seconds, CPU seconds of this process), the device's queued work included."""
+    from _host import synchronize
+
+    synchronize(_DEVICE)
     w0, c0 = time.perf_counter(), time.process_time()
     fn()
+    synchronize(_DEVICE)
     return time.perf_counter() - w0, time.process_time() - c0
 
 
@@ -59,13 +66,15 @@ def measure(args: argparse.Namespace, model_name: str, path: str, onnx_file: str
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _ppq_bridge import batches, seeded_model
 
+    global _DEVICE
+    _DEVICE = args.device
     torch.set_num_threads(args.threads)
-    data = batches(args.batches, args.batch_size, args.size, seed=0)
+    data = [x.to(args.device) for x in batches(args.batches, args.batch_size, args.size, seed=0)]
     if path == "onnx":
-        model = fxq.load_onnx(onnx_file)  # the float model of this path: the floor
-        source = fxq.load_onnx(onnx_file)
+        model = fxq.load_onnx(onnx_file).to(args.device)  # the float model of this path: the floor
+        source = fxq.load_onnx(onnx_file).to(args.device)
     else:
-        model = source = seeded_model(model_name)
+        model = source = seeded_model(model_name).to(args.device)
 
     t0 = time.perf_counter()
     gm = fxq.quantize(source, data, platform="trt_int8", progress=False)
@@ -127,6 +136,7 @@ def measure(args: argparse.Namespace, model_name: str, path: str, onnx_file: str
         "path": path,
         "data": f"{args.batches} x {args.batch_size}x3x{args.size}x{args.size}",
         "threads": torch.get_num_threads(),
+        "device": args.device,
         "fused_cpu_fake_quant": os.environ.get("FXQ_CPU_FUSED", "default"),
         "rounds": args.rounds,
         "fused_cpu_stats": {k: round(v, 2) for k, v in fused_cpu_stats().items()},
@@ -152,11 +162,12 @@ def main() -> None:
     ap.add_argument("--one", help=argparse.SUPPRESS)  # MODEL:PATH, run in a child process
     ap.add_argument("--onnx-file", help=argparse.SUPPRESS)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _host import add_allocator_argument, apply_allocator
+    from _host import add_allocator_argument, add_device_argument, apply_allocator, device_line
     from _ppq_bridge import add_ppq_argument
 
     add_ppq_argument(ap)
     add_allocator_argument(ap)
+    add_device_argument(ap)
     args = ap.parse_args()
     allocator = apply_allocator(args.allocator)
     if args.no_fused:
@@ -171,8 +182,10 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     print(f"{machine()}, {allocator}", flush=True)
+    if args.device != "cpu":
+        print(device_line(args.device), flush=True)
     passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("batches", "batch_size", "size",
-                                                                           "threads", "rounds", "allocator")]
+                                                                           "threads", "rounds", "allocator", "device")]
     passthrough += ["--all-ops"] * args.all_ops + ["--no-fused"] * args.no_fused
     results = []
     with tempfile.TemporaryDirectory(prefix="fxq_analysis_") as tmp:

@@ -1,6 +1,7 @@
-"""Forward of the quantized model against the FP32 model, eager and under ``torch.compile``, CPU.
+"""Forward of the quantized model against the FP32 model, eager and under ``torch.compile``, CPU or CUDA.
 
     python bench/inference.py [--models resnet18 mobilenet_v2 encoder] [--size 224] [--steps 5] [--repeat 2]
+                              [--modes eager compiled] [--warmup 10] [--device cpu|cuda]
 
 For each model and batch size (1 and 8): the median forward time of the torchvision FP32 model (eval, no grad) and
 of ``fxq.quantize(model, calib, "trt_int8")``, each eager and compiled (``torch.compile(fullgraph=True)``), rounds
@@ -13,14 +14,13 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import platform
 import statistics
 import time
 from typing import Callable
 
 import torch
 import torchvision
-from _host import add_allocator_argument, apply_allocator
+from _host import add_allocator_argument, add_device_argument, apply_allocator, device_line, synchronize
 from torch import nn
 
 import fxq
@@ -40,13 +40,15 @@ class Encoder(nn.Module):
 
 def _model(name: str) -> tuple[nn.Module, Callable[[int], torch.Tensor]]:
     if name == "encoder":
-        return Encoder().eval(), lambda b: torch.randn(b, 197, 256)
-    return getattr(torchvision.models, name)().eval(), lambda b: torch.randn(b, 3, _SIZE, _SIZE)
+        return Encoder().eval().to(_DEVICE), lambda b: torch.randn(b, 197, 256, device=_DEVICE)
+    return getattr(torchvision.models, name)().eval().to(_DEVICE), lambda b: torch.randn(b, 3, _SIZE, _SIZE,
+                                                                                         device=_DEVICE)
 
 
 _SIZE = 224
 _WARMUP_S = 10.0
 _WARMUP_MAX_S = 120.0
+_DEVICE = "cpu"
 
 
 def _timer(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, steps: int) -> Callable[[], float]:
@@ -54,7 +56,7 @@ def _timer(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, steps: i
     fused CPU kernels have switched on (after a few seconds of eager fake-quant time in the process, which a
     batch-1 model may take longer than that to spend; at most ``_WARMUP_MAX_S``), so the steady state of a long
     evaluation is what gets timed."""
-    warmup = fused_cpu.FusedCpuSettings().resolved()[2]
+    warmup = fused_cpu.FusedCpuSettings().resolved()[2] if _DEVICE == "cpu" else 0.0
     with torch.no_grad():
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < _WARMUP_S or (
@@ -65,15 +67,17 @@ def _timer(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, steps: i
         times = []
         with torch.no_grad():
             for _ in range(steps):
+                synchronize(_DEVICE)
                 t0 = time.perf_counter()
                 fn(x)
+                synchronize(_DEVICE)
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
     return run
 
 
-def bench(name: str, steps: int, repeat: int) -> list[dict]:
+def bench(name: str, steps: int, repeat: int, modes: tuple[str, ...] = ("eager", "compiled")) -> list[dict]:
     torch.manual_seed(0)
     model, make = _model(name)
     calib = [make(8) for _ in range(2)]
@@ -82,39 +86,46 @@ def bench(name: str, steps: int, repeat: int) -> list[dict]:
     for batch in (1, 8):
         x = make(batch)
         torch._dynamo.reset()
-        variants = {"fp32 eager": _timer(model, x, steps), "fxq eager": _timer(qmodel, x, steps),
-                    "fp32 compiled": _timer(torch.compile(copy.deepcopy(model), fullgraph=True), x, steps),
-                    "fxq compiled": _timer(torch.compile(copy.deepcopy(qmodel), fullgraph=True), x, steps)}
+        variants = {}
+        if "eager" in modes:
+            variants.update({"fp32 eager": _timer(model, x, steps), "fxq eager": _timer(qmodel, x, steps)})
+        if "compiled" in modes:
+            variants.update({
+                "fp32 compiled": _timer(torch.compile(copy.deepcopy(model), fullgraph=True), x, steps),
+                "fxq compiled": _timer(torch.compile(copy.deepcopy(qmodel), fullgraph=True), x, steps)})
         times: dict[str, list[float]] = {k: [] for k in variants}
         for _ in range(repeat):
             for label, run in variants.items():
                 times[label].append(run())
         med = {k: statistics.median(v) for k, v in times.items()}
-        row = {"model": name, "batch": batch, **med, "eager ratio": med["fxq eager"] / med["fp32 eager"],
-               "compiled ratio": med["fxq compiled"] / med["fp32 compiled"]}
-        print(f"{name:12s} batch {batch}: eager fp32 {med['fp32 eager'] * 1e3:.1f} ms, fxq "
-              f"{med['fxq eager'] * 1e3:.1f} ms ({row['eager ratio']:.2f}x); compiled fp32 "
-              f"{med['fp32 compiled'] * 1e3:.1f} ms, fxq {med['fxq compiled'] * 1e3:.1f} ms "
-              f"({row['compiled ratio']:.2f}x)", flush=True)
+        row = {"model": name, "batch": batch, **med}
+        parts = []
+        for mode in modes:
+            row[f"{mode} ratio"] = med[f"fxq {mode}"] / med[f"fp32 {mode}"]
+            parts.append(f"{mode} fp32 {med[f'fp32 {mode}'] * 1e3:.2f} ms, fxq {med[f'fxq {mode}'] * 1e3:.2f} ms "
+                         f"({row[f'{mode} ratio']:.2f}x)")
+        print(f"{name:12s} batch {batch}: " + "; ".join(parts), flush=True)
         rows.append(row)
     return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    global _SIZE
+    global _SIZE, _WARMUP_S, _DEVICE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2", "encoder"])
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
+    parser.add_argument("--warmup", type=float, default=_WARMUP_S, help="seconds of warm-up calls per variant")
     add_allocator_argument(parser)
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     allocator = apply_allocator(args.allocator)
-    _SIZE = args.size
+    _SIZE, _WARMUP_S, _DEVICE = args.size, args.warmup, args.device
     logging.basicConfig(level=logging.WARNING)
-    print(f"{time.strftime('%Y-%m-%d')}: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}, images {args.size}x{args.size}, {allocator}")
-    return [row for m in args.models for row in bench(m, args.steps, args.repeat)]
+    print(f"{time.strftime('%Y-%m-%d')}: {device_line(args.device)}, images {args.size}x{args.size}, {allocator}")
+    return [row for m in args.models for row in bench(m, args.steps, args.repeat, tuple(args.modes))]
 
 
 if __name__ == "__main__":

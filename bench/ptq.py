@@ -1,7 +1,7 @@
 """PTQ wall time relative to one FP32 forward pass over the same calibration data.
 
     python bench/ptq.py [--models resnet18 mobilenet_v2] [--sources native onnx] [--batches 8] [--batch-size 8]
-                        [--repeat 2]
+                        [--repeat 2] [--device cpu|cuda]
 
 For each model and source: time one FP32 pass of the torchvision model over the batches (the floor), then the
 PTQ with the default TRT_INT8 setting on the same batches, then the FP32 pass again; report PTQ / mean(FP32).
@@ -15,30 +15,32 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import platform
 import statistics
 import tempfile
 import time
 
 import torch
 import torchvision
-from _host import add_allocator_argument, apply_allocator
+from _host import add_allocator_argument, add_device_argument, apply_allocator, device_line, synchronize
 
 import fxq
 
 
 def fp32_pass(model: torch.nn.Module, data: list[torch.Tensor]) -> float:
+    device = data[0].device.type
+    synchronize(device)
     start = time.perf_counter()
     with torch.no_grad():
         for x in data:
             model(x)
+    synchronize(device)
     return time.perf_counter() - start
 
 
-def bench(name: str, source: str, batches: int, batch_size: int, repeat: int) -> dict:
+def bench(name: str, source: str, batches: int, batch_size: int, repeat: int, device: str = "cpu") -> dict:
     torch.manual_seed(0)
-    model = getattr(torchvision.models, name)().eval()
-    data = [torch.randn(batch_size, 3, 224, 224) for _ in range(batches)]
+    model = getattr(torchvision.models, name)().eval().to(device)
+    data = [torch.randn(batch_size, 3, 224, 224, device=device) for _ in range(batches)]
     fp32_pass(model, data[:1])  # warm-up
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, f"{name}.onnx")
@@ -49,9 +51,10 @@ def bench(name: str, source: str, batches: int, batch_size: int, repeat: int) ->
         for _ in range(repeat):
             before = fp32_pass(model, data)
             start = time.perf_counter()
-            subject = fxq.load_onnx(path) if source == "onnx" else model
+            subject = fxq.load_onnx(path).to(device) if source == "onnx" else model
             loaded = time.perf_counter() - start
             fxq.quantize(subject, data, "trt_int8", progress=False)
+            synchronize(device)
             quant = time.perf_counter() - start
             after = fp32_pass(model, data)
             floor = (before + after) / 2
@@ -70,12 +73,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=2)
     add_allocator_argument(parser)
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     allocator = apply_allocator(args.allocator)
     logging.basicConfig(level=logging.WARNING)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}, {allocator}")
-    results = [bench(m, s, args.batches, args.batch_size, args.repeat) for m in args.models for s in args.sources]
+    print(f"{device_line(args.device)}, {allocator}")
+    results = [bench(m, s, args.batches, args.batch_size, args.repeat, args.device)
+               for m in args.models for s in args.sources]
     for r in results:
         print(f"{r['model']:14s} {r['source']:6s} PTQ / FP32 forward: median {r['median_ratio']:.2f}x, "
               f"range {min(r['ratios']):.2f}-{max(r['ratios']):.2f}x over {len(r['ratios'])} runs (goal <= 1.2x)")

@@ -1,7 +1,7 @@
-"""QAT train step against the FP32 train step, eager and under ``torch.compile``, on CPU.
+"""QAT train step against the FP32 train step, eager and under ``torch.compile``, on CPU or CUDA.
 
     python bench/qat_step.py [--models resnet18 mobilenet_v2] [--batch-size 8] [--size 112] [--steps 10] [--repeat 3]
-                             [--modes eager compiled] [--allocator steady|default]
+                             [--modes eager compiled] [--warmup 10] [--device cpu|cuda] [--allocator steady|default]
 
 For each model: an SGD step (forward, cross-entropy, backward, update) of the torchvision FP32 model and of
 ``fxq.prepare_qat(model, "trt_int8")`` (LSQ scales, BN folded), each eager and compiled
@@ -16,7 +16,6 @@ import argparse
 import copy
 import logging
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -29,7 +28,7 @@ if __name__ == "__main__":  # compile times from cold caches: a fresh inductor c
 import torch
 import torch.nn.functional as F
 import torchvision
-from _host import add_allocator_argument, apply_allocator
+from _host import add_allocator_argument, add_device_argument, apply_allocator, device_line, synchronize
 
 import fxq
 
@@ -41,11 +40,13 @@ def _step_fn(model: torch.nn.Module, compiled: bool) -> tuple[Callable[[], float
     x, y = _DATA
 
     def step() -> float:
+        synchronize(_DEVICE)
         t0 = time.perf_counter()
         loss = F.cross_entropy(fwd(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        synchronize(_DEVICE)
         return time.perf_counter() - t0
 
     first = step()
@@ -56,6 +57,7 @@ def _step_fn(model: torch.nn.Module, compiled: bool) -> tuple[Callable[[], float
 
 
 _WARMUP_S = 10.0
+_DEVICE = "cpu"
 
 
 _DATA: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
@@ -65,8 +67,9 @@ def bench(name: str, batch_size: int, size: int, steps: int, repeat: int,
           modes: tuple[str, ...] = ("eager", "compiled")) -> dict:
     global _DATA
     torch.manual_seed(0)
-    _DATA = (torch.randn(batch_size, 3, size, size), torch.randint(0, 1000, (batch_size,)))
-    fp32 = getattr(torchvision.models, name)().train()
+    _DATA = (torch.randn(batch_size, 3, size, size, device=_DEVICE),
+             torch.randint(0, 1000, (batch_size,), device=_DEVICE))
+    fp32 = getattr(torchvision.models, name)().train().to(_DEVICE)
     qat = fxq.prepare_qat(copy.deepcopy(fp32), "trt_int8", _DATA[0])
     torch._dynamo.reset()
     variants = {}
@@ -99,6 +102,7 @@ def bench(name: str, batch_size: int, size: int, steps: int, repeat: int,
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    global _WARMUP_S, _DEVICE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2"])
     parser.add_argument("--batch-size", type=int, default=8)
@@ -106,12 +110,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
+    parser.add_argument("--warmup", type=float, default=_WARMUP_S, help="seconds of warm-up steps per variant")
     add_allocator_argument(parser)
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    _WARMUP_S, _DEVICE = args.warmup, args.device
     allocator = apply_allocator(args.allocator)
     logging.basicConfig(level=logging.WARNING)
-    print(f"{time.strftime('%Y-%m-%d')}: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}, batch {args.batch_size}x3x{args.size}x{args.size}, "
+    print(f"{time.strftime('%Y-%m-%d')}: {device_line(args.device)}, batch {args.batch_size}x3x{args.size}x{args.size}, "
           f"{allocator}")
     return [bench(m, args.batch_size, args.size, args.steps, args.repeat, tuple(args.modes)) for m in args.models]
 

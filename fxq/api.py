@@ -182,7 +182,7 @@ def quantize(
 
     A model that no capture path reaches whole (``capture="auto"``; detectors whose root ``forward`` loops over
     images and runs NMS) is quantized in parts (:mod:`fxq.parts`): the result is then a copy of ``model`` whose
-    largest capturable submodules are quantized ``GraphModule``\ s, and the rest runs in float.
+    largest capturable submodules are quantized ``GraphModule`` objects, and the rest runs in float.
 
     Example:
         >>> qmodel = fxq.quantize(model, [torch.randn(8, 3, 224, 224) for _ in range(8)], platform="trt_int8")

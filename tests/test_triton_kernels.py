@@ -58,6 +58,14 @@ def assert_bit_identical(actual: torch.Tensor | None, expected: torch.Tensor | N
     assert torch.equal(a[~zero].view(_BITS[a.dtype]), e[~zero].view(_BITS[e.dtype])), f"{what}: bit patterns differ"
 
 
+def _on_dev(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Arguments for a backward reference: on the kernel's device. The scale / offset gradients are the
+    reference's own torch sum of the kernel's elementwise products, and torch sums in another order on CUDA than
+    on CPU (last-bit differences): the kernels match the reference run where they run. Elementwise results
+    (forward, grad_x, the products) are compared with the CPU reference too."""
+    return tuple(t.to(DEV) for t in tensors)
+
+
 def _params(channels: int, quant_min: int, quant_max: int, pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales (powers of two, so that x = (k + 1/2) * s divides to an exact tie) and integer offsets."""
     if pow2:
@@ -101,7 +109,7 @@ def test_linear_forward_and_backward_bit_identical(policy, layout, rng):
     want_y = F.linear_fake_quantize_reference(x, scale, offset, *args)
     assert_bit_identical(LK.linear_forward(xd, sd, od, *args), want_y, "y")
     got = LK.fake_quant_linear_backward_triton(gd, xd, sd, od, *args, True, True)
-    want = F.linear_fake_quantize_backward_reference(g, x, scale, offset, *args, True, True)
+    want = F.linear_fake_quantize_backward_reference(*_on_dev(g, x, scale, offset), *args, True, True)
     for name, a, e in zip(("grad_x", "grad_scale", "grad_offset"), got, want):
         assert_bit_identical(a, e, name)
     # the elementwise products too, and what the kernel leaves out when a gradient is not needed
@@ -126,7 +134,7 @@ def test_linear_nonpow2_scale_nan_inf_and_inexact_fraction(policy):
     assert_bit_identical(LK.linear_forward(x.to(DEV), scale.to(DEV), offset.to(DEV), *args), want)
     g = torch.randn(SHAPE)
     got = LK.fake_quant_linear_backward_triton(g.to(DEV), x.to(DEV), scale.to(DEV), offset.to(DEV), *args, True, True)
-    want = F.linear_fake_quantize_backward_reference(g, x, scale, offset, *args, True, True)
+    want = F.linear_fake_quantize_backward_reference(*_on_dev(g, x, scale, offset), *args, True, True)
     for a, e in zip(got, want):
         assert_bit_identical(a, e)
 
@@ -146,7 +154,7 @@ def test_linear_other_dtypes_bit_identical(dtype, policy):
         F.linear_fake_quantize_reference(x, scale, offset, *args),
     )
     got = LK.fake_quant_linear_backward_triton(g.to(DEV), x.to(DEV), scale.to(DEV), offset.to(DEV), *args, True, True)
-    want = F.linear_fake_quantize_backward_reference(g, x, scale, offset, *args, True, True)
+    want = F.linear_fake_quantize_backward_reference(*_on_dev(g, x, scale, offset), *args, True, True)
     for a, e in zip(got, want):
         assert_bit_identical(a, e)
 
@@ -192,9 +200,10 @@ def test_float_forward_and_backward_bit_identical(policy, layout, fmt):
     xd, gd, sd = x.to(DEV), g.to(DEV), scale.to(DEV)
     assert_bit_identical(FK.float_forward(xd, sd, *args), F.float_fake_quantize_reference(x, scale, *args), "y")
     got = FK.fake_quant_float_backward_triton(gd, xd, sd, *args, True)
-    want = F.float_fake_quantize_backward_reference(g, x, scale, *args, True)
+    want = F.float_fake_quantize_backward_reference(*_on_dev(g, x, scale), *args, True)
     for name, a, e in zip(("grad_x", "grad_scale"), got, want):
         assert_bit_identical(a, e, name)
+    assert_bit_identical(got[0], F.float_fake_quantize_backward_reference(g, x, scale, *args, True)[0], "grad_x, CPU")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16], ids=str)
@@ -206,7 +215,7 @@ def test_float_other_dtypes_bit_identical(dtype):
     want = F.float_fake_quantize_reference(x, scale, *args)
     assert_bit_identical(FK.float_forward(x.to(DEV), scale.to(DEV), *args), want)
     got = FK.fake_quant_float_backward_triton(g.to(DEV), x.to(DEV), scale.to(DEV), *args, True)
-    want = F.float_fake_quantize_backward_reference(g, x, scale, *args, True)
+    want = F.float_fake_quantize_backward_reference(*_on_dev(g, x, scale), *args, True)
     for a, e in zip(got, want):
         assert_bit_identical(a, e)
 

@@ -19,7 +19,7 @@ import torch
 
 from fxq.numeric.opspec import FLOAT, LINEAR, OP_SPECS
 
-__all__ = ["register_cuda_kernels", "triton_kernels_available"]
+__all__ = ["cuda_kernel_in_use", "register_cuda_kernels", "triton_kernels_available"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,19 @@ class _LazyKernel:
         return impl(*args)
 
 
+_cuda_kernels: dict[str, _LazyKernel] = {}
+"""The CUDA kernel registered for each op (qualified name), once :func:`register_cuda_kernels` ran."""
+
+
+def cuda_kernel_in_use(op: str) -> str | None:
+    """What runs ``op`` on CUDA tensors: ``"triton"``, ``"reference"`` (Triton failed to load) or None (not
+    called on CUDA yet in this process)."""
+    kernel = _cuda_kernels.get(op)
+    if kernel is None or kernel._impl is None:
+        return None
+    return "reference" if kernel._impl is kernel.reference else "triton"
+
+
 def register_cuda_kernels() -> bool:
     """Attach the Triton kernels to the ``fxq::`` ops for CUDA tensors (idempotent).
 
@@ -83,6 +96,7 @@ def register_cuda_kernels() -> bool:
             module = _MODULES[spec.name]
             for op, name, reference in ((spec.qualname, spec.name, spec.forward),
                                         (spec.backward_qualname, spec.backward_name, spec.backward)):
-                torch.library.register_kernel(op, "cuda", _LazyKernel(op, module, f"{name}_triton", reference))
+                kernel = _cuda_kernels[op] = _LazyKernel(op, module, f"{name}_triton", reference)
+                torch.library.register_kernel(op, "cuda", kernel)
         _registered = True
     return True
