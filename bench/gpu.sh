@@ -36,6 +36,8 @@ for s in $steps; do
     inference_eager) step inference_eager 90 python3 bench/inference.py --device cuda --modes eager --warmup 2 \
         --steps 20 --repeat 3 ;;
     analysis) step analysis 120 python3 bench/analysis.py --device cuda --paths native onnx --rounds 3 --threads 8 ;;
+    analysis_native) step analysis_native 90 python3 bench/analysis.py --device cuda --paths native --rounds 2 \
+        --threads 8 ;;
     qat_compiled) step qat_compiled 200 python3 bench/qat_step.py --device cuda --models resnet18 --size 224 \
         --batch-size 32 --warmup 3 --steps 20 ;;
     inference_compiled) step inference_compiled 200 python3 bench/inference.py --device cuda --models resnet18 \

@@ -194,13 +194,15 @@ def values_only(tensors: tuple[torch.Tensor, ...]) -> bool:
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and plain_eager(tensors)
 
 
-def plain_eager(tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Whether an op call on these CPU ``tensors`` is plain eager torch: plain tensors or Parameters, no
-    tracing, compiling, dispatch or function mode, no functorch transform. Then autograd may record the CPU
-    kernels (:data:`KERNELS`) directly (:mod:`fxq.ops`): the custom op's dispatch and its autograd wrapper cost
-    about 100 us a call, forward and backward together, as much as the arithmetic of a 200 K-element activation."""
+def plain_eager(tensors: tuple[torch.Tensor, ...], device_type: str = "cpu") -> bool:
+    """Whether an op call on these ``tensors`` (all on ``device_type``) is plain eager torch: plain tensors or
+    Parameters, no tracing, compiling, dispatch or function mode, no functorch transform. Then autograd may record
+    the device's kernels (:data:`KERNELS` on CPU, the Triton kernels on CUDA) directly (:mod:`fxq.ops`): the custom
+    op's dispatch and its autograd wrapper cost about 100 us a call on CPU, forward and backward together, as much
+    as the arithmetic of a 200 K-element activation; on a GPU, where a small kernel takes microseconds, they were
+    a third of a quantizer's host time."""
     for t in tensors:
-        if type(t) not in _PLAIN_TYPES or not t.is_cpu:
+        if type(t) not in _PLAIN_TYPES or t.device.type != device_type:
             return False
     return not (_tracing_or_mode_active() or torch._C._is_torch_function_mode_enabled()
                 or torch._C._functorch.peek_interpreter_stack() is not None)

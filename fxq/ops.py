@@ -104,17 +104,24 @@ cost about as much as the arithmetic of a mid-sized activation."""
 def _call(spec: OpSpec, *args: Any) -> Tensor:
     """``torch.ops.fxq.<name>`` eagerly (fused CPU loop, Triton on CUDA); on CPU inside ``torch.compile``, the
     reference's aten ops, so inductor fuses them (bit-identical: inductor's C++ divides exactly). CUDA stays on
-    the op's Triton kernel, which divides exactly where inductor's Triton code would not. An eager CPU call that
-    only needs values (no autograd, nothing tracing) runs the op's CPU kernel without the dispatcher, and one that
-    needs gradients records the CPU kernels in autograd directly (:data:`_EAGER_CPU`)."""
-    if args[0].device.type == "cpu":
+    the op's Triton kernel, which divides exactly where inductor's Triton code would not. A plain eager call
+    (nothing tracing, plain tensors) skips the dispatcher: one that only needs values runs the device's kernel
+    directly, and one that needs gradients records the device's kernels in autograd directly
+    (:data:`_EAGER_CPU`, :data:`_EAGER_CUDA`)."""
+    device = args[0].device.type
+    if device == "cpu":
         if torch.compiler.is_compiling():
             return _traced(spec.name, *args)
-        tensors = args[: spec.num_tensors]
-        if fused_cpu.plain_eager(tensors):
-            if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-                return _EAGER_CPU[spec.name].apply(*args)
-            return fused_cpu.KERNELS[spec.qualname](*args)
+        kernels, functions = fused_cpu.KERNELS, _EAGER_CPU
+    elif device == "cuda" and _EAGER_CUDA:
+        kernels, functions = _CUDA_KERNELS, _EAGER_CUDA
+    else:
+        return getattr(torch.ops.fxq, spec.name)(*args)
+    tensors = args[: spec.num_tensors]
+    if fused_cpu.plain_eager(tensors, device):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return functions[spec.name].apply(*args)
+        return kernels[spec.qualname](*args)
     return getattr(torch.ops.fxq, spec.name)(*args)
 
 
@@ -132,14 +139,23 @@ def fake_quant_float(
     return _call(FLOAT, x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
 
 
+_CUDA_KERNELS: dict[str, Callable[..., Any]] = {}
+"""The CUDA kernel of each op (qualified name): Triton, or the reference where Triton fails to load."""
+_EAGER_CUDA: dict[str, type[torch.autograd.Function]] = {}
+"""The ops' CUDA kernels recorded by autograd directly, as :data:`_EAGER_CPU` on CPU; empty without triton."""
+
+
 def _register_device_kernels() -> None:
     """Register the fused CPU kernels and the Triton CUDA kernels (both fall back to the reference)."""
     fused_cpu.register_cpu_kernels()
     try:
-        from fxq.triton_kernels import register_cuda_kernels
+        from fxq.triton_kernels import cuda_kernels, register_cuda_kernels
     except ImportError:  # triton missing or not built for this platform
         return
     register_cuda_kernels()
+    _CUDA_KERNELS.update(cuda_kernels())
+    _EAGER_CUDA.update({spec.name: _function(f"_EagerCuda_{spec.name}", spec, _CUDA_KERNELS[spec.qualname],
+                                             _CUDA_KERNELS[spec.backward_qualname]) for spec in OP_SPECS})
 
 
 _register_device_kernels()

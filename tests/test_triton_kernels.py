@@ -7,6 +7,7 @@ end in a partial one.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -283,3 +284,27 @@ def test_opcheck_fake_quant_float_backward():
     x, g = torch.randn(4, 6), torch.randn(4, 6)
     scale = torch.rand(4) * 0.01 + 1e-3
     _opcheck(torch.ops.fxq.fake_quant_float_backward.default, (g, x, scale, 0, 2, -14, 57344.0, 1, True))
+
+
+@pytest.mark.parametrize("name", ["fake_quant_linear", "fake_quant_float"])
+def test_eager_cuda_function_matches_the_op(name):
+    """The autograd.Function that ``fxq.ops`` records for plain eager CUDA calls with gradients (the Triton kernels
+    without the dispatcher, :data:`fxq.ops._EAGER_CUDA`): the op's values and gradients, bit for bit. On CPU
+    its kernels run in Triton's interpreter."""
+    from fxq import ops
+
+    shape = (4, 6, 9, 9)
+    weights = torch.arange(float(math.prod(shape))).view(shape).remainder(5).to(DEV)
+    x0 = torch.randn(shape) * 3
+    s0 = torch.rand(6) * 0.05 + 0.01
+    attrs = (1, -128, 127, int(RoundingPolicy.HALF_EVEN)) if name == "fake_quant_linear" else (1, 3, -6, 448.0, 0)
+    results = []
+    for call in (ops._EAGER_CUDA[name].apply, getattr(torch.ops.fxq, name)):
+        x = x0.to(DEV).requires_grad_(True)
+        scale = s0.to(DEV).requires_grad_(True)
+        params = (scale, torch.zeros(6, device=DEV)) if name == "fake_quant_linear" else (scale,)
+        y = call(x, *params, *attrs)
+        (y * weights).sum().backward()
+        results.append((y.detach(), x.grad, scale.grad))
+    for got, want, what in zip(results[0], results[1], ("y", "grad_x", "grad_scale")):
+        assert_bit_identical(got, want, what)

@@ -19,7 +19,7 @@ import torch
 
 from fxq.numeric.opspec import FLOAT, LINEAR, OP_SPECS
 
-__all__ = ["cuda_kernel_in_use", "register_cuda_kernels", "triton_kernels_available"]
+__all__ = ["cuda_kernel_in_use", "cuda_kernels", "register_cuda_kernels", "triton_kernels_available"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,12 @@ class _LazyKernel:
 
 _cuda_kernels: dict[str, _LazyKernel] = {}
 """The CUDA kernel registered for each op (qualified name), once :func:`register_cuda_kernels` ran."""
+
+
+def cuda_kernels() -> dict[str, Callable[..., Any]]:
+    """The CUDA kernel of each ``fxq::`` op by qualified name (what the dispatcher runs for CUDA tensors), for
+    callers that skip the dispatcher on plain eager calls; empty before :func:`register_cuda_kernels`."""
+    return dict(_cuda_kernels)
 
 
 def cuda_kernel_in_use(op: str) -> str | None:
