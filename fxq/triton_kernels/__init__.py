@@ -6,7 +6,12 @@ imports triton until a CUDA tensor reaches an op, so ``import fxq`` works withou
 triton cannot be imported then, the op logs one warning and runs the torch reference.
 
 Kernels live in :mod:`fxq.triton_kernels.linear` and :mod:`fxq.triton_kernels.floating`; they are
-bit-identical to :mod:`fxq.numeric.reference` (tests run them under ``TRITON_INTERPRET=1`` on CPU).
+bit-identical to :mod:`fxq.numeric.reference` (tests run them under ``TRITON_INTERPRET=1`` on CPU, and on a GPU
+with ``FXQ_TEST_TRITON_GPU=1``: ``bench/gpu.sh``). Two differences seen on an H100 (Triton 3.6), both tested:
+the scale / offset gradients are the reference's own torch sum, which on CUDA adds in another order than on CPU
+(the kernels equal the reference run on the same device, not the CPU's sums to the last bit); and Triton compiles
+float32 arithmetic with flush-to-zero, so a subnormal input (|x| < 2**-126) counts as 0, which changes a result
+only under the directed roundings UP / DOWN (0 instead of one step).
 """
 from __future__ import annotations
 

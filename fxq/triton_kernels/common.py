@@ -4,7 +4,7 @@ Every ``@triton.jit`` helper here reproduces one step of :mod:`fxq.numeric.refer
 
 * Division: on NVIDIA, Triton lowers ``a / b`` for float32 to ``div.full.f32`` (an approximation with
   up to 2 ulp error, not IEEE) and only float64 ``/`` to the IEEE ``div.rn.f64``. torch divides with
-  IEEE round-to-nearest, so float32 division is the PTX ``div.rn.f32`` (inline, without flush-to-zero).
+  IEEE round-to-nearest, so float32 division goes through ``tl.math.div_rn`` (``div.rn.f32``).
 * FMA contraction: kernels are launched with ``enable_fp_fusion=False`` so that no ``a * b + c`` is fused
   into one rounding (the formulas have no such pair today; this keeps it true if they change).
 * Round-half-even: torch's ``round`` (rint) is computed as ``(|v| + 2^p) - 2^p`` with ``p`` the mantissa
@@ -14,7 +14,6 @@ Every ``@triton.jit`` helper here reproduces one step of :mod:`fxq.numeric.refer
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -120,26 +119,11 @@ def op_backward(spec: OpSpec, layout: LayoutFn, launch: Callable[..., tuple[Any,
 
 
 # --------------------------------------------------------------------------- jit helpers
-_PTX_DIV = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
-"""float32 division by the PTX instruction ``div.rn.f32`` itself. ``tl.math.div_rn`` is libdevice's
-``__nv_fdiv_rn``, which Triton links with flush-to-zero on: a subnormal operand or quotient became 0 (seen on an
-H100: x = 1e-40 rounded UP gave 0, where torch gives one step). The CPU interpreter runs no PTX and keeps
-``div_rn`` (numpy's exact division)."""
-
-
 @triton.jit
 def div_exact(a, b, IS_FP64: tl.constexpr):
-    """IEEE round-to-nearest ``a / b``, subnormals kept (see the module docstring for why ``/`` is not used for
-    float32, and :data:`_PTX_DIV`)."""
+    """IEEE round-to-nearest ``a / b`` (see the module docstring for why ``/`` is not used for float32)."""
     if IS_FP64:
         out = a / b
-    elif _PTX_DIV:
-        bits = tl.inline_asm_elementwise(
-            "div.rn.f32 $0, $1, $2;", "=r,r,r",
-            [a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True)],
-            dtype=tl.int32, is_pure=True, pack=1,
-        )
-        out = bits.to(tl.float32, bitcast=True)
     else:
         out = tl.math.div_rn(a, b)
     return out

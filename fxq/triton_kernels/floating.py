@@ -52,7 +52,7 @@ def _fp_grid_step(v, mantissa_bits, min_exponent):
 @triton.jit
 def _fp_round(vc, mantissa_bits, min_exponent, ROUNDING: tl.constexpr):
     step = _fp_grid_step(vc, mantissa_bits, min_exponent)
-    return round_with_policy(div_exact(vc, step, False), ROUNDING, False) * step
+    return round_with_policy(tl.math.div_rn(vc, step), ROUNDING, False) * step
 
 
 @triton.jit(do_not_specialize=["C", "INNER", "mantissa_bits", "min_exponent"])
