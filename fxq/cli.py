@@ -75,14 +75,36 @@ def _parse_value(text: str) -> tuple[str, Any]:
     return name.strip(), (numbers[0] if len(numbers) == 1 else numbers)
 
 
-def _input_values(args: argparse.Namespace) -> dict[str, Any] | None:
+def _named_items(args: argparse.Namespace, flag: str) -> dict[str, Any] | None:
+    """The ``(name, value)`` pairs of repeatable flag ``--<flag>`` as a dict (None when absent); ConfigError when a
+    name is given twice."""
     from fxq.errors import ConfigError
 
-    items = list(getattr(args, "input_value", None) or [])
-    values = dict(items)
-    if len(values) != len(items):
-        raise ConfigError("--input-value: the same input name is given twice")
-    return values or None
+    items = list(getattr(args, flag.replace("-", "_"), None) or [])
+    named = dict(items)
+    if len(named) != len(items):
+        raise ConfigError(f"--{flag}: the same name is given twice")
+    return named or None
+
+
+def _input_values(args: argparse.Namespace) -> dict[str, Any] | None:
+    return _named_items(args, "input-value")
+
+
+def _parse_batch_dim(text: str) -> tuple[str, int]:
+    """``state=1``: ``(name, dim)`` for ``--batch-dim`` (argparse names the flag on a bad value)."""
+    name, sep, raw = text.partition("=")
+    try:
+        dim = int(raw)
+    except ValueError:
+        dim = None
+    if not sep or not name.strip() or dim is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=DIM, e.g. state=1")
+    return name.strip(), dim
+
+
+def _batch_dims(args: argparse.Namespace) -> dict[str, int] | None:
+    return _named_items(args, "batch-dim")
 
 
 def _int_at_least(low: int) -> Any:
@@ -151,10 +173,12 @@ class _Loaded:
 
 
 def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None,
-               outputs: list[str] | None = None, input_values: dict[str, Any] | None = None) -> _Loaded:
+               outputs: list[str] | None = None, input_values: dict[str, Any] | None = None,
+               batch_dims: dict[str, int] | None = None) -> _Loaded:
     """Load ``spec``: an ``.onnx`` file, a ``.prototxt`` (+ caffemodel), a ``.fxq`` file (:func:`fxq.save`) or
     ``module:factory``. ``outputs``: ONNX tensor names to cut the graph at (``load_onnx(outputs=...)``);
-    ``input_values``: ONNX inputs made constants (``load_onnx(input_values=...)``)."""
+    ``input_values``: ONNX inputs made constants (``load_onnx(input_values=...)``); ``batch_dims``: where ONNX
+    inputs / outputs hold the batch (``load_onnx(batch_dims=...)``)."""
     from torch import nn
 
     from fxq.errors import ConfigError, FrontendError
@@ -167,6 +191,8 @@ def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None,
         raise ConfigError(f"--outputs applies only to an .onnx model, not to {spec!r}")
     if input_values and suffix != ".onnx":
         raise ConfigError(f"--input-value applies only to an .onnx model, not to {spec!r}")
+    if batch_dims and suffix != ".onnx":
+        raise ConfigError(f"--batch-dim applies only to an .onnx model, not to {spec!r}")
     if path.is_dir():
         raise FrontendError(f"model {spec!r} is a folder; give a model file (.onnx, .prototxt, .fxq) or "
                             f"module:factory")
@@ -174,7 +200,8 @@ def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None,
         _readable_file(path, "model file")
         if suffix == ".onnx":
             return _Loaded(_fxq().load_onnx(path, input_shapes=_onnx_open_shapes(path, shapes, input_values),
-                                            outputs=outputs, input_values=input_values), "onnx", path.stem)
+                                            outputs=outputs, input_values=input_values, batch_dims=batch_dims),
+                           "onnx", path.stem)
         if suffix == ".prototxt":
             weights = Path(caffemodel) if caffemodel else path.with_suffix(".caffemodel")
             if weights.is_dir():
@@ -251,8 +278,9 @@ def _load_model_for(args: argparse.Namespace) -> _Loaded:
     shapes = _input_shapes(args)
     outputs = getattr(args, "outputs", None)
     values = _input_values(args)
+    batch_dims = _batch_dims(args)
     try:
-        return load_model(args.model, args.caffemodel, shapes, outputs, values)
+        return load_model(args.model, args.caffemodel, shapes, outputs, values, batch_dims)
     except FrontendError:
         if shapes or Path(args.model).suffix.lower() != ".onnx" or not getattr(args, "calib", None) \
                 or not _has_open_dims(Path(args.model)):
@@ -268,7 +296,7 @@ def _load_model_for(args: argparse.Namespace) -> _Loaded:
         if isinstance(data_shapes, dict) else ",".join(map(str, data_shapes))
     logger.warning("%s has symbolic dims that loading must fix: fixed from the first calibration batch (%s); "
                    "the exports keep them dynamic. Pass --input-shape to choose other sizes", args.model, shown)
-    return load_model(args.model, args.caffemodel, data_shapes, outputs, values)
+    return load_model(args.model, args.caffemodel, data_shapes, outputs, values, batch_dims)
 
 
 def _has_open_dims(path: Path) -> bool:
@@ -692,6 +720,9 @@ def _model_args(p: argparse.ArgumentParser, calib_required: bool = True) -> None
     p.add_argument("--input-value", action="append", metavar="NAME=VALUE[,VALUE...]", type=_parse_value,
                    help="ONNX models: make input NAME a constant of this value (an input that selects a mode, such "
                         "as a sample rate, so an If on it folds); repeat for several inputs")
+    p.add_argument("--batch-dim", action="append", metavar="NAME=DIM", type=_parse_batch_dim,
+                   help="ONNX models: the batch of input or output NAME is dim DIM, not dim 0 (a recurrent state "
+                        "[2, batch, 128]) where the file does not name it; read by the ncnn export; repeat")
     p.add_argument("--dtype", default=None, type=_dtype_name, help="convert calibration tensors to this dtype (default: keep; "
                                                  "float64 -> float32; raw files float32)")
     p.add_argument("--layout", default="NCHW", choices=["NCHW", "NHWC"], help="image layout (default NCHW)")

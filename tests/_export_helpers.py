@@ -31,6 +31,23 @@ def quantize_model(model: torch.nn.Module, platform: str, shape=(2, 3, 64, 64), 
     return fxq.quantize(model.eval(), data, platform, setting=setting, progress=False, **kw)
 
 
+def ncnn_net(param, bin_, *, int8: bool, packing: bool = True, lightmode: bool = True):
+    """An ``ncnn.Net`` of ``param`` / ``bin_`` as the export tests run them: CPU, one thread, fp16 / bf16 off (ncnn's
+    defaults round activations apart from the simulation), int8 inference as asked."""
+    import ncnn
+
+    net = ncnn.Net()
+    o = net.opt
+    o.use_vulkan_compute = False
+    o.num_threads = 1
+    o.use_int8_inference = int8
+    o.use_packing_layout = packing
+    o.use_fp16_storage = o.use_fp16_packed = o.use_fp16_arithmetic = o.use_bf16_storage = False
+    o.lightmode = lightmode
+    assert net.load_param(str(param)) == 0 and net.load_model(str(bin_)) == 0
+    return net
+
+
 def ort_session(model_or_path, optimize: bool = True):
     import onnxruntime as ort
 

@@ -39,6 +39,7 @@ from fxq.backends.ncnn.writer import NcnnModel
 from fxq.errors import ExportError
 from fxq.functional import fake_quantize, quantize_to_int
 
+from _export_helpers import ncnn_net
 from _models import tiny_encoder, torch_encoder, with_bn_statistics
 
 ncnn = pytest.importorskip("ncnn")
@@ -51,15 +52,7 @@ SIZE = 64
 def run_ncnn(param: Path, bin_: Path, xs: list[torch.Tensor], *, int8: bool, packing: bool = True,
              blobs: tuple[str, ...] = ("out0",)) -> list[dict[str, np.ndarray]]:
     """Load an ncnn model once (CPU; vulkan, fp16 and bf16 off) and return the requested blobs per input."""
-    net = ncnn.Net()
-    o = net.opt
-    o.use_vulkan_compute = False
-    o.num_threads = 1
-    o.use_int8_inference = int8
-    o.use_packing_layout = packing
-    o.use_fp16_storage = o.use_fp16_packed = o.use_fp16_arithmetic = o.use_bf16_storage = False
-    o.lightmode = False  # keep intermediate blobs for extraction
-    assert net.load_param(str(param)) == 0 and net.load_model(str(bin_)) == 0
+    net = ncnn_net(param, bin_, int8=int8, packing=packing, lightmode=False)  # lightmode off: keep intermediate blobs
     results = []
     for x in xs:
         ex = net.create_extractor()

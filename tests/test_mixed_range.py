@@ -23,7 +23,7 @@ from fxq.graph.calibrate import MIXED_RANGE_KEY, MIXED_RANGE_RATIO
 from fxq.graph.quant_graph import QuantGraph
 from fxq.spec import QuantState
 
-from _export_helpers import fx_values, ort_session, run_ort
+from _export_helpers import fx_values, ncnn_net, ort_session, run_ort
 
 QDQ_PLATFORMS = ["trt_int8", "ort_int8", "ppl_cuda_int8"]
 SHAPE = (2, 3, 32, 32)
@@ -395,13 +395,7 @@ def test_ncnn_export_runs(tmp_path: Path) -> None:
         q, ref = _outputs(gm, x)
         for param, bin_, int8, want in ((files["fp32_param"], files["fp32_bin"], False, ref),
                                         (files["param"], files["bin"], True, q)):
-            net = ncnn.Net()
-            net.opt.use_vulkan_compute = False
-            net.opt.num_threads = 1
-            net.opt.use_int8_inference = int8
-            net.opt.use_fp16_storage = net.opt.use_fp16_packed = net.opt.use_fp16_arithmetic = False
-            net.opt.use_bf16_storage = False
-            assert net.load_param(str(param)) == 0 and net.load_model(str(bin_)) == 0
+            net = ncnn_net(param, bin_, int8=int8)
             ex = net.create_extractor()
             ex.input("in0", ncnn.Mat(np.ascontiguousarray(x[0].numpy())).clone())
             ret, out = ex.extract("out0")

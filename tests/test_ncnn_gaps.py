@@ -24,6 +24,7 @@ from fxq.backends.ncnn import NcnnInt8, ncnn_paths
 from fxq.errors import ExportError
 from fxq.graph.attention import apply_attention_mask
 
+from _export_helpers import ncnn_net
 from _models import KeypointScores
 
 ncnn = pytest.importorskip("ncnn")
@@ -32,13 +33,7 @@ ncnn = pytest.importorskip("ncnn")
 def run_ncnn(param: Path, bin_: Path, x: torch.Tensor, n_out: int, *, int8: bool, whole: bool = False
              ) -> list[np.ndarray]:
     """The outputs of the files on ``x[0]`` (one sample), or on ``x`` itself when ``whole`` (an unbatched input)."""
-    net = ncnn.Net()
-    o = net.opt
-    o.use_vulkan_compute = False
-    o.num_threads = 1
-    o.use_int8_inference = int8
-    o.use_fp16_storage = o.use_fp16_packed = o.use_fp16_arithmetic = o.use_bf16_storage = False
-    assert net.load_param(str(param)) == 0 and net.load_model(str(bin_)) == 0
+    net = ncnn_net(param, bin_, int8=int8)
     ex = net.create_extractor()
     ex.input("in0", ncnn.Mat(np.ascontiguousarray((x if whole else x[0]).numpy())).clone())
     outs = []
@@ -460,11 +455,7 @@ def test_depthwise_5x5_int8(tmp_path: Path, packing: bool) -> None:
     model = with_bn_statistics(MnasBlock().eval(), (4, 3, 16, 16), mix=0.5)
     gm, files = check(model, (1, 3, 16, 16), tmp_path / "net")
     assert len(re.findall(r"^ConvolutionDepthWise\s.* 1=5 .* 8=1", files["param"].read_text(), re.M)) == 2
-    net = ncnn.Net()
-    o = net.opt
-    o.use_vulkan_compute, o.num_threads, o.use_packing_layout = False, 1, packing
-    o.use_fp16_storage = o.use_fp16_packed = o.use_fp16_arithmetic = o.use_bf16_storage = False
-    assert net.load_param(str(files["param"])) == 0 and net.load_model(str(files["bin"])) == 0
+    net = ncnn_net(files["param"], files["bin"], int8=True, packing=packing)
     for _ in range(3):
         x = torch.randn(1, 3, 16, 16)
         ex = net.create_extractor()

@@ -189,6 +189,34 @@ def source_dynamic_dims(model: nn.Module, placeholder: fx.Node) -> set[int] | No
     return {i for i, d in enumerate(dims or []) if not (isinstance(d, int) and d > 0)}
 
 
+def source_batch_dim(model: nn.Module, placeholder: fx.Node | None = None, output: int | None = None) -> int | None:
+    """The dim of an input (``placeholder``) or of graph output number ``output`` that holds the batch by the
+    model's source ONNX file: where its declared shape has the symbol that the first input has at dim 0 (silero's
+    ``state`` and ``stateN`` are ``[2, batch, 128]`` beside ``input`` ``[batch, sequence]``), or as
+    ``load_onnx(batch_dims=...)`` gave it; None where neither says (a native model, fixed or unnamed dims)."""
+    meta = getattr(model, "meta", None)
+    onnx_meta = meta.get("onnx") if isinstance(meta, dict) else None
+    if not isinstance(onnx_meta, dict):
+        return None
+    inputs, outputs = onnx_meta.get("source_input_shapes"), onnx_meta.get("source_output_shapes")
+    if not isinstance(inputs, dict) or not inputs:
+        return None
+    if placeholder is not None:
+        info = placeholder.meta.get("onnx")
+        names = info.get("outputs", []) if isinstance(info, dict) else []
+        name = names[0] if names else placeholder.name
+        dims = inputs.get(name) or []
+    else:
+        declared = list(outputs.items()) if isinstance(outputs, dict) else []
+        name, dims = declared[output] if output is not None and output < len(declared) else ("", [])
+    given = onnx_meta.get("batch_dims") or {}
+    if name in given:  # load_onnx(batch_dims=...)
+        return given[name]
+    first = next(iter(inputs.values())) or [None]
+    symbol = first[0] if isinstance(first[0], str) and first[0] else None
+    return dims.index(symbol) if symbol is not None and symbol in dims else None
+
+
 def doubled_dim_probes(args: tuple, wanted: Sequence[tuple[int, int]],
                        run: Callable[[tuple], R | None]) -> list[R]:
     """What ``run`` gives on ``args`` repeated twice along the ``wanted`` (input index, dim) pairs: all of them at

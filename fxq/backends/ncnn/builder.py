@@ -43,7 +43,7 @@ from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim,
 from fxq.backends.qdq.lowering import example_inputs_for
 from fxq.errors import ExportError
 from fxq.functional import fake_quantize
-from fxq.graph.data import doubled_dim_probes, source_dynamic_dims
+from fxq.graph.data import doubled_dim_probes, source_batch_dim, source_dynamic_dims
 from fxq.graph.info import is_quantizer_node
 from fxq.graph.nodes import get_attr_value, output_shapes
 from fxq.graph.op_types import op_type
@@ -413,7 +413,8 @@ class NcnnBuilder:
             source = source_dynamic_dims(self.gm, ph)
             lead = 0 if self.unbatched_inputs else 1  # the batch, which ncnn does not have
             spatial = set(range(lead + 1, val.dim())) if val.dim() - lead >= 3 else set()
-            free = source - set(range(lead)) if source is not None else spatial
+            batch = self._placeholder_batch_dim(ph)
+            free = source - {batch} if source is not None else spatial
             dims += [(i, d) for d in sorted(free) if d < val.dim()]
         return dims
 
@@ -686,11 +687,30 @@ class NcnnBuilder:
                                 "reshape the value to at most 4 dims besides the batch before this op, or deploy "
                                 "the model with another platform (trt_int8 / ort_int8: ONNX tensors take any rank)")
 
+    def batch_advice(self, value: fx.Node) -> str:
+        """The fix for an op that works along ``value``'s batch dim: for a model input whose batch is elsewhere
+        (the file does not name it), the ``load_onnx`` argument that says where; else to work along other dims."""
+        src = self.strip(value)
+        if src.op == "placeholder" and isinstance(getattr(self.gm, "meta", {}).get("onnx"), dict):
+            info = src.meta.get("onnx")
+            name = (info.get("outputs") or [src.name])[0] if isinstance(info, dict) else src.name
+            return (f"if dim {self.batch_dim(src)} of input {name!r} is not its batch, load the model with "
+                    f"fxq.load_onnx(..., batch_dims={{{name!r}: <its batch dim>}}) (CLI: --batch-dim {name}=DIM), "
+                    "with the outputs that carry it back too; ncnn blobs have no batch dimension")
+        return "slice the other dims; ncnn blobs have no batch dimension"
+
+    def _placeholder_batch_dim(self, node: fx.Node) -> int | None:
+        """The dim of input ``node`` that its blob leaves out: None for unbatched inputs, else where the source
+        ONNX file puts the batch symbol (:func:`~fxq.graph.data.source_batch_dim`), else 0."""
+        if self.unbatched_inputs:
+            return None
+        found = source_batch_dim(self.gm, node)
+        return 0 if found is None else found
+
     def _input(self, node: fx.Node) -> None:
         if not node.users:
             return
-        if self.unbatched_inputs:
-            self._batch_dims[node] = None
+        self._batch_dims[node] = self._placeholder_batch_dim(node)
         shape = self.blob_shape(node)
         if not 1 <= len(shape) <= 4:
             batch = "" if self.unbatched_inputs else " without the batch dimension"
@@ -705,7 +725,8 @@ class NcnnBuilder:
         self.blob_of[node] = name
 
     def _outputs(self) -> None:
-        """Graph outputs are blobs of ``shape[1:]``: a value whose batch of 1 moved is reshaped back. A model with
+        """Graph outputs are blobs of their shape without the batch dim (0, or where the source ONNX file declares
+        the batch symbol for that output): a value whose batch of 1 moved is reshaped to that. A model with
         unbatched inputs may return unbatched values (no batch dim): their blob is their whole shape."""
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
         values: list[fx.Node] = []
@@ -719,12 +740,16 @@ class NcnnBuilder:
                 raise self.fail(src, f"it is graph output {i}, of shape {self.shape(src)}, with more than 4 dims "
                                 "besides the batch; ncnn blobs have at most 4", "return a tensor of at most 4 dims "
                                 "besides the batch (reshape it in the model; the caller can reshape it back)")
-            if self.batch_dim(src) != 0 and not (self.unbatched_inputs and self.batch_dim(src) is None):
+            declared = source_batch_dim(self.gm, output=i)  # the source file's batch dim of this output
+            batch = 0 if declared is None else declared
+            if self.batch_dim(src) != batch and not (self.unbatched_inputs and self.batch_dim(src) is None):
                 shape = self.shape(src)
-                if shape[0] != 1 or not 1 <= len(shape) - 1 <= 4:
-                    raise self.fail(src, f"it is graph output {i}, of shape {shape}, whose dim 0 is not the batch "
-                                    "dimension; ncnn outputs drop dim 0", "return a batch-first tensor")
-                self.emit(src, "Reshape", [self.blob_of[src]], shape_params(shape[1:]), batch_dim=0)
+                if shape[batch] != 1 or not 1 <= len(shape) - 1 <= 4:
+                    raise self.fail(src, f"it is graph output {i}, of shape {shape}, whose dim {batch} is not the "
+                                    f"batch dimension; ncnn outputs drop dim {batch}",
+                                    "return a batch-first tensor" if declared is None else
+                                    "return the batch at the dim the source file declares for this output")
+                self.emit(src, "Reshape", [self.blob_of[src]], shape_params(drop_dim(shape, batch)), batch_dim=batch)
             self.model.outputs.append(self.blob_of[src])
 
 

@@ -1212,8 +1212,7 @@ def _crop(b: NcnnBuilder, node: fx.Node, x: fx.Node, ranges: list[tuple[int, int
         blob, shape, ranges = _strided(b, node, x, blob, ranges, steps)
     cut = {d: r for d, r in enumerate(ranges) if r != (0, shape[d])}
     if bd is not None and bd in cut:
-        raise b.fail(node, f"it slices the batch dimension (dim {bd} of shape {shape})",
-                     "slice the other dims; ncnn blobs have no batch dimension")
+        raise b.fail(node, f"it slices the batch dimension (dim {bd} of shape {shape})", b.batch_advice(x))
     added = new_axes or [0] * len(shape)
     if bd is None:  # a value without a batch (an unbatched image): ``x[None]`` gives it one, its new dim 0
         out_bd = 0 if shape and added[0] else None

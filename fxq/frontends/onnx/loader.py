@@ -141,6 +141,7 @@ def load_onnx(
     verify: bool | str = "auto",
     outputs: Sequence[str] | None = None,
     input_values: Mapping[str, Any] | None = None,
+    batch_dims: Mapping[str, int] | None = None,
 ) -> fx.GraphModule:
     """Load an ONNX model as a ``torch.fx.GraphModule`` whose nodes carry their ONNX names.
 
@@ -167,6 +168,10 @@ def load_onnx(
         input_values: ``{input name: value}`` making inputs that select a mode rather than carry data constants of
             the model (silero VAD's sample rate: ``{"sr": 16000}``), so an ``If`` on them folds at load time; the
             loaded graph and its exports no longer take them.
+        batch_dims: ``{input or output name: dim}`` for tensors whose batch is not dim 0 where the file does not
+            say so by name (silero VAD's ``state`` is ``[2, batch, 128]``; a file with named dims tells by the
+            symbol at dim 0 of the first input). Read by exports to runtimes without a batch (ncnn), which drop
+            that dim from the tensor's blob.
 
     Returns:
         The converted ``GraphModule`` in eval mode.
@@ -202,6 +207,7 @@ def load_onnx(
         original.CopyFrom(proto)
     declared = shapes.source_dims(proto)
     declared_outputs = {o.name: shapes.tensor_dims(o) or [] for o in proto.graph.output}
+    batches = shapes.check_batch_dims(batch_dims, {**declared, **declared_outputs}, source)
     proto = shapes.infer_for_conversion(cleanup.clean(proto, infer=False), fixed)
     if control_flow.fold_constant_ifs(proto, source, fixed, file_tensors):  # the taken branches' nodes get their shapes
         proto = shapes.infer_for_conversion(cleanup.clean(proto, infer=False), fixed)
@@ -232,6 +238,8 @@ def load_onnx(
         gm.meta["onnx"]["input_shapes"].update({k: list(v) for k, v in fixed.items()})
     if values:
         gm.meta["onnx"]["input_values"] = {k: v.tolist() for k, v in values.items()}
+    if batches:
+        gm.meta["onnx"]["batch_dims"] = batches
     gm.eval()
     if original is not None:
         checks.check_conversion(gm, original, fixed, source, verify)

@@ -94,6 +94,23 @@ def fix_input_shapes(model: onnx.ModelProto, input_shapes: Mapping[str, Sequence
     return fixed
 
 
+def check_batch_dims(batch_dims: Mapping[str, int] | None, declared: Mapping[str, Sequence[object]],
+                     source: str) -> dict[str, int]:
+    """``load_onnx(batch_dims=...)`` checked against the file's inputs and outputs (``declared``: their declared
+    dims by name), negative dims made positive; FrontendError naming what does not fit."""
+    checked: dict[str, int] = {}
+    for name, dim in (batch_dims or {}).items():
+        if name not in declared:
+            raise FrontendError(f"load_onnx({source!r}, batch_dims=...): {name!r} is not an input or output of the "
+                                f"model; its inputs and outputs are {sorted(declared)}")
+        rank = len(declared[name])
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -rank <= dim < rank:
+            raise FrontendError(f"load_onnx({source!r}, batch_dims=...): {name!r} has rank {rank}; its batch dim "
+                                f"must be an integer in [{-rank}, {rank - 1}], got {dim!r}")
+        checked[name] = dim % rank
+    return checked
+
+
 def fix_input_values(model: onnx.ModelProto, input_values: Mapping[str, object] | None,
                      source: str) -> dict[str, np.ndarray]:
     """Make the inputs ``input_values`` names constants of ``model`` (in place): each becomes an initializer holding

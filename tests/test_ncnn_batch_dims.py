@@ -1,0 +1,137 @@
+"""ONNX inputs and outputs whose batch is not dim 0 (a recurrent state ``[2, batch, H]`` beside ``x [batch, D]``,
+as in silero VAD) on ncnn, which has no batch: the state's blob drops its batch dim, in and out, so the output
+state feeds the next call as it is.
+
+Where the file names its dims, the batch symbol of the first input says where each tensor's batch is; where it
+does not (fixed or unnamed dims), the export refuses the batch slice and names ``load_onnx(batch_dims=...)``,
+which, followed, exports. The files run in ncnn against fxq's simulation, state fed back over several steps.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fxq
+
+from _export_helpers import ncnn_net
+
+ncnn = pytest.importorskip("ncnn")
+
+H = 8
+
+
+class StateNet(nn.Module):
+    """One step of a recurrent cell with its two states stacked in one input / output, ``[2, batch, H]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, H)
+        self.rec = nn.Linear(H, H)
+        self.head = nn.Linear(H, 1)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, c = state[0], state[1]
+        y = torch.tanh(self.lin(x) + self.rec(h))
+        c2 = c * 0.5 + y
+        return torch.sigmoid(self.head(y)), torch.stack([y, c2])
+
+
+def _export(path: Path, named: bool) -> Path:
+    torch.manual_seed(0)
+    axes = {"x": {0: "batch"}, "state": {1: "batch"}, "out": {0: "batch"}, "stateN": {1: "batch"}} if named else None
+    torch.onnx.export(StateNet().eval(), (torch.randn(1, 16), torch.zeros(2, 1, H)), str(path), dynamo=False,
+                      opset_version=13, input_names=["x", "state"], output_names=["out", "stateN"],
+                      dynamic_axes=axes)
+    return path
+
+
+def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(1, 16, generator=g), torch.randn(2, 1, H, generator=g) * 0.5) for _ in range(4)]
+
+
+def _run_steps(gm: torch.fx.GraphModule, files: dict[str, Path], int8: bool) -> None:
+    """Three steps in ncnn against the simulation (the float model for the FP32 files), each fed the simulation's
+    last state as a blob: ncnn's output state has the input's blob shape. A state laid out wrong moves values by
+    O(1) (tanh outputs in another order)."""
+    param, bin_ = (files["param"], files["bin"]) if int8 else (files["fp32_param"], files["fp32_bin"])
+    net = ncnn_net(param, bin_, int8=int8)
+    g = torch.Generator().manual_seed(2)
+    state = torch.randn(2, 1, H, generator=g) * 0.5
+    blob_state = np.ascontiguousarray(state[:, 0].numpy())
+    for _ in range(3):
+        x = torch.randn(1, 16, generator=g)
+        x_arr = np.ascontiguousarray(x[0].numpy())
+        ex = net.create_extractor()
+        ex.input("in0", ncnn.Mat(x_arr).clone())
+        ex.input("in1", ncnn.Mat(blob_state).clone())
+        out = np.array(ex.extract("out0")[1]).copy()
+        new_state = np.array(ex.extract("out1")[1]).copy()
+        assert new_state.shape == (2, H)  # the batch dim dropped, as from the input state
+        with torch.no_grad(), (contextlib.nullcontext() if int8 else fxq.fp32_mode(gm)):
+            ref_out, ref_state = gm(x, state)
+        tol = 1e-3 if int8 else 1e-5  # int8: ncnn may requantize a code apart (none seen)
+        np.testing.assert_allclose(out.reshape(-1), ref_out.numpy().reshape(-1), atol=tol)
+        np.testing.assert_allclose(new_state, ref_state[:, 0].numpy(), atol=tol)
+        assert new_state.shape == blob_state.shape  # ncnn's output state is its next input as it is
+        state, blob_state = ref_state, np.ascontiguousarray(ref_state[:, 0].numpy())  # no drift between the two
+
+
+def _files(stem: Path) -> dict[str, Path]:
+    return {"param": stem.with_suffix(".param"), "bin": stem.with_suffix(".bin"),
+            "fp32_param": Path(f"{stem}.fp32.param"), "fp32_bin": Path(f"{stem}.fp32.bin")}
+
+
+def test_named_batch_symbol_places_each_tensors_batch(tmp_path: Path) -> None:
+    gm = fxq.quantize(fxq.load_onnx(_export(tmp_path / "named.onnx", named=True)), _data(), "ncnn_int8",
+                      progress=False)
+    fxq.export(gm, "ncnn_int8", tmp_path / "named")
+    params = (tmp_path / "named.param").read_text().splitlines()
+    assert any(line.startswith("Input") and " in1 " in f"{line} " and f"0={H} 1=2" in line for line in params)
+    for int8 in (True, False):
+        _run_steps(gm, _files(tmp_path / "named"), int8)
+
+
+def test_unnamed_dims_refused_with_advice_that_works(tmp_path: Path) -> None:
+    path = _export(tmp_path / "fixed.onnx", named=False)
+    gm = fxq.quantize(fxq.load_onnx(path), _data(), "ncnn_int8", progress=False)
+    with pytest.raises(fxq.ExportError, match=r"slices the batch dimension.*batch_dims=\{'state': <its batch dim>\}"
+                       r".*--batch-dim state=DIM"):
+        fxq.export(gm, "ncnn_int8", tmp_path / "refused")
+    assert not (tmp_path / "refused.param").exists()
+    gm = fxq.quantize(fxq.load_onnx(path, batch_dims={"state": 1, "stateN": -2}), _data(), "ncnn_int8",
+                      progress=False)
+    fxq.export(gm, "ncnn_int8", tmp_path / "given")
+    for int8 in (True, False):
+        _run_steps(gm, _files(tmp_path / "given"), int8)
+
+
+@pytest.mark.parametrize("dims, match", [
+    ({"nope": 1}, r"'nope' is not an input or output of the model; its inputs and outputs are \['out', 'state', "),
+    ({"state": 3}, r"'state' has rank 3; its batch dim must be an integer in \[-3, 2\], got 3"),
+    ({"state": "1"}, r"got '1'"),
+])
+def test_batch_dims_errors(tmp_path: Path, dims: dict, match: str) -> None:
+    with pytest.raises(fxq.FrontendError, match=match):
+        fxq.load_onnx(_export(tmp_path / "m.onnx", named=False), batch_dims=dims)
+
+
+def test_cli_batch_dim(tmp_path: Path) -> None:
+    from fxq import cli
+
+    path = _export(tmp_path / "fixed.onnx", named=False)
+    calib = tmp_path / "calib"
+    for name, shape in (("x", (1, 16)), ("state", (2, 1, H))):
+        (calib / name).mkdir(parents=True)
+        for i in range(2):
+            np.save(calib / name / f"{i}.npy", np.random.default_rng(i).standard_normal(shape).astype(np.float32))
+    args = ["quantize", str(path), "--calib", str(calib), "--platform", "ncnn_int8", "--out", str(tmp_path / "out"),
+            "-q"]
+    assert cli.main(args + ["--batch-dim", "state=1", "--batch-dim", "stateN=1"]) == 0
+    assert (tmp_path / "out" / "fixed_ncnn_int8.param").exists()
+    assert cli.main(args + ["--batch-dim", "state"]) == 2
