@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -135,3 +136,42 @@ def test_cli_batch_dim(tmp_path: Path) -> None:
     assert cli.main(args + ["--batch-dim", "state=1", "--batch-dim", "stateN=1"]) == 0
     assert (tmp_path / "out" / "fixed_ncnn_int8.param").exists()
     assert cli.main(args + ["--batch-dim", "state"]) == 2
+
+
+class TimeMajor(nn.Module):
+    """A time-major detour, as around an ONNX LSTM: ``[B, C, T]`` to ``[T, B, C]``, a dim added and squeezed out at
+    1 (LSTM's ``Y[T, dirs, B, H].squeeze(1)``), back to ``[B, C, T]`` for a conv. At B = T = 1 every dim but C has
+    size 1, so only the squeeze's axes say where the batch went."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv1d(4, 8, 1), nn.Conv1d(8, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv1(x).permute(2, 0, 1)  # [T, B, C]
+        y = torch.tanh(y).unsqueeze(1).squeeze(1)  # [T, 1, B, C] -> [T, B, C]
+        return self.conv2(torch.relu(y.permute(1, 2, 0)))
+
+
+@pytest.mark.parametrize("form", ["torch", "onnx"])
+def test_squeeze_and_unsqueeze_follow_the_batch(tmp_path: Path, form: str) -> None:
+    torch.manual_seed(0)
+    model: Any = TimeMajor().eval()
+    if form == "onnx":
+        torch.onnx.export(model, (torch.randn(1, 4, 1),), str(tmp_path / "m.onnx"), dynamo=False, opset_version=13)
+        model = fxq.load_onnx(tmp_path / "m.onnx")
+    data = [torch.randn(1, 4, 1) for _ in range(2)]
+    gm = fxq.quantize(model, data, "ncnn_int8", progress=False)
+    fxq.export(gm, "ncnn_int8", tmp_path / "net")
+    files = _files(tmp_path / "net")
+    for int8 in (True, False):
+        net = ncnn_net(files["param"] if int8 else files["fp32_param"], files["bin"] if int8 else files["fp32_bin"],
+                       int8=int8)
+        x = data[0]
+        arr = np.ascontiguousarray(x[0].numpy())
+        ex = net.create_extractor()
+        ex.input("in0", ncnn.Mat(arr).clone())
+        got = np.array(ex.extract("out0")[1]).copy()
+        with torch.no_grad(), (contextlib.nullcontext() if int8 else fxq.fp32_mode(gm)):
+            want = gm(x)[0].numpy()
+        np.testing.assert_allclose(got.reshape(want.shape), want, atol=1e-3 if int8 else 1e-5)

@@ -170,7 +170,7 @@ class StepSlice(nn.Module):
     (BatchSlice, (4, 8), r"slice slice\(1, 3, None\) of dim 0, the batch dimension, selects samples: ncnn runs one "
                          r"sample"),
     (StepSlice, (1, 3, 4, 4), r"slice slice\(None, None, 3\) of dim 2 \(size 4\) has step 3; ncnn's Crop takes "
-                              r"unit-step ranges, and a positive step that divides the size"),
+                              r"unit-step ranges, ncnn.s Flip reverses \(step -1\), and a positive step that divides the size"),
 ], ids=["batch", "step"])
 def test_inexpressible_slices_say_why(tmp_path: Path, model: Any, shape: tuple[int, ...], message: str) -> None:
     gm = fxq.quantize(model().eval(), [torch.randn(*shape)], "ncnn_int8", progress=False)
@@ -1508,3 +1508,55 @@ def test_clip_with_bounds_computed_at_run_time(tmp_path: Path) -> None:
     gm = _onnx(LogMelFloor(), (1, 3, 8, 8), tmp_path / "logmel.onnx")
     assert any(type(m).__name__ == "OnnxClipRunTime" for m in gm.modules())
     check(gm, (1, 3, 8, 8), tmp_path / "logmel.param")
+
+
+# ------------------------------------------------------------------------------------------ reversed dims (Flip)
+class Flipped(nn.Module):
+    """``torch.flip`` over two dims; exported to ONNX it is a ``Slice`` with steps -1 (openwakeword's silero VAD)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv2(torch.flip(self.conv(x), dims=[-1, 1]))
+
+
+@pytest.mark.parametrize("form", ["torch", "onnx"])
+def test_flip_is_ncnn_flip(tmp_path: Path, form: str) -> None:
+    model: Any = Flipped().eval()
+    if form == "onnx":
+        model = _onnx(model, (1, 3, 8, 8), tmp_path / "m.onnx")
+    _, files = check(model, (1, 3, 8, 8), tmp_path / "net")
+    assert re.search(r"^Flip\s.* -23300=2,0,2$", files["param"].read_text(), re.M)  # blob axes c and w
+
+
+def test_reversed_part_of_a_dim(tmp_path: Path) -> None:
+    """ONNX ``Slice`` starts 6, ends 1, step -1 (elements 6..2 reversed): a ``Crop`` of them, then a ``Flip``; a step
+    of -2 is refused by name."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    def model(step: int) -> onnx.ModelProto:
+        rng = np.random.default_rng(0)
+        inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"),
+                 numpy_helper.from_array(rng.standard_normal((4, 4, 1, 1)).astype(np.float32), "w2")]
+        inits += [numpy_helper.from_array(np.array(v, np.int64), n)
+                  for n, v in (("starts", [6]), ("ends", [1]), ("axes", [3]), ("steps", [step]))]
+        nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+                 helper.make_node("Slice", ["c", "starts", "ends", "axes", "steps"], ["s"]),
+                 helper.make_node("Conv", ["s", "w2"], ["y"])]
+        width = len(range(6, 1, step))
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, width])], inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+    _, files = check(fxq.load_onnx(model(-1)), (1, 3, 8, 8), tmp_path / "net")
+    param = files["param"].read_text()
+    assert re.search(r"^Crop\s.* -23309=1,2 -23310=1,7 -23311=1,2$", param, re.M)
+    assert re.search(r"^Flip\s.* -23300=1,2$", param, re.M)
+    gm = fxq.quantize(fxq.load_onnx(model(-2)), [torch.randn(1, 3, 8, 8) for _ in range(2)], "ncnn_int8",
+                      progress=False)
+    with pytest.raises(ExportError, match=r"has step -2; .*ncnn's Flip reverses \(step -1\).*Fix: slice with step 1 "
+                                          r"or -1"):
+        export(gm, "ncnn", tmp_path / "refused")

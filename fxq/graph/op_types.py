@@ -47,7 +47,7 @@ LIFTED: dict[Any, Callable[..., Any] | str] = {
     aten.view.default: torch.reshape, aten.reshape.default: torch.reshape, aten._unsafe_view.default: torch.reshape,
     aten.flatten.using_ints: torch.flatten, aten.permute.default: torch.permute,
     aten.transpose.int: torch.transpose, aten.unsqueeze.default: torch.unsqueeze,
-    aten.squeeze.dim: torch.squeeze, aten.roll.default: torch.roll,
+    aten.squeeze.dim: torch.squeeze, aten.roll.default: torch.roll, aten.flip.default: torch.flip,
     # sizes: torch.onnx's tracer records the sizes an aten op takes as constants, a method's or torch function's as
     # values computed from the input (``x.size(0)``), so a file exported with a dynamic batch stays batch-generic
     aten.sym_size.int: "size", aten.sym_numel.default: "numel", aten.sym_stride.int: "stride",
@@ -89,7 +89,7 @@ _FUNCTIONS: dict[Callable[..., Any], str] = {
     F.adaptive_max_pool2d: "GlobalMaxPool", F.adaptive_avg_pool3d: "GlobalAveragePool",
     F.adaptive_max_pool3d: "GlobalMaxPool",
     torch.flatten: "Flatten", torch.reshape: "Reshape", torch.transpose: "Transpose", torch.permute: "Transpose",
-    torch.swapaxes: "Transpose", torch.swapdims: "Transpose", torch.roll: "Roll",
+    torch.swapaxes: "Transpose", torch.swapdims: "Transpose", torch.roll: "Roll", torch.flip: "Flip",
     operator.getitem: "Slice", torch.split: "Split", torch.chunk: "Split", torch.unbind: "Split",
     torch.tensor_split: "Split", torch.squeeze: "Squeeze", torch.unsqueeze: "Unsqueeze", F.interpolate: "Resize", F.pad: "Pad", torch.mean: "ReduceMean",
     torch.sum: "ReduceSum", torch.amax: "ReduceMax", torch.amin: "ReduceMin", torch.prod: "ReduceProd",
@@ -104,7 +104,7 @@ _METHODS: dict[str, str] = {
     "bmm": "MatMul", "relu": "Relu", "relu_": "Relu", "sigmoid": "Sigmoid", "tanh": "Tanh", "clamp": "Clip",
     "softmax": "Softmax", "view": "Reshape", "reshape": "Reshape", "flatten": "Flatten", "permute": "Transpose",
     "transpose": "Transpose", "swapaxes": "Transpose", "swapdims": "Transpose", "contiguous": "Identity",
-    "squeeze": "Squeeze", "unsqueeze": "Unsqueeze", "roll": "Roll",
+    "squeeze": "Squeeze", "unsqueeze": "Unsqueeze", "roll": "Roll", "flip": "Flip",
     "chunk": "Split", "split": "Split", "unbind": "Split", "tensor_split": "Split",
     "mean": "ReduceMean", "size": "Shape", "dim": "Shape", "numel": "Shape",
     "expand": "Expand", "repeat": "Tile", "argmax": "ArgMax", "topk": "TopK", "to": "Cast", "float": "Cast",

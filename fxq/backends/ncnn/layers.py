@@ -982,7 +982,8 @@ def _reshape(b: NcnnBuilder, node: fx.Node) -> None:
             raise b.fail(node, f"reshape {in_shape} -> {out_shape} changes the batch dimension (size {in_shape[bd]})",
                          _BATCH_FIX)
     else:
-        out_bd = next((d for d, n in enumerate(out_shape) if n == 1), None)
+        moved = _squeeze_batch_dim(b, node, len(in_shape), len(out_shape), bd)
+        out_bd = moved if moved is not _MISSING else next((d for d, n in enumerate(out_shape) if n == 1), None)
     blob_shape = drop_dim(out_shape, out_bd)
     if not blob_shape:
         raise b.fail(node, f"reshape {in_shape} -> {out_shape} gives a rank-0 blob",
@@ -993,6 +994,38 @@ def _reshape(b: NcnnBuilder, node: fx.Node) -> None:
         b.emit(node, "Flatten", [b.blob(x, node)], batch_dim=out_bd)
     else:
         b.emit(node, "Reshape", [b.blob(x, node)], _reshape_params(b, node, x, out_bd), batch_dim=out_bd)
+
+
+def _squeeze_batch_dim(b: NcnnBuilder, node: fx.Node, in_rank: int, out_rank: int, bd: int | None) -> Any:
+    """Where a squeeze / unsqueeze puts the input's batch dim ``bd`` (of size 1): its axes say which dims go or
+    come, so the batch is followed exactly (an LSTM's ``Y[T, 1, B, H].squeeze(1)``, where the first size-1 dim of
+    the result is not the batch); None where the squeeze drops it; ``_MISSING`` for other reshapes, a value without
+    a batch, or axes not known here."""
+    mod = b.module(node)
+    kind = None
+    if mod is not None:
+        name = type(mod).__name__
+        kind = "squeeze" if name.startswith("OnnxSqueeze") else "unsqueeze" if name.startswith("OnnxUnsqueeze") else None
+        axes = getattr(mod, "axes", getattr(mod, "_axes", None)) if kind else None
+        if axes is None and kind and len(node.args) > 1:
+            axes = b.fixed_value(node.args[1])
+    elif node.target in (torch.squeeze, torch.unsqueeze, "squeeze", "unsqueeze"):
+        kind = getattr(node.target, "__name__", node.target)
+        axes = _arg(node, 1, "dim", None)
+    if kind is None or bd is None:
+        return _MISSING
+    if axes is None:  # squeeze of every size-1 dim: the batch of 1 too
+        return None if kind == "squeeze" else _MISSING
+    try:
+        axes = [int(a) for a in (torch.as_tensor(_static(axes)).reshape(-1).tolist())]
+    except (TypeError, ValueError, RuntimeError):
+        return _MISSING
+    if kind == "squeeze":
+        gone = {a % in_rank for a in axes}
+        return None if bd in gone else bd - sum(a < bd for a in gone)
+    added = {a % out_rank for a in axes}
+    kept = [d for d in range(out_rank) if d not in added]
+    return kept[bd] if bd < len(kept) else _MISSING
 
 
 _NAMES = {1: "w", 2: "hw", 3: "chw", 4: "cdhw"}  # ncnn's names of a blob's dims, outermost first
@@ -1037,9 +1070,9 @@ def _reshape_params(b: NcnnBuilder, node: fx.Node, x: fx.Node, out_bd: int | Non
 
 @register_ncnn_converter("Slice", any_batch_dim=True, high_rank=True)
 def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
-    """``x[...]`` with ints, unit-step slices and ``...``, and the pieces of ``split`` / ``chunk`` /
-    ``tensor_split`` / ``unbind``: a ``Crop`` (9 starts, 10 ends, 11 axes) of the blob, then a ``Reshape`` when an
-    int index drops a non-batch dim."""
+    """``x[...]`` with ints, unit-step, strided or reversed (step -1) slices and ``...``, and the pieces of
+    ``split`` / ``chunk`` / ``tensor_split`` / ``unbind``: a ``Crop`` (9 starts, 10 ends, 11 axes) of the blob, a
+    ``Flip`` (0 axes) of the reversed dims, then a ``Reshape`` when an int index drops a non-batch dim."""
     src = node.args[0]
     index = _onnx_slice_index(b, node) if b.module(node) is not None else node.args[1]
     val = src.meta.get("val") if isinstance(src, fx.Node) else None
@@ -1070,6 +1103,17 @@ def _split_whole(b: NcnnBuilder, node: fx.Node) -> None:
     """A split into one piece is its input (torchvision's detectors split the batch of one image so); the pieces of
     a split into several are taken by :func:`_getitem` (the split itself, a tuple, has no blob)."""
     b.alias(node, node.args[0], b.batch_dim(node.args[0]))
+
+
+@register_ncnn_converter("Flip", any_batch_dim=True, high_rank=True)
+def _flip(b: NcnnBuilder, node: fx.Node) -> None:
+    """``torch.flip(x, dims)``: the slice of every element reversed along ``dims`` (:func:`_getitem`'s ``Flip``)."""
+    x = node.args[0]
+    dims = _const(b, node, _arg(node, 1, "dims"), "dims")
+    dims = {int(d) % len(b.shape(x)) for d in ([dims] if isinstance(dims, int) else dims)}
+    index = tuple(slice(None, None, -1) if d in dims else slice(None) for d in range(len(b.shape(x))))
+    ranges, dropped, new_axes, steps = _index_ranges(b, node, b.shape(x), index, b.batch_dim(x))
+    _crop(b, node, x, ranges, dropped, new_axes, steps)
 
 
 @register_ncnn_converter("Roll", any_batch_dim=True)
@@ -1152,7 +1196,8 @@ def _onnx_slice_index(b: NcnnBuilder, node: fx.Node) -> tuple[slice, ...]:
 def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: Any, batch_dim: int | None = None
                   ) -> tuple[list[tuple[int, int]], set[int], list[int], dict[int, int]]:
     """``[start, end)`` per dim of ``shape`` taken by ``index``, the dims an int index drops, per dim the
-    number of new axes (``None``) the index puts before it, and the steps of the dims sliced with a step > 1.
+    number of new axes (``None``) the index puts before it, and the steps of the dims sliced with a step > 1 or
+    reversed (-1: the range is then the elements taken, in reverse).
 
     ncnn's ``Crop`` takes non-empty unit-step ranges (:func:`_crop` takes strided ones apart). A slice of the
     batch dim that is empty here (the exporter takes shapes at batch 1: ``x[1:3]`` of a batch of 4) means the model
@@ -1176,12 +1221,16 @@ def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: 
         if isinstance(item, slice):
             start, stop, step = (_const(b, node, v, "slice bound") for v in (item.start, item.stop, item.step))
             lo, hi, step = slice(start, stop, step).indices(size)
-            if step < 1 or (step > 1 and (size % step or d == batch_dim)):
+            if step == -1:  # reversed: the elements lo, lo - 1, ..., hi + 1, a Crop of them and a Flip
+                lo, hi = hi + 1, lo + 1
+                if d != batch_dim:  # ncnn runs one sample: reversing the batch is reversing one
+                    steps[d] = -1
+            elif step < 1 or (step > 1 and (size % step or d == batch_dim)):
                 raise b.fail(node, f"slice {item!r} of dim {d} (size {size}) has step {step}; ncnn's Crop takes "
-                             "unit-step ranges, and a positive step that divides the size of a non-batch dim as a "
-                             "Reshape that splits the dim", "slice with step 1 (or subsample with a strided conv / "
-                             "pooling)")
-            if step > 1:
+                             "unit-step ranges, ncnn's Flip reverses (step -1), and a positive step that divides "
+                             "the size of a non-batch dim is a Reshape that splits the dim", "slice with step 1 or "
+                             "-1 (or subsample with a strided conv / pooling)")
+            elif step > 1:
                 steps[d] = step
             if hi <= lo and d == batch_dim:
                 raise b.fail(node, f"slice {item!r} of dim {d}, the batch dimension, selects samples: ncnn runs one "
@@ -1208,6 +1257,8 @@ def _crop(b: NcnnBuilder, node: fx.Node, x: fx.Node, ranges: list[tuple[int, int
         return
     shape, bd = b.shape(x), b.batch_dim(x)
     blob = b.blob(x, node)
+    flips = sorted(d for d, step in (steps or {}).items() if step == -1)
+    steps = {d: step for d, step in (steps or {}).items() if step > 1}
     if steps:
         blob, shape, ranges = _strided(b, node, x, blob, ranges, steps)
     cut = {d: r for d, r in enumerate(ranges) if r != (0, shape[d])}
@@ -1225,14 +1276,20 @@ def _crop(b: NcnnBuilder, node: fx.Node, x: fx.Node, ranges: list[tuple[int, int
                  else [(lo, hi, b.ncnn_axis(node, d, x)) for d, (lo, hi) in cut.items()])
         params = {9: [c[0] for c in crops], 10: [c[1] for c in crops], 11: [c[2] for c in crops]}
         blob = b.emit(node, "Crop", [blob], params, batch_dim=out_bd).tops[0]
+    if flips:
+        if b.high_rank(x):
+            raise b.fail(node, f"it reverses a tensor of shape {b.shape(x)}, of more than 4 dims besides the batch "
+                         "(its outer dims merged in ncnn)", "reverse before the reshape that adds the dims")
+        axes = [b.ncnn_axis(node, d, x) for d in flips]
+        blob = b.emit(node, "Flip", [blob], {0: axes}, batch_dim=out_bd).tops[0]
     if cropped != target:
         if not 1 <= len(target) <= 4:
             raise b.fail(node, f"the result of shape {b.shape(node)} is a rank-{len(target)} blob",
                          "ncnn blobs have rank 1 to 4 without the batch dimension")
         b.emit(node, "Reshape", [blob], shape_params(target), batch_dim=out_bd)
-    elif not cut and not steps:
+    elif not cut and not steps and not flips:
         b.alias(node, x, out_bd)
-    elif not cut:
+    elif not cut and steps:
         b.emit(node, "Reshape", [blob], shape_params(target), batch_dim=out_bd)  # the strided blob as the node's
 
 
