@@ -1560,3 +1560,24 @@ def test_reversed_part_of_a_dim(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match=r"has step -2; .*ncnn's Flip reverses \(step -1\).*Fix: slice with step 1 "
                                           r"or -1"):
         export(gm, "ncnn", tmp_path / "refused")
+
+
+# ------------------------------------------------------------------------------------------ stored clip bounds (ONNX)
+class Clamped(nn.Module):
+    """Clips whose bounds are numbers: a band, and F.normalize's ``clamp_min(eps)`` (Swin-V2's attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.clamp(self.conv(x), min=-0.25, max=0.75)
+        return self.conv2(F.normalize(y, dim=1) + torch.clamp(y, min=0.1))
+
+
+def test_onnx_clip_with_stored_bounds(tmp_path: Path) -> None:
+    """onnx2torch's ``OnnxClip`` keeps the bounds as attributes: the ncnn Clip gets them (session 18's one reading of
+    a clip's bounds lost them, and Swin-V2's ncnn file fell to cosine 0.03)."""
+    _, files = check(_onnx(Clamped(), (1, 3, 8, 8), tmp_path / "m.onnx"), (1, 3, 8, 8), tmp_path / "net")
+    clips = [line for line in files["param"].read_text().splitlines() if line.startswith("Clip")]
+    assert clips and all(" 0=" in f"{line} " or " 1=" in f"{line} " for line in clips), clips

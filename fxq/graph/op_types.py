@@ -366,11 +366,11 @@ def clip_bounds(node: fx.Node, module: nn.Module | None = None) -> tuple[Any, An
     """``(lower, upper)`` of a clip node (op type ``Clip``, ``module`` its module for ``call_module``): numbers,
     nodes for bounds the graph computes (the ONNX frontend's ``OnnxClipRunTime``), None for an open side."""
     if module is not None:
-        if isinstance(module, nn.Hardtanh):  # ReLU6 is one
-            return module.min_val, module.max_val
-        bounds = iter(node.args[1:])  # a run-time Clip module: its bounds are its further arguments
-        return (next(bounds) if getattr(module, "has_min", False) else None,
-                next(bounds) if getattr(module, "has_max", False) else None)
+        if hasattr(module, "has_min"):  # a run-time Clip module: its bounds are its further arguments
+            bounds = iter(node.args[1:])
+            return (next(bounds) if module.has_min else None, next(bounds) if module.has_max else None)
+        # nn.Hardtanh (ReLU6 is one) and onnx2torch's OnnxClip (stored bounds, as in a traced island's F.normalize)
+        return getattr(module, "min_val", None), getattr(module, "max_val", None)
     name = str(getattr(node.target, "__name__", node.target)).rstrip("_")
     low, high = _CLIP_DEFAULTS.get(name, (None, None))
     if name == "relu6":
