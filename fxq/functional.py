@@ -208,6 +208,21 @@ def round_scale_to_power_of_2(scale: torch.Tensor, policy: RoundingPolicy = Roun
     return torch.pow(2.0, exp).to(scale.dtype)
 
 
+def integer_reciprocal_scale(scale: torch.Tensor) -> torch.Tensor:
+    """The float32 scale on which a runtime computing with ``floor(1 / scale)`` (onnxruntime's QLinearSoftmax)
+    and one dividing by the scale agree: ``k = floor(1 / scale)`` in float32, then the largest float32 ``s <= 1 / k``
+    whose float32 reciprocal floors to ``k`` (``float32(1 / 7)`` inverts to 6.9999995: one ulp lower inverts to
+    7.0000005). ``s >= scale`` up to an ulp, so the range stays covered; a scale of the form already is kept."""
+    s32 = scale.detach().to(torch.float32)
+    k = torch.floor(torch.ones_like(s32) / s32).clamp_min(1.0)
+    out = (1.0 / k.double()).to(torch.float32)
+    low = torch.floor(torch.ones_like(out) / out) < k
+    while bool(low.any()):  # at most one step (1 / k rounded to float32 is within half an ulp)
+        out = torch.where(low, torch.nextafter(out, torch.zeros_like(out)), out)
+        low = torch.floor(torch.ones_like(out) / out) < k
+    return out.to(scale.dtype)
+
+
 def qparams_from_minmax(
     min_val: torch.Tensor, max_val: torch.Tensor, cfg: TensorQuantConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:

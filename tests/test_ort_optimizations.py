@@ -403,3 +403,42 @@ def test_softmax_fused_by_the_default_session_is_named(platform, tmp_path, caplo
             fxq.export(fxq.quantize(nn.Sequential(nn.Linear(16, 16), nn.Softmax(-1)).eval(), calib, platform,
                                     progress=False), platform, tmp_path / "last.onnx")
         assert "QLinearSoftmax" not in caplog.text
+
+
+def test_integer_reciprocal_scale():
+    """floor(1 / s) in float32 is unchanged, the new scale's float32 reciprocal floors to it (1/7 needs one ulp
+    less), and the scale grows by under one part in k (the range stays covered)."""
+    rng = np.random.default_rng(0)
+    scales = torch.tensor(np.concatenate([rng.uniform(1e-4, 0.5, 2000), [1 / 7, 1 / 256, 1 / 255, 0.3 / 255]]),
+                          dtype=torch.float32)
+    snapped = fxq.functional.integer_reciprocal_scale(scales)
+    k = torch.floor(1.0 / scales)
+    assert torch.equal(torch.floor(1.0 / snapped), k)  # float32 throughout, as onnxruntime computes it
+    assert bool((snapped >= scales * (1 - 1e-6)).all()) and bool((snapped <= scales * (1 + 1 / k) + 1e-12).all())
+    assert float(fxq.functional.integer_reciprocal_scale(torch.tensor([1 / 256]))) == 1 / 256  # kept
+
+
+@pytest.mark.parametrize("platform", ["ort_int8", "trt_int8"])
+def test_fused_softmax_output_scale_is_an_integer_reciprocal(platform, tmp_path):
+    """QLinearSoftmax multiplies by floor(1 / y_scale). ort_int8 calibrates the softmax output quantizer onto such a
+    scale, so the default session and the graph as written share one grid: before, one output in 6 of this
+    attention differed in a default session; now only exp-table rounding ties do (under 1 %). trt_int8 (deployed on
+    TensorRT, which has no such kernel) keeps its calibrated scale. ORT_DISABLE_ALL stays exact for both."""
+    torch.manual_seed(1)
+    calib = [torch.randn(4, 16, 16) for _ in range(4)]
+    q = fxq.quantize(_Attention().eval(), calib, platform, progress=False)
+    name = next(n for n, _ in QuantGraph(q).quantizers("activation") if "softmax" in QuantGraph(q).source(n))
+    scale = QuantGraph(q)[name].scale
+    integer = torch.equal(torch.floor(1.0 / scale), 1.0 / scale.double()) or bool(
+        (torch.floor(1.0 / scale) - 1.0 / scale.double()).abs().max() < 1e-4)
+    assert integer == (platform == "ort_int8"), float(1 / scale)
+    path = fxq.export(q, platform, tmp_path / "attention.onnx")[0]
+    xs = [torch.randn(4, 16, 16) for _ in range(8)]
+    with torch.no_grad():
+        sim = np.concatenate([q(x).numpy() for x in xs])
+    exact = np.concatenate([_run(path, x, "ORT_DISABLE_ALL", ()) for x in xs])
+    np.testing.assert_allclose(exact, sim, rtol=0, atol=1e-6)
+    fused = np.concatenate([_run(path, x, "ORT_ENABLE_ALL", ()) for x in xs])
+    differ = float((np.abs(fused - sim) > 1e-5).mean())
+    if platform == "ort_int8":
+        assert differ < 0.01, differ

@@ -199,6 +199,10 @@ class Platform:
         passive_ops: ops whose output shares their input's quantizer.
         activation_observer / weight_observer: default observer names.
         quantize_passive_constants: quantize clip bounds / pad values with the input's scale.
+        integer_softmax_reciprocal: the runtime fuses DequantizeLinear -> Softmax -> QuantizeLinear into one
+            kernel that multiplies by ``floor(1 / y_scale)`` (onnxruntime's QLinearSoftmax): calibration gives a
+            quantized softmax output a scale whose reciprocal is that integer, so the fused kernel and the graph
+            as written use one grid (:func:`fxq.graph.calibrate.snap_softmax_scales`).
         exporter: the registered exporter :func:`fxq.export` uses for this platform.
         capability: what that exporter can express (:class:`Capability`), checked at prepare; None (the base,
             academic and user platforms) accepts every valid scheme.
@@ -227,6 +231,7 @@ class Platform:
     weight_observer: str = "minmax"
     rounding: RoundingPolicy = RoundingPolicy.HALF_EVEN
     quantize_passive_constants: bool = False
+    integer_softmax_reciprocal: bool = False
     exporter: str = "onnxruntime"  # registered exporter name used by fxq.export(model, platform, ...)
     description: str = ""
     capability: Capability | None = None
@@ -234,7 +239,7 @@ class Platform:
     FIELDS: ClassVar[tuple[str, ...]] = (
         "activation", "weight", "bias_bits", "quantized_ops", "quantize_outputs", "input_quantized_ops",
         "fusable_activations", "passive_ops", "activation_observer", "weight_observer", "rounding",
-        "quantize_passive_constants")
+        "quantize_passive_constants", "integer_softmax_reciprocal")
     """Fields a dispatching-table entry or :meth:`with_overrides` may change (besides the three scheme keys)."""
     SCHEME_KEYS: ClassVar[tuple[str, ...]] = ("bit_width", "symmetrical", "per_channel")
 

@@ -20,6 +20,7 @@ class OrtInt8(Platform):
     quantized_ops = frozenset(TRT_QUANTIZED_OPS - {"LayerNormalization", "Softmax", "Gelu", "Silu", "HardSwish",
                                                    "HardSigmoid", "Elu", "Tanh", "PRelu"})
     bias_bits = 32
+    integer_softmax_reciprocal = True  # a default session runs DQ -> Softmax -> Q as QLinearSoftmax
     capability = Capability(  # 2..8 bits as (u)int8 with a clip, 4 / 16 bits as (u)int4 / (u)int16 at opset 21, FP8
         rule="ort_int8 exports ONNX QDQ, whose QuantizeLinear rounds activations half to even",
         activation=RoleCapability(rounding=frozenset({RoundingPolicy.HALF_EVEN})),
