@@ -2,6 +2,7 @@
 
     python bench/inference.py [--models resnet18 mobilenet_v2 encoder] [--size 224] [--steps 5] [--repeat 2]
                               [--modes eager compiled] [--warmup 10] [--device cpu|cuda]
+                              [--compile-mode default|reduce-overhead|max-autotune]
 
 For each model and batch size (1 and 8): the median forward time of the torchvision FP32 model (eval, no grad) and
 of ``fxq.quantize(model, calib, "trt_int8")``, each eager and compiled (``torch.compile(fullgraph=True)``), rounds
@@ -49,6 +50,7 @@ _SIZE = 224
 _WARMUP_S = 10.0
 _WARMUP_MAX_S = 120.0
 _DEVICE = "cpu"
+_COMPILE_MODE: str | None = None  # torch.compile's mode: None (default), "reduce-overhead" (CUDA graphs), ...
 
 
 def _timer(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, steps: int) -> Callable[[], float]:
@@ -91,8 +93,10 @@ def bench(name: str, steps: int, repeat: int, modes: tuple[str, ...] = ("eager",
             variants.update({"fp32 eager": _timer(model, x, steps), "fxq eager": _timer(qmodel, x, steps)})
         if "compiled" in modes:
             variants.update({
-                "fp32 compiled": _timer(torch.compile(copy.deepcopy(model), fullgraph=True), x, steps),
-                "fxq compiled": _timer(torch.compile(copy.deepcopy(qmodel), fullgraph=True), x, steps)})
+                "fp32 compiled": _timer(torch.compile(copy.deepcopy(model), fullgraph=True, mode=_COMPILE_MODE), x,
+                                        steps),
+                "fxq compiled": _timer(torch.compile(copy.deepcopy(qmodel), fullgraph=True, mode=_COMPILE_MODE), x,
+                                       steps)})
         times: dict[str, list[float]] = {k: [] for k in variants}
         for _ in range(repeat):
             for label, run in variants.items():
@@ -110,7 +114,7 @@ def bench(name: str, steps: int, repeat: int, modes: tuple[str, ...] = ("eager",
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    global _SIZE, _WARMUP_S, _DEVICE
+    global _SIZE, _WARMUP_S, _DEVICE, _COMPILE_MODE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2", "encoder"])
     parser.add_argument("--size", type=int, default=224)
@@ -118,11 +122,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
     parser.add_argument("--warmup", type=float, default=_WARMUP_S, help="seconds of warm-up calls per variant")
+    parser.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune"],
+                        help="torch.compile mode of the compiled rows (reduce-overhead: CUDA graphs on a GPU)")
     add_allocator_argument(parser)
     add_device_argument(parser)
     args = parser.parse_args(argv)
     allocator = apply_allocator(args.allocator)
-    _SIZE, _WARMUP_S, _DEVICE = args.size, args.warmup, args.device
+    _SIZE, _WARMUP_S, _DEVICE, _COMPILE_MODE = args.size, args.warmup, args.device, args.compile_mode
     logging.basicConfig(level=logging.WARNING)
     print(f"{time.strftime('%Y-%m-%d')}: {device_line(args.device)}, images {args.size}x{args.size}, {allocator}")
     return [row for m in args.models for row in bench(m, args.steps, args.repeat, tuple(args.modes))]
