@@ -83,7 +83,8 @@ def _named_items(args: argparse.Namespace, flag: str) -> dict[str, Any] | None:
     items = list(getattr(args, flag.replace("-", "_"), None) or [])
     named = dict(items)
     if len(named) != len(items):
-        raise ConfigError(f"--{flag}: the same name is given twice")
+        twice = sorted({name for name, _ in items if sum(n == name for n, _ in items) > 1})
+        raise ConfigError(f"--{flag}: {', '.join(twice)} given more than once; give each name once")
     return named or None
 
 

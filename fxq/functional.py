@@ -212,9 +212,12 @@ def integer_reciprocal_scale(scale: torch.Tensor) -> torch.Tensor:
     """The float32 scale on which a runtime computing with ``floor(1 / scale)`` (onnxruntime's QLinearSoftmax)
     and one dividing by the scale agree: ``k = floor(1 / scale)`` in float32, then the largest float32 ``s <= 1 / k``
     whose float32 reciprocal floors to ``k`` (``float32(1 / 7)`` inverts to 6.9999995: one ulp lower inverts to
-    7.0000005). ``s >= scale`` up to an ulp, so the range stays covered; a scale of the form already is kept."""
+    7.0000005). ``k`` is taken one ulp below the scale too, so ``float32(1 / 255)`` stays 1 / 255 (not 1 / 254):
+    ``s >= scale`` up to an ulp, and the range stays covered."""
     s32 = scale.detach().to(torch.float32)
-    k = torch.floor(torch.ones_like(s32) / s32).clamp_min(1.0)
+    k = torch.floor(torch.ones_like(s32) / s32)
+    # a scale one rounding below an integer reciprocal (float32(1 / 255) inverts to 254.99998) is that integer's
+    k = torch.maximum(k, torch.floor(torch.ones_like(s32) / torch.nextafter(s32, torch.zeros_like(s32)))).clamp_min(1.0)
     out = (1.0 / k.double()).to(torch.float32)
     low = torch.floor(torch.ones_like(out) / out) < k
     while bool(low.any()):  # at most one step (1 / k rounded to float32 is within half an ulp)

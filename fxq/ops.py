@@ -142,7 +142,8 @@ def fake_quant_float(
 _CUDA_KERNELS: dict[str, Callable[..., Any]] = {}
 """The CUDA kernel of each op (qualified name): Triton, or the reference where Triton fails to load."""
 _EAGER_CUDA: dict[str, type[torch.autograd.Function]] = {}
-"""The ops' CUDA kernels recorded by autograd directly, as :data:`_EAGER_CPU` on CPU; empty without triton."""
+"""The ops' CUDA kernels recorded by autograd directly, as :data:`_EAGER_CPU` on CPU (filled at import; the kernels
+import triton on their first CUDA call, else run the reference)."""
 
 
 def _register_device_kernels() -> None:

@@ -175,3 +175,56 @@ def test_squeeze_and_unsqueeze_follow_the_batch(tmp_path: Path, form: str) -> No
         with torch.no_grad(), (contextlib.nullcontext() if int8 else fxq.fp32_mode(gm)):
             want = gm(x)[0].numpy()
         np.testing.assert_allclose(got.reshape(want.shape), want, atol=1e-3 if int8 else 1e-5)
+
+
+class SqueezeOfAWideDim(nn.Module):
+    """``squeeze(1)`` of a dim of size 4 does nothing (torch leaves it): the batch of 1, moved to dim 2 by a permute,
+    stays there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 4, 1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv1(x).permute(2, 1, 0, 3).squeeze(1)  # [H, C, B, W], dim 1 of size 4 kept
+        return self.conv2(torch.relu(y.permute(2, 1, 0, 3)))
+
+
+def test_squeeze_of_a_dim_that_is_not_one_keeps_the_batch(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    data = [torch.randn(1, 3, 5, 6) for _ in range(2)]
+    gm = fxq.quantize(SqueezeOfAWideDim().eval(), data, "ncnn_int8", progress=False)
+    fxq.export(gm, "ncnn_int8", tmp_path / "net")
+    files = _files(tmp_path / "net")
+    net = ncnn_net(files["fp32_param"], files["fp32_bin"], int8=False)
+    arr = np.ascontiguousarray(data[0][0].numpy())
+    ex = net.create_extractor()
+    ex.input("in0", ncnn.Mat(arr).clone())
+    got = np.array(ex.extract("out0")[1]).copy()
+    with torch.no_grad(), fxq.fp32_mode(gm):
+        want = gm(data[0])[0].numpy()
+    np.testing.assert_allclose(got.reshape(want.shape), want, atol=1e-5)
+
+
+def test_the_first_inputs_given_batch_dim_names_the_batch_symbol(tmp_path: Path) -> None:
+    """A time-major file (``x [seq, batch, D]``, ``h [1, batch, H]``): ``batch_dims={"x": 1}`` makes ``batch`` the
+    symbol, so ``h`` and the outputs are found at their ``batch`` dims (not at ``seq``)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from fxq.graph.data import source_batch_dim
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Relu", ["h"], ["h_out"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["seq", "batch", 8]),
+         helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, "batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["seq", "batch", 8]),
+         helper.make_tensor_value_info("h_out", TensorProto.FLOAT, [1, "batch", 4])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(tmp_path / "t.onnx"))
+    shapes = {"x": [3, 1, 8], "h": [1, 1, 4]}
+    gm = fxq.load_onnx(tmp_path / "t.onnx", input_shapes=shapes, batch_dims={"x": 1})
+    x_ph, h_ph = (n for n in gm.graph.nodes if n.op == "placeholder")
+    assert (source_batch_dim(gm, x_ph), source_batch_dim(gm, h_ph)) == (1, 1)
+    assert (source_batch_dim(gm, output=0), source_batch_dim(gm, output=1)) == (1, 1)
+    plain = fxq.load_onnx(tmp_path / "t.onnx", input_shapes=shapes)  # without: dim 0's symbol, seq, is the batch's
+    assert source_batch_dim(plain, next(n for n in plain.graph.nodes if n.op == "placeholder")) == 0

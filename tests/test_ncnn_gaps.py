@@ -1519,7 +1519,8 @@ class Flipped(nn.Module):
         self.conv, self.conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv2(torch.flip(self.conv(x), dims=[-1, 1]))
+        y = self.conv(x)
+        return self.conv2(torch.flip(y, dims=[-1, 1]) + y.flip(2, 3) * 0.5)  # the method's varargs form too
 
 
 @pytest.mark.parametrize("form", ["torch", "onnx"])
@@ -1528,7 +1529,9 @@ def test_flip_is_ncnn_flip(tmp_path: Path, form: str) -> None:
     if form == "onnx":
         model = _onnx(model, (1, 3, 8, 8), tmp_path / "m.onnx")
     _, files = check(model, (1, 3, 8, 8), tmp_path / "net")
-    assert re.search(r"^Flip\s.* -23300=2,0,2$", files["param"].read_text(), re.M)  # blob axes c and w
+    param = files["param"].read_text()
+    assert re.search(r"^Flip\s.* -23300=2,0,2$", param, re.M)  # blob axes c and w
+    assert re.search(r"^Flip\s.* -23300=2,1,2$", param, re.M)  # h and w, from x.flip(2, 3)
 
 
 def test_reversed_part_of_a_dim(tmp_path: Path) -> None:

@@ -406,14 +406,16 @@ def test_softmax_fused_by_the_default_session_is_named(platform, tmp_path, caplo
 
 
 def test_integer_reciprocal_scale():
-    """floor(1 / s) in float32 is unchanged, the new scale's float32 reciprocal floors to it (1/7 needs one ulp
-    less), and the scale grows by under one part in k (the range stays covered)."""
+    """The new scale's float32 reciprocal floors to k = floor(1 / s), or to k + 1 where s is one rounding below
+    an integer reciprocal (float32(1 / 255) inverts to 254.99998: it stays 1 / 255); 1 / 7 needs one ulp less; the
+    scale grows by under one part in k (the range stays covered)."""
     rng = np.random.default_rng(0)
     scales = torch.tensor(np.concatenate([rng.uniform(1e-4, 0.5, 2000), [1 / 7, 1 / 256, 1 / 255, 0.3 / 255]]),
                           dtype=torch.float32)
     snapped = fxq.functional.integer_reciprocal_scale(scales)
-    k = torch.floor(1.0 / scales)
+    k = torch.maximum(torch.floor(1.0 / scales), torch.floor(1.0 / torch.nextafter(scales, torch.zeros_like(scales))))
     assert torch.equal(torch.floor(1.0 / snapped), k)  # float32 throughout, as onnxruntime computes it
+    assert [float(v) for v in torch.floor(1.0 / snapped[-4:-1])] == [7.0, 256.0, 255.0]
     assert bool((snapped >= scales * (1 - 1e-6)).all()) and bool((snapped <= scales * (1 + 1 / k) + 1e-12).all())
     assert float(fxq.functional.integer_reciprocal_scale(torch.tensor([1 / 256]))) == 1 / 256  # kept
 
@@ -442,3 +444,18 @@ def test_fused_softmax_output_scale_is_an_integer_reciprocal(platform, tmp_path)
     differ = float((np.abs(fused - sim) > 1e-5).mean())
     if platform == "ort_int8":
         assert differ < 0.01, differ
+
+
+def test_realignment_snaps_the_softmax_scale_again():
+    """apply_alignment (run again after LSQ / BRECQ learn scales) gives a moved softmax output scale an integer
+    reciprocal again on ort_int8."""
+    from fxq.graph.convert import apply_alignment
+
+    torch.manual_seed(1)
+    q = fxq.quantize(_Attention().eval(), [torch.randn(4, 16, 16) for _ in range(2)], "ort_int8", progress=False)
+    qg = QuantGraph(q)
+    fq = next(fq for n, fq in qg.quantizers("activation") if "softmax" in qg.source(n))
+    fq.set_qparams(fq.scale.detach() * 1.003, fq.offset.detach().clone(), state=fq.config.state)
+    assert float(torch.floor(1.0 / fq.scale)) != float(1.0 / fq.scale.double())
+    apply_alignment(q)
+    assert abs(float(torch.floor(1.0 / fq.scale)) - float(1.0 / fq.scale.double())) < 1e-4

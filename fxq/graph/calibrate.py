@@ -10,7 +10,7 @@ from torch import fx
 from tqdm.auto import tqdm
 
 from fxq.errors import CalibrationError, ConfigError, ObserverError
-from fxq.functional import integer_reciprocal_scale, representable_range
+from fxq.functional import representable_range
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
 from fxq.graph.data import (
     call_model,
@@ -22,13 +22,12 @@ from fxq.graph.data import (
 )
 from fxq.graph.info import NodeQuant, graph_quant
 from fxq.graph.nodes import get_attr_value
-from fxq.graph.op_types import op_type, output_lower_bound
+from fxq.graph.op_types import output_lower_bound
 from fxq.graph.quant_graph import AlignGroup, QuantGraph, drop_alignment, record_alignment
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import MIN_SCALE, QuantState
 
-__all__ = ["calibrate", "calibrate_parameters", "protect_mixed_range", "snap_softmax_scales", "MIXED_RANGE_RATIO",
-           "MIXED_RANGE_KEY"]
+__all__ = ["calibrate", "calibrate_parameters", "protect_mixed_range", "MIXED_RANGE_RATIO", "MIXED_RANGE_KEY"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +143,7 @@ def calibrate(
         _compute_qparams(name, fq, quant_graph)
         fq.set_mode("quantize")
     protect_mixed_range(model)
-    apply_alignment(model)
-    snap_softmax_scales(model)
+    apply_alignment(model)  # and the softmax output scales a fused runtime kernel needs (snap_softmax_scales)
     derive_passive_parameters(model)
     for _, fq in QuantGraph(model).quantizers():
         fq.set_mode("quantize")
@@ -154,41 +152,6 @@ def calibrate(
     model.train(was_training)
     logger.info("calibrated %d activation quantizers on %d batches x %d pass(es)", len(observing), seen, passes)
     return model
-
-
-@torch.no_grad()
-def snap_softmax_scales(gm: fx.GraphModule) -> list[str]:
-    """Give each quantized softmax output that a runtime fuses (a reader on a platform with
-    ``integer_softmax_reciprocal``: onnxruntime runs DequantizeLinear -> Softmax -> QuantizeLinear as QLinearSoftmax,
-    which multiplies by ``floor(1 / y_scale)``) a scale whose reciprocal is that integer
-    (:func:`~fxq.functional.integer_reciprocal_scale`); returns the quantizers changed.
-
-    Otherwise the fused kernel quantizes with a grid up to one part in ``1 / scale`` coarser than the Q node the
-    file writes and fxq simulates: ~0.4 % for a softmax whose largest value is near 1, which moved one code in 6 of
-    an attention's outputs in a default session (tests/test_ort_optimizations.py). The scale grows by under that,
-    so the range stays covered."""
-    from fxq.qconfig.base import PLATFORMS, get_platform
-
-    quant_graph = QuantGraph(gm)
-    modules = dict(gm.named_modules())
-    changed = []
-    for name, fq in quant_graph.quantizers("activation"):
-        cfg = fq.config
-        node = quant_graph.node_of(name)
-        source = node.args[0] if node is not None and node.args else None
-        if (not cfg.has_qparams or not cfg.is_quantizing or cfg.per_channel or cfg.is_floating
-                or not isinstance(source, fx.Node) or op_type(source, modules) != "Softmax"):
-            continue
-        platforms = {nq.platform for u in node.users if isinstance(nq := u.meta.get("fxq"), NodeQuant)}
-        if not any(p in PLATFORMS and get_platform(p).integer_softmax_reciprocal for p in platforms):
-            continue
-        snapped = integer_reciprocal_scale(fq.scale)
-        if not torch.equal(snapped, fq.scale.detach()):
-            fq.set_qparams(snapped, fq.offset.detach().clone(), state=cfg.state)
-            changed.append(name)
-    if changed:
-        logger.debug("softmax output scales made integer reciprocals (QLinearSoftmax): %s", changed)
-    return changed
 
 
 def _nonnegative_input(quant_graph: QuantGraph, name: str, modules: dict[str, torch.nn.Module]) -> bool:

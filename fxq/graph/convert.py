@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Iterator
 
 import torch
@@ -12,6 +13,7 @@ from fxq.functional import (
     accumulator_reach,
     broadcast_qparam,
     fake_quantize,
+    integer_reciprocal_scale,
     qparams_from_minmax,
     quantize_to_int,
     representable_range,
@@ -19,7 +21,7 @@ from fxq.functional import (
 )
 from fxq.graph.info import GraphQuant, graph_quant
 from fxq.graph.nodes import get_attr_value
-from fxq.graph.op_types import CLIP_BOUNDS
+from fxq.graph.op_types import CLIP_BOUNDS, op_type
 from fxq.graph.quant_graph import QuantGraph
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.observers.base import channel_rows
@@ -27,6 +29,7 @@ from fxq.spec import QuantState
 
 __all__ = [
     "apply_alignment",
+    "snap_softmax_scales",
     "is_baked",
     "passive_bias_scale",
     "quant_scheme",
@@ -39,9 +42,12 @@ __all__ = [
     "fp32_mode",
 ]
 
+logger = logging.getLogger(__name__)
+
 
 def apply_alignment(gm: fx.GraphModule) -> None:
-    """Elementwise inputs share the largest range; concat/resize inputs take the output's parameters.
+    """Elementwise inputs share the largest range; concat/resize inputs take the output's parameters; then softmax
+    outputs get the scales a fused runtime kernel needs (:func:`snap_softmax_scales`).
 
     When one member's grid already covers every other member's range (always, for symmetric members) all
     take that member's parameters, so aligning again changes nothing; otherwise the union of the ranges
@@ -55,6 +61,46 @@ def apply_alignment(gm: fx.GraphModule) -> None:
             _align_to_largest([qs[n] for n in group.members])
         else:
             _align_to_output([qs[n] for n in group.members], qs[group.target])
+    snap_softmax_scales(gm)
+
+
+@torch.no_grad()
+def snap_softmax_scales(gm: fx.GraphModule) -> list[str]:
+    """Give each quantized softmax output that a runtime fuses (a reader on a platform with
+    ``integer_softmax_reciprocal``: onnxruntime runs DequantizeLinear -> Softmax -> QuantizeLinear as QLinearSoftmax,
+    which multiplies by ``floor(1 / y_scale)``) a scale whose reciprocal is that integer
+    (:func:`~fxq.functional.integer_reciprocal_scale`); returns the quantizers changed.
+
+    Otherwise the fused kernel quantizes with a grid up to one part in ``1 / scale`` coarser than the Q node the
+    file writes and fxq simulates: ~0.4 % for a softmax whose largest value is near 1, which moved one code in 6 of
+    an attention's outputs in a default session (tests/test_ort_optimizations.py). The scale grows by under that,
+    so the range stays covered. Run by :func:`apply_alignment`, so every re-alignment (after LSQ / BRECQ learn
+    scales) snaps again."""
+    from fxq.graph.info import NodeQuant
+    from fxq.qconfig.base import PLATFORMS, get_platform
+
+    quant_graph = QuantGraph(gm)
+    modules = dict(gm.named_modules())
+    changed = []
+    for name, fq in quant_graph.quantizers("activation"):
+        cfg = fq.config
+        node = quant_graph.node_of(name)
+        if fq.aligned:  # a member of an alignment group keeps the group's shared grid
+            continue
+        source = node.args[0] if node is not None and node.args else None
+        if (not cfg.has_qparams or not cfg.is_quantizing or cfg.per_channel or cfg.is_floating
+                or not isinstance(source, fx.Node) or op_type(source, modules) != "Softmax"):
+            continue
+        platforms = {nq.platform for u in node.users if isinstance(nq := u.meta.get("fxq"), NodeQuant)}
+        if not any(p in PLATFORMS and get_platform(p).integer_softmax_reciprocal for p in platforms):
+            continue
+        snapped = integer_reciprocal_scale(fq.scale)
+        if not torch.equal(snapped, fq.scale.detach()):
+            fq.set_qparams(snapped, fq.offset.detach().clone(), state=cfg.state)
+            changed.append(name)
+    if changed:
+        logger.debug("softmax output scales made integer reciprocals (QLinearSoftmax): %s", changed)
+    return changed
 
 
 def _align_to_largest(group: list[FakeQuantize]) -> None:
@@ -195,9 +241,11 @@ def _passive_constant_sites(gm: fx.GraphModule):
         q = nq.output or next((v for v in nq.inputs.values() if v), None)
         if not platforms[nq.platform] or q is None:
             continue
-        if node.op == "call_module" and isinstance(modules.get(node.target), torch.nn.Hardtanh):
-            mod = modules[node.target]
+        mod = modules.get(node.target) if node.op == "call_module" else None
+        if mod is not None and hasattr(mod, "min_val") and not hasattr(mod, "has_min"):  # Hardtanh / OnnxClip
             for attr in ("min_val", "max_val"):
+                if getattr(mod, attr, None) is None:  # an OnnxClip's open side
+                    continue
                 yield (f"{node.name}.{attr}", lambda m=mod, a=attr: getattr(m, a),
                        lambda v, m=mod, a=attr: setattr(m, a, v), q)
         elif node.op == "call_function" and nq.op_type == "Pad":

@@ -17,6 +17,8 @@ from fxq.graph.nodes import Interpreter
 __all__ = [
     "to_device",
     "source_dynamic_dims",
+    "source_batch_dim",
+    "onnx_input_name",
     "doubled_dim_probes",
     "iter_batches",
     "call_model",
@@ -183,10 +185,15 @@ def source_dynamic_dims(model: nn.Module, placeholder: fx.Node) -> set[int] | No
     shapes = onnx_meta.get("source_input_shapes") if isinstance(onnx_meta, dict) else None
     if not isinstance(shapes, dict):
         return None
+    dims = shapes.get(onnx_input_name(placeholder))
+    return {i for i, d in enumerate(dims or []) if not (isinstance(d, int) and d > 0)}
+
+
+def onnx_input_name(placeholder: fx.Node) -> str:
+    """The name of the source ONNX file's input that ``placeholder`` is (torch may have renamed it: ``input.1``)."""
     info = placeholder.meta.get("onnx")
     names = info.get("outputs", []) if isinstance(info, dict) else []
-    dims = shapes.get(names[0] if names else placeholder.name)
-    return {i for i, d in enumerate(dims or []) if not (isinstance(d, int) and d > 0)}
+    return names[0] if names else placeholder.name
 
 
 def source_batch_dim(model: nn.Module, placeholder: fx.Node | None = None, output: int | None = None) -> int | None:
@@ -202,9 +209,7 @@ def source_batch_dim(model: nn.Module, placeholder: fx.Node | None = None, outpu
     if not isinstance(inputs, dict) or not inputs:
         return None
     if placeholder is not None:
-        info = placeholder.meta.get("onnx")
-        names = info.get("outputs", []) if isinstance(info, dict) else []
-        name = names[0] if names else placeholder.name
+        name = onnx_input_name(placeholder)
         dims = inputs.get(name) or []
     else:
         declared = list(outputs.items()) if isinstance(outputs, dict) else []
@@ -212,8 +217,9 @@ def source_batch_dim(model: nn.Module, placeholder: fx.Node | None = None, outpu
     given = onnx_meta.get("batch_dims") or {}
     if name in given:  # load_onnx(batch_dims=...)
         return given[name]
-    first = next(iter(inputs.values())) or [None]
-    symbol = first[0] if isinstance(first[0], str) and first[0] else None
+    first_name, first = next(iter(inputs.items()))
+    at = given.get(first_name, 0)  # the first input's batch dim, as given or dim 0
+    symbol = first[at] if first and at < len(first) and isinstance(first[at], str) and first[at] else None
     return dims.index(symbol) if symbol is not None and symbol in dims else None
 
 

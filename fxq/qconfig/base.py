@@ -202,7 +202,7 @@ class Platform:
         integer_softmax_reciprocal: the runtime fuses DequantizeLinear -> Softmax -> QuantizeLinear into one
             kernel that multiplies by ``floor(1 / y_scale)`` (onnxruntime's QLinearSoftmax): calibration gives a
             quantized softmax output a scale whose reciprocal is that integer, so the fused kernel and the graph
-            as written use one grid (:func:`fxq.graph.calibrate.snap_softmax_scales`).
+            as written use one grid (:func:`fxq.graph.convert.snap_softmax_scales`).
         exporter: the registered exporter :func:`fxq.export` uses for this platform.
         capability: what that exporter can express (:class:`Capability`), checked at prepare; None (the base,
             academic and user platforms) accepts every valid scheme.

@@ -43,7 +43,7 @@ from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim,
 from fxq.backends.qdq.lowering import example_inputs_for
 from fxq.errors import ExportError
 from fxq.functional import fake_quantize
-from fxq.graph.data import doubled_dim_probes, source_batch_dim, source_dynamic_dims
+from fxq.graph.data import doubled_dim_probes, onnx_input_name, source_batch_dim, source_dynamic_dims
 from fxq.graph.info import is_quantizer_node
 from fxq.graph.nodes import get_attr_value, output_shapes
 from fxq.graph.op_types import op_type
@@ -692,8 +692,7 @@ class NcnnBuilder:
         (the file does not name it), the ``load_onnx`` argument that says where; else to work along other dims."""
         src = self.strip(value)
         if src.op == "placeholder" and isinstance(getattr(self.gm, "meta", {}).get("onnx"), dict):
-            info = src.meta.get("onnx")
-            name = (info.get("outputs") or [src.name])[0] if isinstance(info, dict) else src.name
+            name = onnx_input_name(src)
             return (f"if dim {self.batch_dim(src)} of input {name!r} is not its batch, load the model with "
                     f"fxq.load_onnx(..., batch_dims={{{name!r}: <its batch dim>}}) (CLI: --batch-dim {name}=DIM), "
                     "with the outputs that carry it back too; ncnn blobs have no batch dimension")

@@ -982,7 +982,7 @@ def _reshape(b: NcnnBuilder, node: fx.Node) -> None:
             raise b.fail(node, f"reshape {in_shape} -> {out_shape} changes the batch dimension (size {in_shape[bd]})",
                          _BATCH_FIX)
     else:
-        moved = _squeeze_batch_dim(b, node, len(in_shape), len(out_shape), bd)
+        moved = _squeeze_batch_dim(b, node, in_shape, len(out_shape), bd)
         out_bd = moved if moved is not _MISSING else next((d for d, n in enumerate(out_shape) if n == 1), None)
     blob_shape = drop_dim(out_shape, out_bd)
     if not blob_shape:
@@ -996,7 +996,8 @@ def _reshape(b: NcnnBuilder, node: fx.Node) -> None:
         b.emit(node, "Reshape", [b.blob(x, node)], _reshape_params(b, node, x, out_bd), batch_dim=out_bd)
 
 
-def _squeeze_batch_dim(b: NcnnBuilder, node: fx.Node, in_rank: int, out_rank: int, bd: int | None) -> Any:
+def _squeeze_batch_dim(b: NcnnBuilder, node: fx.Node, in_shape: tuple[int, ...], out_rank: int, bd: int | None
+                       ) -> Any:
     """Where a squeeze / unsqueeze puts the input's batch dim ``bd`` (of size 1): its axes say which dims go or
     come, so the batch is followed exactly (an LSTM's ``Y[T, 1, B, H].squeeze(1)``, where the first size-1 dim of
     the result is not the batch); None where the squeeze drops it; ``_MISSING`` for other reshapes, a value without
@@ -1020,8 +1021,8 @@ def _squeeze_batch_dim(b: NcnnBuilder, node: fx.Node, in_rank: int, out_rank: in
         axes = [int(a) for a in (torch.as_tensor(_static(axes)).reshape(-1).tolist())]
     except (TypeError, ValueError, RuntimeError):
         return _MISSING
-    if kind == "squeeze":
-        gone = {a % in_rank for a in axes}
+    if kind == "squeeze":  # torch's squeeze(d) leaves a dim of another size alone
+        gone = {a % len(in_shape) for a in axes if in_shape[a % len(in_shape)] == 1}
         return None if bd in gone else bd - sum(a < bd for a in gone)
     added = {a % out_rank for a in axes}
     kept = [d for d in range(out_rank) if d not in added]
@@ -1107,9 +1108,10 @@ def _split_whole(b: NcnnBuilder, node: fx.Node) -> None:
 
 @register_ncnn_converter("Flip", any_batch_dim=True, high_rank=True)
 def _flip(b: NcnnBuilder, node: fx.Node) -> None:
-    """``torch.flip(x, dims)``: the slice of every element reversed along ``dims`` (:func:`_getitem`'s ``Flip``)."""
+    """``torch.flip(x, dims)`` / ``x.flip(*dims)``: the slice of every element reversed along ``dims``
+    (:func:`_getitem`'s ``Flip``; ncnn's Flip layer is in its 2025 releases and later)."""
     x = node.args[0]
-    dims = _const(b, node, _arg(node, 1, "dims"), "dims")
+    dims = _const(b, node, node.args[1:] if len(node.args) > 2 else _arg(node, 1, "dims"), "dims")  # x.flip(1, 3)
     dims = {int(d) % len(b.shape(x)) for d in ([dims] if isinstance(dims, int) else dims)}
     index = tuple(slice(None, None, -1) if d in dims else slice(None) for d in range(len(b.shape(x))))
     ranges, dropped, new_axes, steps = _index_ranges(b, node, b.shape(x), index, b.batch_dim(x))

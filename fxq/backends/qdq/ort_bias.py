@@ -15,7 +15,7 @@ A default session (graph optimizations on) changes two things fxq's simulation a
 A third change is not about biases: **DequantizeLinear -> Softmax -> QuantizeLinear becomes QLinearSoftmax** (the
 same level-2 transformer), which computes from a table of exp over the input codes and quantizes with
 ``floor(1 / output scale)`` as its multiplier. The floor alone moved one output in 6 of a small attention;
-ort_int8's calibration now makes that reciprocal an integer (:func:`fxq.graph.calibrate.snap_softmax_scales`),
+ort_int8's calibration now makes that reciprocal an integer (:func:`fxq.graph.convert.snap_softmax_scales`),
 which leaves the table's rounding ties (under 1 %). :func:`warn_fused_softmax` names those nodes.
 
 fxq's own int32 bias grids leave the accumulator that room (``fxq.graph.convert``: the bias range stops short of

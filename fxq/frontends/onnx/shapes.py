@@ -104,6 +104,10 @@ def check_batch_dims(batch_dims: Mapping[str, int] | None, declared: Mapping[str
             raise FrontendError(f"load_onnx({source!r}, batch_dims=...): {name!r} is not an input or output of the "
                                 f"model; its inputs and outputs are {sorted(declared)}")
         rank = len(declared[name])
+        if rank == 0:
+            raise FrontendError(f"load_onnx({source!r}, batch_dims=...): the file does not declare the rank of "
+                                f"{name!r}, so no dim of it can be named; give the batch dims of tensors whose shapes "
+                                "the file declares")
         if isinstance(dim, bool) or not isinstance(dim, int) or not -rank <= dim < rank:
             raise FrontendError(f"load_onnx({source!r}, batch_dims=...): {name!r} has rank {rank}; its batch dim "
                                 f"must be an integer in [{-rank}, {rank - 1}], got {dim!r}")
