@@ -8,8 +8,9 @@ set -u
 OUT=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fxq-site .whl/*.whl \
-        && export PYTHONPATH=$PYTHONPATH:/tmp/fxq-site
+    site=$(mktemp -d)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:$site
 fi
 steps=${*:-tests overhead fake_quant ptq qat_eager inference_eager analysis qat_compiled inference_compiled}
 
