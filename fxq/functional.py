@@ -219,11 +219,8 @@ def integer_reciprocal_scale(scale: torch.Tensor) -> torch.Tensor:
     # a scale one rounding below an integer reciprocal (float32(1 / 255) inverts to 254.99998) is that integer's
     k = torch.maximum(k, torch.floor(torch.ones_like(s32) / torch.nextafter(s32, torch.zeros_like(s32)))).clamp_min(1.0)
     out = (1.0 / k.double()).to(torch.float32)
-    low = torch.floor(torch.ones_like(out) / out) < k
-    while bool(low.any()):  # at most one step (1 / k rounded to float32 is within half an ulp)
-        out = torch.where(low, torch.nextafter(out, torch.zeros_like(out)), out)
-        low = torch.floor(torch.ones_like(out) / out) < k
-    return out.to(scale.dtype)
+    low = torch.floor(torch.ones_like(out) / out) < k  # one ulp lower always suffices: 1 / k rounds within half an ulp
+    return torch.where(low, torch.nextafter(out, torch.zeros_like(out)), out).to(scale.dtype)
 
 
 def qparams_from_minmax(

@@ -79,12 +79,16 @@ def _onnx(model: nn.Module, shape: tuple[int, ...], path: Path, opset: int = 13)
 
 
 # ------------------------------------------------------------------------------------------ 1. scalar operands
-class HandSwish(nn.Module):
-    """Hard-swish by hand and every scalar form: ``x + 3``, ``x * 0.5``, ``3 - x``, ``x / 6``, ``6 / x``."""
+class _ConvPair(nn.Module):
+    """Two convolutions with the op under test between them (its input and output quantized)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv, self.conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+
+
+class HandSwish(_ConvPair):
+    """Hard-swish by hand and every scalar form: ``x + 3``, ``x * 0.5``, ``3 - x``, ``x / 6``, ``6 / x``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.conv(x)
@@ -1511,12 +1515,8 @@ def test_clip_with_bounds_computed_at_run_time(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ reversed dims (Flip)
-class Flipped(nn.Module):
+class Flipped(_ConvPair):
     """``torch.flip`` over two dims; exported to ONNX it is a ``Slice`` with steps -1 (openwakeword's silero VAD)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv, self.conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.conv(x)
@@ -1566,12 +1566,8 @@ def test_reversed_part_of_a_dim(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ stored clip bounds (ONNX)
-class Clamped(nn.Module):
+class Clamped(_ConvPair):
     """Clips whose bounds are numbers: a band, and F.normalize's ``clamp_min(eps)`` (Swin-V2's attention)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv, self.conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.clamp(self.conv(x), min=-0.25, max=0.75)

@@ -21,7 +21,7 @@ from fxq.functional import (
 )
 from fxq.graph.info import GraphQuant, graph_quant
 from fxq.graph.nodes import get_attr_value
-from fxq.graph.op_types import CLIP_BOUNDS, op_type
+from fxq.graph.op_types import CLIP_BOUNDS, op_type, stores_clip_bounds
 from fxq.graph.quant_graph import QuantGraph
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.observers.base import channel_rows
@@ -61,11 +61,11 @@ def apply_alignment(gm: fx.GraphModule) -> None:
             _align_to_largest([qs[n] for n in group.members])
         else:
             _align_to_output([qs[n] for n in group.members], qs[group.target])
-    snap_softmax_scales(gm)
+    snap_softmax_scales(gm, qs)
 
 
 @torch.no_grad()
-def snap_softmax_scales(gm: fx.GraphModule) -> list[str]:
+def snap_softmax_scales(gm: fx.GraphModule, quant_graph: QuantGraph | None = None) -> list[str]:
     """Give each quantized softmax output that a runtime fuses (a reader on a platform with
     ``integer_softmax_reciprocal``: onnxruntime runs DequantizeLinear -> Softmax -> QuantizeLinear as QLinearSoftmax,
     which multiplies by ``floor(1 / y_scale)``) a scale whose reciprocal is that integer
@@ -79,7 +79,7 @@ def snap_softmax_scales(gm: fx.GraphModule) -> list[str]:
     from fxq.graph.info import NodeQuant
     from fxq.qconfig.base import PLATFORMS, get_platform
 
-    quant_graph = QuantGraph(gm)
+    quant_graph = quant_graph or QuantGraph(gm)
     modules = dict(gm.named_modules())
     changed = []
     for name, fq in quant_graph.quantizers("activation"):
@@ -242,7 +242,7 @@ def _passive_constant_sites(gm: fx.GraphModule):
         if not platforms[nq.platform] or q is None:
             continue
         mod = modules.get(node.target) if node.op == "call_module" else None
-        if mod is not None and hasattr(mod, "min_val") and not hasattr(mod, "has_min"):  # Hardtanh / OnnxClip
+        if stores_clip_bounds(mod):
             for attr in ("min_val", "max_val"):
                 if getattr(mod, attr, None) is None:  # an OnnxClip's open side
                     continue

@@ -19,7 +19,7 @@ from fxq.graph.nodes import get_attr_value
 
 __all__ = ["LIFTED", "op_type", "register_op_type", "mutates_first_argument", "out_of_place_twin", "WEIGHTED_FUNCTIONS",
            "WEIGHT_ARGS", "weight_arg_nodes", "weight_bias_args", "conv_attrs", "weight_shape", "CLIP_BOUNDS",
-           "clip_bounds", "output_lower_bound"]
+           "clip_bounds", "stores_clip_bounds", "output_lower_bound"]
 
 aten = torch.ops.aten
 
@@ -362,15 +362,21 @@ _CLIP_DEFAULTS = {"hardtanh": (-1.0, 1.0), "relu6": (0.0, 6.0)}  # missing bound
 _NONNEGATIVE = frozenset({"Relu", "Sigmoid", "Softmax"})
 
 
+def stores_clip_bounds(module: nn.Module | None) -> bool:
+    """Whether a clip module holds its bounds as ``min_val`` / ``max_val`` (nn.Hardtanh, ReLU6, onnx2torch's
+    OnnxClip), not as further arguments (the ONNX frontend's run-time Clip, ``has_min`` / ``has_max``)."""
+    return module is not None and hasattr(module, "min_val") and not hasattr(module, "has_min")
+
+
 def clip_bounds(node: fx.Node, module: nn.Module | None = None) -> tuple[Any, Any]:
     """``(lower, upper)`` of a clip node (op type ``Clip``, ``module`` its module for ``call_module``): numbers,
     nodes for bounds the graph computes (the ONNX frontend's ``OnnxClipRunTime``), None for an open side."""
-    if module is not None:
-        if hasattr(module, "has_min"):  # a run-time Clip module: its bounds are its further arguments
-            bounds = iter(node.args[1:])
-            return (next(bounds) if module.has_min else None, next(bounds) if module.has_max else None)
-        # nn.Hardtanh (ReLU6 is one) and onnx2torch's OnnxClip (stored bounds, as in a traced island's F.normalize)
-        return getattr(module, "min_val", None), getattr(module, "max_val", None)
+    if stores_clip_bounds(module):  # as in a traced island's F.normalize (OnnxClip)
+        return module.min_val, module.max_val
+    if module is not None:  # a run-time Clip module: its bounds are its further arguments
+        bounds = iter(node.args[1:])
+        return (next(bounds) if getattr(module, "has_min", False) else None,
+                next(bounds) if getattr(module, "has_max", False) else None)
     name = str(getattr(node.target, "__name__", node.target)).rstrip("_")
     low, high = _CLIP_DEFAULTS.get(name, (None, None))
     if name == "relu6":
