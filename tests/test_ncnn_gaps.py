@@ -1580,3 +1580,88 @@ def test_onnx_clip_with_stored_bounds(tmp_path: Path) -> None:
     _, files = check(_onnx(Clamped(), (1, 3, 8, 8), tmp_path / "m.onnx"), (1, 3, 8, 8), tmp_path / "net")
     clips = [line for line in files["param"].read_text().splitlines() if line.startswith("Clip")]
     assert clips and all(" 0=" in f"{line} " or " 1=" in f"{line} " for line in clips), clips
+
+
+# ------------------------------------------------------------------------------------------ layers of old zoo files
+class _ConvOpConv(_ConvPair):
+    """conv -> ``op`` -> conv; ``op`` a module, or ``repeat`` counts (ncnn ``Tile``)."""
+
+    def __init__(self, op: nn.Module | tuple[int, ...]) -> None:
+        super().__init__()
+        self.op = op if isinstance(op, nn.Module) else None
+        self.repeats = None if isinstance(op, nn.Module) else tuple(op)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        y = y.repeat(*self.repeats) if self.repeats is not None else self.op(y)
+        return self.conv2(y)
+
+
+def _affine_instance_norm() -> nn.Module:
+    norm = nn.InstanceNorm2d(4, affine=True)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    return norm
+
+
+@pytest.mark.parametrize("form", ["torch", "onnx"])
+@pytest.mark.parametrize("op", ["lrn", "selu", "instance_norm", "tile"])
+def test_lrn_selu_instance_norm_tile(tmp_path: Path, form: str, op: str) -> None:
+    """Layers of onnx-caffe2's AlexNet / GoogLeNet (LRN) and of torch's operator exports: ncnn has each."""
+    torch.manual_seed(0)
+    inner = {"lrn": lambda: nn.LocalResponseNorm(3, alpha=1e-2, beta=0.75, k=2.0), "selu": nn.SELU,
+             "instance_norm": _affine_instance_norm, "tile": lambda: (1, 1, 2, 3)}[op]()
+    model = _ConvOpConv(inner).eval()
+    source = model if form == "torch" else _onnx(model, (1, 3, 8, 6), tmp_path / "m.onnx")
+    gm, files = check(source, (1, 3, 8, 6), tmp_path / "m")
+    layer = {"lrn": "LRN", "selu": "SELU", "instance_norm": "InstanceNorm", "tile": "Tile"}[op]
+    if not (op == "lrn" and form == "onnx"):  # torch.onnx writes LRN as pad / pool / pow ops
+        assert any(line.split()[0] == layer for line in files["param"].read_text().splitlines()[2:])
+
+
+def _onnx_conv_op_conv(op: Any, shape: tuple[int, ...]) -> fx.GraphModule:
+    """An ONNX file conv -> ``op`` (a NodeProto from ``c`` to ``p``) -> conv, loaded."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((4, shape[1], 3, 3)).astype(np.float32) * 0.3, "w")
+    w2 = numpy_helper.from_array(rng.standard_normal((2, 4, 1, 1)).astype(np.float32) * 0.3, "w2")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), op,
+             helper.make_node("Conv", ["p", "w2"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, list(shape))],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], [w, w2])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    model.ir_version = 7
+    return fxq.load_onnx(model)
+
+
+def test_onnx_lrn_node(tmp_path: Path) -> None:
+    """An ONNX ``LRN`` node, as onnx-caffe2's AlexNet and GoogLeNet files have."""
+    from onnx import helper
+
+    lrn = helper.make_node("LRN", ["c"], ["p"], size=5, alpha=1e-2, beta=0.75, bias=2.0)
+    _, files = check(_onnx_conv_op_conv(lrn, (1, 3, 9, 9)), (1, 3, 9, 9), tmp_path / "m")
+    line = next(line.split() for line in files["param"].read_text().splitlines() if line.startswith("LRN"))
+    assert "1=5" in line
+
+
+def test_even_lrn_window_is_refused_by_name(tmp_path: Path) -> None:
+    gm = fxq.quantize(_ConvOpConv(nn.LocalResponseNorm(4)).eval(), [torch.randn(1, 3, 8, 8)], "ncnn_int8",
+                      progress=False)
+    with pytest.raises(ExportError, match=r"node 'op'.*window size 4 is even.*Fix: use an odd local size"):
+        export(gm, "ncnn", tmp_path / "m")
+
+
+@pytest.mark.parametrize("include", [0, 1])
+@pytest.mark.parametrize("pads", [[0, 0, 1, 1], [1, 0, 0, 2]])
+def test_onnx_average_pool_with_asymmetric_pads(tmp_path: Path, include: int, pads: list[int]) -> None:
+    """onnx-caffe2's GoogLeNet pools with pads that differ at the start and end: ncnn's Pooling has a pad per side."""
+    from onnx import helper
+
+    pool = helper.make_node("AveragePool", ["c"], ["p"], kernel_shape=[3, 3], strides=[2, 2], pads=pads,
+                            count_include_pad=include)
+    _, files = check(_onnx_conv_op_conv(pool, (1, 3, 9, 9)), (1, 3, 9, 9), tmp_path / "m")
+    line = next(line.split() for line in files["param"].read_text().splitlines() if line.startswith("Pooling"))
+    assert f"6={include}" in line

@@ -127,6 +127,8 @@ _MODULES: dict[type, str] = {
     nn.AdaptiveMaxPool2d: "GlobalMaxPool", nn.AdaptiveAvgPool3d: "GlobalAveragePool",
     nn.AdaptiveMaxPool3d: "GlobalMaxPool", nn.Flatten: "Flatten", nn.Upsample: "Resize",
     nn.Identity: "Identity", nn.Dropout: "Identity", nn.Dropout2d: "Identity", nn.Embedding: "Gather",
+    nn.LocalResponseNorm: "LRN", nn.SELU: "Selu", nn.InstanceNorm1d: "InstanceNormalization",
+    nn.InstanceNorm2d: "InstanceNormalization", nn.InstanceNorm3d: "InstanceNormalization",
 }
 
 def _training_flag_at(index: int) -> Callable[[fx.Node], bool]:

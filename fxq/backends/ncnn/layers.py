@@ -376,6 +376,73 @@ register_ncnn_converter("LeakyRelu", any_batch_dim=True)(_one_scalar("ReLU", "ne
 register_ncnn_converter("Elu", any_batch_dim=True)(_one_scalar("ELU", "alpha", 1.0))
 
 
+@register_ncnn_converter("Selu", any_batch_dim=True)
+def _selu(b: NcnnBuilder, node: fx.Node) -> None:
+    """``SELU`` (0 alpha, 1 lambda): torch's fixed constants, or ONNX's ``alpha`` / ``gamma``."""
+    mod = b.module(node)
+    alpha, gamma = float(getattr(mod, "alpha", 1.6732632423543772)), float(getattr(mod, "gamma", 1.0507009873554805))
+    b.emit(node, "SELU", [b.blob(node.args[0], node)], {0: alpha, 1: gamma})
+
+
+@register_ncnn_converter("LRN")
+def _lrn(b: NcnnBuilder, node: fx.Node) -> None:
+    """``LRN`` across channels (0 region_type 0, 1 local_size, 2 alpha, 3 beta, 4 bias): ncnn, torch, ONNX and
+    caffe all compute ``x / (bias + alpha / size * sum of x^2 over the channel window) ** beta``. The window of an even
+    size sits differently in each, so only odd sizes are exported."""
+    mod = b.module(node)
+    if mod is not None:
+        size, alpha, beta, k = mod.size, mod.alpha, mod.beta, mod.k
+    else:
+        size, alpha, beta, k = (_const(b, node, _arg(node, i, n, d), n) for i, (n, d) in
+                                enumerate((("size", _MISSING), ("alpha", 1e-4), ("beta", 0.75), ("k", 1.0)), 1))
+    x = node.args[0]
+    if len(b.shape(x)) != 4 or b.batch_dim(x) != 0:
+        raise b.fail(node, f"its input of shape {b.shape(x)} is not (N, C, H, W)", "apply LRN to 4-D image tensors")
+    if int(size) % 2 == 0:
+        raise b.fail(node, f"its window size {size} is even: ncnn centres the window differently from torch",
+                     "use an odd local size")
+    b.emit(node, "LRN", [b.blob(x, node)], {0: 0, 1: int(size), 2: float(alpha), 3: float(beta), 4: float(k)})
+
+
+@register_ncnn_converter("InstanceNormalization")
+def _instance_norm(b: NcnnBuilder, node: fx.Node) -> None:
+    """``InstanceNorm`` (0 channels, 1 eps, 2 affine; gamma, beta) of an ``(N, C, H, W)`` tensor, normalized over
+    H x W per channel, as ``nn.InstanceNorm2d`` without running statistics computes it."""
+    mod = b.module(node)
+    x = node.args[0]
+    if not isinstance(mod, nn.modules.instancenorm._InstanceNorm) or mod.track_running_stats:
+        raise b.fail(node, "only InstanceNorm modules normalizing by the input's own statistics are exported",
+                     "use nn.InstanceNorm2d(track_running_stats=False)")
+    if len(b.shape(x)) != 4 or b.batch_dim(x) != 0:
+        raise b.fail(node, f"its input of shape {b.shape(x)} is not (N, C, H, W)", "apply it to 4-D image tensors")
+    c = int(b.shape(x)[1])
+    weights = [("raw", _np(mod.weight)), ("raw", _np(mod.bias))] if mod.affine else []
+    b.emit(node, "InstanceNorm", [b.blob(x, node)], {0: c, 1: float(mod.eps), 2: int(mod.affine)}, weights)
+
+
+@register_ncnn_converter("Tile", "Expand", any_batch_dim=True)
+def _tile(b: NcnnBuilder, node: fx.Node) -> None:
+    """``x.repeat(...)`` / ONNX ``Tile``, and ``expand`` / ONNX ``Expand`` of size-1 dims (torch.onnx writes
+    ``repeat`` as an Expand to the input's own shape, then a Tile): one ncnn ``Tile`` (0 axis, 1 tiles) per dim
+    whose size grows, none for a dim that keeps its size; never the batch."""
+    x = node.args[0]
+    rank, before, after = len(b.shape(x)), b.shape(x), b.shape(node)
+    if len(after) != rank:
+        raise b.fail(node, f"it turns a rank-{rank} tensor of shape {before} into shape {after} (a rank change)",
+                     "repeat / expand with one count or size per dim of the input")
+    if b.op(node) == "Expand" and any(m != n and m != 1 for m, n in zip(before, after)):
+        raise b.fail(node, f"it expands shape {before} to {after}", "expand only dims of size 1")
+    todo = [(d, n // m) for d, (m, n) in enumerate(zip(before, after)) if n != m]
+    if not todo:
+        b.alias(node, x, b.batch_dim(x))
+        return
+    out = b.blob(x, node)
+    for d, r in todo[:-1]:
+        out = b.helper(node, "Tile", [out], {0: b.ncnn_axis(node, d, x), 1: r})
+    d, r = todo[-1]
+    b.emit(node, "Tile", [out], {0: b.ncnn_axis(node, d, x), 1: r})
+
+
 @register_ncnn_converter("Gelu", any_batch_dim=True)
 def _gelu(b: NcnnBuilder, node: fx.Node) -> None:
     mod = b.module(node)
@@ -627,6 +694,9 @@ def _pool(b: NcnnBuilder, node: fx.Node) -> None:
     if isinstance(mod, (nn.MaxPool3d, nn.AvgPool3d)) or node.target in (F.max_pool3d, F.avg_pool3d):
         _pool3d(b, node, is_max)
         return
+    if isinstance(getattr(mod, "op", None), nn.AvgPool2d) and hasattr(mod, "pads"):
+        _avg_pool_padded(b, node, mod)
+        return
     if len(b.shape(x)) != 4 or (mod is not None and not isinstance(mod, (nn.MaxPool2d, nn.AvgPool2d))) or (
             mod is None and node.target not in (F.max_pool2d, F.avg_pool2d)):
         raise b.fail(node, "only 2-D max / average pooling is exported", "use nn.MaxPool2d / nn.AvgPool2d")
@@ -664,6 +734,20 @@ def _pool(b: NcnnBuilder, node: fx.Node) -> None:
     if not is_max:
         params[6] = int(bool(a.get("count_include_pad", True)))
     b.emit(node, "Pooling", [b.blob(x, node)], params)
+
+
+def _avg_pool_padded(b: NcnnBuilder, node: fx.Node, mod: nn.Module) -> None:
+    """An ONNX average pool whose pads differ at a dim's start and end (the loader's ``OnnxAsymmetricPad`` around an
+    unpadded ``nn.AvgPool2d``): ncnn's ``Pooling`` takes each side's pad (3 left, 14 right, 13 top, 15 bottom) and
+    leaves pads out of the count with 6 avgpool_count_include_pad = 0."""
+    pool, x = mod.op, node.args[0]
+    if len(b.shape(x)) != 4 or pool.ceil_mode or pair(pool.padding) != (0, 0) or pool.divisor_override:
+        raise b.fail(node, "an asymmetrically padded average pool in ceil mode or with a divisor override",
+                     "pool without ceil_mode")
+    left, right, top, bottom = (int(p) for p in mod.pads)
+    (kh, kw), (sh, sw) = pair(pool.kernel_size), pair(pool.stride or pool.kernel_size)
+    b.emit(node, "Pooling", [b.blob(x, node)], {0: 1, 1: kw, 11: kh, 2: sw, 12: sh, 3: left, 14: right, 13: top,
+                                                15: bottom, 5: 1, 6: int(not mod.exclude_pad)})
 
 
 def _pool3d(b: NcnnBuilder, node: fx.Node, is_max: bool) -> None:

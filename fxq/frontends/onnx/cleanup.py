@@ -1,7 +1,7 @@
 """Clean-up passes on an ``onnx.ModelProto`` before onnx2torch sees it. Each pass edits the model in place.
 
 - :func:`normalize_domains`: the default domain spelled ``"ai.onnx"`` becomes ``""`` (what onnx2torch looks up).
-- :func:`drop_initializer_inputs`: old (IR < 4) models list initializers among the graph inputs too.
+- :func:`drop_initializer_inputs`: old (IR < 4) models list initializers among the graph inputs too (moved to IR 4).
 - :func:`fold_constants`: ``Constant`` nodes become initializers of the same name.
 - :func:`fold_identities`: ``Identity(initializer) -> t`` (and ``Cast(initializer) -> t``) becomes an initializer
   ``t``. torch's legacy exporter routes de-duplicated constants through ``Identity`` (a conv bias
@@ -13,6 +13,7 @@
   weight it can see.
 - :func:`drop_redundant_allowzero`: ``Reshape(allowzero=1)`` with a constant shape free of 0 means the same as
   ``allowzero=0``, the only form onnx2torch's ``Reshape-14`` converter takes (torch's default exporter writes 1).
+- :func:`drop_unread_optional_outputs`: optional trailing outputs nothing reads (old exporters' Dropout masks).
 - :func:`infer_shapes`: onnx's shape inference (with data propagation), so converters know ranks and sizes.
 
 :func:`alias_dotted_domains` runs last, just before conversion (after the support check, so errors show the real
@@ -32,8 +33,9 @@ from onnx import numpy_helper
 from fxq import onnx_data
 from fxq.onnx_data import LIGHT_MIN_ELEMENTS, light_copy
 
-__all__ = ["clean", "alias_dotted_domains", "normalize_domains", "drop_initializer_inputs", "fold_constants", "fold_identities",
-           "fold_parameter_inputs", "drop_redundant_allowzero", "infer_shapes", "light_copy", "LIGHT_MIN_ELEMENTS"]
+__all__ = ["clean", "alias_dotted_domains", "normalize_domains", "drop_initializer_inputs", "fold_constants",
+           "fold_identities", "fold_parameter_inputs", "drop_redundant_allowzero", "drop_unread_optional_outputs",
+           "infer_shapes", "light_copy", "LIGHT_MIN_ELEMENTS"]
 
 _LOG = logging.getLogger(__name__)
 _DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -52,14 +54,23 @@ def normalize_domains(model: onnx.ModelProto) -> None:
             node.domain = ""
 
 
+_IR_INITIALIZERS_NOT_INPUTS = 4
+"""The first IR version whose initializers need not be graph inputs too (before it, an initializer is only an
+input's default value, and onnx's shape inference types no initializer that is not an input)."""
+
+
 def drop_initializer_inputs(model: onnx.ModelProto) -> int:
-    """Remove graph inputs that are initializers; returns how many."""
+    """Remove graph inputs that are initializers; returns how many. A model of an IR version before 4 (onnx-caffe2's
+    and torch 0.3's files) is moved to IR 4, where that means what it meant: its initializers stay typed for shape
+    inference."""
     inits = {t.name for t in model.graph.initializer}
     keep = [i for i in model.graph.input if i.name not in inits]
     dropped = len(model.graph.input) - len(keep)
     if dropped:
         del model.graph.input[:]
         model.graph.input.extend(keep)
+    if model.ir_version < _IR_INITIALIZERS_NOT_INPUTS:  # folded Constants become initializers that are not inputs
+        model.ir_version = _IR_INITIALIZERS_NOT_INPUTS
     return dropped
 
 
@@ -234,6 +245,32 @@ def fold_parameter_inputs(model: onnx.ModelProto) -> int:
     return len(wanted)
 
 
+OPTIONAL_TRAILING_OUTPUTS = {"Dropout": 1, "MaxPool": 1, "BatchNormalization": 1, "LayerNormalization": 1}
+"""Op type -> how many leading outputs stay: the outputs after them are optional by the op's schema (Dropout's mask,
+MaxPool's indices, BatchNormalization's training statistics, LayerNormalization's mean / inverse std)."""
+
+
+def drop_unread_optional_outputs(model: onnx.ModelProto) -> int:
+    """Remove the optional trailing outputs (:data:`OPTIONAL_TRAILING_OUTPUTS`) that no node reads and that are not
+    graph outputs, as if the exporter had not named them; returns how many. Old exporters name them all (onnx-caffe2's
+    Dropout masks); a converter then had to produce values nobody uses."""
+    graph = model.graph
+    read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    dropped = 0
+    for node in graph.node:
+        keep = OPTIONAL_TRAILING_OUTPUTS.get(node.op_type) if node.domain in _DEFAULT_DOMAINS else None
+        if keep is None or len(node.output) <= keep:
+            continue
+        outs = list(node.output)
+        while len(outs) > keep and (not outs[-1] or outs[-1] not in read):
+            outs.pop()
+            dropped += 1
+        if len(outs) < len(node.output):
+            del node.output[:]
+            node.output.extend(outs)
+    return dropped
+
+
 def drop_redundant_allowzero(model: onnx.ModelProto) -> int:
     """Remove ``allowzero=1`` from Reshape nodes whose constant shape has no 0; returns how many."""
     inits = {t.name: t for t in model.graph.initializer}
@@ -295,8 +332,10 @@ def clean(model: onnx.ModelProto, *, infer: bool = True) -> onnx.ModelProto:
     identities = fold_identities(model)
     parameters = fold_parameter_inputs(model)
     allowzero = drop_redundant_allowzero(model)
+    unread = drop_unread_optional_outputs(model)
     _LOG.debug(
         "ONNX clean-up: %d initializer inputs dropped, %d Constant and %d Identity/Cast folded, %d computed "
-        "parameters folded, %d allowzero dropped", dropped, constants, identities, parameters, allowzero,
+        "parameters folded, %d allowzero dropped, %d unread optional outputs dropped", dropped, constants,
+        identities, parameters, allowzero, unread,
     )
     return infer_shapes(model, in_place=True) if infer else model

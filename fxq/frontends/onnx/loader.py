@@ -213,6 +213,9 @@ def load_onnx(
         proto = shapes.infer_for_conversion(cleanup.clean(proto, infer=False), fixed)
     control_flow.refuse_loops(proto, source, file_tensors)
     support.check_wiring(proto, source)
+    upgraded = support.upgrade_for_converters(proto, source)
+    if upgraded is not proto:  # the adapters' new nodes (a Reshape's shape, Dropout's ratio) get cleaned and shapes
+        proto = shapes.infer_for_conversion(cleanup.clean(upgraded, infer=False), fixed)
     support.check_supported(proto, source)
     unknown = shapes.unknown_rank_nodes(proto)
     if unknown and shapes.symbolic_inputs(proto) and not set(shapes.symbolic_inputs(proto)) <= set(fixed):

@@ -1,17 +1,24 @@
 """Up-front check: does every node have a converter? All gaps are reported at once, before any conversion."""
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
 import onnx
 from onnx import defs
 
+from fxq import onnx_data
 from fxq.errors import FrontendError
 
-__all__ = ["Gap", "find_gaps", "check_supported", "check_wiring", "opset_of"]
+__all__ = ["Gap", "find_gaps", "check_supported", "check_wiring", "opset_of", "upgrade_for_converters",
+           "UPGRADE_OPSETS"]
 
+_LOG = logging.getLogger(__name__)
 _MAX_NODES_SHOWN = 5
+UPGRADE_OPSETS = (9, 11, 13, 17)
+"""Default-domain opsets a file is upgraded to, in this order, when some of its ops have no converter at the opset
+it imports (:func:`upgrade_for_converters`)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,38 @@ def find_gaps(model: onnx.ModelProto) -> dict[Gap, list[str]]:
         except NotImplementedError:
             gaps[Gap(node.op_type, node.domain, opset, _since_version(node.op_type, node.domain, opset))].append(label)
     return dict(gaps)
+
+
+def _default_domain_gaps(model: onnx.ModelProto) -> dict[Gap, list[str]]:
+    return {g: n for g, n in find_gaps(model).items() if g.domain in ("", "ai.onnx")}
+
+
+def upgrade_for_converters(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
+    """``model``, or ``model`` upgraded by onnx's version converter when ops of the default domain have no
+    converter at the opset it imports but would at a later one.
+
+    Old exporters write ops whose early schemas no converter reads (torch 0.3's ``Gemm-6`` with ``broadcast``,
+    ``MaxPool-1``, ``Sum-6``; onnx-caffe2's ``Dropout-7`` with ``is_test``). onnx's own adapters rewrite them into
+    the later schemas, keeping tensor names; the first opset of :data:`UPGRADE_OPSETS` that leaves no
+    default-domain gap is taken. When none does, ``model`` comes back unchanged and :func:`check_supported`
+    reports its gaps as they are in the file.
+    """
+    current = opset_of(model, "")
+    gaps = _default_domain_gaps(model)
+    if current is None or not gaps:
+        return model
+    for target in (v for v in UPGRADE_OPSETS if v > current):
+        try:
+            upgraded = onnx_data.convert_version(model, target)
+        except Exception as exc:  # noqa: BLE001  (onnx's adapters raise anything; the gaps are reported as they are)
+            _LOG.debug("onnx's version converter could not take %s from opset %d to %d: %s", source, current,
+                       target, exc)
+            continue
+        if not _default_domain_gaps(upgraded):
+            _LOG.info("ONNX model %s: ops %s have no converter at opset %d; loading it upgraded to opset %d by "
+                      "onnx's version converter", source, sorted({g.op_type for g in gaps}), current, target)
+            return upgraded
+    return model
 
 
 def _describe(gap: Gap, nodes: list[str]) -> str:

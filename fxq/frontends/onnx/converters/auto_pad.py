@@ -1,4 +1,5 @@
-"""``auto_pad`` = ``SAME_UPPER`` / ``SAME_LOWER`` on ``Conv``, ``AveragePool`` and ``MaxPool`` (all versions).
+"""``auto_pad`` = ``SAME_UPPER`` / ``SAME_LOWER`` on ``Conv``, ``AveragePool`` and ``MaxPool`` (all versions), and
+``AveragePool`` with explicit pads that differ between a dim's start and end (:class:`OnnxAsymmetricPad`).
 
 onnx2torch 1.5.15 refuses both (``"SAME_UPPER" auto_pad is not implemented``); ``VALID`` and ``NOTSET`` it
 converts right, and those keep its modules untouched (no extra op). ONNX's SAME pads follow from the input size:
@@ -28,7 +29,7 @@ from torch import fx, nn
 
 from fxq.frontends.onnx.converters.registry import register_onnx_converter
 
-__all__ = ["OnnxSamePad", "same_pad_converter", "is_same_pad", "inline_wrappers"]
+__all__ = ["OnnxSamePad", "OnnxAsymmetricPad", "same_pad_converter", "is_same_pad", "inline_wrappers"]
 
 Converter = Callable[[OnnxNode, OnnxGraph], OperationConverterResult]
 
@@ -78,15 +79,57 @@ class OnnxSamePad(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = len(self.kernel)
         pads = same_pads([x.shape[2 + i] for i in range(n)], self.kernel, self.stride, self.dilation, self.upper)
-        y = self.op(F.pad(x, pads, value=self.value))
-        if self.exclude_pad:
-            ones = torch.ones((1, 1) + x.shape[2:], dtype=x.dtype, device=x.device)  # from the shape: no activation
-            y = y / self.op(F.pad(ones, pads, value=0.0))
-        return y
+        return _padded_call(self.op, x, pads, self.value, self.exclude_pad)
 
     def extra_repr(self) -> str:
         return (f"kernel={self.kernel}, stride={self.stride}, dilation={self.dilation}, "
                 f"{'SAME_UPPER' if self.upper else 'SAME_LOWER'}, value={self.value}, exclude_pad={self.exclude_pad}")
+
+
+def _padded_call(op: nn.Module, x: torch.Tensor, pads: list, value: float, exclude_pad: bool) -> torch.Tensor:
+    """``op(F.pad(x, pads))``; with ``exclude_pad`` divided by ``op`` of the padded ones (an average pool's share of
+    real elements in each window, so the pads stay out of the count)."""
+    y = op(F.pad(x, pads, value=value))
+    if exclude_pad:
+        ones = torch.ones((1, 1) + x.shape[2:], dtype=x.dtype, device=x.device)  # from the shape: no activation
+        y = y / op(F.pad(ones, pads, value=0.0))
+    return y
+
+
+class OnnxAsymmetricPad(nn.Module):
+    """``op`` (a pool without padding of its own) after fixed pads that differ between a dim's start and end, which
+    torch's pools cannot take (onnx2torch refused them: "AvgPool with non symmetrical padding"; onnx-caffe2's
+    GoogLeNet has one).
+
+    Args:
+        op: the module applied to the padded input.
+        pads: ``F.pad`` order (last dim first, begin then end).
+        exclude_pad: average pooling with ``count_include_pad=0``, as in :class:`OnnxSamePad`.
+    """
+
+    def __init__(self, op: nn.Module, pads: list[int], exclude_pad: bool = False) -> None:
+        super().__init__()
+        self.op = op
+        self.pads = [int(p) for p in pads]
+        self.exclude_pad = exclude_pad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _padded_call(self.op, x, self.pads, 0.0, self.exclude_pad)
+
+    def extra_repr(self) -> str:
+        return f"pads={self.pads}, exclude_pad={self.exclude_pad}"
+
+
+def _asymmetric_pads(node: OnnxNode) -> list[int] | None:
+    """An explicitly padded node's pads in ``F.pad`` order when some dim's begin and end differ; else None."""
+    pads = [int(p) for p in node.attributes.get("pads", [])]
+    n = len(pads) // 2
+    if node.attributes.get("auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET") or pads[:n] == pads[n:]:
+        return None
+    out: list[int] = []
+    for i in reversed(range(n)):
+        out += [pads[i], pads[n + i]]
+    return out
 
 
 def is_same_pad(node: OnnxNode) -> bool:
@@ -94,10 +137,12 @@ def is_same_pad(node: OnnxNode) -> bool:
     return node.attributes.get("auto_pad", "NOTSET") in ("SAME_UPPER", "SAME_LOWER")
 
 
-def _unpadded(node: OnnxNode) -> OnnxNode:
-    """A copy of ``node`` without padding: no auto_pad, pads or ceil_mode (SAME fixes the output size)."""
+def _unpadded(node: OnnxNode, keep_ceil_mode: bool = False) -> OnnxNode:
+    """A copy of ``node`` without padding: no auto_pad, pads or (unless kept) ceil_mode (SAME fixes the output
+    size)."""
     proto = node.proto
-    attrs = [a for a in proto.attribute if a.name not in ("auto_pad", "pads", "ceil_mode")]
+    dropped = ("auto_pad", "pads") if keep_ceil_mode else ("auto_pad", "pads", "ceil_mode")
+    attrs = [a for a in proto.attribute if a.name not in dropped]
     copy = helper.make_node(proto.op_type, list(proto.input), list(proto.output), name=proto.name,
                             domain=proto.domain or None)
     copy.attribute.extend(attrs)
@@ -116,8 +161,14 @@ def same_pad_converter(inner: Converter, value: float = 0.0) -> Converter:
     ``inner`` as they are."""
 
     def convert(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+        exclude = node.operation_type == "AveragePool" and not int(node.attributes.get("count_include_pad", 0))
         if not is_same_pad(node):
-            return inner(node, graph)
+            pads = _asymmetric_pads(node) if node.operation_type == "AveragePool" else None
+            if pads is None:
+                return inner(node, graph)
+            converted = inner(_unpadded(node, keep_ceil_mode=True), graph)
+            return OperationConverterResult(torch_module=OnnxAsymmetricPad(converted.torch_module, pads, exclude),
+                                            onnx_mapping=converted.onnx_mapping)
         a = node.attributes
         kernel = _kernel(node, graph)
         n = len(kernel)
@@ -129,7 +180,6 @@ def same_pad_converter(inner: Converter, value: float = 0.0) -> Converter:
                 "(Conv) or pads for the undilated kernel (MaxPool), against the ONNX spec, so no reference says what "
                 "the file computes; re-export it with explicit pads")
         converted = inner(_unpadded(node), graph)
-        exclude = node.operation_type == "AveragePool" and not int(a.get("count_include_pad", 0))
         module = OnnxSamePad(converted.torch_module, kernel, stride, dilation, a["auto_pad"] == "SAME_UPPER",
                              value, exclude)
         return OperationConverterResult(torch_module=module, onnx_mapping=converted.onnx_mapping)

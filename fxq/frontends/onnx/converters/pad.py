@@ -1,4 +1,5 @@
-"""``Pad-11`` and later: an optional ``axes`` input (18) and ``wrap`` mode (19).
+"""``Pad``: ``Pad-2`` (pads and fill as attributes; onnx2torch read the fill from the wrong attribute name and padded
+with 0), and ``Pad-11`` and later: an optional ``axes`` input (18) and ``wrap`` mode (19).
 
 ``axes`` must be constant; ``pads`` and ``constant_value`` computed at run time give :class:`OnnxPadRuntime`. ONNX
 lists ``[begin of each axis..., end of each axis...]``; ``torch.nn.functional.pad`` wants ``(begin, end)`` pairs
@@ -153,3 +154,20 @@ def _convert_pad(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     pads = torch_pads(int_list(pads_t), axes, rank)
     value = value_t.reshape(-1)[0].item() if value_t is not None and value_t.numel() else 0.0
     return result(OnnxPad(pads, _TORCH_MODE[mode], value, rank), node, [data])
+
+
+@register_onnx_converter("Pad", (1, 2), override=True)
+def _convert_pad_attributes(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """``Pad-2`` (``pads``, ``value``) and ``Pad-1`` (``paddings``, ``value``): the same layout as Pad-11's inputs."""
+    mode = node.attributes.get("mode", "constant")
+    if isinstance(mode, bytes):
+        mode = mode.decode()
+    if mode not in _TORCH_MODE:
+        raise NotImplementedError(f"Pad: mode {mode!r} is not one of {sorted(_TORCH_MODE)}")
+    onnx_pads = node.attributes.get("pads", node.attributes.get("paddings"))
+    if onnx_pads is None:
+        raise NotImplementedError("Pad: neither the 'pads' nor the 'paddings' attribute is set")
+    data = node.input_values[0]
+    rank = rank_of(graph, data)
+    pads = torch_pads([int(p) for p in onnx_pads], None, rank)
+    return result(OnnxPad(pads, _TORCH_MODE[mode], float(node.attributes.get("value", 0.0)), rank), node, [data])

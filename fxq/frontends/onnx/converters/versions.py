@@ -35,7 +35,6 @@ TYPE_ONLY_BUMPS: dict[str, tuple[int, tuple[int, ...]]] = {
     "Conv": (11, (22,)),
     "ConvTranspose": (11, (22,)),
     "DepthToSpace": (13, (28,)),
-    "Dropout": (13, (22,)),
     "Einsum": (12, (28,)),
     "Elu": (6, (22,)),
     "Equal": (13, (19,)),
