@@ -1620,15 +1620,15 @@ def test_lrn_selu_instance_norm_tile(tmp_path: Path, form: str, op: str) -> None
         assert any(line.split()[0] == layer for line in files["param"].read_text().splitlines()[2:])
 
 
-def _onnx_conv_op_conv(op: Any, shape: tuple[int, ...]) -> fx.GraphModule:
-    """An ONNX file conv -> ``op`` (a NodeProto from ``c`` to ``p``) -> conv, loaded."""
+def _onnx_conv_op_conv(op: Any, shape: tuple[int, ...], extra: list[Any] = ()) -> fx.GraphModule:
+    """An ONNX file conv -> ``op`` (a NodeProto from ``c`` to ``p``, after the ``extra`` nodes) -> conv, loaded."""
     import onnx
     from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(0)
     w = numpy_helper.from_array(rng.standard_normal((4, shape[1], 3, 3)).astype(np.float32) * 0.3, "w")
     w2 = numpy_helper.from_array(rng.standard_normal((2, 4, 1, 1)).astype(np.float32) * 0.3, "w2")
-    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), op,
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), *extra, op,
              helper.make_node("Conv", ["p", "w2"], ["y"])]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, list(shape))],
                               [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], [w, w2])
@@ -1654,14 +1654,41 @@ def test_even_lrn_window_is_refused_by_name(tmp_path: Path) -> None:
         export(gm, "ncnn", tmp_path / "m")
 
 
-@pytest.mark.parametrize("include", [0, 1])
+@pytest.mark.parametrize("kind", ["avg_exclude", "avg_include", "max"])
 @pytest.mark.parametrize("pads", [[0, 0, 1, 1], [1, 0, 0, 2]])
-def test_onnx_average_pool_with_asymmetric_pads(tmp_path: Path, include: int, pads: list[int]) -> None:
-    """onnx-caffe2's GoogLeNet pools with pads that differ at the start and end: ncnn's Pooling has a pad per side."""
+def test_onnx_pools_with_asymmetric_pads(tmp_path: Path, kind: str, pads: list[int]) -> None:
+    """onnx-caffe2's GoogLeNet and Inception-v2 pool with pads that differ at the start and end: ncnn's Pooling has
+    a pad per side."""
     from onnx import helper
 
-    pool = helper.make_node("AveragePool", ["c"], ["p"], kernel_shape=[3, 3], strides=[2, 2], pads=pads,
-                            count_include_pad=include)
+    attrs = {"count_include_pad": int(kind == "avg_include")} if kind != "max" else {}
+    pool = helper.make_node("MaxPool" if kind == "max" else "AveragePool", ["c"], ["p"], kernel_shape=[3, 3],
+                            strides=[2, 2], pads=pads, **attrs)
     _, files = check(_onnx_conv_op_conv(pool, (1, 3, 9, 9)), (1, 3, 9, 9), tmp_path / "m")
     line = next(line.split() for line in files["param"].read_text().splitlines() if line.startswith("Pooling"))
-    assert f"6={include}" in line
+    assert ("0=0" in line) == (kind == "max")
+    if kind != "max":
+        assert f"6={int(kind == 'avg_include')}" in line
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_onnx_variadic_sum(tmp_path: Path, n: int) -> None:
+    """onnx-caffe2's ResNet-50 and ShuffleNet add residuals with ``Sum``: one operand is itself, two a BinaryOp, more
+    an Eltwise."""
+    from onnx import helper
+
+    extra = [helper.make_node("Relu", ["c"], ["r"]), helper.make_node("Sigmoid", ["c"], ["s"])]
+    total = helper.make_node("Sum", ["c", "r", "s"][:n], ["p"])
+    gm = _onnx_conv_op_conv(total, (1, 3, 9, 9), extra=extra)
+    _, files = check(gm, (1, 3, 9, 9), tmp_path / "m")
+    layers = [line.split()[0] for line in files["param"].read_text().splitlines()[2:]]
+    assert ("Eltwise" in layers) == (n == 3)
+
+
+def test_onnx_softmax11_over_a_tail_of_ones(tmp_path: Path) -> None:
+    """Softmax-11 at axis 1 of SqueezeNet's ``[N, 1000, 1, 1]``: the flattened tail is one axis."""
+    from onnx import helper
+
+    extra = [helper.make_node("GlobalAveragePool", ["c"], ["g"])]
+    gm = _onnx_conv_op_conv(helper.make_node("Softmax", ["g"], ["p"], axis=1), (1, 3, 9, 9), extra=extra)
+    check(gm, (1, 3, 9, 9), tmp_path / "m")

@@ -209,3 +209,34 @@ def test_onnx_backend_test_files_load_and_match_onnxruntime(rel):
     ``pytorch-operator`` sets: loaded with the conversion check against onnxruntime on."""
     gm = fxq.load_onnx(os.path.join(BACKEND_DATA, rel), verify=True)
     assert isinstance(gm, torch.fx.GraphModule)
+
+
+@pytest.mark.parametrize("op", ["Conv", "MaxPool"])
+def test_unequal_pads_keep_the_conv_visible_to_the_quantizers(op):
+    """tf2onnx writes TensorFlow's SAME as explicit pads that differ at the start and end. onnx2torch wrapped such a
+    Conv in an ``nn.Sequential`` with its pad module, and the conv's weight was never quantized (silently)."""
+    x = RNG.standard_normal((1, 3, 9, 9)).astype(np.float32)
+    w = numpy_helper.from_array(RNG.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    if op == "Conv":
+        node = helper.make_node("Conv", ["x", "w"], ["c"], pads=[0, 0, 1, 1], strides=[2, 2])
+    else:
+        node = helper.make_node("MaxPool", ["x"], ["c"], kernel_shape=[2, 2], strides=[2, 2], pads=[1, 0, 0, 1])
+    relu = helper.make_node("Relu", ["c"], ["y"])
+    model = helper.make_model(
+        helper.make_graph([node, relu], "g", [_vi("x", [1, 3, 9, 9])], [_vi("y", None)], [w] if op == "Conv" else []),
+        opset_imports=[helper.make_opsetid("", 13)])
+    got = _run_both(model, [x])
+    xp = np.pad(x.astype(np.float64), [(0, 0), (0, 0), (0, 1), (0, 1)] if op == "Conv" else
+                [(0, 0), (0, 0), (1, 0), (0, 1)], constant_values=0.0 if op == "Conv" else -np.inf)
+    if op == "Conv":
+        wt = numpy_helper.to_array(w).astype(np.float64)
+        want = np.stack([np.einsum("cij,ocij->o", xp[0, :, 2 * i:2 * i + 3, 2 * j:2 * j + 3], wt)
+                         for i in range(4) for j in range(4)], -1).reshape(1, 4, 4, 4)
+    else:
+        want = xp.reshape(1, 3, 5, 2, 5, 2).max(axis=(3, 5))
+    np.testing.assert_allclose(got[0], np.maximum(want, 0), rtol=1e-5, atol=1e-5)
+    if op == "Conv":
+        q = fxq.quantize(fxq.load_onnx(model), [torch.from_numpy(x)], platform="trt_int8", progress=False)
+        assert any(n.op == "get_attr" and str(n.target).endswith("weight") and
+                   any(u.op == "call_module" and "fxq_quantizers" in str(u.target) for u in n.users)
+                   for n in q.graph.nodes)

@@ -518,8 +518,12 @@ def _softmax(b: NcnnBuilder, node: fx.Node) -> None:
     mod = b.module(node)
     rank = len(b.shape(node))
     if mod is not None and not hasattr(mod, "dim"):  # ONNX Softmax-1/11: softmax of the input flattened at axis
-        dim = int(getattr(mod, "axis", -1))
-        if getattr(mod, "is_log", False) or dim % rank != rank - 1:
+        dim = int(getattr(mod, "axis", -1)) % rank
+        shape = b.shape(node.args[0])
+        wide = [d for d in range(dim, rank) if shape[d] != 1]
+        if len(wide) <= 1:  # the tail is one axis of size > 1 between axes of 1 (SqueezeNet's [N, 1000, 1, 1])
+            dim = wide[0] if wide else rank - 1
+        if getattr(mod, "is_log", False) or dim != rank - 1 and len(wide) > 1:
             raise b.fail(node, "ONNX (log-)softmax before opset 13 over a flattened tail", "use softmax on one axis")
     else:
         dim = mod.dim if mod is not None else _arg(node, 1, "dim", None)
@@ -694,8 +698,8 @@ def _pool(b: NcnnBuilder, node: fx.Node) -> None:
     if isinstance(mod, (nn.MaxPool3d, nn.AvgPool3d)) or node.target in (F.max_pool3d, F.avg_pool3d):
         _pool3d(b, node, is_max)
         return
-    if isinstance(getattr(mod, "op", None), nn.AvgPool2d) and hasattr(mod, "pads"):
-        _avg_pool_padded(b, node, mod)
+    if isinstance(getattr(mod, "op", None), (nn.AvgPool2d, nn.MaxPool2d)) and hasattr(mod, "pads"):
+        _pool_padded(b, node, mod, is_max)
         return
     if len(b.shape(x)) != 4 or (mod is not None and not isinstance(mod, (nn.MaxPool2d, nn.AvgPool2d))) or (
             mod is None and node.target not in (F.max_pool2d, F.avg_pool2d)):
@@ -736,18 +740,22 @@ def _pool(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, "Pooling", [b.blob(x, node)], params)
 
 
-def _avg_pool_padded(b: NcnnBuilder, node: fx.Node, mod: nn.Module) -> None:
-    """An ONNX average pool whose pads differ at a dim's start and end (the loader's ``OnnxAsymmetricPad`` around an
-    unpadded ``nn.AvgPool2d``): ncnn's ``Pooling`` takes each side's pad (3 left, 14 right, 13 top, 15 bottom) and
-    leaves pads out of the count with 6 avgpool_count_include_pad = 0."""
+def _pool_padded(b: NcnnBuilder, node: fx.Node, mod: nn.Module, is_max: bool) -> None:
+    """An ONNX pool whose pads differ at a dim's start and end (the loader's ``OnnxAsymmetricPad`` around an unpadded
+    ``nn.MaxPool2d`` / ``nn.AvgPool2d``): ncnn's ``Pooling`` takes each side's pad (3 left, 14 right, 13 top,
+    15 bottom), pads max pooling with the lowest float and leaves pads out of an average's count with 6
+    avgpool_count_include_pad = 0."""
     pool, x = mod.op, node.args[0]
-    if len(b.shape(x)) != 4 or pool.ceil_mode or pair(pool.padding) != (0, 0) or pool.divisor_override:
-        raise b.fail(node, "an asymmetrically padded average pool in ceil mode or with a divisor override",
+    if len(b.shape(x)) != 4 or pool.ceil_mode or pair(pool.padding) != (0, 0) or pair(
+            getattr(pool, "dilation", 1)) != (1, 1) or getattr(pool, "divisor_override", None):
+        raise b.fail(node, "an asymmetrically padded pool in ceil mode, dilated or with a divisor override",
                      "pool without ceil_mode")
     left, right, top, bottom = (int(p) for p in mod.pads)
     (kh, kw), (sh, sw) = pair(pool.kernel_size), pair(pool.stride or pool.kernel_size)
-    b.emit(node, "Pooling", [b.blob(x, node)], {0: 1, 1: kw, 11: kh, 2: sw, 12: sh, 3: left, 14: right, 13: top,
-                                                15: bottom, 5: 1, 6: int(not mod.exclude_pad)})
+    params = {0: 0 if is_max else 1, 1: kw, 11: kh, 2: sw, 12: sh, 3: left, 14: right, 13: top, 15: bottom, 5: 1}
+    if not is_max:
+        params[6] = int(not mod.exclude_pad)
+    b.emit(node, "Pooling", [b.blob(x, node)], params)
 
 
 def _pool3d(b: NcnnBuilder, node: fx.Node, is_max: bool) -> None:
@@ -862,19 +870,30 @@ def _reduce(b: NcnnBuilder, node: fx.Node) -> None:
 
 
 # --------------------------------------------------------------------------- tensor ops
-_BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "Max": 4, "Min": 5, "Pow": 6}
+_BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "Max": 4, "Min": 5, "Pow": 6, "Sum": 0}
 """ncnn BinaryOp's op of each op type. Pow: ONNX's (LayerNorm spelled out before opset 17); Max / Min: of two
-operands (ONNX's, ``torch.maximum`` / ``minimum``: box clipping)."""
+operands (ONNX's, ``torch.maximum`` / ``minimum``: box clipping); Sum: ONNX's (onnx-caffe2's residual adds)."""
+_ELTWISE = {"Sum": 1, "Max": 2}
+"""ncnn Eltwise's op_type of the ONNX ops that take any number of operands (PROD is Mul's, which ONNX has not)."""
 _REVERSED = {0: 0, 1: 7, 2: 2, 3: 8, 4: 4, 5: 5, 6: 9}  # scalar (op) tensor -> ncnn op with the tensor first
 
 
-@register_ncnn_converter("Add", "Sub", "Mul", "Div", "Max", "Min", "Pow", any_batch_dim=True)
+@register_ncnn_converter("Add", "Sub", "Mul", "Div", "Max", "Min", "Pow", "Sum", any_batch_dim=True)
 def _binary(b: NcnnBuilder, node: fx.Node) -> None:
     """``BinaryOp``: with a scalar (1 with_scalar, 2 b; ``3 - x`` / ``6 / x`` as RSUB / RDIV), which a stored
     one-element tensor (ONNX initializers) and shape arithmetic (``head_dim ** -0.5``) count as; else of two
-    blobs brought to one rank (a stored tensor becomes a ``MemoryData``), where ncnn broadcasts size-1 axes."""
+    blobs brought to one rank (a stored tensor becomes a ``MemoryData``), where ncnn broadcasts size-1 axes.
+    ONNX's variadic Sum / Max of one operand is that operand, of more than two equal-shaped computed tensors an
+    ``Eltwise`` (0 op_type)."""
     op = _BINARY[b.op(node)]
     operands = len(node.args) + sum(k in ("input", "other") for k in node.kwargs)
+    if operands == 1 and b.op(node) in ("Sum", "Max", "Min") and isinstance(node.args[0], fx.Node):
+        b.alias(node, node.args[0], b.batch_dim(node.args[0]))
+        return
+    if operands > 2 and b.op(node) in _ELTWISE and all(
+            isinstance(a, fx.Node) and b.shape(a) == b.shape(node) for a in node.args):
+        b.emit(node, "Eltwise", [b.blob(a, node) for a in node.args], {0: _ELTWISE[b.op(node)]})
+        return
     if operands != 2:  # ONNX's Max / Min take any number
         raise b.fail(node, f"it takes {operands} operands", "take two operands at a time")
     lhs, rhs = (_scalar_operand(b, node, _static(_arg(node, i, k))) for i, k in ((0, "input"), (1, "other")))

@@ -1,5 +1,5 @@
 """``auto_pad`` = ``SAME_UPPER`` / ``SAME_LOWER`` on ``Conv``, ``AveragePool`` and ``MaxPool`` (all versions), and
-``AveragePool`` with explicit pads that differ between a dim's start and end (:class:`OnnxAsymmetricPad`).
+explicit pads that differ between a dim's start and end on the same ops (:class:`OnnxAsymmetricPad`).
 
 onnx2torch 1.5.15 refuses both (``"SAME_UPPER" auto_pad is not implemented``); ``VALID`` and ``NOTSET`` it
 converts right, and those keep its modules untouched (no extra op). ONNX's SAME pads follow from the input size:
@@ -97,27 +97,35 @@ def _padded_call(op: nn.Module, x: torch.Tensor, pads: list, value: float, exclu
 
 
 class OnnxAsymmetricPad(nn.Module):
-    """``op`` (a pool without padding of its own) after fixed pads that differ between a dim's start and end, which
-    torch's pools cannot take (onnx2torch refused them: "AvgPool with non symmetrical padding"; onnx-caffe2's
-    GoogLeNet has one).
+    """``op`` (a conv or pool without padding of its own) after fixed pads that differ between a dim's start and
+    end, which torch's convs and pools cannot take. onnx2torch refused them for AveragePool ("non symmetrical
+    padding") and wrapped Conv and MaxPool in an ``nn.Sequential`` with its pad module, which hid the conv's weight
+    from the quantizers (tf2onnx writes TensorFlow's SAME this way; onnx-caffe2's GoogLeNet / Inception-v2 pool so).
 
     Args:
         op: the module applied to the padded input.
         pads: ``F.pad`` order (last dim first, begin then end).
+        value: the pad value (``-inf`` for max pooling).
         exclude_pad: average pooling with ``count_include_pad=0``, as in :class:`OnnxSamePad`.
     """
 
-    def __init__(self, op: nn.Module, pads: list[int], exclude_pad: bool = False) -> None:
+    @property
+    def fxq_inline(self) -> bool:
+        """Inlined at load when ``op`` has weights, as :class:`OnnxSamePad` is."""
+        return any(True for _ in self.op.parameters())
+
+    def __init__(self, op: nn.Module, pads: list[int], value: float = 0.0, exclude_pad: bool = False) -> None:
         super().__init__()
         self.op = op
         self.pads = [int(p) for p in pads]
+        self.value = float(value)
         self.exclude_pad = exclude_pad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _padded_call(self.op, x, self.pads, 0.0, self.exclude_pad)
+        return _padded_call(self.op, x, self.pads, self.value, self.exclude_pad)
 
     def extra_repr(self) -> str:
-        return f"pads={self.pads}, exclude_pad={self.exclude_pad}"
+        return f"pads={self.pads}, value={self.value}, exclude_pad={self.exclude_pad}"
 
 
 def _asymmetric_pads(node: OnnxNode) -> list[int] | None:
@@ -157,18 +165,20 @@ def _kernel(node: OnnxNode, graph: OnnxGraph) -> list[int]:
 
 
 def same_pad_converter(inner: Converter, value: float = 0.0) -> Converter:
-    """Wrap ``inner`` (the converter of the unpadded op) in :class:`OnnxSamePad` for SAME nodes; others go to
-    ``inner`` as they are."""
+    """Wrap ``inner`` (the converter of the unpadded op) in :class:`OnnxSamePad` for SAME nodes and in
+    :class:`OnnxAsymmetricPad` for explicit pads that differ at a dim's start and end; others go to ``inner`` as they
+    are."""
 
     def convert(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
         exclude = node.operation_type == "AveragePool" and not int(node.attributes.get("count_include_pad", 0))
         if not is_same_pad(node):
-            pads = _asymmetric_pads(node) if node.operation_type == "AveragePool" else None
+            pads = _asymmetric_pads(node)
             if pads is None:
                 return inner(node, graph)
             converted = inner(_unpadded(node, keep_ceil_mode=True), graph)
-            return OperationConverterResult(torch_module=OnnxAsymmetricPad(converted.torch_module, pads, exclude),
-                                            onnx_mapping=converted.onnx_mapping)
+            return OperationConverterResult(
+                torch_module=OnnxAsymmetricPad(converted.torch_module, pads, value, exclude),
+                onnx_mapping=converted.onnx_mapping)
         a = node.attributes
         kernel = _kernel(node, graph)
         n = len(kernel)

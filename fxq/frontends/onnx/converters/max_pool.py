@@ -46,13 +46,11 @@ def _max_pool(version: int):
 
     def convert(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
         wants_indices = len(node.output_values) > 1 and node.output_values[1] != ""
-        if is_same_pad(node):
-            if wants_indices:
-                raise NotImplementedError("MaxPool: Indices with auto_pad SAME_* (they would count the padding)")
-            return same(node, graph)
-        converted = _ONNX2TORCH_MAX_POOL[version](node, graph)
         if not wants_indices:
-            return converted
+            return same(node, graph)  # SAME or unequal pads wrapped, else onnx2torch's
+        if is_same_pad(node):
+            raise NotImplementedError("MaxPool: Indices with auto_pad SAME_* (they would count the padding)")
+        converted = _ONNX2TORCH_MAX_POOL[version](node, graph)
         pool = converted.torch_module
         if not isinstance(pool, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)):
             raise NotImplementedError("MaxPool: Indices with unequal begin/end pads (they would count the padding)")
