@@ -521,13 +521,13 @@ class Normed(nn.Module):
         return self.norm(self.conv(x))  # over a whole (C, H, W) blob: ncnn normalizes at most (H, W)
 
 
-class Tiled(nn.Module):
+class CumSum(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x).repeat(1, 2, 1, 1)
+        return torch.cumsum(self.conv(x), dim=1)
 
 
 class CircularPad(nn.Module):
@@ -544,7 +544,7 @@ class CircularPad(nn.Module):
                              r"batch dimension.*Fix: return a batch-first tensor"),
     (Normed, (1, 3, 8, 8), r"node 'norm' \(op LayerNormalization.*normalizes the last 3 dims of a tensor of shape "
                            r"\(1, 4, 6, 6\) \(batch dim 0\), a rank-3 blob.*Fix: normalize over fewer"),
-    (Tiled, (1, 3, 8, 8), r"node 'repeat' \(op Tile.*no converter"),
+    (CumSum, (1, 3, 8, 8), r"node 'cumsum' \(op Unknown.*no converter"),
     (CircularPad, (1, 3, 8, 8), r"node 'pad' \(op Pad.*'circular' padding"),
     (FixedBatch, (2, 3, 8, 8), r"node 'permute' \(op Transpose.*permutation \(1, 0, 2, 3\) of a tensor of shape "
                                r"\(2, 4, 6, 6\) moves its batch dimension \(dim 0, size 2\).*Fix: keep the batch"),

@@ -1692,3 +1692,82 @@ def test_onnx_softmax11_over_a_tail_of_ones(tmp_path: Path) -> None:
     extra = [helper.make_node("GlobalAveragePool", ["c"], ["g"])]
     gm = _onnx_conv_op_conv(helper.make_node("Softmax", ["g"], ["p"], axis=1), (1, 3, 9, 9), extra=extra)
     check(gm, (1, 3, 9, 9), tmp_path / "m")
+
+
+class _LogSoftmaxHead(_ConvPair):
+    """conv -> log-softmax over channels (a classifier's head, the output)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.conv(x) * 60.0, dim=1)
+
+
+@pytest.mark.parametrize("form", ["torch", "onnx"])
+def test_log_softmax_is_exact_where_log_of_softmax_underflows(tmp_path: Path, form: str) -> None:
+    """ncnn has no log-softmax: max-shifted LogSumExp (logits scaled up so a softmax underflows to 0 somewhere)."""
+    model = _LogSoftmaxHead().eval()
+    source = model if form == "torch" else _onnx(model, (1, 3, 8, 6), tmp_path / "m.onnx")
+    check(source, (1, 3, 8, 6), tmp_path / "m")
+
+
+@pytest.mark.parametrize("op", ["softplus", "lrn_function"])
+def test_softplus_and_functional_lrn(tmp_path: Path, op: str) -> None:
+    class Model(_ConvPair):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.conv(x)
+            y = F.softplus(y) if op == "softplus" else F.local_response_norm(y, 3, alpha=0.1, beta=0.75, k=2.0)
+            return self.conv2(y)
+
+    _, files = check(Model().eval(), (1, 3, 8, 6), tmp_path / "m")
+    layer = "Softplus" if op == "softplus" else "LRN"
+    assert any(line.split()[0] == layer for line in files["param"].read_text().splitlines()[2:])
+
+
+@pytest.mark.parametrize("region", ["ACROSS_CHANNELS", "WITHIN_CHANNEL"])
+def test_caffe_lrn(tmp_path: Path, region: str) -> None:
+    from google.protobuf import text_format
+
+    from fxq.frontends.caffe import proto
+
+    prototxt = f"""
+layer {{ name: "data" type: "Input" top: "data" input_param {{ shape {{ dim: 1 dim: 3 dim: 9 dim: 9 }} }} }}
+layer {{ name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param {{ num_output: 4 kernel_size: 3 pad: 1 }} }}
+layer {{ name: "lrn" type: "LRN" bottom: "conv" top: "lrn"
+  lrn_param {{ local_size: 3 alpha: 0.2 beta: 0.6 k: 1.5 norm_region: {region} }} }}
+layer {{ name: "conv2" type: "Convolution" bottom: "lrn" top: "out" convolution_param {{ num_output: 2 kernel_size: 1 }} }}
+"""
+    rng = np.random.default_rng(0)
+    net = proto.NetParameter()
+    text_format.Parse(prototxt, net, allow_unknown_field=True)
+    weights = {"conv": [rng.standard_normal((4, 3, 3, 3)), rng.standard_normal(4)],
+               "conv2": [rng.standard_normal((2, 4, 1, 1)), rng.standard_normal(2)]}
+    for layer in net.layer:
+        for array in weights.get(layer.name, []):
+            blob = layer.blobs.add()
+            blob.shape.dim.extend(array.shape)
+            blob.data.extend((array * 0.3).astype(np.float32).ravel().tolist())
+    (tmp_path / "m.prototxt").write_text(prototxt)
+    (tmp_path / "m.caffemodel").write_bytes(net.SerializeToString())
+    gm = fxq.load_caffe(str(tmp_path / "m.prototxt"), str(tmp_path / "m.caffemodel"))
+    _, files = check(gm, (1, 3, 9, 9), tmp_path / "out")
+    line = next(line.split() for line in files["param"].read_text().splitlines() if line.startswith("LRN"))
+    assert f"0={int(region == 'WITHIN_CHANNEL')}" in line
+
+
+@pytest.mark.parametrize("form", ["torch", "onnx"])
+@pytest.mark.parametrize("pool", ["max", "avg", "avg_exclude"])
+def test_pool1d(tmp_path: Path, form: str, pool: str) -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.conv2 = nn.Conv1d(3, 4, 3, padding=1), nn.Conv1d(4, 2, 1)
+            self.pool = nn.MaxPool1d(3, 2, padding=1) if pool == "max" else nn.AvgPool1d(
+                3, 2, padding=1, count_include_pad=pool == "avg")
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv2(self.pool(self.conv(x)))
+
+    model = Model().eval()
+    source = model if form == "torch" else _onnx(model, (1, 3, 11), tmp_path / "m.onnx")
+    _, files = check(source, (1, 3, 11), tmp_path / "m")
+    assert any(line.startswith("Pooling1D") for line in files["param"].read_text().splitlines())

@@ -240,3 +240,21 @@ def test_unequal_pads_keep_the_conv_visible_to_the_quantizers(op):
         assert any(n.op == "get_attr" and str(n.target).endswith("weight") and
                    any(u.op == "call_module" and "fxq_quantizers" in str(u.target) for u in n.users)
                    for n in q.graph.nodes)
+
+
+def test_prelu6_per_channel_slope_survives_the_upgrade_and_the_export(tmp_path):
+    """PRelu-6 applies a ``(C,)`` slope along dim 1; from opset 7 it would broadcast along the last dim, and onnx's
+    version converter does not adapt it: the exported file failed in onnxruntime (3 against 5)."""
+    x = RNG.standard_normal((2, 3, 4, 5)).astype(np.float32)
+    slope = np.array([0.1, 0.5, 2.0], np.float32)
+    node = helper.make_node("PRelu", ["x", "slope"], ["y"])
+    model = _old_model([node], [_vi("x", [2, 3, 4, 5])], [_vi("y", None)], [numpy_helper.from_array(slope, "slope")])
+    got = _run_both(model, [x])
+    np.testing.assert_allclose(got[0], np.where(x > 0, x, x * slope.reshape(3, 1, 1)), rtol=1e-6)
+    q = fxq.quantize(fxq.load_onnx(model), [torch.from_numpy(x)], platform="trt_int8", progress=False)
+    path = fxq.export(q, "trt_int8", tmp_path / "m.onnx")[0]
+    with torch.no_grad():
+        sim = q(torch.from_numpy(x)).numpy()
+    for level in LEVELS:
+        out = _ort(onnx.load(str(path)), [x], level)[0]
+        np.testing.assert_allclose(out, sim, rtol=1e-5, atol=1e-5)

@@ -80,7 +80,9 @@ _FUNCTIONS: dict[Callable[..., Any], str] = {
     torch.sigmoid: "Sigmoid", F.sigmoid: "Sigmoid", F.hardswish: "HardSwish", F.hardsigmoid: "HardSigmoid",
     F.gelu: "Gelu", F.silu: "Silu", F.leaky_relu: "LeakyRelu", F.prelu: "PRelu", torch.tanh: "Tanh",
     F.tanh: "Tanh", F.elu: "Elu",
-    F.softmax: "Softmax", torch.softmax: "Softmax", F.layer_norm: "LayerNormalization",
+    F.softmax: "Softmax", torch.softmax: "Softmax", F.log_softmax: "LogSoftmax", torch.log_softmax: "LogSoftmax",
+    F.softplus: "Softplus", F.local_response_norm: "LRN", F.selu: "Selu", torch.selu: "Selu",
+    F.layer_norm: "LayerNormalization",
     F.normalize: "LpNormalization",
     F.batch_norm: "BatchNormalization",
     F.max_pool1d: "MaxPool", F.max_pool2d: "MaxPool", F.max_pool3d: "MaxPool",
@@ -102,7 +104,7 @@ _FUNCTIONS: dict[Callable[..., Any], str] = {
 _METHODS: dict[str, str] = {
     "add": "Add", "add_": "Add", "sub": "Sub", "mul": "Mul", "mul_": "Mul", "div": "Div", "matmul": "MatMul",
     "bmm": "MatMul", "relu": "Relu", "relu_": "Relu", "sigmoid": "Sigmoid", "tanh": "Tanh", "clamp": "Clip",
-    "softmax": "Softmax", "view": "Reshape", "reshape": "Reshape", "flatten": "Flatten", "permute": "Transpose",
+    "softmax": "Softmax", "log_softmax": "LogSoftmax", "view": "Reshape", "reshape": "Reshape", "flatten": "Flatten", "permute": "Transpose",
     "transpose": "Transpose", "swapaxes": "Transpose", "swapdims": "Transpose", "contiguous": "Identity",
     "squeeze": "Squeeze", "unsqueeze": "Unsqueeze", "roll": "Roll", "flip": "Flip",
     "chunk": "Split", "split": "Split", "unbind": "Split", "tensor_split": "Split",
@@ -127,7 +129,8 @@ _MODULES: dict[type, str] = {
     nn.AdaptiveMaxPool2d: "GlobalMaxPool", nn.AdaptiveAvgPool3d: "GlobalAveragePool",
     nn.AdaptiveMaxPool3d: "GlobalMaxPool", nn.Flatten: "Flatten", nn.Upsample: "Resize",
     nn.Identity: "Identity", nn.Dropout: "Identity", nn.Dropout2d: "Identity", nn.Embedding: "Gather",
-    nn.LocalResponseNorm: "LRN", nn.SELU: "Selu", nn.InstanceNorm1d: "InstanceNormalization",
+    nn.LocalResponseNorm: "LRN", nn.SELU: "Selu", nn.LogSoftmax: "LogSoftmax", nn.Softplus: "Softplus",
+    nn.InstanceNorm1d: "InstanceNormalization",
     nn.InstanceNorm2d: "InstanceNormalization", nn.InstanceNorm3d: "InstanceNormalization",
 }
 

@@ -386,11 +386,15 @@ def _selu(b: NcnnBuilder, node: fx.Node) -> None:
 
 @register_ncnn_converter("LRN")
 def _lrn(b: NcnnBuilder, node: fx.Node) -> None:
-    """``LRN`` across channels (0 region_type 0, 1 local_size, 2 alpha, 3 beta, 4 bias): ncnn, torch, ONNX and
-    caffe all compute ``x / (bias + alpha / size * sum of x^2 over the channel window) ** beta``. The window of an even
-    size sits differently in each, so only odd sizes are exported."""
+    """``LRN`` (0 region_type, 1 local_size, 2 alpha, 3 beta, 4 bias). Across channels (0) ncnn, torch, ONNX and
+    caffe all compute ``x / (bias + alpha / size * sum of x^2 over the channel window) ** beta``; the window of an
+    even size sits differently in each, so only odd sizes are exported. Caffe's WITHIN_CHANNEL (1) is the same over a
+    size x size spatial window with bias 1."""
     mod = b.module(node)
-    if mod is not None:
+    region = 0
+    if mod is not None and not hasattr(mod, "k"):  # caffe's WITHIN_CHANNEL: the mean of x^2 over size x size
+        size, alpha, beta, k, region = mod.size, mod.alpha, mod.beta, 1.0, 1  # (pads counted), as ncnn's region 1
+    elif mod is not None:
         size, alpha, beta, k = mod.size, mod.alpha, mod.beta, mod.k
     else:
         size, alpha, beta, k = (_const(b, node, _arg(node, i, n, d), n) for i, (n, d) in
@@ -401,7 +405,7 @@ def _lrn(b: NcnnBuilder, node: fx.Node) -> None:
     if int(size) % 2 == 0:
         raise b.fail(node, f"its window size {size} is even: ncnn centres the window differently from torch",
                      "use an odd local size")
-    b.emit(node, "LRN", [b.blob(x, node)], {0: 0, 1: int(size), 2: float(alpha), 3: float(beta), 4: float(k)})
+    b.emit(node, "LRN", [b.blob(x, node)], {0: region, 1: int(size), 2: float(alpha), 3: float(beta), 4: float(k)})
 
 
 @register_ncnn_converter("InstanceNormalization")
@@ -513,24 +517,56 @@ def _clip(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, "Clip", [b.blob(x, node)], params)
 
 
-@register_ncnn_converter("Softmax", any_batch_dim=True)
-def _softmax(b: NcnnBuilder, node: fx.Node) -> None:
+def _softmax_dim(b: NcnnBuilder, node: fx.Node) -> int:
+    """The one dim a (log-)softmax works along: the module's ``dim`` or the function's, or for ONNX's
+    Softmax-1/11 (the input flattened at ``axis``) the one axis of size > 1 in that tail."""
     mod = b.module(node)
     rank = len(b.shape(node))
     if mod is not None and not hasattr(mod, "dim"):  # ONNX Softmax-1/11: softmax of the input flattened at axis
         dim = int(getattr(mod, "axis", -1)) % rank
         shape = b.shape(node.args[0])
         wide = [d for d in range(dim, rank) if shape[d] != 1]
-        if len(wide) <= 1:  # the tail is one axis of size > 1 between axes of 1 (SqueezeNet's [N, 1000, 1, 1])
-            dim = wide[0] if wide else rank - 1
-        if getattr(mod, "is_log", False) or dim != rank - 1 and len(wide) > 1:
-            raise b.fail(node, "ONNX (log-)softmax before opset 13 over a flattened tail", "use softmax on one axis")
-    else:
-        dim = mod.dim if mod is not None else _arg(node, 1, "dim", None)
+        if len(wide) > 1:
+            raise b.fail(node, "ONNX (log-)softmax before opset 13 over a flattened tail of several axes",
+                         "use softmax on one axis")
+        return wide[0] if wide else rank - 1  # SqueezeNet's [N, 1000, 1, 1] at axis 1: the tail is one axis
+    dim = mod.dim if mod is not None else _arg(node, 1, "dim", None)
     if dim is None:
         raise b.fail(node, "softmax has no explicit dim", "pass dim=...")
-    axis = b.ncnn_axis(node, int(dim), node.args[0])
+    return int(dim)
+
+
+@register_ncnn_converter("Softmax", any_batch_dim=True)
+def _softmax(b: NcnnBuilder, node: fx.Node) -> None:
+    if getattr(b.module(node), "is_log", False):  # onnx2torch's Softmax-1/11 module serves LogSoftmax too
+        _log_softmax(b, node)
+        return
+    axis = b.ncnn_axis(node, _softmax_dim(b, node), node.args[0])
     b.emit(node, "Softmax", [b.blob(node.args[0], node)], {0: axis, 1: 1})
+
+
+@register_ncnn_converter("LogSoftmax", any_batch_dim=True)
+def _log_softmax(b: NcnnBuilder, node: fx.Node) -> None:
+    """ncnn has no log-softmax: ``d - log(sum(exp(d)))`` with ``d = x - max(x)`` along the axis (Reduction max and
+    LogSumExp keeping the axis, two BinaryOp subtractions), finite where ``log(softmax(x))`` would underflow."""
+    x = node.args[0]
+    axis = b.ncnn_axis(node, _softmax_dim(b, node), x)
+    blob = b.blob(x, node)
+    top = b.helper(node, "Reduction", [blob], {0: 4, 1: 0, 3: [axis], 4: 1, 5: 1})
+    shifted = b.helper(node, "BinaryOp", [blob, top], {0: _BINARY["Sub"]})
+    lse = b.helper(node, "Reduction", [shifted], {0: 10, 1: 0, 3: [axis], 4: 1, 5: 1})
+    b.emit(node, "BinaryOp", [shifted, lse], {0: _BINARY["Sub"]})
+
+
+@register_ncnn_converter("Softplus", any_batch_dim=True)
+def _softplus(b: NcnnBuilder, node: fx.Node) -> None:
+    """ncnn's ``Softplus`` is ``log(1 + exp(x))``: torch's with ``beta`` 1 (its ``threshold`` only avoids overflow
+    above it, where both are x within float rounding) and ONNX's."""
+    mod = b.module(node)
+    beta = getattr(mod, "beta", 1.0) if mod is not None else _const(b, node, _arg(node, 1, "beta", 1.0), "beta")
+    if float(beta) != 1.0:
+        raise b.fail(node, f"softplus with beta {beta}", "use beta=1, or scale the input and output around it")
+    b.emit(node, "Softplus", [b.blob(node.args[0], node)])
 
 
 @register_ncnn_converter("LayerNormalization", any_batch_dim=True)
@@ -675,7 +711,7 @@ def _pool_args(b: NcnnBuilder, node: fx.Node) -> dict[str, Any]:
     if mod is not None:
         got = {k: getattr(mod, k) for k in names if hasattr(mod, k)}
     else:
-        is_max = node.target is F.max_pool2d
+        is_max = node.target in (F.max_pool1d, F.max_pool2d)
         order = ("kernel_size", "stride", "padding", "dilation", "ceil_mode") if is_max else (
             "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
         got = {k: _arg(node, i + 1, k, None) for i, k in enumerate(order)}
@@ -700,6 +736,9 @@ def _pool(b: NcnnBuilder, node: fx.Node) -> None:
         return
     if isinstance(getattr(mod, "op", None), (nn.AvgPool2d, nn.MaxPool2d)) and hasattr(mod, "pads"):
         _pool_padded(b, node, mod, is_max)
+        return
+    if isinstance(mod, (nn.MaxPool1d, nn.AvgPool1d)) or node.target in (F.max_pool1d, F.avg_pool1d):
+        _pool1d(b, node, is_max)
         return
     if len(b.shape(x)) != 4 or (mod is not None and not isinstance(mod, (nn.MaxPool2d, nn.AvgPool2d))) or (
             mod is None and node.target not in (F.max_pool2d, F.avg_pool2d)):
@@ -756,6 +795,23 @@ def _pool_padded(b: NcnnBuilder, node: fx.Node, mod: nn.Module, is_max: bool) ->
     if not is_max:
         params[6] = int(not mod.exclude_pad)
     b.emit(node, "Pooling", [b.blob(x, node)], params)
+
+
+def _pool1d(b: NcnnBuilder, node: fx.Node, is_max: bool) -> None:
+    """``Pooling1D`` (0 type, 1 kernel, 2 stride, 3 / 14 left / right pad, 5 pad_mode 1: explicit pads,
+    6 count_include_pad) over an ``(N, C, L)`` tensor's ``(C, L)`` blob; no ceil mode or dilation."""
+    a = _pool_args(b, node)
+    x = node.args[0]
+    one = lambda v: int(v[0] if isinstance(v, (tuple, list)) else v)  # noqa: E731
+    if len(b.shape(x)) != 3 or b.batch_dim(x) != 0 or a.get("ceil_mode") or one(a.get("dilation", 1)) != 1 or \
+            a.get("divisor_override") or a.get("return_indices") or getattr(b.module(node), "return_indices", False):
+        raise b.fail(node, "1-D pooling of a tensor that is not (N, C, L), in ceil mode, dilated or with indices",
+                     "pool (N, C, L) tensors without ceil_mode, dilation or indices")
+    pad = one(a.get("padding", 0))
+    params = {0: 0 if is_max else 1, 1: one(a["kernel_size"]), 2: one(a["stride"]), 3: pad, 14: pad, 5: 1}
+    if not is_max:
+        params[6] = int(bool(a.get("count_include_pad", True)))
+    b.emit(node, "Pooling1D", [b.blob(x, node)], params)
 
 
 def _pool3d(b: NcnnBuilder, node: fx.Node, is_max: bool) -> None:

@@ -91,10 +91,30 @@ def upgrade_for_converters(model: onnx.ModelProto, source: str) -> onnx.ModelPro
                        target, exc)
             continue
         if not _default_domain_gaps(upgraded):
+            if current < 7:
+                _per_channel_slopes(upgraded, _ranks(model))
             _LOG.info("ONNX model %s: ops %s have no converter at opset %d; loading it upgraded to opset %d by "
                       "onnx's version converter", source, sorted({g.op_type for g in gaps}), current, target)
             return upgraded
     return model
+
+
+def _ranks(model: onnx.ModelProto) -> dict[str, int]:
+    infos = [*model.graph.input, *model.graph.value_info]
+    return {i.name: len(i.type.tensor_type.shape.dim) for i in infos if i.type.tensor_type.HasField("shape")}
+
+
+def _per_channel_slopes(model: onnx.ModelProto, ranks: dict[str, int]) -> None:
+    """``PRelu`` before opset 7 applies a slope of shape ``(C,)`` along dim 1; from 7 on a slope broadcasts
+    numpy-style (along the last dim), and onnx's version converter has no adapter for that change. Such slopes of an
+    upgraded model become ``(C, 1, ..., 1)`` for inputs of rank 3 and more."""
+    inits = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type != "PRelu" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+            continue
+        slope, rank = inits.get(node.input[1]), ranks.get(node.input[0], 0)
+        if slope is not None and len(slope.dims) == 1 and slope.dims[0] > 1 and rank >= 3:
+            slope.dims[:] = [slope.dims[0]] + [1] * (rank - 2)
 
 
 def _describe(gap: Gap, nodes: list[str]) -> str:
