@@ -92,19 +92,22 @@ def _input_values(args: argparse.Namespace) -> dict[str, Any] | None:
     return _named_items(args, "input-value")
 
 
-def _parse_batch_dim(text: str) -> tuple[str, int]:
-    """``state=1``: ``(name, dim)`` for ``--batch-dim`` (argparse names the flag on a bad value)."""
+def _parse_batch_dim(text: str) -> tuple[str, int | None]:
+    """``state=1`` / ``t=none``: ``(name, dim or None)`` for ``--batch-dim`` (argparse names the flag on a bad
+    value)."""
     name, sep, raw = text.partition("=")
+    if sep and name.strip() and raw.strip().lower() == "none":
+        return name.strip(), None
     try:
         dim = int(raw)
     except ValueError:
         dim = None
     if not sep or not name.strip() or dim is None:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=DIM, e.g. state=1")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=DIM or NAME=none, e.g. state=1")
     return name.strip(), dim
 
 
-def _batch_dims(args: argparse.Namespace) -> dict[str, int] | None:
+def _batch_dims(args: argparse.Namespace) -> dict[str, int | None] | None:
     return _named_items(args, "batch-dim")
 
 
@@ -175,7 +178,7 @@ class _Loaded:
 
 def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None,
                outputs: list[str] | None = None, input_values: dict[str, Any] | None = None,
-               batch_dims: dict[str, int] | None = None) -> _Loaded:
+               batch_dims: dict[str, int | None] | None = None) -> _Loaded:
     """Load ``spec``: an ``.onnx`` file, a ``.prototxt`` (+ caffemodel), a ``.fxq`` file (:func:`fxq.save`) or
     ``module:factory``. ``outputs``: ONNX tensor names to cut the graph at (``load_onnx(outputs=...)``);
     ``input_values``: ONNX inputs made constants (``load_onnx(input_values=...)``); ``batch_dims``: where ONNX
@@ -723,7 +726,8 @@ def _model_args(p: argparse.ArgumentParser, calib_required: bool = True) -> None
                         "as a sample rate, so an If on it folds); repeat for several inputs")
     p.add_argument("--batch-dim", action="append", metavar="NAME=DIM", type=_parse_batch_dim,
                    help="ONNX models: the batch of input or output NAME is dim DIM, not dim 0 (a recurrent state "
-                        "[2, batch, 128]) where the file does not name it; read by the ncnn export; repeat")
+                        "[2, batch, 128]) where the file does not name it, or NAME=none for a tensor without a batch "
+                        "dim; read by the ncnn export; repeat")
     p.add_argument("--dtype", default=None, type=_dtype_name, help="convert calibration tensors to this dtype (default: keep; "
                                                  "float64 -> float32; raw files float32)")
     p.add_argument("--layout", default="NCHW", choices=["NCHW", "NHWC"], help="image layout (default NCHW)")

@@ -114,7 +114,7 @@ def test_unnamed_dims_refused_with_advice_that_works(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("dims, match", [
     ({"nope": 1}, r"'nope' is not an input or output of the model; its inputs and outputs are \['out', 'state', "),
-    ({"state": 3}, r"'state' has rank 3; its batch dim must be an integer in \[-3, 2\], got 3"),
+    ({"state": 3}, r"'state' has rank 3; its batch dim must be an integer in \[-3, 2\], or None for no batch dim, got 3"),
     ({"state": "1"}, r"got '1'"),
 ])
 def test_batch_dims_errors(tmp_path: Path, dims: dict, match: str) -> None:
@@ -228,3 +228,56 @@ def test_the_first_inputs_given_batch_dim_names_the_batch_symbol(tmp_path: Path)
     assert (source_batch_dim(gm, output=0), source_batch_dim(gm, output=1)) == (1, 1)
     plain = fxq.load_onnx(tmp_path / "t.onnx", input_shapes=shapes)  # without: dim 0's symbol, seq, is the batch's
     assert source_batch_dim(plain, next(n for n in plain.graph.nodes if n.op == "placeholder")) == 0
+
+
+def _control_input_model() -> Any:
+    """An ONNX image branch scaled per channel by a 1-D control input ``t [4]`` (no batch), which also gives an
+    output of its own (``ts [4]``)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    axes = numpy_helper.from_array(np.array([0, 2, 3], np.int64), "axes")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Unsqueeze", ["t", "axes"], ["t4"]), helper.make_node("Mul", ["r", "t4"], ["y"]),
+             helper.make_node("Sigmoid", ["t"], ["ts"])]
+    f = onnx.TensorProto.FLOAT
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, ["batch", 3, 8, 8]),
+                                           helper.make_tensor_value_info("t", f, [4])],
+                              [helper.make_tensor_value_info("y", f, ["batch", 4, 8, 8]),
+                               helper.make_tensor_value_info("ts", f, [4])], [w, axes])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def test_an_input_without_batch_is_refused_with_advice_that_works(tmp_path: Path) -> None:
+    model = _control_input_model()
+    x, t = torch.randn(1, 3, 8, 8), torch.rand(4)
+    q = fxq.quantize(fxq.load_onnx(model), [(x, t)], platform="ncnn_int8", progress=False)
+    with pytest.raises(fxq.ExportError, match=r"node 't'.*shape \(4,\) has rank 0 without the batch dimension.*"
+                                              r"batch_dims=\{'t': None\}\) \(CLI: --batch-dim t=none\)"):
+        fxq.export(q, "ncnn_int8", tmp_path / "refused")
+    q = fxq.quantize(fxq.load_onnx(model, batch_dims={"t": None, "ts": None}), [(x, t)], platform="ncnn_int8",
+                     progress=False)
+    fxq.export(q, "ncnn_int8", tmp_path / "m")
+    with torch.no_grad():
+        sim = q(x, t)
+        with fxq.fp32_mode(q):
+            fp32 = q(x, t)
+    for int8 in (True, False):
+        y, ts = sim if int8 else fp32
+        stem = "m" if int8 else "m.fp32"
+        net = ncnn_net(tmp_path / f"{stem}.param", tmp_path / f"{stem}.bin", int8=int8)
+        ex = net.create_extractor()
+        ex.input("in0", ncnn.Mat(x[0].numpy()).clone())
+        ex.input("in1", ncnn.Mat(t.numpy()).clone())
+        got_y, got_ts = (np.array(ex.extract(f"out{k}")[1]) for k in range(2))
+        assert got_ts.shape == (4,)
+        np.testing.assert_allclose(got_ts, ts.numpy(), atol=1e-6)
+        np.testing.assert_allclose(got_y, y[0].numpy(), atol=1e-4 * max(1.0, float(y.abs().max())))
+
+
+def test_cli_batch_dim_none() -> None:
+    from fxq import cli
+
+    assert cli._parse_batch_dim("t=none") == ("t", None)
+    assert cli._parse_batch_dim("state=1") == ("state", 1)

@@ -258,3 +258,24 @@ def test_prelu6_per_channel_slope_survives_the_upgrade_and_the_export(tmp_path):
     for level in LEVELS:
         out = _ort(onnx.load(str(path)), [x], level)[0]
         np.testing.assert_allclose(out, sim, rtol=1e-5, atol=1e-5)
+
+
+def test_integer_shape_input_keeps_its_example_values_for_the_export(tmp_path):
+    """The onnx package's ``test_expand_shape_model``: a graph input carries Expand's target shape. The exporter
+    traced it with zeros (an Expand to ``[0, ...]``) and torch.onnx failed; it now uses the example batch's values,
+    also after a save / load."""
+    x = RNG.standard_normal((3, 1)).astype(np.float32)
+    shape = np.array([3, 4], np.int64)
+    nodes = [helper.make_node("Expand", ["x", "shape"], ["e"]), helper.make_node("Relu", ["e"], ["y"])]
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", [_vi("x", [3, 1]), _vi("shape", [2], TensorProto.INT64)], [_vi("y", None)]),
+        opset_imports=[helper.make_opsetid("", 13)])
+    batch = (torch.from_numpy(x), torch.from_numpy(shape))
+    q = fxq.quantize(fxq.load_onnx(model), [batch], platform="trt_int8", progress=False)
+    fxq.save(q, tmp_path / "m.fxq")
+    for gm in (q, fxq.load(tmp_path / "m.fxq")):
+        path = fxq.export(gm, "trt_int8", tmp_path / "m.onnx")[0]
+        with torch.no_grad():
+            sim = gm(*batch).numpy()
+        for level in LEVELS:
+            np.testing.assert_allclose(_ort(onnx.load(str(path)), [x, shape], level)[0], sim, rtol=1e-6, atol=1e-6)

@@ -18,6 +18,7 @@ __all__ = [
     "to_device",
     "source_dynamic_dims",
     "source_batch_dim",
+    "source_unbatched",
     "onnx_input_name",
     "doubled_dim_probes",
     "iter_batches",
@@ -33,6 +34,9 @@ __all__ = [
     "diagnose_block_failure",
     "algorithm_errors",
     "check_steps",
+    "record_example_values",
+    "example_value",
+    "EXAMPLE_VALUES_KEY",
 ]
 
 logger = logging.getLogger(__name__)
@@ -42,6 +46,34 @@ R = TypeVar("R")
 # Set by iter_batches while the batch it just yielded has other non-batch sizes than the first one: first_batch_errors
 # then reports a model failure on it as a CalibrationError naming the batch and the shapes.
 _RESIZED_BATCH: contextvars.ContextVar[str | None] = contextvars.ContextVar("fxq_resized_batch", default=None)
+
+
+EXAMPLE_VALUES_KEY = "fxq_example_values"
+"""``gm.meta`` key: the example batch's non-float inputs by placeholder name (:func:`record_example_values`)."""
+_MAX_EXAMPLE_VALUES = 4096
+
+
+def record_example_values(gm: fx.GraphModule, args: Sequence[Any]) -> None:
+    """Keep the example batch's small non-float inputs (a target shape, sizes, indices, a mode flag) in
+    ``gm.meta``, for exporters that trace the model on inputs of their own: integer inputs made up as zeros give an
+    ``Expand`` to ``[0, ...]`` or an empty gather, and the trace fails or records another graph."""
+    kept = {node.name: value.detach().cpu().clone()
+            for node, value in zip(_placeholders(gm), args)
+            if isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
+            and value.numel() <= _MAX_EXAMPLE_VALUES}
+    if kept:
+        gm.meta[EXAMPLE_VALUES_KEY] = kept
+
+
+def example_value(gm: fx.GraphModule, placeholder: fx.Node, shape: Sequence[int], dtype: torch.dtype
+                  ) -> torch.Tensor | None:
+    """The recorded example value of a non-float input (:func:`record_example_values`) when it has this shape and
+    dtype; else None."""
+    kept = gm.meta.get(EXAMPLE_VALUES_KEY) if isinstance(getattr(gm, "meta", None), dict) else None
+    value = kept.get(placeholder.name) if isinstance(kept, dict) else None
+    if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(shape) and value.dtype == dtype:
+        return value.clone()
+    return None
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -196,11 +228,10 @@ def onnx_input_name(placeholder: fx.Node) -> str:
     return names[0] if names else placeholder.name
 
 
-def source_batch_dim(model: nn.Module, placeholder: fx.Node | None = None, output: int | None = None) -> int | None:
-    """The dim of an input (``placeholder``) or of graph output number ``output`` that holds the batch by the
-    model's source ONNX file: where its declared shape has the symbol that the first input has at dim 0 (silero's
-    ``state`` and ``stateN`` are ``[2, batch, 128]`` beside ``input`` ``[batch, sequence]``), or as
-    ``load_onnx(batch_dims=...)`` gave it; None where neither says (a native model, fixed or unnamed dims)."""
+def _source_tensor(model: nn.Module, placeholder: fx.Node | None, output: int | None
+                   ) -> tuple[dict[str, Any], str, list[Any]] | None:
+    """The source ONNX file's record of an input or output: (the model's ``meta["onnx"]``, its name, its declared
+    dims); None for a model without a source file."""
     meta = getattr(model, "meta", None)
     onnx_meta = meta.get("onnx") if isinstance(meta, dict) else None
     if not isinstance(onnx_meta, dict):
@@ -210,17 +241,40 @@ def source_batch_dim(model: nn.Module, placeholder: fx.Node | None = None, outpu
         return None
     if placeholder is not None:
         name = onnx_input_name(placeholder)
-        dims = inputs.get(name) or []
-    else:
-        declared = list(outputs.items()) if isinstance(outputs, dict) else []
-        name, dims = declared[output] if output is not None and output < len(declared) else ("", [])
+        return onnx_meta, name, list(inputs.get(name) or [])
+    declared = list(outputs.items()) if isinstance(outputs, dict) else []
+    name, dims = declared[output] if output is not None and output < len(declared) else ("", [])
+    return onnx_meta, name, list(dims)
+
+
+def source_batch_dim(model: nn.Module, placeholder: fx.Node | None = None, output: int | None = None) -> int | None:
+    """The dim of an input (``placeholder``) or of graph output number ``output`` that holds the batch by the
+    model's source ONNX file: where its declared shape has the symbol that the first input has at dim 0 (silero's
+    ``state`` and ``stateN`` are ``[2, batch, 128]`` beside ``input`` ``[batch, sequence]``), or as
+    ``load_onnx(batch_dims=...)`` gave it; None where neither says (a native model, fixed or unnamed dims) or where
+    ``batch_dims`` says the tensor has no batch (:func:`source_unbatched`)."""
+    found = _source_tensor(model, placeholder, output)
+    if found is None:
+        return None
+    onnx_meta, name, dims = found
     given = onnx_meta.get("batch_dims") or {}
     if name in given:  # load_onnx(batch_dims=...)
         return given[name]
-    first_name, first = next(iter(inputs.items()))
-    at = given.get(first_name, 0)  # the first input's batch dim, as given or dim 0
+    first_name, first = next(iter(onnx_meta["source_input_shapes"].items()))
+    at = given.get(first_name, 0) or 0  # the first input's batch dim, as given or dim 0
     symbol = first[at] if first and at < len(first) and isinstance(first[at], str) and first[at] else None
     return dims.index(symbol) if symbol is not None and symbol in dims else None
+
+
+def source_unbatched(model: nn.Module, placeholder: fx.Node | None = None, output: int | None = None) -> bool:
+    """Whether ``load_onnx(batch_dims={name: None})`` says this input or output has no batch dim (a time step, a
+    shape, a 1-D control vector): runtimes without a batch (ncnn) take it whole."""
+    found = _source_tensor(model, placeholder, output)
+    if found is None:
+        return False
+    onnx_meta, name, _ = found
+    given = onnx_meta.get("batch_dims") or {}
+    return name in given and given[name] is None
 
 
 def doubled_dim_probes(args: tuple, wanted: Sequence[tuple[int, int]],

@@ -43,7 +43,13 @@ from fxq.backends.ncnn.writer import Int8Scales, NcnnLayer, NcnnModel, drop_dim,
 from fxq.backends.qdq.lowering import example_inputs_for
 from fxq.errors import ExportError
 from fxq.functional import fake_quantize
-from fxq.graph.data import doubled_dim_probes, onnx_input_name, source_batch_dim, source_dynamic_dims
+from fxq.graph.data import (
+    doubled_dim_probes,
+    onnx_input_name,
+    source_batch_dim,
+    source_dynamic_dims,
+    source_unbatched,
+)
 from fxq.graph.info import is_quantizer_node
 from fxq.graph.nodes import get_attr_value, output_shapes
 from fxq.graph.op_types import op_type
@@ -701,7 +707,7 @@ class NcnnBuilder:
     def _placeholder_batch_dim(self, node: fx.Node) -> int | None:
         """The dim of input ``node`` that its blob leaves out: None for unbatched inputs, else where the source
         ONNX file puts the batch symbol (:func:`~fxq.graph.data.source_batch_dim`), else 0."""
-        if self.unbatched_inputs:
+        if self.unbatched_inputs or source_unbatched(self.gm, node):
             return None
         found = source_batch_dim(self.gm, node)
         return 0 if found is None else found
@@ -712,9 +718,16 @@ class NcnnBuilder:
         self._batch_dims[node] = self._placeholder_batch_dim(node)
         shape = self.blob_shape(node)
         if not 1 <= len(shape) <= 4:
-            batch = "" if self.unbatched_inputs else " without the batch dimension"
+            batched = self._batch_dims[node] is not None
+            batch = " without the batch dimension" if batched else ""
+            fix = "reshape the input"
+            if batched and not len(shape) and "onnx" in self.gm.meta:
+                name = onnx_input_name(node)
+                fix = (f"if dim 0 of input {name!r} is not a batch (a time step, a shape, a 1-D control value), "
+                       f"load the file with fxq.load_onnx(..., batch_dims={{{name!r}: None}}) (CLI: --batch-dim "
+                       f"{name}=none), so that ncnn takes it whole; else reshape the input")
             raise self.fail(node, f"input of shape {self.shape(node)} has rank {len(shape)}{batch}; ncnn blobs "
-                            "have rank 1 to 4", "reshape the input")
+                            "have rank 1 to 4", fix)
         params = shape_params(shape)
         name = f"in{len(self.model.inputs)}"
         self._layer_names.add(name)
@@ -739,6 +752,14 @@ class NcnnBuilder:
                 raise self.fail(src, f"it is graph output {i}, of shape {self.shape(src)}, with more than 4 dims "
                                 "besides the batch; ncnn blobs have at most 4", "return a tensor of at most 4 dims "
                                 "besides the batch (reshape it in the model; the caller can reshape it back)")
+            if source_unbatched(self.gm, output=i):  # load_onnx(batch_dims={name: None}): the whole value
+                if self.batch_dim(src) is not None:
+                    if not 1 <= len(self.shape(src)) <= 4:
+                        raise self.fail(src, f"it is graph output {i}, of shape {self.shape(src)}, declared without a "
+                                        "batch dim; ncnn blobs have rank 1 to 4", "return a tensor of rank 1 to 4")
+                    self.emit(src, "Reshape", [self.blob_of[src]], shape_params(self.shape(src)), batch_dim=None)
+                self.model.outputs.append(self.blob_of[src])
+                continue
             declared = source_batch_dim(self.gm, output=i)  # the source file's batch dim of this output
             batch = 0 if declared is None else declared
             if self.batch_dim(src) != batch and not (self.unbatched_inputs and self.batch_dim(src) is None):

@@ -272,6 +272,10 @@ def _deconv(b: NcnnBuilder, node: fx.Node) -> None:
 @register_ncnn_converter("Gemm", any_batch_dim=True)
 def _linear(b: NcnnBuilder, node: fx.Node) -> None:
     mod = b.module(node)
+    if mod is not None and not hasattr(mod, "weight"):  # onnx2torch's OnnxGemm: B computed, or alpha / transA set
+        raise b.fail(node, "an ONNX Gemm whose B operand is computed in the network or that transposes A / scales by "
+                     "alpha (ncnn's InnerProduct multiplies by a stored weight)",
+                     "multiply by a stored weight matrix (a Linear layer)")
     if mod is not None:
         x, w_arg, bias_arg = node.args[0], mod.weight, mod.bias
     elif node.target is F.linear:

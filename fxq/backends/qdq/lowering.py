@@ -42,6 +42,7 @@ from fxq.backends.qdq.onnx_graph import (
     unique_name,
 )
 from fxq.errors import ExportError
+from fxq.graph.data import example_value
 from fxq.graph.export_capture import FIXED_BATCH_KEY
 from fxq.graph.nodes import eval_mode, value_read_nodes
 from fxq.io import write_error
@@ -68,7 +69,8 @@ class Lowered:
 
 
 def example_inputs_for(gm: fx.GraphModule, example_inputs: Any = None) -> tuple:
-    """Inputs for tracing the export: the user's, or tensors shaped like the calibration batch."""
+    """Inputs for tracing the export: the user's, or tensors shaped like the calibration batch (random floats; its
+    own values for non-float inputs, :func:`fxq.graph.data.record_example_values`)."""
     if example_inputs is not None:
         if isinstance(example_inputs, torch.Tensor):
             return (example_inputs,)
@@ -88,8 +90,9 @@ def example_inputs_for(gm: fx.GraphModule, example_inputs: Any = None) -> tuple:
         shape, dtype = tuple(val.shape), val.dtype
         if dtype.is_floating_point:
             args.append(torch.randn(shape, generator=gen).to(dtype))
-        else:
-            args.append(torch.zeros(shape, dtype=dtype))
+        else:  # a shape, sizes or indices: the calibration example's values, zeros where none was kept
+            kept = example_value(gm, node, shape, dtype)
+            args.append(kept if kept is not None else torch.zeros(shape, dtype=dtype))
     device = next((p.device for p in gm.parameters()), torch.device("cpu"))
     return tuple(a.to(device) for a in args)
 

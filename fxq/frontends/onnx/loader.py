@@ -141,7 +141,7 @@ def load_onnx(
     verify: bool | str = "auto",
     outputs: Sequence[str] | None = None,
     input_values: Mapping[str, Any] | None = None,
-    batch_dims: Mapping[str, int] | None = None,
+    batch_dims: Mapping[str, int | None] | None = None,
 ) -> fx.GraphModule:
     """Load an ONNX model as a ``torch.fx.GraphModule`` whose nodes carry their ONNX names.
 
@@ -170,8 +170,9 @@ def load_onnx(
             loaded graph and its exports no longer take them.
         batch_dims: ``{input or output name: dim}`` for tensors whose batch is not dim 0 where the file does not
             say so by name (silero VAD's ``state`` is ``[2, batch, 128]``; a file with named dims tells by the
-            symbol at dim 0 of the first input). Read by exports to runtimes without a batch (ncnn), which drop
-            that dim from the tensor's blob.
+            symbol at dim 0 of the first input), or ``None`` for a tensor without a batch dim (a time step, a
+            shape). Read by exports to runtimes without a batch (ncnn), which drop that dim from the tensor's blob
+            (and keep a tensor without one whole).
 
     Returns:
         The converted ``GraphModule`` in eval mode.

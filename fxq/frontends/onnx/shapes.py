@@ -94,15 +94,18 @@ def fix_input_shapes(model: onnx.ModelProto, input_shapes: Mapping[str, Sequence
     return fixed
 
 
-def check_batch_dims(batch_dims: Mapping[str, int] | None, declared: Mapping[str, Sequence[object]],
-                     source: str) -> dict[str, int]:
+def check_batch_dims(batch_dims: Mapping[str, int | None] | None, declared: Mapping[str, Sequence[object]],
+                     source: str) -> dict[str, int | None]:
     """``load_onnx(batch_dims=...)`` checked against the file's inputs and outputs (``declared``: their declared
-    dims by name), negative dims made positive; FrontendError naming what does not fit."""
-    checked: dict[str, int] = {}
+    dims by name), negative dims made positive, None kept (no batch dim); FrontendError naming what does not fit."""
+    checked: dict[str, int | None] = {}
     for name, dim in (batch_dims or {}).items():
         if name not in declared:
             raise FrontendError(f"load_onnx({source!r}, batch_dims=...): {name!r} is not an input or output of the "
                                 f"model; its inputs and outputs are {sorted(declared)}")
+        if dim is None:
+            checked[name] = None
+            continue
         rank = len(declared[name])
         if rank == 0:
             raise FrontendError(f"load_onnx({source!r}, batch_dims=...): the file does not declare the rank of "
@@ -110,7 +113,7 @@ def check_batch_dims(batch_dims: Mapping[str, int] | None, declared: Mapping[str
                                 "the file declares")
         if isinstance(dim, bool) or not isinstance(dim, int) or not -rank <= dim < rank:
             raise FrontendError(f"load_onnx({source!r}, batch_dims=...): {name!r} has rank {rank}; its batch dim "
-                                f"must be an integer in [{-rank}, {rank - 1}], got {dim!r}")
+                                f"must be an integer in [{-rank}, {rank - 1}], or None for no batch dim, got {dim!r}")
         checked[name] = dim % rank
     return checked
 
