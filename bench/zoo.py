@@ -279,7 +279,9 @@ def ncnn_run(net: Any, args: tuple, n_outputs: int, param: Path | None = None) -
     ex = net.create_extractor()
     for i, a in enumerate(args):
         whole = ranks.get(f"in{i}") == a.dim()
-        ex.input(f"in{i}", ncnn.Mat(np.ascontiguousarray((a if whole else a[0]).numpy())).clone())
+        value = (a if whole else a[0]).numpy()  # ncnn computes in float32 (a float64 array would be misread)
+        ex.input(f"in{i}", ncnn.Mat(np.ascontiguousarray(value.astype(np.float32) if value.dtype == np.float64
+                                                         else value)).clone())
     outs = []
     for i in range(n_outputs):
         ret, m = ex.extract(f"out{i}")
@@ -377,53 +379,66 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
                 row(platform, "export", _error(exc))
                 continue
             try:
-                from fxq.parts import quantized_parts
-
-                if quantized_parts(qmodel):
-                    cos = _parts_cosines(qmodel, files, f"{name}_{path}_{platform}", fresh, platform)
-                    worst = min(cos.values())
-                    status = "ok" if worst >= COSINE_BAR else f"Mismatch: cosine {worst:.5f} < {COSINE_BAR}"
-                    row(platform, "runtime", status, **{f"cosine_{k}": round(v, 6) for k, v in cos.items()})
-                    continue
-                with torch.no_grad():
-                    sim = _flat(qmodel(*fresh))
-                if sim is None:
-                    raise RuntimeError("the model has no tensor outputs to compare")
-                if platform == "ncnn_int8":
-                    outs = qmodel(*fresh)
-                    n_out = len(outs) if isinstance(outs, (list, tuple)) else 1
-                    param = next(f for f in files if f.name.endswith(".param") and not f.name.endswith(".fp32.param"))
-                    cos = {"ncnn": cosine(ncnn_run(ncnn_net(files), fresh, n_out, param), sim.numpy())}
-                    diagnosed = param
-                else:
-                    cos = {"ort": cosine(_run_ort(files[0], fresh, True), sim.numpy()),
-                           "ort_disable_all": cosine(_run_ort(files[0], fresh, False), sim.numpy())}
-                    diagnosed = files[0]
-                worst = min(cos.values())
+                status, extra = check_runtime(qmodel, files, fresh, platform, f"{name}_{path}_{platform}")
             except Exception as exc:
                 row(platform, "runtime", _error(exc))
                 continue
-            try:  # a failed diagnosis leaves the measured cosine standing
-                extra = {} if worst >= COSINE_BAR else _diagnose(qmodel, diagnosed, fresh, sim)
-            except Exception as exc:
-                extra = {"diagnosis": _error(exc)}
-            status = "ok" if worst >= COSINE_BAR else f"Mismatch: cosine {worst:.5f} < {COSINE_BAR}"
-            peak = float(sim.abs().max()) if sim.numel() else 0.0
-            if worst < COSINE_BAR and peak <= DEGENERATE_OUTPUT:
-                status = (f"Degenerate: cosine {worst:.5f} < {COSINE_BAR}; the simulation's output is at most "
-                          f"{peak:.1e} everywhere (activations vanish at random init), so cosine compares rounding "
-                          f"noise")
-            elif cos.get("ort_disable_all", 0.0) >= COSINE_BAR > cos.get("ort", 1.0):
-                status = (f"Fused: cosine {worst:.5f} < {COSINE_BAR} in onnxruntime's default session only "
-                          f"(ORT_DISABLE_ALL {cos['ort_disable_all']:.5f}): its fused int8 kernels compute the file "
-                          "differently from its Q/DQ ops")
-            elif extra.get("tf_max_code_diff", 2) <= 1 and extra.get("cosine_sim_perturbed", 1.0) < COSINE_BAR:
-                where = "ncnn" if platform == "ncnn_int8" else "ORT_DISABLE_ALL"
-                status = (f"Sensitive: cosine {worst:.5f} < {COSINE_BAR}; teacher-forced codes ({where}) "
-                          f"within 1 LSB, the simulation against itself on a 1e-4 perturbed input "
-                          f"reaches {extra['cosine_sim_perturbed']:.5f}")
-            row(platform, "runtime", status, **{f"cosine_{k}": round(v, 6) for k, v in cos.items()}, **extra)
+            row(platform, "runtime", status, **extra)
     return rows
+
+
+def check_runtime(qmodel: Any, files: list[Path], fresh: tuple, platform: str, stem: str
+                  ) -> tuple[str, dict[str, Any]]:
+    """The exported ``files`` run on ``fresh`` in their runtime (onnxruntime's default session and
+    ``ORT_DISABLE_ALL``, or ncnn) against ``qmodel``'s simulation: ``("ok", cosines)`` at cosine >= the bar, else
+    the row's class (``Mismatch``, ``Degenerate``, ``Fused``, ``Sensitive``: see the module docstring) with the
+    cosines and the diagnosis columns. A model quantized in parts is checked part by part (``stem``: the export's
+    file stem). Raises what the runtime raises."""
+    import torch
+
+    from fxq.parts import quantized_parts
+
+    files = [Path(f) for f in files]
+    if quantized_parts(qmodel):
+        cos = _parts_cosines(qmodel, files, stem, fresh, platform)
+        worst = min(cos.values())
+        status = "ok" if worst >= COSINE_BAR else f"Mismatch: cosine {worst:.5f} < {COSINE_BAR}"
+        return status, {f"cosine_{k}": round(v, 6) for k, v in cos.items()}
+    with torch.no_grad():
+        outs = qmodel(*fresh)
+    sim = _flat(outs)
+    if sim is None:
+        raise RuntimeError("the model has no tensor outputs to compare")
+    if platform == "ncnn_int8":
+        n_out = len(outs) if isinstance(outs, (list, tuple)) else 1
+        param = next(f for f in files if f.name.endswith(".param") and not f.name.endswith(".fp32.param"))
+        cos = {"ncnn": cosine(ncnn_run(ncnn_net(files), fresh, n_out, param), sim.numpy())}
+        diagnosed = param
+    else:
+        cos = {"ort": cosine(_run_ort(files[0], fresh, True), sim.numpy()),
+               "ort_disable_all": cosine(_run_ort(files[0], fresh, False), sim.numpy())}
+        diagnosed = files[0]
+    worst = min(cos.values())
+    try:  # a failed diagnosis leaves the measured cosine standing
+        extra = {} if worst >= COSINE_BAR else _diagnose(qmodel, diagnosed, fresh, sim)
+    except Exception as exc:
+        extra = {"diagnosis": _error(exc)}
+    status = "ok" if worst >= COSINE_BAR else f"Mismatch: cosine {worst:.5f} < {COSINE_BAR}"
+    peak = float(sim.abs().max()) if sim.numel() else 0.0
+    if worst < COSINE_BAR and peak <= DEGENERATE_OUTPUT:
+        status = (f"Degenerate: cosine {worst:.5f} < {COSINE_BAR}; the simulation's output is at most "
+                  f"{peak:.1e} everywhere (activations vanish at random init), so cosine compares rounding "
+                  f"noise")
+    elif cos.get("ort_disable_all", 0.0) >= COSINE_BAR > cos.get("ort", 1.0):
+        status = (f"Fused: cosine {worst:.5f} < {COSINE_BAR} in onnxruntime's default session only "
+                  f"(ORT_DISABLE_ALL {cos['ort_disable_all']:.5f}): its fused int8 kernels compute the file "
+                  "differently from its Q/DQ ops")
+    elif extra.get("tf_max_code_diff", 2) <= 1 and extra.get("cosine_sim_perturbed", 1.0) < COSINE_BAR:
+        where = "ncnn" if platform == "ncnn_int8" else "ORT_DISABLE_ALL"
+        status = (f"Sensitive: cosine {worst:.5f} < {COSINE_BAR}; teacher-forced codes ({where}) "
+                  f"within 1 LSB, the simulation against itself on a 1e-4 perturbed input "
+                  f"reaches {extra['cosine_sim_perturbed']:.5f}")
+    return status, {**{f"cosine_{k}": round(v, 6) for k, v in cos.items()}, **extra}
 
 
 def _diagnose(qmodel: Any, file: Path, args: tuple, sim: Any) -> dict[str, Any]:
