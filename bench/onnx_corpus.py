@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zoo import PLATFORMS, _error, check_runtime  # noqa: E402  (the zoo's runtime check and classes)
+from zoo import PLATFORMS, _error, check_runtime, record_rows  # noqa: E402  (the zoo's runtime check)
 
 SETS = ("light", "pytorch-converted", "pytorch-operator", "simple")
 
@@ -237,13 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         writer.writeheader()
         for item in items:
             t0 = time.perf_counter()
-            got = run_one(item, platforms, args.timeout)
-            rows.extend(got)
-            writer.writerows(got)
-            fh.flush()
-            bad = [f"{r['platform']}/{r['step']}: {r['status']}" for r in got if r["status"] != "ok"]
-            print(f"{item[0]:18s} {item[1]:44s} {time.perf_counter() - t0:6.1f} s  "
-                  f"{'ok' if not bad else bad[0][:140]}", flush=True)
+            record_rows(run_one(item, platforms, args.timeout), rows, writer, fh, f"{item[0]:18s} {item[1]:44s}", t0)
     print()
     print(summarize(rows, platforms))
     return 0

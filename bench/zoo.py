@@ -513,6 +513,16 @@ def run_one(name: str, family: str, path: str, platforms: list[str], timeout: fl
              "status": f"Crash (exit {proc.returncode}): {tail}"}]
 
 
+def record_rows(got: list[dict[str, Any]], rows: list[dict[str, Any]], writer: Any, fh: Any, label: str,
+                t0: float) -> None:
+    """Keep one run's rows, write them to the CSV at once (a long run can be read midway) and print one line."""
+    rows.extend(got)
+    writer.writerows(got)
+    fh.flush()
+    bad = [f"{r['platform']}/{r['step']}: {r['status']}" for r in got if r["status"] != "ok"]
+    print(f"{label} {time.perf_counter() - t0:6.1f} s  {'ok' if not bad else bad[0][:150]}", flush=True)
+
+
 def summarize(rows: list[dict[str, Any]], paths: list[str], platforms: list[str]) -> str:
     """Markdown: per family, for each path, models passing every step of each platform; then the failure classes."""
     fams: dict[str, set[str]] = defaultdict(set)
@@ -618,13 +628,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             for path in paths:
                 t0 = time.perf_counter()
-                got = run_one(name, fams[name], path, platforms, args.timeout)
-                rows.extend(got)
-                writer.writerows(got)
-                fh.flush()
-                bad = [f"{r['platform']}/{r['step']}: {r['status']}" for r in got if r["status"] != "ok"]
-                print(f"{name:32s} {path:9s} {time.perf_counter() - t0:6.1f} s  "
-                      f"{'ok' if not bad else bad[0][:150]}", flush=True)
+                record_rows(run_one(name, fams[name], path, platforms, args.timeout), rows, writer, fh,
+                            f"{name:32s} {path:9s}", t0)
     print()
     print(summarize(rows, paths, platforms))
     return 0
