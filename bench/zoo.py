@@ -279,9 +279,9 @@ def ncnn_run(net: Any, args: tuple, n_outputs: int, param: Path | None = None) -
     ex = net.create_extractor()
     for i, a in enumerate(args):
         whole = ranks.get(f"in{i}") == a.dim()
-        value = (a if whole else a[0]).numpy()  # ncnn computes in float32 (a float64 array would be misread)
-        ex.input(f"in{i}", ncnn.Mat(np.ascontiguousarray(value.astype(np.float32) if value.dtype == np.float64
-                                                         else value)).clone())
+        value = (a if whole else a[0]).numpy()  # ncnn reads float32 (a float64 array would be misread), ids int32
+        cast = {np.dtype(np.float64): np.float32, np.dtype(np.int64): np.int32}.get(value.dtype)
+        ex.input(f"in{i}", ncnn.Mat(np.ascontiguousarray(value if cast is None else value.astype(cast))).clone())
     outs = []
     for i in range(n_outputs):
         ret, m = ex.extract(f"out{i}")

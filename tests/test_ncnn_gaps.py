@@ -1771,3 +1771,50 @@ def test_pool1d(tmp_path: Path, form: str, pool: str) -> None:
     source = model if form == "torch" else _onnx(model, (1, 3, 11), tmp_path / "m.onnx")
     _, files = check(source, (1, 3, 11), tmp_path / "m")
     assert any(line.startswith("Pooling1D") for line in files["param"].read_text().splitlines())
+
+
+class _Text(nn.Module):
+    """Token ids -> embedding -> Linear -> ReLU (a text model's first layers)."""
+
+    def __init__(self, max_norm: float | None = None) -> None:
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(50, 16, max_norm=max_norm), nn.Linear(16, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(self.emb(ids)))
+
+
+@pytest.mark.parametrize("form", ["torch", "onnx"])
+@pytest.mark.parametrize("shape", [(1, 7), (1, 3, 4)])
+def test_embedding_lookup_of_computed_ids(tmp_path: Path, form: str, shape: tuple[int, ...]) -> None:
+    """nn.Embedding / ONNX Gather of an initializer by the model's int ids is ncnn's Embed, which reads int32 ids."""
+    torch.manual_seed(0)
+    model = _Text().eval()
+    ids = torch.randint(0, 50, shape)
+    source: Any = model
+    if form == "onnx":
+        torch.onnx.export(model, (ids,), str(tmp_path / "m.onnx"), dynamo=False, opset_version=13)
+        source = fxq.load_onnx(tmp_path / "m.onnx")
+    gm = fxq.quantize(source, [ids, torch.randint(0, 50, shape)], "ncnn_int8", progress=False)
+    export(gm, "ncnn", tmp_path / "m")
+    files = ncnn_paths(tmp_path / "m")
+    assert any(line.startswith("Embed") for line in files["param"].read_text().splitlines())
+    fresh = torch.randint(0, 50, shape)
+    with torch.no_grad():
+        sim = gm(fresh)[0].numpy()
+        with fxq.fp32_mode(gm):
+            ref = gm(fresh)[0].numpy()
+    ids32 = fresh[0].numpy().astype(np.int32)
+    for int8, want in ((True, sim), (False, ref)):
+        stem = "" if int8 else "fp32_"
+        net = ncnn_net(files[f"{stem}param"], files[f"{stem}bin"], int8=int8)
+        ex = net.create_extractor()
+        ex.input("in0", ncnn.Mat(ids32).clone())
+        got = np.array(ex.extract("out0")[1]).reshape(want.shape)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_embedding_with_max_norm_is_refused_by_name(tmp_path: Path) -> None:
+    gm = fxq.quantize(_Text(max_norm=1.0).eval(), [torch.randint(0, 50, (1, 7))], "ncnn_int8", progress=False)
+    with pytest.raises(ExportError, match=r"max_norm.*Fix: drop max_norm"):
+        export(gm, "ncnn", tmp_path / "m")

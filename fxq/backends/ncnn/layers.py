@@ -1316,13 +1316,19 @@ def _gather(b: NcnnBuilder, node: fx.Node) -> None:
     or a run of consecutive ones in indices of any shape (dynamo's ``as_strided`` of a flattened value), as
     :func:`_getitem`'s ``Crop``. Other indices pick rows ncnn has no layer for."""
     mod = b.module(node)
+    lookup = _embedding_lookup(b, node)
+    if lookup is not None:
+        _embed(b, node, *lookup)
+        return
     if mod is None or not hasattr(mod, "_axis") or len(node.args) != 2:
-        raise b.fail(node, "only ONNX Gather (numpy.take) of stored indices is exported (no embedding lookups)",
-                     "index with ints or slices, or keep the lookup outside the exported model")
+        raise b.fail(node, "only ONNX Gather (numpy.take) of stored indices, and lookups of computed indices in a "
+                     "stored table, are exported", "index with ints or slices, or keep the lookup outside the "
+                     "exported model")
     x, idx_arg = node.args
     fixed = b.fixed_value(idx_arg) if isinstance(idx_arg, fx.Node) else None
     if fixed is None:
-        raise b.fail(node, "its indices are computed in the graph", "gather with stored (constant) indices")
+        raise b.fail(node, "its indices are computed in the graph and it does not look rows up in a stored 2-D "
+                     "table", "gather with stored (constant) indices, or look rows of a stored table up")
     idx = torch.as_tensor(fixed)
     axis, shape = int(mod._axis) % len(b.shape(x)), b.shape(x)
     flat = [int(i) % shape[axis] for i in idx.reshape(-1).tolist()]
@@ -1335,6 +1341,49 @@ def _gather(b: NcnnBuilder, node: fx.Node) -> None:
                      "ones", "take consecutive elements (a slice), or reorder the weights before exporting")
     ranges, dropped, new_axes, _ = _index_ranges(b, node, shape, (slice(None),) * axis + (item,), b.batch_dim(x))
     _crop(b, node, x, ranges, dropped, new_axes)
+
+
+def _embedding_lookup(b: NcnnBuilder, node: fx.Node) -> tuple[torch.Tensor, fx.Node] | None:
+    """``(table, ids)`` of an embedding lookup: rows of a stored 2-D table picked by computed integer ids
+    (``nn.Embedding``, ``F.embedding``, ONNX ``Gather`` at axis 0 of an initializer); None for another gather."""
+    mod = b.module(node)
+    if isinstance(mod, nn.Embedding):
+        if mod.max_norm is not None:
+            raise b.fail(node, "an embedding with max_norm renormalizes rows it looks up", "drop max_norm")
+        table, ids = mod.weight, node.args[0]
+    elif mod is None and node.target is F.embedding:
+        ids, table = _arg(node, 0, "input"), _arg(node, 1, "weight")
+        if _arg(node, 3, "max_norm", None) is not None:
+            raise b.fail(node, "an embedding with max_norm renormalizes rows it looks up", "drop max_norm")
+    elif mod is not None and hasattr(mod, "_axis") and len(node.args) == 2 and int(mod._axis) == 0:
+        table, ids = node.args
+    else:
+        return None
+    value = table if isinstance(table, torch.Tensor) else b.fixed_value(table)
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or not isinstance(ids, fx.Node) or \
+            b.fixed_value(ids) is not None:
+        return None
+    val = b.strip(ids).meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.is_floating_point():
+        return None
+    return value, ids
+
+
+def _embed(b: NcnnBuilder, node: fx.Node, table: torch.Tensor, ids: fx.Node) -> None:
+    """``Embed`` (0 num_output, 1 input_dim, 2 bias_term, 3 weight_data_size): ncnn reads a 1-D blob of int32 ids
+    and writes one row per id, a 2-D blob; ids of more dims are flattened first and the rows reshaped to the
+    lookup's blob. ncnn clamps an id outside the table to its ends (torch raises)."""
+    vocab, dim = (int(n) for n in table.shape)
+    params, weights = {0: dim, 1: vocab, 2: 0, 3: vocab * dim}, [("tagged", _np(table))]
+    out = b.blob_shape(node)
+    if len(out) == 2:
+        b.emit(node, "Embed", [b.blob(ids, node)], params, weights)
+        return
+    if not 1 <= len(out) <= 4:
+        raise b.fail(node, f"its output of shape {b.shape(node)} is a rank-{len(out)} blob",
+                     "look up a (N, T) or (T,) tensor of ids")
+    flat = b.helper(node, "Reshape", [b.blob(ids, node)], {0: -1})  # ncnn's Embed reads a 1-D blob of ids
+    b.emit(node, "Reshape", [b.helper(node, "Embed", [flat], params, weights)], shape_params(out))
 
 
 def _onnx_slice_index(b: NcnnBuilder, node: fx.Node) -> tuple[slice, ...]:
