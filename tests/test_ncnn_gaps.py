@@ -1818,3 +1818,40 @@ def test_embedding_with_max_norm_is_refused_by_name(tmp_path: Path) -> None:
     gm = fxq.quantize(_Text(max_norm=1.0).eval(), [torch.randint(0, 50, (1, 7))], "ncnn_int8", progress=False)
     with pytest.raises(ExportError, match=r"max_norm.*Fix: drop max_norm"):
         export(gm, "ncnn", tmp_path / "m")
+
+
+class _TextEncoder(nn.Module):
+    """Token ids -> embedding + learned positions -> two encoder layers -> a classifier on the first token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(100, 32)
+        self.pos = nn.Parameter(torch.randn(1, 12, 32) * 0.1)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), 2)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.tok(ids) + self.pos)[:, 0])
+
+
+@pytest.mark.parametrize("form", ["torch", "onnx"])
+def test_text_encoder_from_token_ids(tmp_path: Path, form: str) -> None:
+    torch.manual_seed(0)
+    model = _TextEncoder().eval()
+    ids = torch.randint(0, 100, (1, 12))
+    source: Any = model
+    if form == "onnx":
+        torch.onnx.export(model, (ids,), str(tmp_path / "m.onnx"), dynamo=False, opset_version=17)
+        source = fxq.load_onnx(tmp_path / "m.onnx")
+    gm = fxq.quantize(source, [torch.randint(0, 100, (1, 12)) for _ in range(4)], "ncnn_int8", progress=False)
+    export(gm, "ncnn", tmp_path / "m")
+    files = ncnn_paths(tmp_path / "m")
+    with torch.no_grad():
+        sim = gm(ids)[0].numpy()
+        with fxq.fp32_mode(gm):
+            ref = gm(ids)[0].numpy()
+    for int8, want in ((True, sim), (False, ref)):
+        stem = "" if int8 else "fp32_"
+        ex = ncnn_net(files[f"{stem}param"], files[f"{stem}bin"], int8=int8).create_extractor()
+        ex.input("in0", ncnn.Mat(ids[0].numpy().astype(np.int32)).clone())
+        np.testing.assert_allclose(np.array(ex.extract("out0")[1]), want, atol=1e-5)
