@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from zoo import PLATFORMS, _error, check_runtime, record_rows  # noqa: E402  (the zoo's runtime check)
 
 SETS = ("light", "pytorch-converted", "pytorch-operator", "simple")
+UNKNOWN_DIM = 64
+"""The size given to a symbolic or unknown input dim after dim 0 (an image's H and W) where no input is stored."""
 
 
 def backend_data() -> Path:
@@ -88,9 +90,10 @@ def _inputs(path: Path, data: Path | None) -> tuple:
             if array.dtype.kind not in "biuf":
                 raise TypeError(f"input {info.name!r} holds {array.dtype} values")
             t = torch.from_numpy(np.array(array))
-        else:
-            shape = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 1
-                     for d in info.type.tensor_type.shape.dim]
+        else:  # no stored input: the declared shape, a symbolic dim 1 at dim 0 (the batch) and UNKNOWN_DIM after
+            dims = info.type.tensor_type.shape.dim
+            shape = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 1 if i == 0 else UNKNOWN_DIM
+                     for i, d in enumerate(dims)]
             t = torch.empty(shape, dtype=torch.float32)
         if t.is_floating_point() and (k >= len(stored) or not _usable(t)):
             t = torch.rand(t.shape, generator=gen, dtype=t.dtype)

@@ -1855,3 +1855,45 @@ def test_text_encoder_from_token_ids(tmp_path: Path, form: str) -> None:
         ex = ncnn_net(files[f"{stem}param"], files[f"{stem}bin"], int8=int8).create_extractor()
         ex.input("in0", ncnn.Mat(ids[0].numpy().astype(np.int32)).clone())
         np.testing.assert_allclose(np.array(ex.extract("out0")[1]), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("op, auto_pad, kernel", [("MaxPool", "SAME_UPPER", 2), ("MaxPool", "SAME_LOWER", 3),
+                                                  ("AveragePool", "SAME_UPPER", 3)])
+def test_onnx_same_pools_follow_the_input_size(tmp_path: Path, op: str, auto_pad: str, kernel: int) -> None:
+    """keras2onnx's MTCNN pools with ``auto_pad=SAME_UPPER``: ncnn's pad_mode 2 / 3 pads from the input size at run
+    time, so the file runs an image pyramid (other sizes than the calibration's, odd ones included)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32) * 0.3, "w")
+    w2 = numpy_helper.from_array(rng.standard_normal((2, 4, 1, 1)).astype(np.float32) * 0.3, "w2")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]),
+             helper.make_node(op, ["c"], ["p"], kernel_shape=[kernel, kernel], strides=[2, 2], auto_pad=auto_pad),
+             helper.make_node("Conv", ["p", "w2"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT,
+                                                                         ["n", 3, "h", "w"])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], [w, w2])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    gm = fxq.load_onnx(model, input_shapes={"x": [1, 3, 12, 12]})
+    follows = op == "MaxPool"  # an average leaving SAME pads out of its count is written for the export-time size
+    _, files = check(gm, (1, 3, 12, 12), tmp_path / "m", sizes=((1, 3, 11, 17), (1, 3, 20, 9)) if follows else ())
+    line = next(line.split() for line in files["param"].read_text().splitlines() if line.startswith("Pooling"))
+    assert (f"5={2 if auto_pad == 'SAME_UPPER' else 3}" in line) == follows
+
+
+class _NormalizedByPeak(_ConvPair):
+    """Each sample divided by its peak: a reduction to the batch alone, reshaped to broadcast (basic-pitch's
+    tf2onnx ``normalized_log``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv(x))
+        peak = y.amax(dim=(1, 2, 3))
+        return self.conv2(y / (peak.reshape(-1, 1, 1, 1) + 1.0))
+
+
+@pytest.mark.parametrize("form", ["torch", "onnx"])
+def test_reshape_of_a_value_of_the_batch_alone(tmp_path: Path, form: str) -> None:
+    model = _NormalizedByPeak().eval()
+    source = model if form == "torch" else _onnx(model, (1, 3, 8, 8), tmp_path / "m.onnx")
+    check(source, (1, 3, 8, 8), tmp_path / "m")

@@ -738,7 +738,8 @@ def _pool(b: NcnnBuilder, node: fx.Node) -> None:
     if isinstance(mod, (nn.MaxPool3d, nn.AvgPool3d)) or node.target in (F.max_pool3d, F.avg_pool3d):
         _pool3d(b, node, is_max)
         return
-    if isinstance(getattr(mod, "op", None), (nn.AvgPool2d, nn.MaxPool2d)) and hasattr(mod, "pads"):
+    if isinstance(getattr(mod, "op", None), (nn.AvgPool2d, nn.MaxPool2d)) and (
+            hasattr(mod, "pads") or hasattr(mod, "upper")):
         _pool_padded(b, node, mod, is_max)
         return
     if isinstance(mod, (nn.MaxPool1d, nn.AvgPool1d)) or node.target in (F.max_pool1d, F.avg_pool1d):
@@ -787,15 +788,26 @@ def _pool_padded(b: NcnnBuilder, node: fx.Node, mod: nn.Module, is_max: bool) ->
     """An ONNX pool whose pads differ at a dim's start and end (the loader's ``OnnxAsymmetricPad`` around an unpadded
     ``nn.MaxPool2d`` / ``nn.AvgPool2d``): ncnn's ``Pooling`` takes each side's pad (3 left, 14 right, 13 top,
     15 bottom), pads max pooling with the lowest float and leaves pads out of an average's count with 6
-    avgpool_count_include_pad = 0."""
+    avgpool_count_include_pad = 0. An ``auto_pad`` SAME pool (``OnnxSamePad``: keras2onnx's MTCNN) is 5 pad_mode
+    2 / 3, which pads from the input size at run time, so the file takes other image sizes."""
     pool, x = mod.op, node.args[0]
     if len(b.shape(x)) != 4 or pool.ceil_mode or pair(pool.padding) != (0, 0) or pair(
             getattr(pool, "dilation", 1)) != (1, 1) or getattr(pool, "divisor_override", None):
         raise b.fail(node, "an asymmetrically padded pool in ceil mode, dilated or with a divisor override",
                      "pool without ceil_mode")
-    left, right, top, bottom = (int(p) for p in mod.pads)
     (kh, kw), (sh, sw) = pair(pool.kernel_size), pair(pool.stride or pool.kernel_size)
-    params = {0: 0 if is_max else 1, 1: kw, 11: kh, 2: sw, 12: sh, 3: left, 14: right, 13: top, 15: bottom, 5: 1}
+    if hasattr(mod, "pads"):
+        left, right, top, bottom = (int(p) for p in mod.pads)
+        params = {0: 0 if is_max else 1, 1: kw, 11: kh, 2: sw, 12: sh, 3: left, 14: right, 13: top, 15: bottom, 5: 1}
+    elif is_max or not mod.exclude_pad:  # SAME_UPPER / LOWER: ncnn's pad_mode 2 / 3 pads from the input size
+        params = {0: 0 if is_max else 1, 1: kw, 11: kh, 2: sw, 12: sh, 5: 2 if mod.upper else 3}
+    else:  # ncnn leaves only explicit pads out of an average's count: this size's SAME pads, written out
+        _, _, h, w = b.shape(x)
+        (top, bottom), (left, right) = (_same_pads(n, k, st, mod.upper) for n, k, st in ((h, kh, sh), (w, kw, sw)))
+        params = {0: 1, 1: kw, 11: kh, 2: sw, 12: sh, 3: left, 14: right, 13: top, 15: bottom, 5: 1}
+        b.warn_once(f"same:{node.name}", "ncnn export: average pool %s with auto_pad SAME leaves its pads out of the "
+                    "count, which ncnn does only for explicit pads: written with the pads of the export-time input "
+                    "size %s; other sizes may pad differently", node.name, (h, w))
     if not is_max:
         params[6] = int(not mod.exclude_pad)
     b.emit(node, "Pooling", [b.blob(x, node)], params)
@@ -816,6 +828,12 @@ def _pool1d(b: NcnnBuilder, node: fx.Node, is_max: bool) -> None:
     if not is_max:
         params[6] = int(bool(a.get("count_include_pad", True)))
     b.emit(node, "Pooling1D", [b.blob(x, node)], params)
+
+
+def _same_pads(size: int, kernel: int, stride: int, upper: bool) -> tuple[int, int]:
+    """ONNX's SAME pads of one dim at ``size``: ``(begin, end)``, the odd one at the end (upper) or the start."""
+    total = max(0, (-(-size // stride) - 1) * stride + kernel - size)
+    return (total // 2, total - total // 2) if upper else (total - total // 2, total // 2)
 
 
 def _pool3d(b: NcnnBuilder, node: fx.Node, is_max: bool) -> None:
@@ -1207,7 +1225,8 @@ def _reshape_params(b: NcnnBuilder, node: fx.Node, x: fx.Node, out_bd: int | Non
     The input's outermost dim is never kept: with packing on, ncnn's x86 Reshape reads it in packs (a rank-4
     input's ``c`` of 24 kept as 3)."""
     in_bd = b.batch_dim(x)
-    in_blob, out_blob = b.stored_shape(x), fold_dims(drop_dim(b.shape(node), out_bd))
+    in_blob = b.stored_shape(x) or (1,)  # a value of the batch alone (a reduction over all else) is a 1-element blob
+    out_blob = fold_dims(drop_dim(b.shape(node), out_bd))
     names, packed = _NAMES[len(out_blob)], _NAMES[len(in_blob)][0]  # packed: the input's outermost dim
     codes = list(out_blob)
     base_in, base_out = b.shape(x), b.shape(node)
