@@ -13,7 +13,7 @@ their inputs (``test_data_set_0``); a float input whose stored values are not us
 float64 files, constants) is drawn from U(0, 1) instead, as the ``light`` inputs are.
 
 Steps per file: ``load`` (:func:`fxq.load_onnx`, its onnxruntime check on), then per platform ``quantize`` (two
-calibration batches: the inputs and a jittered copy), ``export`` and ``runtime`` — the exported file in onnxruntime
+calibration batches: the inputs and a copy with 5 % relative noise, which keeps signs for sqrt / log / pow), ``export`` and ``runtime`` — the exported file in onnxruntime
 (default session and ``ORT_DISABLE_ALL``) or ncnn against fxq's simulation on a third batch, with the classes of
 ``bench/zoo.py`` (``ok`` at cosine >= 0.999; ``Degenerate``, ``Fused``, ``Sensitive``, ``Mismatch``). A file whose
 inputs cannot be made (strings) is ``skipped``. Output: a CSV (one row per file x platform x step) and a markdown
@@ -127,10 +127,10 @@ def work(set_name: str, name: str, path: Path, data: Path | None, platforms: lis
     row("-", "load", "ok", seconds=round(time.perf_counter() - t0, 2))
     gen = torch.Generator().manual_seed(1)
 
-    def jittered(a: torch.Tensor) -> torch.Tensor:
+    def jittered(a: torch.Tensor) -> torch.Tensor:  # relative noise: signs and zeros stay (sqrt, log, pow inputs)
         if not a.is_floating_point() or a.numel() < 2:
             return a
-        return a + 0.05 * a.std() * torch.randn(a.shape, generator=gen, dtype=a.dtype)
+        return a * (1 + 0.05 * torch.randn(a.shape, generator=gen, dtype=a.dtype))
 
     calib = [args, tuple(jittered(a) for a in args)]
     fresh = tuple(jittered(a) for a in args)

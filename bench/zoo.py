@@ -164,12 +164,18 @@ def _flat(out: Any) -> "Any":
 
 
 def cosine(a: Any, b: Any) -> float:
+    """Cosine similarity of two outputs over their finite values; NaN where the shapes or the non-finite values
+    (NaN / inf of the model itself, in both at the same places) differ."""
     import numpy as np
 
     a = np.asarray(a, dtype=np.float64).reshape(-1)
     b = np.asarray(b, dtype=np.float64).reshape(-1)
     if a.shape != b.shape:
         return float("nan")
+    finite = np.isfinite(a)  # a model's own NaN / inf (sqrt of a negative input) must be where the other has it
+    if not np.array_equal(finite, np.isfinite(b)) or not np.array_equal(a[~finite], b[~finite], equal_nan=True):
+        return float("nan")
+    a, b = a[finite], b[finite]
     na, nb = np.linalg.norm(a), np.linalg.norm(b)
     if na == 0 and nb == 0:
         return 1.0

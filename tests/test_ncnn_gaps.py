@@ -1897,3 +1897,17 @@ def test_reshape_of_a_value_of_the_batch_alone(tmp_path: Path, form: str) -> Non
     model = _NormalizedByPeak().eval()
     source = model if form == "torch" else _onnx(model, (1, 3, 8, 8), tmp_path / "m.onnx")
     check(source, (1, 3, 8, 8), tmp_path / "m")
+
+
+def test_pow_of_two_computed_tensors_warns_of_negative_bases(tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                                             ) -> None:
+    """torch 0.4's ``test_operator_pow``: ncnn's pow gives ~2.4e38 for a negative base (torch: NaN)."""
+    class Model(_ConvPair):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.conv(x)
+            return self.conv2(torch.sigmoid(y) ** torch.tanh(y))
+
+    gm, _ = check(Model().eval(), (1, 3, 8, 8), tmp_path / "m")
+    with caplog.at_level(logging.WARNING, logger="fxq"):
+        export(gm, "ncnn", tmp_path / "again")
+    assert any("negative base" in r.getMessage() for r in caplog.records)

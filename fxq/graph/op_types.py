@@ -98,13 +98,13 @@ _FUNCTIONS: dict[Callable[..., Any], str] = {
     torch.logsumexp: "ReduceLogSumExp", torch.maximum: "Max", torch.minimum: "Min",
     F.dropout: "Identity", torch.numel: "Shape", getattr: "Shape", torch.arange: "Range",
     torch.argmax: "ArgMax", torch.argmin: "ArgMin", torch.topk: "TopK", torch.nonzero: "NonZero",
-    F.embedding: "Gather", operator.neg: "Neg", torch.neg: "Neg",
+    F.embedding: "Gather", operator.neg: "Neg", torch.neg: "Neg", operator.pow: "Pow", torch.pow: "Pow",
 }
 
 _METHODS: dict[str, str] = {
     "add": "Add", "add_": "Add", "sub": "Sub", "mul": "Mul", "mul_": "Mul", "div": "Div", "matmul": "MatMul",
     "bmm": "MatMul", "relu": "Relu", "relu_": "Relu", "sigmoid": "Sigmoid", "tanh": "Tanh", "clamp": "Clip",
-    "softmax": "Softmax", "log_softmax": "LogSoftmax", "view": "Reshape", "reshape": "Reshape", "flatten": "Flatten", "permute": "Transpose",
+    "softmax": "Softmax", "log_softmax": "LogSoftmax", "pow": "Pow", "view": "Reshape", "reshape": "Reshape", "flatten": "Flatten", "permute": "Transpose",
     "transpose": "Transpose", "swapaxes": "Transpose", "swapdims": "Transpose", "contiguous": "Identity",
     "squeeze": "Squeeze", "unsqueeze": "Unsqueeze", "roll": "Roll", "flip": "Flip",
     "chunk": "Split", "split": "Split", "unbind": "Split", "tensor_split": "Split",

@@ -978,6 +978,10 @@ def _binary(b: NcnnBuilder, node: fx.Node) -> None:
     if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("rounding_mode") is not None:
         raise b.fail(node, "alpha / rounding_mode are not 1 / None", "write the arithmetic explicitly")
     if isinstance(lhs, fx.Node) and isinstance(rhs, fx.Node):
+        if op == _BINARY["Pow"]:
+            b.warn_once(f"pow:{node.name}", "ncnn export: node %s raises a computed base to a computed exponent with "
+                        "ncnn's pow, which gives about 2.4e38 for a negative base where torch gives NaN (or, for an "
+                        "integer exponent, the power)", node.name)
         b.emit(node, "BinaryOp", _broadcast_operands(b, node, lhs, rhs), {0: op},
                batch_dim=b.batch_dim(_full_operand(b, node, lhs, rhs)))
     elif isinstance(lhs, fx.Node) and isinstance(rhs, (int, float)) and op == _BINARY["Pow"]:
