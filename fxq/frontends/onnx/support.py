@@ -74,7 +74,7 @@ def upgrade_for_converters(model: onnx.ModelProto, source: str) -> onnx.ModelPro
     converter at the opset it imports but would at a later one.
 
     Old exporters write ops whose early schemas no converter reads (torch 0.3's ``Gemm-6`` with ``broadcast``,
-    ``MaxPool-1``, ``Sum-6``; onnx-caffe2's ``Dropout-7`` with ``is_test``). onnx's own adapters rewrite them into
+    ``MaxPool-1``, ``Sum-6``, ``BatchNormalization-6``, ``PRelu-6``). onnx's own adapters rewrite them into
     the later schemas, keeping tensor names; the first opset of :data:`UPGRADE_OPSETS` that leaves no
     default-domain gap is taken. When none does, ``model`` comes back unchanged and :func:`check_supported`
     reports its gaps as they are in the file.
