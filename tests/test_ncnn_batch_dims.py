@@ -281,3 +281,37 @@ def test_cli_batch_dim_none() -> None:
 
     assert cli._parse_batch_dim("t=none") == ("t", None)
     assert cli._parse_batch_dim("state=1") == ("state", 1)
+
+
+def _scaled_by_its_size_model() -> Any:
+    """``y = x / size(scale) * scale`` with ``scale [k]`` declared without a batch (put first, so the batch symbol
+    must come from the next input)."""
+    import onnx
+    from onnx import helper
+
+    f = onnx.TensorProto.FLOAT
+    nodes = [helper.make_node("Shape", ["scale"], ["s"]), helper.make_node("Cast", ["s"], ["sf"], to=f),
+             helper.make_node("Div", ["x", "sf"], ["y0"]), helper.make_node("Mul", ["y0", "scale"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("scale", f, ["k"]),
+                                           helper.make_tensor_value_info("x", f, ["batch", "k"])],
+                              [helper.make_tensor_value_info("y", f, ["batch", "k"])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def test_unbatched_input_keeps_its_size_when_calibrated_at_batch_two(tmp_path: Path) -> None:
+    """The exporter takes the graph at batch 1: an input declared without a batch keeps its whole shape there (its
+    size was cut to 1, and shape-derived constants with it), and the batch symbol comes from a batched input."""
+    from fxq.graph.data import source_batch_dim
+
+    gm = fxq.load_onnx(_scaled_by_its_size_model(), batch_dims={"scale": None})
+    dims = {n.name: source_batch_dim(gm, n) for n in gm.graph.nodes if n.op == "placeholder"}
+    assert dims == {"scale": None, "x": 0} and source_batch_dim(gm, output=0) == 0
+    q = fxq.quantize(gm, [(torch.rand(4), torch.randn(2, 4))] * 2, "ncnn_int8", progress=False)
+    fxq.export(q, "ncnn_int8", tmp_path / "m")
+    s, x = torch.rand(4) + 0.5, torch.randn(1, 4)
+    ex = ncnn_net(tmp_path / "m.fp32.param", tmp_path / "m.fp32.bin", int8=False).create_extractor()
+    ex.input("in0", ncnn.Mat(s.numpy()).clone())
+    ex.input("in1", ncnn.Mat(x[0].numpy()).clone())
+    with fxq.fp32_mode(q), torch.no_grad():
+        want = q(s, x)[0].numpy()
+    np.testing.assert_allclose(np.array(ex.extract("out0")[1]), want, rtol=1e-5, atol=1e-6)

@@ -1911,3 +1911,64 @@ def test_pow_of_two_computed_tensors_warns_of_negative_bases(tmp_path: Path, cap
     with caplog.at_level(logging.WARNING, logger="fxq"):
         export(gm, "ncnn", tmp_path / "again")
     assert any("negative base" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------------------------------ review of session 20
+def test_embedding_of_ids_computed_in_the_network_is_refused(tmp_path: Path) -> None:
+    """ncnn computes ``ids + 1`` in float and its Embed reads int32 bits: such ids are refused, not looked up."""
+    class Shifted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(12, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.emb(ids + 1)
+
+    gm = fxq.quantize(Shifted().eval(), [torch.tensor([[0, 2, 4, 6, 8]])], "ncnn_int8", progress=False)
+    with pytest.raises(ExportError, match=r"node 'emb'.*ids computed in the network.*Fix: look up the input ids"):
+        export(gm, "ncnn", tmp_path / "m")
+
+
+def test_softplus_with_a_low_threshold_is_refused(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.Softplus(threshold=1.0)).eval()
+    gm = fxq.quantize(model, [torch.randn(1, 3, 4, 4)], "ncnn_int8", progress=False)
+    with pytest.raises(ExportError, match=r"threshold 1.0.*Fix: use a threshold of at least 15"):
+        export(gm, "ncnn", tmp_path / "m")
+
+
+def test_expand_to_a_size_that_follows_the_input_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c = nn.Conv1d(6, 8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            t = self.c(x)
+            return torch.cat([t, t.amax(2, keepdim=True).expand(-1, -1, t.shape[2])], 1)
+
+    torch.onnx.export(Model().eval(), (torch.randn(1, 6, 5),), str(tmp_path / "m.onnx"), dynamo=False,
+                      opset_version=13, input_names=["x"], dynamic_axes={"x": {2: "length"}})
+    gm = fxq.quantize(fxq.load_onnx(tmp_path / "m.onnx"), [torch.randn(1, 6, 5)], "ncnn_int8", progress=False)
+    with caplog.at_level(logging.WARNING, logger="fxq"):
+        export(gm, "ncnn", tmp_path / "m")
+    assert any("follow the input's size" in r.getMessage() for r in caplog.records)
+
+
+def test_pow_with_the_exponent_keyword(tmp_path: Path) -> None:
+    class Model(_ConvPair):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv2(torch.pow(self.conv(x), exponent=2))
+
+    check(Model().eval(), (1, 3, 8, 8), tmp_path / "m")
+
+
+def test_softmax11_tail_of_ones_at_the_export_size_only_is_refused(tmp_path: Path) -> None:
+    """Softmax-11 at axis 1 over ``[N, C, H, W]`` where H = W = 1 only at the calibration size: at other sizes the
+    flattened tail is several axes, which one ncnn Softmax does not compute."""
+    from onnx import helper
+
+    model = _onnx_conv_op_conv(helper.make_node("Softmax", ["c"], ["p"], axis=1), (1, 3, 1, 1))
+    model.meta["onnx"]["source_input_shapes"] = {"x": [1, 3, "h", "w"]}  # as a file with dynamic H, W declares
+    gm = fxq.quantize(model, [torch.randn(1, 3, 1, 1)], "ncnn_int8", progress=False)
+    with pytest.raises(ExportError, match=r"flattened tail of several axes \(at some input size\)"):
+        export(gm, "ncnn", tmp_path / "m")

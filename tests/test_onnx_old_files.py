@@ -279,3 +279,31 @@ def test_integer_shape_input_keeps_its_example_values_for_the_export(tmp_path):
             sim = gm(*batch).numpy()
         for level in LEVELS:
             np.testing.assert_allclose(_ort(onnx.load(str(path)), [x, shape], level)[0], sim, rtol=1e-6, atol=1e-6)
+
+
+def test_dropout_mask_read_only_inside_an_if_branch_is_kept():
+    """A mask that only an If branch reads (an implicit capture) is read: it is not dropped as unread."""
+    then = helper.make_graph([helper.make_node("Add", ["y", "mask"], ["t"])], "t", [], [_vi("t", [1, 4])])
+    other = helper.make_graph([helper.make_node("Identity", ["y"], ["e"])], "e", [], [_vi("e", [1, 4])])
+    nodes = [helper.make_node("Dropout", ["x"], ["y", "mask"]),
+             helper.make_node("If", ["cond"], ["z"], then_branch=then, else_branch=other)]
+    model = helper.make_model(helper.make_graph(nodes, "g", [_vi("x", [1, 4]), _vi("cond", [], TensorProto.BOOL)],
+                                                [_vi("z", [1, 4])]), opset_imports=[helper.make_opsetid("", 7)])
+    model.ir_version = 3
+    gm = fxq.load_onnx(model, input_values={"cond": True})
+    x = RNG.standard_normal((1, 4)).astype(np.float32)
+    with torch.no_grad():
+        np.testing.assert_array_equal(gm(torch.from_numpy(x)).numpy(), x)  # + onnxruntime's zero mask before v10
+
+
+def test_prelu6_slope_shared_with_another_node_is_copied():
+    x = RNG.standard_normal((2, 3, 4, 5)).astype(np.float32)
+    slope = np.array([0.1, 0.5, 2.0], np.float32)
+    nodes = [helper.make_node("PRelu", ["x", "slope"], ["p"]), helper.make_node("Add", ["p", "slope"], ["y"])]
+    model = _old_model(nodes, [_vi("x", [2, 3, 4, 3])], [_vi("y", None)], [numpy_helper.from_array(slope, "slope")])
+    x = RNG.standard_normal((2, 3, 4, 3)).astype(np.float32)
+    gm = fxq.load_onnx(model)
+    with torch.no_grad():
+        got = gm(torch.from_numpy(x)).numpy()
+    want = np.where(x > 0, x, x * slope.reshape(3, 1, 1)) + slope  # the Add broadcasts the (3,) slope on the last dim
+    np.testing.assert_allclose(got, want, rtol=1e-6)

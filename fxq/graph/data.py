@@ -260,8 +260,11 @@ def source_batch_dim(model: nn.Module, placeholder: fx.Node | None = None, outpu
     given = onnx_meta.get("batch_dims") or {}
     if name in given:  # load_onnx(batch_dims=...)
         return given[name]
-    first_name, first = next(iter(onnx_meta["source_input_shapes"].items()))
-    at = given.get(first_name, 0) or 0  # the first input's batch dim, as given or dim 0
+    first_name, first = next(((k, v) for k, v in onnx_meta["source_input_shapes"].items()
+                              if not (k in given and given[k] is None)), (None, None))
+    if first_name is None:  # every input declared without a batch
+        return None
+    at = given.get(first_name, 0)  # the first batched input's batch dim, as given or dim 0
     symbol = first[at] if first and at < len(first) and isinstance(first[at], str) and first[at] else None
     return dims.index(symbol) if symbol is not None and symbol in dims else None
 

@@ -892,12 +892,18 @@ def _at_batch_one(gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
     expressible at batch 1 only. ``gm`` as it is when its inputs have batch 1 already, or when the graph does
     not run at batch 1 (a batch size written into it): then a converter names the node that moves the batch.
     """
-    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    if not vals or not all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] > 1 for v in vals):
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("val") for n in placeholders]
+    if not vals or not all(isinstance(v, torch.Tensor) for v in vals):
+        return gm, False
+    dims = [None if source_unbatched(gm, n) else (source_batch_dim(gm, n) or 0) for n in placeholders]
+    batched = [(v, d) for v, d in zip(vals, dims) if d is not None]  # load_onnx(batch_dims={name: None}): whole
+    if not batched or not all(v.dim() > d and v.shape[d] > 1 for v, d in batched):
         return gm, False
     view = _graph_copy(gm)  # node meta copied shallowly: the new nodes get new values
     try:
-        propagate_tensor_meta(view, [torch.zeros((1, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in vals])
+        propagate_tensor_meta(view, [torch.zeros(v.shape if d is None else (*v.shape[:d], 1, *v.shape[d + 1:]),
+                                                 dtype=v.dtype, device=v.device) for v, d in zip(vals, dims)])
     except Exception as exc:  # noqa: BLE001  (any failure: the model's own shapes)
         logger.debug("ncnn export: the graph does not run at batch 1 (%s); using its calibration shapes", exc)
         return gm, False

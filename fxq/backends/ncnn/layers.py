@@ -441,6 +441,11 @@ def _tile(b: NcnnBuilder, node: fx.Node) -> None:
     if b.op(node) == "Expand" and any(m != n and m != 1 for m, n in zip(before, after)):
         raise b.fail(node, f"it expands shape {before} to {after}", "expand only dims of size 1")
     todo = [(d, n // m) for d, (m, n) in enumerate(zip(before, after)) if n != m]
+    if any(tuple(o[d] // i[d] for d in range(rank)) != tuple(n // m for m, n in zip(before, after))
+           for i, o in b.probed_shapes(x, node)):
+        b.warn_once(f"tile:{node.name}", "ncnn export: node %s repeats its input %s times, counts that follow the "
+                    "input's size; written for the export-time size, so the file repeats that often at every size",
+                    node.name, [n // m for m, n in zip(before, after)])
     if not todo:
         b.alias(node, x, b.batch_dim(x))
         return
@@ -529,10 +534,13 @@ def _softmax_dim(b: NcnnBuilder, node: fx.Node) -> int:
     if mod is not None and not hasattr(mod, "dim"):  # ONNX Softmax-1/11: softmax of the input flattened at axis
         dim = int(getattr(mod, "axis", -1)) % rank
         shape = b.shape(node.args[0])
-        wide = [d for d in range(dim, rank) if shape[d] != 1]
+        wide = {d for d in range(dim, rank) if shape[d] != 1}
+        for (probed,) in b.probed_shapes(node.args[0]):  # a tail of ones at the export size only is no one axis
+            wide |= {d for d in range(dim, rank) if probed[d] != 1}
+        wide = sorted(wide)
         if len(wide) > 1:
-            raise b.fail(node, "ONNX (log-)softmax before opset 13 over a flattened tail of several axes",
-                         "use softmax on one axis")
+            raise b.fail(node, "ONNX (log-)softmax before opset 13 over a flattened tail of several axes (at some "
+                         "input size)", "use softmax on one axis")
         return wide[0] if wide else rank - 1  # SqueezeNet's [N, 1000, 1, 1] at axis 1: the tail is one axis
     dim = mod.dim if mod is not None else _arg(node, 1, "dim", None)
     if dim is None:
@@ -564,13 +572,24 @@ def _log_softmax(b: NcnnBuilder, node: fx.Node) -> None:
 
 @register_ncnn_converter("Softplus", any_batch_dim=True)
 def _softplus(b: NcnnBuilder, node: fx.Node) -> None:
-    """ncnn's ``Softplus`` is ``log(1 + exp(x))``: torch's with ``beta`` 1 (its ``threshold`` only avoids overflow
-    above it, where both are x within float rounding) and ONNX's."""
+    """ncnn's ``Softplus`` is ``log(1 + exp(x))``: ONNX's, and torch's with ``beta`` 1 and a ``threshold`` (above
+    which torch returns x) high enough that both agree within float rounding there."""
     mod = b.module(node)
-    beta = getattr(mod, "beta", 1.0) if mod is not None else _const(b, node, _arg(node, 1, "beta", 1.0), "beta")
+    if mod is not None:
+        beta, threshold = getattr(mod, "beta", 1.0), getattr(mod, "threshold", 20.0)
+    else:
+        beta, threshold = (_const(b, node, _arg(node, i, n, d), n) for i, (n, d) in
+                           enumerate((("beta", 1.0), ("threshold", 20.0)), 1))
     if float(beta) != 1.0:
         raise b.fail(node, f"softplus with beta {beta}", "use beta=1, or scale the input and output around it")
+    if float(threshold) < _SOFTPLUS_THRESHOLD:  # torch gives x above it, where log(1 + exp(x)) differs by exp(-x)
+        raise b.fail(node, f"softplus with threshold {threshold} (torch returns x above it; ncnn does not switch)",
+                     f"use a threshold of at least {_SOFTPLUS_THRESHOLD:g} (torch's default is 20)")
     b.emit(node, "Softplus", [b.blob(node.args[0], node)])
+
+
+_SOFTPLUS_THRESHOLD = 15.0
+"""Above this, ``log(1 + exp(x))`` and ``x`` agree within float32 rounding (``exp(-15)`` ~ 3e-7 of x ~ 15)."""
 
 
 @register_ncnn_converter("LayerNormalization", any_batch_dim=True)
@@ -964,7 +983,8 @@ def _binary(b: NcnnBuilder, node: fx.Node) -> None:
     ONNX's variadic Sum / Max of one operand is that operand, of more than two equal-shaped computed tensors an
     ``Eltwise`` (0 op_type)."""
     op = _BINARY[b.op(node)]
-    operands = len(node.args) + sum(k in ("input", "other") for k in node.kwargs)
+    other = "exponent" if "exponent" in node.kwargs else "other"  # torch.pow(x, exponent=2)
+    operands = len(node.args) + sum(k in ("input", other) for k in node.kwargs)
     if operands == 1 and b.op(node) in ("Sum", "Max", "Min") and isinstance(node.args[0], fx.Node):
         b.alias(node, node.args[0], b.batch_dim(node.args[0]))
         return
@@ -974,7 +994,7 @@ def _binary(b: NcnnBuilder, node: fx.Node) -> None:
         return
     if operands != 2:  # ONNX's Max / Min take any number
         raise b.fail(node, f"it takes {operands} operands", "take two operands at a time")
-    lhs, rhs = (_scalar_operand(b, node, _static(_arg(node, i, k))) for i, k in ((0, "input"), (1, "other")))
+    lhs, rhs = (_scalar_operand(b, node, _static(_arg(node, i, k))) for i, k in ((0, "input"), (1, other)))
     if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("rounding_mode") is not None:
         raise b.fail(node, "alpha / rounding_mode are not 1 / None", "write the arithmetic explicitly")
     if isinstance(lhs, fx.Node) and isinstance(rhs, fx.Node):
@@ -1389,7 +1409,25 @@ def _embedding_lookup(b: NcnnBuilder, node: fx.Node) -> tuple[torch.Tensor, fx.N
     val = b.strip(ids).meta.get("val")
     if not isinstance(val, torch.Tensor) or val.is_floating_point():
         return None
+    if not _from_input(b, ids):
+        raise b.fail(node, "it looks up rows by ids computed in the network: ncnn's Embed reads the model's own "
+                     "int32 ids, and ncnn computes arithmetic on them in float", "look up the input ids as they "
+                     "are (shift the table's rows instead of the ids), or keep the lookup outside the exported model")
     return value, ids
+
+
+_LAYOUT_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
+
+
+def _from_input(b: NcnnBuilder, value: fx.Node) -> bool:
+    """Whether ``value`` is a graph input's values, through layout ops only: ncnn computes arithmetic in float, so
+    ids computed from the input (``ids + 1``) would reach ``Embed``, which reads int32 bits, as floats."""
+    src = b.strip(value)
+    while src.op != "placeholder":
+        if b.op(src) not in _LAYOUT_OPS or not src.args or not isinstance(src.args[0], fx.Node):
+            return False
+        src = b.strip(src.args[0])
+    return True
 
 
 def _embed(b: NcnnBuilder, node: fx.Node, table: torch.Tensor, ids: fx.Node) -> None:

@@ -109,12 +109,22 @@ def _per_channel_slopes(model: onnx.ModelProto, ranks: dict[str, int]) -> None:
     numpy-style (along the last dim), and onnx's version converter has no adapter for that change. Such slopes of an
     upgraded model become ``(C, 1, ..., 1)`` for inputs of rank 3 and more."""
     inits = {t.name: t for t in model.graph.initializer}
+    readers: dict[str, int] = defaultdict(int)
+    for node in model.graph.node:
+        for name in node.input:
+            readers[name] += 1
     for node in model.graph.node:
         if node.op_type != "PRelu" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
             continue
         slope, rank = inits.get(node.input[1]), ranks.get(node.input[0], 0)
-        if slope is not None and len(slope.dims) == 1 and slope.dims[0] > 1 and rank >= 3:
-            slope.dims[:] = [slope.dims[0]] + [1] * (rank - 2)
+        if slope is None or len(slope.dims) != 1 or slope.dims[0] <= 1 or rank < 3:
+            continue
+        if readers[slope.name] > 1:  # shared with another node: this PRelu gets its own reshaped copy
+            copy = model.graph.initializer.add()
+            copy.CopyFrom(slope)
+            copy.name = f"{slope.name}__per_channel_{len(model.graph.initializer)}"
+            node.input[1], slope = copy.name, copy
+        slope.dims[:] = [slope.dims[0]] + [1] * (rank - 2)
 
 
 def _describe(gap: Gap, nodes: list[str]) -> str:
