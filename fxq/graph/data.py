@@ -19,6 +19,7 @@ __all__ = [
     "source_dynamic_dims",
     "source_batch_dim",
     "source_unbatched",
+    "input_batch_dim",
     "onnx_input_name",
     "doubled_dim_probes",
     "iter_batches",
@@ -267,6 +268,15 @@ def source_batch_dim(model: nn.Module, placeholder: fx.Node | None = None, outpu
     at = given.get(first_name, 0)  # the first batched input's batch dim, as given or dim 0
     symbol = first[at] if first and at < len(first) and isinstance(first[at], str) and first[at] else None
     return dims.index(symbol) if symbol is not None and symbol in dims else None
+
+
+def input_batch_dim(model: nn.Module, placeholder: fx.Node) -> int | None:
+    """Where input ``placeholder``'s batch is: None when ``load_onnx(batch_dims={name: None})`` says it has none,
+    else as :func:`source_batch_dim` finds it, else dim 0 (a native model's inputs)."""
+    if source_unbatched(model, placeholder):
+        return None
+    found = source_batch_dim(model, placeholder)
+    return 0 if found is None else found
 
 
 def source_unbatched(model: nn.Module, placeholder: fx.Node | None = None, output: int | None = None) -> bool:

@@ -45,6 +45,7 @@ from fxq.errors import ExportError
 from fxq.functional import fake_quantize
 from fxq.graph.data import (
     doubled_dim_probes,
+    input_batch_dim,
     onnx_input_name,
     source_batch_dim,
     source_dynamic_dims,
@@ -707,10 +708,7 @@ class NcnnBuilder:
     def _placeholder_batch_dim(self, node: fx.Node) -> int | None:
         """The dim of input ``node`` that its blob leaves out: None for unbatched inputs, else where the source
         ONNX file puts the batch symbol (:func:`~fxq.graph.data.source_batch_dim`), else 0."""
-        if self.unbatched_inputs or source_unbatched(self.gm, node):
-            return None
-        found = source_batch_dim(self.gm, node)
-        return 0 if found is None else found
+        return None if self.unbatched_inputs else input_batch_dim(self.gm, node)
 
     def _input(self, node: fx.Node) -> None:
         if not node.users:
@@ -896,7 +894,7 @@ def _at_batch_one(gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
     vals = [n.meta.get("val") for n in placeholders]
     if not vals or not all(isinstance(v, torch.Tensor) for v in vals):
         return gm, False
-    dims = [None if source_unbatched(gm, n) else (source_batch_dim(gm, n) or 0) for n in placeholders]
+    dims = [input_batch_dim(gm, n) for n in placeholders]
     batched = [(v, d) for v, d in zip(vals, dims) if d is not None]  # load_onnx(batch_dims={name: None}): whole
     if not batched or not all(v.dim() > d and v.shape[d] > 1 for v, d in batched):
         return gm, False

@@ -440,12 +440,12 @@ def _tile(b: NcnnBuilder, node: fx.Node) -> None:
                      "repeat / expand with one count or size per dim of the input")
     if b.op(node) == "Expand" and any(m != n and m != 1 for m, n in zip(before, after)):
         raise b.fail(node, f"it expands shape {before} to {after}", "expand only dims of size 1")
-    todo = [(d, n // m) for d, (m, n) in enumerate(zip(before, after)) if n != m]
-    if any(tuple(o[d] // i[d] for d in range(rank)) != tuple(n // m for m, n in zip(before, after))
-           for i, o in b.probed_shapes(x, node)):
+    counts = [n // m for m, n in zip(before, after)]
+    if any([o[d] // i[d] for d in range(rank)] != counts for i, o in b.probed_shapes(x, node)):
         b.warn_once(f"tile:{node.name}", "ncnn export: node %s repeats its input %s times, counts that follow the "
                     "input's size; written for the export-time size, so the file repeats that often at every size",
-                    node.name, [n // m for m, n in zip(before, after)])
+                    node.name, counts)
+    todo = [(d, c) for d, c in enumerate(counts) if c != 1]
     if not todo:
         b.alias(node, x, b.batch_dim(x))
         return
@@ -815,18 +815,17 @@ def _pool_padded(b: NcnnBuilder, node: fx.Node, mod: nn.Module, is_max: bool) ->
         raise b.fail(node, "an asymmetrically padded pool in ceil mode, dilated or with a divisor override",
                      "pool without ceil_mode")
     (kh, kw), (sh, sw) = pair(pool.kernel_size), pair(pool.stride or pool.kernel_size)
-    if hasattr(mod, "pads"):
-        left, right, top, bottom = (int(p) for p in mod.pads)
-        params = {0: 0 if is_max else 1, 1: kw, 11: kh, 2: sw, 12: sh, 3: left, 14: right, 13: top, 15: bottom, 5: 1}
-    elif is_max or not mod.exclude_pad:  # SAME_UPPER / LOWER: ncnn's pad_mode 2 / 3 pads from the input size
+    same = hasattr(mod, "upper")  # OnnxSamePad; else OnnxAsymmetricPad
+    if same and (is_max or not mod.exclude_pad):  # ncnn's pad_mode 2 / 3 pads from the input size at run time
         params = {0: 0 if is_max else 1, 1: kw, 11: kh, 2: sw, 12: sh, 5: 2 if mod.upper else 3}
-    else:  # ncnn leaves only explicit pads out of an average's count: this size's SAME pads, written out
-        _, _, h, w = b.shape(x)
-        (top, bottom), (left, right) = (_same_pads(n, k, st, mod.upper) for n, k, st in ((h, kh, sh), (w, kw, sw)))
-        params = {0: 1, 1: kw, 11: kh, 2: sw, 12: sh, 3: left, 14: right, 13: top, 15: bottom, 5: 1}
-        b.warn_once(f"same:{node.name}", "ncnn export: average pool %s with auto_pad SAME leaves its pads out of the "
-                    "count, which ncnn does only for explicit pads: written with the pads of the export-time input "
-                    "size %s; other sizes may pad differently", node.name, (h, w))
+    else:  # explicit pads: the module's own (F.pad order, trailing zero pairs left out), SAME's at this size
+        pads = mod.pads_for(torch.empty(b.shape(x), device="meta"))
+        left, right, top, bottom = (list(pads) + [0] * 4)[:4]
+        params = {0: 0 if is_max else 1, 1: kw, 11: kh, 2: sw, 12: sh, 3: left, 14: right, 13: top, 15: bottom, 5: 1}
+        if same:  # ncnn leaves only explicit pads out of an average's count
+            b.warn_once(f"same:{node.name}", "ncnn export: average pool %s with auto_pad SAME leaves its pads out of "
+                        "the count, which ncnn does only for explicit pads: written with the pads of the export-time "
+                        "input size %s; other sizes may pad differently", node.name, b.shape(x)[2:])
     if not is_max:
         params[6] = int(not mod.exclude_pad)
     b.emit(node, "Pooling", [b.blob(x, node)], params)
@@ -847,12 +846,6 @@ def _pool1d(b: NcnnBuilder, node: fx.Node, is_max: bool) -> None:
     if not is_max:
         params[6] = int(bool(a.get("count_include_pad", True)))
     b.emit(node, "Pooling1D", [b.blob(x, node)], params)
-
-
-def _same_pads(size: int, kernel: int, stride: int, upper: bool) -> tuple[int, int]:
-    """ONNX's SAME pads of one dim at ``size``: ``(begin, end)``, the odd one at the end (upper) or the start."""
-    total = max(0, (-(-size // stride) - 1) * stride + kernel - size)
-    return (total // 2, total - total // 2) if upper else (total - total // 2, total // 2)
 
 
 def _pool3d(b: NcnnBuilder, node: fx.Node, is_max: bool) -> None:
@@ -1390,18 +1383,17 @@ def _embedding_lookup(b: NcnnBuilder, node: fx.Node) -> tuple[torch.Tensor, fx.N
     """``(table, ids)`` of an embedding lookup: rows of a stored 2-D table picked by computed integer ids
     (``nn.Embedding``, ``F.embedding``, ONNX ``Gather`` at axis 0 of an initializer); None for another gather."""
     mod = b.module(node)
+    max_norm = None
     if isinstance(mod, nn.Embedding):
-        if mod.max_norm is not None:
-            raise b.fail(node, "an embedding with max_norm renormalizes rows it looks up", "drop max_norm")
-        table, ids = mod.weight, node.args[0]
+        table, ids, max_norm = mod.weight, node.args[0], mod.max_norm
     elif mod is None and node.target is F.embedding:
-        ids, table = _arg(node, 0, "input"), _arg(node, 1, "weight")
-        if _arg(node, 3, "max_norm", None) is not None:
-            raise b.fail(node, "an embedding with max_norm renormalizes rows it looks up", "drop max_norm")
+        ids, table, max_norm = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 3, "max_norm", None)
     elif mod is not None and hasattr(mod, "_axis") and len(node.args) == 2 and int(mod._axis) == 0:
         table, ids = node.args
     else:
         return None
+    if max_norm is not None:
+        raise b.fail(node, "an embedding with max_norm renormalizes rows it looks up", "drop max_norm")
     value = table if isinstance(table, torch.Tensor) else b.fixed_value(table)
     if not isinstance(value, torch.Tensor) or value.dim() != 2 or not isinstance(ids, fx.Node) or \
             b.fixed_value(ids) is not None:

@@ -270,7 +270,7 @@ def drop_unread_optional_outputs(model: onnx.ModelProto) -> int:
     graph outputs, as if the exporter had not named them; returns how many. Old exporters name them all (onnx-caffe2's
     Dropout masks); a converter then had to produce values nobody uses."""
     graph = model.graph
-    read = _read_names(graph) | {o.name for o in graph.output}
+    read = _used_names(graph) | {o.name for o in graph.output}  # If / Loop bodies may read outer values
     dropped = 0
     for node in graph.node:
         keep = OPTIONAL_TRAILING_OUTPUTS.get(node.op_type) if node.domain in _DEFAULT_DOMAINS else None
@@ -284,23 +284,6 @@ def drop_unread_optional_outputs(model: onnx.ModelProto) -> int:
             del node.output[:]
             node.output.extend(outs)
     return dropped
-
-
-def _read_names(graph: onnx.GraphProto) -> set[str]:
-    """Every tensor name a node of ``graph`` or of its subgraphs (If / Loop bodies, at any depth) reads: a body may
-    read an outer value without declaring it (an implicit capture)."""
-    read: set[str] = set()
-    stack = [graph]
-    while stack:
-        g = stack.pop()
-        for node in g.node:
-            read.update(node.input)
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    stack.append(attr.g)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    stack.extend(attr.graphs)
-    return read
 
 
 def drop_redundant_allowzero(model: onnx.ModelProto) -> int:

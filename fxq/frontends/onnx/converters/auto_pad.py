@@ -50,24 +50,44 @@ def same_pads(sizes: list, kernel: list[int], stride: list[int], dilation: list[
     return pads
 
 
-class OnnxSamePad(nn.Module):
-    """``op`` (a conv or pool without padding of its own) after ONNX's SAME padding of the input, computed from the
-    input's size at each call.
+class _PadThenOp(nn.Module):
+    """``op`` (a conv or pool without padding of its own) after ``F.pad`` of the input by :meth:`pads_for`.
 
-    Args:
-        op: the module applied to the padded input.
-        kernel, stride, dilation: of each spatial dim.
-        upper: SAME_UPPER (odd pad at the end) or SAME_LOWER (at the start).
-        value: the pad value (``-inf`` for max pooling).
-        exclude_pad: average pooling that leaves the pads out of the count (``count_include_pad=0``): the result is
-            divided by ``op`` of the padded ones, the share of real elements in each window.
-    """
+    ``value`` is the pad value (``-inf`` for max pooling); ``exclude_pad``: average pooling that leaves the pads out
+    of the count (``count_include_pad=0``): the result is divided by ``op`` of the padded ones, the share of real
+    elements in each window."""
+
+    op: nn.Module
+    value: float
+    exclude_pad: bool
 
     @property
     def fxq_inline(self) -> bool:
         """Inlined at load when ``op`` has weights (a conv, see :func:`inline_wrappers`); a pool stays one module,
         quantized at its input and output like the ONNX node."""
         return any(True for _ in self.op.parameters())
+
+    def pads_for(self, x: torch.Tensor) -> list:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pads = self.pads_for(x)
+        y = self.op(F.pad(x, pads, value=self.value))
+        if self.exclude_pad:
+            ones = torch.ones((1, 1) + x.shape[2:], dtype=x.dtype, device=x.device)  # from the shape: no activation
+            y = y / self.op(F.pad(ones, pads, value=0.0))
+        return y
+
+
+class OnnxSamePad(_PadThenOp):
+    """ONNX's SAME padding, computed from the input's size at each call.
+
+    Args:
+        op: the module applied to the padded input.
+        kernel, stride, dilation: of each spatial dim.
+        upper: SAME_UPPER (odd pad at the end) or SAME_LOWER (at the start).
+        value, exclude_pad: as :class:`_PadThenOp`.
+    """
 
     def __init__(self, op: nn.Module, kernel: list[int], stride: list[int], dilation: list[int], upper: bool,
                  value: float = 0.0, exclude_pad: bool = False) -> None:
@@ -76,43 +96,26 @@ class OnnxSamePad(nn.Module):
         self.kernel, self.stride, self.dilation = list(kernel), list(stride), list(dilation)
         self.upper, self.value, self.exclude_pad = upper, value, exclude_pad
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def pads_for(self, x: torch.Tensor) -> list:
         n = len(self.kernel)
-        pads = same_pads([x.shape[2 + i] for i in range(n)], self.kernel, self.stride, self.dilation, self.upper)
-        return _padded_call(self.op, x, pads, self.value, self.exclude_pad)
+        return same_pads([x.shape[2 + i] for i in range(n)], self.kernel, self.stride, self.dilation, self.upper)
 
     def extra_repr(self) -> str:
         return (f"kernel={self.kernel}, stride={self.stride}, dilation={self.dilation}, "
                 f"{'SAME_UPPER' if self.upper else 'SAME_LOWER'}, value={self.value}, exclude_pad={self.exclude_pad}")
 
 
-def _padded_call(op: nn.Module, x: torch.Tensor, pads: list, value: float, exclude_pad: bool) -> torch.Tensor:
-    """``op(F.pad(x, pads))``; with ``exclude_pad`` divided by ``op`` of the padded ones (an average pool's share of
-    real elements in each window, so the pads stay out of the count)."""
-    y = op(F.pad(x, pads, value=value))
-    if exclude_pad:
-        ones = torch.ones((1, 1) + x.shape[2:], dtype=x.dtype, device=x.device)  # from the shape: no activation
-        y = y / op(F.pad(ones, pads, value=0.0))
-    return y
-
-
-class OnnxAsymmetricPad(nn.Module):
-    """``op`` (a conv or pool without padding of its own) after fixed pads that differ between a dim's start and
-    end, which torch's convs and pools cannot take. onnx2torch refused them for AveragePool ("non symmetrical
-    padding") and wrapped Conv and MaxPool in an ``nn.Sequential`` with its pad module, which hid the conv's weight
-    from the quantizers (tf2onnx writes TensorFlow's SAME this way; onnx-caffe2's GoogLeNet / Inception-v2 pool so).
+class OnnxAsymmetricPad(_PadThenOp):
+    """Fixed pads that differ between a dim's start and end, which torch's convs and pools cannot take. onnx2torch
+    refused them for AveragePool ("non symmetrical padding") and wrapped Conv and MaxPool in an ``nn.Sequential``
+    with its pad module, which hid the conv's weight from the quantizers (tf2onnx writes TensorFlow's SAME this way;
+    onnx-caffe2's GoogLeNet / Inception-v2 pool so).
 
     Args:
         op: the module applied to the padded input.
         pads: ``F.pad`` order (last dim first, begin then end).
-        value: the pad value (``-inf`` for max pooling).
-        exclude_pad: average pooling with ``count_include_pad=0``, as in :class:`OnnxSamePad`.
+        value, exclude_pad: as :class:`_PadThenOp`.
     """
-
-    @property
-    def fxq_inline(self) -> bool:
-        """Inlined at load when ``op`` has weights, as :class:`OnnxSamePad` is."""
-        return any(True for _ in self.op.parameters())
 
     def __init__(self, op: nn.Module, pads: list[int], value: float = 0.0, exclude_pad: bool = False) -> None:
         super().__init__()
@@ -121,8 +124,8 @@ class OnnxAsymmetricPad(nn.Module):
         self.value = float(value)
         self.exclude_pad = exclude_pad
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _padded_call(self.op, x, self.pads, self.value, self.exclude_pad)
+    def pads_for(self, x: torch.Tensor) -> list:
+        return self.pads
 
     def extra_repr(self) -> str:
         return f"pads={self.pads}, value={self.value}, exclude_pad={self.exclude_pad}"
@@ -130,14 +133,13 @@ class OnnxAsymmetricPad(nn.Module):
 
 def _asymmetric_pads(node: OnnxNode) -> list[int] | None:
     """An explicitly padded node's pads in ``F.pad`` order when some dim's begin and end differ; else None."""
+    from fxq.frontends.onnx.converters.pad import torch_pads
+
     pads = [int(p) for p in node.attributes.get("pads", [])]
     n = len(pads) // 2
     if node.attributes.get("auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET") or pads[:n] == pads[n:]:
         return None
-    out: list[int] = []
-    for i in reversed(range(n)):
-        out += [pads[i], pads[n + i]]
-    return out
+    return torch_pads(pads, None, None)
 
 
 def is_same_pad(node: OnnxNode) -> bool:

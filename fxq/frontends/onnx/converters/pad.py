@@ -16,7 +16,7 @@ from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OperationConverterResult
 from torch import nn
 
-from fxq.frontends.onnx.converters._common import const_input, int_list, rank_of, result
+from fxq.frontends.onnx.converters._common import const_input, int_list, rank_of, result, text
 from fxq.frontends.onnx.converters.registry import register_onnx_converter
 from fxq.frontends.onnx.cut import follows_data_shaped
 
@@ -132,11 +132,17 @@ def torch_pads(onnx_pads: list[int], axes: list[int] | None, rank: int | None) -
     return out
 
 
-@register_onnx_converter("Pad", (11, 13, 18, 19, 21, 23, 24, 25), override=True)
-def _convert_pad(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-    mode = node.attributes.get("mode", "constant")
+def _mode(node: OnnxNode) -> str:
+    """The node's ``mode`` as ``F.pad`` names it."""
+    mode = text(node.attributes.get("mode", "constant"))
     if mode not in _TORCH_MODE:
         raise NotImplementedError(f"Pad: mode {mode!r} is not one of {sorted(_TORCH_MODE)}")
+    return _TORCH_MODE[mode]
+
+
+@register_onnx_converter("Pad", (11, 13, 18, 19, 21, 23, 24, 25), override=True)
+def _convert_pad(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    mode = _mode(node)
     axes_t = const_input(node, graph, 3, "axes")
     axes = int_list(axes_t) if axes_t is not None else None
     try:
@@ -148,26 +154,22 @@ def _convert_pad(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
             raise NotImplementedError("Pad: pads computed at run time from a value-dependent size (after NonZero / "
                                       "NMS): post-processing, which a cut leaves out") from None
         inputs = [v for v in node.input_values[:3] if v]
-        return result(OnnxPadRuntime(_TORCH_MODE[mode], axes), node, inputs)
+        return result(OnnxPadRuntime(mode, axes), node, inputs)
     data = node.input_values[0]
     rank = rank_of(graph, data)
     pads = torch_pads(int_list(pads_t), axes, rank)
     value = value_t.reshape(-1)[0].item() if value_t is not None and value_t.numel() else 0.0
-    return result(OnnxPad(pads, _TORCH_MODE[mode], value, rank), node, [data])
+    return result(OnnxPad(pads, mode, value, rank), node, [data])
 
 
 @register_onnx_converter("Pad", (1, 2), override=True)
 def _convert_pad_attributes(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     """``Pad-2`` (``pads``, ``value``) and ``Pad-1`` (``paddings``, ``value``): the same layout as Pad-11's inputs."""
-    mode = node.attributes.get("mode", "constant")
-    if isinstance(mode, bytes):
-        mode = mode.decode()
-    if mode not in _TORCH_MODE:
-        raise NotImplementedError(f"Pad: mode {mode!r} is not one of {sorted(_TORCH_MODE)}")
+    mode = _mode(node)
     onnx_pads = node.attributes.get("pads", node.attributes.get("paddings"))
     if onnx_pads is None:
         raise NotImplementedError("Pad: neither the 'pads' nor the 'paddings' attribute is set")
     data = node.input_values[0]
     rank = rank_of(graph, data)
     pads = torch_pads([int(p) for p in onnx_pads], None, rank)
-    return result(OnnxPad(pads, _TORCH_MODE[mode], float(node.attributes.get("value", 0.0)), rank), node, [data])
+    return result(OnnxPad(pads, mode, float(node.attributes.get("value", 0.0)), rank), node, [data])
