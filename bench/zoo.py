@@ -270,9 +270,9 @@ def ncnn_run(net: Any, args: tuple, n_outputs: int, param: Path | None = None) -
     """The outputs ``out0..`` of one sample (batch 1 inputs ``in0..``), flattened and concatenated. An input whose
     ``Input`` layer in ``param`` has the tensor's whole rank is unbatched (a detector's ``[3, H, W]`` image): fed as
     it is, not its first sample."""
-    import ncnn
     import numpy as np
 
+    from fxq.analysis.mismatch_ncnn import ncnn_mat
     from fxq.backends.ncnn.writer import shape_params
 
     dims = {str(k) for k in shape_params((1, 1, 1, 1))}  # the param ids of a blob's dims (w, h, d, c)
@@ -287,7 +287,7 @@ def ncnn_run(net: Any, args: tuple, n_outputs: int, param: Path | None = None) -
         whole = ranks.get(f"in{i}") == a.dim()
         value = (a if whole else a[0]).numpy()  # ncnn reads float32 (a float64 array would be misread), ids int32
         cast = {np.dtype(np.float64): np.float32, np.dtype(np.int64): np.int32}.get(value.dtype)
-        ex.input(f"in{i}", ncnn.Mat(np.ascontiguousarray(value if cast is None else value.astype(cast))).clone())
+        ex.input(f"in{i}", ncnn_mat(value if cast is None else value.astype(cast)))
     outs = []
     for i in range(n_outputs):
         ret, m = ex.extract(f"out{i}")

@@ -326,6 +326,34 @@ def test_ncnn_teacher_forcing_names_the_wrong_layer(ncnn_exported, tmp_path):
     assert len(free.diverged()) == 2
 
 
+class _TransposedFeatures(torch.nn.Module):
+    """A text recognizer's head: conv features [C, T] transposed to [T, C] before a Linear (ncnn: Permute ->
+    int8 InnerProducts over a 2-D blob); the transposed blob is a non-contiguous tensor in the simulation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(3, 32, 1)
+        self.fc = torch.nn.Linear(32, 16)
+        self.classes = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classes(self.fc(torch.relu(self.conv(x)).transpose(1, 2)))
+
+
+def test_ncnn_teacher_forcing_feeds_non_contiguous_values(tmp_path):
+    """Teacher-forced values of a transposed tensor reach ncnn as they are: a view's contiguous copy was freed
+    before ncnn copied it, and the Linear's first row then read the allocator's bytes (tens of codes off in a file
+    that computes what the simulation computes)."""
+    pytest.importorskip("ncnn")
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(3)
+    data = [torch.randn(1, 3, 40, generator=gen) for _ in range(3)]
+    gm = fxq.quantize(_TransposedFeatures().eval(), data[:2], "ncnn_int8", progress=False)
+    fxq.export(gm, "ncnn", tmp_path / "head")
+    report = fxq.locate_mismatch(gm, tmp_path / "head.param", data[2:], teacher_forced=True)
+    assert len(report) >= 2 and max(r.max_diff for r in report) <= 1, report.table()
+
+
 def test_ncnn_file_of_another_model_is_refused(ncnn_exported, tmp_path):
     gm, param = ncnn_exported
     other = fxq.quantize(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1)).eval(), _data(), "ncnn_int8", progress=False)

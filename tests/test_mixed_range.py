@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import fx, nn
 
 import fxq
+from fxq.analysis.mismatch_ncnn import ncnn_mat
 from fxq.graph.calibrate import MIXED_RANGE_KEY, MIXED_RANGE_RATIO
 from fxq.graph.quant_graph import QuantGraph
 from fxq.spec import QuantState
@@ -383,7 +384,7 @@ def test_ppl_json_leaves_the_concat_float(tmp_path: Path) -> None:
 
 def test_ncnn_export_runs(tmp_path: Path) -> None:
     """ncnn_int8 quantizes conv / gemm inputs only: the concat is float already, nothing to protect."""
-    ncnn = pytest.importorskip("ncnn")
+    pytest.importorskip("ncnn")
     from fxq.backends.ncnn import ncnn_paths
 
     shape = (1, 3, 32, 32)
@@ -397,7 +398,7 @@ def test_ncnn_export_runs(tmp_path: Path) -> None:
                                         (files["param"], files["bin"], True, q)):
             net = ncnn_net(param, bin_, int8=int8)
             ex = net.create_extractor()
-            ex.input("in0", ncnn.Mat(np.ascontiguousarray(x[0].numpy())).clone())
+            ex.input("in0", ncnn_mat(x[0].numpy()))
             ret, out = ex.extract("out0")
             assert ret == 0
             got = torch.from_numpy(np.array(out).copy())

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import fxq
+from fxq.analysis.mismatch_ncnn import ncnn_mat
 from fxq.backends import export
 from fxq.backends.ncnn import NcnnInt8, ncnn_paths
 from fxq.errors import ExportError
@@ -35,7 +36,7 @@ def run_ncnn(param: Path, bin_: Path, x: torch.Tensor, n_out: int, *, int8: bool
     """The outputs of the files on ``x[0]`` (one sample), or on ``x`` itself when ``whole`` (an unbatched input)."""
     net = ncnn_net(param, bin_, int8=int8)
     ex = net.create_extractor()
-    ex.input("in0", ncnn.Mat(np.ascontiguousarray((x if whole else x[0]).numpy())).clone())
+    ex.input("in0", ncnn_mat((x if whole else x[0]).numpy()))
     outs = []
     for k in range(n_out):
         ret, m = ex.extract(f"out{k}")
@@ -463,7 +464,7 @@ def test_depthwise_5x5_int8(tmp_path: Path, packing: bool) -> None:
     for _ in range(3):
         x = torch.randn(1, 3, 16, 16)
         ex = net.create_extractor()
-        ex.input("in0", ncnn.Mat(np.ascontiguousarray(x[0].numpy())).clone())
+        ex.input("in0", ncnn_mat(x[0].numpy()))
         ret, out = ex.extract("out0")
         assert ret == 0
         got = np.array(out).astype(np.float64).ravel()
@@ -796,7 +797,7 @@ def _ncnn_permute(x: np.ndarray, order_type: int) -> np.ndarray:
     net.load_param_mem(f"7767517\n2 2\nInput in 0 1 in {keys}\nPermute p 1 1 in out 0={order_type}\n")
     net.load_model_mem(b"")
     ex = net.create_extractor()
-    ex.input("in", ncnn.Mat(np.ascontiguousarray(x)))
+    ex.input("in", ncnn_mat(x))
     _, out = ex.extract("out")
     return np.array(out)
 
@@ -1853,7 +1854,7 @@ def test_text_encoder_from_token_ids(tmp_path: Path, form: str) -> None:
     for int8, want in ((True, sim), (False, ref)):
         stem = "" if int8 else "fp32_"
         ex = ncnn_net(files[f"{stem}param"], files[f"{stem}bin"], int8=int8).create_extractor()
-        ex.input("in0", ncnn.Mat(ids[0].numpy().astype(np.int32)).clone())
+        ex.input("in0", ncnn_mat(ids[0].numpy().astype(np.int32)))
         np.testing.assert_allclose(np.array(ex.extract("out0")[1]), want, atol=1e-5)
 
 

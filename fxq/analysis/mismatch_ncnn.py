@@ -46,6 +46,17 @@ def _layers(text: str, source: str) -> list[tuple[str, ...]]:
     return layers
 
 
+def ncnn_mat(array: np.ndarray) -> Any:
+    """An ``ncnn.Mat`` that owns a copy of ``array``. ``ncnn.Mat(array)`` only borrows the buffer, so the array
+    must stay alive until the copy: ``ncnn.Mat(np.ascontiguousarray(view)).clone()`` copies the temporary after it
+    was freed when ``view`` is not contiguous (a transposed tensor), and the allocator has by then overwritten its
+    first bytes."""
+    import ncnn
+
+    array = np.ascontiguousarray(array)
+    return ncnn.Mat(array).clone()
+
+
 def _bin_path(param: Path) -> Path:
     return param.with_name(re.sub(r"\.param$", ".bin", param.name, flags=re.I))
 
@@ -127,8 +138,7 @@ def locate_ncnn_mismatch(qmodel: fx.GraphModule, param: Path, data: Any, *, teac
         raise FrontendError(f"ncnn cannot load {str(param)!r} and its .bin")
 
     def mat(value: torch.Tensor, node: fx.Node) -> Any:
-        return ncnn.Mat(np.ascontiguousarray(value.detach().float().cpu().numpy().reshape(
-            builder.stored_shape(node)))).clone()
+        return ncnn_mat(value.detach().float().cpu().numpy().reshape(builder.stored_shape(node)))
 
     runner = GraphRunner(qmodel)
     samples = Samples(iter_bound_batches(runner, data, steps, collate_fn, progress=False, desc=""))
