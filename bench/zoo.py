@@ -266,10 +266,11 @@ def ncnn_net(files: list[Path]) -> Any:
     return net
 
 
-def ncnn_run(net: Any, args: tuple, n_outputs: int, param: Path | None = None) -> Any:
+def ncnn_run(net: Any, args: tuple, n_outputs: int, param: Path | None = None, model: Any = None) -> Any:
     """The outputs ``out0..`` of one sample (batch 1 inputs ``in0..``), flattened and concatenated. An input whose
     ``Input`` layer in ``param`` has the tensor's whole rank is unbatched (a detector's ``[3, H, W]`` image): fed as
-    it is, not its first sample."""
+    it is, not its first sample. An input of ``model`` (the quantized model) whose batch is not dim 0 (silero's
+    ``state`` ``[2, batch, 128]``) gives its first sample along that dim."""
     import numpy as np
 
     from fxq.analysis.mismatch_ncnn import ncnn_mat
@@ -282,10 +283,15 @@ def ncnn_run(net: Any, args: tuple, n_outputs: int, param: Path | None = None) -
             parts = line.split()
             if parts and parts[0] == "Input":
                 ranks[parts[1]] = sum(p.split("=")[0] in dims for p in parts if "=" in p)
+    at = [0] * len(args)
+    if model is not None:
+        from fxq.graph.data import input_batch_dim
+
+        at = [input_batch_dim(model, p) or 0 for p in model.graph.find_nodes(op="placeholder")]
     ex = net.create_extractor()
     for i, a in enumerate(args):
         whole = ranks.get(f"in{i}") == a.dim()
-        value = (a if whole else a[0]).numpy()  # ncnn reads float32 (a float64 array would be misread), ids int32
+        value = (a if whole else a.select(at[i], 0)).numpy()  # ncnn reads float32 (a float64 array would be misread), ids int32
         cast = {np.dtype(np.float64): np.float32, np.dtype(np.int64): np.int32}.get(value.dtype)
         ex.input(f"in{i}", ncnn_mat(value if cast is None else value.astype(cast)))
     outs = []
@@ -418,7 +424,7 @@ def check_runtime(qmodel: Any, files: list[Path], fresh: tuple, platform: str, s
     if platform == "ncnn_int8":
         n_out = len(outs) if isinstance(outs, (list, tuple)) else 1
         param = next(f for f in files if f.name.endswith(".param") and not f.name.endswith(".fp32.param"))
-        cos = {"ncnn": cosine(ncnn_run(ncnn_net(files), fresh, n_out, param), sim.numpy())}
+        cos = {"ncnn": cosine(ncnn_run(ncnn_net(files), fresh, n_out, param, qmodel), sim.numpy())}
         diagnosed = param
     else:
         cos = {"ort": cosine(_run_ort(files[0], fresh, True), sim.numpy()),

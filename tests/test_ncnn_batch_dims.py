@@ -112,6 +112,21 @@ def test_unnamed_dims_refused_with_advice_that_works(tmp_path: Path) -> None:
         _run_steps(gm, _files(tmp_path / "given"), int8)
 
 
+def test_output_state_refused_with_advice_that_works(tmp_path: Path) -> None:
+    """The input's batch given alone: the output state, whose declared dims say nothing either, is refused with
+    the ``batch_dims`` entry for it, by its ONNX name and dim, which, followed too, exports (silero VAD's files)."""
+    path = _export(tmp_path / "fixed.onnx", named=False)
+    gm = fxq.quantize(fxq.load_onnx(path, batch_dims={"state": 1}), _data(), "ncnn_int8", progress=False)
+    with pytest.raises(fxq.ExportError, match=r"graph output 1, of shape \(2, 1, 8\).*Fix: load the model with "
+                       r"fxq.load_onnx\(\.\.\., batch_dims=\{'stateN': 1\}\) \(CLI: --batch-dim stateN=1\)"):
+        fxq.export(gm, "ncnn_int8", tmp_path / "refused")
+    gm = fxq.quantize(fxq.load_onnx(path, batch_dims={"state": 1, "stateN": 1}), _data(), "ncnn_int8",
+                      progress=False)
+    fxq.export(gm, "ncnn_int8", tmp_path / "given")
+    for int8 in (True, False):
+        _run_steps(gm, _files(tmp_path / "given"), int8)
+
+
 @pytest.mark.parametrize("dims, match", [
     ({"nope": 1}, r"'nope' is not an input or output of the model; its inputs and outputs are \['out', 'state', "),
     ({"state": 3}, r"'state' has rank 3; its batch dim must be an integer in \[-3, 2\], or None for no batch dim, got 3"),

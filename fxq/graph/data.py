@@ -20,6 +20,7 @@ __all__ = [
     "source_batch_dim",
     "source_unbatched",
     "input_batch_dim",
+    "onnx_output_name",
     "onnx_input_name",
     "doubled_dim_probes",
     "iter_batches",
@@ -227,6 +228,12 @@ def onnx_input_name(placeholder: fx.Node) -> str:
     info = placeholder.meta.get("onnx")
     names = info.get("outputs", []) if isinstance(info, dict) else []
     return names[0] if names else placeholder.name
+
+
+def onnx_output_name(model: nn.Module, output: int) -> str | None:
+    """The name of graph output number ``output`` in the model's source ONNX file; None without one."""
+    found = _source_tensor(model, None, output)
+    return found[1] or None if found is not None else None
 
 
 def _source_tensor(model: nn.Module, placeholder: fx.Node | None, output: int | None

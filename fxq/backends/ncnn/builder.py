@@ -47,6 +47,7 @@ from fxq.graph.data import (
     doubled_dim_probes,
     input_batch_dim,
     onnx_input_name,
+    onnx_output_name,
     source_batch_dim,
     source_dynamic_dims,
     source_unbatched,
@@ -765,10 +766,24 @@ class NcnnBuilder:
                 if shape[batch] != 1 or not 1 <= len(shape) - 1 <= 4:
                     raise self.fail(src, f"it is graph output {i}, of shape {shape}, whose dim {batch} is not the "
                                     f"batch dimension; ncnn outputs drop dim {batch}",
-                                    "return a batch-first tensor" if declared is None else
-                                    "return the batch at the dim the source file declares for this output")
+                                    self._output_batch_advice(i, src, declared))
                 self.emit(src, "Reshape", [self.blob_of[src]], shape_params(drop_dim(shape, batch)), batch_dim=batch)
             self.model.outputs.append(self.blob_of[src])
+
+
+    def _output_batch_advice(self, i: int, src: fx.Node, declared: int | None) -> str:
+        """The fix for graph output ``i`` whose batch is not where ncnn drops a dim: for an ONNX file's output
+        whose declared dims do not say where (unnamed dims), the ``load_onnx`` argument that does."""
+        if declared is not None:
+            return "return the batch at the dim the source file declares for this output"
+        name = onnx_output_name(self.gm, i)
+        if name is None:
+            return "return a batch-first tensor"
+        dim = self.batch_dim(src)
+        value, cli = ("None", "none") if dim is None else (str(dim), str(dim))
+        return (f"load the model with fxq.load_onnx(..., batch_dims={{{name!r}: {value}}}) (CLI: --batch-dim "
+                f"{name}={cli}): ONNX output {name!r} carries the batch at dim {dim}, and its declared dims do not "
+                "say so")
 
 
 def fold_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
