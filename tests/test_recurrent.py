@@ -321,6 +321,37 @@ def test_ncnn_recurrent_variants(cls, bidirectional, layers, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ ONNX files
+class StoredStartState(nn.Module):
+    """An LSTM started from stored states (a CRNN text recognizer's export: ``initial_h`` / ``initial_c`` are
+    constants of the file, as torch 1.x wrote the zeros it made in ``forward``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(FEATURES, HIDDEN, bidirectional=True, batch_first=True)
+        self.register_buffer("h0", 0.3 * torch.randn(2, 1, HIDDEN))
+        self.register_buffer("c0", 0.3 * torch.randn(2, 1, HIDDEN))
+        self.head = nn.Linear(2 * HIDDEN, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x, (self.h0, self.c0))[0])
+
+
+def test_onnx_lstm_with_stored_initial_states_on_ncnn(tmp_path):
+    """Stored initial states become ncnn blobs of the LSTM's ``(D, H)`` state layout: they were refused as
+    constants whose batch is not dim 0. Non-zero states, so a layout or value mistake shows."""
+    torch.manual_seed(0)
+    model = StoredStartState().eval()
+    x = torch.randn(1, FRAMES, FEATURES)
+    _torch_onnx(model, x, tmp_path / "crnn.onnx", dynamo=False)
+    assert {i.name for i in onnx.load(str(tmp_path / "crnn.onnx")).graph.initializer} >= {"h0", "c0"}
+    gm = fxq.load_onnx(tmp_path / "crnn.onnx")
+    q = quantize(gm, [torch.randn(1, FRAMES, FEATURES) for _ in range(2)], "ncnn_int8")
+    files = fxq.export(q, "ncnn_int8", tmp_path / "crnn")
+    with torch.no_grad():
+        want = q(x)[0].numpy()
+    np.testing.assert_allclose(run_ncnn(files, x), want, atol=1e-4)
+
+
 def _torch_onnx(model: nn.Module, x: torch.Tensor, path, dynamo: bool) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

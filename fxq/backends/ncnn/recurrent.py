@@ -61,13 +61,20 @@ def _recurrent(b: NcnnBuilder, node: fx.Node) -> None:
     if want_states or any(s is not None for s in states):
         zeros = None
         for s in states:
-            if s is not None:
+            if s is not None and b.is_constant(s):  # a stored initial state [D, 1, H] (torch's zeros at export)
+                value = b.fixed_value(s).detach().float()
+                if value.numel() != dirs * hidden:
+                    raise b.fail(node, f"its initial state {s.name!r} has shape {tuple(value.shape)}, not "
+                                 f"[{dirs}, 1, {hidden}]", "export at batch 1")
+                bottoms.append(b.helper(node, "MemoryData", [], {0: hidden, 1: dirs},
+                                        [("raw", np.ascontiguousarray(value.reshape(dirs, hidden).numpy()))]))
+            elif s is not None:
                 bottoms.append(b.blob(s, node))
-                continue
-            if zeros is None:
-                zeros = b.helper(node, "MemoryData", [], {0: hidden, 1: dirs},
-                                 [("raw", np.zeros((dirs, hidden), dtype=np.float32))])
-            bottoms.append(zeros)
+            else:
+                if zeros is None:
+                    zeros = b.helper(node, "MemoryData", [], {0: hidden, 1: dirs},
+                                     [("raw", np.zeros((dirs, hidden), dtype=np.float32))])
+                bottoms.append(zeros)
     n_tops = len(bottoms)
     layer = b.add_layer(node, kind, bottoms, {0: hidden, 1: int(w.size), 2: {"forward": 0, "reverse": 1}.get(
         direction, 2)}, _weights(kind, w, r, bias, hidden), n_tops=n_tops)
