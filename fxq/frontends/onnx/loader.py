@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from fxq.errors import FrontendError
-from fxq.frontends.onnx import cleanup, control_flow, cut, naming, reader, shapes, support
+from fxq.frontends.onnx import cleanup, control_flow, cut, dequantize, naming, reader, shapes, support
 from fxq.frontends.onnx import verify as checks
 from fxq.recurrent.modules import functionalize_recurrent
 
@@ -202,6 +202,7 @@ def load_onnx(
         proto = cut.keep_outputs(proto, [outputs] if isinstance(outputs, str) else list(outputs), source)
     fixed = shapes.fix_input_shapes(proto, input_shapes, source)
     file_tensors = {o for n in proto.graph.node for o in n.output if o}  # what outputs= can name
+    dequantize.fold_qdq(proto, source)  # a QDQ file: its float model (checked against that below)
     original = None
     if checks.wants_check(proto, verify):
         original = onnx.ModelProto()

@@ -10,6 +10,7 @@ from onnx import defs
 
 from fxq import onnx_data
 from fxq.errors import FrontendError
+from fxq.frontends.onnx.dequantize import quantized_format_advice
 
 __all__ = ["Gap", "find_gaps", "check_supported", "check_wiring", "opset_of", "upgrade_for_converters",
            "UPGRADE_OPSETS"]
@@ -178,11 +179,11 @@ def check_supported(model: onnx.ModelProto, source: str) -> None:
     if gaps:
         lines.append(f"{len(gaps)} op type(s) have no converter (onnx2torch's or fxq's):")
         lines += [_describe(g, n) for g, n in sorted(gaps.items(), key=lambda kv: (kv[0].domain, kv[0].op_type))]
-        lines.append(
+        lines.append(quantized_format_advice({g.op_type for g in gaps}) or (
             "What to do: re-export with ops/opsets these converters support (e.g. torch.onnx.export(..., "
             "dynamo=False, opset_version=17)), or register a converter with "
             "fxq.frontends.onnx.register_onnx_converter(op_type, schema_version, domain)."
-        )
+        ))
     if orphans:
         lines.append(
             f"graph output(s) {orphans} are graph inputs or initializers, not node outputs; "

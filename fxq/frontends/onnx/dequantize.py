@@ -1,0 +1,180 @@
+"""Quantized ONNX files (QDQ format) loaded as the float model they quantize.
+
+A QDQ file (TensorRT's explicit quantization, onnxruntime's ``quantize_static``, fxq's own exports) is a float
+graph with ``QuantizeLinear -> DequantizeLinear`` pairs on its activations and ``DequantizeLinear`` over integer
+initializers for its weights. fxq quantizes float models for the platform the user picks, so on load:
+
+* a ``DequantizeLinear`` of stored integer tensors becomes the float initializer it computes (the weight as the
+  file deploys it);
+* a ``QuantizeLinear`` whose output only ``DequantizeLinear`` nodes read is removed with them: their readers read
+  the float tensor the pair rounded.
+
+What stays (a ``QuantizeLinear`` read by other ops, scales computed at run time, block-wise or float8 / int4
+encodings) is left to the converters, which refuse it by name; the QOperator and dynamic formats
+(``QLinearConv``, ``ConvInteger``, ``DynamicQuantizeLinear``...) are refused with :func:`quantized_format_advice`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+__all__ = ["QUANTIZED_OP_TYPES", "fold_qdq", "quantized_format_advice"]
+
+_LOG = logging.getLogger(__name__)
+
+_DOMAINS = ("", "ai.onnx", "com.microsoft")
+_INTEGER_CODES = (np.int8, np.uint8, np.int16, np.uint16, np.int32)
+
+QUANTIZED_OP_TYPES = frozenset({
+    "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "ConvInteger", "MatMulInteger", "QLinearConv",
+    "QLinearMatMul", "QLinearAdd", "QLinearMul", "QLinearSigmoid", "QLinearLeakyRelu", "QLinearAveragePool",
+    "QLinearGlobalAveragePool", "QLinearConcat", "QLinearSoftmax", "QLinearReduceMean", "QLinearWhere", "QGemm",
+    "QAttention", "DynamicQuantizeLSTM", "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "MatMulNBits",
+})
+"""Op types that only quantized files hold (the default domain's and onnxruntime's ``com.microsoft`` ones)."""
+
+
+def _is(node: onnx.NodeProto, op_type: str) -> bool:
+    return node.op_type == op_type and node.domain in _DOMAINS
+
+
+def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph of its If / Loop / Scan nodes, nested ones included (no recursion)."""
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        yield g
+        for node in g.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    stack.append(attr.g)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    stack.extend(attr.graphs)
+
+
+def _stored(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """The graph's initializers and default-domain ``Constant`` tensors, by name."""
+    graph = model.graph
+    values = {t.name: t for t in graph.initializer}
+    for node in graph.node:
+        if _is(node, "Constant") and len(node.attribute) == 1 and node.attribute[0].name == "value":
+            values[node.output[0]] = node.attribute[0].t
+    out = {}
+    for name, tensor in values.items():
+        if tensor.data_location == onnx.TensorProto.EXTERNAL and not tensor.raw_data:
+            continue  # external data not loaded: not ours to read
+        try:
+            out[name] = numpy_helper.to_array(tensor)
+        except Exception:  # noqa: BLE001  (an encoding numpy_helper cannot read: left as it is)
+            continue
+    return out
+
+
+def _dequantized(node: onnx.NodeProto, stored: dict[str, np.ndarray]) -> np.ndarray | None:
+    """What ``DequantizeLinear`` ``node`` computes from stored tensors, in float32; None where its codes, scale
+    or zero point are not stored, or are in an encoding this fold does not take (block-wise, float8, int4)."""
+    names = list(node.input) + [""] * (3 - len(node.input))
+    x, scale, zero = (stored.get(n) if n else None for n in names[:3])
+    if x is None or scale is None or (names[2] and zero is None):
+        return None
+    if x.dtype.type not in _INTEGER_CODES or scale.dtype.kind != "f":
+        return None
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    if attrs.get("block_size", 0):
+        return None
+    zero = np.zeros((), dtype=np.float64) if zero is None else zero.astype(np.float64)
+    scale = scale.astype(np.float64)
+    if scale.ndim == 1 and x.ndim > 0:  # per-axis: the scale and zero point run along `axis`
+        axis = attrs.get("axis", 1) % x.ndim
+        shape = [1] * x.ndim
+        shape[axis] = scale.shape[0]
+        scale, zero = scale.reshape(shape), (zero.reshape(shape) if zero.ndim == 1 else zero)
+    return ((x.astype(np.float64) - zero) * scale).astype(np.float32)
+
+
+def _rename_reads(model: onnx.ModelProto, renamed: dict[str, str]) -> None:
+    for g in _graphs(model.graph):
+        for node in g.node:
+            for i, name in enumerate(node.input):
+                if name in renamed:
+                    node.input[i] = renamed[name]
+
+
+def fold_qdq(model: onnx.ModelProto, source: str) -> int:
+    """Load a QDQ file as its float model (module docstring), in place; returns how many Q/DQ nodes went.
+
+    Weight ``DequantizeLinear`` nodes become initializers; an activation ``QuantizeLinear`` whose readers are all
+    ``DequantizeLinear`` goes with them. A graph output computed by a removed ``DequantizeLinear`` keeps its name
+    through an ``Identity``. Logs what it did, since the file's own scales are not kept: fxq calibrates again."""
+    graph = model.graph
+    if not any(_is(n, "DequantizeLinear") for n in graph.node):
+        return 0
+    stored = _stored(model)
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for g in _graphs(graph):
+        for node in g.node:
+            for name in node.input:
+                readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    top = {id(n) for n in graph.node}
+    gone: set[int] = set()
+    operands: set[str] = set()  # the removed nodes' stored inputs: dropped below if nothing else reads them
+    weights = pairs = 0
+    renamed: dict[str, str] = {}
+    new_outputs: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if _is(node, "DequantizeLinear"):
+            value = _dequantized(node, stored)
+            if value is not None:
+                graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
+                operands.update(n for n in node.input if n)
+                gone.add(id(node))
+                weights += 1
+        elif _is(node, "QuantizeLinear") and node.output[0] not in outputs:
+            users = readers.get(node.output[0], [])
+            if users and all(_is(u, "DequantizeLinear") and id(u) in top for u in users):
+                gone.add(id(node))
+                operands.update(n for n in list(node.input[1:]) if n in stored)
+                for dq in users:
+                    gone.add(id(dq))
+                    operands.update(n for n in list(dq.input[1:]) if n in stored)
+                    if dq.output[0] in outputs:
+                        new_outputs.append(onnx.helper.make_node("Identity", [node.input[0]], [dq.output[0]],
+                                                                 name=f"{dq.name or dq.output[0]}_float"))
+                    else:
+                        renamed[dq.output[0]] = node.input[0]
+                pairs += 1
+    if not gone:
+        return 0
+    kept = [n for n in graph.node if id(n) not in gone] + new_outputs
+    copies = [onnx.NodeProto() for _ in kept]
+    for dst, src in zip(copies, kept):
+        dst.CopyFrom(src)
+    del graph.node[:]
+    graph.node.extend(copies)
+    _rename_reads(model, renamed)
+    read = {name for g in _graphs(graph) for n in g.node for name in n.input} | outputs
+    unread = operands - read
+    if unread:
+        stay = [t for t in graph.initializer if t.name not in unread]
+        del graph.initializer[:]
+        graph.initializer.extend(stay)
+    _LOG.warning("ONNX model %s is quantized (QDQ format): loaded as its float model, %d stored weight(s) "
+                 "dequantized and %d QuantizeLinear -> DequantizeLinear pair(s) removed; the file's own scales are not "
+                 "kept, so quantizing it calibrates again", source, weights, pairs)
+    return len(gone)
+
+
+def quantized_format_advice(op_types: set[str]) -> str | None:
+    """The advice for a file whose unconverted ops are quantized-only ops (``op_types``); None if none are."""
+    found = sorted(op_types & QUANTIZED_OP_TYPES)
+    if not found:
+        return None
+    return (f"What to do: this file is already quantized ({', '.join(found)}): fxq quantizes float models, and "
+            "loads a QDQ file (QuantizeLinear -> DequantizeLinear pairs, weights as DequantizeLinear of stored "
+            "integers) as its float model, but not onnxruntime's QOperator or dynamic formats. Load the float "
+            "model this file was quantized from (or a QDQ export of it).")
