@@ -141,8 +141,9 @@ def test_graph_output_of_a_pair_keeps_its_name(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(gm(x), x.relu())  # not rounded to 0.05's grid
     graph.output.append(helper.make_tensor_value_info("rq", TensorProto.INT8, [1, 4]))
-    with pytest.raises(fxq.FrontendError, match=r"(?s)QuantizeLinear.*already quantized \((DequantizeLinear, )?"
-                                                r"QuantizeLinear\)"):
+    with pytest.raises(fxq.FrontendError, match=r"(?s)QuantizeLinear.*quantized in QDQ form, and these "
+                                                r"DequantizeLinear / QuantizeLinear nodes are not what fxq folds.*an "
+                                                r"integer graph output"):
         fxq.load_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
 
 
@@ -152,3 +153,96 @@ def test_qoperator_file_is_refused_with_its_format(float_file, tmp_path):
     with pytest.raises(fxq.FrontendError, match=r"(?s)QLinearConv.*already quantized \(.*QLinearConv.*\): fxq "
                                                 r"quantizes float models.*Load the float model"):
         fxq.load_onnx(qop)
+
+
+class FeatureAndHead(nn.Module):
+    """Returns a feature map and the head computed from it: in the QDQ file, the feature map's DequantizeLinear is
+    a graph output that the head's conv also reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f = self.a(x)
+        return f, self.b(f)
+
+
+@pytest.mark.parametrize("exporter, platform, options", [
+    ("tensorrt", "trt_int8", {}),
+    ("onnxruntime", "ort_int8", {}),
+    ("tensorrt", "trt_int8", {"high_precision_dtype": "fp16", "weights": "dq"}),  # float16 scales and weights
+], ids=["trt", "ort", "trt-fp16-dq"])
+def test_fxq_exports_with_an_output_that_is_also_read_reload(exporter, platform, options, tmp_path):
+    torch.manual_seed(0)
+    model = FeatureAndHead().eval()
+    q = fxq.quantize(model, _data(), platform, progress=False)
+    files = fxq.export(q, exporter, tmp_path / "m", **options)
+    onnx_file = next(f for f in files if str(f).endswith(".onnx"))
+    gm = fxq.load_onnx(onnx_file)
+    bypassed = _pairs_bypassed(onnx.load(str(onnx_file)), tmp_path / "bypassed.onnx")
+    x = _data(1)[0]
+    sess = ort.InferenceSession(str(bypassed), providers=["CPUExecutionProvider"])
+    feeds = {sess.get_inputs()[0].name: x.numpy()}
+    with torch.no_grad():
+        got = gm(x)
+    for mine, want in zip(got, sess.run(None, feeds)):
+        np.testing.assert_allclose(mine.float().numpy(), want.astype(np.float32), rtol=1e-3, atol=1e-3)
+
+
+def _qdq_model(nodes: list, inputs: list, outputs: list, inits: list, opset: int = 13) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def test_chained_pairs_and_initializers_listed_as_inputs():
+    """A requantization (Q -> DQ -> Q -> DQ) folds to its float input; a file listing its integer weight, scale
+    and zero point among the graph inputs (keep_initializers_as_inputs) keeps only its real input."""
+    s = numpy_helper.from_array(np.array(0.05, dtype=np.float32), "s")
+    s2 = numpy_helper.from_array(np.array(0.1, dtype=np.float32), "s2")
+    z = numpy_helper.from_array(np.array(0, dtype=np.int8), "z")
+    wq = numpy_helper.from_array(np.array([[3, -7, 12], [1, 0, -2], [5, 5, -9], [8, -1, 4]], dtype=np.int8), "wq")
+    ws = numpy_helper.from_array(np.array([0.02, 0.05, 0.01], dtype=np.float32), "ws")
+    wz = numpy_helper.from_array(np.zeros(3, dtype=np.int8), "wz")
+    value = helper.make_tensor_value_info
+    model = _qdq_model(
+        [helper.make_node("Relu", ["x"], ["r"]),
+         helper.make_node("QuantizeLinear", ["r", "s", "z"], ["q1"]),
+         helper.make_node("DequantizeLinear", ["q1", "s", "z"], ["d1"]),
+         helper.make_node("QuantizeLinear", ["d1", "s2", "z"], ["q2"]),
+         helper.make_node("DequantizeLinear", ["q2", "s2", "z"], ["d2"]),
+         helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], axis=1),
+         helper.make_node("MatMul", ["d2", "w"], ["y"])],
+        [value("x", TensorProto.FLOAT, [1, 4]), value("wq", TensorProto.INT8, [4, 3]),
+         value("ws", TensorProto.FLOAT, [3]), value("wz", TensorProto.INT8, [3])],
+        [value("y", TensorProto.FLOAT, [1, 3])], [s, s2, z, wq, ws, wz])
+    gm = fxq.load_onnx(model)
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x"]
+    x = torch.tensor([[-1.0, 0.013, 0.5, 3.0]])
+    w = torch.from_numpy(numpy_helper.to_array(wq).astype(np.float32) * numpy_helper.to_array(ws))
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), x.relu() @ w)  # float input, per-column (axis 1) weight
+
+
+def test_float16_scale_and_scalar_weight():
+    """From opset 19 a DequantizeLinear gives its scale's type (float16 here), and a scalar with a 1-element scale
+    stays a scalar."""
+    value = helper.make_tensor_value_info
+    wq = numpy_helper.from_array(np.array([[4, -8, 16]], dtype=np.int8), "wq")
+    ws = numpy_helper.from_array(np.array(0.125, dtype=np.float16), "ws")
+    gq = numpy_helper.from_array(np.array(20, dtype=np.int8), "gq")
+    gs = numpy_helper.from_array(np.array([0.1], dtype=np.float16), "gs")
+    model = _qdq_model(
+        [helper.make_node("DequantizeLinear", ["wq", "ws"], ["w"]),
+         helper.make_node("DequantizeLinear", ["gq", "gs"], ["g"]),
+         helper.make_node("Mul", ["x", "w"], ["xw"]),
+         helper.make_node("Mul", ["xw", "g"], ["y"])],
+        [value("x", TensorProto.FLOAT16, [1, 3])], [value("y", TensorProto.FLOAT16, [1, 3])], [wq, ws, gq, gs],
+        opset=19)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": np.array([[1.0, 2.0, -3.0]], dtype=np.float16)})[0]
+    gm = fxq.load_onnx(model)
+    with torch.no_grad():
+        got = gm(torch.tensor([[1.0, 2.0, -3.0]], dtype=torch.float16))
+    assert got.dtype == torch.float16 and got.shape == (1, 3)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-3)

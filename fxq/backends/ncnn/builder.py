@@ -781,9 +781,9 @@ class NcnnBuilder:
             return "return a batch-first tensor"
         dim = self.batch_dim(src)
         value, cli = ("None", "none") if dim is None else (str(dim), str(dim))
+        where = "has no batch dim" if dim is None else f"carries the batch at dim {dim}"
         return (f"load the model with fxq.load_onnx(..., batch_dims={{{name!r}: {value}}}) (CLI: --batch-dim "
-                f"{name}={cli}): ONNX output {name!r} carries the batch at dim {dim}, and its declared dims do not "
-                "say so")
+                f"{name}={cli}): ONNX output {name!r} {where}, and its declared dims do not say so")
 
 
 def fold_dims(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -75,8 +75,9 @@ def _stored(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 
 def _dequantized(node: onnx.NodeProto, stored: dict[str, np.ndarray]) -> np.ndarray | None:
-    """What ``DequantizeLinear`` ``node`` computes from stored tensors, in float32; None where its codes, scale
-    or zero point are not stored, or are in an encoding this fold does not take (block-wise, float8, int4)."""
+    """What ``DequantizeLinear`` ``node`` computes from stored tensors, in its output type (``output_dtype``, else
+    the scale's: float16 files stay float16); None where its codes, scale or zero point are not stored, or are in
+    an encoding this fold does not take (block-wise, float8, int4)."""
     names = list(node.input) + [""] * (3 - len(node.input))
     x, scale, zero = (stored.get(n) if n else None for n in names[:3])
     if x is None or scale is None or (names[2] and zero is None):
@@ -86,6 +87,8 @@ def _dequantized(node: onnx.NodeProto, stored: dict[str, np.ndarray]) -> np.ndar
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     if attrs.get("block_size", 0):
         return None
+    out_type = attrs.get("output_dtype", 0)
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(out_type) if out_type else scale.dtype
     zero = np.zeros((), dtype=np.float64) if zero is None else zero.astype(np.float64)
     scale = scale.astype(np.float64)
     if scale.ndim == 1 and x.ndim > 0:  # per-axis: the scale and zero point run along `axis`
@@ -93,23 +96,17 @@ def _dequantized(node: onnx.NodeProto, stored: dict[str, np.ndarray]) -> np.ndar
         shape = [1] * x.ndim
         shape[axis] = scale.shape[0]
         scale, zero = scale.reshape(shape), (zero.reshape(shape) if zero.ndim == 1 else zero)
-    return ((x.astype(np.float64) - zero) * scale).astype(np.float32)
-
-
-def _rename_reads(model: onnx.ModelProto, renamed: dict[str, str]) -> None:
-    for g in _graphs(model.graph):
-        for node in g.node:
-            for i, name in enumerate(node.input):
-                if name in renamed:
-                    node.input[i] = renamed[name]
+    value = (x.astype(np.float64) - zero) * scale
+    return value.reshape(x.shape).astype(dtype)  # a scalar's 1-element scale keeps it a scalar
 
 
 def fold_qdq(model: onnx.ModelProto, source: str) -> int:
     """Load a QDQ file as its float model (module docstring), in place; returns how many Q/DQ nodes went.
 
     Weight ``DequantizeLinear`` nodes become initializers; an activation ``QuantizeLinear`` whose readers are all
-    ``DequantizeLinear`` goes with them. A graph output computed by a removed ``DequantizeLinear`` keeps its name
-    through an ``Identity``. Logs what it did, since the file's own scales are not kept: fxq calibrates again."""
+    ``DequantizeLinear`` goes with them, their readers reading its float input (through chains of pairs: a
+    requantization). A graph output computed by a removed ``DequantizeLinear`` keeps its name through an
+    ``Identity``. Logs what it did, since the file's own scales are not kept: fxq calibrates again."""
     graph = model.graph
     if not any(_is(n, "DequantizeLinear") for n in graph.node):
         return 0
@@ -125,10 +122,10 @@ def fold_qdq(model: onnx.ModelProto, source: str) -> int:
     operands: set[str] = set()  # the removed nodes' stored inputs: dropped below if nothing else reads them
     weights = pairs = 0
     renamed: dict[str, str] = {}
-    new_outputs: list[onnx.NodeProto] = []
+    kept_outputs: list[tuple[str, str]] = []  # (graph output a removed DequantizeLinear computed, its float source)
     for node in graph.node:
         if _is(node, "DequantizeLinear"):
-            value = _dequantized(node, stored)
+            value = None if node.output[0] in outputs else _dequantized(node, stored)
             if value is not None:
                 graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
                 operands.update(n for n in node.input if n)
@@ -142,27 +139,48 @@ def fold_qdq(model: onnx.ModelProto, source: str) -> int:
                 for dq in users:
                     gone.add(id(dq))
                     operands.update(n for n in list(dq.input[1:]) if n in stored)
+                    renamed[dq.output[0]] = node.input[0]
                     if dq.output[0] in outputs:
-                        new_outputs.append(onnx.helper.make_node("Identity", [node.input[0]], [dq.output[0]],
-                                                                 name=f"{dq.name or dq.output[0]}_float"))
-                    else:
-                        renamed[dq.output[0]] = node.input[0]
+                        kept_outputs.append((dq.output[0], node.input[0]))
                 pairs += 1
     if not gone:
         return 0
-    kept = [n for n in graph.node if id(n) not in gone] + new_outputs
+
+    def resolved(name: str) -> str:
+        while name in renamed:
+            name = renamed[name]
+        return name
+
+    removed = {o for n in graph.node if id(n) in gone for o in n.output}
+    identities = [onnx.helper.make_node("Identity", [resolved(src)], [out], name=f"{out}_float")
+                  for out, src in kept_outputs]
+    kept = [n for n in graph.node if id(n) not in gone]
     copies = [onnx.NodeProto() for _ in kept]
     for dst, src in zip(copies, kept):
         dst.CopyFrom(src)
     del graph.node[:]
-    graph.node.extend(copies)
-    _rename_reads(model, renamed)
+    graph.node.extend(copies + identities)
+    for g in _graphs(graph):
+        for node in g.node:
+            node.input[:] = [resolved(n) if n in renamed else n for n in node.input]
+        if g is not graph:  # a branch that returns an outer value directly (If outputs bind by position)
+            for out in g.output:
+                if out.name in renamed:
+                    out.name = resolved(out.name)
+    # stale records of what went: the integer tensors' value_info (types that no longer hold), and initializers
+    # nothing reads any more with their graph-input entries (files that list initializers as inputs)
+    infos = [v for v in graph.value_info if v.name not in removed]
+    del graph.value_info[:]
+    graph.value_info.extend(infos)
     read = {name for g in _graphs(graph) for n in g.node for name in n.input} | outputs
     unread = operands - read
     if unread:
         stay = [t for t in graph.initializer if t.name not in unread]
         del graph.initializer[:]
         graph.initializer.extend(stay)
+        inputs = [i for i in graph.input if i.name not in unread]
+        del graph.input[:]
+        graph.input.extend(inputs)
     _LOG.warning("ONNX model %s is quantized (QDQ format): loaded as its float model, %d stored weight(s) "
                  "dequantized and %d QuantizeLinear -> DequantizeLinear pair(s) removed; the file's own scales are not "
                  "kept, so quantizing it calibrates again", source, weights, pairs)
@@ -174,6 +192,11 @@ def quantized_format_advice(op_types: set[str]) -> str | None:
     found = sorted(op_types & QUANTIZED_OP_TYPES)
     if not found:
         return None
+    if set(found) <= {"QuantizeLinear", "DequantizeLinear"}:
+        return (f"What to do: this file is quantized in QDQ form, and these {' / '.join(found)} nodes are not what "
+                "fxq folds on load (a QuantizeLinear read only by DequantizeLinear nodes, or a DequantizeLinear of "
+                "stored integers with stored scales): an integer graph output, scales computed at run time, a "
+                "block-wise, float8 or int4 encoding. Load the float model this file was quantized from.")
     return (f"What to do: this file is already quantized ({', '.join(found)}): fxq quantizes float models, and "
             "loads a QDQ file (QuantizeLinear -> DequantizeLinear pairs, weights as DequantizeLinear of stored "
             "integers) as its float model, but not onnxruntime's QOperator or dynamic formats. Load the float "
