@@ -16,7 +16,9 @@ Steps per file: ``load`` (:func:`fxq.load_onnx`, its onnxruntime check on), then
 calibration batches: the inputs and a copy with 5 % relative noise, which keeps signs for sqrt / log / pow), ``export`` and ``runtime`` — the exported file in onnxruntime
 (default session and ``ORT_DISABLE_ALL``) or ncnn against fxq's simulation on a third batch, with the classes of
 ``bench/zoo.py`` (``ok`` at cosine >= 0.999; ``Degenerate``, ``Fused``, ``Sensitive``, ``Mismatch``). A file whose
-inputs cannot be made (strings) is ``skipped``. Output: a CSV (one row per file x platform x step) and a markdown
+inputs cannot be made (strings) is ``skipped``. Where ``load_onnx`` asks for ``input_shapes`` (symbolic dims shape
+inference cannot resolve) or the export names a ``batch_dims`` entry with its dim, the bench follows the advice as
+a user would (the shapes of the inputs it made; the entry given) and says so in ``diagnosis``. Output: a CSV (one row per file x platform x step) and a markdown
 table per set.
 """
 from __future__ import annotations
@@ -101,6 +103,31 @@ def _inputs(path: Path, data: Path | None) -> tuple:
     return tuple(values)
 
 
+def _input_names(path: Path) -> list[str]:
+    """The file's graph inputs that are not initializers, in order (those :func:`_inputs` makes)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {t.name for t in model.graph.initializer}
+    return [i.name for i in model.graph.input if i.name not in inits]
+
+
+def _advised_batch_dims(message: str) -> dict[str, Any] | None:
+    """The ``batch_dims={...}`` an export error advises with concrete dims (an output's), else None (advice with a
+    placeholder such as ``<its batch dim>`` needs the user's knowledge)."""
+    import ast
+    import re
+
+    found = re.search(r"batch_dims=(\{[^}]*\})", message)
+    if found is None:
+        return None
+    try:
+        value = ast.literal_eval(found.group(1))
+    except (ValueError, SyntaxError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def work(set_name: str, name: str, path: Path, data: Path | None, platforms: list[str]) -> list[dict[str, Any]]:
     """One file through every step; one record per step."""
     import torch
@@ -119,12 +146,24 @@ def work(set_name: str, name: str, path: Path, data: Path | None, platforms: lis
         row("-", "load", f"skipped: its inputs cannot be made ({_error(exc)})")
         return rows
     t0 = time.perf_counter()
+    advice: dict[str, Any] = {}  # load_onnx arguments an error advised, followed as a user would
     try:
         gm = fxq.load_onnx(path)
+    except fxq.FrontendError as exc:
+        if "input_shapes=" not in str(exc):
+            row("-", "load", _error(exc))
+            return rows
+        advice["input_shapes"] = {name: list(a.shape) for name, a in zip(_input_names(path), args)}
+        try:
+            gm = fxq.load_onnx(path, **advice)
+        except Exception as exc2:
+            row("-", "load", _error(exc2), diagnosis=f"followed: {advice}")
+            return rows
     except Exception as exc:
         row("-", "load", _error(exc))
         return rows
-    row("-", "load", "ok", seconds=round(time.perf_counter() - t0, 2))
+    row("-", "load", "ok", seconds=round(time.perf_counter() - t0, 2),
+        **({"diagnosis": f"followed: {advice}"} if advice else {}))
     gen = torch.Generator().manual_seed(1)
 
     def jittered(a: torch.Tensor) -> torch.Tensor:  # relative noise: signs and zeros stay (sqrt, log, pow inputs)
@@ -142,12 +181,26 @@ def work(set_name: str, name: str, path: Path, data: Path | None, platforms: lis
                 row(platform, "quantize", _error(exc))
                 continue
             row(platform, "quantize", "ok")
+            followed = ""
             try:
                 files = fxq.export(q, platform, Path(tmp) / f"{platform}.onnx")
+            except fxq.ExportError as exc:
+                given = _advised_batch_dims(str(exc))
+                if given is None:
+                    row(platform, "export", _error(exc))
+                    continue
+                followed = f"followed: batch_dims={given}"
+                try:  # as a user does: load again with the advised batch_dims, quantize, export
+                    q = fxq.quantize(fxq.load_onnx(path, **advice, batch_dims=given), calib, platform=platform,
+                                     progress=False)
+                    files = fxq.export(q, platform, Path(tmp) / f"{platform}.onnx")
+                except Exception as exc2:
+                    row(platform, "export", _error(exc2), diagnosis=followed)
+                    continue
             except Exception as exc:
                 row(platform, "export", _error(exc))
                 continue
-            row(platform, "export", "ok")
+            row(platform, "export", "ok", **({"diagnosis": followed} if followed else {}))
             # ncnn has no batch: it runs the first sample (zoo's ncnn_run), so the simulation runs on that sample too
             sample = tuple(a[:1] if a.dim() else a for a in fresh) if platform == "ncnn_int8" else fresh
             try:

@@ -27,3 +27,14 @@ def test_file_deploys_on_every_platform(set_name, name):
     failed = [f"{r['platform']}/{r['step']}: {r['status']}" for r in rows if r["status"] != "ok"]
     assert not failed, failed
     assert all((p, "runtime") in {(r["platform"], r["step"]) for r in rows} for p in zoo.PLATFORMS)
+
+
+def test_followed_advice_is_the_concrete_one():
+    """The bench follows a ``batch_dims`` entry an export error gives with its dim, as a user would, and not one
+    that asks for the user's knowledge."""
+    concrete = ("... Fix: load the model with fxq.load_onnx(..., batch_dims={'387': 1}) (CLI: --batch-dim 387=1): "
+                "ONNX output '387' carries the batch at dim 1")
+    assert onnx_corpus._advised_batch_dims(concrete) == {"387": 1}
+    assert onnx_corpus._advised_batch_dims("batch_dims={'t': None}) (CLI: --batch-dim t=none)") == {"t": None}
+    assert onnx_corpus._advised_batch_dims("fxq.load_onnx(..., batch_dims={'state': <its batch dim>})") is None
+    assert onnx_corpus._advised_batch_dims("slice the other dims") is None
