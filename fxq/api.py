@@ -13,7 +13,14 @@ from fxq.errors import CalibrationError, ConfigError, TraceError
 from fxq.graph.calibrate import calibrate
 from fxq.graph.capture import capture as capture_graph
 from fxq.graph.convert import convert
-from fxq.graph.data import first_batch_errors, iter_batches, placeholder_values, record_example_values, to_call_args
+from fxq.graph.data import (
+    data_failure,
+    first_batch_errors,
+    iter_batches,
+    placeholder_values,
+    record_example_values,
+    to_call_args,
+)
 from fxq.graph.dispatch import dispatch
 from fxq.graph.passes import standardize
 from fxq.graph.prepare import insert_quantizers
@@ -105,7 +112,8 @@ def prepare(
     gm.eval()
     device = next((t.device for t in gm.parameters()), torch.device("cpu"))
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-    with first_batch_errors("example", True):  # the data does not fit the model: say so, not a torch trace
+    with first_batch_errors("example", True,  # the data does not fit the model: say where, not a torch trace
+                            diagnose=lambda exc: data_failure(gm, args, exc, "example")):
         standardize(gm, args, fold_bn=fold_bn)
     record_example_values(gm, args)
     plan = dispatch(gm, p, setting.dispatcher, setting.dispatching_table)

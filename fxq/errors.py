@@ -20,8 +20,11 @@ __all__ = [
 
 
 def one_line(exc: BaseException) -> str:
-    """``exc``'s message on one line (whitespace runs collapsed), for quoting it inside fxq's own messages."""
-    return " ".join(str(exc).split())
+    """``exc``'s message on one line (whitespace runs collapsed), for quoting it inside fxq's own messages; the
+    graph dump torch.fx's interpreter appends (``While executing %node ...``) is left out: fxq names the node."""
+    text = str(exc)
+    cut = text.find("While executing %")
+    return " ".join((text[:cut] if cut > 0 else text).split())
 
 
 class FxqError(Exception):

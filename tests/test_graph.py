@@ -595,6 +595,37 @@ def test_first_batch_errors():
             raise ConfigError("x")
 
 
+def test_first_batch_failure_names_the_node_and_a_squeeze_onnx_refuses():
+    """A text recognizer's file (height pooled to 1, squeezed, transposed) calibrated on lines of another height:
+    the error names the node that fails with its ONNX node, the batch's and the file's input shapes, and the
+    ONNX Squeeze whose dim is not 1 (onnx2torch's squeeze keeps it, so the graph fails two nodes on); at the
+    height the file takes, it quantizes."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.RandomState(0)
+    inits = [numpy_helper.from_array(rng.randn(8, 3, 3, 3).astype(np.float32) * 0.3, "w"),
+             numpy_helper.from_array(rng.randn(8, 5).astype(np.float32) * 0.3, "fc")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="Conv_0"),
+             helper.make_node("MaxPool", ["c"], ["p"], kernel_shape=[8, 1], strides=[8, 1], name="MaxPool_0"),
+             helper.make_node("Squeeze", ["p"], ["s"], axes=[2], name="Squeeze_0"),
+             helper.make_node("Transpose", ["s"], ["t"], perm=[0, 2, 1], name="Transpose_0"),
+             helper.make_node("MatMul", ["t", "fc"], ["y"], name="MatMul_0")]
+    graph = helper.make_graph(nodes, "rec", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, "H", "W"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", 5])], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    gm = fxq.load_onnx(model)
+    with pytest.raises(fxq.CalibrationError, match=r"first example batch failed in the model at node "
+                       r"'transpose_0' \(ONNX Transpose 'Transpose_0'\) \(RuntimeError: [^;]*\); the batch's inputs: "
+                       r"x \(1, 3, 16, 20\); the ONNX file declares x \[1, 3, 'H', 'W'\]; ONNX Squeeze 'Squeeze_0' "
+                       r"squeezes dim\(s\) \[2\] of its input of shape \(1, 8, 2, 20\).*Fix: give batches of the "
+                       r"sizes the model takes"):
+        fxq.quantize(gm, [torch.randn(1, 3, 16, 20)], "trt_int8", progress=False)
+    gm = fxq.load_onnx(onnx.load_from_string(model.SerializeToString()), input_shapes={"x": [1, 3, 8, 20]})
+    q = fxq.quantize(gm, [torch.randn(1, 3, 8, 20)], "trt_int8", progress=False)
+    assert q(torch.randn(1, 3, 8, 20)).shape == (1, 20, 5)
+
+
 def test_algorithm_errors_diagnose_only_a_failure_and_pass_memory_errors():
     from fxq.errors import CalibrationError, GraphError
     from fxq.graph.data import algorithm_errors

@@ -20,6 +20,7 @@ __all__ = [
     "source_batch_dim",
     "source_unbatched",
     "input_batch_dim",
+    "data_failure",
     "onnx_output_name",
     "onnx_input_name",
     "doubled_dim_probes",
@@ -477,6 +478,60 @@ def diagnose_block_failure(module: fx.GraphModule, args: Sequence[Any], fp32_arg
                                     f"({type(exc).__name__}: {one_line(exc)}); give batches that "
                                     f"the model runs (the ones it was calibrated on)")
         return _locate(module, list(args), exc, what, block)
+
+
+class _SqueezeWatch(_FP32):
+    """The FP32 model, noting ONNX ``Squeeze`` nodes whose squeezed dims are not 1 on this batch: ONNX (and
+    onnxruntime) refuse such an input, while onnx2torch's squeeze keeps the dim and the graph fails further on (an
+    OCR recognizer's height squeeze on a line of another height)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.kept: list[str] = []
+
+    def run_node(self, n: fx.Node) -> Any:
+        info = n.meta.get("onnx")
+        if isinstance(info, dict) and info.get("op_type") == "Squeeze" and n.op == "call_module":
+            axes = getattr(self.module.get_submodule(str(n.target)), "axes", None)
+            x = self.env.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+            if axes and isinstance(x, torch.Tensor):
+                wrong = [a % x.dim() for a in axes if x.shape[a % x.dim()] != 1]
+                if wrong:
+                    self.kept.append(f"ONNX Squeeze {info.get('node_name') or n.name!r} squeezes dim(s) {wrong} of "
+                                     f"its input of shape {tuple(x.shape)}, which ONNX requires to be 1")
+        return super().run_node(n)
+
+
+def data_failure(gm: fx.GraphModule, args: Sequence[Any], exc: BaseException, what: str) -> CalibrationError:
+    """The error for the first ``what`` batch failing in the FP32 model ``gm`` (the data does not fit it): the
+    node where it fails (with its ONNX node), the batch's input shapes and, for an ONNX file, the input shapes the
+    file declares, and any ONNX ``Squeeze`` of a dim that is not 1 on this batch (:class:`_SqueezeWatch`)."""
+    watch = _SqueezeWatch(gm)
+    node = None
+    try:
+        with torch.no_grad():
+            watch.run(*args)
+    except Exception:  # noqa: BLE001  (the failure being described)
+        node = watch.current
+    where = ""
+    if node is not None:
+        info = node.meta.get("onnx")
+        onnx_node = (f" (ONNX {info.get('op_type')} {info.get('node_name')!r})"
+                     if isinstance(info, dict) and info.get("node_name") else "")
+        where = f" at node {node.name!r}{onnx_node}"
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    shapes = ", ".join(f"{name} {tuple(a.shape)}" for name, a in zip(names, args) if isinstance(a, torch.Tensor))
+    onnx_meta = getattr(gm, "meta", {}).get("onnx")
+    declared = onnx_meta.get("source_input_shapes") if isinstance(onnx_meta, dict) else None
+    lines = [f"the first {what} batch failed in the model{where} ({type(exc).__name__}: {one_line(exc)})",
+             f"the batch's inputs: {shapes}" if shapes else ""]
+    if declared:
+        lines.append("the ONNX file declares " + ", ".join(f"{k} {list(v)}" for k, v in declared.items()))
+    lines += watch.kept[:3]
+    fix = ("give batches of the sizes the model takes (the ONNX file runs in onnxruntime on them), and load it "
+           "with input_shapes= of those sizes so that load_onnx checks its conversion on them" if declared else
+           "give batches that the model runs")
+    return CalibrationError("; ".join(line for line in lines if line) + f". Fix: {fix}")
 
 
 def _fp32_fails(gm: fx.GraphModule, args: list[Any]) -> str | None:
