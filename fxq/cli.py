@@ -7,8 +7,9 @@ the summary) could not be: a warning names the file and the reason. ``--verbose`
 
 ``--input-shape`` also fixes the symbolic / unknown dims of an ONNX model's inputs for loading
 (``fxq.load_onnx(..., input_shapes=...)``); exports keep the dims the file has symbolic dynamic.
-``--outputs a,b`` loads an ONNX model up to those tensors (``fxq.load_onnx(..., outputs=...)``): the cut that a
-load error for a detector's NMS / data-dependent If names.
+``--outputs a,b`` loads an ONNX model up to those tensors (``fxq.load_onnx(..., outputs=...)``), or a caffe model
+up to those blobs (``fxq.load_caffe(..., outputs=...)``): the cut that a load error for a detector's NMS /
+data-dependent If / SSD ``DetectionOutput`` names.
 """
 from __future__ import annotations
 
@@ -180,7 +181,7 @@ def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None,
                outputs: list[str] | None = None, input_values: dict[str, Any] | None = None,
                batch_dims: dict[str, int | None] | None = None) -> _Loaded:
     """Load ``spec``: an ``.onnx`` file, a ``.prototxt`` (+ caffemodel), a ``.fxq`` file (:func:`fxq.save`) or
-    ``module:factory``. ``outputs``: ONNX tensor names to cut the graph at (``load_onnx(outputs=...)``);
+    ``module:factory``. ``outputs``: ONNX tensor / caffe blob names to cut the graph at (``outputs=...``);
     ``input_values``: ONNX inputs made constants (``load_onnx(input_values=...)``); ``batch_dims``: where ONNX
     inputs / outputs hold the batch (``load_onnx(batch_dims=...)``)."""
     from torch import nn
@@ -191,8 +192,8 @@ def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None,
     suffix = path.suffix.lower()
     if caffemodel and suffix != ".prototxt":
         raise ConfigError(f"--caffemodel {caffemodel!r} applies only to a .prototxt model, not to {spec!r}")
-    if outputs and suffix != ".onnx":
-        raise ConfigError(f"--outputs applies only to an .onnx model, not to {spec!r}")
+    if outputs and suffix not in (".onnx", ".prototxt"):
+        raise ConfigError(f"--outputs applies only to an .onnx or .prototxt model, not to {spec!r}")
     if input_values and suffix != ".onnx":
         raise ConfigError(f"--input-value applies only to an .onnx model, not to {spec!r}")
     if batch_dims and suffix != ".onnx":
@@ -215,7 +216,8 @@ def load_model(spec: str, caffemodel: str | None = None, shapes: Any = None,
                 raise FrontendError(f"caffe model {spec!r}: {hint}; pass --caffemodel PATH")
             _readable_file(weights, "--caffemodel")
             caffe_shapes = shapes if isinstance(shapes, dict) else None  # unnamed: the prototxt's shapes
-            return _Loaded(_fxq().load_caffe(path, weights, input_shapes=caffe_shapes), "caffe", path.stem)
+            return _Loaded(_fxq().load_caffe(path, weights, input_shapes=caffe_shapes, outputs=outputs), "caffe",
+                           path.stem)
         if suffix == ".fxq":
             return _Loaded(_fxq().load(path), "fxq", path.stem, quantized=True)
         raise FrontendError(f"model {spec!r}: unknown model file type {suffix!r}; use .onnx, .prototxt, .fxq or "
@@ -719,8 +721,9 @@ def _model_args(p: argparse.ArgumentParser, calib_required: bool = True) -> None
                    help="input shape (needed for raw .bin files; checked against the data; fixes an ONNX file's "
                         "symbolic dims for loading, exports stay dynamic); repeat with NAME= for several inputs")
     p.add_argument("--outputs", metavar="NAME[,NAME...]", type=_names,
-                   help="ONNX models: load the graph up to these tensors, as its outputs (cut before a detector's "
-                        "NMS / data-dependent If; load errors for such nodes name the cut)")
+                   help="ONNX / caffe models: load the graph up to these tensors / blobs, as its outputs (cut "
+                        "before a detector's NMS / data-dependent If / DetectionOutput; load errors for such nodes "
+                        "name the cut)")
     p.add_argument("--input-value", action="append", metavar="NAME=VALUE[,VALUE...]", type=_parse_value,
                    help="ONNX models: make input NAME a constant of this value (an input that selects a mode, such "
                         "as a sample rate, so an If on it folds); repeat for several inputs")

@@ -118,6 +118,27 @@ def test_unknown_module_class_is_a_clear_error(tmp_path):
         assert torch.equal(gm(x), again(x))
 
 
+def test_every_module_class_a_frontend_builds_is_allow_listed():
+    """A module class the caffe frontend or fxq's ONNX converters put in a graph must round-trip through ``.fxq``
+    (the CLI saves before it reports success): a new frontend class missing from the allow-list fails here."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import fxq.frontends.onnx.converters as converters
+    from fxq.serialization.allowlist import class_name
+
+    modules = [importlib.import_module("fxq.frontends.caffe.modules")]
+    modules += [importlib.import_module(f"{converters.__name__}.{m.name}")
+                for m in pkgutil.iter_modules(converters.__path__)]
+    classes = {cls for module in modules for _, cls in inspect.getmembers(module, inspect.isclass)
+               if issubclass(cls, nn.Module) and cls.__module__ == module.__name__ and not inspect.isabstract(cls)
+               and not cls.__name__.startswith("_")}
+    assert len(classes) > 20
+    missing = sorted(f"{c.__module__}.{c.__name__}" for c in classes if class_name(c) is None)
+    assert not missing, missing
+
+
 def test_baked_weights_are_stored_as_codes(saved, tmp_path):
     """Each baked 8-bit weight is saved as int8 codes beside its FP32 backup, not as a second float copy."""
     gm, path = saved

@@ -99,6 +99,7 @@ _FUNCTIONS: dict[Callable[..., Any], str] = {
     F.dropout: "Identity", torch.numel: "Shape", getattr: "Shape", torch.arange: "Range",
     torch.argmax: "ArgMax", torch.argmin: "ArgMin", torch.topk: "TopK", torch.nonzero: "NonZero",
     F.embedding: "Gather", operator.neg: "Neg", torch.neg: "Neg", operator.pow: "Pow", torch.pow: "Pow",
+    torch.sqrt: "Sqrt", torch.exp: "Exp", torch.log: "Log", torch.abs: "Abs", torch.reciprocal: "Reciprocal",
 }
 
 _METHODS: dict[str, str] = {
@@ -113,6 +114,7 @@ _METHODS: dict[str, str] = {
     "type_as": "Cast", "clone": "Identity", "detach": "Identity",
     "maximum": "Max", "minimum": "Min", "sum": "ReduceSum", "amax": "ReduceMax", "amin": "ReduceMin",
     "prod": "ReduceProd", "logsumexp": "ReduceLogSumExp", "neg": "Neg",
+    "sqrt": "Sqrt", "exp": "Exp", "log": "Log", "abs": "Abs", "reciprocal": "Reciprocal",
 }
 
 _MODULES: dict[type, str] = {

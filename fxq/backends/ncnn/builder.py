@@ -744,6 +744,9 @@ class NcnnBuilder:
         fx.node.map_arg(out.args, lambda n: values.append(n) or n)
         for i, v in enumerate(values):
             src = self.strip(v)
+            if src not in self.blob_of and self.is_constant(src):  # a constant output (an SSD's prior boxes)
+                self.model.outputs.append(self.constant(src, src, like=src))
+                continue
             if src not in self.blob_of or self.blob_of[src] in self.model.inputs:
                 raise ExportError(f"ncnn export: graph output {i} ({src.name!r}) is not computed by an exported "
                                   "layer. Fix: return tensors computed by the network")

@@ -412,6 +412,24 @@ def _lrn(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, "LRN", [b.blob(x, node)], {0: region, 1: int(size), 2: float(alpha), 3: float(beta), 4: float(k)})
 
 
+@register_ncnn_converter("Normalize")
+def _normalize(b: NcnnBuilder, node: fx.Node) -> None:
+    """SSD's caffe ``Normalize`` (:class:`~fxq.frontends.caffe.modules.CaffeNormalize`) -> ncnn's ``Normalize``
+    (0 across_spatial, 1 channel_shared, 2 eps, 3 scale size, 4 across_channel, 9 eps_mode 0: caffe's
+    ``1 / sqrt(sum + eps)``); the scale is stored raw."""
+    mod = b.module(node)
+    x = node.args[0]
+    if mod is None or not hasattr(mod, "across_spatial"):
+        raise b.fail(node, "only the caffe frontend's Normalize module is exported as ncnn's Normalize",
+                     "load the model with fxq.load_caffe")
+    if len(b.shape(x)) != 4 or b.batch_dim(x) != 0:
+        raise b.fail(node, f"its input of shape {b.shape(x)} is not (N, C, H, W)", "normalize 4-D image tensors")
+    scale = mod.weight.detach().float().reshape(-1)
+    b.emit(node, "Normalize", [b.blob(x, node)],
+           {0: int(mod.across_spatial), 1: int(scale.numel() == 1), 2: float(mod.eps), 3: int(scale.numel()),
+            4: 1, 9: 0}, [("raw", _np(scale))])
+
+
 @register_ncnn_converter("InstanceNormalization")
 def _instance_norm(b: NcnnBuilder, node: fx.Node) -> None:
     """``InstanceNorm`` (0 channels, 1 eps, 2 affine; gamma, beta) of an ``(N, C, H, W)`` tensor, normalized over

@@ -127,9 +127,11 @@ class GraphBuilder:
     def unused_shape_overrides(self) -> list[str]:
         return sorted(set(self._shape_overrides) - set(self.inputs))
 
-    def finish(self, net_name: str, source: dict[str, str | None]) -> torch.fx.GraphModule:
-        """Close the graph with caffe's net outputs (blobs no later layer consumed) and wrap it in a GraphModule."""
-        outputs = list(self._available)
+    def finish(self, net_name: str, source: dict[str, str | None],
+               outputs: Sequence[str] | None = None) -> torch.fx.GraphModule:
+        """Close the graph with ``outputs`` (default: caffe's net outputs, blobs no later layer consumed) and wrap
+        it in a GraphModule."""
+        outputs = list(self._available) if outputs is None else list(outputs)
         if not outputs:
             raise FrontendError(f"{self.prototxt_label}: the net has no output blob")
         nodes = [self.blobs[b] for b in outputs]
@@ -169,6 +171,8 @@ class GraphBuilder:
                     return module(*args, **kwargs)
             if node.op == "call_method":
                 return getattr(args[0], node.target)(*args[1:], **kwargs)
+            if node.op == "get_attr":
+                return getattr(self.root, node.target).to("meta")
             return node.target(*args, **kwargs)
 
 
@@ -275,6 +279,14 @@ class LayerContext:
         if op_type is not None:
             node.meta["caffe"]["op_type"] = op_type
         return node
+
+    def constant(self, value: torch.Tensor, suffix: str | None = None) -> torch.fx.Node:
+        """A tensor fixed at load time (a PriorBox's boxes for the net's input size): a buffer of the module and a
+        ``get_attr`` node reading it, which the exporters write as a constant."""
+        target = self.builder.module_name(self.name if suffix is None else f"{self.name}_{suffix}")
+        self.builder.root.register_buffer(target, value.detach().clone())
+        node = self.builder.graph.create_node("get_attr", target, (), {}, name=target)
+        return self._finish_node(node)
 
     def call_function(self, fn: Callable[..., Any], *args: Any, suffix: str | None = None,
                       **kwargs: Any) -> torch.fx.Node:

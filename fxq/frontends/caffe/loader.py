@@ -36,6 +36,7 @@ def _net_level_inputs(net, label: str) -> list[tuple[str, list[int] | None]]:
 
 def load_caffe(prototxt: str | os.PathLike, caffemodel: str | os.PathLike | None = None, *,
                input_shapes: Mapping[str, Sequence[int]] | None = None,
+               outputs: Sequence[str] | None = None,
                max_elements: int = MAX_ELEMENTS) -> torch.fx.GraphModule:
     """Convert a caffe deploy net into a ``torch.fx.GraphModule`` (in eval mode).
 
@@ -54,6 +55,8 @@ def load_caffe(prototxt: str | os.PathLike, caffemodel: str | os.PathLike | None
             variance 1, Scale is 1 and 0; a warning is logged. Useful for structure and shape work only.
         input_shapes: shapes by input blob name, overriding or completing those of the prototxt (e.g. another
             batch size). Every input needs a shape: each layer is run once on shape-only (meta) tensors.
+        outputs: blob names to end the net at, in this order: only the layers they need are converted (an SSD
+            detector before its ``DetectionOutput`` post-processing). Default: caffe's net outputs.
         max_elements: the most elements an input or a learned weight may have (default 2**28), checked before
             anything is allocated.
 
@@ -90,10 +93,16 @@ def load_caffe(prototxt: str | os.PathLike, caffemodel: str | os.PathLike | None
     builder = GraphBuilder(label, weights, shapes, max_elements)
     for name, shape in _net_level_inputs(net, label):
         builder.add_input(name, shape)
+    layers = []
     for layer in net.layer:
         if not layer_in_test_phase(layer, net.state):
             logger.debug("%s: skipping layer %r, not part of the TEST phase", label, layer.name)
             continue
+        layers.append(layer)
+    if outputs is not None:
+        outputs = [str(o) for o in ([outputs] if isinstance(outputs, str) else outputs)]
+        layers = _layers_for(layers, outputs, builder.inputs, label)
+    for layer in layers:
         if layer.type not in CAFFE_LAYERS:
             raise FrontendError(
                 f"{label}: layer {layer.name!r} has type {layer.type!r}, which fxq's caffe frontend does not "
@@ -108,4 +117,23 @@ def load_caffe(prototxt: str | os.PathLike, caffemodel: str | os.PathLike | None
         "prototxt": os.path.basename(label),
         "caffemodel": os.path.basename(os.fspath(caffemodel)) if caffemodel is not None else None,
     }
-    return builder.finish(net.name, source)
+    return builder.finish(net.name, source, outputs)
+
+
+def _layers_for(layers: list, outputs: list[str], inputs: list[str], label: str) -> list:
+    """The layers (in order) that compute blobs ``outputs``: walked back from them, a layer is kept when it writes
+    a blob still needed, whose bottoms are then needed (an in-place layer keeps its blob's earlier writer too)."""
+    if not outputs or len(set(outputs)) != len(outputs):
+        raise FrontendError(f"{label}: outputs={outputs!r} must name one or more distinct blobs")
+    known = set(inputs) | {str(t) for layer in layers for t in layer.top}
+    unknown = [o for o in outputs if o not in known]
+    if unknown:
+        some = sorted(known)[:12]
+        raise FrontendError(f"{label}: outputs {unknown} are not blobs of the net; its blobs include {some}")
+    needed, kept = set(outputs), []
+    for layer in reversed(layers):
+        tops = {str(t) for t in layer.top}
+        if tops & needed:
+            kept.append(layer)
+            needed = (needed - tops) | {str(b) for b in layer.bottom}
+    return kept[::-1]

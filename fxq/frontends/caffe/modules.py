@@ -171,6 +171,29 @@ class CaffeChannelScale3d(_FrozenStatistics, nn.BatchNorm3d):
         super().__init__(channels, eps=0.0, affine=True, track_running_stats=True)
 
 
+class CaffeNormalize(nn.Module):
+    """SSD's ``Normalize``: ``x / sqrt(sum(x^2) + eps) * scale``, the sum over the channels at each position
+    (``across_spatial=False``) or over the whole sample; ``scale`` per channel, or one shared (a 1-element weight).
+
+    One module (op type ``Normalize``): the platforms keep it FP32 as TensorRT's and ncnn's Normalize layers run
+    it; quantizing the divisor of a decomposed form would round the norm of an all-zero position to 0 (0 / 0).
+    """
+
+    def __init__(self, scale_size: int, across_spatial: bool, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(scale_size))
+        self.across_spatial = bool(across_spatial)
+        self.eps = float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dims = (1, 2, 3) if self.across_spatial else (1,)
+        norm = torch.sqrt((x * x).sum(dims, keepdim=True) + self.eps)
+        return x / norm * self.weight.reshape(1, -1, 1, 1)
+
+    def extra_repr(self) -> str:
+        return f"scale_size={self.weight.numel()}, across_spatial={self.across_spatial}, eps={self.eps}"
+
+
 class CaffePower(nn.Module):
     """Caffe ``Power``: ``(shift + scale * x) ** power``."""
 

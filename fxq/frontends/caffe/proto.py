@@ -151,6 +151,11 @@ _MESSAGES: tuple[_Message, ...] = (
         # forks give interp_param 143, which BVLC uses for input_param, so interp_param gets a number of our own.
         _f("upsample_param", 149, "UpsampleParameter"),
         _f("interp_param", 5001, "InterpParameter"),
+        # The SSD fork's layers (weiliu89/caffe, branch ssd; OpenCV's res10 face detector, MobileNet-SSD).
+        _f("permute_param", 202, "PermuteParameter"),
+        _f("prior_box_param", 203, "PriorBoxParameter"),
+        _f("detection_output_param", 204, "DetectionOutputParameter"),
+        _f("norm_param", 206, "NormalizeParameter"),
     )),
     _Message("ConvolutionParameter", (
         _f("num_output", 1, "uint32"),
@@ -249,6 +254,43 @@ _MESSAGES: tuple[_Message, ...] = (
         _f("scale_w", 3, "float"),
         _f("upsample_h", 6, "uint32"),
         _f("upsample_w", 7, "uint32"),
+    )),
+    # SSD fork messages. CodeType counts from 1 in the fork (CORNER = 1): a placeholder takes 0.
+    _Message("NormalizeParameter", (
+        _f("across_spatial", 1, "bool", True),
+        _f("channel_shared", 3, "bool", True),
+        _f("eps", 4, "float", 1e-10),
+    )),
+    _Message("PermuteParameter", (_rep("order", 1, "uint32"),)),
+    _Message("PriorBoxParameter", (
+        _rep("min_size", 1, "float"),
+        _rep("max_size", 2, "float"),
+        _rep("aspect_ratio", 3, "float"),
+        _f("flip", 4, "bool", True),
+        _f("clip", 5, "bool", False),
+        _rep("variance", 6, "float"),
+        _f("img_size", 7, "uint32"),
+        _f("img_h", 8, "uint32"),
+        _f("img_w", 9, "uint32"),
+        _f("step", 10, "float"),
+        _f("step_h", 11, "float"),
+        _f("step_w", 12, "float"),
+        _f("offset", 13, "float", 0.5),
+    ), {"CodeType": ("CODE_TYPE_UNSET", "CORNER", "CENTER_SIZE", "CORNER_SIZE")}),
+    _Message("NonMaximumSuppressionParameter", (
+        _f("nms_threshold", 1, "float", 0.3),
+        _f("top_k", 2, "int32"),
+        _f("eta", 3, "float", 1.0),
+    )),
+    _Message("DetectionOutputParameter", (
+        _f("num_classes", 1, "uint32"),
+        _f("share_location", 2, "bool", True),
+        _f("background_label_id", 3, "int32", 0),
+        _f("nms_param", 4, "NonMaximumSuppressionParameter"),
+        _f("code_type", 6, "PriorBoxParameter.CodeType", "CORNER"),
+        _f("keep_top_k", 7, "int32", -1),
+        _f("variance_encoded_in_target", 8, "bool", False),
+        _f("confidence_threshold", 9, "float"),
     )),
     _Message("InterpParameter", (
         _f("height", 1, "int32", 0),
