@@ -181,26 +181,26 @@ def work(set_name: str, name: str, path: Path, data: Path | None, platforms: lis
                 row(platform, "quantize", _error(exc))
                 continue
             row(platform, "quantize", "ok")
-            followed = ""
-            try:
-                files = fxq.export(q, platform, Path(tmp) / f"{platform}.onnx")
-            except fxq.ExportError as exc:
-                given = _advised_batch_dims(str(exc))
-                if given is None:
-                    row(platform, "export", _error(exc))
-                    continue
-                followed = f"followed: batch_dims={given}"
-                try:  # as a user does: load again with the advised batch_dims, quantize, export
-                    q = fxq.quantize(fxq.load_onnx(path, **advice, batch_dims=given), calib, platform=platform,
-                                     progress=False)
+            given: dict[str, Any] = {}  # batch_dims entries the export's errors advised, followed as a user does
+            files, failure = None, None
+            for _ in range(4):  # load again with the advice, quantize, export; each error may name one more tensor
+                try:
+                    if given:
+                        q = fxq.quantize(fxq.load_onnx(path, **advice, batch_dims=given), calib, platform=platform,
+                                         progress=False)
                     files = fxq.export(q, platform, Path(tmp) / f"{platform}.onnx")
-                except Exception as exc2:
-                    row(platform, "export", _error(exc2), diagnosis=followed)
-                    continue
-            except Exception as exc:
-                row(platform, "export", _error(exc))
+                    break
+                except Exception as exc:
+                    failure = exc
+                    more = _advised_batch_dims(str(exc)) if isinstance(exc, fxq.ExportError) else None
+                    if not more or set(more) <= set(given):
+                        break
+                    given.update(more)
+            followed = {"diagnosis": f"followed: batch_dims={given}"} if given else {}
+            if files is None:
+                row(platform, "export", _error(failure), **followed)
                 continue
-            row(platform, "export", "ok", **({"diagnosis": followed} if followed else {}))
+            row(platform, "export", "ok", **followed)
             # ncnn has no batch: it runs the first sample (zoo's ncnn_run), so the simulation runs on that sample too
             sample = tuple(a[:1] if a.dim() else a for a in fresh) if platform == "ncnn_int8" else fresh
             try:
