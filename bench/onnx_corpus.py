@@ -183,7 +183,7 @@ def work(set_name: str, name: str, path: Path, data: Path | None, platforms: lis
             row(platform, "quantize", "ok")
             given: dict[str, Any] = {}  # batch_dims entries the export's errors advised, followed as a user does
             files, failure = None, None
-            for _ in range(4):  # load again with the advice, quantize, export; each error may name one more tensor
+            for _ in range(8):  # load again with the advice, quantize, export; each error may name one more tensor
                 try:
                     if given:
                         q = fxq.quantize(fxq.load_onnx(path, **advice, batch_dims=given), calib, platform=platform,
@@ -201,8 +201,14 @@ def work(set_name: str, name: str, path: Path, data: Path | None, platforms: lis
                 row(platform, "export", _error(failure), **followed)
                 continue
             row(platform, "export", "ok", **followed)
-            # ncnn has no batch: it runs the first sample (zoo's ncnn_run), so the simulation runs on that sample too
-            sample = tuple(a[:1] if a.dim() else a for a in fresh) if platform == "ncnn_int8" else fresh
+            # ncnn has no batch: it runs the first sample (zoo's ncnn_run), so the simulation runs on that sample too;
+            # an input without a batch dim (batch_dims={name: None}) whole
+            sample = fresh
+            if platform == "ncnn_int8":
+                from fxq.graph.data import input_batch_dim
+
+                dims = [input_batch_dim(q, p) for p in q.graph.find_nodes(op="placeholder")]
+                sample = tuple(a if not a.dim() or d is None else a.narrow(d, 0, 1) for a, d in zip(fresh, dims))
             try:
                 status, extra = check_runtime(q, files, sample, platform, platform)
             except Exception as exc:
