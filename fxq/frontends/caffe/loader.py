@@ -102,11 +102,11 @@ def load_caffe(prototxt: str | os.PathLike, caffemodel: str | os.PathLike | None
     if outputs is not None:
         outputs = [str(o) for o in ([outputs] if isinstance(outputs, str) else outputs)]
         layers = _layers_for(layers, outputs, builder.inputs, label)
-    for layer in layers:
+    for i, layer in enumerate(layers):
         if layer.type not in CAFFE_LAYERS:
             raise FrontendError(
                 f"{label}: layer {layer.name!r} has type {layer.type!r}, which fxq's caffe frontend does not "
-                f"support; supported types: {', '.join(supported_layer_types())}"
+                f"support; supported types: {', '.join(supported_layer_types())}{_cut_advice(layers, i)}"
             )
         builder.convert(layer, CAFFE_LAYERS.get(layer.type).fn)
     unused = builder.unused_shape_overrides()
@@ -137,3 +137,14 @@ def _layers_for(layers: list, outputs: list[str], inputs: list[str], label: str)
             kept.append(layer)
             needed = (needed - tops) | {str(b) for b in layer.bottom}
     return kept[::-1]
+
+
+def _cut_advice(layers: list, index: int) -> str:
+    """For an unsupported layer at the end of the net (no later layer reads what it writes): the ``outputs=`` cut
+    that loads the net before it (a detector's post-processing, as YOLO's detection layers)."""
+    written = {str(t) for t in layers[index].top}
+    if any(written & {str(b) for b in layer.bottom} for layer in layers[index + 1:]):
+        return ""
+    bottoms = [str(b) for b in layers[index].bottom]
+    return (f". It ends the net (post-processing?): load the net before it with fxq.load_caffe(..., "
+            f"outputs={bottoms}) (CLI: --outputs {','.join(bottoms)}) and run it after the runtime")

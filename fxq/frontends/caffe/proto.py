@@ -151,6 +151,15 @@ _MESSAGES: tuple[_Message, ...] = (
         # forks give interp_param 143, which BVLC uses for input_param, so interp_param gets a number of our own.
         _f("upsample_param", 149, "UpsampleParameter"),
         _f("interp_param", 5001, "InterpParameter"),
+        _f("exp_param", 111, "ExpParameter"),
+        _f("log_param", 134, "LogParameter"),
+        _f("elu_param", 140, "ELUParameter"),
+        _f("bias_param", 141, "BiasParameter"),
+        _f("crop_param", 144, "CropParameter"),
+        _f("swish_param", 147, "SwishParameter"),
+        _f("clip_param", 148, "ClipParameter"),
+        # ShuffleNet's fork layer (its number differs between forks; prototxt text only, so ours).
+        _f("shuffle_channel_param", 5002, "ShuffleChannelParameter"),
         # The SSD fork's layers (weiliu89/caffe, branch ssd; OpenCV's res10 face detector, MobileNet-SSD).
         _f("permute_param", 202, "PermuteParameter"),
         _f("prior_box_param", 203, "PriorBoxParameter"),
@@ -255,6 +264,14 @@ _MESSAGES: tuple[_Message, ...] = (
         _f("upsample_h", 6, "uint32"),
         _f("upsample_w", 7, "uint32"),
     )),
+    _Message("ExpParameter", (_f("base", 1, "float", -1.0), _f("scale", 2, "float", 1.0), _f("shift", 3, "float", 0.0))),
+    _Message("LogParameter", (_f("base", 1, "float", -1.0), _f("scale", 2, "float", 1.0), _f("shift", 3, "float", 0.0))),
+    _Message("ELUParameter", (_f("alpha", 1, "float", 1.0),)),
+    _Message("BiasParameter", (_f("axis", 1, "int32", 1), _f("num_axes", 2, "int32", 1))),
+    _Message("CropParameter", (_f("axis", 1, "int32", 2), _rep("offset", 2, "uint32"))),
+    _Message("SwishParameter", (_f("beta", 1, "float", 1.0),)),
+    _Message("ClipParameter", (_f("min", 1, "float"), _f("max", 2, "float"))),
+    _Message("ShuffleChannelParameter", (_f("group", 1, "uint32", 1),)),
     # SSD fork messages. CodeType counts from 1 in the fork (CORNER = 1): a placeholder takes 0.
     _Message("NormalizeParameter", (
         _f("across_spatial", 1, "bool", True),

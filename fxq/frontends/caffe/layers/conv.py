@@ -24,7 +24,7 @@ def _load(ctx: LayerContext, weight: torch.Tensor, bias: torch.Tensor | None, we
             bias.copy_(blobs[1])
 
 
-def _convolution(ctx: LayerContext, transposed: bool) -> None:
+def _convolution(ctx: LayerContext, transposed: bool, depthwise: bool = False) -> None:
     ctx.expect(bottoms=1, tops=1)
     x = ctx.bottom(0)
     shape = ctx.shape(x)
@@ -36,7 +36,8 @@ def _convolution(ctx: LayerContext, transposed: bool) -> None:
     stride = spatial_pair(ctx, p, "stride", 1)
     pad = spatial_pair(ctx, p, "pad", 0)
     dilation = spatial_pair(ctx, p, "dilation", 1)
-    c_in, c_out, groups = shape[1], int(p.num_output), int(p.group)
+    c_in, c_out = shape[1], int(p.num_output)
+    groups = c_in if depthwise and not p.HasField("group") else int(p.group)
     if c_out <= 0:
         raise ctx.error("num_output must be positive")
     if groups <= 0 or c_in % groups or c_out % groups:
@@ -57,6 +58,14 @@ def _convolution(ctx: LayerContext, transposed: bool) -> None:
 def convolution(ctx: LayerContext) -> None:
     """``Convolution`` -> ``nn.Conv2d`` (group, dilation, pad/kernel/stride and their _h/_w forms, bias_term)."""
     _convolution(ctx, transposed=False)
+
+
+@register_caffe_layer("DepthwiseConvolution")
+@register_caffe_layer("ConvolutionDepthwise")
+def depthwise_convolution(ctx: LayerContext) -> None:
+    """MobileNet forks' ``DepthwiseConvolution`` / ``ConvolutionDepthwise``: a ``Convolution`` whose ``group`` is
+    the input channels when the prototxt leaves it out."""
+    _convolution(ctx, transposed=False, depthwise=True)
 
 
 @register_caffe_layer("Deconvolution")

@@ -1,4 +1,5 @@
-"""Layers that route or reshape blobs: Input, Eltwise, Concat, Split, Slice, Flatten, Reshape.
+"""Layers that route or reshape blobs: Input, Eltwise, Concat, Split, Slice, Flatten, Reshape, ShuffleChannel,
+Crop.
 
 These become ``call_function`` / ``call_method`` nodes (``torch.add``, ``torch.cat``, ...) so later passes see
 ordinary torch ops.
@@ -150,3 +151,43 @@ def reshape(ctx: LayerContext) -> None:
         else:
             args.append(ctx.call_method("size", x, value, suffix=f"size{value}"))
     ctx.set_top(0, ctx.call_method("reshape", x, *args))
+
+
+@register_caffe_layer("ShuffleChannel")
+def shuffle_channel(ctx: LayerContext) -> None:
+    """``ShuffleChannel`` (ShuffleNet forks, ``group`` g) -> ``x.reshape(-1, g, C / g, H, W).transpose(1, 2)``
+    back to ``(N, C, H, W)``: channel ``i * C / g + j`` goes to ``j * g + i``."""
+    ctx.expect(bottoms=1, tops=1)
+    x = ctx.bottom(0)
+    shape = ctx.shape(x)
+    groups = int(ctx.layer.shuffle_channel_param.group)
+    if len(shape) != 4 or groups <= 0 or shape[1] % groups:
+        raise ctx.error(f"group {groups} must divide the channels of a 4-D bottom, got shape {list(shape)}")
+    _, c, h, w = shape
+    grouped = ctx.call_method("reshape", x, -1, groups, c // groups, h, w, suffix="groups")
+    swapped = ctx.call_method("transpose", grouped, 1, 2, suffix="swap")
+    ctx.set_top(0, ctx.call_method("reshape", swapped, -1, c, h, w))
+
+
+@register_caffe_layer("Crop")
+def crop(ctx: LayerContext) -> None:
+    """``Crop``: bottom 0 cut to bottom 1's shape from ``axis`` on, at ``offset`` (one for every axis, or one per
+    axis; 0 without) -> a slice (FCN's score maps cut to the image)."""
+    ctx.expect(bottoms=2, tops=1)
+    shape, like = ctx.shape(ctx.bottom(0)), ctx.shape(ctx.bottom(1))
+    if len(shape) != len(like):
+        raise ctx.error(f"bottoms of shapes {list(shape)} and {list(like)} have different ranks")
+    p = ctx.layer.crop_param
+    axis = ctx.canonical_axis(p.axis, len(shape))
+    offsets = [int(o) for o in p.offset]
+    n = len(shape) - axis
+    if len(offsets) not in (0, 1, n):
+        raise ctx.error(f"has {len(offsets)} offsets for {n} cropped axes; give 0, 1 or {n}")
+    offsets = offsets * n if len(offsets) == 1 else offsets or [0] * n
+    index = [slice(None)] * axis
+    for i, off in enumerate(offsets):
+        size = like[axis + i]
+        if off + size > shape[axis + i]:
+            raise ctx.error(f"offset {off} + size {size} passes axis {axis + i} of bottom 0 (size {shape[axis + i]})")
+        index.append(slice(off, off + size))
+    ctx.set_top(0, ctx.call_function(operator.getitem, ctx.bottom(0), tuple(index)))
