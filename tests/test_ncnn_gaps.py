@@ -1973,3 +1973,19 @@ def test_softmax11_tail_of_ones_at_the_export_size_only_is_refused(tmp_path: Pat
     gm = fxq.quantize(model, [torch.randn(1, 3, 1, 1)], "ncnn_int8", progress=False)
     with pytest.raises(ExportError, match=r"flattened tail of several axes \(at some input size\)"):
         export(gm, "ncnn", tmp_path / "m")
+
+
+def test_integer_arithmetic_is_refused_by_name(tmp_path):
+    """An Add of a stored int64 tensor (index arithmetic): ncnn computes in float, so the export names the tensor,
+    its dtype and the fix instead of 'has no ncnn blob'."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    init = numpy_helper.from_array(np.array([[1, 2], [3, 4]], dtype=np.int64), "offsets")
+    graph = helper.make_graph([helper.make_node("Add", ["x", "offsets"], ["y"], name="add")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.INT64, [2, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT64, [2, 2])], initializer=[init])
+    gm = fxq.load_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    q = fxq.quantize(gm, [torch.ones(2, 2, dtype=torch.int64)], "ncnn_int8", progress=False)
+    with pytest.raises(ExportError, match=r"node 'add'.*its input '\w+' is a stored torch.int64 tensor: ncnn blobs "
+                                          r"hold float values.*Fix: compute integer"):
+        export(q, "ncnn_int8", tmp_path / "m")

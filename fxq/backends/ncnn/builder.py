@@ -264,6 +264,12 @@ class NcnnBuilder:
         if src in self.static_nodes:
             raise self.fail(node, f"its input {src.name!r} is computed from tensor shapes only (a constant at export "
                             "time), not a tensor of the network", "use such values only as shapes / slice bounds")
+        value = self.fixed_value(src)
+        if isinstance(value, torch.Tensor) and not value.is_floating_point():
+            raise self.fail(node, f"its input {src.name!r} is a stored {value.dtype} tensor: ncnn blobs hold float "
+                            "values and its layers compute in float, not on integers",
+                            "compute integer (index / shape) arithmetic outside the exported network, or export "
+                            "for 'ort_int8' / 'trt_int8'")
         raise self.fail(node, f"its input node {src.name!r} has no ncnn blob",
                         "only values computed by exported layers or stored tensors can feed a layer")
 
