@@ -16,7 +16,7 @@ from fxq.analysis import (
 )
 from fxq.api import prepare, quantize
 from fxq.backends import export, register_exporter
-from fxq.data import load_calibration_folder
+from fxq.data import ImagePreprocess, load_calibration_folder
 from fxq.errors import (
     CalibrationError,
     ConfigError,
@@ -124,4 +124,5 @@ __all__ = [
     "ErrorReport",
     "StatisticsReport",
     "load_calibration_folder",
+    "ImagePreprocess",
 ]

@@ -323,9 +323,8 @@ def _first_batch_shapes(args: argparse.Namespace) -> list[int] | dict[str, list[
 
     from fxq.data import load_calibration_folder
 
-    kwargs = {"max_image_pixels": args.max_image_pixels} if args.max_image_pixels else {}
     data = load_calibration_folder(args.calib, dtype=args.dtype, layout=args.layout, batch_size=args.batch_size,
-                                   **kwargs)
+                                   **_folder_options(args))
     first = next(iter(data), None)
     if isinstance(first, torch.Tensor):
         return list(first.shape)
@@ -354,9 +353,20 @@ def load_data(args: argparse.Namespace, loaded: _Loaded, folder: str | None = No
     from fxq.data import load_calibration_folder
 
     shapes = _input_shapes(args) or _model_input_shapes(loaded)
-    kwargs = {"max_image_pixels": args.max_image_pixels} if args.max_image_pixels else {}
     return load_calibration_folder(folder or args.calib, input_shape=shapes, dtype=args.dtype, layout=args.layout,
-                                   batch_size=args.batch_size, **kwargs)
+                                   batch_size=args.batch_size, **_folder_options(args))
+
+
+def _folder_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``load_calibration_folder``'s image options from the flags: the pixel cap, and ``image=`` when any of
+    ``--mean`` / ``--std`` / ``--bgr`` / ``--pixel-max`` is given."""
+    from fxq.data import ImagePreprocess
+
+    options: dict[str, Any] = {"max_image_pixels": args.max_image_pixels} if args.max_image_pixels else {}
+    given = {k: v for k, v in (("mean", args.mean), ("std", args.std), ("pixel_max", args.pixel_max)) if v}
+    if given or args.bgr:
+        options["image"] = ImagePreprocess(**given, bgr=args.bgr)
+    return options
 
 
 def _setting(args: argparse.Namespace) -> Any:
@@ -708,6 +718,24 @@ def _names(text: str) -> list[str]:
     return names
 
 
+def _floats(text: str) -> list[float]:
+    """``104,177,123`` -> ``[104.0, 177.0, 123.0]``."""
+    try:
+        return [float(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated numbers, e.g. 104,177,123") from None
+
+
+def _image_args(p: argparse.ArgumentParser) -> None:
+    """How images in a data folder become the model's input (fxq.ImagePreprocess)."""
+    p.add_argument("--mean", type=_floats, metavar="M[,M,M]",
+                   help="images: subtract this per channel, in --pixel-max units (caffe's 104,117,123)")
+    p.add_argument("--std", type=_floats, metavar="S[,S,S]", help="images: then divide by this per channel")
+    p.add_argument("--bgr", action="store_true", help="images: feed channels as BGR (caffe / OpenCV models)")
+    p.add_argument("--pixel-max", type=float, metavar="V",
+                   help="images: pixel values run 0..V before --mean / --std (default 1; 255 for 0-255 models)")
+
+
 def _model_args(p: argparse.ArgumentParser, calib_required: bool = True) -> None:
     p.add_argument("model", help="model.onnx, model.prototxt (+ --caffemodel), module:factory, or a quantized "
                                  "model.fxq (fxq.save) for analyse / export / report")
@@ -743,6 +771,7 @@ def _model_args(p: argparse.ArgumentParser, calib_required: bool = True) -> None
     p.add_argument("--max-image-pixels", type=_positive_int, default=None, metavar="N",
                    help="largest width x height of a calibration image, checked before decoding "
                         "(default 2**26, 64 megapixels)")
+    _image_args(p)
 
 
 def _analysis_args(p: argparse.ArgumentParser) -> None:
@@ -829,6 +858,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive_int, default=None, help="re-batch the samples to this size")
     p.add_argument("--max-image-pixels", type=_positive_int, default=None, metavar="N",
                    help="largest width x height of an image, checked before decoding")
+    _image_args(p)
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     _common(p)
     p.set_defaults(func=cmd_verify)

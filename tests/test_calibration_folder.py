@@ -118,3 +118,41 @@ def test_multi_input_rebatching_needs_equal_sample_counts(tmp_path):
     batches = fxq.load_calibration_folder(tmp_path, batch_size=2)
     assert all(float(b["a"].max()) == float(b["b"].max()) for b in batches)  # samples stay paired by file
 
+
+
+def test_image_preprocess_as_deploy_runtimes_do(tmp_path):
+    """``ImagePreprocess``: BGR, 0-255 pixels, per-channel mean and std (OpenCV's blobFromImage / ncnn's
+    substract_mean_normalize), checked against numpy on the PNG's own pixels; only images are touched."""
+    from torchvision.io import write_png
+
+    pixels = (torch.rand(3, 6, 5, generator=torch.Generator().manual_seed(0)) * 255).to(torch.uint8)
+    write_png(pixels, str(tmp_path / "a.png"))
+    image = fxq.ImagePreprocess(mean=(104, 177, 123), std=(2.0,), bgr=True, pixel_max=255)
+    got = fxq.load_calibration_folder(tmp_path, input_shape=[1, 3, 6, 5], image=image)[0]
+    rgb = pixels.numpy().astype(np.float64)
+    want = (rgb[::-1] - np.array([104, 177, 123.0])[:, None, None]) / 2.0
+    np.testing.assert_allclose(got[0].numpy(), want, rtol=1e-6, atol=1e-4)
+    nhwc = fxq.load_calibration_folder(tmp_path, input_shape=[1, 6, 5, 3], layout="NHWC", image=image)[0]
+    torch.testing.assert_close(nhwc, got.permute(0, 2, 3, 1))
+    with pytest.raises(CalibrationError, match=r"mean has 2 values for a 3-channel image; give 1 or 3"):
+        fxq.load_calibration_folder(tmp_path, image=fxq.ImagePreprocess(mean=(1, 2)))[0]
+    with pytest.raises(CalibrationError, match="every std must be positive"):
+        fxq.ImagePreprocess(std=(1, 0, 1))
+    arrays = tmp_path / "arrays"
+    arrays.mkdir()
+    np.save(arrays / "0.npy", np.zeros((1, 3, 4, 4), np.float32))
+    with pytest.raises(CalibrationError, match=r"applies to image files, and this folder has none"):
+        fxq.load_calibration_folder(arrays, image=image)
+
+
+def test_cli_image_flags_reach_the_data(tmp_path, monkeypatch):
+    """``--bgr --pixel-max 255 --mean ...`` build the same ImagePreprocess for every command's data folder."""
+    import argparse
+
+    from fxq.cli import _folder_options
+
+    args = argparse.Namespace(max_image_pixels=None, mean=[104.0, 177.0, 123.0], std=None, pixel_max=255.0,
+                              bgr=True)
+    assert _folder_options(args) == {"image": fxq.ImagePreprocess(mean=(104, 177, 123), bgr=True, pixel_max=255)}
+    args = argparse.Namespace(max_image_pixels=7, mean=None, std=None, pixel_max=None, bgr=False)
+    assert _folder_options(args) == {"max_image_pixels": 7}

@@ -1,4 +1,4 @@
 """Calibration data sources (folders of arrays, raw files or images)."""
-from fxq.data.folder import CalibrationFolder, load_calibration_folder
+from fxq.data.folder import CalibrationFolder, ImagePreprocess, load_calibration_folder
 
-__all__ = ["load_calibration_folder", "CalibrationFolder"]
+__all__ = ["load_calibration_folder", "CalibrationFolder", "ImagePreprocess"]

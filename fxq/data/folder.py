@@ -14,6 +14,7 @@ import math
 import os
 import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -172,13 +173,62 @@ def _as_shape(shape: Any, what: str) -> tuple[int, ...]:
     return dims
 
 
+@dataclass(frozen=True)
+class ImagePreprocess:
+    """How calibration images become the model's input: decoded to RGB in ``[0, 1]``, channels reversed when
+    ``bgr`` (caffe / OpenCV models), times ``pixel_max`` (255 for models fed 0-255 pixels), then
+    ``(x - mean) / std`` per channel (one value, or one per channel), the conventions of OpenCV's
+    ``blobFromImage`` and ncnn's ``substract_mean_normalize``.
+
+    Example: OpenCV's res10 face detector, ``ImagePreprocess(mean=(104, 177, 123), bgr=True, pixel_max=255)``;
+    torchvision's ImageNet models, ``ImagePreprocess(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))``.
+    """
+
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+    bgr: bool = False
+    pixel_max: float = 1.0
+
+    def __post_init__(self) -> None:
+        for what in ("mean", "std"):
+            value = getattr(self, what)
+            try:
+                values = tuple(float(v) for v in (value if isinstance(value, (list, tuple)) else (value,)))
+            except (TypeError, ValueError):
+                raise CalibrationError(f"ImagePreprocess({what}={value!r}): give a number or one per channel") from None
+            if not values or not all(math.isfinite(v) for v in values):
+                raise CalibrationError(f"ImagePreprocess({what}={value!r}): give finite numbers")
+            object.__setattr__(self, what, values)
+        if any(v <= 0 for v in self.std):
+            raise CalibrationError(f"ImagePreprocess(std={self.std}): every std must be positive")
+        if not (isinstance(self.pixel_max, (int, float)) and math.isfinite(self.pixel_max) and self.pixel_max > 0):
+            raise CalibrationError(f"ImagePreprocess(pixel_max={self.pixel_max!r}): give a positive number (1 or 255)")
+
+    def __call__(self, x: torch.Tensor, source: Path) -> torch.Tensor:
+        """``x``: one decoded image, ``1 x C x H x W`` in ``[0, 1]`` (RGB for 3 channels)."""
+        channels = x.shape[1]
+        if self.bgr:
+            if channels != 3:
+                raise CalibrationError(f"{source}: bgr applies to 3-channel images; this one has {channels}")
+            x = x.flip(1)
+        stats = []
+        for what, values in (("mean", self.mean), ("std", self.std)):
+            if len(values) not in (1, channels):
+                raise CalibrationError(f"{source}: {what} has {len(values)} values for a {channels}-channel image; "
+                                       f"give 1 or {channels}")
+            stats.append(torch.tensor(values, dtype=x.dtype).reshape(1, -1, 1, 1))
+        return (x * float(self.pixel_max) - stats[0]) / stats[1]
+
+
 class _InputFiles:
     """The files of one model input and how to read them."""
 
     def __init__(self, name: str | None, folder: Path, files: list[Path], shape: tuple[int, ...] | None,
-                 dtype: torch.dtype | None, layout: str, max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+                 dtype: torch.dtype | None, layout: str, max_pixels: int = MAX_IMAGE_PIXELS,
+                 image: ImagePreprocess | None = None) -> None:
         self.name, self.folder, self.files, self.shape, self.dtype, self.layout = name, folder, files, shape, dtype, layout
         self.max_pixels = max_pixels
+        self.image = image
         self._dtypes: dict[torch.dtype, Path] = {}  # the dtype each file will load as (known from headers)
         for f in files:
             self._check_header(f)
@@ -277,6 +327,8 @@ class _InputFiles:
         except RuntimeError:  # formats torchvision does not decode (BMP...): Pillow, which torchvision brings
             img = _pil_image(f, channels)
         x = to_dtype(img, torch.float32, scale=True).unsqueeze(0)  # 1 x C x H x W in [0, 1] (8- or 16-bit)
+        if self.image is not None:
+            x = self.image(x, f)
         if self.shape is not None and len(self.shape) == 4:
             h, w = (self.shape[2], self.shape[3]) if self.layout == "NCHW" else (self.shape[1], self.shape[2])
             if tuple(x.shape[2:]) != (h, w):
@@ -389,6 +441,7 @@ def load_calibration_folder(
     batch_size: int | None = None,
     transform: Callable[[Any], Any] | None = None,
     max_image_pixels: int = MAX_IMAGE_PIXELS,
+    image: ImagePreprocess | None = None,
 ) -> CalibrationFolder:
     """Calibration batches from a folder, one batch per file, in sorted file-name order.
 
@@ -408,6 +461,8 @@ def load_calibration_folder(
         transform: applied to each batch (e.g. mean/std normalisation).
         max_image_pixels: largest width x height of an image (default 2**26, 64 megapixels), checked from the file
             header before decoding, so a decompression bomb is refused without allocating its pixels.
+        image: how images become the model's input (:class:`ImagePreprocess`: channel order, pixel range,
+            mean / std); default RGB in [0, 1]. Applies to image files only.
 
     Returns:
         a lazy :class:`CalibrationFolder` sequence, usable wherever fxq takes calibration data.
@@ -442,7 +497,7 @@ def load_calibration_folder(
                                        f"({names}); put each input's files in a sub-folder named after it ({where})")
             input_shape = next(iter(input_shape.values()))
         shape = _as_shape(input_shape, str(folder)) if input_shape is not None else None
-        inputs = [_InputFiles(None, folder, files, shape, dt, layout, max_image_pixels)]
+        inputs = [_InputFiles(None, folder, files, shape, dt, layout, max_image_pixels, image)]
     elif subdirs:
         shapes = dict(input_shape) if isinstance(input_shape, Mapping) else {}
         if input_shape is not None and not isinstance(input_shape, Mapping):
@@ -458,7 +513,7 @@ def load_calibration_folder(
                 raise CalibrationError(f"calibration folder {str(d)!r} (input {d.name!r}) has no data files "
                                        f"({', '.join(DATA_SUFFIXES)})")
             shape = _as_shape(shapes[d.name], str(d)) if d.name in shapes else None
-            inputs.append(_InputFiles(d.name, d, sub_files, shape, dt, layout, max_image_pixels))
+            inputs.append(_InputFiles(d.name, d, sub_files, shape, dt, layout, max_image_pixels, image))
         counts = {inp.name: len(inp.files) for inp in inputs}
         if len(set(counts.values())) > 1:
             raise CalibrationError(f"{folder}: the input sub-folders hold different numbers of files {counts}; "
@@ -466,6 +521,9 @@ def load_calibration_folder(
     else:
         raise CalibrationError(f"calibration folder {str(folder)!r} is empty: put one batch per file there "
                                f"({', '.join(DATA_SUFFIXES)}), or one sub-folder per model input")
+    if image is not None and not any(f.suffix.lower() in IMAGE_SUFFIXES for inp in inputs for f in inp.files):
+        raise CalibrationError(f"{folder}: image= (--mean / --std / --bgr / --pixel-max) applies to image files, and "
+                               "this folder has none; preprocess arrays before saving them")
     data = CalibrationFolder(folder, inputs, transform, batch_size)
     logger.info("calibration folder %s: %d batches", folder, len(data))
     return data
