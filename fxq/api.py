@@ -14,6 +14,7 @@ from fxq.graph.calibrate import calibrate
 from fxq.graph.capture import capture as capture_graph
 from fxq.graph.convert import convert
 from fxq.graph.data import (
+    check_sized_inputs,
     data_failure,
     first_batch_errors,
     iter_batches,
@@ -112,6 +113,7 @@ def prepare(
     gm.eval()
     device = next((t.device for t in gm.parameters()), torch.device("cpu"))
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    check_sized_inputs(gm, args)
     with first_batch_errors("example", True,  # the data does not fit the model: say where, not a torch trace
                             diagnose=lambda exc: data_failure(gm, args, exc, "example")):
         standardize(gm, args, fold_bn=fold_bn)

@@ -138,4 +138,29 @@ def test_exp_and_log_bases_are_checked(tmp_path):
     prototxt, _ = write_model(tmp_path, "bad", bad, None)
     with pytest.raises(fxq.FrontendError, match=r"layer 'log10'.*base must be -1 \(e\) or positive and not 1"):
         fxq.load_caffe(prototxt)
-    assert math.isclose(float(torch.log(torch.tensor(10.0))), math.log(10), rel_tol=1e-6)
+    zero = ELEMENTWISE.replace('log_param { shift: 1 }', 'log_param { shift: 0 }')  # log(|x|) at x = 0: -inf
+    prototxt, _ = write_model(tmp_path, "zero", zero, None)
+    with torch.no_grad():
+        out = dict(zip(fxq.load_caffe(prototxt).meta["caffe"]["outputs"], fxq.load_caffe(prototxt)(
+            torch.zeros(1, 4, 5, 6))))
+    assert bool(torch.isneginf(out["log"]).all()) and math.isclose(float(out["exp2"].mean()), 2 ** 0.25, rel_tol=1e-6)
+
+
+def test_cut_advice_names_every_head_and_in_place_writes(tmp_path):
+    """Two detection layers at two scales: the advice names both heads' bottoms; a layer writing its bottom in
+    place names the rename that lets a cut end before it."""
+    weights = _fork_weights(np.random.default_rng(0))
+    two = FORK_NET + """
+layer { name: "head_a" type: "YoloLayerOfAFork" bottom: "pw" top: "det_a" }
+layer { name: "head_b" type: "YoloLayerOfAFork" bottom: "score" top: "det_b" }
+"""
+    prototxt, caffemodel = write_model(tmp_path, "two", two, weights)
+    with pytest.raises(fxq.FrontendError, match=r"outputs=\['pw', 'score'\]\) \(CLI: --outputs pw,score\)"):
+        fxq.load_caffe(prototxt, caffemodel)
+    assert fxq.load_caffe(prototxt, caffemodel, outputs=["pw", "score"]).meta["caffe"]["outputs"] == ["pw", "score"]
+    in_place = FORK_NET + """
+layer { name: "region" type: "RegionOfAFork" bottom: "score" top: "score" }
+"""
+    prototxt, caffemodel = write_model(tmp_path, "in_place", in_place, weights)
+    with pytest.raises(fxq.FrontendError, match=r"first give the top of \['region'\] a name of its own"):
+        fxq.load_caffe(prototxt, caffemodel)

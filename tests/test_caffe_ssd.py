@@ -100,10 +100,11 @@ def prior_box_ref(layer_h: int, layer_w: int, img_h: int, img_w: int, min_sizes,
     for h in range(layer_h):
         for w in range(layer_w):
             cx, cy = (w + offset) * step_w, (h + offset) * step_h
-            for s, min_size in enumerate(min_sizes):
+            for s, size in enumerate(min_sizes):
+                min_size = int(size)  # the fork's `int min_size_ = min_sizes_[s];` (and max_size_)
                 shapes = [(min_size, min_size)]
                 if max_sizes:
-                    shapes.append((math.sqrt(min_size * max_sizes[s]),) * 2)
+                    shapes.append((math.sqrt(min_size * int(max_sizes[s])),) * 2)
                 shapes += [(min_size * math.sqrt(ar), min_size / math.sqrt(ar)) for ar in ratios if abs(ar - 1) >= 1e-6]
                 for bw, bh in shapes:
                     boxes += [(cx - bw / 2.0) / img_w, (cy - bh / 2.0) / img_h, (cx + bw / 2.0) / img_w,
@@ -222,3 +223,48 @@ def test_cli_quantizes_the_cut_ssd(ssd_files, tmp_path, monkeypatch):
     assert main(args) == 1  # DetectionOutput refused, the cut named
     assert main([*args, "--outputs", ",".join(OUTPUTS)]) == 0
     assert any(p.suffix == ".param" for p in (tmp_path / "out").rglob("*"))
+
+
+def test_prior_box_truncates_sizes_as_the_fork_does():
+    """SSD512's fractional sizes (min 20.48, max 51.2): the fork's C++ truncates them to ints (OpenCV does not)."""
+    from fxq.frontends.caffe.layers.detection import prior_boxes
+
+    got = prior_boxes((8, 8), (64.0, 64.0), (8.0, 8.0), [20.48], [51.2], [2.0], True, False, 0.5, [0.1] * 4)
+    want = prior_box_ref(8, 8, 64, 64, [20.48], [51.2], [2.0], True, False, [0.1])
+    np.testing.assert_allclose(got.double().numpy(), want, rtol=0, atol=1e-6)
+    assert abs(float(got[0, 0, 2]) - (4 + 10) / 64) < 1e-7  # xmax of the first box: centre 4 + 20 / 2
+
+
+def test_data_of_another_size_than_the_priors_is_refused(ssd_files):
+    """Prior boxes are a constant of the loaded size: data of another H x W is refused with the input_shapes
+    that loads the net for it, which, followed, quantizes."""
+    prototxt, caffemodel, _ = ssd_files
+    gm = fxq.load_caffe(prototxt, caffemodel, outputs=OUTPUTS)
+    big = [torch.rand(1, 3, 64, 64) for _ in range(2)]
+    with pytest.raises(fxq.CalibrationError, match=r"input 'data': the batch has shape \(1, 3, 64, 64\), but layer\(s\) "
+                       r"\['a_prior', 'b_prior'\] \(PriorBox\) hold boxes computed at load for shape \[1, 3, 32, 32\]"
+                       r".*input_shapes=\{'data': \[1, 3, 64, 64\]\}\) \(CLI: --input-shape data=1,3,64,64\)"):
+        fxq.quantize(gm, big, "trt_int8", progress=False)
+    gm = fxq.load_caffe(prototxt, caffemodel, outputs=OUTPUTS, input_shapes={"data": [1, 3, 64, 64]})
+    q = fxq.quantize(gm, big, "trt_int8", progress=False)
+    with torch.no_grad():
+        loc, _, prior = q(big[0])
+    assert loc.shape[1] == prior.shape[2]  # one box per location of the larger feature maps
+
+
+def test_constant_outputs_that_are_not_batch_shaped_keep_the_refusal(tmp_path):
+    """Only a constant output with a batch of 1 becomes an ncnn MemoryData output; others are refused by name."""
+    class WithAnchors(torch.nn.Module):
+        def __init__(self, anchors: torch.Tensor) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 1)
+            self.register_buffer("anchors", anchors)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.conv(x), self.anchors
+
+    x = torch.rand(1, 3, 8, 8)
+    for anchors in (torch.rand(3, 2), torch.tensor(2.0)):
+        q = fxq.quantize(WithAnchors(anchors).eval(), [x], "ncnn_int8", progress=False)
+        with pytest.raises(fxq.ExportError, match=r"graph output 1 \('anchors'\) is not computed by an exported layer"):
+            fxq.export(q, "ncnn_int8", tmp_path / "m")

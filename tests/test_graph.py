@@ -595,7 +595,8 @@ def test_first_batch_errors():
             raise ConfigError("x")
 
 
-def test_first_batch_failure_names_the_node_and_a_squeeze_onnx_refuses():
+@pytest.mark.parametrize("opset", [11, 13])
+def test_first_batch_failure_names_the_node_and_a_squeeze_onnx_refuses(opset):
     """A text recognizer's file (height pooled to 1, squeezed, transposed) calibrated on lines of another height:
     the error names the node that fails with its ONNX node, the batch's and the file's input shapes, and the
     ONNX Squeeze whose dim is not 1 (onnx2torch's squeeze keeps it, so the graph fails two nodes on); at the
@@ -605,15 +606,17 @@ def test_first_batch_failure_names_the_node_and_a_squeeze_onnx_refuses():
 
     rng = np.random.RandomState(0)
     inits = [numpy_helper.from_array(rng.randn(8, 3, 3, 3).astype(np.float32) * 0.3, "w"),
-             numpy_helper.from_array(rng.randn(8, 5).astype(np.float32) * 0.3, "fc")]
+             numpy_helper.from_array(rng.randn(8, 5).astype(np.float32) * 0.3, "fc"),
+             numpy_helper.from_array(np.array([2], dtype=np.int64), "axes")]
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="Conv_0"),
              helper.make_node("MaxPool", ["c"], ["p"], kernel_shape=[8, 1], strides=[8, 1], name="MaxPool_0"),
-             helper.make_node("Squeeze", ["p"], ["s"], axes=[2], name="Squeeze_0"),
+             helper.make_node("Squeeze", ["p", "axes"], ["s"], name="Squeeze_0") if opset >= 13 else
+             helper.make_node("Squeeze", ["p"], ["s"], axes=[2], name="Squeeze_0"),  # opset 13: axes an input
              helper.make_node("Transpose", ["s"], ["t"], perm=[0, 2, 1], name="Transpose_0"),
              helper.make_node("MatMul", ["t", "fc"], ["y"], name="MatMul_0")]
     graph = helper.make_graph(nodes, "rec", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, "H", "W"])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", 5])], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     gm = fxq.load_onnx(model)
     with pytest.raises(fxq.CalibrationError, match=r"first example batch failed in the model at node "
                        r"'transpose_0' \(ONNX Transpose 'Transpose_0'\) \(RuntimeError: [^;]*\); the batch's inputs: "
@@ -624,6 +627,33 @@ def test_first_batch_failure_names_the_node_and_a_squeeze_onnx_refuses():
     gm = fxq.load_onnx(onnx.load_from_string(model.SerializeToString()), input_shapes={"x": [1, 3, 8, 20]})
     q = fxq.quantize(gm, [torch.randn(1, 3, 8, 20)], "trt_int8", progress=False)
     assert q(torch.randn(1, 3, 8, 20)).shape == (1, 20, 5)
+
+
+def test_first_batch_failure_of_a_graph_that_runs_it_is_fxqs(monkeypatch):
+    """When the model's graph runs the first batch but fxq's preparation fails on it, the error says it is fxq's
+    own failure, not the data's."""
+    import fxq.api
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("internal pass failure")
+
+    monkeypatch.setattr(fxq.api, "standardize", broken)
+    with pytest.raises(fxq.GraphError, match="internal pass failure.*failure of fxq's own rewrite, not of your data"):
+        fxq.quantize(nn.Sequential(nn.Conv2d(3, 4, 1)).eval(), [torch.randn(1, 3, 8, 8)], "trt_int8", progress=False)
+
+
+def test_unary_functions_have_op_types_in_both_captures():
+    """torch.sqrt / exp / log / abs / reciprocal, traced by torch.fx or torch.export (their aten overloads)."""
+    from fxq.graph.op_types import op_type
+
+    class Unary(nn.Module):
+        def forward(self, x):
+            return torch.reciprocal(torch.sqrt(torch.log(torch.abs(x) + 1)) + 1) + torch.exp(-x)
+
+    for capture in ("fx", "export"):
+        gm = fxq.prepare(Unary().eval(), "ncnn_int8", (torch.randn(2, 3),), capture=capture)
+        types = {op_type(n, dict(gm.named_modules())) for n in gm.graph.nodes if n.op == "call_function"}
+        assert {"Sqrt", "Exp", "Log", "Abs", "Reciprocal"} <= types, (capture, types)
 
 
 def test_algorithm_errors_diagnose_only_a_failure_and_pass_memory_errors():

@@ -20,6 +20,7 @@ __all__ = [
     "source_batch_dim",
     "source_unbatched",
     "input_batch_dim",
+    "check_sized_inputs",
     "data_failure",
     "onnx_output_name",
     "onnx_input_name",
@@ -493,6 +494,9 @@ class _SqueezeWatch(_FP32):
         info = n.meta.get("onnx")
         if isinstance(info, dict) and info.get("op_type") == "Squeeze" and n.op == "call_module":
             axes = getattr(self.module.get_submodule(str(n.target)), "axes", None)
+            if axes is None and len(n.args) > 1:  # opset 13+: the axes are an input
+                given = self.env.get(n.args[1]) if isinstance(n.args[1], fx.Node) else n.args[1]
+                axes = given.reshape(-1).tolist() if isinstance(given, torch.Tensor) else given
             x = self.env.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
             if axes and isinstance(x, torch.Tensor):
                 wrong = [a % x.dim() for a in axes if x.shape[a % x.dim()] != 1]
@@ -502,17 +506,37 @@ class _SqueezeWatch(_FP32):
         return super().run_node(n)
 
 
-def data_failure(gm: fx.GraphModule, args: Sequence[Any], exc: BaseException, what: str) -> CalibrationError:
+def check_sized_inputs(gm: nn.Module, args: Sequence[Any]) -> None:
+    """Refuse data whose sizes differ from those a caffe net was loaded at when its graph holds constants of those
+    sizes (a PriorBox's boxes), which would silently stop matching the network's outputs."""
+    meta = getattr(gm, "meta", {}).get("caffe")
+    layers = meta.get("sized_by_input") if isinstance(meta, dict) else None
+    if not layers:
+        return
+    for name, value in zip(meta.get("inputs", []), args):
+        want = meta.get("input_shapes", {}).get(name)
+        if isinstance(value, torch.Tensor) and want and tuple(value.shape[1:]) != tuple(want[1:]):
+            raise CalibrationError(
+                f"input {name!r}: the batch has shape {tuple(value.shape)}, but layer(s) {layers[:3]} "
+                f"(PriorBox) hold boxes computed at load for shape {list(want)}. Fix: load the net with "
+                f"fxq.load_caffe(..., input_shapes={{{name!r}: {list(value.shape)}}}) (CLI: --input-shape "
+                f"{name}={','.join(str(d) for d in value.shape)}), or give data of shape "
+                f"[N, {', '.join(str(d) for d in want[1:])}]")
+
+
+def data_failure(gm: fx.GraphModule, args: Sequence[Any], exc: BaseException, what: str) -> FxqError:
     """The error for the first ``what`` batch failing in the FP32 model ``gm`` (the data does not fit it): the
     node where it fails (with its ONNX node), the batch's input shapes and, for an ONNX file, the input shapes the
-    file declares, and any ONNX ``Squeeze`` of a dim that is not 1 on this batch (:class:`_SqueezeWatch`)."""
+    file declares, and any ONNX ``Squeeze`` of a dim that is not 1 on this batch (:class:`_SqueezeWatch`). When
+    the graph runs the batch, the failure is fxq's own (:func:`rewrite_failure`)."""
     watch = _SqueezeWatch(gm)
-    node = None
     try:
         with torch.no_grad():
             watch.run(*args)
     except Exception:  # noqa: BLE001  (the failure being described)
         node = watch.current
+    else:
+        return rewrite_failure(None, exc, f"preparing on the first {what} batch")
     where = ""
     if node is not None:
         info = node.meta.get("onnx")

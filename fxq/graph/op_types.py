@@ -351,7 +351,8 @@ def _register_aten() -> None:
         aten.upsample_nearest2d.vec: "Resize", aten.upsample_bilinear2d.vec: "Resize",
         aten.constant_pad_nd.default: "Pad", aten.pad.default: "Pad", aten.exp.default: "Exp",
         aten.index.Tensor: "Gather", aten.embedding.default: "Gather", aten.relu6.default: "Clip",
-        aten.squeeze.dims: "Squeeze", aten.mean.default: "ReduceMean",
+        aten.squeeze.dims: "Squeeze", aten.mean.default: "ReduceMean", aten.sqrt.default: "Sqrt",
+        aten.log.default: "Log", aten.abs.default: "Abs", aten.reciprocal.default: "Reciprocal",
     }.items():
         _FUNCTIONS.setdefault(overload, name)
 

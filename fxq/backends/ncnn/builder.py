@@ -750,7 +750,8 @@ class NcnnBuilder:
         fx.node.map_arg(out.args, lambda n: values.append(n) or n)
         for i, v in enumerate(values):
             src = self.strip(v)
-            if src not in self.blob_of and self.is_constant(src):  # a constant output (an SSD's prior boxes)
+            if src not in self.blob_of and self.is_constant(src) and 2 <= len(self.shape(src)) <= 5 \
+                    and self.shape(src)[0] == 1:  # a constant output with a batch of 1 (an SSD's prior boxes)
                 self.model.outputs.append(self.constant(src, src, like=src))
                 continue
             if src not in self.blob_of or self.blob_of[src] in self.model.inputs:

@@ -64,6 +64,7 @@ class GraphBuilder:
         self._shape_overrides = dict(input_shapes or {})
         self._available: dict[str, None] = {}  # caffe's "available blobs": produced and not consumed since
         self._module_names: set[str] = set()
+        self.sized_by_input: list[str] = []  # layers whose constants hold for the loaded input sizes (PriorBox)
 
     # ---- inputs, layers, outputs
 
@@ -146,6 +147,7 @@ class GraphBuilder:
             "input_shapes": {k: list(v) for k, v in self.input_shapes.items()},
             "aliases": dict(self.aliases),
             "source": dict(source),
+            "sized_by_input": list(self.sized_by_input),
         }
         gm.eval()
         return gm

@@ -141,10 +141,19 @@ def _layers_for(layers: list, outputs: list[str], inputs: list[str], label: str)
 
 def _cut_advice(layers: list, index: int) -> str:
     """For an unsupported layer at the end of the net (no later layer reads what it writes): the ``outputs=`` cut
-    that loads the net before it (a detector's post-processing, as YOLO's detection layers)."""
-    written = {str(t) for t in layers[index].top}
-    if any(written & {str(b) for b in layer.bottom} for layer in layers[index + 1:]):
+    that loads the net before it and before every other such layer (a detector's post-processing, as YOLO's
+    detection layers, one per scale)."""
+
+    def terminal(i: int) -> bool:
+        written = {str(t) for t in layers[i].top}
+        return not any(written & {str(b) for b in layer.bottom} for layer in layers[i + 1:])
+
+    if not terminal(index):
         return ""
-    bottoms = [str(b) for b in layers[index].bottom]
-    return (f". It ends the net (post-processing?): load the net before it with fxq.load_caffe(..., "
+    ends = [layer for i, layer in enumerate(layers) if layer.type not in CAFFE_LAYERS and terminal(i)]
+    bottoms = list(dict.fromkeys(str(b) for layer in ends for b in layer.bottom))
+    in_place = [layer.name for layer in ends if {str(t) for t in layer.top} & {str(b) for b in layer.bottom}]
+    rename = (f" first give the top of {in_place} a name of its own in the prototxt (it writes its input in place, "
+              "so no cut can end before it), then" if in_place else "")
+    return (f". It ends the net (post-processing?):{rename} load the net before it with fxq.load_caffe(..., "
             f"outputs={bottoms}) (CLI: --outputs {','.join(bottoms)}) and run it after the runtime")

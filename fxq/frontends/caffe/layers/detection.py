@@ -55,7 +55,7 @@ def prior_boxes(layer_hw: tuple[int, int], image_hw: tuple[float, float], step_h
     """SSD's prior boxes, ``[1, 2, H * W * num_priors * 4]``: normalized ``(xmin, ymin, xmax, ymax)`` in channel 0
     and their variances in channel 1. Per position (rows, then columns), per min size: the square of the min size,
     the square of ``sqrt(min * max)`` when max sizes are given, then one box per aspect ratio other than 1 (each
-    ratio once, with its inverse when ``flip``)."""
+    ratio once, with its inverse when ``flip``). As the fork's C++ does, min and max sizes are truncated to ints."""
     ratios = [1.0]
     for ar in aspect_ratios:
         if all(abs(ar - r) >= 1e-6 for r in ratios):
@@ -64,10 +64,11 @@ def prior_boxes(layer_hw: tuple[int, int], image_hw: tuple[float, float], step_h
                 ratios.append(1.0 / ar)
     (layer_h, layer_w), (img_h, img_w), (step_h, step_w) = layer_hw, image_hw, step_hw
     sizes: list[tuple[float, float]] = []  # (box width, box height) at one position
-    for i, min_size in enumerate(min_sizes):
+    for i, size in enumerate(min_sizes):
+        min_size = float(int(size))  # the fork truncates the sizes to int (SSD512's 20.48 is 20; OpenCV does not)
         sizes.append((min_size, min_size))
         if max_sizes:
-            side = math.sqrt(min_size * max_sizes[i])
+            side = math.sqrt(min_size * int(max_sizes[i]))
             sizes.append((side, side))
         for ar in ratios:
             if abs(ar - 1.0) >= 1e-6:
@@ -88,7 +89,7 @@ def prior_boxes(layer_hw: tuple[int, int], image_hw: tuple[float, float], step_h
 def prior_box(ctx: LayerContext) -> None:
     """``PriorBox`` -> the constant of :func:`prior_boxes` for the loaded sizes: the feature map's (bottom 0) and
     the image's (bottom 1, or ``img_size`` / ``img_h`` / ``img_w``). The boxes follow the input size only through
-    ``load_caffe(input_shapes=...)``: load at the size the detector runs."""
+    ``load_caffe(input_shapes=...)``: load at the size the detector runs (data of another size is refused)."""
     ctx.expect(bottoms=2, tops=1)
     p = ctx.layer.prior_box_param
     feature, image = ctx.shape(ctx.bottom(0)), ctx.shape(ctx.bottom(1))
@@ -120,6 +121,7 @@ def prior_box(ctx: LayerContext) -> None:
         raise ctx.error(f"image size {img_hw} and step {step_hw} must be positive")
     boxes = prior_boxes((feature[2], feature[3]), img_hw, step_hw, min_sizes, max_sizes,
                         [float(v) for v in p.aspect_ratio], p.flip, p.clip, float(p.offset), variance)
+    ctx.builder.sized_by_input.append(ctx.name)  # prepare refuses data of another size (fxq.graph.data)
     ctx.set_top(0, ctx.constant(boxes))
 
 
