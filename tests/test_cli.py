@@ -90,6 +90,24 @@ def test_quantize_python_factory(work, capsys):
     assert "graphwise error" in capsys.readouterr().out
 
 
+def test_quantize_reports_output_fidelity_and_warns_when_poor(work, capsys, caplog, monkeypatch):
+    """``fxq quantize`` says how far the quantized output is from FP32 (summary file and stdout) and warns, naming
+    the layers, above ``POOR_OUTPUT_SNR``."""
+    import logging
+
+    import fxq.cli
+
+    assert main(["quantize", "cli_small_model:build", "--calib", "calib", "--out", "out"]) == 0
+    line = next(t for t in capsys.readouterr().out.splitlines() if t.startswith("output noise / signal"))
+    assert float(line.split(": ")[1].split("%")[0]) < 100 * fxq.cli.POOR_OUTPUT_SNR
+    assert line in (work / "out" / "build_trt_int8.summary.txt").read_text()
+    monkeypatch.setattr(fxq.cli, "POOR_OUTPUT_SNR", 0.0)
+    with caplog.at_level(logging.WARNING, logger="fxq.cli"):
+        assert main(["quantize", "cli_small_model:build", "--calib", "calib", "--out", "out2", "-q"]) == 0
+    assert "noise against FP32 on calibration data: it computes something else. The layers that hurt most" in caplog.text
+    assert "--budget snr=0.05" in caplog.text
+
+
 def test_saved_model_keeps_its_platform_and_needs_only_analysis_data(work, capsys):
     assert main(["quantize", "cli_small_model:build", "--calib", "calib", "--platform", "ncnn_int8", "--out", "out",
                  "--no-export", "-q"]) == 0
