@@ -395,17 +395,18 @@ def test_unsupported_ops_are_all_listed_up_front(tmp_path) -> None:
         helper.make_node("QuantizeLinear", ["r", "s", "zp"], ["q"], name="quant_a"),
         helper.make_node("DequantizeLinear", ["q", "s", "zp"], ["d"], name="dequant_a"),
         helper.make_node("FancyOp", ["d"], ["f"], domain="com.example", name="fancy_1"),
-        helper.make_node("FancyOp", ["f"], ["y"], domain="com.example", name="fancy_2"),
+        helper.make_node("FancyOp", ["f"], ["g"], domain="com.example", name="fancy_2"),
+        helper.make_node("OtherOp", ["g"], ["y"], domain="com.example", name="other"),
     ]
     opsets = [helper.make_opsetid("", 19), helper.make_opsetid("com.example", 3)]
     path = _model(nodes, opsets, ["y"], tmp_path / "unsupported.onnx")
     with pytest.raises(FrontendError) as info:
         load_onnx(path)
     msg = str(info.value)
-    assert "unsupported.onnx" in msg and "3 op type(s)" in msg
-    assert "QuantizeLinear (domain 'ai.onnx', opset 19" in msg and "'quant_a'" in msg
-    assert "DequantizeLinear" in msg and "'dequant_a'" in msg
+    assert "unsupported.onnx" in msg and "2 op type(s)" in msg
+    assert "QuantizeLinear" not in msg and "DequantizeLinear" not in msg  # a QDQ pair: folded on load
     assert "FancyOp (domain 'com.example', opset 3)" in msg and "'fancy_1', 'fancy_2'" in msg
+    assert "OtherOp (domain 'com.example', opset 3)" in msg and "'other'" in msg
     assert "register_onnx_converter" in msg and "Relu" not in msg
 
 
