@@ -22,7 +22,7 @@ from fxq.graph.data import (
 )
 from fxq.graph.info import NodeQuant, graph_quant
 from fxq.graph.nodes import get_attr_value
-from fxq.graph.op_types import output_lower_bound
+from fxq.graph.op_types import output_bounded, output_lower_bound
 from fxq.graph.quant_graph import AlignGroup, QuantGraph, drop_alignment, record_alignment
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import MIN_SCALE, QuantState
@@ -118,6 +118,7 @@ def calibrate(
             fq.set_mode("observe")
             fq.observer.reset()
             fq.observer.nonnegative = _nonnegative_input(quant_graph, name, modules)
+            fq.observer.bounded = _bounded_input(quant_graph, name, modules)
             observing[name] = fq
     passes = max((fq.observer.passes for fq in observing.values()), default=1)
     total = count_batches(data, steps)
@@ -160,6 +161,13 @@ def _nonnegative_input(quant_graph: QuantGraph, name: str, modules: dict[str, to
     source = node.args[0] if node is not None and node.args else None
     low = output_lower_bound(source, modules) if isinstance(source, fx.Node) else None
     return low is not None and low >= 0
+
+
+def _bounded_input(quant_graph: QuantGraph, name: str, modules: dict[str, torch.nn.Module]) -> bool:
+    """Whether the op whose output quantizer ``name`` observes bounds its output at both ends."""
+    node = quant_graph.node_of(name)
+    source = node.args[0] if node is not None and node.args else None
+    return isinstance(source, fx.Node) and output_bounded(source, modules)
 
 
 def _ratio_setting(gm: fx.GraphModule) -> float | None:

@@ -7,6 +7,7 @@ their op type in ``node.meta["onnx"]``; that is used when the module/function is
 from __future__ import annotations
 
 import copy
+import math
 import operator
 from typing import Any, Callable
 
@@ -19,7 +20,7 @@ from fxq.graph.nodes import get_attr_value
 
 __all__ = ["LIFTED", "op_type", "register_op_type", "mutates_first_argument", "out_of_place_twin", "WEIGHTED_FUNCTIONS",
            "WEIGHT_ARGS", "weight_arg_nodes", "weight_bias_args", "conv_attrs", "weight_shape", "CLIP_BOUNDS",
-           "clip_bounds", "stores_clip_bounds", "output_lower_bound"]
+           "clip_bounds", "stores_clip_bounds", "output_lower_bound", "output_bounded"]
 
 aten = torch.ops.aten
 
@@ -368,6 +369,7 @@ CLIP_BOUNDS = {  # function / method name -> (position, keyword) of its lower an
 _CLIP_DEFAULTS = {"hardtanh": (-1.0, 1.0), "relu6": (0.0, 6.0)}  # missing bounds: the function's defaults
 
 _NONNEGATIVE = frozenset({"Relu", "Sigmoid", "Softmax"})
+_BOUNDED = frozenset({"Sigmoid", "Softmax", "HardSigmoid", "Tanh"})
 
 
 def stores_clip_bounds(module: nn.Module | None) -> bool:
@@ -392,6 +394,18 @@ def clip_bounds(node: fx.Node, module: nn.Module | None = None) -> tuple[Any, An
     ((i_low, k_low), (i_high, k_high)) = CLIP_BOUNDS.get(name, ((1, "min"), (2, "max")))
     pick = lambda i, k, d: node.args[i] if len(node.args) > i else node.kwargs.get(k, d)  # noqa: E731
     return pick(i_low, k_low, low), pick(i_high, k_high, high)
+
+
+def output_bounded(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """Whether the op itself bounds ``node``'s output at both ends (a softmax, sigmoid or hard-sigmoid in [0, 1], a
+    tanh in [-1, 1], a clip at two finite bounds)."""
+    kind = op_type(node, modules)
+    if kind in _BOUNDED:
+        return True
+    if kind != "Clip":
+        return False
+    bounds = clip_bounds(node, modules.get(str(node.target)) if node.op == "call_module" else None)
+    return all(isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) for b in bounds)
 
 
 def output_lower_bound(node: fx.Node, modules: dict[str, nn.Module]) -> float | None:

@@ -58,6 +58,10 @@ class Observer:
     """Set by calibration when the op producing the observed tensor cannot output a negative value (a ReLU, a clip
     at 0, a sigmoid): observers may skip the lower tail, since :func:`fxq.functional.qparams_from_minmax` takes
     ``min(low, 0)``, 0 for such a tensor whatever its statistics say."""
+    bounded = False
+    """Set by calibration when the op producing the observed tensor bounds its output (a softmax or sigmoid in
+    [0, 1], a tanh, a clip at both ends): no outlier can inflate its range, and its extremes are the signal (an
+    attention's peak probabilities), so observers that clip tails (percentile) keep the observed extremes."""
 
     def __init__(self, config: TensorQuantConfig, where: str = "") -> None:
         self.config = config

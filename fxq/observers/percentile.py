@@ -108,6 +108,8 @@ class PercentileObserver(Observer):
             mn, mx = (None, rows.amax(dim=1)) if self.nonnegative else torch.aminmax(rows, dim=1)
         if lo is None:  # a ReLU's output and the like: the range starts at 0 whatever the lower tail holds
             lo = mn = torch.zeros_like(hi)
+        if self.bounded:  # a softmax's, a sigmoid's output: its extremes are the signal, not outliers
+            lo, hi = mn, mx
         if self._sum_lo is None:
             self._sum_lo, self._sum_hi, self._min, self._max = lo, hi, mn, mx
         else:
