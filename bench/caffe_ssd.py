@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zoo import ncnn_net  # noqa: E402
+from zoo import ncnn_net, ncnn_outputs, ort_outputs  # noqa: E402
 
 OUTPUTS = ["mbox_loc", "mbox_conf_flatten", "mbox_priorbox"]
 MEAN = np.array([104.0, 177.0, 123.0], dtype=np.float32)  # the res10 model's BGR mean
@@ -60,18 +60,8 @@ def top_detection(loc: Any, conf: Any, prior: Any) -> tuple[float, np.ndarray]:
 
 def _deployed(files: list[Path], platform: str, x: torch.Tensor) -> list[np.ndarray]:
     if platform == "ncnn_int8":
-        from fxq.analysis.mismatch_ncnn import ncnn_mat
-
-        ex = ncnn_net(files).create_extractor()
-        ex.input("in0", ncnn_mat(x[0].numpy()))
-        return [np.array(ex.extract(f"out{i}")[1]) for i in range(len(OUTPUTS))]
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    onnx_file = next(f for f in files if f.suffix == ".onnx")
-    sess = ort.InferenceSession(str(onnx_file), opts, providers=["CPUExecutionProvider"])
-    return sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+        return ncnn_outputs(ncnn_net(files), (x,), len(OUTPUTS))
+    return ort_outputs(next(f for f in files if f.suffix == ".onnx"), (x,), optimize=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zoo import cosine, ncnn_net  # noqa: E402
+from zoo import cosine, ncnn_net, ncnn_outputs, ort_outputs  # noqa: E402
 
 CALIB_WORDS = ["Invoice 4471", "Total due: 92.50", "Model Zoo", "quantize me", "HELLO WORLD", "2026-11-27",
                "Deployment", "ncnn TensorRT ORT"]
@@ -72,24 +72,10 @@ def ctc_decode(logits: np.ndarray, chars: list[str]) -> str:
     return "".join(out)
 
 
-def _run_ort(path: Path, x: torch.Tensor, optimize: bool) -> np.ndarray:
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    if not optimize:
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    return sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
-
-
 def _deployed(files: list[Path], platform: str, x: torch.Tensor, shape: tuple[int, ...]) -> np.ndarray:
     if platform == "ncnn_int8":
-        from fxq.analysis.mismatch_ncnn import ncnn_mat
-
-        ex = ncnn_net(files).create_extractor()
-        ex.input("in0", ncnn_mat(x[0].numpy()))
-        return np.array(ex.extract("out0")[1]).reshape(shape)
-    return _run_ort(next(f for f in files if f.suffix == ".onnx"), x, optimize=False)
+        return ncnn_outputs(ncnn_net(files), (x,), 1)[0].reshape(shape)
+    return ort_outputs(next(f for f in files if f.suffix == ".onnx"), (x,), optimize=False)[0]
 
 
 def _quantized(path: Path, shape: list[int], calib: list[torch.Tensor], out: Path) -> dict[str, Any]:
@@ -107,7 +93,7 @@ def _quantized(path: Path, shape: list[int], calib: list[torch.Tensor], out: Pat
 def recognizer(path: Path, chars: list[str], out: Path) -> list[str]:
     calib = [rec_input(render_line(t)) for t in CALIB_WORDS]
     lines = [rec_input(render_line(t)) for t in EVAL_WORDS]
-    fp32 = [_run_ort(path, x, optimize=True) for x in lines]
+    fp32 = [ort_outputs(path, (x,), optimize=True)[0] for x in lines]
     reads = [ctc_decode(y, chars) for y in fp32]
     rows = [f"FP32 file reads {sum(r == w for r, w in zip(reads, EVAL_WORDS))} / {len(EVAL_WORDS)} lines as "
             f"rendered: {reads[:4]} ...", "",
@@ -133,7 +119,7 @@ def recognizer(path: Path, chars: list[str], out: Path) -> list[str]:
 def detector(path: Path, out: Path) -> list[str]:
     calib = [det_input(render_page(CALIB_WORDS[i:i + 4])) for i in range(0, len(CALIB_WORDS), 2)]
     pages = [det_input(render_page(EVAL_WORDS[i:i + 4])) for i in range(0, len(EVAL_WORDS), 4)]
-    fp32 = [_run_ort(path, x, optimize=True) for x in pages]
+    fp32 = [ort_outputs(path, (x,), optimize=True)[0] for x in pages]
     rows = ["| platform | map cosine vs FP32 (sim / deployed, min) | text-mask IoU vs FP32 (deployed, min) | "
             "deployed vs simulation cosine (min) |", "|---|---|---|---|"]
     for platform, (q, files) in _quantized(path, [1, 3, 320, 320], calib, out).items():

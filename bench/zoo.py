@@ -236,18 +236,22 @@ def _capture(name: str, path: str, model: Any, args: tuple, tmp: Path) -> Any:
         return gm
 
 
-def _run_ort(file: Path, args: tuple, optimize: bool) -> Any:
+def ort_outputs(file: Path, args: tuple, optimize: bool) -> list[Any]:
+    """The exported ONNX ``file``'s outputs on ``args`` in onnxruntime: its default session (``optimize``) or
+    ``ORT_DISABLE_ALL`` (the graph as written)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     if not optimize:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = ort.InferenceSession(str(file), opts, providers=["CPUExecutionProvider"])
-    feeds = {i.name: a.numpy() for i, a in zip(sess.get_inputs(), args)}
-    outs = sess.run(None, feeds)
+    return sess.run(None, {i.name: a.numpy() for i, a in zip(sess.get_inputs(), args)})
+
+
+def _run_ort(file: Path, args: tuple, optimize: bool) -> Any:
     import numpy as np
 
-    return np.concatenate([np.asarray(o, dtype=np.float64).reshape(-1) for o in outs])
+    return np.concatenate([np.asarray(o, dtype=np.float64).reshape(-1) for o in ort_outputs(file, args, optimize)])
 
 
 def ncnn_net(files: list[Path]) -> Any:
@@ -266,8 +270,9 @@ def ncnn_net(files: list[Path]) -> Any:
     return net
 
 
-def ncnn_run(net: Any, args: tuple, n_outputs: int, param: Path | None = None, model: Any = None) -> Any:
-    """The outputs ``out0..`` of one sample (batch 1 inputs ``in0..``), flattened and concatenated. An input whose
+def ncnn_outputs(net: Any, args: tuple, n_outputs: int, param: Path | None = None, model: Any = None
+                 ) -> list[Any]:
+    """The outputs ``out0..`` of one sample (batch 1 inputs ``in0..``), as ncnn shapes them. An input whose
     ``Input`` layer in ``param`` has the tensor's whole rank is unbatched (a detector's ``[3, H, W]`` image): fed as
     it is, not its first sample. An input of ``model`` (the quantized model) whose batch is not dim 0 (silero's
     ``state`` ``[2, batch, 128]``) gives its first sample along that dim."""
@@ -299,8 +304,16 @@ def ncnn_run(net: Any, args: tuple, n_outputs: int, param: Path | None = None, m
         ret, m = ex.extract(f"out{i}")
         if ret != 0:
             raise RuntimeError(f"ncnn could not compute out{i}")
-        outs.append(np.array(m, dtype=np.float64).reshape(-1))
-    return np.concatenate(outs)
+        outs.append(np.array(m))
+    return outs
+
+
+def ncnn_run(net: Any, args: tuple, n_outputs: int, param: Path | None = None, model: Any = None) -> Any:
+    """:func:`ncnn_outputs` flattened and concatenated (float64)."""
+    import numpy as np
+
+    return np.concatenate([np.asarray(o, dtype=np.float64).reshape(-1)
+                           for o in ncnn_outputs(net, args, n_outputs, param, model)])
 
 
 def _map_tensors(fn: Any, obj: Any) -> Any:

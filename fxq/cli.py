@@ -503,7 +503,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     data = load_data(args, loaded)
     gm = _quantize(args, loaded, data)
     summary = fxq.summary(gm)
-    fidelity = _output_fidelity(args, gm, data)
+    fidelity = _output_fidelity(gm, data)
     platform = _platform(args, loaded)
     stem = _stem(loaded, platform)
     files: list[Path] = []
@@ -543,7 +543,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _output_fidelity(args: argparse.Namespace, gm: Any, data: Any) -> str | None:
+def _output_fidelity(gm: Any, data: Any) -> str | None:
     """The quantized model's output noise / signal against its FP32 graph on the first calibration batch, as one
     line; a warning naming the layers that hurt most above :data:`POOR_OUTPUT_SNR`. None when it cannot be
     measured (the analysis' own failure never stops the command)."""

@@ -155,19 +155,24 @@ def calibrate(
     return model
 
 
-def _nonnegative_input(quant_graph: QuantGraph, name: str, modules: dict[str, torch.nn.Module]) -> bool:
-    """Whether the op whose output quantizer ``name`` observes cannot output a negative value."""
+def _observed_op(quant_graph: QuantGraph, name: str) -> fx.Node | None:
+    """The op whose output quantizer ``name`` observes."""
     node = quant_graph.node_of(name)
     source = node.args[0] if node is not None and node.args else None
-    low = output_lower_bound(source, modules) if isinstance(source, fx.Node) else None
+    return source if isinstance(source, fx.Node) else None
+
+
+def _nonnegative_input(quant_graph: QuantGraph, name: str, modules: dict[str, torch.nn.Module]) -> bool:
+    """Whether the op whose output quantizer ``name`` observes cannot output a negative value."""
+    source = _observed_op(quant_graph, name)
+    low = output_lower_bound(source, modules) if source is not None else None
     return low is not None and low >= 0
 
 
 def _bounded_input(quant_graph: QuantGraph, name: str, modules: dict[str, torch.nn.Module]) -> bool:
     """Whether the op whose output quantizer ``name`` observes bounds its output at both ends."""
-    node = quant_graph.node_of(name)
-    source = node.args[0] if node is not None and node.args else None
-    return isinstance(source, fx.Node) and output_bounded(source, modules)
+    source = _observed_op(quant_graph, name)
+    return source is not None and output_bounded(source, modules)
 
 
 def _ratio_setting(gm: fx.GraphModule) -> float | None:

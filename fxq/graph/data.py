@@ -235,7 +235,7 @@ def onnx_input_name(placeholder: fx.Node) -> str:
 def onnx_output_name(model: nn.Module, output: int) -> str | None:
     """The name of graph output number ``output`` in the model's source ONNX file; None without one."""
     found = _source_tensor(model, None, output)
-    return found[1] or None if found is not None else None
+    return (found[1] or None) if found is not None else None
 
 
 def _source_tensor(model: nn.Module, placeholder: fx.Node | None, output: int | None

@@ -61,7 +61,8 @@ class Observer:
     bounded = False
     """Set by calibration when the op producing the observed tensor bounds its output (a softmax or sigmoid in
     [0, 1], a tanh, a clip at both ends): no outlier can inflate its range, and its extremes are the signal (an
-    attention's peak probabilities), so observers that clip tails (percentile) keep the observed extremes."""
+    attention's peak probabilities), so observers that clip tails (percentile) take each batch's extremes instead
+    of ranking its tails (averaged over batches as the percentiles are)."""
 
     def __init__(self, config: TensorQuantConfig, where: str = "") -> None:
         self.config = config

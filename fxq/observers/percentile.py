@@ -98,7 +98,10 @@ class PercentileObserver(Observer):
         if n == 0:
             return
         k = self._tail_count(n)
-        if k <= _TOPK_LIMIT:
+        if self.bounded:  # a softmax's, a sigmoid's output: its extremes are the signal, not outliers (no ranking)
+            mn, mx = (None, rows.amax(dim=1)) if self.nonnegative else torch.aminmax(rows, dim=1)
+            lo, hi = mn, mx
+        elif k <= _TOPK_LIMIT:
             top, bottom = _tails(rows, k, lower=not self.nonnegative)
             hi, mx = top[:, -1], top[:, 0]
             lo, mn = (bottom[:, -1], bottom[:, 0]) if bottom is not None else (None, None)
@@ -108,8 +111,6 @@ class PercentileObserver(Observer):
             mn, mx = (None, rows.amax(dim=1)) if self.nonnegative else torch.aminmax(rows, dim=1)
         if lo is None:  # a ReLU's output and the like: the range starts at 0 whatever the lower tail holds
             lo = mn = torch.zeros_like(hi)
-        if self.bounded:  # a softmax's, a sigmoid's output: its extremes are the signal, not outliers
-            lo, hi = mn, mx
         if self._sum_lo is None:
             self._sum_lo, self._sum_hi, self._min, self._max = lo, hi, mn, mx
         else:

@@ -780,7 +780,6 @@ class NcnnBuilder:
                 self.emit(src, "Reshape", [self.blob_of[src]], shape_params(drop_dim(shape, batch)), batch_dim=batch)
             self.model.outputs.append(self.blob_of[src])
 
-
     def _output_batch_advice(self, i: int, src: fx.Node, declared: int | None) -> str:
         """The fix for graph output ``i`` whose batch is not where ncnn drops a dim: for an ONNX file's output
         whose declared dims do not say where (unnamed dims), the ``load_onnx`` argument that does."""

@@ -59,22 +59,22 @@ def _recurrent(b: NcnnBuilder, node: fx.Node) -> None:
     want_states = any(i in users for i in (1, 2))
     bottoms = [b.blob(x, node)]
     if want_states or any(s is not None for s in states):
+        def state(value: np.ndarray) -> str:  # an initial state the file stores: ncnn's (D, H) layout
+            return b.helper(node, "MemoryData", [], {0: hidden, 1: dirs}, [("raw", value.reshape(dirs, hidden))])
+
         zeros = None
         for s in states:
-            if s is not None and b.is_constant(s):  # a stored initial state [D, 1, H] (torch's zeros at export)
+            if s is None:  # zeros, stored once for both states
+                zeros = zeros or state(np.zeros((dirs, hidden), dtype=np.float32))
+                bottoms.append(zeros)
+            elif b.is_constant(s):  # a stored initial state [D, 1, H] (torch 1.x's zeros made in forward)
                 value = b.fixed_value(s).detach().float()
                 if value.numel() != dirs * hidden:
                     raise b.fail(node, f"its initial state {s.name!r} has shape {tuple(value.shape)}, not "
                                  f"[{dirs}, 1, {hidden}]", "export at batch 1")
-                bottoms.append(b.helper(node, "MemoryData", [], {0: hidden, 1: dirs},
-                                        [("raw", np.ascontiguousarray(value.reshape(dirs, hidden).numpy()))]))
-            elif s is not None:
-                bottoms.append(b.blob(s, node))
+                bottoms.append(state(np.ascontiguousarray(value.numpy())))
             else:
-                if zeros is None:
-                    zeros = b.helper(node, "MemoryData", [], {0: hidden, 1: dirs},
-                                     [("raw", np.zeros((dirs, hidden), dtype=np.float32))])
-                bottoms.append(zeros)
+                bottoms.append(b.blob(s, node))
     n_tops = len(bottoms)
     layer = b.add_layer(node, kind, bottoms, {0: hidden, 1: int(w.size), 2: {"forward": 0, "reverse": 1}.get(
         direction, 2)}, _weights(kind, w, r, bias, hidden), n_tops=n_tops)

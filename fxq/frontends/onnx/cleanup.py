@@ -25,6 +25,7 @@ Nodes whose output is a graph output are kept (onnx2torch needs every graph outp
 from __future__ import annotations
 
 import logging
+from typing import Iterator
 
 import numpy as np
 import onnx
@@ -301,15 +302,20 @@ def drop_redundant_allowzero(model: onnx.ModelProto) -> int:
     return changed
 
 
+def subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every graph its If / Loop / Scan nodes hold, nested ones included (a stack, no recursion)."""
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        yield g
+        for node in g.node:
+            for attr in node.attribute:
+                stack.extend(([attr.g] if attr.HasField("g") else []) + list(attr.graphs))
+
+
 def _used_names(graph: onnx.GraphProto) -> set[str]:
     """Every tensor name a node reads, subgraphs (If/Loop bodies) included."""
-    names: set[str] = set()
-    for node in graph.node:
-        names.update(node.input)
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                names |= _used_names(sub)
-    return names
+    return {name for g in subgraphs(graph) for node in g.node for name in node.input}
 
 
 def infer_shapes(model: onnx.ModelProto, *, in_place: bool = False) -> onnx.ModelProto:

@@ -16,11 +16,12 @@ encodings) is left to the converters, which refuse it by name; the QOperator and
 from __future__ import annotations
 
 import logging
-from typing import Iterator
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
+
+from fxq.frontends.onnx.cleanup import _constant_value, _replace_nodes, _used_names, subgraphs
 
 __all__ = ["QUANTIZED_OP_TYPES", "fold_qdq", "quantized_format_advice"]
 
@@ -42,27 +43,14 @@ def _is(node: onnx.NodeProto, op_type: str) -> bool:
     return node.op_type == op_type and node.domain in _DOMAINS
 
 
-def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """``graph`` and every subgraph of its If / Loop / Scan nodes, nested ones included (no recursion)."""
-    stack = [graph]
-    while stack:
-        g = stack.pop()
-        yield g
-        for node in g.node:
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    stack.append(attr.g)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    stack.extend(attr.graphs)
-
-
 def _stored(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     """The graph's initializers and default-domain ``Constant`` tensors, by name."""
     graph = model.graph
     values = {t.name: t for t in graph.initializer}
     for node in graph.node:
-        if _is(node, "Constant") and len(node.attribute) == 1 and node.attribute[0].name == "value":
-            values[node.output[0]] = node.attribute[0].t
+        tensor = _constant_value(node) if _is(node, "Constant") else None
+        if tensor is not None:
+            values[node.output[0]] = tensor
     out = {}
     for name, tensor in values.items():
         if tensor.data_location == onnx.TensorProto.EXTERNAL and not tensor.raw_data:
@@ -112,7 +100,7 @@ def fold_qdq(model: onnx.ModelProto, source: str) -> int:
         return 0
     stored = _stored(model)
     readers: dict[str, list[onnx.NodeProto]] = {}
-    for g in _graphs(graph):
+    for g in subgraphs(graph):
         for node in g.node:
             for name in node.input:
                 readers.setdefault(name, []).append(node)
@@ -154,13 +142,8 @@ def fold_qdq(model: onnx.ModelProto, source: str) -> int:
     removed = {o for n in graph.node if id(n) in gone for o in n.output}
     identities = [onnx.helper.make_node("Identity", [resolved(src)], [out], name=f"{out}_float")
                   for out, src in kept_outputs]
-    kept = [n for n in graph.node if id(n) not in gone]
-    copies = [onnx.NodeProto() for _ in kept]
-    for dst, src in zip(copies, kept):
-        dst.CopyFrom(src)
-    del graph.node[:]
-    graph.node.extend(copies + identities)
-    for g in _graphs(graph):
+    _replace_nodes(graph, [n for n in graph.node if id(n) not in gone] + identities)
+    for g in subgraphs(graph):
         for node in g.node:
             node.input[:] = [resolved(n) if n in renamed else n for n in node.input]
         if g is not graph:  # a branch that returns an outer value directly (If outputs bind by position)
@@ -172,7 +155,7 @@ def fold_qdq(model: onnx.ModelProto, source: str) -> int:
     infos = [v for v in graph.value_info if v.name not in removed]
     del graph.value_info[:]
     graph.value_info.extend(infos)
-    read = {name for g in _graphs(graph) for n in g.node for name in n.input} | outputs
+    read = _used_names(graph) | outputs
     unread = operands - read
     if unread:
         stay = [t for t in graph.initializer if t.name not in unread]
