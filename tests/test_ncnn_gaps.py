@@ -1245,7 +1245,7 @@ class _OneTensorTwoRanks(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y = self.conv(x)
-        return y * self.s, self.fc(y.mean((2, 3))) + self.s
+        return y * self.s, torch.relu(self.fc(y.mean((2, 3)))) + self.s  # relu: the add is not folded into fc
 
 
 def test_a_stored_tensor_used_at_two_ranks_gets_a_blob_per_layout(tmp_path):

@@ -20,9 +20,9 @@ from fxq.graph.data import (
     first_batch_errors,
     iter_batches,
 )
-from fxq.graph.info import NodeQuant, graph_quant
+from fxq.graph.info import NodeQuant, graph_quant, is_quantizer_node
 from fxq.graph.nodes import get_attr_value
-from fxq.graph.op_types import output_bounded, output_lower_bound
+from fxq.graph.op_types import op_type, output_bounded, output_lower_bound
 from fxq.graph.quant_graph import AlignGroup, QuantGraph, drop_alignment, record_alignment
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.spec import MIN_SCALE, QuantState
@@ -119,6 +119,7 @@ def calibrate(
             fq.observer.reset()
             fq.observer.nonnegative = _nonnegative_input(quant_graph, name, modules)
             fq.observer.bounded = _bounded_input(quant_graph, name, modules)
+            fq.observer.keeps_max = _feeds_softmax(quant_graph, name, modules)
             observing[name] = fq
     passes = max((fq.observer.passes for fq in observing.values()), default=1)
     total = count_batches(data, steps)
@@ -173,6 +174,26 @@ def _bounded_input(quant_graph: QuantGraph, name: str, modules: dict[str, torch.
     """Whether the op whose output quantizer ``name`` observes bounds its output at both ends."""
     source = _observed_op(quant_graph, name)
     return source is not None and output_bounded(source, modules)
+
+
+_LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
+
+
+def _feeds_softmax(quant_graph: QuantGraph, name: str, modules: dict[str, torch.nn.Module]) -> bool:
+    """Whether the tensor quantizer ``name`` outputs reaches a (log-)softmax, through layout ops only."""
+    node = quant_graph.node_of(name)
+    stack, seen = (list(node.users) if node is not None else []), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        t = op_type(user, modules)
+        if t in ("Softmax", "LogSoftmax"):
+            return True
+        if t in _LAYOUT_OPS or is_quantizer_node(user):
+            stack.extend(user.users)
+    return False
 
 
 def _ratio_setting(gm: fx.GraphModule) -> float | None:

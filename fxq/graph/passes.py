@@ -1,11 +1,12 @@
 """Graph preparation passes: each is ``pass(gm) -> gm`` (in place), ending with lint + recompile.
 
 Pipeline order in :func:`standardize`: remove identities -> functionalize weighted modules ->
-fold BatchNorm -> propagate tensor metadata.
+fold BatchNorm -> propagate tensor metadata -> constant MatMul as linear -> fold constant affine ops.
 """
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -24,6 +25,8 @@ __all__ = [
     "remove_identity_nodes",
     "functionalize_weighted_modules",
     "fold_batchnorm",
+    "fold_constant_affine",
+    "matmul_to_linear",
     "propagate_tensor_meta",
     "reuse_node_name",
     "set_attr_value",
@@ -227,7 +230,7 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
         if parts is None:
             continue
         w_node, b_node = parts
-        if len(w_node.users) != 1 or sum(1 for n in gm.graph.nodes if n.op == "get_attr" and n.target == w_node.target) != 1:
+        if not _sole_owner(gm, w_node):
             continue
         _fold_one(gm, src, w_node, b_node, stats)
         node.replace_all_uses_with(src)
@@ -238,9 +241,17 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
 
 @torch.no_grad()
 def _fold_one(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.Node | None, bn: _BnStats) -> None:
-    w = get_attr_value(gm, w_node.target)
     factor = (bn.weight if bn.weight is not None else torch.ones_like(bn.var)) / torch.sqrt(bn.var + bn.eps)
-    shift = bn.bias if bn.bias is not None else torch.zeros_like(bn.mean)
+    shift = (bn.bias if bn.bias is not None else torch.zeros_like(bn.mean)) - bn.mean * factor
+    _scale_shift(gm, conv, w_node, b_node, factor, shift)
+
+
+@torch.no_grad()
+def _scale_shift(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.Node | None,
+                 factor: torch.Tensor, shift: torch.Tensor) -> None:
+    """Make ``conv`` compute ``conv(x) * factor + shift`` (per output channel) by rewriting its weight and bias."""
+    w = get_attr_value(gm, w_node.target)
+    factor, shift = factor.to(w.dtype), shift.to(w.dtype)
     if conv.target in _CONVT_FUNCS.values():
         groups = conv.args[6] if len(conv.args) > 6 else conv.kwargs.get("groups", 1)
         cin, cout_g = w.shape[0], w.shape[1]
@@ -248,8 +259,8 @@ def _fold_one(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.Nod
         new_w = (w.reshape(groups, cin // groups, cout_g, *w.shape[2:]) * f).reshape(w.shape)
     else:
         new_w = w * factor.reshape(-1, *([1] * (w.dim() - 1)))
-    old_b = get_attr_value(gm, b_node.target) if b_node is not None else torch.zeros_like(bn.mean)
-    new_b = (old_b - bn.mean) * factor + shift
+    old_b = get_attr_value(gm, b_node.target) if b_node is not None else torch.zeros_like(shift)
+    new_b = old_b * factor + shift
     set_attr_value(gm, w_node.target, nn.Parameter(new_w.detach().clone()))
     if b_node is not None:
         set_attr_value(gm, b_node.target, nn.Parameter(new_b.detach().clone()))
@@ -257,6 +268,10 @@ def _fold_one(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.Nod
     owner_path = w_node.target.rpartition(".")[0]
     owner = gm.get_submodule(owner_path) if owner_path else gm
     attr = "bias" if getattr(owner, "bias", "absent") is None else "fxq_folded_bias"
+    suffix = 0
+    while attr != "bias" and hasattr(owner, attr):  # several convs' weights in one owner (ONNX initializers)
+        suffix += 1
+        attr = f"fxq_folded_bias_{suffix}"
     setattr(owner, attr, nn.Parameter(new_b.detach().clone()))
     target = f"{owner_path}.{attr}" if owner_path else attr
     with gm.graph.inserting_before(conv):
@@ -267,6 +282,127 @@ def _fold_one(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.Nod
         conv.args = tuple(args)
     else:
         conv.kwargs = {**conv.kwargs, "bias": b_new}
+
+
+def _sole_owner(gm: fx.GraphModule, attr: fx.Node | None) -> bool:
+    """Whether ``attr`` (a ``get_attr``) is read once, by one node: rewriting its tensor changes nothing else."""
+    return attr is None or (len(attr.users) == 1 and sum(
+        1 for n in gm.graph.nodes if n.op == "get_attr" and n.target == attr.target) == 1)
+
+
+_AFFINE_OPS = ("Add", "Sub", "Mul")
+
+
+def _constant_operand(gm: fx.GraphModule, node: fx.Node, src: fx.Node,
+                      modules: dict[str, nn.Module]) -> tuple[str, torch.Tensor, fx.Node | None] | None:
+    """(op type, constant, its get_attr) when ``node`` is ``src + c``, ``c + src``, ``src - c``, ``src * c`` or
+    ``c * src`` for a constant ``c`` (a stored tensor or a number)."""
+    t = op_type(node, modules)
+    if t not in _AFFINE_OPS or node.kwargs or len(node.args) != 2:
+        return None
+    if node.args[0] is src:
+        other = node.args[1]
+    elif node.args[1] is src and t != "Sub":
+        other = node.args[0]
+    else:
+        return None
+    if isinstance(other, (int, float)) and not isinstance(other, bool):
+        return t, torch.tensor(float(other)), None
+    if isinstance(other, fx.Node) and other.op == "get_attr":
+        value = get_attr_value(gm, str(other.target))
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return t, value.detach(), other
+    return None
+
+
+def _per_channel(value: torch.Tensor, out: torch.Tensor, axis: int) -> torch.Tensor | None:
+    """``value`` as one number per channel of ``out`` (channels on ``axis``), when broadcasting it against ``out``
+    varies it along that axis only; None otherwise."""
+    if value.dim() > out.dim():
+        return None
+    shape = [1] * (out.dim() - value.dim()) + list(value.shape)
+    channels = out.shape[axis]
+    if any(size != 1 for i, size in enumerate(shape) if i != axis % out.dim()) or shape[axis] not in (1, channels):
+        return None
+    return value.reshape(-1).expand(channels) if value.numel() == 1 else value.reshape(channels)
+
+
+_MATMUL_FUNCTIONS = (torch.matmul, operator.matmul, torch.mm)
+
+
+def _constant_matrix(gm: fx.GraphModule, node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
+    """The ``get_attr`` of the constant 2-D matrix ``W`` when ``node`` computes ``x @ W`` (and nothing else)."""
+    if node.kwargs or len(node.args) != 2 or op_type(node, modules) != "MatMul":
+        return None
+    if not (node.op == "call_module" or (node.op == "call_method" and node.target == "matmul")
+            or (node.op == "call_function" and node.target in _MATMUL_FUNCTIONS)):
+        return None
+    x, w = node.args
+    if not (isinstance(x, fx.Node) and x.op != "get_attr" and isinstance(w, fx.Node) and w.op == "get_attr"):
+        return None
+    value = get_attr_value(gm, str(w.target))
+    return w if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() == 2 else None
+
+
+def matmul_to_linear(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite ``x @ W`` by a constant matrix (an ONNX MatMul initializer, as paddle2onnx and torch.onnx write a
+    fully connected layer) as ``F.linear(x, W.T)``: platforms then quantize ``W`` per output channel as a Gemm's
+    weight, and a bias added after it folds in (:func:`fold_constant_affine`) instead of being quantized apart."""
+    modules = dict(gm.named_modules())
+    for node in list(gm.graph.nodes):
+        w = _constant_matrix(gm, node, modules)
+        if w is None:
+            continue
+        stored = get_attr_value(gm, str(w.target))
+        target = str(w.target) if _sole_owner(gm, w) else f"{node.name}_weight"
+        set_attr_value(gm, target, nn.Parameter(stored.detach().t().contiguous(), requires_grad=stored.requires_grad))
+        with gm.graph.inserting_before(node):
+            weight = w if target == w.target else gm.graph.get_attr(target)
+            linear = gm.graph.call_function(F.linear, (node.args[0], weight))
+        linear.meta = dict(node.meta)
+        node.replace_all_uses_with(linear)
+        gm.graph.erase_node(node)
+        reuse_node_name(linear, node.name)
+    return _finish(gm)
+
+
+def fold_constant_affine(gm: fx.GraphModule) -> fx.GraphModule:
+    """Fold ``conv(x) + c``, ``conv(x) - c`` and ``conv(x) * c`` into the conv / linear before it, for a constant
+    ``c`` that is one number or one per output channel (a bias kept apart, a learned scale / shift).
+
+    What onnxruntime (Conv + Add / Mul fusion), TensorRT and ncnn do to such chains before they run them: quantized
+    unfolded, each step of a conv -> Add -> Mul -> Add chain (PP-LCNetV3's learnable affine blocks) would round
+    once more, and a bias would round to the grid of the activation it is added to. Needs ``meta["val"]``
+    (:func:`propagate_tensor_meta`): the constant may not broadcast the conv's output to another shape.
+    """
+    modules = dict(gm.named_modules())
+    for node in list(gm.graph.nodes):
+        if len(node.all_input_nodes) == 0:
+            continue
+        src = node.all_input_nodes[0] if node.all_input_nodes[0].op != "get_attr" else node.all_input_nodes[-1]
+        parts = _weighted_parts(src)
+        if parts is None or len(src.users) != 1 or not _sole_owner(gm, parts[0]) or not _sole_owner(gm, parts[1]):
+            continue
+        found = _constant_operand(gm, node, src, modules)
+        out, result = src.meta.get("val"), node.meta.get("val")
+        if found is None or not isinstance(out, torch.Tensor) or not isinstance(result, torch.Tensor) or (
+                result.shape != out.shape or result.dtype != out.dtype):
+            continue
+        t, value, attr = found
+        batched = out.dim() == get_attr_value(gm, str(parts[0].target)).dim()
+        per_channel = _per_channel(value, out, -1 if src.target is F.linear else (1 if batched else 0))
+        if per_channel is None:
+            continue
+        per_channel = per_channel.to(out.dtype)
+        ones, zeros = torch.ones_like(per_channel), torch.zeros_like(per_channel)
+        factor, shift = {"Mul": (per_channel, zeros), "Add": (ones, per_channel), "Sub": (ones, -per_channel)}[t]
+        _scale_shift(gm, src, parts[0], parts[1], factor, shift)
+        node.replace_all_uses_with(src)
+        src.meta["folded_affine"] = [*src.meta.get("folded_affine", []), node.name]
+        gm.graph.erase_node(node)
+        if attr is not None and not attr.users:
+            gm.graph.erase_node(attr)
+    return _finish(gm)
 
 
 def propagate_tensor_meta(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
@@ -356,6 +492,9 @@ def standardize(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
                 f"report it. Meanwhile try fold_bn=False, or keep the module around {where} whole with "
                 f"leaf_modules=[...]"
             ) from exc
+        if fold_bn:
+            matmul_to_linear(gm)
+            fold_constant_affine(gm)
     return gm
 
 
