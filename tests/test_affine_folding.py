@@ -272,3 +272,83 @@ def test_a_softmax_input_keeps_its_peaks_under_percentile(platform):
     top = float(logits.max())  # ~15, against ~2.5 for the 99.99th percentile
     assert float(logits_q(logits).max()) > top - float(logits_q.scale.reshape(-1)[0])
     assert float(sim.max(-1).values.min()) > 0.9 * float(want.max(-1).values.min())
+
+
+# ---------------------------------------------------------------- what a fold may not touch (a review's findings)
+class _SoftEmbed(nn.Module):
+    """A table read by its own module (a lookup) and by a MatMul: the MatMul's copy is transposed, not the table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+
+    def forward(self, ids: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids) + p @ self.emb.weight
+
+
+class _ReflectConv(nn.Module):
+    """A reflect-padded conv stays a module and reads its weight; a functional conv of the same weight is scaled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) + F.conv2d(x, self.conv.weight, None, 1, 1) * 2.0
+
+
+class _VectorLinear(nn.Module):
+    """``F.linear`` by a 1-D weight gives one value per row: there is no channel to fold a constant into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w) * 0.5 + 1.0
+
+
+@pytest.mark.parametrize("model, args", [
+    (_SoftEmbed(), (torch.randint(0, 10, (4,)), torch.softmax(torch.randn(4, 10), -1))),
+    (_ReflectConv(), (torch.randn(2, 3, 6, 6),)),
+    (_VectorLinear(), (torch.randn(8, 8),)),  # batch == in_features: the last axis looks like 8 channels
+], ids=["module-reads-the-table", "module-reads-the-weight", "linear-1d-weight"])
+def test_a_fold_leaves_what_others_read_and_what_has_no_channels(model, args):
+    model.eval()
+    q = fxq.quantize(model, [args], "trt_int8", progress=False)
+    with fxq.fp32_mode(q), torch.no_grad():
+        torch.testing.assert_close(q(*args), model(*args), rtol=1e-5, atol=1e-5)
+
+
+class _Accumulate(nn.Module):
+    """``acc.add_(fc(x))`` writes into the stored tensor: it is state, not a constant to fold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.register_buffer("acc", torch.zeros(1, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.acc.add_(self.fc(x))
+
+
+def test_an_in_place_op_into_a_stored_tensor_is_not_folded():
+    from fxq.graph.passes import standardize
+
+    x = torch.randn(1, 4)
+    gm = standardize(torch.fx.symbolic_trace(_Accumulate().eval()), (x,))
+    assert "Add" in _types(gm)
+
+
+def test_matmul_copies_and_folded_biases_are_quantized_as_weights_and_biases(tmp_path: Path):
+    """The new ``get_attr``s of a rewrite are described (``meta["val"]``) like every other: a matrix two MatMuls
+    read gets a weight quantizer on each linear's copy, and a bias folded into a bias-free conv a bias quantizer."""
+    path = _head_file(tmp_path / "shared.onnx", shared=True)
+    q = fxq.quantize(fxq.load_onnx(path), [torch.randn(1, 10, 16) for _ in range(2)], "trt_int8", progress=False)
+    assert sum(1 for _, fq in QuantGraph(q).quantizers() if fq.role == "weight") == 2
+    x = torch.randn(1, 10, 16)
+    with torch.no_grad():
+        softmax_input, second = q(x)[0], q(x)[1]
+    assert softmax_input.shape == second.shape
+    chain = fxq.quantize(_AffineChain().eval(), [torch.randn(2, 3, 8, 8)], "ort_int8", progress=False)
+    assert [fq.role for _, fq in QuantGraph(chain).quantizers()].count("bias") == 1

@@ -230,7 +230,7 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
         if parts is None:
             continue
         w_node, b_node = parts
-        if not _sole_owner(gm, w_node):
+        if not (_sole_owner(gm, w_node) and _sole_owner(gm, b_node)):
             continue
         _fold_one(gm, src, w_node, b_node, stats)
         node.replace_all_uses_with(src)
@@ -261,9 +261,9 @@ def _scale_shift(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.
         new_w = w * factor.reshape(-1, *([1] * (w.dim() - 1)))
     old_b = get_attr_value(gm, b_node.target) if b_node is not None else torch.zeros_like(shift)
     new_b = old_b * factor + shift
-    set_attr_value(gm, w_node.target, nn.Parameter(new_w.detach().clone()))
+    set_attr_value(gm, w_node.target, new_w.detach().clone())  # a Parameter stays one, trainable as it was
     if b_node is not None:
-        set_attr_value(gm, b_node.target, nn.Parameter(new_b.detach().clone()))
+        set_attr_value(gm, b_node.target, new_b.detach().clone())
         return
     owner_path = w_node.target.rpartition(".")[0]
     owner = gm.get_submodule(owner_path) if owner_path else gm
@@ -272,7 +272,7 @@ def _scale_shift(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.
     while attr != "bias" and hasattr(owner, attr):  # several convs' weights in one owner (ONNX initializers)
         suffix += 1
         attr = f"fxq_folded_bias_{suffix}"
-    setattr(owner, attr, nn.Parameter(new_b.detach().clone()))
+    setattr(owner, attr, nn.Parameter(new_b.detach().clone(), requires_grad=w.requires_grad))
     target = f"{owner_path}.{attr}" if owner_path else attr
     with gm.graph.inserting_before(conv):
         b_new = gm.graph.get_attr(target)
@@ -285,9 +285,18 @@ def _scale_shift(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.
 
 
 def _sole_owner(gm: fx.GraphModule, attr: fx.Node | None) -> bool:
-    """Whether ``attr`` (a ``get_attr``) is read once, by one node: rewriting its tensor changes nothing else."""
-    return attr is None or (len(attr.users) == 1 and sum(
-        1 for n in gm.graph.nodes if n.op == "get_attr" and n.target == attr.target) == 1)
+    """Whether ``attr`` (a ``get_attr``) is read once, by one node: rewriting its tensor changes nothing else (no
+    other ``get_attr`` of it, no module call that reads it as its own, no other name tied to the same tensor)."""
+    if attr is None:
+        return True
+    target = str(attr.target)
+    if len(attr.users) != 1 or sum(1 for n in gm.graph.nodes if n.op == "get_attr" and n.target == target) != 1:
+        return False
+    if any(n.op == "call_module" and target.startswith(f"{n.target}.") for n in gm.graph.nodes):
+        return False
+    value = get_attr_value(gm, target)
+    named = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+    return sum(1 for _, t in named if t is value) <= 1
 
 
 _AFFINE_OPS = ("Add", "Sub", "Mul")
@@ -299,6 +308,8 @@ def _constant_operand(gm: fx.GraphModule, node: fx.Node, src: fx.Node,
     ``c * src`` for a constant ``c`` (a stored tensor or a number)."""
     t = op_type(node, modules)
     if t not in _AFFINE_OPS or node.kwargs or len(node.args) != 2:
+        return None
+    if node.args[0] is not src and mutates_first_argument(node, modules):  # ``c.add_(conv(x))`` writes into c
         return None
     if node.args[0] is src:
         other = node.args[1]
@@ -366,6 +377,21 @@ def matmul_to_linear(gm: fx.GraphModule) -> fx.GraphModule:
     return _finish(gm)
 
 
+def _output_channels(conv: fx.Node, weight: torch.Tensor, out: torch.Tensor) -> tuple[int, int | None]:
+    """(axis, count) of ``conv``'s output channels, as its weight says; count None when the output does not
+    have them there (a linear with a 1-D weight has none)."""
+    if conv.target is F.linear:
+        axis, channels = -1, (weight.shape[0] if weight.dim() == 2 else None)
+    elif conv.target in _CONVT_FUNCS.values():
+        groups = conv.args[6] if len(conv.args) > 6 else conv.kwargs.get("groups", 1)
+        axis, channels = (1 if out.dim() == weight.dim() else 0), weight.shape[1] * int(groups)
+    else:
+        axis, channels = (1 if out.dim() == weight.dim() else 0), weight.shape[0]
+    if channels is None or out.dim() == 0 or out.shape[axis] != channels:
+        return axis, None
+    return axis, channels
+
+
 def fold_constant_affine(gm: fx.GraphModule) -> fx.GraphModule:
     """Fold ``conv(x) + c``, ``conv(x) - c`` and ``conv(x) * c`` into the conv / linear before it, for a constant
     ``c`` that is one number or one per output channel (a bias kept apart, a learned scale / shift).
@@ -389,9 +415,9 @@ def fold_constant_affine(gm: fx.GraphModule) -> fx.GraphModule:
                 result.shape != out.shape or result.dtype != out.dtype):
             continue
         t, value, attr = found
-        batched = out.dim() == get_attr_value(gm, str(parts[0].target)).dim()
-        per_channel = _per_channel(value, out, -1 if src.target is F.linear else (1 if batched else 0))
-        if per_channel is None:
+        axis, channels = _output_channels(src, get_attr_value(gm, str(parts[0].target)), out)
+        per_channel = _per_channel(value, out, axis) if channels is not None else None
+        if per_channel is None or per_channel.numel() != channels:
             continue
         per_channel = per_channel.to(out.dtype)
         ones, zeros = torch.ones_like(per_channel), torch.zeros_like(per_channel)
@@ -480,21 +506,24 @@ def standardize(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
     if example_inputs is not None:
         try:
             propagate_tensor_meta(gm, example_inputs)
+            if fold_bn:  # these two need the shapes; what they add or rewrite then needs them again
+                before = [(n.op, n.target) for n in gm.graph.nodes]
+                fold_constant_affine(matmul_to_linear(gm))
+                if [(n.op, n.target) for n in gm.graph.nodes] != before:
+                    propagate_tensor_meta(gm, example_inputs)
         except Exception as exc:
             if snapshot is None or not snapshot.runs(example_inputs):
                 raise
             node = getattr(exc, "fxq_node", None)
             where = f"node {node!r}" if node else "the graph"
             raise GraphError(
-                f"fxq's graph preparation (identity removal, functionalized weights, BatchNorm folding) broke "
+                f"fxq's graph preparation (identity removal, functionalized weights, BatchNorm and constant "
+                f"affine folding, MatMul by a stored matrix as a linear) broke "
                 f"{where}: the traced model runs this batch, the prepared graph does not ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''}). This is fxq's fault, not the data's; please "
                 f"report it. Meanwhile try fold_bn=False, or keep the module around {where} whole with "
                 f"leaf_modules=[...]"
             ) from exc
-        if fold_bn:
-            matmul_to_linear(gm)
-            fold_constant_affine(gm)
     return gm
 
 
