@@ -240,25 +240,28 @@ def test_a_constant_added_to_an_activation_keeps_its_own_grid(tmp_path: Path, pl
 
 
 class _PeakyLogits(nn.Module):
-    """A classifier over many classes with one clear winner per row, then a softmax: the winners are fewer than
-    the values the 99.99th percentile clips."""
+    """A classifier over many classes with one clear winner per row, then a softmax or an argmax (as paddle2onnx
+    exports end): the winners are fewer than the values the 99.99th percentile clips."""
 
-    def __init__(self) -> None:
+    def __init__(self, reader: str = "softmax") -> None:
         super().__init__()
         self.fc = nn.Linear(32, 20000)
+        self.reader = reader
         with torch.no_grad():
             self.fc.weight.normal_(0, 0.1)
             self.fc.weight[:32] = 5 * torch.eye(32)
             self.fc.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(self.fc(x), dim=-1)
+        logits = self.fc(x)
+        return logits.argmax(dim=-1) if self.reader == "argmax" else torch.softmax(logits, dim=-1)
 
 
 @pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
-def test_a_softmax_input_keeps_its_peaks_under_percentile(platform):
+@pytest.mark.parametrize("reader", ["softmax", "argmax"])
+def test_a_softmax_or_argmax_input_keeps_its_peaks_under_percentile(platform, reader):
     torch.manual_seed(0)
-    model = _PeakyLogits().eval()
+    model = _PeakyLogits(reader).eval()
 
     def batch() -> torch.Tensor:
         return 3 * F.one_hot(torch.randint(0, 32, (8,)), 32).float() + 0.1 * torch.randn(8, 32)
@@ -271,7 +274,10 @@ def test_a_softmax_input_keeps_its_peaks_under_percentile(platform):
         sim, want, logits = q(x), model(x), model.fc(x)
     top = float(logits.max())  # ~15, against ~2.5 for the 99.99th percentile
     assert float(logits_q(logits).max()) > top - float(logits_q.scale.reshape(-1)[0])
-    assert float(sim.max(-1).values.min()) > 0.9 * float(want.max(-1).values.min())
+    if reader == "softmax":
+        assert float(sim.max(-1).values.min()) > 0.9 * float(want.max(-1).values.min())
+    else:  # clipped, the winners tie at the clip and argmax takes the first of them
+        assert torch.equal(sim, want)
 
 
 # ---------------------------------------------------------------- what a fold may not touch (a review's findings)
@@ -352,3 +358,38 @@ def test_matmul_copies_and_folded_biases_are_quantized_as_weights_and_biases(tmp
     assert softmax_input.shape == second.shape
     chain = fxq.quantize(_AffineChain().eval(), [torch.randn(2, 3, 8, 8)], "ort_int8", progress=False)
     assert [fq.role for _, fq in QuantGraph(chain).quantizers()].count("bias") == 1
+
+
+# ---------------------------------------------------------------- a network that ends in an argmax is data
+class _SegmentationHead(nn.Module):
+    """PaddleSeg / paddle2onnx exports end in ``ArgMax`` over the classes: integer output, float network."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 5, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).argmax(dim=1)
+
+
+def test_a_network_that_ends_in_an_argmax_is_quantized(tmp_path: Path):
+    """Read backwards from its integer output, the whole network was 'shape arithmetic': nothing was quantized,
+    silently, and its export was the FP32 model."""
+    torch.manual_seed(0)
+    model = _SegmentationHead().eval()
+    data = [torch.randn(2, 3, 16, 16) for _ in range(3)]
+    q = fxq.quantize(model, data, "trt_int8", progress=False)
+    roles = [fq.role for _, fq in QuantGraph(q).quantizers()]
+    assert roles.count("weight") == 2 and roles.count("activation") >= 2
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert float((q(x) == model(x)).float().mean()) > 0.95
+    path = tmp_path / "seg.onnx"
+    torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=13)
+    loaded = fxq.quantize(fxq.load_onnx(path), data, "trt_int8", progress=False)
+    assert sum(1 for _, fq in QuantGraph(loaded).quantizers() if fq.role == "weight") == 2
+    files = fxq.export(loaded, "tensorrt", tmp_path / "seg_trt", example_inputs=(x,))
+    onnx_file = next(Path(f) for f in files if str(f).endswith(".onnx"))
+    with torch.no_grad():
+        sim = loaded(x).numpy()
+    np.testing.assert_array_equal(run_ort(onnx_file, x, optimize=False), sim)

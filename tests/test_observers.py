@@ -624,3 +624,21 @@ def test_bounded_outputs_keep_their_extremes_under_percentile():
     scale, _ = observer.compute_qparams()
     want, _ = qparams_from_minmax(torch.tensor([0.0]), torch.tensor([1.0]), TensorQuantConfig())
     assert torch.allclose(scale, want)  # the maximum; unbounded, the 99th percentile would be 0
+
+
+def test_an_entropy_threshold_inside_the_bulk_is_warned_about(caplog):
+    """KL calibration is meant to cut a tail; on a spiky histogram (PP-OCRv5's detector on rendered pages: a
+    threshold of 0.46 for a tensor of mean 2.4, every probability then 0) it cut the bulk, silently."""
+    torch.manual_seed(0)
+    spikes = (torch.rand(10) * 8 + 0.8).repeat_interleave(20000)
+    spiky = torch.cat([torch.randn(200000) * 1.7 + 2.4, spikes, torch.tensor([14.5])])
+    for data, warned in ((spiky, True), (torch.randn(200000), False)):
+        caplog.clear()
+        observer = build_observer(TensorQuantConfig(observer="kl"), where="t")
+        for p in range(observer.passes):
+            observer.observe(data)
+            if p + 1 < observer.passes:
+                observer.next_pass()
+        with caplog.at_level("WARNING", logger="fxq.observers.kl"):
+            scale, _ = observer.compute_qparams()
+        assert ("clips" in caplog.text) is warned, caplog.text

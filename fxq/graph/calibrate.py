@@ -119,7 +119,7 @@ def calibrate(
             fq.observer.reset()
             fq.observer.nonnegative = _nonnegative_input(quant_graph, name, modules)
             fq.observer.bounded = _bounded_input(quant_graph, name, modules)
-            fq.observer.keeps_max = _feeds_softmax(quant_graph, name, modules)
+            fq.observer.keeps_max = _read_for_its_peaks(quant_graph, name, modules)
             observing[name] = fq
     passes = max((fq.observer.passes for fq in observing.values()), default=1)
     total = count_batches(data, steps)
@@ -179,8 +179,13 @@ def _bounded_input(quant_graph: QuantGraph, name: str, modules: dict[str, torch.
 _LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
 
 
-def _feeds_softmax(quant_graph: QuantGraph, name: str, modules: dict[str, torch.nn.Module]) -> bool:
-    """Whether the tensor quantizer ``name`` outputs reaches a (log-)softmax, through layout ops only."""
+_PEAK_READERS = frozenset({"Softmax", "LogSoftmax", "ArgMax", "ReduceMax", "TopK"})
+"""Ops decided by the largest values of their input: a class's logit, an attended key's score."""
+
+
+def _read_for_its_peaks(quant_graph: QuantGraph, name: str, modules: dict[str, torch.nn.Module]) -> bool:
+    """Whether the tensor quantizer ``name`` outputs reaches a softmax, an argmax, a max or a top-k, through
+    layout ops only."""
     node = quant_graph.node_of(name)
     stack, seen = (list(node.users) if node is not None else []), set()
     while stack:
@@ -189,7 +194,7 @@ def _feeds_softmax(quant_graph: QuantGraph, name: str, modules: dict[str, torch.
             continue
         seen.add(user)
         t = op_type(user, modules)
-        if t in ("Softmax", "LogSoftmax"):
+        if t in _PEAK_READERS:
             return True
         if t in _LAYOUT_OPS or is_quantizer_node(user):
             stack.extend(user.users)

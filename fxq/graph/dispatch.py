@@ -62,6 +62,11 @@ def _data_inputs(node: fx.Node) -> list[fx.Node]:
     return [n for n in node.all_input_nodes if n.op != "get_attr"]
 
 
+_VALUE_READERS = frozenset({"ArgMax", "ArgMin"})
+"""Index ops that read their input's values, not its shape: what feeds them is data (a segmentation or CTC head
+that ends in an argmax), however integer their output."""
+
+
 def shape_nodes(gm: fx.GraphModule, modules: dict[str, nn.Module]) -> set[fx.Node]:
     """Nodes that compute shapes or indices (forward from shape ops and non-float values, backward
     from values consumed only by such nodes). A lookup in a stored float table (an embedding) is data whatever
@@ -84,7 +89,7 @@ def shape_nodes(gm: fx.GraphModule, modules: dict[str, nn.Module]) -> set[fx.Nod
     for node in reversed(list(gm.graph.nodes)):
         if node.op in ("placeholder", "output", "get_attr") or node in shape or not node.users:
             continue
-        if all(u in shape for u in node.users):
+        if all(u in shape and op_type(u, modules) not in _VALUE_READERS for u in node.users):
             shape.add(node)
     return shape
 

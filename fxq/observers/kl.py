@@ -42,6 +42,11 @@ def _group_terms(stats: torch.Tensor, start: torch.Tensor, end: torch.Tensor) ->
     return term, avg
 
 
+CLIPPED_WARNING = 0.05
+"""A threshold that clips more than this share of the calibration values is warned about: entropy calibration is
+meant to cut a tail, and cutting more says the histogram misled it."""
+
+
 def kl_threshold_bins(hist: torch.Tensor, levels: int) -> int:
     """Number of kept bins ``i`` minimising ``KL(P_i || Q_i)`` for a 1-D histogram (see module doc).
 
@@ -144,4 +149,11 @@ class KLObserver(HistogramObserver):
         lo = torch.maximum(self.min_val.cpu(), -t)
         hi = torch.minimum(self.max_val.cpu(), t)
         logger.debug("%s: threshold %s (%d of %d bins)", self._label(), t, kept, self.bins)
+        clipped = float(counts[0, kept:].sum() / counts[0].sum().clamp(min=1))
+        if clipped > CLIPPED_WARNING:
+            logger.warning(
+                "%s: the entropy threshold %.4g clips %.1f %% of the calibration values, more than a tail of "
+                "outliers: a spiky histogram (few distinct values, as flat or synthetic images give) misleads the "
+                "divergence search. Calibrate on varied data, or use the 'percentile' or 'mse' observer for it",
+                self._label(), float(t.max()), 100 * clipped)
         return qparams_from_minmax(lo, hi, self.config)

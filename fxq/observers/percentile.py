@@ -109,7 +109,7 @@ class PercentileObserver(Observer):
             hi = torch.kthvalue(rows, n - k + 1, dim=1).values
             lo = None if self.nonnegative else torch.kthvalue(rows, k, dim=1).values
             mn, mx = (None, rows.amax(dim=1)) if self.nonnegative else torch.aminmax(rows, dim=1)
-        if self.keeps_max:  # a softmax's input: its peaks decide it
+        if self.keeps_max:  # a softmax's or an argmax's input: its peaks decide it
             hi = mx
         if lo is None:  # a ReLU's output and the like: the range starts at 0 whatever the lower tail holds
             lo = mn = torch.zeros_like(hi)
