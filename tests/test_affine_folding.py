@@ -393,3 +393,51 @@ def test_a_network_that_ends_in_an_argmax_is_quantized(tmp_path: Path):
     with torch.no_grad():
         sim = loaded(x).numpy()
     np.testing.assert_array_equal(run_ort(onnx_file, x, optimize=False), sim)
+
+
+class _IndexOutputs(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.net, self.form = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 5, 1)), form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.net(x)
+        return y.argmin(1) if self.form == "argmin" else y.max(1)[1]
+
+
+def test_argmin_reads_data_and_an_index_output_fxq_cannot_see_through_is_warned_about(caplog):
+    torch.manual_seed(0)
+    data = [torch.randn(2, 3, 8, 8) for _ in range(2)]
+    q = fxq.quantize(_IndexOutputs("argmin").eval(), data, "trt_int8", progress=False)
+    assert sum(1 for _, fq in QuantGraph(q).quantizers() if fq.role == "weight") == 2
+    with caplog.at_level("WARNING", logger="fxq.graph.dispatch"):
+        q = fxq.quantize(_IndexOutputs("max").eval(), data, "trt_int8", progress=False)
+    assert not list(QuantGraph(q).quantizers())
+    assert "no node will be quantized" in caplog.text and "net_0" in caplog.text
+
+
+class _SharedLogits(nn.Module):
+    """Logits read by a softmax only; features read by a max and by a linear (a CBAM-like pooling); scores
+    returned and read by a smallest-k."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        f = self.b(x)
+        c = self.c(f)
+        return torch.softmax(self.a(x), -1), f.amax(-1), c, c.topk(2, largest=False)[0]
+
+
+def test_only_a_tensor_read_for_its_peaks_alone_keeps_its_maximum(monkeypatch):
+    """Shared with a linear, keeping a max's outliers would cost the linear its resolution; a smallest-k read
+    wants the opposite."""
+    import fxq.graph.calibrate as calibrate_module
+
+    decide = calibrate_module._read_for_its_peaks
+    flags: dict[str, bool] = {}
+    monkeypatch.setattr(calibrate_module, "_read_for_its_peaks",
+                        lambda graph, name, modules: flags.setdefault(name, decide(graph, name, modules)))
+    fxq.quantize(_SharedLogits().eval(), [torch.randn(4, 8)], "trt_int8", progress=False)
+    assert flags["a_out"] is True and flags["b_out"] is False and flags["c_out"] is False, flags

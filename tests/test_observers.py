@@ -632,7 +632,8 @@ def test_an_entropy_threshold_inside_the_bulk_is_warned_about(caplog):
     torch.manual_seed(0)
     spikes = (torch.rand(10) * 8 + 0.8).repeat_interleave(20000)
     spiky = torch.cat([torch.randn(200000) * 1.7 + 2.4, spikes, torch.tensor([14.5])])
-    for data, warned in ((spiky, True), (torch.randn(200000), False)):
+    padded = torch.cat([torch.relu(spiky), torch.zeros(16_000_000)])  # a sparse ReLU map: zeros do not hide it
+    for data, warned in ((spiky, True), (padded, True), (torch.randn(200000), False)):
         caplog.clear()
         observer = build_observer(TensorQuantConfig(observer="kl"), where="t")
         for p in range(observer.passes):
@@ -642,3 +643,18 @@ def test_an_entropy_threshold_inside_the_bulk_is_warned_about(caplog):
         with caplog.at_level("WARNING", logger="fxq.observers.kl"):
             scale, _ = observer.compute_qparams()
         assert ("clips" in caplog.text) is warned, caplog.text
+
+
+@pytest.mark.parametrize("name", ["kl", "mse"])
+def test_a_batch_with_a_bin_past_float32_counting_is_counted_exactly(name):
+    """``histc`` counts in float32: 2**24 + 3 zeros (a large ReLU map) made the NaN count read off the total
+    non-zero, and calibration refused the data as NaN."""
+    data = torch.cat([torch.zeros(2 ** 24 + 3), torch.linspace(0.1, 4.0, 1000)])
+    observer = build_observer(TensorQuantConfig(observer=name), where="t")
+    for p in range(observer.passes):
+        observer.observe(data)
+        if p + 1 < observer.passes:
+            observer.next_pass()
+    scale, _ = observer.compute_qparams()
+    assert torch.isfinite(scale).all() and float(scale.reshape(-1)[0]) > 0
+    assert int(observer.hist[0, -1]) == 0 and int(observer.hist.sum()) == data.numel()

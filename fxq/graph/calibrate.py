@@ -179,15 +179,15 @@ def _bounded_input(quant_graph: QuantGraph, name: str, modules: dict[str, torch.
 _LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
 
 
-_PEAK_READERS = frozenset({"Softmax", "LogSoftmax", "ArgMax", "ReduceMax", "TopK"})
+_PEAK_READERS = frozenset({"Softmax", "LogSoftmax", "ArgMax", "ReduceMax"})
 """Ops decided by the largest values of their input: a class's logit, an attended key's score."""
 
 
 def _read_for_its_peaks(quant_graph: QuantGraph, name: str, modules: dict[str, torch.nn.Module]) -> bool:
-    """Whether the tensor quantizer ``name`` outputs reaches a softmax, an argmax, a max or a top-k, through
-    layout ops only."""
+    """Whether the tensor quantizer ``name`` outputs is read only by softmaxes, argmaxes or maxes (or returned),
+    through layout ops: keeping its maximum then costs no other reader resolution."""
     node = quant_graph.node_of(name)
-    stack, seen = (list(node.users) if node is not None else []), set()
+    stack, seen, found = (list(node.users) if node is not None else []), set(), False
     while stack:
         user = stack.pop()
         if user in seen:
@@ -195,10 +195,12 @@ def _read_for_its_peaks(quant_graph: QuantGraph, name: str, modules: dict[str, t
         seen.add(user)
         t = op_type(user, modules)
         if t in _PEAK_READERS:
-            return True
-        if t in _LAYOUT_OPS or is_quantizer_node(user):
+            found = True
+        elif t in _LAYOUT_OPS or is_quantizer_node(user):
             stack.extend(user.users)
-    return False
+        elif user.op != "output":
+            return False
+    return found
 
 
 def _ratio_setting(gm: fx.GraphModule) -> float | None:

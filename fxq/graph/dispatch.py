@@ -118,6 +118,23 @@ def _allin(t: str, platform: Platform, fed_by_quantized: bool) -> bool:
     return t in platform.quantized_ops
 
 
+def _warn_weighted_ops_taken_for_shapes(gm: fx.GraphModule, modules: dict[str, nn.Module], shape: set[fx.Node]) -> None:
+    """Say so when every conv / linear of the model is taken for shape arithmetic: it then quantizes nothing,
+    which a model whose outputs are indices computed from its values (``y.max(1)[1]``, ``y > 0.5``) would do
+    silently."""
+    weighted = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")
+                and op_type(n, modules) in COMPUTING_OPS]
+    if not weighted or not all(n in shape for n in weighted):
+        return
+    readers = [u.name for u in gm.graph.nodes if u in shape and "val" in u.meta and not _has_float(u.meta["val"])
+               and any("val" in i.meta and _has_float(i.meta["val"]) for i in _data_inputs(u))]
+    logger.warning(
+        "no node will be quantized: all %d conv / linear nodes (%s, ...) compute only values read as integers or "
+        "shapes (read by %s), which fxq leaves in FP32 as index arithmetic. If they are the network, end it before "
+        "the integer read (return the scores, take the argmax / threshold outside), or use "
+        "setting.dispatcher = 'allin'", len(weighted), weighted[0].name, readers[:3] or "the outputs")
+
+
 def capability_problem(node: fx.Node, t: str, cap: Capability | None, gm: nn.Module) -> str | None:
     """Why an exporter of capability ``cap`` cannot run ``node`` (of op type ``t``) quantized; None: it can (or no
     capability is declared)."""
@@ -156,6 +173,7 @@ def dispatch(
     modules = dict(gm.named_modules())
     rule = DISPATCHERS.require(dispatcher, "setting.dispatcher")
     shape = set() if dispatcher == "allin" else shape_nodes(gm, modules)
+    _warn_weighted_ops_taken_for_shapes(gm, modules, shape)
     table = dispatching_table or {}
     if table:
         _check_table_keys(gm, table)

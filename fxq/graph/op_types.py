@@ -111,7 +111,7 @@ _METHODS: dict[str, str] = {
     "squeeze": "Squeeze", "unsqueeze": "Unsqueeze", "roll": "Roll", "flip": "Flip",
     "chunk": "Split", "split": "Split", "unbind": "Split", "tensor_split": "Split",
     "mean": "ReduceMean", "size": "Shape", "dim": "Shape", "numel": "Shape",
-    "expand": "Expand", "repeat": "Tile", "argmax": "ArgMax", "topk": "TopK", "to": "Cast", "float": "Cast",
+    "expand": "Expand", "repeat": "Tile", "argmax": "ArgMax", "argmin": "ArgMin", "topk": "TopK", "to": "Cast", "float": "Cast",
     "type_as": "Cast", "clone": "Identity", "detach": "Identity",
     "maximum": "Max", "minimum": "Min", "sum": "ReduceSum", "amax": "ReduceMax", "amin": "ReduceMin",
     "prod": "ReduceProd", "logsumexp": "ReduceLogSumExp", "neg": "Neg",
@@ -347,7 +347,7 @@ def _register_aten() -> None:
             _FUNCTIONS.setdefault(overload, found)
     for overload, name in {
         aten.nonzero.default: "NonZero", aten.topk.default: "TopK",
-        aten.argmax.default: "ArgMax", aten.slice.Tensor: "Slice", aten.select.int: "Slice",
+        aten.argmax.default: "ArgMax", aten.argmin.default: "ArgMin", aten.slice.Tensor: "Slice", aten.select.int: "Slice",
         aten.chunk.default: "Split", aten._to_copy.default: "Cast",
         aten.upsample_nearest2d.vec: "Resize", aten.upsample_bilinear2d.vec: "Resize",
         aten.constant_pad_nd.default: "Pad", aten.pad.default: "Pad", aten.exp.default: "Exp",

@@ -64,7 +64,7 @@ class Observer:
     attention's peak probabilities), so observers that clip tails (percentile) take each batch's extremes instead
     of ranking its tails (averaged over batches as the percentiles are)."""
     keeps_max = False
-    """Set by calibration when the observed tensor feeds a softmax, an argmax, a max or a top-k (logits, an
+    """Set by calibration when the observed tensor is read only by softmaxes, argmaxes or maxes (logits, an
     attention's scores): each row's largest values decide them (the winning class, the attended key), and they are
     a tiny share of the tensor, so observers that clip tails (percentile) keep each batch's maximum instead of
     ranking the upper tail."""

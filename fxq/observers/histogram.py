@@ -15,6 +15,11 @@ from fxq.spec import TensorQuantConfig
 __all__ = ["HistogramObserver", "histogram_rows", "count_indices"]
 
 
+_HISTC_EXACT = 2 ** 24
+"""``histc`` counts in float32: a bin past 2**24 values (a large ReLU map's zeros) rounds, and the NaN count read
+off the total went wrong. Larger batches are counted exactly in int64."""
+
+
 def histogram_rows(rows: torch.Tensor, start: torch.Tensor, width: torch.Tensor, bins: int) -> torch.Tensor:
     """Count ``rows`` ([C, n]) into ``bins`` equal bins per row starting at ``start`` ([C]), of ``width`` ([C]).
 
@@ -92,7 +97,7 @@ class HistogramObserver(Observer):
         if self._start is None or not self._range_ok:
             return  # nothing seen in pass 1, or a non-finite range: reported by compute_qparams
         values = self._hist_values(rows)
-        if self._bounds is not None:  # one row: histc is several times faster than bincount
+        if self._bounds is not None and values.numel() < _HISTC_EXACT:  # one row: histc is several times faster
             lo, hi = self._bounds
             h = torch.histc(values.clamp(lo, hi), bins=self.bins, min=lo, max=hi)
             nan = values.numel() - h.sum()  # histc skips NaN

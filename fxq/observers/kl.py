@@ -149,7 +149,8 @@ class KLObserver(HistogramObserver):
         lo = torch.maximum(self.min_val.cpu(), -t)
         hi = torch.minimum(self.max_val.cpu(), t)
         logger.debug("%s: threshold %s (%d of %d bins)", self._label(), t, kept, self.bins)
-        clipped = float(counts[0, kept:].sum() / counts[0].sum().clamp(min=1))
+        # of the values off the first bin: a ReLU's zeros (an unsigned grid's negatives) would dilute the share
+        clipped = float(counts[0, kept:].sum() / counts[0, 1:].sum().clamp(min=1))
         if clipped > CLIPPED_WARNING:
             logger.warning(
                 "%s: the entropy threshold %.4g clips %.1f %% of the calibration values, more than a tail of "
