@@ -407,12 +407,12 @@ def fold_constant_affine(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         src = node.all_input_nodes[0] if node.all_input_nodes[0].op != "get_attr" else node.all_input_nodes[-1]
         parts = _weighted_parts(src)
-        if parts is None or len(src.users) != 1 or not _sole_owner(gm, parts[0]) or not _sole_owner(gm, parts[1]):
-            continue
-        found = _constant_operand(gm, node, src, modules)
+        found = _constant_operand(gm, node, src, modules) if parts is not None and len(src.users) == 1 else None
         out, result = src.meta.get("val"), node.meta.get("val")
         if found is None or not isinstance(out, torch.Tensor) or not isinstance(result, torch.Tensor) or (
                 result.shape != out.shape or result.dtype != out.dtype):
+            continue
+        if not (_sole_owner(gm, parts[0]) and _sole_owner(gm, parts[1])):  # the costly check last
             continue
         t, value, attr = found
         axis, channels = _output_channels(src, get_attr_value(gm, str(parts[0].target)), out)
