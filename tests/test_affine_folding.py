@@ -168,7 +168,7 @@ def test_a_matmul_by_a_stored_matrix_becomes_a_linear_with_its_bias_folded(tmp_p
     linear = next(n for n in q.graph.nodes if n.target is F.linear)
     assert len(linear.args) == 3 or "bias" in linear.kwargs  # the Add is the linear's bias now
     weight_q = next(fq for _, fq in QuantGraph(q).quantizers() if fq.role == "weight")
-    assert weight_q.config.per_channel == (platform != "ncnn_int8" or weight_q.config.per_channel)
+    assert weight_q.config.per_channel  # a MatMul's weight was one grid for the whole matrix
     x = torch.randn(1, 10, 16)
     np.testing.assert_allclose(_fp32_out(q, x).numpy(), run_ort(path, x), rtol=1e-5, atol=1e-6)
     files = [Path(f) for f in fxq.export(q, exporter, tmp_path / platform, example_inputs=(x,))]
@@ -234,9 +234,8 @@ def test_a_constant_added_to_an_activation_keeps_its_own_grid(tmp_path: Path, pl
         sim = q(x)
     files = fxq.export(q, exporter, tmp_path / platform, example_inputs=(x,))
     onnx_file = next(Path(f) for f in files if str(f).endswith(".onnx"))
-    for optimize in (False, True):
-        np.testing.assert_allclose(run_ort(onnx_file, x, optimize=optimize), sim.numpy(), atol=1e-4 + step)
     np.testing.assert_allclose(run_ort(onnx_file, x, optimize=False), sim.numpy(), atol=1e-4)
+    np.testing.assert_allclose(run_ort(onnx_file, x, optimize=True), sim.numpy(), atol=1e-4 + step)
 
 
 class _PeakyLogits(nn.Module):
@@ -352,10 +351,6 @@ def test_matmul_copies_and_folded_biases_are_quantized_as_weights_and_biases(tmp
     path = _head_file(tmp_path / "shared.onnx", shared=True)
     q = fxq.quantize(fxq.load_onnx(path), [torch.randn(1, 10, 16) for _ in range(2)], "trt_int8", progress=False)
     assert sum(1 for _, fq in QuantGraph(q).quantizers() if fq.role == "weight") == 2
-    x = torch.randn(1, 10, 16)
-    with torch.no_grad():
-        softmax_input, second = q(x)[0], q(x)[1]
-    assert softmax_input.shape == second.shape
     chain = fxq.quantize(_AffineChain().eval(), [torch.randn(2, 3, 8, 8)], "ort_int8", progress=False)
     assert [fq.role for _, fq in QuantGraph(chain).quantizers()].count("bias") == 1
 

@@ -658,3 +658,17 @@ def test_a_batch_with_a_bin_past_float32_counting_is_counted_exactly(name):
     scale, _ = observer.compute_qparams()
     assert torch.isfinite(scale).all() and float(scale.reshape(-1)[0]) > 0
     assert int(observer.hist[0, -1]) == 0 and int(observer.hist.sum()) == data.numel()
+
+
+@pytest.mark.parametrize("n", [10_000, 500_000])  # k = 100 (block tails) and 5000 (kthvalue) at p = 0.99
+def test_a_tensor_read_for_its_peaks_keeps_its_max_and_ranks_only_its_lower_tail(n):
+    torch.manual_seed(0)
+    x = torch.randn(2, n // 2) ** 3
+    ranked, peaks = (PercentileObserver(TensorQuantConfig(per_channel=True, channel_axis=0), percentile=0.99)
+                     for _ in range(2))
+    peaks.keeps_max = True
+    for observer in (ranked, peaks):
+        observer.observe(x)
+    torch.testing.assert_close(peaks._sum_hi, x.amax(dim=1))
+    torch.testing.assert_close(peaks._sum_lo, ranked._sum_lo)
+    assert bool((ranked._sum_hi < peaks._sum_hi).all())

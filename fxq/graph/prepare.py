@@ -279,8 +279,10 @@ class _Builder:
             nq = node.meta.get("fxq")
             if not isinstance(nq, NodeQuant) or not nq.quantized:
                 continue
+            # a constant added (a bias, a learned shift) keeps a grid of its own: on the activation's, a shift under
+            # half its step rounds to 0 and moves every value of the tensor alike
             ins = [q for name, q in nq.inputs.items() if q is not None and self.holder[q].role == "activation"
-                   and not (nq.op_type in ("Add", "Sub") and _is_constant(by_name.get(name), self.param_memo))]
+                   and not (nq.op_type in ("Add", "Sub") and computed_from_parameters(by_name[name], self.param_memo))]
             ins = list(dict.fromkeys(ins))
             mode = {"Add": fs.align_elementwise_to, "Sub": fs.align_elementwise_to,
                     "Concat": fs.align_concat_to, "Resize": fs.align_resize_to,
@@ -292,13 +294,6 @@ class _Builder:
                 record_alignment(self.holder, AlignGroup("largest", tuple(ins)))
             elif mode == "Align to Output" and ins and own_out:
                 record_alignment(self.holder, AlignGroup("output", tuple(ins), self.covering[node][0]))
-
-
-def _is_constant(node: fx.Node | None, memo: dict[fx.Node, bool]) -> bool:
-    """A constant operand of an elementwise op (a bias, a learned shift, a positional embedding) keeps a grid of
-    its own: aligned to the activation's, a shift smaller than half its step rounds to zero, which moves every
-    value of the tensor the same way."""
-    return node is not None and computed_from_parameters(node, memo)
 
 
 def insert_quantizers(gm: fx.GraphModule, plan: Dispatch, setting: QuantizationSetting,

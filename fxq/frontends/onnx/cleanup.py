@@ -302,7 +302,7 @@ def drop_redundant_allowzero(model: onnx.ModelProto) -> int:
     return changed
 
 
-def subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+def nested_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     """``graph`` and every graph its If / Loop / Scan nodes hold, nested ones included (a stack, no recursion)."""
     stack = [graph]
     while stack:
@@ -315,7 +315,7 @@ def subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
 
 def _used_names(graph: onnx.GraphProto) -> set[str]:
     """Every tensor name a node reads, subgraphs (If/Loop bodies) included."""
-    return {name for g in subgraphs(graph) for node in g.node for name in node.input}
+    return {name for g in nested_graphs(graph) for node in g.node for name in node.input}
 
 
 def infer_shapes(model: onnx.ModelProto, *, in_place: bool = False) -> onnx.ModelProto:

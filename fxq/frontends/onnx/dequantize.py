@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from fxq.frontends.onnx.cleanup import _constant_value, _replace_nodes, _used_names, subgraphs
+from fxq.frontends.onnx.cleanup import _constant_value, _replace_nodes, _used_names, nested_graphs
 
 __all__ = ["QUANTIZED_OP_TYPES", "fold_qdq", "quantized_format_advice"]
 
@@ -100,7 +100,7 @@ def fold_qdq(model: onnx.ModelProto, source: str) -> int:
         return 0
     stored = _stored(model)
     readers: dict[str, list[onnx.NodeProto]] = {}
-    for g in subgraphs(graph):
+    for g in nested_graphs(graph):
         for node in g.node:
             for name in node.input:
                 readers.setdefault(name, []).append(node)
@@ -143,7 +143,7 @@ def fold_qdq(model: onnx.ModelProto, source: str) -> int:
     identities = [onnx.helper.make_node("Identity", [resolved(src)], [out], name=f"{out}_float")
                   for out, src in kept_outputs]
     _replace_nodes(graph, [n for n in graph.node if id(n) not in gone] + identities)
-    for g in subgraphs(graph):
+    for g in nested_graphs(graph):
         for node in g.node:
             node.input[:] = [resolved(n) if n in renamed else n for n in node.input]
         if g is not graph:  # a branch that returns an outer value directly (If outputs bind by position)
