@@ -1,6 +1,7 @@
 """Model-zoo conformance: every torchvision model through fxq's capture paths, platforms, exporters and runtimes.
 
     python bench/zoo.py                                   # all 109 models, every path (hours on 2 cores)
+    python bench/zoo.py --families timm --paths native,legacy17   # one model per timm architecture (93)
     python bench/zoo.py --models resnet18,googlenet --paths native,legacy13 --platforms trt_int8
     python bench/zoo.py --subset                          # the dozen models the tests run (tests/test_zoo_subset.py)
     python bench/zoo.py --paths native --capture fx,export,auto --platforms trt_int8   # capture paths side by side
@@ -56,6 +57,28 @@ SUBSET = ("alexnet", "resnet18", "mobilenet_v2", "mobilenet_v3_small", "shufflen
           "googlenet", "mnasnet0_5", "regnet_x_400mf", "densenet121", "efficientnet_b0", "vgg11")
 """Small models of distinct families (residual, depthwise, channel shuffle, fire/concat, inception, SE,
 grouped, dense concat, plain): the tests run these at 32x32 (tests/test_zoo_subset.py)."""
+TIMM_MODELS = (
+    "beit_base_patch16_224", "halonet_h1", "mobileone_s1", "cait_xxs24_224", "coat_tiny", "convit_tiny",
+    "convmixer_768_32", "convnext_zepto_rms", "cpubone_nano", "crossvit_tiny_240", "csatv2", "cs3darknet_focus_s",
+    "cspnext_tiny", "davit_tiny", "deit_tiny_patch16_224", "densenet121", "dla46x_c", "dpn48b", "edgenext_xx_small",
+    "efficientformer_l1", "efficientformerv2_s0", "mobilenetv2_035", "efficientvim_m1", "efficientvit_b0",
+    "efficientvit_m0", "vit_tiny_patch16_dinov3_qkvb", "fasternet_t0", "fastvit_t8", "focalnet_tiny_srf",
+    "gcvit_xxtiny", "ghostnet_050", "hardcorenas_b", "hgnetv2_b0", "hiera_tiny_224", "hrnet_w18_small", "iformer_t",
+    "inception_next_atto", "inception_resnet_v2", "inception_v3", "inception_v4", "lcnetv2_small", "levit_128s",
+    "lowformer_b0", "mambaout_femto", "maxvit_pico_rw_256", "poolformerv2_s12", "gmlp_ti16_224",
+    "mobilenetv3_small_050", "mobilenetv5_base", "mobilevit_xxs", "mvitv2_tiny", "nasnetalarge", "nest_tiny",
+    "nextvit_small", "nf_regnet_b0", "pit_ti_224", "pnasnet5large", "pvt_v2_b0", "rdnet_tiny", "regnetx_002",
+    "repghostnet_050", "repvit_m1", "res2next50", "resnest14d", "resnet10t", "resnetv2_18", "rexnet_100",
+    "selecsls42", "legacy_seresnet18", "sequencer2d_s", "shvit_s1", "skresnet18", "starnet_s050", "swiftformer_xs",
+    "swin_tiny_patch4_window7_224", "swinv2_tiny_window8_256", "swinv2_cr_tiny_224", "tiny_vit_5m_224",
+    "tnt_s_legacy_patch16_224", "tresnet_m", "twins_svt_small", "vgg11", "visformer_tiny", "vit_tiny_patch16_224",
+    "vit_tiny_r_s16_p8_224", "vit_srelpos_small_patch16_224", "samvit_base_patch16_224", "vitamin_small_224",
+    "volo_d1_224", "ese_vovnet19b_slim_dw", "legacy_xception", "xception41p", "xcit_nano_12_p8_224")
+"""timm 1.0's architectures, one model each: the fewest parameters of each model module's non-test models (93 of 98
+modules; left out: four vision towers of 87-412 M parameters at 546-896 pixels, and NaFlexViT's variable-patch
+input). Built with random init at the model's own input size; in the zoo as ``timm-<name>``, family ``timm``
+(``--families timm``). Files nobody here wrote: ``timm`` is ``pip install timm``, nothing downloads."""
+TIMM_PREFIX = "timm-"
 
 
 # --------------------------------------------------------------------------------------------- the models
@@ -71,6 +94,8 @@ def families() -> dict[str, str]:
     for name in M.list_models():
         if not name.startswith("quantized_"):
             out.setdefault(name, "classification")
+    for name in TIMM_MODELS:
+        out[TIMM_PREFIX + name] = "timm"
     return out
 
 
@@ -114,6 +139,8 @@ def example_input(name: str, family: str, model: Any = None) -> Any:
         raise RuntimeError(f"{name} runs at none of the clip sizes tried: {last_video}")
     if family == "optical_flow":
         return (torch.randn(1, 3, 128, 128), torch.randn(1, 3, 128, 128))
+    if family == "timm":  # the size the model was defined at (position embeddings and windows fix it)
+        return (torch.randn(1, *model.pretrained_cfg["input_size"]),)
     if family == "detection":
         return ([torch.rand(3, 320, 320)],)
     last: Exception | None = None
@@ -138,6 +165,10 @@ def build(name: str) -> Any:
     import torchvision
 
     torch.manual_seed(0)
+    if name.startswith(TIMM_PREFIX):
+        import timm
+
+        return timm.create_model(name[len(TIMM_PREFIX):], pretrained=False).eval()
     kwargs = {"weights": None}
     builder = torchvision.models.get_model_builder(name)
     if "weights_backbone" in inspect.signature(builder).parameters:  # no pretrained backbone: nothing downloads
@@ -607,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per model and path")
     parser.add_argument("--csv", default="bench/zoo.csv")
     parser.add_argument("--families", help="comma-separated families (classification, detection, segmentation, "
-                                           "video, optical_flow)")
+                                           "video, optical_flow; timm: not in the default run)")
     parser.add_argument("--summarize", metavar="CSV", help="print the table of an earlier (or running) run's CSV")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--family", help=argparse.SUPPRESS)
@@ -635,7 +666,8 @@ def main(argv: list[str] | None = None) -> int:
         print(summarize(done, [p for p in paths if any(r["path"] == p for r in done)], platforms))
         return 0
     fams = families()
-    names = list(SUBSET) if args.subset else (args.models.split(",") if args.models else sorted(fams))
+    names = list(SUBSET) if args.subset else (args.models.split(",") if args.models else
+                                              sorted(n for n, f in fams.items() if f != "timm" or args.families))
     if args.families:
         names = [n for n in names if fams.get(n) in args.families.split(",")]
     unknown = [n for n in names if n not in fams]

@@ -17,7 +17,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxq.errors import GraphError
 from fxq.graph.attention import decompose_attention_functions
-from fxq.graph.nodes import Interpreter, get_attr_value, redirect_later_readers
+from fxq.graph.nodes import Interpreter, get_attr_value, redirect_later_readers, value_inputs
 from fxq.graph.op_types import WEIGHTED_FUNCTIONS, mutates_first_argument, op_type, out_of_place_form
 
 __all__ = [
@@ -168,8 +168,14 @@ def _weighted_parts(node: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
     return w, b
 
 
-class _BnStats(NamedTuple):
-    """What folding needs of a BatchNorm, whether a module or ``F.batch_norm``'s arguments."""
+def _sole_reader(src: fx.Node, node: fx.Node) -> bool:
+    """Whether ``node`` is the only reader of ``src``'s values: others may read its shape or dtype (timm's
+    ``_assert(x.ndim == 4)`` in every ``BatchNormAct2d``), which a fold into ``src`` keeps."""
+    return all(u is node or all(i is not src for i in value_inputs(u)) for u in src.users)
+
+
+class BatchNormStats(NamedTuple):
+    """What folding or an exporter needs of an eval-mode BatchNorm, a module or ``F.batch_norm``'s arguments."""
     weight: torch.Tensor | None
     bias: torch.Tensor | None
     mean: torch.Tensor
@@ -177,18 +183,18 @@ class _BnStats(NamedTuple):
     eps: float
 
 
-def _module_bn(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[_BnStats, str] | None:
+def _module_bn(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[BatchNormStats, str] | None:
     bn = modules.get(str(node.target)) if node.op == "call_module" else None
     if not isinstance(bn, nn.modules.batchnorm._BatchNorm) or bn.training or bn.running_mean is None:
         return None
     w, b = (bn.weight, bn.bias) if bn.affine else (None, None)
-    return _BnStats(w, b, bn.running_mean, bn.running_var, bn.eps), str(node.target)
+    return BatchNormStats(w, b, bn.running_mean, bn.running_var, bn.eps), str(node.target)
 
 
 _BN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 
 
-def _functional_bn(gm: fx.GraphModule, node: fx.Node) -> tuple[_BnStats, str] | None:
+def _functional_bn(gm: fx.GraphModule, node: fx.Node) -> tuple[BatchNormStats, str] | None:
     """``F.batch_norm(x, mean, var, w, b, training=False, momentum, eps)`` with attribute tensors (as torch.export
     writes eval-mode BatchNorm), named after its module path."""
     if node.op != "call_function" or node.target is not F.batch_norm:
@@ -204,10 +210,17 @@ def _functional_bn(gm: fx.GraphModule, node: fx.Node) -> tuple[_BnStats, str] | 
         tensors[key] = get_attr_value(gm, str(arg.target)) if arg is not None else None
     if tensors["running_mean"] is None or tensors["running_var"] is None:
         return None
-    stats = _BnStats(tensors["weight"], tensors["bias"], tensors["running_mean"], tensors["running_var"],
+    stats = BatchNormStats(tensors["weight"], tensors["bias"], tensors["running_mean"], tensors["running_var"],
                      float(given.get("eps", 1e-5)))
     mean_node = given["running_mean"]
     return stats, str(mean_node.target).rpartition(".")[0] or node.name
+
+
+def batchnorm_stats(gm: fx.GraphModule, node: fx.Node, modules: dict[str, nn.Module]
+                    ) -> tuple[BatchNormStats, str] | None:
+    """``node``'s statistics and module path when it is an eval-mode BatchNorm: a module (looked up in
+    ``modules``), or ``F.batch_norm`` with attribute tensors (torch.export; timm's ``BatchNormAct2d`` traced)."""
+    return _module_bn(node, modules) or _functional_bn(gm, node)
 
 
 def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
@@ -219,12 +232,12 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
     """
     modules = dict(gm.named_modules())
     for node in list(gm.graph.nodes):
-        found = _module_bn(node, modules) or _functional_bn(gm, node)
+        found = batchnorm_stats(gm, node, modules)
         if found is None:
             continue
         stats, bn_name = found
         src = node.args[0]
-        if not isinstance(src, fx.Node) or len(src.users) != 1:
+        if not isinstance(src, fx.Node) or not _sole_reader(src, node):
             continue
         parts = _weighted_parts(src)
         if parts is None:
@@ -240,7 +253,7 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 @torch.no_grad()
-def _fold_one(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.Node | None, bn: _BnStats) -> None:
+def _fold_one(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.Node | None, bn: BatchNormStats) -> None:
     factor = (bn.weight if bn.weight is not None else torch.ones_like(bn.var)) / torch.sqrt(bn.var + bn.eps)
     shift = (bn.bias if bn.bias is not None else torch.zeros_like(bn.mean)) - bn.mean * factor
     _scale_shift(gm, conv, w_node, b_node, factor, shift)
@@ -407,7 +420,7 @@ def fold_constant_affine(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         src = node.all_input_nodes[0] if node.all_input_nodes[0].op != "get_attr" else node.all_input_nodes[-1]
         parts = _weighted_parts(src)
-        found = _constant_operand(gm, node, src, modules) if parts is not None and len(src.users) == 1 else None
+        found = _constant_operand(gm, node, src, modules) if parts is not None and _sole_reader(src, node) else None
         out, result = src.meta.get("val"), node.meta.get("val")
         if found is None or not isinstance(out, torch.Tensor) or not isinstance(result, torch.Tensor) or (
                 result.shape != out.shape or result.dtype != out.dtype):

@@ -24,6 +24,7 @@ from fxq.backends.ncnn.registry import register_ncnn_converter
 from fxq.backends.ncnn.writer import Int8Scales, drop_dim, shape_params
 from fxq.graph.attention import apply_attention_mask
 from fxq.graph.op_types import clip_bounds
+from fxq.graph.passes import batchnorm_stats
 from fxq.spec import QUANTIZING_STATES
 
 __all__: list[str] = []
@@ -295,7 +296,7 @@ def _inner_product(b: NcnnBuilder, node: fx.Node, x: Any, w: WeightInfo, bias: t
     ``(H, W, out)`` after; the layer itself keeps the node's name (its int8 table lines).
     """
     shape, bd = b.shape(x), b.batch_dim(x)
-    in_blob, out_blob = b.blob_shape(x), b.blob_shape(node)
+    in_blob, out_blob = b.blob_shape(x), drop_dim(b.shape(node), bd)  # the output keeps the input's batch dim
     if not 1 <= len(in_blob) <= 4 or bd == len(shape) - 1:
         raise b.fail(node, f"its input of shape {shape} (batch dim {bd}) is a rank-{len(in_blob)} blob whose "
                      "last dim is not the features; ncnn's InnerProduct maps the last dim of a blob of rank 1 to 4",
@@ -321,15 +322,18 @@ def _inner_product(b: NcnnBuilder, node: fx.Node, x: Any, w: WeightInfo, bias: t
 
 @register_ncnn_converter("BatchNormalization")
 def _batchnorm(b: NcnnBuilder, node: fx.Node) -> None:
-    mod = b.module(node)
-    if not isinstance(mod, nn.modules.batchnorm._BatchNorm) or mod.running_mean is None:
-        raise b.fail(node, "only BatchNorm modules with running statistics are exported", "use eval-mode BatchNorm")
-    c = int(mod.num_features)
-    ones, zeros = torch.ones(c), torch.zeros(c)
-    slope = mod.weight if mod.weight is not None else ones
-    bias = mod.bias if mod.bias is not None else zeros
-    weights = [("raw", _np(t)) for t in (slope, mod.running_mean, mod.running_var, bias)]
-    b.emit(node, "BatchNorm", [b.blob(node.args[0], node)], {0: c, 1: float(mod.eps)}, weights)
+    """``BatchNorm`` (0 channels, 1 eps; slope, mean, variance, bias) of a module or an ``F.batch_norm`` whose
+    statistics are stored tensors, where no conv before it took it in."""
+    found = batchnorm_stats(b.gm, node, b.modules)
+    if found is None:
+        raise b.fail(node, "only eval-mode BatchNorm with stored running statistics is exported",
+                     "call model.eval() before quantizing")
+    stats = found[0]
+    c = int(stats.mean.numel())
+    slope = stats.weight if stats.weight is not None else torch.ones(c)
+    bias = stats.bias if stats.bias is not None else torch.zeros(c)
+    weights = [("raw", _np(t)) for t in (slope, stats.mean, stats.var, bias)]
+    b.emit(node, "BatchNorm", [b.blob(node.args[0], node)], {0: c, 1: float(stats.eps)}, weights)
 
 
 # --------------------------------------------------------------------------- activations
@@ -799,26 +803,32 @@ def _pool(b: NcnnBuilder, node: fx.Node) -> None:
     _, _, oh, ow = b.shape(node)
     extra_h = (oh - 1) * sh + kh - (h + 2 * ph)  # > 0 only with ceil_mode: pad the tail
     extra_w = (ow - 1) * sw + kw - (w + 2 * pw)
-    if (extra_h > 0 or extra_w > 0) and not is_max:
-        raise b.fail(node, "average pooling with ceil_mode changes the window count at the border",
-                     "use ceil_mode=False or pad explicitly")
+    bottom, count_pads, whole_windows = b.blob(x, node), not is_max and bool(a.get("count_include_pad", True)), (
+        kh >= ph + sh and kw >= pw + sw)  # torch's drop of a ceil window starting in the right padding cannot fire
+    if a.get("ceil_mode") and count_pads and (ph or pw):
+        # torch's average counts the explicit pads but never the ceil tail; ncnn's count_include_pad counts both or
+        # neither: the pads become zeros of the blob (Padding: 0 top, 1 bottom, 2 left, 3 right, 4 constant,
+        # 5 value), then the tail is left out of the count
+        bottom = b.helper(node, "Padding", [bottom], {0: ph, 1: ph, 2: pw, 3: pw, 4: 0, 5: 0.0})
+        ph = pw = 0
+    if a.get("ceil_mode"):  # the ceil tail is never in an average's count (torch clips the window to the padding)
+        count_pads = False
     params = {0: 0 if is_max else 1, 1: kw, 11: kh, 2: sw, 12: sh, 3: pw, 13: ph, 14: pw, 15: ph, 5: 1}
-    if is_max and a.get("ceil_mode"):
-        if kh >= ph + sh and kw >= pw + sw:
+    if a.get("ceil_mode"):
+        if whole_windows:
             # ncnn's full padding (pad_mode 0) pads the tail to a whole stride: ceil((n + 2p - k) / s) + 1 windows,
-            # torch's ceil_mode at every input size (its drop of a window starting in the right padding cannot
-            # fire when k >= p + s)
+            # torch's ceil_mode at every input size
             params[5] = 0
         else:
             params.update({14: pw + max(extra_w, 0), 15: ph + max(extra_h, 0)})
-            b.warn_once(f"ceil:{node.name}", "ncnn export: max pooling %s (kernel %s, stride %s, padding %s) in ceil "
+            b.warn_once(f"ceil:{node.name}", "ncnn export: pooling %s (kernel %s, stride %s, padding %s) in ceil "
                         "mode is written with the tail padding of the export-time input size %s; torch's ceil_mode "
                         "drops a last window starting in the padding, which ncnn's full padding does not, so other "
                         "input sizes may get one more output row / column", node.name, (kh, kw), (sh, sw),
                         (ph, pw), (h, w))
     if not is_max:
-        params[6] = int(bool(a.get("count_include_pad", True)))
-    b.emit(node, "Pooling", [b.blob(x, node)], params)
+        params[6] = int(count_pads)
+    b.emit(node, "Pooling", [bottom], params)
 
 
 def _pool_padded(b: NcnnBuilder, node: fx.Node, mod: nn.Module, is_max: bool) -> None:
@@ -1156,7 +1166,8 @@ def _concat(b: NcnnBuilder, node: fx.Node) -> None:
     their one image so, along the batch). Values whose batch of 1 lies along the concat dim, or at different dims, are
     concatenated as blobs of their whole shape (box corners ``unsqueeze(2)``-ed and joined along dim 2)."""
     if node.target is torch.stack:
-        raise b.fail(node, "torch.stack adds a dimension", "use torch.cat on unsqueezed tensors")
+        _stack(b, node)
+        return
     mod = b.module(node)
     if mod is not None:  # onnx2torch's OnnxConcat(axis)(*tensors)
         tensors, dim = list(node.args), int(mod.axis)
@@ -1182,6 +1193,26 @@ def _concat(b: NcnnBuilder, node: fx.Node) -> None:
     blobs = [b.blob(t, node) if b.batch_dim(t) is None
              else b.helper(node, "Reshape", [b.blob(t, node)], shape_params(b.shape(t))) for t in tensors]
     b.emit(node, "Concat", blobs, {0: dim % rank}, batch_dim=None)
+
+
+def _stack(b: NcnnBuilder, node: fx.Node) -> None:
+    """``torch.stack`` as the ``Concat`` of its values, each reshaped to its blob with a 1 at the new dim; a batch
+    at or after the new dim moves one dim on, as in torch."""
+    tensors, dim = list(_arg(node, 0, "tensors")), int(_arg(node, 1, "dim", 0))
+    out_shape = b.shape(node)
+    d = dim % len(out_shape)
+    layouts = {b.batch_dim(t) for t in tensors}
+    if len(layouts) != 1:
+        raise b.fail(node, f"it stacks values whose batch dimensions are at dims {[b.batch_dim(t) for t in tensors]}",
+                     "stack values of one layout")
+    bd = layouts.pop()
+    out_bd = None if bd is None else bd if bd < d else bd + 1
+    piece = drop_dim(out_shape[:d] + (1,) + out_shape[d + 1:], out_bd)
+    if len(piece) > 4:
+        raise b.fail(node, f"its result of shape {out_shape} is a rank-{len(piece)} blob",
+                     "stack values of at most three dims besides the batch")
+    blobs = [b.helper(node, "Reshape", [b.blob(t, node)], shape_params(piece)) for t in tensors]
+    b.emit(node, "Concat", blobs, {0: d if out_bd is None or d < out_bd else d - 1}, batch_dim=out_bd)
 
 
 @register_ncnn_converter("Flatten", "Reshape", "Squeeze", "Unsqueeze", any_batch_dim=True, high_rank=True)

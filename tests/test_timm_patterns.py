@@ -1,0 +1,182 @@
+"""Patterns found by running timm's architectures through ``bench/zoo.py --families timm`` (files nobody here
+wrote), each rebuilt small and run to a deployed file, against the simulation in the runtime.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fxq
+from fxq.analysis.mismatch_ncnn import ncnn_mat
+
+from _export_helpers import ncnn_net
+
+ncnn = pytest.importorskip("ncnn")
+
+
+def _ncnn_vs_simulation(gm: torch.fx.GraphModule, path: Path, x: torch.Tensor) -> float:
+    """Cosine of the int8 files' output (one sample) against the simulation's; the FP32 files against FP32."""
+    files = fxq.export(gm, "ncnn_int8", path)
+    param, bin_, _, fp32_param, fp32_bin = files
+    with torch.no_grad():
+        sim = gm(x)[0].numpy()
+        with fxq.fp32_mode(gm):
+            ref = gm(x)[0].numpy()
+    got = {}
+    for int8, (p, b) in ((True, (param, bin_)), (False, (fp32_param, fp32_bin))):
+        ex = ncnn_net(p, b, int8=int8).create_extractor()
+        ex.input("in0", ncnn_mat(x[0].numpy()))
+        ret, m = ex.extract("out0")
+        assert ret == 0
+        got[int8] = np.array(m).reshape(sim.shape).astype(np.float64)
+    np.testing.assert_allclose(got[False], ref, atol=1e-4 * max(1.0, float(np.abs(ref).max())))
+    a, b = got[True].ravel(), sim.astype(np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
+
+
+class UnfoldedTransformer(nn.Module):
+    """MobileViT's block: the image cut into 2x2 patches, the batch folded with the patch position into dim 0
+    (``(B * 4, H * W / 4, C)``), a pre-norm MLP with its residual, and the image put back."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.conv_in, self.conv_out = nn.Conv2d(3, c, 3, padding=1), nn.Conv2d(c, c, 1)
+        self.norm = nn.LayerNorm(c)
+        self.fc1, self.fc2 = nn.Linear(c, 2 * c), nn.Linear(2 * c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv_in(x)
+        b, c, h, w = y.shape
+        t = y.reshape(b * c * h // 2, 2, w // 2, 2).transpose(1, 2).reshape(b, c, h * w // 4, 4)
+        t = t.transpose(1, 3).reshape(b * 4, h * w // 4, c)
+        t = t + self.fc2(torch.nn.functional.silu(self.fc1(self.norm(t))))
+        t = t.reshape(b, 4, h * w // 4, c).transpose(1, 3).reshape(b * c * h // 2, w // 2, 2, 2)
+        return self.conv_out(t.transpose(1, 2).reshape(b, c, h, w))
+
+
+@pytest.mark.parametrize("form", ["native", "onnx"])
+def test_linear_over_a_folded_batch_keeps_its_blob_shape(tmp_path: Path, form: str) -> None:
+    """The Linear's rows were reshaped back to (rows, features), not to the input's (B * 4, N, C) blob: the
+    residual Add then broadcast a 2-D blob against a 3-D one and ncnn asked for tens of GB."""
+    torch.manual_seed(0)
+    model = UnfoldedTransformer().eval()
+    data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
+    if form == "onnx":
+        torch.onnx.export(model, (data[0],), str(tmp_path / "m.onnx"), dynamo=False, opset_version=17)
+        model = fxq.load_onnx(tmp_path / "m.onnx")
+    gm = fxq.quantize(model, data, "ncnn_int8", progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 8, 8)) >= 0.999
+
+
+class CeilAvgPool(nn.Module):
+    """ResNet-D's average-pool shortcut (timm's ``avg_down``: ``AvgPool2d(2, 2, ceil_mode=True,
+    count_include_pad=False)``) and its other forms, between two convolutions."""
+
+    def __init__(self, kernel: int, stride: int, padding: int, include_pad: bool) -> None:
+        super().__init__()
+        self.conv, self.conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+        self.pool = nn.AvgPool2d(kernel, stride, padding, ceil_mode=True, count_include_pad=include_pad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv2(self.pool(self.conv(x)))
+
+
+@pytest.mark.parametrize(("kernel", "stride", "padding", "include_pad"),
+                         [(2, 2, 0, False), (2, 2, 0, True), (3, 2, 1, False), (3, 2, 1, True)])
+@pytest.mark.parametrize("form", ["native", "onnx"])
+def test_average_pooling_in_ceil_mode(tmp_path: Path, kernel: int, stride: int, padding: int, include_pad: bool,
+                                      form: str) -> None:
+    """Refused before ("changes the window count at the border"). torch divides a window by its part inside the
+    input (and the explicit pads, when counted), never the ceil tail: the files run at odd sizes other than the
+    export's, FP32 against torch and int8 against the simulation."""
+    torch.manual_seed(0)
+    model: nn.Module = CeilAvgPool(kernel, stride, padding, include_pad).eval()
+    data = [torch.randn(1, 3, 15, 15) for _ in range(2)]
+    if form == "onnx":
+        torch.onnx.export(model, (data[0],), str(tmp_path / "m.onnx"), dynamo=False, opset_version=13,
+                          input_names=["x"], dynamic_axes={"x": {2: "h", 3: "w"}})
+        model = fxq.load_onnx(tmp_path / "m.onnx")
+    gm = fxq.quantize(model, data, "ncnn_int8", progress=False)
+    for size in ((15, 15), (9, 12), (16, 16)):
+        assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, *size)) >= 0.9999, size
+
+
+class BatchNormAct(nn.BatchNorm2d):
+    """timm's ``BatchNormAct2d``: a BatchNorm subclass whose forward asserts the rank, then calls ``F.batch_norm``
+    and the activation (symbolic tracing enters it: a ``getattr(x, 'ndim')`` reader beside the batch norm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._assert(x.ndim == 4, "expected a 4-D input")
+        x = torch.nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                           False, 0.1, self.eps)
+        return torch.relu(x)
+
+
+class ConvBnAct(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1, bias=False), BatchNormAct(8)
+        self.conv2 = nn.Conv2d(8, 4, 1)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-1, 1)
+            self.bn.running_var.uniform_(0.5, 2)
+            self.bn.weight.uniform_(0.5, 2)
+            self.bn.bias.uniform_(-1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv2(self.bn(self.conv(x)))
+
+
+class AddBnAct(ConvBnAct):
+    """The batch norm after a residual add (DenseNet / pre-activation style): nothing to fold it into."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return self.conv2(self.bn(y + torch.relu(y)))
+
+
+@pytest.mark.parametrize("model_type", [ConvBnAct, AddBnAct])
+def test_batch_norm_read_for_its_rank_too_folds(tmp_path: Path, model_type: type) -> None:
+    """The rank check read the conv's output, so the conv had two users and its batch norm was not folded: an extra
+    quantization point, and ncnn refused the functional batch norm ("only BatchNorm modules"), which it now
+    writes where nothing folds it (after an add)."""
+    torch.manual_seed(0)
+    model = model_type().eval()
+    data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
+    gm = fxq.quantize(model, data, "ncnn_int8", progress=False)
+    left = [n for n in gm.graph.nodes if n.target is torch.nn.functional.batch_norm]
+    assert len(left) == (model_type is AddBnAct)
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad(), fxq.fp32_mode(gm):
+        torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", x) >= 0.9999
+
+
+class Stacked(nn.Module):
+    """``torch.stack`` of two branches at ``dim`` (CoaT's and CSATv2's feature stacks), then a reduction that
+    reads the stacked axis."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+        self.a, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(3, 4, 1)
+        self.out = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.stack([self.a(x), torch.relu(self.b(x))], dim=self.dim)
+        w = torch.softmax(s, dim=self.dim)
+        y = (s * w).sum(dim=self.dim)
+        return self.out(y)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, 4, -1])
+def test_stack(tmp_path: Path, dim: int) -> None:
+    """ncnn refused ``torch.stack`` ("adds a dimension": use cat on unsqueezed tensors, in the user's model)."""
+    torch.manual_seed(0)
+    gm = fxq.quantize(Stacked(dim).eval(), [torch.randn(1, 3, 6, 6) for _ in range(2)], "ncnn_int8",
+                      progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 6, 6)) >= 0.9999
