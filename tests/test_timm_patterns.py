@@ -13,7 +13,7 @@ from torch import nn
 import fxq
 from fxq.analysis.mismatch_ncnn import ncnn_mat
 
-from _export_helpers import ncnn_net
+from _export_helpers import ncnn_net, run_ort
 
 ncnn = pytest.importorskip("ncnn")
 
@@ -180,3 +180,51 @@ def test_stack(tmp_path: Path, dim: int) -> None:
     gm = fxq.quantize(Stacked(dim).eval(), [torch.randn(1, 3, 6, 6) for _ in range(2)], "ncnn_int8",
                       progress=False)
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 6, 6)) >= 0.9999
+
+
+class OptionalArgs(nn.Module):
+    """timm's ``VisionTransformer.forward(x, attn_mask=None, is_causal=False)``: arguments a caller leaves out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                scale: float = 1.0) -> torch.Tensor:
+        q, k, v = self.qkv(x).reshape(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        if attn_mask is not None:
+            q = q + attn_mask
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+        return self.proj(y.transpose(1, 2).reshape(x.shape) * scale)
+
+
+def test_arguments_left_out_are_captured_as_their_defaults(tmp_path: Path) -> None:
+    """Traced as inputs, ``attn_mask`` / ``is_causal`` were placeholders without a tensor: every ONNX export
+    failed ("input 'attn_mask' has no recorded shape"). They are now the constants the caller's call gives."""
+    torch.manual_seed(0)
+    model = OptionalArgs().eval()
+    data = [torch.randn(2, 5, 8) for _ in range(2)]
+    gm = fxq.quantize(model, data, "trt_int8", progress=False)
+    assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["x"]
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad(), fxq.fp32_mode(gm):
+        torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
+    fxq.export(gm, "trt_int8", tmp_path / "m.onnx")
+    with torch.no_grad():
+        sim = gm(x).numpy()
+    np.testing.assert_allclose(run_ort(tmp_path / "m.onnx", x, optimize=False), sim, atol=1e-4)
+    got = run_ort(tmp_path / "m.onnx", x).astype(np.float64).ravel()  # its QLinearSoftmax: a code off (warned)
+    assert got @ sim.ravel() / (np.linalg.norm(got) * np.linalg.norm(sim)) >= 0.999
+
+
+def test_a_given_concrete_arg_leaves_no_placeholder() -> None:
+    """``concrete_args={"is_causal": True}`` (a user's own): its placeholder and torch.fx's check of its value go."""
+    torch.manual_seed(0)
+    model = OptionalArgs().eval()
+    gm = fxq.quantize(model, [torch.randn(2, 5, 8)], "trt_int8", concrete_args={"is_causal": True},
+                      progress=False)
+    assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["x"]
+    assert not [n for n in gm.graph.nodes if n.target is torch._assert]
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad(), fxq.fp32_mode(gm):
+        torch.testing.assert_close(gm(x), model(x, is_causal=True), atol=1e-5, rtol=1e-5)

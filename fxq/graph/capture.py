@@ -8,6 +8,7 @@ fails, one :class:`~fxq.errors.TraceError` lists, per path, the first construct 
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import re
 from typing import Any, Iterable
@@ -68,6 +69,7 @@ def capture(model: Any, example_args: tuple, *, example_kwargs: dict[str, Any] |
         if leaf_modules or concrete_args:
             logger.warning("capture='export': leaf_modules and concrete_args are symbolic tracing's and do not apply")
         return _export(model, example_args, example_kwargs or {})
+    concrete_args = {**_defaults_left_out(model, example_args, example_kwargs or {}), **(concrete_args or {})}
     try:
         gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
     except TraceError as fx_error:
@@ -75,6 +77,21 @@ def capture(model: Any, example_args: tuple, *, example_kwargs: dict[str, Any] |
             raise
         return _fallback(model, (example_args, example_kwargs or {}), fx_error, list(leaf_modules), concrete_args)
     return _note_script_leaves(gm)
+
+
+def _defaults_left_out(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The forward arguments the example batch leaves out whose defaults are no tensor (timm's ViT:
+    ``attn_mask=None``, ``is_causal=False``): captured as those constants, as ``torch.export`` does. Traced as
+    inputs they would be placeholders that carry no tensor, which an exporter cannot write, and a flag among them
+    could not pick its branch."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # a forward without a signature Python can read
+        return {}
+    free = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return {p.name: p.default for p in params[len(args):]
+            if p.kind not in free and p.name not in kwargs and p.default is not inspect.Parameter.empty
+            and (p.default is None or isinstance(p.default, (bool, int, float, str)))}
 
 
 def _note_script_leaves(gm: fx.GraphModule) -> fx.GraphModule:

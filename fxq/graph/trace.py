@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import inspect
 import linecache
+import operator
 import os
 import threading
 import traceback
@@ -93,6 +94,27 @@ def failure_line(exc: BaseException) -> str | None:
     return found
 
 
+def _drop_specialized(graph: fx.Graph, model: nn.Module, concrete_args: dict[str, Any]) -> None:
+    """Concrete args are constants of the graph: torch.fx keeps a placeholder for each, read only by a check that the
+    caller passed that value (``_assert_is_none``, or ``torch._assert(arg == value)``). The checks go, and the
+    placeholder with them when nothing else reads it; one that stays takes the value as its default, so callers may
+    leave it out. An exporter then sees only the inputs that carry tensors."""
+    params = list(inspect.signature(model.forward).parameters)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for param, node in zip(params, placeholders):
+        if param not in concrete_args:
+            continue
+        node.args = (concrete_args[param],)
+        for user in list(node.users):
+            checks = [user] if user.target is fx._symbolic_trace._assert_is_none else []
+            if user.target is operator.eq and [u.target for u in user.users] == [torch._assert]:
+                checks = [*user.users, user]
+            for check in checks:
+                graph.erase_node(check)
+        if not node.users:
+            graph.erase_node(node)
+
+
 def trace(
     model: nn.Module,
     leaf_modules: Iterable[type[nn.Module] | str] = (),
@@ -145,12 +167,8 @@ def trace(
             )
         err.module_path, err.construct, err.source_line = tracer.failed_module, construct, line
         raise err from exc
-    if concrete_args:  # concrete args become the defaults, so callers may leave them out
-        params = list(inspect.signature(model.forward).parameters)
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        for param, node in zip(params, placeholders):
-            if param in concrete_args:
-                node.args = (concrete_args[param],)
+    if concrete_args:
+        _drop_specialized(graph, model, concrete_args)
     name = type(model).__name__
     gm = fx.GraphModule(tracer.root, graph, name)
     gm.meta["fxq_source"] = name
