@@ -34,7 +34,11 @@ def _ncnn_vs_simulation(gm: torch.fx.GraphModule, path: Path, x: torch.Tensor) -
         assert ret == 0
         got[int8] = np.array(m).reshape(sim.shape).astype(np.float64)
     np.testing.assert_allclose(got[False], ref, atol=1e-4 * max(1.0, float(np.abs(ref).max())))
-    a, b = got[True].ravel(), sim.astype(np.float64).ravel()
+    return _cosine(got[True], sim)
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
 
 
@@ -228,3 +232,45 @@ def test_a_given_concrete_arg_leaves_no_placeholder() -> None:
     x = torch.randn(2, 5, 8)
     with torch.no_grad(), fxq.fp32_mode(gm):
         torch.testing.assert_close(gm(x), model(x, is_causal=True), atol=1e-5, rtol=1e-5)
+
+
+class LinearAttention(nn.Module):
+    """EfficientViT's ReLU linear attention (timm's ``LiteMLA``): ``v`` padded with ones, so the last channel of
+    ``q @ (k^T @ v)`` is the normalizer, and the output ``out[..., :-1] / (out[..., -1:] + 1e-15)``."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Conv2d(3, 3 * c, 1), nn.Conv2d(c, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = x.shape
+        q, k, v = torch.relu(self.qkv(x)).reshape(b, 3, -1, h * w).transpose(-1, -2).unbind(1)
+        v = torch.nn.functional.pad(v, (0, 1), mode="constant", value=1.0)
+        out = q @ (k.transpose(-1, -2) @ v)
+        out = out[..., :-1] / (out[..., -1:] + 1e-15)
+        return self.proj(out.transpose(-1, -2).reshape(b, -1, h, w))
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8", "ncnn_int8"])
+def test_a_divisor_stays_fp32(tmp_path: Path, platform: str) -> None:
+    """The normalizer's Add output was quantized: where q is all zero (ReLU), ``0 + 1e-15`` rounded to 0 and the
+    simulation divided 0 by 0 (NaN) where the float model and the exported file did not."""
+    torch.manual_seed(0)
+    model = LinearAttention().eval()
+    with torch.no_grad():
+        model.qkv.bias.fill_(-0.5)  # many all-zero query rows, as in the random-init model
+    data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
+    gm = fxq.quantize(model, data, platform, progress=False)
+    div = next(n for n in gm.graph.nodes if n.meta.get("fxq") is not None and n.meta["fxq"].op_type == "Div")
+    assert div.args[1].name not in div.meta["fxq"].inputs and div.args[1].meta["fxq"].output is None
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        sim = gm(x).numpy()
+        with fxq.fp32_mode(gm):
+            ref = gm(x).numpy()
+    assert np.isfinite(sim).all() and _cosine(sim, ref) > 0.99
+    if platform == "ncnn_int8":
+        assert _ncnn_vs_simulation(gm, tmp_path / "m", x) >= 0.999
+    else:
+        fxq.export(gm, platform, tmp_path / "m.onnx")  # a ratio of products: a rounding tie a code apart
+        assert _cosine(run_ort(tmp_path / "m.onnx", x, optimize=False), sim) >= 0.9999

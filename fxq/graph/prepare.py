@@ -97,7 +97,14 @@ class _Builder:
     # ------------------------------------------------------------------ decisions
     def wants_output(self, node: fx.Node) -> bool:
         p = self.platform_of(node)
-        return bool(p and p.quantizes_output(self.types[node]) and is_float_tensor(node.meta.get("val")))
+        return bool(p and p.quantizes_output(self.types[node]) and is_float_tensor(node.meta.get("val"))
+                    and not (node.users and all(self._divides_by(u, node) for u in node.users)))
+
+    def _divides_by(self, node: fx.Node, value: fx.Node) -> bool:
+        """Whether ``node`` divides by ``value``. A divisor stays FP32: rounding takes the epsilon it carries to 0
+        (EfficientViT's ``x / (s + 1e-15)``: 0 / 0 on every quiet pixel), and no backend divides in int8."""
+        return self.types.get(node) == "Div" and len(node.args) > 1 and node.args[1] is value and \
+            node.args[0] is not value
 
     def fused_into(self, node: fx.Node) -> fx.Node | None:
         """The activation that takes over this node's output quantizer (conv -> relu), if any."""
@@ -120,7 +127,7 @@ class _Builder:
         out: list[tuple[fx.Node, str]] = []
         seen: set[fx.Node] = set()
         for i, inp in enumerate(node.all_input_nodes):
-            if inp in seen or not is_float_tensor(inp.meta.get("val")):
+            if inp in seen or not is_float_tensor(inp.meta.get("val")) or self._divides_by(node, inp):
                 continue
             seen.add(inp)
             if (inp is w and t in COMPUTING_OPS) or inp in weights:
