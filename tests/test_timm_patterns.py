@@ -12,6 +12,7 @@ from torch import nn
 
 import fxq
 from fxq.analysis.mismatch_ncnn import ncnn_mat
+from fxq.graph.op_types import op_type
 
 from _export_helpers import ncnn_net, run_ort
 
@@ -274,3 +275,68 @@ def test_a_divisor_stays_fp32(tmp_path: Path, platform: str) -> None:
     else:
         fxq.export(gm, platform, tmp_path / "m.onnx")  # a ratio of products: a rounding tie a code apart
         assert _cosine(run_ort(tmp_path / "m.onnx", x, optimize=False), sim) >= 0.9999
+
+
+class GroupNorms(nn.Module):
+    """The group norms timm's CPUBone / LowFormer use (nn.GroupNorm, F.group_norm, one group: LayerNorm2d-like)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.conv2, self.conv3 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 1), nn.Conv2d(8, 4, 1)
+        self.gn = nn.GroupNorm(4, 8)
+        self.w, self.b = nn.Parameter(torch.rand(8) + 0.5), nn.Parameter(torch.randn(8) * 0.1)
+        with torch.no_grad():
+            self.gn.weight.uniform_(0.5, 1.5)
+            self.gn.bias.uniform_(-0.2, 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.gn(self.conv(x)))
+        y = torch.nn.functional.group_norm(self.conv2(y), 1, self.w, self.b, 1e-6)
+        return self.conv3(torch.nn.functional.group_norm(y, 2))
+
+
+@pytest.mark.parametrize("form", ["native", "export"])
+def test_group_norm(tmp_path: Path, form: str) -> None:
+    """Untyped before (``Unknown``: nothing read it, ncnn had no converter; torch.export's ``aten.group_norm``
+    stayed aten): now typed ``GroupNormalization`` and written as ncnn's ``GroupNorm``."""
+    torch.manual_seed(0)
+    model: nn.Module = GroupNorms().eval()
+    data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
+    gm = fxq.quantize(model, data, "ncnn_int8", progress=False, capture="export" if form == "export" else "auto")
+    mods = dict(gm.named_modules())
+    assert sum(op_type(n, mods) == "GroupNormalization" for n in gm.graph.nodes) == 3
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 8, 8)) >= 0.9999
+
+
+class ExportedAttention(nn.Module):
+    """Ops torch.export leaves as aten overloads the lift did not know (MobileViT / NesT / CrossViT / ConViT once
+    symbolic tracing fails on their shape branches): ``unbind``, ``scaled_dot_product_attention``, ``sum`` over
+    dims, ``pow`` by a scalar, ``amax``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).reshape(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(x.shape)
+        norm = y.pow(2).sum(dim=-1, keepdim=True) + y.amax(dim=-1, keepdim=True)
+        return self.proj(y) + norm
+
+
+def test_aten_ops_of_exported_graphs_are_lifted(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = ExportedAttention().eval()
+    data = [torch.randn(1, 5, 8) for _ in range(2)]
+    gm = fxq.quantize(model, data, "trt_int8", progress=False, capture="export")
+    mods = dict(gm.named_modules())
+    assert gm.meta["fxq_capture"] == "export"
+    assert not [n.target for n in gm.graph.nodes if n.op == "call_function" and op_type(n, mods) == "Unknown"]
+    quantized = [n for n in gm.graph.nodes if n.meta.get("fxq") is not None and n.meta["fxq"].op_type == "MatMul"
+                 and n.meta["fxq"].inputs]
+    assert len(quantized) == 2  # the attention was decomposed: q @ k^T and p @ v run quantized
+    x = torch.randn(1, 5, 8)
+    fxq.export(gm, "trt_int8", tmp_path / "m.onnx")
+    with torch.no_grad():
+        sim = gm(x).numpy()
+    assert _cosine(run_ort(tmp_path / "m.onnx", x, optimize=False), sim) >= 0.9999

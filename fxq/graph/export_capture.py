@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
-_ARITY = {F.layer_norm: 5, F.elu: 2}
+_ARITY = {F.layer_norm: 5, F.group_norm: 5, F.elu: 2}
 """Lifted functions whose aten overload takes more positional arguments than they do (the rest are defaults)."""
 
 _BN_NO_TRAINING = aten._native_batch_norm_legit_no_training.default

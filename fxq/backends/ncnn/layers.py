@@ -640,6 +640,38 @@ def _layernorm(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, "LayerNorm", [b.blob(x, node)], {0: size, 1: float(eps), 2: int(bool(weights))}, weights)
 
 
+@register_ncnn_converter("GroupNormalization")
+def _groupnorm(b: NcnnBuilder, node: fx.Node) -> None:
+    """``GroupNorm`` (0 groups, 1 channels, 2 eps, 3 affine; gamma, beta per channel) over the channels of an
+    ``(N, C, ...)`` value: ``nn.GroupNorm``, ``F.group_norm``, ONNX ``GroupNormalization`` (a per-group scale
+    repeated over its channels)."""
+    mod = b.module(node)
+    x = node.args[0]
+    if isinstance(mod, nn.GroupNorm):
+        groups, eps, weight, bias = mod.num_groups, mod.eps, mod.weight, mod.bias
+    elif mod is not None and hasattr(mod, "num_groups") and hasattr(mod, "per_group"):  # OnnxGroupNormalization
+        groups, eps, weight, bias = mod.num_groups, mod.eps, mod.scale, mod.bias
+        if mod.per_group:
+            channels = b.shape(x)[1]
+            weight, bias = (t.repeat_interleave(channels // groups) for t in (weight, bias))
+    elif mod is None:  # F.group_norm(input, num_groups, weight, bias, eps)
+        groups = int(_const(b, node, _arg(node, 1, "num_groups"), "num_groups"))
+        weight, bias = _arg(node, 2, "weight", None), _arg(node, 3, "bias", None)
+        eps = _const(b, node, _arg(node, 4, "eps", 1e-5), "eps")
+    else:
+        raise b.fail(node, f"a group norm module of type {type(mod).__name__} is not one ncnn's writer reads",
+                     "use nn.GroupNorm or F.group_norm")
+    shape = b.shape(x)
+    if len(shape) != 4 or b.batch_dim(x) != 0:
+        raise b.fail(node, f"it normalizes a value of shape {shape} (batch dim {b.batch_dim(x)}); the writer maps "
+                     "ncnn's GroupNorm onto (N, C, H, W) values only", "group-normalize a 4-D (N, C, H, W) value")
+    channels = shape[1]
+    gamma = b.param(weight, node, "weight") if weight is not None else torch.ones(channels)
+    beta = b.param(bias, node, "bias") if bias is not None else torch.zeros(channels)
+    b.emit(node, "GroupNorm", [b.blob(x, node)], {0: int(groups), 1: channels, 2: float(eps), 3: 1},
+           [("raw", _np(gamma)), ("raw", _np(beta))])
+
+
 @register_ncnn_converter("LpNormalization")
 def _l2_normalize(b: NcnnBuilder, node: fx.Node) -> None:
     """``F.normalize(x, p=2, dim=1, eps)`` (SSD's L2Norm) as ``Normalize`` (0 across_spatial, 4 across_channel,
