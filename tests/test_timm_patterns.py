@@ -340,3 +340,66 @@ def test_aten_ops_of_exported_graphs_are_lifted(tmp_path: Path) -> None:
     with torch.no_grad():
         sim = gm(x).numpy()
     assert _cosine(run_ort(tmp_path / "m.onnx", x, optimize=False), sim) >= 0.9999
+
+
+class StdConv(nn.Conv2d):
+    """timm's ``StdConv2d`` (BiT, ResNetV2 hybrids): the weight standardized by ``F.batch_norm(training=True)`` on
+    each call, which torch.onnx cannot write (``aten::_native_batch_norm_legit``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.nn.functional.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None,
+                                           training=True, momentum=0.0, eps=1e-6).reshape_as(self.weight)
+        return torch.nn.functional.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+class StoredInputs(nn.Module):
+    """A standardized conv, and a relative-position MLP run on stored coordinates (timm's ``vit_srelpos``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = StdConv(3, 8, 3, padding=1)
+        coords = torch.stack(torch.meshgrid(torch.arange(4.0), torch.arange(4.0), indexing="ij")).reshape(2, 16)
+        self.register_buffer("coords", coords.T.contiguous())
+        self.mlp = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.out = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)  # (N, 8, 4, 4)
+        bias = self.mlp(self.coords).T.reshape(1, 8, 4, 4)
+        return self.out(y + bias)
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ncnn_int8"])
+def test_values_computed_from_stored_tensors_alone_are_stored(tmp_path: Path, platform: str) -> None:
+    """torch.onnx refused the standardized weight and ncnn the MLP over constant coordinates; both are now computed
+    once at preparation, as a trainable parameter (the weight) and a buffer-derived parameter of the MLP."""
+    torch.manual_seed(0)
+    model = StoredInputs().eval()
+    data = [torch.randn(1, 3, 4, 4) for _ in range(2)]
+    gm = fxq.quantize(model, data, platform, progress=False)
+    stored = {n.target for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).startswith("fxq_stored")}
+    assert len(stored) == 2 and all(isinstance(getattr(gm, t), nn.Parameter) for t in stored)
+    assert not [n for n in gm.graph.nodes if n.target is torch.nn.functional.batch_norm]
+    x = torch.randn(1, 3, 4, 4)
+    with torch.no_grad(), fxq.fp32_mode(gm):
+        torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
+    if platform == "ncnn_int8":
+        assert _ncnn_vs_simulation(gm, tmp_path / "m", x) >= 0.9999
+    else:
+        fxq.export(gm, platform, tmp_path / "m.onnx")
+        with torch.no_grad():
+            sim = gm(x).numpy()
+        assert _cosine(run_ort(tmp_path / "m.onnx", x, optimize=False), sim) >= 0.9999
+
+
+def test_random_and_in_place_computations_are_not_stored() -> None:
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.rand_like(self.w) * 0 + self.w.clone().relu_()
+
+    gm = fxq.quantize(Noisy().eval(), [torch.randn(2, 4)], "trt_int8", progress=False)
+    assert not [n for n in gm.graph.nodes if str(n.target).startswith("fxq_stored")]

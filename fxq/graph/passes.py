@@ -502,6 +502,84 @@ class _GraphSnapshot:
         return True
 
 
+_RANDOM = ("rand", "bernoulli", "normal", "uniform", "multinomial", "dropout")
+_LARGEST_FOLD = 1 << 24
+"""Elements of the largest value :func:`fold_stored_computations` stores (an expand of a small tensor to a huge one
+stays a computation)."""
+
+
+@torch.no_grad()
+def fold_stored_computations(gm: fx.GraphModule) -> fx.GraphModule:
+    """Compute once what the graph computes from stored tensors alone, and store the result.
+
+    timm's ``StdConv2d`` (BiT, ResNetV2 hybrids, NFNets) standardizes its weight with ``F.batch_norm(training=True)``
+    on every call, which torch.onnx cannot write; a relative-position MLP runs on stored coordinates. Folded, a
+    weight quantizer sees the weight the conv uses, exporters write an initializer, and the simulation stops
+    recomputing it. A result computed from a trainable parameter is stored as one (trainable, as BatchNorm folding
+    leaves a conv's weight); in-place and random ops, and results over 16 M elements, are left as they are.
+    """
+    graph = gm.graph
+    modules = dict(gm.named_modules())
+    values: dict[fx.Node, Any] = {}
+    trainable: set[fx.Node] = set()
+    def written(node: fx.Node) -> bool:  # a value an op changes in place is no constant
+        return any(u.args and u.args[0] is node and mutates_first_argument(u, modules) for u in node.users)
+
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            if written(node):
+                continue
+            values[node] = get_attr_value(gm, str(node.target))
+            if isinstance(values[node], nn.Parameter) and values[node].requires_grad:
+                trainable.add(node)
+            continue
+        if node.op not in ("call_function", "call_method", "call_module") or not node.all_input_nodes or any(
+                i not in values for i in node.all_input_nodes) or mutates_first_argument(node, modules) or any(
+                word in str(getattr(node.target, "__name__", node.target)).lower() for word in _RANDOM):
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
+        try:
+            if node.op == "call_function":
+                result = node.target(*args, **kwargs)
+            elif node.op == "call_method":
+                result = getattr(args[0], str(node.target))(*args[1:], **kwargs)
+            else:
+                result = modules[str(node.target)](*args, **kwargs)
+        except Exception:  # noqa: BLE001 - what cannot run alone stays a computation of the graph
+            continue
+        if written(node):
+            continue
+        values[node] = result
+        if any(i in trainable for i in node.all_input_nodes) or (
+                node.op == "call_module" and any(p.requires_grad for p in modules[str(node.target)].parameters())):
+            trainable.add(node)
+    folded = 0
+    for node in list(graph.nodes):
+        value = values.get(node)
+        if node.op == "get_attr" or not isinstance(value, torch.Tensor) or value.numel() > _LARGEST_FOLD or all(
+                u in values for u in node.users):
+            continue
+        name = f"fxq_stored_{node.name}"
+        while hasattr(gm, name):
+            name += "_"
+        stored = value.detach().clone()
+        if node in trainable and stored.is_floating_point():
+            gm.register_parameter(name, nn.Parameter(stored))
+        else:
+            gm.register_buffer(name, stored)
+        with graph.inserting_before(node):
+            attr = graph.get_attr(name)
+        attr.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "stack_trace")})
+        node.replace_all_uses_with(attr)
+        folded += 1
+    if folded:
+        for node in reversed(list(graph.nodes)):
+            if node in values and node.op != "get_attr" and not node.users:
+                graph.erase_node(node)
+        logger.debug("%d values computed from stored tensors alone folded into stored tensors", folded)
+    return _finish(gm) if folded else gm
+
+
 def standardize(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
                 fold_bn: bool = True) -> fx.GraphModule:
     """The preparation pipeline every model goes through before dispatch.
@@ -516,6 +594,7 @@ def standardize(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
     functionalize_weighted_modules(gm)
     if fold_bn:
         fold_batchnorm(gm)
+        fold_stored_computations(gm)
     if example_inputs is not None:
         try:
             propagate_tensor_meta(gm, example_inputs)
