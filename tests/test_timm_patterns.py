@@ -403,3 +403,27 @@ def test_random_and_in_place_computations_are_not_stored() -> None:
 
     gm = fxq.quantize(Noisy().eval(), [torch.randn(2, 4)], "trt_int8", progress=False)
     assert not [n for n in gm.graph.nodes if str(n.target).startswith("fxq_stored")]
+
+
+class CrossCovariance(nn.Module):
+    """XCiT's / EdgeNeXt's cross-covariance attention: q and k L2-normalized along the tokens (the last dim of
+    (N, heads, C, T)), then a C x C attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, 2, 4).permute(2, 0, 3, 4, 1).unbind(0)
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+        attn = (q @ k.transpose(-2, -1)).softmax(dim=-1)
+        return self.proj((attn @ v).permute(0, 3, 1, 2).reshape(b, t, c))
+
+
+def test_l2_normalization_along_the_last_dim(tmp_path: Path) -> None:
+    """ncnn's Normalize takes the channels only: refused before ("along dim -1 of a rank-4 tensor")."""
+    torch.manual_seed(0)
+    gm = fxq.quantize(CrossCovariance().eval(), [torch.randn(1, 6, 8) for _ in range(2)], "ncnn_int8",
+                      progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 6, 8)) >= 0.9999

@@ -676,17 +676,25 @@ def _groupnorm(b: NcnnBuilder, node: fx.Node) -> None:
 def _l2_normalize(b: NcnnBuilder, node: fx.Node) -> None:
     """``F.normalize(x, p=2, dim=1, eps)`` (SSD's L2Norm) as ``Normalize`` (0 across_spatial, 4 across_channel,
     1 channel_shared, 2 eps, 9 eps_mode 1 = torch's ``x / max(||x||, eps)``, 3 scale_data_size; scale 1): over
-    the channels at each position of (N, C, H, W), or over the whole (N, C) vector."""
+    the channels at each position of (N, C, H, W), or over the whole (N, C) vector; along any other dim as a
+    Reduction, a max and a division."""
     if b.module(node) is not None or node.target is not F.normalize:
         raise b.fail(node, "only F.normalize is exported as Normalize", "write the normalization as F.normalize")
     x = _arg(node, 0, "input")
     p_norm = float(_const(b, node, _arg(node, 1, "p", 2.0), "p"))
     dim, eps = (_const(b, node, _arg(node, i, k, d), k) for i, k, d in ((2, "dim", 1), (3, "eps", 1e-12)))
     rank = len(b.shape(x))
-    if p_norm != 2.0 or int(dim) % rank != 1 or rank not in (2, 4):
-        raise b.fail(node, f"it is an L{p_norm:g} normalization along dim {dim} of a rank-{rank} tensor; ncnn's "
-                     "Normalize takes the L2 norm over the channels (dim 1) of (N, C) or (N, C, H, W)",
-                     "normalize with p=2 along dim 1 of (N, C) or (N, C, H, W)")
+    if p_norm != 2.0:
+        raise b.fail(node, f"it is an L{p_norm:g} normalization; ncnn has layers for the L2 norm only",
+                     "normalize with p=2")
+    if int(dim) % rank != 1 or rank not in (2, 4) or b.batch_dim(x) != 0:
+        # along another dim (XCiT's / EdgeNeXt's cross-covariance attention: the tokens of (N, heads, C, T)):
+        # x / max(||x||, eps) as a Reduction (8: L2) kept along that axis, a max with eps and a broadcast division
+        axis = b.ncnn_axis(node, int(dim), x)
+        norm = b.helper(node, "Reduction", [b.blob(x, node)], {0: 8, 1: 0, 3: [axis], 4: 1, 5: 1})
+        norm = b.helper(node, "BinaryOp", [norm], {0: 4, 1: 1, 2: float(eps)})
+        b.emit(node, "BinaryOp", [b.blob(x, node), norm], {0: 3})
+        return
     across_spatial, across_channel = (1, 0) if rank == 2 else (0, 1)
     params = {0: across_spatial, 4: across_channel, 1: 1, 2: float(eps), 9: 1, 3: 1}
     b.emit(node, "Normalize", [b.blob(x, node)], params, [("raw", np.ones(1, dtype=np.float32))])
