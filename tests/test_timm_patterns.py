@@ -427,3 +427,39 @@ def test_l2_normalization_along_the_last_dim(tmp_path: Path) -> None:
     gm = fxq.quantize(CrossCovariance().eval(), [torch.randn(1, 6, 8) for _ in range(2)], "ncnn_int8",
                       progress=False)
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 6, 8)) >= 0.9999
+
+
+class BuiltIndices(nn.Module):
+    """ConViT's relative indices, built on every call from ``zeros`` / ``arange`` / ``repeat_interleave``, then
+    read by a linear layer (ncnn has no layer for ``repeat_interleave``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Linear(3, 8)
+        self.conv = nn.Conv2d(3, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ind = torch.arange(4).view(1, -1) - torch.arange(4).view(-1, 1)
+        dx = ind.repeat(4, 4)
+        dy = ind.repeat_interleave(4, dim=0).repeat_interleave(4, dim=1)
+        rel = torch.zeros(1, 16, 16, 3)
+        rel[:, :, :, 2] = dx ** 2 + dy ** 2
+        rel[:, :, :, 1] = dy
+        rel[:, :, :, 0] = dx
+        bias = self.pos(rel).mean(dim=2).transpose(1, 2).reshape(1, 8, 4, 4)
+        return self.conv(x) + bias
+
+
+def test_indices_built_from_factories_are_stored(tmp_path: Path) -> None:
+    """Symbolic tracing runs such calls itself (constants of the graph); torch.export, which captures ConViT (its
+    shape branch stops tracing), keeps each ``arange`` / ``zeros`` as a call."""
+    torch.manual_seed(0)
+    model = BuiltIndices().eval()
+    gm = fxq.quantize(model, [torch.randn(1, 3, 4, 4) for _ in range(2)], "ncnn_int8", progress=False,
+                      capture="export")
+    assert [n for n in gm.graph.nodes if str(n.target).startswith("fxq_stored")]
+    assert not [n for n in gm.graph.nodes if "repeat_interleave" in str(n.target)]
+    x = torch.randn(1, 3, 4, 4)
+    with torch.no_grad(), fxq.fp32_mode(gm):
+        torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", x) >= 0.9999

@@ -503,6 +503,8 @@ class _GraphSnapshot:
 
 
 _RANDOM = ("rand", "bernoulli", "normal", "uniform", "multinomial", "dropout")
+_FACTORIES = frozenset({torch.zeros, torch.ones, torch.full, torch.arange, torch.eye, torch.linspace})
+"""Calls that make a tensor from constant arguments alone (ConViT's relative indices: ``zeros``, ``arange``...)."""
 _LARGEST_FOLD = 1 << 24
 """Elements of the largest value :func:`fold_stored_computations` stores (an expand of a small tensor to a huge one
 stays a computation)."""
@@ -513,7 +515,8 @@ def fold_stored_computations(gm: fx.GraphModule) -> fx.GraphModule:
     """Compute once what the graph computes from stored tensors alone, and store the result.
 
     timm's ``StdConv2d`` (BiT, ResNetV2 hybrids, NFNets) standardizes its weight with ``F.batch_norm(training=True)``
-    on every call, which torch.onnx cannot write; a relative-position MLP runs on stored coordinates. Folded, a
+    on every call, which torch.onnx cannot write; a relative-position MLP runs on stored coordinates; ConViT builds
+    its relative indices from ``zeros`` / ``arange`` (:data:`_FACTORIES`, the calls folded without inputs). Folded, a
     weight quantizer sees the weight the conv uses, exporters write an initializer, and the simulation stops
     recomputing it. A result computed from a trainable parameter is stored as one (trainable, as BatchNorm folding
     leaves a conv's weight); in-place and random ops, and results over 16 M elements, are left as they are.
@@ -533,7 +536,8 @@ def fold_stored_computations(gm: fx.GraphModule) -> fx.GraphModule:
             if isinstance(values[node], nn.Parameter) and values[node].requires_grad:
                 trainable.add(node)
             continue
-        if node.op not in ("call_function", "call_method", "call_module") or not node.all_input_nodes or any(
+        if node.op not in ("call_function", "call_method", "call_module") or not (
+                node.all_input_nodes or node.target in _FACTORIES) or any(
                 i not in values for i in node.all_input_nodes) or mutates_first_argument(node, modules) or any(
                 word in str(getattr(node.target, "__name__", node.target)).lower() for word in _RANDOM):
             continue
