@@ -463,3 +463,41 @@ def test_indices_built_from_factories_are_stored(tmp_path: Path) -> None:
     with torch.no_grad(), fxq.fp32_mode(gm):
         torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
     assert _ncnn_vs_simulation(gm, tmp_path / "m", x) >= 0.9999
+
+
+class LinearNorm(nn.Module):
+    """LeViT's ``LinearNorm``: a BatchNorm1d over the rows of a linear layer's output, ``(N * T, C)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.bn = nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16)
+        self.out = nn.Linear(16, 4)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-1, 1)
+            self.bn.running_var.uniform_(0.5, 2)
+            self.bn.weight.uniform_(0.5, 2)
+            self.bn.bias.uniform_(-1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        return self.out(torch.relu(self.bn(y.flatten(0, 1)).reshape_as(y)))
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ncnn_int8"])
+def test_batch_norm_over_a_linear_layers_rows_folds(tmp_path: Path, platform: str) -> None:
+    """Left unfolded before: one more quantization point on trt_int8, and ncnn refused a BatchNorm whose input has
+    no batch dim (the batch folded into the rows)."""
+    torch.manual_seed(0)
+    model = LinearNorm().eval()
+    gm = fxq.quantize(model, [torch.randn(1, 5, 8) for _ in range(2)], platform, progress=False)
+    assert [n.meta.get("folded_bn") for n in gm.graph.nodes if n.meta.get("folded_bn")] == [["bn"]]
+    x = torch.randn(1, 5, 8)
+    with torch.no_grad(), fxq.fp32_mode(gm):
+        torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
+    if platform == "ncnn_int8":
+        assert _ncnn_vs_simulation(gm, tmp_path / "m", x) >= 0.9999
+    else:
+        fxq.export(gm, platform, tmp_path / "m.onnx")
+        with torch.no_grad():
+            sim = gm(x).numpy()
+        assert _cosine(run_ort(tmp_path / "m.onnx", x, optimize=False), sim) >= 0.9999

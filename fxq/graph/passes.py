@@ -252,6 +252,39 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
     return _finish(gm)
 
 
+_ROW_VIEWS = frozenset({"Reshape", "Flatten"})
+
+
+def fold_batchnorm_through_row_views(gm: fx.GraphModule) -> fx.GraphModule:
+    """Fold a BatchNorm over the rows of a linear layer's output into the linear: LeViT's ``LinearNorm`` runs
+    ``bn(linear(x).flatten(0, 1)).reshape_as(x)``, a BatchNorm1d over ``(N * T, C)`` whose channels are the
+    linear's output features. Needs ``meta["val"]``: the view must keep the last dim, and the BatchNorm's input
+    must be 2-D (its channels that last dim)."""
+    modules = dict(gm.named_modules())
+    folded = False
+    for node in list(gm.graph.nodes):
+        found = batchnorm_stats(gm, node, modules)
+        view = node.args[0] if found is not None and node.args else None
+        if not isinstance(view, fx.Node) or op_type(view, modules) not in _ROW_VIEWS or not _sole_reader(view, node):
+            continue
+        linear = view.args[0] if view.args else None
+        if not isinstance(linear, fx.Node) or linear.target is not F.linear or not _sole_reader(linear, view):
+            continue
+        parts = _weighted_parts(linear)
+        val, out = node.meta.get("val"), linear.meta.get("val")
+        if parts is None or not isinstance(val, torch.Tensor) or not isinstance(out, torch.Tensor) or \
+                val.dim() != 2 or val.shape[-1] != out.shape[-1] or val.numel() != out.numel() or \
+                not (_sole_owner(gm, parts[0]) and _sole_owner(gm, parts[1])):
+            continue
+        stats, bn_name = found
+        _fold_one(gm, linear, parts[0], parts[1], stats)
+        node.replace_all_uses_with(view)
+        linear.meta["folded_bn"] = [*linear.meta.get("folded_bn", []), bn_name]
+        gm.graph.erase_node(node)
+        folded = True
+    return _finish(gm) if folded else gm
+
+
 @torch.no_grad()
 def _fold_one(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.Node | None, bn: BatchNormStats) -> None:
     factor = (bn.weight if bn.weight is not None else torch.ones_like(bn.var)) / torch.sqrt(bn.var + bn.eps)
@@ -604,7 +637,7 @@ def standardize(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
             propagate_tensor_meta(gm, example_inputs)
             if fold_bn:  # these two need the shapes; what they add or rewrite then needs them again
                 before = [(n.op, n.target) for n in gm.graph.nodes]
-                fold_constant_affine(matmul_to_linear(gm))
+                fold_constant_affine(fold_batchnorm_through_row_views(matmul_to_linear(gm)))
                 if [(n.op, n.target) for n in gm.graph.nodes] != before:
                     propagate_tensor_meta(gm, example_inputs)
         except Exception as exc:
