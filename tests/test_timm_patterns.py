@@ -43,6 +43,17 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
 
 
+def _deployed_vs_simulation(gm: torch.fx.GraphModule, platform: str, tmp_path: Path, x: torch.Tensor) -> float:
+    """Cosine of the exported file (ncnn's int8 files, else the ONNX file in onnxruntime with ORT_DISABLE_ALL)
+    against the simulation on ``x``."""
+    if platform == "ncnn_int8":
+        return _ncnn_vs_simulation(gm, tmp_path / "m", x)
+    fxq.export(gm, platform, tmp_path / "m.onnx")
+    with torch.no_grad():
+        sim = gm(x).numpy()
+    return _cosine(run_ort(tmp_path / "m.onnx", x, optimize=False), sim)
+
+
 class UnfoldedTransformer(nn.Module):
     """MobileViT's block: the image cut into 2x2 patches, the batch folded with the patch position into dim 0
     (``(B * 4, H * W / 4, C)``), a pre-norm MLP with its residual, and the image put back."""
@@ -270,11 +281,7 @@ def test_a_divisor_stays_fp32(tmp_path: Path, platform: str) -> None:
         with fxq.fp32_mode(gm):
             ref = gm(x).numpy()
     assert np.isfinite(sim).all() and _cosine(sim, ref) > 0.99
-    if platform == "ncnn_int8":
-        assert _ncnn_vs_simulation(gm, tmp_path / "m", x) >= 0.999
-    else:
-        fxq.export(gm, platform, tmp_path / "m.onnx")  # a ratio of products: a rounding tie a code apart
-        assert _cosine(run_ort(tmp_path / "m.onnx", x, optimize=False), sim) >= 0.9999
+    assert _deployed_vs_simulation(gm, platform, tmp_path, x) >= 0.999  # a ratio: a rounding tie a code apart
 
 
 class GroupNorms(nn.Module):
@@ -383,13 +390,7 @@ def test_values_computed_from_stored_tensors_alone_are_stored(tmp_path: Path, pl
     x = torch.randn(1, 3, 4, 4)
     with torch.no_grad(), fxq.fp32_mode(gm):
         torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
-    if platform == "ncnn_int8":
-        assert _ncnn_vs_simulation(gm, tmp_path / "m", x) >= 0.9999
-    else:
-        fxq.export(gm, platform, tmp_path / "m.onnx")
-        with torch.no_grad():
-            sim = gm(x).numpy()
-        assert _cosine(run_ort(tmp_path / "m.onnx", x, optimize=False), sim) >= 0.9999
+    assert _deployed_vs_simulation(gm, platform, tmp_path, x) >= 0.9999
 
 
 def test_random_and_in_place_computations_are_not_stored() -> None:
@@ -494,10 +495,4 @@ def test_batch_norm_over_a_linear_layers_rows_folds(tmp_path: Path, platform: st
     x = torch.randn(1, 5, 8)
     with torch.no_grad(), fxq.fp32_mode(gm):
         torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
-    if platform == "ncnn_int8":
-        assert _ncnn_vs_simulation(gm, tmp_path / "m", x) >= 0.9999
-    else:
-        fxq.export(gm, platform, tmp_path / "m.onnx")
-        with torch.no_grad():
-            sim = gm(x).numpy()
-        assert _cosine(run_ort(tmp_path / "m.onnx", x, optimize=False), sim) >= 0.9999
+    assert _deployed_vs_simulation(gm, platform, tmp_path, x) >= 0.9999
