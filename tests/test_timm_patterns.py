@@ -496,3 +496,26 @@ def test_batch_norm_over_a_linear_layers_rows_folds(tmp_path: Path, platform: st
     with torch.no_grad(), fxq.fp32_mode(gm):
         torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
     assert _deployed_vs_simulation(gm, platform, tmp_path, x) >= 0.9999
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_group_norm_as_torch_onnx_writes_it(tmp_path: Path, groups: int) -> None:
+    """torch.onnx writes GroupNorm as Reshape to (N, groups, -1), InstanceNormalization, Reshape back, Mul, Add
+    (PoolFormer's one-group norm): ncnn refused the 3-D InstanceNormalization."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.gn, self.out = nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(groups, 8), nn.Conv2d(8, 4, 1)
+            with torch.no_grad():
+                self.gn.weight.uniform_(0.5, 1.5)
+                self.gn.bias.uniform_(-0.2, 0.2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.relu(self.gn(self.conv(x))))
+
+    torch.manual_seed(0)
+    data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
+    torch.onnx.export(Net().eval(), (data[0],), str(tmp_path / "m.onnx"), dynamo=False, opset_version=17)
+    gm = fxq.quantize(fxq.load_onnx(tmp_path / "m.onnx"), data, "ncnn_int8", progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 8, 8)) >= 0.9999

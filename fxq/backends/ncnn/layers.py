@@ -436,18 +436,29 @@ def _normalize(b: NcnnBuilder, node: fx.Node) -> None:
 
 @register_ncnn_converter("InstanceNormalization")
 def _instance_norm(b: NcnnBuilder, node: fx.Node) -> None:
-    """``InstanceNorm`` (0 channels, 1 eps, 2 affine; gamma, beta) of an ``(N, C, H, W)`` tensor, normalized over
-    H x W per channel, as ``nn.InstanceNorm2d`` without running statistics computes it."""
+    """``InstanceNorm`` (0 channels, 1 eps, 2 affine; gamma, beta) of an ``(N, C, H, W)`` or ``(N, C, L)`` tensor,
+    normalized over H x W (L) per channel, as ``nn.InstanceNorm2d`` / ``1d`` without running statistics compute
+    it."""
     mod = b.module(node)
     x = node.args[0]
     if not isinstance(mod, nn.modules.instancenorm._InstanceNorm) or mod.track_running_stats:
         raise b.fail(node, "only InstanceNorm modules normalizing by the input's own statistics are exported",
                      "use nn.InstanceNorm2d(track_running_stats=False)")
-    if len(b.shape(x)) != 4 or b.batch_dim(x) != 0:
-        raise b.fail(node, f"its input of shape {b.shape(x)} is not (N, C, H, W)", "apply it to 4-D image tensors")
-    c = int(b.shape(x)[1])
+    shape = b.shape(x)
+    if len(shape) not in (3, 4) or b.batch_dim(x) != 0:
+        raise b.fail(node, f"its input of shape {shape} is not (N, C, L) or (N, C, H, W)",
+                     "apply it to batch-first 3-D or 4-D tensors")
+    c = int(shape[1])
     weights = [("raw", _np(mod.weight)), ("raw", _np(mod.bias))] if mod.affine else []
-    b.emit(node, "InstanceNorm", [b.blob(x, node)], {0: c, 1: float(mod.eps), 2: int(mod.affine)}, weights)
+    params = {0: c, 1: float(mod.eps), 2: int(mod.affine)}
+    if len(shape) == 4:
+        b.emit(node, "InstanceNorm", [b.blob(x, node)], params, weights)
+        return
+    # (N, C, L), a 2-D blob that ncnn would take as one channel: as (C, 1, L) and back (torch.onnx writes
+    # GroupNorm so: Reshape to (N, groups, -1), InstanceNormalization, Reshape back; PoolFormer's one group)
+    planes = b.helper(node, "Reshape", [b.blob(x, node)], shape_params((c, 1, shape[2])))
+    normed = b.helper(node, "InstanceNorm", [planes], params, weights)
+    b.emit(node, "Reshape", [normed], shape_params((c, shape[2])))
 
 
 @register_ncnn_converter("Tile", "Expand", any_batch_dim=True)
