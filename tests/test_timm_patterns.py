@@ -12,7 +12,10 @@ from torch import nn
 
 import fxq
 from fxq.analysis.mismatch_ncnn import ncnn_mat
+from fxq.graph.capture import capture
 from fxq.graph.op_types import op_type
+from fxq.graph.passes import standardize
+from fxq.graph.trace import trace
 
 from _export_helpers import ncnn_net, run_ort
 
@@ -393,17 +396,76 @@ def test_values_computed_from_stored_tensors_alone_are_stored(tmp_path: Path, pl
     assert _deployed_vs_simulation(gm, platform, tmp_path, x) >= 0.9999
 
 
-def test_random_and_in_place_computations_are_not_stored() -> None:
-    class Noisy(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = nn.Parameter(torch.randn(4))
+class Noisy(nn.Module):
+    """Random draws from stored tensors (a Gumbel gate, Poisson noise) and an in-place write into a copy."""
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + torch.rand_like(self.w) * 0 + self.w.clone().relu_()
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.logits = nn.Parameter(torch.randn(4)), nn.Parameter(torch.zeros(4, 2))
 
-    gm = fxq.quantize(Noisy().eval(), [torch.randn(2, 4)], "trt_int8", progress=False)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.nn.functional.gumbel_softmax(self.logits, hard=True)[:, 0]
+        return x * gate + torch.poisson(self.w.abs()) + self.w.clone().relu_()
+
+
+class Written(nn.Module):
+    """A stored state read, then written through a view (``state[:, :].copy_(x)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = nn.Parameter(torch.zeros(2, 4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        prev = self.state * 1.0
+        self.state[:, :].copy_(x)
+        return x + prev
+
+
+class Tied(nn.Module):
+    """An encoder weight read again, transposed, by the decoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 8) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, self.w)), self.w.t())
+
+
+@pytest.mark.parametrize("model_type", [Noisy, Written, Tied])
+def test_what_is_not_a_stored_value(model_type: type) -> None:
+    """Random draws differ run to run (two seeds tell them), a written state changes, and a tied weight stored as
+    its own parameter would train apart from the original."""
+    torch.manual_seed(0)
+    model = model_type().eval()
+    x = torch.randn(2, 8 if model_type is Tied else 4)
+    gm = capture(model, (x,))
+    standardize(gm)
     assert not [n for n in gm.graph.nodes if str(n.target).startswith("fxq_stored")]
+
+
+def test_a_stored_parameter_leaves_no_unread_one() -> None:
+    """The StdConv weight folded into a stored parameter: the original, which nothing reads any more, is gone
+    (DistributedDataParallel refuses parameters that no step reads), while the conv's bias stays."""
+    torch.manual_seed(0)
+    gm = fxq.prepare_qat(StoredInputs(), "trt_int8", example_inputs=torch.randn(1, 3, 4, 4))
+    read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    unread = [name for name, _ in gm.named_parameters()
+              if name not in read and not any(name.startswith(c + ".") for c in called)]
+    assert unread == [] and "conv.bias" in dict(gm.named_parameters())
+
+
+def test_a_norm_subclass_with_its_own_forward_is_not_typed_as_its_base() -> None:
+    """timm-style ``GroupNormAct(nn.GroupNorm)`` kept whole: its activation would vanish from an ncnn GroupNorm."""
+
+    class GroupNormAct(nn.GroupNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.silu(super().forward(x))
+
+    gm = trace(nn.Sequential(GroupNormAct(2, 4), nn.GroupNorm(2, 4)), leaf_modules=[GroupNormAct])
+    mods = dict(gm.named_modules())
+    assert [op_type(n, mods) for n in gm.graph.nodes if n.op == "call_module"] == ["Unknown", "GroupNormalization"]
 
 
 class CrossCovariance(nn.Module):
@@ -519,3 +581,40 @@ def test_group_norm_as_torch_onnx_writes_it(tmp_path: Path, groups: int) -> None
     torch.onnx.export(Net().eval(), (data[0],), str(tmp_path / "m.onnx"), dynamo=False, opset_version=17)
     gm = fxq.quantize(fxq.load_onnx(tmp_path / "m.onnx"), data, "ncnn_int8", progress=False)
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 8, 8)) >= 0.9999
+
+
+class VarArgs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, *extra: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+        return self.lin(x) * scale + sum(extra)
+
+
+class Flag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_relu: bool) -> torch.Tensor:
+        return torch.relu(self.lin(x)) if use_relu else self.lin(x)
+
+
+def test_defaults_after_var_args_and_concrete_args_the_batches_pass(tmp_path: Path) -> None:
+    """torch.fx puts ``*args`` last among its placeholders, Python's signature before the keyword-only ones; and a
+    concrete arg that the batches still pass stays an input (the batches call the model as before)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    model: nn.Module = VarArgs().eval()
+    gm = fxq.quantize(model, [(x, y)], "trt_int8", progress=False)
+    assert len([n for n in gm.graph.nodes if n.op == "placeholder"]) == 2
+    with torch.no_grad(), fxq.fp32_mode(gm):
+        torch.testing.assert_close(gm(x, y), model(x, y), atol=1e-5, rtol=1e-5)
+    fxq.export(gm, "trt_int8", tmp_path / "m.onnx")
+    gm = fxq.quantize(model, [(x,)], "trt_int8", progress=False)  # ``*extra`` left empty: no input
+    fxq.export(gm, "trt_int8", tmp_path / "m.onnx")
+    model = Flag().eval()
+    gm = fxq.quantize(model, [(x, True)], "trt_int8", concrete_args={"use_relu": True}, progress=False)
+    with torch.no_grad(), fxq.fp32_mode(gm):
+        torch.testing.assert_close(gm(x, True), model(x, True), atol=1e-5, rtol=1e-5)

@@ -69,29 +69,44 @@ def capture(model: Any, example_args: tuple, *, example_kwargs: dict[str, Any] |
         if leaf_modules or concrete_args:
             logger.warning("capture='export': leaf_modules and concrete_args are symbolic tracing's and do not apply")
         return _export(model, example_args, example_kwargs or {})
-    concrete_args = {**_defaults_left_out(model, example_args, example_kwargs or {}), **(concrete_args or {})}
+    left_out = _left_out(model, example_args, example_kwargs or {})
+    concrete_args = {**{k: v for k, v in left_out.items() if v is not _NO_DEFAULT}, **(concrete_args or {})}
+    left_out_names = [name for name in concrete_args if name in left_out] + [
+        name for name in left_out if name.startswith("*")]
     try:
-        gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
+        gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args, left_out=left_out_names)
     except TraceError as fx_error:
         if capture == "fx":
             raise
-        return _fallback(model, (example_args, example_kwargs or {}), fx_error, list(leaf_modules), concrete_args)
+        return _fallback(model, (example_args, example_kwargs or {}), fx_error, list(leaf_modules), concrete_args,
+                         left_out_names)
     return _note_script_leaves(gm)
 
 
-def _defaults_left_out(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The forward arguments the example batch leaves out whose defaults are no tensor (timm's ViT:
-    ``attn_mask=None``, ``is_causal=False``): captured as those constants, as ``torch.export`` does. Traced as
-    inputs they would be placeholders that carry no tensor, which an exporter cannot write, and a flag among them
-    could not pick its branch."""
+_NO_DEFAULT = object()
+
+
+def _left_out(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The forward arguments the example batch does not pass, each with its default when that is no tensor
+    (timm's ViT: ``attn_mask=None``, ``is_causal=False``; else ``_NO_DEFAULT``). Capture fixes those defaults as
+    constants, as ``torch.export`` does: traced as inputs they would be placeholders that carry no tensor, which
+    an exporter cannot write, and a flag among them could not pick its branch."""
     try:
         params = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):  # a forward without a signature Python can read
         return {}
-    free = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    return {p.name: p.default for p in params[len(args):]
-            if p.kind not in free and p.name not in kwargs and p.default is not inspect.Parameter.empty
-            and (p.default is None or isinstance(p.default, (bool, int, float, str)))}
+    positional = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                       inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    given = set(positional[:len(args)]) | set(kwargs)
+    out = {}
+    for p in params:
+        if p.kind is inspect.Parameter.VAR_POSITIONAL and len(args) <= len(positional):
+            out["*" + p.name] = _NO_DEFAULT  # torch.fx's placeholder of the empty ``*args``
+        if p.name in given or p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        constant = p.default is None or isinstance(p.default, (bool, int, float, str))
+        out[p.name] = p.default if p.default is not inspect.Parameter.empty and constant else _NO_DEFAULT
+    return out
 
 
 def _note_script_leaves(gm: fx.GraphModule) -> fx.GraphModule:
@@ -136,7 +151,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> fx.GraphMo
 
 
 def _fallback(model: nn.Module, example: tuple[tuple, dict[str, Any]], fx_error: TraceError, leaves: list,
-              concrete_args: dict[str, Any] | None) -> fx.GraphModule:
+              concrete_args: dict[str, Any] | None, left_out: list[str]) -> fx.GraphModule:
     """torch.export, then FP32 islands, then one error naming every path's failure."""
     logger.info("symbolic tracing failed (%s); capturing %s with torch.export instead", fx_error,
                 type(model).__name__)
@@ -149,7 +164,7 @@ def _fallback(model: nn.Module, example: tuple[tuple, dict[str, Any]], fx_error:
         gm.meta["fxq_capture_note"] = f"torch.export (symbolic tracing failed: {_first_line(fx_error)})"
         return gm
     logger.info("torch.export failed too (%s); keeping the failing submodules FP32", export_failure)
-    gm, island_failure = _with_islands(model, fx_error, leaves, concrete_args, export_failure)
+    gm, island_failure = _with_islands(model, fx_error, leaves, concrete_args, export_failure, left_out)
     if gm is not None:
         return _note_script_leaves(gm)
     parts = _capturable_parts(copied, example)  # the eval-mode copy: the caller's BatchNorm statistics stay as they are
@@ -208,7 +223,7 @@ def _capturable_parts(model: nn.Module, example: tuple[tuple, dict[str, Any]]) -
 
 
 def _with_islands(model: nn.Module, error: TraceError, leaves: list, concrete_args: dict[str, Any] | None,
-                  export_failure: str) -> tuple[fx.GraphModule | None, str]:
+                  export_failure: str, left_out: list[str]) -> tuple[fx.GraphModule | None, str]:
     """Symbolic tracing with each failing submodule (innermost first) kept whole; (graph, "") or (None, why)."""
     islands: dict[str, str] = {}
     for _ in range(_MAX_ISLANDS):
@@ -221,7 +236,7 @@ def _with_islands(model: nn.Module, error: TraceError, leaves: list, concrete_ar
         islands[path] = (error.construct or "untraceable code") + (f" at {where}" if where else "")
         leaves.append(path)
         try:
-            gm = trace(model, leaf_modules=leaves, concrete_args=concrete_args)
+            gm = trace(model, leaf_modules=leaves, concrete_args=concrete_args, left_out=left_out)
         except TraceError as again:
             error = again
             continue

@@ -244,7 +244,7 @@ def op_type(node: fx.Node, modules: dict[str, nn.Module] | None = None) -> str:
         if mod is not None:
             for cls in type(mod).__mro__:
                 if cls in _MODULES:
-                    found = _MODULES[cls]
+                    found = _MODULES[cls] if _computes_as(type(mod), cls) else None
                     break
             if found in ("GlobalAveragePool", "GlobalMaxPool") and not _is_global(mod):
                 found = "AveragePool" if found == "GlobalAveragePool" else "MaxPool"
@@ -258,6 +258,13 @@ def op_type(node: fx.Node, modules: dict[str, nn.Module] | None = None) -> str:
         if not _all_ones(size):
             found = "AveragePool"
     return found or "Unknown"
+
+
+def _computes_as(subclass: type, cls: type) -> bool:
+    """Whether a module of ``subclass`` computes what ``cls`` does: the same forward, or torch's own subclass
+    (``SyncBatchNorm``). A user's ``GroupNormAct(nn.GroupNorm)`` kept whole adds an activation its type would
+    hide from exporters."""
+    return subclass.forward is cls.forward or subclass.__module__.startswith("torch.")
 
 
 def _is_global(mod: nn.Module) -> bool:

@@ -535,12 +535,63 @@ class _GraphSnapshot:
         return True
 
 
-_RANDOM = ("rand", "bernoulli", "normal", "uniform", "multinomial", "dropout")
 _FACTORIES = frozenset({torch.zeros, torch.ones, torch.full, torch.arange, torch.eye, torch.linspace})
 """Calls that make a tensor from constant arguments alone (ConViT's relative indices: ``zeros``, ``arange``...)."""
 _LARGEST_FOLD = 1 << 24
 """Elements of the largest value :func:`fold_stored_computations` stores (an expand of a small tensor to a huge one
 stays a computation)."""
+_VIEWS = frozenset({"Slice", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Identity",
+                    "Split"})
+_FAILED = object()
+
+
+def _written(graph: fx.Graph, modules: dict[str, nn.Module]) -> set[fx.Node]:
+    """The values an op changes in place, directly or through views (``self.state[:, :].copy_(x)``)."""
+    out: set[fx.Node] = set()
+    for node in graph.nodes:
+        if not (node.args and isinstance(node.args[0], fx.Node) and mutates_first_argument(node, modules)):
+            continue
+        value = node.args[0]
+        while isinstance(value, fx.Node) and value not in out:
+            out.add(value)
+            view = op_type(value, modules) in _VIEWS and value.args
+            value = value.args[0] if view else None
+    return out
+
+
+def _run_alone(node: fx.Node, values: dict[fx.Node, Any], modules: dict[str, nn.Module]) -> Any:
+    """``node``'s value from its inputs' ``values``, or ``_FAILED``: it raised, or it draws random numbers (two runs
+    under other seeds differ; the caller's random state is left as it was)."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
+
+    def run() -> Any:
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+        return modules[str(node.target)](*args, **kwargs)
+
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            first = run()
+            torch.manual_seed(1)
+            second = run()
+    except Exception:  # noqa: BLE001 - what cannot run alone stays a computation of the graph
+        return _FAILED
+    same = torch.equal(first, second) if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) \
+        else not isinstance(first, torch.Tensor) and first == second if not isinstance(first, (list, tuple)) \
+        else all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(first, second))
+    return first if same else _FAILED
+
+
+def _trainable_sources(node: fx.Node, modules: dict[str, nn.Module]) -> set[str]:
+    """The trainable tensors and modules (their paths) a folded value is computed from."""
+    if node.op == "get_attr":
+        return {str(node.target)}
+    if node.op == "call_module" and any(p.requires_grad for p in modules[str(node.target)].parameters()):
+        return {str(node.target)}
+    return set()
 
 
 @torch.no_grad()
@@ -551,56 +602,52 @@ def fold_stored_computations(gm: fx.GraphModule) -> fx.GraphModule:
     on every call, which torch.onnx cannot write; a relative-position MLP runs on stored coordinates; ConViT builds
     its relative indices from ``zeros`` / ``arange`` (:data:`_FACTORIES`, the calls folded without inputs). Folded, a
     weight quantizer sees the weight the conv uses, exporters write an initializer, and the simulation stops
-    recomputing it. A result computed from a trainable parameter is stored as one (trainable, as BatchNorm folding
-    leaves a conv's weight); in-place and random ops, and results over 16 M elements, are left as they are.
+    recomputing it. A value computed from trainable parameters is stored as a trainable parameter (as BatchNorm
+    folding leaves a conv's weight) and the parameters it replaces leave the model; it stays a computation when
+    those parameters are read elsewhere too (tied weights: training would untie them). Values written in place
+    (through views too), random draws, and results over 16 M elements stay computations. QAT that should keep
+    training the computation itself (a standardized weight staying standardized) prepares with ``fold_bn=False``.
     """
     graph = gm.graph
     modules = dict(gm.named_modules())
+    written = _written(graph, modules)
     values: dict[fx.Node, Any] = {}
-    trainable: set[fx.Node] = set()
-    def written(node: fx.Node) -> bool:  # a value an op changes in place is no constant
-        return any(u.args and u.args[0] is node and mutates_first_argument(u, modules) for u in node.users)
-
+    sources: dict[fx.Node, set[str]] = {}
     for node in graph.nodes:
+        if node in written:
+            continue
         if node.op == "get_attr":
-            if written(node):
-                continue
-            values[node] = get_attr_value(gm, str(node.target))
-            if isinstance(values[node], nn.Parameter) and values[node].requires_grad:
-                trainable.add(node)
+            values[node] = value = get_attr_value(gm, str(node.target))
+            sources[node] = {str(node.target)} if isinstance(value, nn.Parameter) and value.requires_grad else set()
             continue
         if node.op not in ("call_function", "call_method", "call_module") or not (
-                node.all_input_nodes or node.target in _FACTORIES) or any(
-                i not in values for i in node.all_input_nodes) or mutates_first_argument(node, modules) or any(
-                word in str(getattr(node.target, "__name__", node.target)).lower() for word in _RANDOM):
+                node.all_input_nodes or node.target in _FACTORIES) or any(i not in values for i in node.all_input_nodes):
             continue
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
-        try:
-            if node.op == "call_function":
-                result = node.target(*args, **kwargs)
-            elif node.op == "call_method":
-                result = getattr(args[0], str(node.target))(*args[1:], **kwargs)
-            else:
-                result = modules[str(node.target)](*args, **kwargs)
-        except Exception:  # noqa: BLE001 - what cannot run alone stays a computation of the graph
-            continue
-        if written(node):
+        result = _run_alone(node, values, modules)
+        if result is _FAILED:
             continue
         values[node] = result
-        if any(i in trainable for i in node.all_input_nodes) or (
-                node.op == "call_module" and any(p.requires_grad for p in modules[str(node.target)].parameters())):
-            trainable.add(node)
-    folded = 0
+        sources[node] = set().union(_trainable_sources(node, modules), *(sources[i] for i in node.all_input_nodes))
+    live = [n for n in graph.nodes if n not in values and n.op != "output"] + [
+        n for n in graph.nodes if n.op == "output"]
+    read_live = {str(n.target) for n in graph.nodes if n.op == "get_attr" and any(u not in values for u in n.users)}
+    read_live |= {str(n.target) for n in live if n.op == "call_module"}
+
+    def tied(path: str) -> bool:  # read by something that stays a computation (or its owner module is called)
+        return any(t == path or t.startswith(path + ".") or path.startswith(t + ".") for t in read_live)
+
+    folded: set[str] = set()
+    count = 0
     for node in list(graph.nodes):
         value = values.get(node)
         if node.op == "get_attr" or not isinstance(value, torch.Tensor) or value.numel() > _LARGEST_FOLD or all(
-                u in values for u in node.users):
+                u in values for u in node.users) or any(tied(p) for p in sources[node]):
             continue
         name = f"fxq_stored_{node.name}"
         while hasattr(gm, name):
             name += "_"
         stored = value.detach().clone()
-        if node in trainable and stored.is_floating_point():
+        if sources[node] and stored.is_floating_point():
             gm.register_parameter(name, nn.Parameter(stored))
         else:
             gm.register_buffer(name, stored)
@@ -608,13 +655,24 @@ def fold_stored_computations(gm: fx.GraphModule) -> fx.GraphModule:
             attr = graph.get_attr(name)
         attr.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "stack_trace")})
         node.replace_all_uses_with(attr)
-        folded += 1
-    if folded:
-        for node in reversed(list(graph.nodes)):
-            if node in values and node.op != "get_attr" and not node.users:
-                graph.erase_node(node)
-        logger.debug("%d values computed from stored tensors alone folded into stored tensors", folded)
-    return _finish(gm) if folded else gm
+        folded |= sources[node]
+        count += 1
+    if not count:
+        return gm
+    for node in reversed(list(graph.nodes)):
+        if node in values and not node.users:
+            graph.erase_node(node)
+    read = {str(n.target) for n in graph.nodes if n.op == "get_attr"}
+    called = {str(n.target) for n in graph.nodes if n.op == "call_module"}
+    for path in folded - read:  # a replaced parameter would sit unread (DDP refuses unused parameters)
+        owner_path, _, attr_name = path.rpartition(".")
+        if any(owner_path == c or owner_path.startswith(c + ".") for c in called):
+            continue  # its module (or one around it) still runs and reads it
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        if attr_name in owner._parameters:
+            delattr(owner, attr_name)
+    logger.debug("%d values computed from stored tensors alone folded into stored tensors", count)
+    return _finish(gm)
 
 
 def standardize(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
@@ -630,8 +688,8 @@ def standardize(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
     remove_identity_nodes(gm)
     functionalize_weighted_modules(gm)
     if fold_bn:
+        fold_stored_computations(gm)  # first: a StdConv's weight becomes stored, and its BatchNorm then folds
         fold_batchnorm(gm)
-        fold_stored_computations(gm)
     if example_inputs is not None:
         try:
             propagate_tensor_meta(gm, example_inputs)

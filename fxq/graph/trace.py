@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import linecache
 import operator
 import os
+import re
 import threading
 import traceback
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 import torch
 from torch import fx, nn
@@ -94,17 +94,20 @@ def failure_line(exc: BaseException) -> str | None:
     return found
 
 
-def _drop_specialized(graph: fx.Graph, model: nn.Module, concrete_args: dict[str, Any]) -> None:
-    """Concrete args are constants of the graph: torch.fx keeps a placeholder for each, read only by a check that the
-    caller passed that value (``_assert_is_none``, or ``torch._assert(arg == value)``). The checks go, and the
-    placeholder with them when nothing else reads it; one that stays takes the value as its default, so callers may
-    leave it out. An exporter then sees only the inputs that carry tensors."""
-    params = list(inspect.signature(model.forward).parameters)
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    for param, node in zip(params, placeholders):
-        if param not in concrete_args:
+def _drop_specialized(graph: fx.Graph, concrete_args: dict[str, Any], left_out: Collection[str]) -> None:
+    """Concrete args are constants of the graph. torch.fx keeps a placeholder for each (named ``<arg>_1``), read
+    only by a check that the caller passed that value (``_assert_is_none``, or ``torch._assert(arg == value)``).
+    Those the caller's batches leave out (``left_out``) go with their checks, so an exporter sees only the inputs
+    that carry tensors; the others stay inputs that take the value as their default."""
+    placeholders = {str(n.target): n for n in graph.nodes if n.op == "placeholder"}
+    for param, value in concrete_args.items():
+        node = next((n for t, n in placeholders.items() if t == param or re.fullmatch(rf"{re.escape(param)}_\d+", t)),
+                    None)
+        if node is None:
             continue
-        node.args = (concrete_args[param],)
+        node.args = (value,)
+        if param not in left_out:
+            continue
         for user in list(node.users):
             checks = [user] if user.target is fx._symbolic_trace._assert_is_none else []
             if user.target is operator.eq and [u.target for u in user.users] == [torch._assert]:
@@ -113,6 +116,10 @@ def _drop_specialized(graph: fx.Graph, model: nn.Module, concrete_args: dict[str
                 graph.erase_node(check)
         if not node.users:
             graph.erase_node(node)
+    for name in left_out:  # ``*args`` the batches fill with nothing, and the model does not read
+        node = placeholders.get(name)
+        if name not in concrete_args and node is not None and not node.users:
+            graph.erase_node(node)
 
 
 def trace(
@@ -120,6 +127,7 @@ def trace(
     leaf_modules: Iterable[type[nn.Module] | str] = (),
     concrete_args: dict[str, Any] | None = None,
     copy_model: bool = True,
+    left_out: Collection[str] = (),
 ) -> fx.GraphModule:
     """Symbolically trace ``model`` into a ``GraphModule``.
 
@@ -129,6 +137,7 @@ def trace(
         model: the float model (put in eval mode by the caller for PTQ).
         leaf_modules: module classes or qualified names to keep as single ``call_module`` nodes.
         concrete_args: forward arguments to fix to constants while tracing (e.g. flags).
+        left_out: those of ``concrete_args`` that callers do not pass: no longer inputs of the graph.
         copy_model: trace a deep copy, so graph passes never touch the caller's parameters.
 
     Raises:
@@ -167,8 +176,8 @@ def trace(
             )
         err.module_path, err.construct, err.source_line = tracer.failed_module, construct, line
         raise err from exc
-    if concrete_args:
-        _drop_specialized(graph, model, concrete_args)
+    if concrete_args or left_out:
+        _drop_specialized(graph, concrete_args or {}, left_out)
     name = type(model).__name__
     gm = fx.GraphModule(tracer.root, graph, name)
     gm.meta["fxq_source"] = name

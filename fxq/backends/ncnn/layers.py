@@ -875,7 +875,7 @@ def _pool(b: NcnnBuilder, node: fx.Node) -> None:
             b.warn_once(f"ceil:{node.name}", "ncnn export: pooling %s (kernel %s, stride %s, padding %s) in ceil "
                         "mode is written with the tail padding of the export-time input size %s; torch's ceil_mode "
                         "drops a last window starting in the padding, which ncnn's full padding does not, so other "
-                        "input sizes may get one more output row / column", node.name, (kh, kw), (sh, sw),
+                        "input sizes may get another number of output rows / columns", node.name, (kh, kw), (sh, sw),
                         (ph, pw), (h, w))
     if not is_max:
         params[6] = int(count_pads)
