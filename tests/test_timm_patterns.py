@@ -618,3 +618,25 @@ def test_defaults_after_var_args_and_concrete_args_the_batches_pass(tmp_path: Pa
     gm = fxq.quantize(model, [(x, True)], "trt_int8", concrete_args={"use_relu": True}, progress=False)
     with torch.no_grad(), fxq.fp32_mode(gm):
         torch.testing.assert_close(gm(x, True), model(x, True), atol=1e-5, rtol=1e-5)
+
+
+class GatedGelu(nn.Module):
+    """MambaOut's gated block: a split, the exact GELU of one piece, times the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, i = torch.split(self.fc1(x), [8, 8], dim=-1)
+        return self.fc2(torch.nn.functional.gelu(g) * i)
+
+
+def test_an_erf_gelu_of_a_split_output(tmp_path: Path) -> None:
+    """torch.onnx writes the GELU as x * 0.5 * (1 + erf(x / sqrt 2)); onnx2torch reads the Split's output once per
+    reader, so the pattern's two x's were different getitem nodes and ncnn met an Erf it has no layer for."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 5, 8)
+    torch.onnx.export(GatedGelu().eval(), (x,), str(tmp_path / "m.onnx"), dynamo=False, opset_version=17)
+    gm = fxq.quantize(fxq.load_onnx(tmp_path / "m.onnx"), [x, torch.randn(1, 5, 8)], "ncnn_int8", progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 5, 8)) >= 0.9999

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from typing import Any, Callable
 
 import torch
@@ -121,6 +122,10 @@ def _match(gm: fx.GraphModule, modules: dict[str, Any], erf: fx.Node
     def only_user(n: fx.Node) -> fx.Node | None:
         return next(iter(n.users)) if len(n.users) == 1 else None
 
+    def same(a: Any, b: Any) -> bool:  # onnx2torch gives each reader of a Split output its own getitem
+        return a is b or (isinstance(a, fx.Node) and isinstance(b, fx.Node) and a.target is operator.getitem
+                          and b.target is operator.getitem and a.args == b.args)
+
     def split(n: fx.Node) -> tuple[Any, float | None] | None:
         """(other operand, scalar) of a binary node with one scalar operand (the scalar second for Div)."""
         if len(n.args) != 2 or n.kwargs:
@@ -148,12 +153,12 @@ def _match(gm: fx.GraphModule, modules: dict[str, Any], erf: fx.Node
             return None
         (other,) = [a for a in m.args if a is not cur] or [None]
         s = _scalar(gm, other)
-        if other is x and not has_x:
+        if same(other, x) and not has_x:
             has_x = True
         elif s is not None:
             factor *= s
         elif isinstance(other, fx.Node) and t(other) == "Mul" and only_user(other) is m and not has_x and \
-                (split(other) or (None, None))[0] is x and split(other)[1] is not None:
+                same((split(other) or (None, None))[0], x) and split(other)[1] is not None:
             has_x, factor = True, factor * split(other)[1]  # (x * 0.5) * (1 + erf)
             interior.append(other)
         else:
