@@ -640,3 +640,24 @@ def test_an_erf_gelu_of_a_split_output(tmp_path: Path) -> None:
     torch.onnx.export(GatedGelu().eval(), (x,), str(tmp_path / "m.onnx"), dynamo=False, opset_version=17)
     gm = fxq.quantize(fxq.load_onnx(tmp_path / "m.onnx"), [x, torch.randn(1, 5, 8)], "ncnn_int8", progress=False)
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 5, 8)) >= 0.9999
+
+
+class SamePoolStem(nn.Module):
+    """BiT's stem (timm's ``create_pool2d('max', padding='same')``): ``F.pad(x, (0, 1, 0, 1), value=-inf)``, then
+    an unpadded max pool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.out = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.pad(torch.relu(self.conv(x)), (0, 1, 0, 1), value=-float("inf"))
+        return self.out(torch.nn.functional.max_pool2d(y, 3, 2))
+
+
+def test_an_infinite_padding_value_loads_in_ncnn(tmp_path: Path) -> None:
+    """The writer wrote ``5=-inf``; ncnn reads digits only and refused the whole file."""
+    torch.manual_seed(0)
+    gm = fxq.quantize(SamePoolStem().eval(), [torch.randn(1, 3, 8, 8) for _ in range(2)], "ncnn_int8",
+                      progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 8, 8)) >= 0.9999

@@ -22,6 +22,7 @@ Nothing here knows about torch.fx; :mod:`fxq.backends.ncnn.builder` builds an :c
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Union
 
@@ -37,12 +38,17 @@ _NAME_RE = re.compile(r"^\S{1,255}$")
 
 
 def format_param_value(value: ParamValue) -> str:
-    """One ``.param`` value: ints as ints, floats with an exponent, arrays as ``count,v0,v1...``."""
+    """One ``.param`` value: ints as ints, floats with an exponent (infinities as the largest float), arrays as
+    ``count,v0,v1...``."""
     if isinstance(value, bool):
         return str(int(value))
     if isinstance(value, (int, np.integer)):
         return str(int(value))
     if isinstance(value, (float, np.floating)):
+        if math.isnan(value):
+            raise ExportError("ncnn param values cannot be NaN")
+        if math.isinf(value):  # ncnn reads digits only: -inf (a max pool's padding) as the lowest float
+            value = math.copysign(float(np.finfo(np.float32).max), value)
         text = f"{float(value):.8e}"
         return text if len(text) <= 15 else f"{float(value):e}"
     if isinstance(value, (list, tuple)):
