@@ -661,3 +661,20 @@ def test_an_infinite_padding_value_loads_in_ncnn(tmp_path: Path) -> None:
     gm = fxq.quantize(SamePoolStem().eval(), [torch.randn(1, 3, 8, 8) for _ in range(2)], "ncnn_int8",
                       progress=False)
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 8, 8)) >= 0.9999
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
+def test_padding_with_ones_gets_its_own_grid(tmp_path: Path, platform: str) -> None:
+    """EfficientViT pads v with ones (``F.pad(v, (0, 1), value=1.0)``), the normalizer's column. Passive, the pad
+    kept v's grid: the simulation carried exact ones where the file rounded them into v's range (|v| < 0.2 here),
+    and the MatMul after it differed by up to 117 codes (cosine 0.889 on EfficientViT-B0)."""
+    torch.manual_seed(0)
+    model = LinearAttention().eval()
+    with torch.no_grad():
+        model.qkv.weight.mul_(0.1)
+        model.qkv.bias.fill_(0.01)
+    data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
+    gm = fxq.quantize(model, data, platform, progress=False)
+    pad = next(n for n in gm.graph.nodes if n.meta.get("fxq") is not None and n.meta["fxq"].op_type == "Pad")
+    assert pad.meta["fxq"].output_state.name == "ACTIVATED"
+    assert _deployed_vs_simulation(gm, platform, tmp_path, torch.randn(1, 3, 8, 8)) >= 0.999

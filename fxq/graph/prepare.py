@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import re
 
+import torch
 from torch import fx, nn
 
 from fxq.graph.dispatch import Dispatch, is_float_tensor
@@ -99,6 +100,22 @@ class _Builder:
         p = self.platform_of(node)
         return bool(p and p.quantizes_output(self.types[node]) and is_float_tensor(node.meta.get("val"))
                     and not (node.users and all(self._divides_by(u, node) for u in node.users)))
+
+    def _pads_with_values(self, node: fx.Node) -> bool:
+        """Whether ``node`` pads with a constant other than 0 (EfficientViT's ``F.pad(v, (0, 1), value=1.0)``): the
+        constant need not lie on the input's grid, nor in its range, so the result gets a quantizer of its own (a
+        passive one would simulate the ones exactly while the file rounds and clips them to the input's grid)."""
+        if self.types.get(node) != "Pad":
+            return False
+        if node.op == "call_function":  # F.pad / aten.pad (input, pad, mode, value), constant_pad_nd (input, pad, value)
+            at = 2 if "constant_pad_nd" in str(node.target) else 3
+            value = node.args[at] if len(node.args) > at else node.kwargs.get("value")
+            return value not in (None, 0, 0.0)
+        value = node.args[2] if len(node.args) > 2 else None  # ONNX Pad(data, pads, constant_value)
+        if isinstance(value, fx.Node) and value.op == "get_attr":
+            return bool(torch.any(get_attr_value(self.gm, str(value.target)) != 0))
+        module = self.gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+        return getattr(module, "constant_value", 0) not in (None, 0, 0.0)
 
     def _divides_by(self, node: fx.Node, value: fx.Node) -> bool:
         """Whether ``node`` divides by ``value``. A divisor stays FP32: rounding takes the epsilon it carries to 0
@@ -189,7 +206,7 @@ class _Builder:
                 continue
             first = node.all_input_nodes[0] if node.all_input_nodes else None
             upstream = self._cover_of(first) if first is not None else None
-            if passive_enabled and t in p.passive_ops and upstream is not None:
+            if passive_enabled and t in p.passive_ops and upstream is not None and not self._pads_with_values(node):
                 self.covering[node] = (upstream[0], QuantState.PASSIVE)
             else:
                 cfg = self._capable(p, "activation", p.activation_config(t, node.name), node)
