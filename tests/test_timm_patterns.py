@@ -135,16 +135,21 @@ class BatchNormAct(nn.BatchNorm2d):
         return torch.relu(x)
 
 
+@torch.no_grad()
+def _trained_looking(bn: nn.modules.batchnorm._BatchNorm) -> None:
+    """Statistics and affine terms away from the identity, so a fold that drops or misplaces them shows."""
+    bn.running_mean.uniform_(-1, 1)
+    bn.running_var.uniform_(0.5, 2)
+    bn.weight.uniform_(0.5, 2)
+    bn.bias.uniform_(-1, 1)
+
+
 class ConvBnAct(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1, bias=False), BatchNormAct(8)
         self.conv2 = nn.Conv2d(8, 4, 1)
-        with torch.no_grad():
-            self.bn.running_mean.uniform_(-1, 1)
-            self.bn.running_var.uniform_(0.5, 2)
-            self.bn.weight.uniform_(0.5, 2)
-            self.bn.bias.uniform_(-1, 1)
+        _trained_looking(self.bn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv2(self.bn(self.conv(x)))
@@ -535,11 +540,7 @@ class LinearNorm(nn.Module):
         super().__init__()
         self.linear, self.bn = nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16)
         self.out = nn.Linear(16, 4)
-        with torch.no_grad():
-            self.bn.running_mean.uniform_(-1, 1)
-            self.bn.running_var.uniform_(0.5, 2)
-            self.bn.weight.uniform_(0.5, 2)
-            self.bn.bias.uniform_(-1, 1)
+        _trained_looking(self.bn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)

@@ -245,10 +245,7 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
         w_node, b_node = parts
         if not (_sole_owner(gm, w_node) and _sole_owner(gm, b_node)):
             continue
-        _fold_one(gm, src, w_node, b_node, stats)
-        node.replace_all_uses_with(src)
-        src.meta["folded_bn"] = [*src.meta.get("folded_bn", []), bn_name]
-        gm.graph.erase_node(node)
+        _fold_one(gm, src, w_node, b_node, stats, bn_name, node, src)
     return _finish(gm)
 
 
@@ -276,20 +273,22 @@ def fold_batchnorm_through_row_views(gm: fx.GraphModule) -> fx.GraphModule:
                 val.dim() != 2 or val.shape[-1] != out.shape[-1] or val.numel() != out.numel() or \
                 not (_sole_owner(gm, parts[0]) and _sole_owner(gm, parts[1])):
             continue
-        stats, bn_name = found
-        _fold_one(gm, linear, parts[0], parts[1], stats)
-        node.replace_all_uses_with(view)
-        linear.meta["folded_bn"] = [*linear.meta.get("folded_bn", []), bn_name]
-        gm.graph.erase_node(node)
+        _fold_one(gm, linear, parts[0], parts[1], *found, node, view)
         folded = True
     return _finish(gm) if folded else gm
 
 
 @torch.no_grad()
-def _fold_one(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.Node | None, bn: BatchNormStats) -> None:
+def _fold_one(gm: fx.GraphModule, conv: fx.Node, w_node: fx.Node, b_node: fx.Node | None, bn: BatchNormStats,
+              bn_name: str, bn_node: fx.Node, bn_input: fx.Node) -> None:
+    """Fold ``bn`` into ``conv``'s weight and bias; ``bn_node``'s readers read ``bn_input`` (the conv, or a view of
+    it) instead, and the BatchNorm node goes."""
     factor = (bn.weight if bn.weight is not None else torch.ones_like(bn.var)) / torch.sqrt(bn.var + bn.eps)
     shift = (bn.bias if bn.bias is not None else torch.zeros_like(bn.mean)) - bn.mean * factor
     _scale_shift(gm, conv, w_node, b_node, factor, shift)
+    bn_node.replace_all_uses_with(bn_input)
+    conv.meta["folded_bn"] = [*conv.meta.get("folded_bn", []), bn_name]
+    gm.graph.erase_node(bn_node)
 
 
 @torch.no_grad()
@@ -579,16 +578,21 @@ def _run_alone(node: fx.Node, values: dict[fx.Node, Any], modules: dict[str, nn.
             second = run()
     except Exception:  # noqa: BLE001 - what cannot run alone stays a computation of the graph
         return _FAILED
-    same = torch.equal(first, second) if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) \
-        else not isinstance(first, torch.Tensor) and first == second if not isinstance(first, (list, tuple)) \
-        else all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(first, second))
-    return first if same else _FAILED
+    return first if _same(first, second) else _FAILED
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two runs gave the same value (NaN where the other has NaN counts as the same)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and (
+            torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
 
 
 def _trainable_sources(node: fx.Node, modules: dict[str, nn.Module]) -> set[str]:
-    """The trainable tensors and modules (their paths) a folded value is computed from."""
-    if node.op == "get_attr":
-        return {str(node.target)}
+    """The trainable module (its path) a folded call runs, if any: stored tensors are followed through ``sources``."""
     if node.op == "call_module" and any(p.requires_grad for p in modules[str(node.target)].parameters()):
         return {str(node.target)}
     return set()
@@ -628,10 +632,8 @@ def fold_stored_computations(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         values[node] = result
         sources[node] = set().union(_trainable_sources(node, modules), *(sources[i] for i in node.all_input_nodes))
-    live = [n for n in graph.nodes if n not in values and n.op != "output"] + [
-        n for n in graph.nodes if n.op == "output"]
-    read_live = {str(n.target) for n in graph.nodes if n.op == "get_attr" and any(u not in values for u in n.users)}
-    read_live |= {str(n.target) for n in live if n.op == "call_module"}
+    read_live = {str(n.target) for n in graph.nodes if (n.op == "get_attr" and any(u not in values for u in n.users))
+                 or (n.op == "call_module" and n not in values)}
 
     def tied(path: str) -> bool:  # read by something that stays a computation (or its owner module is called)
         return any(t == path or t.startswith(path + ".") or path.startswith(t + ".") for t in read_live)
