@@ -536,9 +536,9 @@ def test_indices_built_from_factories_are_stored(tmp_path: Path) -> None:
 class LinearNorm(nn.Module):
     """LeViT's ``LinearNorm``: a BatchNorm1d over the rows of a linear layer's output, ``(N * T, C)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, bias: bool = False) -> None:
         super().__init__()
-        self.linear, self.bn = nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16)
+        self.linear, self.bn = nn.Linear(8, 16, bias=bias), nn.BatchNorm1d(16)
         self.out = nn.Linear(16, 4)
         _trained_looking(self.bn)
 
@@ -548,13 +548,20 @@ class LinearNorm(nn.Module):
 
 
 @pytest.mark.parametrize("platform", ["trt_int8", "ncnn_int8"])
-def test_batch_norm_over_a_linear_layers_rows_folds(tmp_path: Path, platform: str) -> None:
+@pytest.mark.parametrize(("form", "bias"), [("native", False), ("onnx", False), ("onnx", True)])
+def test_batch_norm_over_a_linear_layers_rows_folds(tmp_path: Path, platform: str, form: str, bias: bool) -> None:
     """Left unfolded before: one more quantization point on trt_int8, and ncnn refused a BatchNorm whose input has
-    no batch dim (the batch folded into the rows)."""
+    no batch dim (the batch folded into the rows). In the ONNX form the linear's output is also read by a
+    ``Shape`` node (``reshape_as``), which reads no values, and a bias comes as an ``Add`` after the ``MatMul``."""
     torch.manual_seed(0)
-    model = LinearNorm().eval()
-    gm = fxq.quantize(model, [torch.randn(1, 5, 8) for _ in range(2)], platform, progress=False)
-    assert [n.meta.get("folded_bn") for n in gm.graph.nodes if n.meta.get("folded_bn")] == [["bn"]]
+    model = LinearNorm(bias).eval()
+    source: nn.Module = model
+    if form == "onnx":
+        torch.onnx.export(model, (torch.randn(1, 5, 8),), str(tmp_path / "m.onnx"), dynamo=False, opset_version=17)
+        source = fxq.load_onnx(tmp_path / "m.onnx")
+    gm = fxq.quantize(source, [torch.randn(1, 5, 8) for _ in range(2)], platform, progress=False)
+    assert len([n for n in gm.graph.nodes if n.meta.get("folded_bn")]) == 1
+    assert "BatchNormalization" not in {op_type(n, dict(gm.named_modules())) for n in gm.graph.nodes}
     x = torch.randn(1, 5, 8)
     with torch.no_grad(), fxq.fp32_mode(gm):
         torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)

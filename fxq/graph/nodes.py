@@ -87,8 +87,8 @@ _SIZE_METHODS = {"size", "dim", "numel"}
 
 def value_inputs(node: fx.Node) -> list[fx.Node]:
     """The inputs whose values ``node`` reads: not those it reads for their dtype, device or shape only
-    (``a.type_as(b)``, ``a.to(b)``, ``a.expand_as(b)``, ``b.new_zeros(n)``, ``torch.zeros_like(b)``, ``b.size()``;
-    Ultralytics' anchors: ``arange(w).type_as(feats)``)."""
+    (``a.type_as(b)``, ``a.to(b)``, ``a.expand_as(b)``, ``b.new_zeros(n)``, ``torch.zeros_like(b)``, ``b.size()``, an
+    ONNX file's ``Shape``; Ultralytics' anchors: ``arange(w).type_as(feats)``)."""
     args: tuple[Any, ...] = node.args
     meta_only: tuple[Any, ...] = ()
     if node.op == "call_method":
@@ -98,6 +98,10 @@ def value_inputs(node: fx.Node) -> list[fx.Node]:
             meta_only = args[1:2]
         elif node.target == "to":
             meta_only = tuple(a for a in args[1:] if isinstance(a, fx.Node))
+    elif node.op == "call_module":
+        onnx = node.meta.get("onnx")
+        if isinstance(onnx, dict) and onnx.get("op_type") in ("Shape", "Size"):  # an ONNX file's ``Shape`` module
+            meta_only = args[:1]
     elif node.op == "call_function":
         if node.target in _LIKE or node.target is torch.numel or (
                 node.target is getattr and len(args) > 1 and args[1] in ("shape", "dtype", "device", "ndim")):

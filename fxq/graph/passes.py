@@ -697,7 +697,7 @@ def standardize(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
             propagate_tensor_meta(gm, example_inputs)
             if fold_bn:  # these two need the shapes; what they add or rewrite then needs them again
                 before = [(n.op, n.target) for n in gm.graph.nodes]
-                fold_constant_affine(fold_batchnorm_through_row_views(matmul_to_linear(gm)))
+                fold_batchnorm_through_row_views(fold_constant_affine(matmul_to_linear(gm)))  # a bias Add first
                 if [(n.op, n.target) for n in gm.graph.nodes] != before:
                     propagate_tensor_meta(gm, example_inputs)
         except Exception as exc:
