@@ -686,3 +686,37 @@ def test_padding_with_ones_gets_its_own_grid(tmp_path: Path, platform: str) -> N
     pad = next(n for n in gm.graph.nodes if n.meta.get("fxq") is not None and n.meta["fxq"].op_type == "Pad")
     assert pad.meta["fxq"].output_state.name == "ACTIVATED"
     assert _deployed_vs_simulation(gm, platform, tmp_path, torch.randn(1, 3, 8, 8)) >= 0.999
+
+
+class SimpleNorm(nn.Module):
+    """timm's ``SimpleNorm`` (ConvNeXt-RMS, MobileNetV5): channels-last ``x * rsqrt(x.var(-1) + eps) * w``, and
+    the other spellings of a variance: ``torch.std`` with ``correction``, ``torch.var`` over two dims unbiased."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.conv, self.out, self.form = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 4, 1), form
+        self.weight = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x).permute(0, 2, 3, 1)
+        if self.form == "var":
+            y = y * torch.rsqrt(y.var(-1, keepdim=True) + 1e-6) * self.weight
+        elif self.form == "std":
+            y = (y - y.mean(-1, keepdim=True)) / (torch.std(y, dim=-1, keepdim=True, correction=0) + 1e-6)
+        else:
+            y = y * torch.rsqrt(torch.var(y, dim=(1, 2), unbiased=True, keepdim=True) + 1e-6) * self.weight
+        return self.out(y.permute(0, 3, 1, 2))
+
+
+@pytest.mark.parametrize("capture_with", ["fx", "export"])
+@pytest.mark.parametrize("form", ["var", "std", "two_dims"])
+def test_variance_and_rsqrt_in_ncnn(tmp_path: Path, form: str, capture_with: str) -> None:
+    """ncnn refused ``var`` and ``rsqrt`` (untyped ops): they are now a mean of squared deviations scaled by
+    ``n / (n - correction)`` and ncnn's rsqrt UnaryOp; torch.export's ``aten.var.correction`` / ``rsqrt`` lift."""
+    torch.manual_seed(0)
+    model = SimpleNorm(form).eval()
+    gm = fxq.quantize(model, [torch.randn(1, 3, 6, 6) for _ in range(2)], "ncnn_int8", progress=False,
+                      capture=capture_with)
+    mods = dict(gm.named_modules())
+    assert {"Var" if form != "std" else "Std"} <= {op_type(n, mods) for n in gm.graph.nodes}
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 6, 6)) >= 0.9999

@@ -20,7 +20,7 @@ from fxq.graph.nodes import get_attr_value
 
 __all__ = ["LIFTED", "op_type", "register_op_type", "mutates_first_argument", "out_of_place_twin", "WEIGHTED_FUNCTIONS",
            "WEIGHT_ARGS", "weight_arg_nodes", "weight_bias_args", "conv_attrs", "weight_shape", "CLIP_BOUNDS",
-           "clip_bounds", "stores_clip_bounds", "output_lower_bound", "output_bounded"]
+           "clip_bounds", "stores_clip_bounds", "output_lower_bound", "output_bounded", "variance_args"]
 
 aten = torch.ops.aten
 
@@ -63,7 +63,8 @@ LIFTED: dict[Any, Callable[..., Any] | str] = {
     aten.unbind.int: torch.unbind, aten.sum.dim_IntList: torch.sum, aten.sum.default: torch.sum,
     aten.amax.default: torch.amax, aten.amin.default: torch.amin, aten.pow.Tensor_Scalar: torch.pow,
     aten.scaled_dot_product_attention.default: F.scaled_dot_product_attention,
-    aten.group_norm.default: F.group_norm,
+    aten.group_norm.default: F.group_norm, aten.rsqrt.default: torch.rsqrt,
+    aten.var.correction: torch.var, aten.std.correction: torch.std, aten.var.dim: torch.var, aten.std.dim: torch.std,
 }
 """aten overloads whose positional arguments are those of a torch function, or (a str) of a ``Tensor`` method
 called on the first; the node keeps args and kwargs (:mod:`fxq.graph.export_capture` lifts them to those calls,
@@ -105,6 +106,7 @@ _FUNCTIONS: dict[Callable[..., Any], str] = {
     torch.argmax: "ArgMax", torch.argmin: "ArgMin", torch.topk: "TopK", torch.nonzero: "NonZero",
     F.embedding: "Gather", operator.neg: "Neg", torch.neg: "Neg", operator.pow: "Pow", torch.pow: "Pow",
     torch.sqrt: "Sqrt", torch.exp: "Exp", torch.log: "Log", torch.abs: "Abs", torch.reciprocal: "Reciprocal",
+    torch.rsqrt: "Rsqrt", torch.var: "Var", torch.std: "Std",
 }
 
 _METHODS: dict[str, str] = {
@@ -120,6 +122,7 @@ _METHODS: dict[str, str] = {
     "maximum": "Max", "minimum": "Min", "sum": "ReduceSum", "amax": "ReduceMax", "amin": "ReduceMin",
     "prod": "ReduceProd", "logsumexp": "ReduceLogSumExp", "neg": "Neg",
     "sqrt": "Sqrt", "exp": "Exp", "log": "Log", "abs": "Abs", "reciprocal": "Reciprocal",
+    "rsqrt": "Rsqrt", "var": "Var", "std": "Std",
 }
 
 _MODULES: dict[type, str] = {
@@ -405,6 +408,26 @@ def clip_bounds(node: fx.Node, module: nn.Module | None = None) -> tuple[Any, An
     ((i_low, k_low), (i_high, k_high)) = CLIP_BOUNDS.get(name, ((1, "min"), (2, "max")))
     pick = lambda i, k, d: node.args[i] if len(node.args) > i else node.kwargs.get(k, d)  # noqa: E731
     return pick(i_low, k_low, low), pick(i_high, k_high, high)
+
+
+def variance_args(node: fx.Node) -> tuple[Any, Any, float, bool]:
+    """``(input, dim, correction, keepdim)`` of a ``Var`` / ``Std`` node, in any of torch's spellings:
+    ``torch.var(x, unbiased)``, ``x.var(dim, unbiased, keepdim)``, ``x.var(dim, correction=0, keepdim=True)``."""
+    rest, kwargs = list(node.args[1:]), node.kwargs
+    dim, correction, keep = None, 1.0, False
+    if rest and isinstance(rest[0], bool):
+        correction = float(rest.pop(0))
+    elif rest:
+        dim = rest.pop(0)
+        if rest:
+            correction = float(rest.pop(0))
+        if rest:
+            keep = bool(rest.pop(0))
+    if "unbiased" in kwargs:
+        correction = float(kwargs["unbiased"])
+    if kwargs.get("correction") is not None:
+        correction = float(kwargs["correction"])
+    return node.args[0], kwargs.get("dim", dim), correction, bool(kwargs.get("keepdim", keep))
 
 
 def output_bounded(node: fx.Node, modules: dict[str, nn.Module]) -> bool:

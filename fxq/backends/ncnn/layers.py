@@ -23,7 +23,7 @@ from fxq.backends.ncnn.platforms import is_depthwise, is_matmul_by_matrix, pair
 from fxq.backends.ncnn.registry import register_ncnn_converter
 from fxq.backends.ncnn.writer import Int8Scales, drop_dim, shape_params
 from fxq.graph.attention import apply_attention_mask
-from fxq.graph.op_types import clip_bounds
+from fxq.graph.op_types import clip_bounds, variance_args
 from fxq.graph.passes import batchnorm_stats
 from fxq.spec import QUANTIZING_STATES
 
@@ -346,7 +346,8 @@ def _unary(layer_type: str, params: dict[int, Any] | None = None):
 
 register_ncnn_converter("Relu", any_batch_dim=True)(_unary("ReLU"))
 # ONNX forms (onnx2torch modules; torch's own functions have no canonical type for these): ncnn UnaryOp types
-for _onnx_type, _unary_type in (("Abs", 0), ("Neg", 1), ("Sqrt", 5), ("Exp", 7), ("Log", 8), ("Reciprocal", 15)):
+for _onnx_type, _unary_type in (("Abs", 0), ("Neg", 1), ("Sqrt", 5), ("Rsqrt", 6), ("Exp", 7), ("Log", 8),
+                                ("Reciprocal", 15)):
     register_ncnn_converter(_onnx_type, any_batch_dim=True)(_unary("UnaryOp", {0: _unary_type}))
 
 
@@ -998,14 +999,10 @@ _REDUCTION = {"ReduceSum": 0, "ReduceSumSquare": 2, "ReduceMean": 3, "ReduceMax"
 
 @register_ncnn_converter(*_REDUCTION, any_batch_dim=True)
 def _reduce(b: NcnnBuilder, node: fx.Node) -> None:
-    """``Reduce*`` as ncnn's ``Reduction`` (0 operation, 1 reduce_all, 3 axes, 4 keepdims, 5 fixbug0 = 1: axes
-    count without the batch); the spatial mean of (N, C, H, W) as global average ``Pooling``. A reduction over
-    every non-batch dim (``x.mean()``, ``x.sum((1, 2, 3))``; the batch of 1 too) is ``reduce_all``: one value.
-    ncnn blobs have no batch, so a reduction over a batch larger than 1 is refused."""
+    """``Reduce*`` as ncnn's ``Reduction``; the spatial mean of (N, C, H, W) as global average ``Pooling``."""
     x = node.args[0]
     shape, bd = b.shape(x), b.batch_dim(x)
     op = b.op(node)
-    what = op[len("Reduce"):].lower()
     args = reduce_args(node, b.modules, op)
     if args is None and is_noop_reduce(b.module(node)):  # Reduce*-18 of empty axes, noop_with_empty_axes
         b.alias(node, x, bd)
@@ -1013,29 +1010,67 @@ def _reduce(b: NcnnBuilder, node: fx.Node) -> None:
     if args is None:
         raise b.fail(node, f"reduce module {type(b.module(node)).__name__} is not a {op} with static axes",
                      f"use {op} with constant axes")
-    dims, keep = args
-    rank = len(shape)
-    dims = sorted({int(d) % rank for d in ((dims,) if isinstance(dims, int) else tuple(dims or range(rank)))})
-    operation = _REDUCTION[op]
+    dims, keep = _reduced_dims(b, x, args[0]), args[1]
     if op == "ReduceMean" and len(shape) == 4 and bd == 0 and dims == [2, 3]:
         params = {0: 1, 7: 1, 8: 1, 18: 1} if keep else {0: 1, 4: 1}
         b.emit(node, "Pooling", [b.blob(x, node)], params)
         return
-    rest = [d for d in range(rank) if d != bd]
+    params, out_bd = _reduction(b, node, x, dims, keep, _REDUCTION[op])
+    b.emit(node, "Reduction", [b.blob(x, node)], params, batch_dim=out_bd)
+
+
+def _reduced_dims(b: NcnnBuilder, x: fx.Node, dims: Any) -> list[int]:
+    """The dims of ``x`` a reduction's ``dim`` argument names, sorted and non-negative (None or empty: all)."""
+    rank = len(b.shape(x))
+    return sorted({int(d) % rank for d in ((dims,) if isinstance(dims, int) else tuple(dims or range(rank)))})
+
+
+def _reduction(b: NcnnBuilder, node: fx.Node, x: fx.Node, dims: list[int], keep: bool, operation: int
+               ) -> tuple[dict[int, Any], int | None]:
+    """The params of ncnn's ``Reduction`` of ``dims`` of ``x`` (0 operation, 1 reduce_all, 3 axes, 4 keepdims,
+    5 fixbug0 = 1: axes count without the batch) and the result's batch dim. A reduction over every non-batch dim
+    (``x.mean()``, ``x.sum((1, 2, 3))``; the batch of 1 too) is ``reduce_all``: one value. ncnn blobs have no
+    batch, so a reduction over a batch larger than 1 is refused."""
+    shape, bd = b.shape(x), b.batch_dim(x)
+    what = f"the reduction ({b.op(node)})"
+    rest = [d for d in range(len(shape)) if d != bd]
     if set(rest) <= set(dims):  # every value of the sample: ncnn's reduce_all (with the batch only at batch 1)
         if bd is not None and bd in dims and shape[bd] != 1:
             raise b.fail(node, f"{what} over dims {tuple(dims)} of shape {shape} reduces over the batch "
                          f"(dim {bd}, size {shape[bd]})", _BATCH_FIX)
         out_bd = bd if keep or (bd is not None and bd not in dims) else None
-        b.emit(node, "Reduction", [b.blob(x, node)], {0: operation, 1: 1, 4: int(keep), 5: 1}, batch_dim=out_bd)
-        return
-    out_bd = bd if keep or bd is None else bd - sum(d < bd for d in dims)
+        return {0: operation, 1: 1, 4: int(keep), 5: 1}, out_bd
     if bd is not None and bd in dims:
         raise b.fail(node, f"{what} over dims {tuple(dims)} of shape {shape} reduces over the batch (dim {bd})",
                      "reduce the other dims; ncnn blobs have no batch dimension")
-    axes = [b.ncnn_axis(node, d, x) for d in dims]
-    b.emit(node, "Reduction", [b.blob(x, node)], {0: operation, 1: 0, 3: axes, 4: int(keep), 5: 1},
-           batch_dim=out_bd)
+    out_bd = bd if keep or bd is None else bd - sum(d < bd for d in dims)
+    return {0: operation, 1: 0, 3: [b.ncnn_axis(node, d, x) for d in dims], 4: int(keep), 5: 1}, out_bd
+
+
+@register_ncnn_converter("Var", "Std", any_batch_dim=True)
+def _variance(b: NcnnBuilder, node: fx.Node) -> None:
+    """``torch.var`` / ``torch.std`` (timm's ``SimpleNorm``: ``x * rsqrt(x.var(-1) + eps)``) as ncnn layers: the
+    mean of the squared deviations from the mean (two ``Reduction``\ s around a ``BinaryOp`` and a square),
+    scaled by ``n / (n - correction)``, and a square root for ``std``."""
+    x, dims, correction, keep = variance_args(node)
+    dims = _reduced_dims(b, x, dims)
+    count = math.prod(b.shape(x)[d] for d in dims)
+    if count <= correction:
+        raise b.fail(node, f"the {b.op(node).lower()} of {count} values with correction {correction} divides by "
+                     f"{count - correction}", "reduce over more values, or lower the correction")
+    blob = b.blob(x, node)
+    mean_params, _ = _reduction(b, node, x, dims, True, _REDUCTION["ReduceMean"])
+    centred = b.helper(node, "BinaryOp", [blob, b.helper(node, "Reduction", [blob], mean_params)],
+                       {0: _BINARY["Sub"]})
+    params, out_bd = _reduction(b, node, x, dims, keep, _REDUCTION["ReduceMean"])
+    steps: list[tuple[str, dict[int, Any]]] = [("UnaryOp", {0: 4}), ("Reduction", params)]  # 4: square
+    if correction:
+        steps.append(("BinaryOp", {0: _BINARY["Mul"], 1: 1, 2: count / (count - correction)}))  # with a scalar
+    if b.op(node) == "Std":
+        steps.append(("UnaryOp", {0: 5}))  # 5: sqrt
+    for layer, layer_params in steps[:-1]:
+        centred = b.helper(node, layer, [centred], layer_params)
+    b.emit(node, steps[-1][0], [centred], steps[-1][1], batch_dim=out_bd)
 
 
 # --------------------------------------------------------------------------- tensor ops
