@@ -720,3 +720,59 @@ def test_variance_and_rsqrt_in_ncnn(tmp_path: Path, form: str, capture_with: str
     mods = dict(gm.named_modules())
     assert {"Var" if form != "std" else "Std"} <= {op_type(n, mods) for n in gm.graph.nodes}
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 6, 6)) >= 0.9999
+
+
+class NegativePad(nn.Module):
+    """NASNet's factorized reduction: ``F.pad(x, (-1, 0, -1, 0))`` drops the first row and column (here with
+    another side padded too)."""
+
+    def __init__(self, pads: tuple[int, ...]) -> None:
+        super().__init__()
+        self.conv, self.out, self.pads = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 4, 1), pads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(torch.nn.functional.pad(self.conv(x), self.pads)))
+
+
+@pytest.mark.parametrize("form", ["native", "onnx"])
+@pytest.mark.parametrize("pads", [(-1, 0, -1, 0), (1, -2, 0, 1), (0, 1, -1, -1)])
+def test_negative_padding_crops_in_ncnn(tmp_path: Path, pads: tuple[int, ...], form: str) -> None:
+    torch.manual_seed(0)
+    model: nn.Module = NegativePad(pads).eval()
+    if form == "onnx":
+        torch.onnx.export(model, (torch.randn(1, 3, 7, 7),), str(tmp_path / "m.onnx"), dynamo=False,
+                          opset_version=17)
+        model = fxq.load_onnx(tmp_path / "m.onnx")
+    gm = fxq.quantize(model, [torch.randn(1, 3, 7, 7) for _ in range(2)], "ncnn_int8", progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 7, 7)) >= 0.9999
+
+
+class StridedRows(nn.Module):
+    """LeViT's subsampling attention: ``x.view(B, res, res, C)[:, ::2, ::2]`` at res 7, a step that does not divide
+    the rows (and other starts and steps)."""
+
+    def __init__(self, index: tuple[slice, ...]) -> None:
+        super().__init__()
+        self.fc, self.out, self.index = nn.Linear(4, 8), nn.Linear(8, 4), index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.fc(x))[self.index])
+
+
+@pytest.mark.parametrize("form", ["native", "onnx"])
+@pytest.mark.parametrize("index", [
+    (slice(None), slice(None, None, 2), slice(None, None, 2)),  # 7 -> 4 (the last row alone)
+    (slice(None), slice(1, None, 3), slice(0, 5, 2)),  # 7 -> 2 rows (1, 4), 3 columns of the first 5
+    (slice(None), slice(None, None, 3), slice(None)),  # 7 -> 3 (0, 3, 6)
+    (slice(None), slice(2, 7, 4), slice(None, None, 7)),  # 7 -> 2 (2, 6), one column
+], ids=["levit", "start", "three", "one"])
+def test_a_step_that_does_not_divide_the_rows(tmp_path: Path, index: tuple[slice, ...], form: str) -> None:
+    """Refused before: ncnn's strided slice was a Reshape that splits the dim, which needs the step to divide it."""
+    torch.manual_seed(0)
+    model: nn.Module = StridedRows(index).eval()
+    if form == "onnx":
+        torch.onnx.export(model, (torch.randn(1, 7, 7, 4),), str(tmp_path / "m.onnx"), dynamo=False,
+                          opset_version=17)
+        model = fxq.load_onnx(tmp_path / "m.onnx")
+    gm = fxq.quantize(model, [torch.randn(1, 7, 7, 4) for _ in range(2)], "ncnn_int8", progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 7, 7, 4)) >= 0.9999

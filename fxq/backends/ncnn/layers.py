@@ -1598,8 +1598,8 @@ def _onnx_slice_index(b: NcnnBuilder, node: fx.Node) -> tuple[slice, ...]:
 def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: Any, batch_dim: int | None = None
                   ) -> tuple[list[tuple[int, int]], set[int], list[int], dict[int, int]]:
     """``[start, end)`` per dim of ``shape`` taken by ``index``, the dims an int index drops, per dim the
-    number of new axes (``None``) the index puts before it, and the steps of the dims sliced with a step > 1 or
-    reversed (-1: the range is then the elements taken, in reverse).
+    number of new axes (``None``) the index puts before it, and the steps of the dims sliced with a step other
+    than 1 (a negative one: the range is then that of the elements taken, from the lowest, to be reversed).
 
     ncnn's ``Crop`` takes non-empty unit-step ranges (:func:`_crop` takes strided ones apart). A slice of the
     batch dim that is empty here (the exporter takes shapes at batch 1: ``x[1:3]`` of a batch of 4) means the model
@@ -1627,11 +1627,15 @@ def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: 
                 lo, hi = hi + 1, lo + 1
                 if d != batch_dim:  # ncnn runs one sample: reversing the batch is reversing one
                     steps[d] = -1
-            elif step < 1 or (step > 1 and (size % step or d == batch_dim)):
+            elif step == 0 or (step not in (1, -1) and d == batch_dim):
                 raise b.fail(node, f"slice {item!r} of dim {d} (size {size}) has step {step}; ncnn's Crop takes "
-                             "unit-step ranges, ncnn's Flip reverses (step -1), and a positive step that divides "
-                             "the size of a non-batch dim is a Reshape that splits the dim", "slice with step 1 or "
-                             "-1 (or subsample with a strided conv / pooling)")
+                             "unit-step ranges, ncnn's Flip reverses, and another step of a non-batch dim is a "
+                             "Reshape that splits the dim", "slice the batch dim with step 1 or -1 (or subsample "
+                             "with a strided conv / pooling)")
+            elif step < -1:  # every -step-th element from lo down: those from the lowest up, then a Flip
+                count = len(range(lo, hi, step))
+                lo, hi = (lo + (count - 1) * step, lo + 1) if count else (lo, lo)
+                steps[d] = step
             elif step > 1:
                 steps[d] = step
             if hi <= lo and d == batch_dim:
@@ -1659,8 +1663,8 @@ def _crop(b: NcnnBuilder, node: fx.Node, x: fx.Node, ranges: list[tuple[int, int
         return
     shape, bd = b.shape(x), b.batch_dim(x)
     blob = b.blob(x, node)
-    flips = sorted(d for d, step in (steps or {}).items() if step == -1)
-    steps = {d: step for d, step in (steps or {}).items() if step > 1}
+    flips = sorted(d for d, step in (steps or {}).items() if step < 0)
+    steps = {d: abs(step) for d, step in (steps or {}).items() if abs(step) > 1}
     if steps:
         blob, shape, ranges = _strided(b, node, x, blob, ranges, steps)
     cut = {d: r for d, r in enumerate(ranges) if r != (0, shape[d])}
@@ -1712,13 +1716,36 @@ def _strided(b: NcnnBuilder, node: fx.Node, x: fx.Node, blob: str, ranges: list[
         count = len(range(lo, hi, step))
         dims = drop_dim(tuple(shape), bd)
         k = d if bd is None or d < bd else d - 1
-        split = (math.prod(dims[:k]), shape[d] // step, step, math.prod(dims[k + 1:]))
-        blob = b.helper(node, "Reshape", [blob], shape_params(split))
-        blob = b.helper(node, "Crop", [blob], {9: [lo // step, lo % step], 10: [lo // step + count, lo % step + 1],
-                                               11: [1, 2]})
+        before, after = math.prod(dims[:k]), math.prod(dims[k + 1:])
+        if shape[d] % step == 0:
+            blob = b.helper(node, "Reshape", [blob], shape_params((before, shape[d] // step, step, after)))
+            blob = b.helper(node, "Crop", [blob], {9: [lo // step, lo % step],
+                                                   10: [lo // step + count, lo % step + 1], 11: [1, 2]})
+        else:  # LeViT's ``x[:, ::2]`` of 7 rows: the rows that fill whole steps split as above, the last one apart
+            blob = _strided_rows(b, node, blob, (before, shape[d], after), lo, count, step)
         shape[d], ranges[d] = count, (0, count)
         blob = b.helper(node, "Reshape", [blob], shape_params(drop_dim(tuple(shape), bd)))
     return blob, tuple(shape), ranges
+
+
+def _strided_rows(b: NcnnBuilder, node: fx.Node, blob: str, view: tuple[int, int, int], lo: int, count: int,
+                  step: int) -> str:
+    """Rows ``lo, lo + step, ...`` (``count`` of them) of the middle axis of ``blob`` seen as ``view`` = (before,
+    rows, after), whose row count ``step`` does not divide: the rows up to the last whole step as a split Reshape
+    and a Crop, the last row a Crop of its own, joined by a Concat; returns a (before, count, after) blob."""
+    before, _, after = view
+    rows = b.helper(node, "Reshape", [blob], shape_params(view))
+    whole = count if lo + count * step <= view[1] else count - 1  # rows whose whole step lies inside the axis
+    pieces = []
+    if whole:
+        split = b.helper(node, "Crop", [rows], {9: [lo], 10: [lo + whole * step], 11: [1]})
+        split = b.helper(node, "Reshape", [split], shape_params((before, whole, step, after)))
+        split = b.helper(node, "Crop", [split], {9: [0], 10: [1], 11: [2]})
+        pieces.append(b.helper(node, "Reshape", [split], shape_params((before, whole, after))))
+    if whole < count:
+        last = lo + whole * step
+        pieces.append(b.helper(node, "Crop", [rows], {9: [last], 10: [last + 1], 11: [1]}))
+    return pieces[0] if len(pieces) == 1 else b.helper(node, "Concat", pieces, {0: 1})
 
 
 def _folded_crops(b: NcnnBuilder, node: fx.Node, x: fx.Node, cut: dict[int, tuple[int, int]]
@@ -1748,24 +1775,35 @@ _PAD_TYPES = {"constant": 0, "replicate": 1, "reflect": 2}
 def _pad(b: NcnnBuilder, node: fx.Node) -> None:
     """``Padding``: 0 top, 1 bottom, 2 left, 3 right, 4 type (0 constant, 1 replicate, 2 reflect), 5 value,
     7 front, 8 behind (the channels of a (C, H, W) blob). The padded dims are the last ones, of the blob too: the
-    batch, where there is one, must come before them (an unbatched ``[3, H, W]`` image is the blob itself)."""
+    batch, where there is one, must come before them (an unbatched ``[3, H, W]`` image is the blob itself). A
+    negative pad removes elements (NASNet's ``F.pad(x, (-1, 0, -1, 0))``): a ``Crop`` before the padding."""
     x, pads, mode, value = _pad_args(b, node)
     if not any(pads):  # Swin's window padding at a size the window divides: nothing to pad
         b.alias(node, x, b.batch_dim(x))
         return
-    rank, bd, pairs = len(b.shape(x)), b.batch_dim(x), len(pads) // 2
-    blob_rank = rank - (bd is not None)
-    if (mode not in _PAD_TYPES or len(pads) % 2 or pairs > min(blob_rank, 3) or min(pads, default=0) < 0
+    shape, bd, pairs = b.shape(x), b.batch_dim(x), len(pads) // 2
+    rank, blob_rank = len(shape), len(shape) - (bd is not None)
+    if (mode not in _PAD_TYPES or len(pads) % 2 or pairs > min(blob_rank, 3)
             or (bd is not None and bd >= rank - pairs)):
         raise b.fail(node, f"{mode!r} padding {pads} of a rank-{rank} tensor (batch dim {bd})", "ncnn's Padding "
-                     "pads the last 1-3 non-batch dims of a tensor of rank 2-4 besides the batch by >= 0 (constant, "
+                     "pads the last 1-3 non-batch dims of a tensor of rank 2-4 besides the batch (constant, "
                      "replicate or reflect)")
-    left, right, top, bottom, front, behind = pads + [0] * (6 - len(pads))
+    blob = b.blob(x, node)
+    cuts = {rank - 1 - k: (max(0, -pads[2 * k]), shape[rank - 1 - k] - max(0, -pads[2 * k + 1]))
+            for k in range(pairs) if min(pads[2 * k:2 * k + 2]) < 0}
+    if cuts:
+        params = {9: [lo for lo, _ in cuts.values()], 10: [hi for _, hi in cuts.values()],
+                  11: [b.ncnn_axis(node, d, x) for d in cuts]}
+        if all(p <= 0 for p in pads):  # a crop only
+            b.emit(node, "Crop", [blob], params)
+            return
+        blob = b.helper(node, "Crop", [blob], params)
+    left, right, top, bottom, front, behind = [max(0, p) for p in pads] + [0] * (6 - len(pads))
     params = {0: top, 1: bottom, 2: left, 3: right, 4: _PAD_TYPES[mode],
               5: float(_const(b, node, value, "value") or 0.0)}
     if front or behind:
         params.update({7: front, 8: behind})
-    b.emit(node, "Padding", [b.blob(x, node)], params)
+    b.emit(node, "Padding", [blob], params)
 
 
 def _pad_args(b: NcnnBuilder, node: fx.Node) -> tuple[fx.Node, list[int], str, Any]:
