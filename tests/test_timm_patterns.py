@@ -57,6 +57,14 @@ def _deployed_vs_simulation(gm: torch.fx.GraphModule, platform: str, tmp_path: P
     return _cosine(run_ort(tmp_path / "m.onnx", x, optimize=False), sim)
 
 
+def _in_form(model: nn.Module, example: torch.Tensor, form: str, tmp_path: Path) -> nn.Module:
+    """``model`` itself (``native``), or loaded from the file torch's legacy exporter writes at opset 17."""
+    if form == "native":
+        return model
+    torch.onnx.export(model, (example,), str(tmp_path / "m.onnx"), dynamo=False, opset_version=17)
+    return fxq.load_onnx(tmp_path / "m.onnx")
+
+
 class UnfoldedTransformer(nn.Module):
     """MobileViT's block: the image cut into 2x2 patches, the batch folded with the patch position into dim 0
     (``(B * 4, H * W / 4, C)``), a pre-norm MLP with its residual, and the image put back."""
@@ -84,10 +92,7 @@ def test_linear_over_a_folded_batch_keeps_its_blob_shape(tmp_path: Path, form: s
     torch.manual_seed(0)
     model = UnfoldedTransformer().eval()
     data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
-    if form == "onnx":
-        torch.onnx.export(model, (data[0],), str(tmp_path / "m.onnx"), dynamo=False, opset_version=17)
-        model = fxq.load_onnx(tmp_path / "m.onnx")
-    gm = fxq.quantize(model, data, "ncnn_int8", progress=False)
+    gm = fxq.quantize(_in_form(model, data[0], form, tmp_path), data, "ncnn_int8", progress=False)
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 8, 8)) >= 0.999
 
 
@@ -555,10 +560,7 @@ def test_batch_norm_over_a_linear_layers_rows_folds(tmp_path: Path, platform: st
     ``Shape`` node (``reshape_as``), which reads no values, and a bias comes as an ``Add`` after the ``MatMul``."""
     torch.manual_seed(0)
     model = LinearNorm(bias).eval()
-    source: nn.Module = model
-    if form == "onnx":
-        torch.onnx.export(model, (torch.randn(1, 5, 8),), str(tmp_path / "m.onnx"), dynamo=False, opset_version=17)
-        source = fxq.load_onnx(tmp_path / "m.onnx")
+    source = _in_form(model, torch.randn(1, 5, 8), form, tmp_path)
     gm = fxq.quantize(source, [torch.randn(1, 5, 8) for _ in range(2)], platform, progress=False)
     assert len([n for n in gm.graph.nodes if n.meta.get("folded_bn")]) == 1
     assert "BatchNormalization" not in {op_type(n, dict(gm.named_modules())) for n in gm.graph.nodes}
@@ -738,12 +740,9 @@ class NegativePad(nn.Module):
 @pytest.mark.parametrize("pads", [(-1, 0, -1, 0), (1, -2, 0, 1), (0, 1, -1, -1)])
 def test_negative_padding_crops_in_ncnn(tmp_path: Path, pads: tuple[int, ...], form: str) -> None:
     torch.manual_seed(0)
-    model: nn.Module = NegativePad(pads).eval()
-    if form == "onnx":
-        torch.onnx.export(model, (torch.randn(1, 3, 7, 7),), str(tmp_path / "m.onnx"), dynamo=False,
-                          opset_version=17)
-        model = fxq.load_onnx(tmp_path / "m.onnx")
-    gm = fxq.quantize(model, [torch.randn(1, 3, 7, 7) for _ in range(2)], "ncnn_int8", progress=False)
+    model = NegativePad(pads).eval()
+    data = [torch.randn(1, 3, 7, 7) for _ in range(2)]
+    gm = fxq.quantize(_in_form(model, data[0], form, tmp_path), data, "ncnn_int8", progress=False)
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 7, 7)) >= 0.9999
 
 
@@ -769,10 +768,7 @@ class StridedRows(nn.Module):
 def test_a_step_that_does_not_divide_the_rows(tmp_path: Path, index: tuple[slice, ...], form: str) -> None:
     """Refused before: ncnn's strided slice was a Reshape that splits the dim, which needs the step to divide it."""
     torch.manual_seed(0)
-    model: nn.Module = StridedRows(index).eval()
-    if form == "onnx":
-        torch.onnx.export(model, (torch.randn(1, 7, 7, 4),), str(tmp_path / "m.onnx"), dynamo=False,
-                          opset_version=17)
-        model = fxq.load_onnx(tmp_path / "m.onnx")
-    gm = fxq.quantize(model, [torch.randn(1, 7, 7, 4) for _ in range(2)], "ncnn_int8", progress=False)
+    model = StridedRows(index).eval()
+    data = [torch.randn(1, 7, 7, 4) for _ in range(2)]
+    gm = fxq.quantize(_in_form(model, data[0], form, tmp_path), data, "ncnn_int8", progress=False)
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 7, 7, 4)) >= 0.9999
