@@ -502,6 +502,32 @@ def test_l2_normalization_along_the_last_dim(tmp_path: Path) -> None:
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 6, 8)) >= 0.9999
 
 
+class CosineWindowAttention(nn.Module):
+    """Swin-V2's cosine attention: the image cut into 4 windows folded into the batch (``(4 * N, tokens, C)``),
+    q and k L2-normalized along their last dim, so the normalized value has no batch dim of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, c = x.shape
+        windows = x.reshape(b, 2, h // 2, 2, w // 2, c).permute(0, 1, 3, 2, 4, 5).reshape(4 * b, h * w // 4, c)
+        q, k, v = self.qkv(windows).reshape(4 * b, h * w // 4, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+        attn = (q @ k.transpose(-2, -1) * 10.0).softmax(dim=-1)
+        out = self.proj((attn @ v).transpose(1, 2).reshape(4 * b, h * w // 4, c))
+        return out.reshape(b, 2, 2, h // 2, w // 2, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
+
+
+def test_l2_normalization_of_a_value_with_the_batch_folded_in(tmp_path: Path) -> None:
+    """Refused before: the converter asked for a batch-first value."""
+    torch.manual_seed(0)
+    gm = fxq.quantize(CosineWindowAttention().eval(), [torch.randn(1, 4, 4, 8) for _ in range(2)], "ncnn_int8",
+                      progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 4, 4, 8)) >= 0.9999
+
+
 class BuiltIndices(nn.Module):
     """ConViT's relative indices, built on every call from ``zeros`` / ``arange`` / ``repeat_interleave``, then
     read by a linear layer (ncnn has no layer for ``repeat_interleave``)."""
@@ -772,3 +798,33 @@ def test_a_step_that_does_not_divide_the_rows(tmp_path: Path, index: tuple[slice
     data = [torch.randn(1, 7, 7, 4) for _ in range(2)]
     gm = fxq.quantize(_in_form(model, data[0], form, tmp_path), data, "ncnn_int8", progress=False)
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 7, 7, 4)) >= 0.9999
+
+
+class GlobalQuery(nn.Module):
+    """GCViT's global query, one window's worth per image, repeated once per window of the image folded into the
+    batch (``q.repeat_interleave(windows, dim=0)``); and grouped-query attention's keys and values repeated per
+    head group (``k.repeat_interleave(2, dim=1)``), a dim larger than 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv, self.proj = nn.Linear(8, 16), nn.Linear(8, 8), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, c = x.shape
+        windows = x.reshape(b, 2, h // 2, 2, w // 2, c).permute(0, 1, 3, 2, 4, 5).reshape(4 * b, h * w // 4, c)
+        q = self.q(x[:, :h // 2, :w // 2])  # (N, h / 2, w / 2, 16)
+        q = q.repeat_interleave(4 * b // q.shape[0], dim=0).reshape(4 * b, h * w // 4, 4, 4).transpose(1, 2)
+        kv = self.kv(windows).reshape(4 * b, h * w // 4, 2, 4).transpose(1, 2).repeat_interleave(2, dim=1)
+        attn = (q @ kv.transpose(-2, -1)).softmax(dim=-1)  # (windows, 4 heads, tokens, tokens)
+        out = self.proj((attn @ kv).transpose(1, 2).reshape(4 * b, h * w // 4, 16))
+        return out.reshape(b, 2, 2, h // 2, w // 2, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
+
+
+@pytest.mark.parametrize("form", ["native", "onnx"])
+def test_repeat_interleave_in_ncnn(tmp_path: Path, form: str) -> None:
+    """ncnn refused ``repeat_interleave`` (an untyped op): of a batch of 1 it is a ``Tile`` whose copies are the
+    windows folded into the batch, of a larger dim a ``Tile`` of a new axis after it, merged back."""
+    torch.manual_seed(0)
+    data = [torch.randn(1, 4, 4, 8) for _ in range(2)]
+    gm = fxq.quantize(_in_form(GlobalQuery().eval(), data[0], form, tmp_path), data, "ncnn_int8", progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 4, 4, 8)) >= 0.9999

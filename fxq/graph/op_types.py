@@ -65,6 +65,7 @@ LIFTED: dict[Any, Callable[..., Any] | str] = {
     aten.scaled_dot_product_attention.default: F.scaled_dot_product_attention,
     aten.group_norm.default: F.group_norm, aten.rsqrt.default: torch.rsqrt,
     aten.var.correction: torch.var, aten.std.correction: torch.std, aten.var.dim: torch.var, aten.std.dim: torch.std,
+    aten.repeat_interleave.self_int: torch.repeat_interleave,
 }
 """aten overloads whose positional arguments are those of a torch function, or (a str) of a ``Tensor`` method
 called on the first; the node keeps args and kwargs (:mod:`fxq.graph.export_capture` lifts them to those calls,
@@ -106,7 +107,7 @@ _FUNCTIONS: dict[Callable[..., Any], str] = {
     torch.argmax: "ArgMax", torch.argmin: "ArgMin", torch.topk: "TopK", torch.nonzero: "NonZero",
     F.embedding: "Gather", operator.neg: "Neg", torch.neg: "Neg", operator.pow: "Pow", torch.pow: "Pow",
     torch.sqrt: "Sqrt", torch.exp: "Exp", torch.log: "Log", torch.abs: "Abs", torch.reciprocal: "Reciprocal",
-    torch.rsqrt: "Rsqrt", torch.var: "Var", torch.std: "Std",
+    torch.rsqrt: "Rsqrt", torch.var: "Var", torch.std: "Std", torch.repeat_interleave: "RepeatInterleave",
 }
 
 _METHODS: dict[str, str] = {
@@ -122,7 +123,7 @@ _METHODS: dict[str, str] = {
     "maximum": "Max", "minimum": "Min", "sum": "ReduceSum", "amax": "ReduceMax", "amin": "ReduceMin",
     "prod": "ReduceProd", "logsumexp": "ReduceLogSumExp", "neg": "Neg",
     "sqrt": "Sqrt", "exp": "Exp", "log": "Log", "abs": "Abs", "reciprocal": "Reciprocal",
-    "rsqrt": "Rsqrt", "var": "Var", "std": "Std",
+    "rsqrt": "Rsqrt", "var": "Var", "std": "Std", "repeat_interleave": "RepeatInterleave",
 }
 
 _MODULES: dict[type, str] = {

@@ -463,10 +463,10 @@ def _instance_norm(b: NcnnBuilder, node: fx.Node) -> None:
 
 
 @register_ncnn_converter("Tile", "Expand", any_batch_dim=True)
-def _tile(b: NcnnBuilder, node: fx.Node) -> None:
+def _repeat(b: NcnnBuilder, node: fx.Node) -> None:
     """``x.repeat(...)`` / ONNX ``Tile``, and ``expand`` / ONNX ``Expand`` of size-1 dims (torch.onnx writes
     ``repeat`` as an Expand to the input's own shape, then a Tile): one ncnn ``Tile`` (0 axis, 1 tiles) per dim
-    whose size grows, none for a dim that keeps its size; never the batch."""
+    whose size grows, none for a dim that keeps its size; a batch only at batch 1 (:func:`_tiles`)."""
     x = node.args[0]
     rank, before, after = len(b.shape(x)), b.shape(x), b.shape(node)
     if len(after) != rank:
@@ -479,15 +479,66 @@ def _tile(b: NcnnBuilder, node: fx.Node) -> None:
         b.warn_once(f"tile:{node.name}", "ncnn export: node %s repeats its input %s times, counts that follow the "
                     "input's size; written for the export-time size, so the file repeats that often at every size",
                     node.name, counts)
-    todo = [(d, c) for d, c in enumerate(counts) if c != 1]
-    if not todo:
+    _tile(b, node, x, {d: c for d, c in enumerate(counts) if c != 1})
+
+
+def _tile(b: NcnnBuilder, node: fx.Node, x: fx.Node, counts: dict[int, int]) -> None:
+    """``node`` is ``x`` repeated ``counts[d]`` times along each dim ``d``: one ncnn ``Tile`` (0 axis, 1 tiles) per
+    dim."""
+    if not counts:
         b.alias(node, x, b.batch_dim(x))
         return
-    out = b.blob(x, node)
-    for d, r in todo[:-1]:
-        out = b.helper(node, "Tile", [out], {0: b.ncnn_axis(node, d, x), 1: r})
-    d, r = todo[-1]
-    b.emit(node, "Tile", [out], {0: b.ncnn_axis(node, d, x), 1: r})
+    blob, axes, out_bd, stored = _tiles(b, node, x, counts)
+    for axis, r in axes[:-1] if stored is None else axes:
+        blob = b.helper(node, "Tile", [blob], {0: axis, 1: r})
+    if stored is None:
+        b.emit(node, "Tile", [blob], {0: axes[-1][0], 1: axes[-1][1]}, batch_dim=out_bd)
+    else:
+        b.emit(node, "Reshape", [blob], shape_params(stored), batch_dim=out_bd)
+
+
+def _tiles(b: NcnnBuilder, node: fx.Node, x: fx.Node, counts: dict[int, int]
+           ) -> tuple[str, list[tuple[int, int]], int | None, tuple[int, ...] | None]:
+    """(the blob to tile, its (axis, tiles) per dim of ``counts``, the result's batch dim, the blob shape the tiled
+    blob is reshaped to, if any). Repeating a batch of 1 (GCViT's global query, once per window:
+    ``q.repeat_interleave(windows, dim=0)``; torch.onnx's ``repeat_interleave``, a Tile of a new axis of size 1)
+    folds the copies into the batch: the result's blob keeps every dim, viewed around the repeated one when they
+    are more than 4."""
+    shape, bd, blob = b.shape(x), b.batch_dim(x), b.blob(x, node)
+    if bd is None or bd not in counts:
+        return blob, [(d if bd is None or d < bd else d - 1, r) for d, r in counts.items()], bd, None
+    if shape[bd] != 1 or (len(shape) > 4 and len(counts) > 1):
+        raise b.fail(node, f"it repeats the batch dimension (dim {bd} of shape {shape})", b.batch_advice(x))
+    if len(shape) <= 4:
+        return b.helper(node, "Reshape", [blob], shape_params(shape)), list(counts.items()), None, None
+    dims = drop_dim(shape, bd)
+    view = (math.prod(dims[:bd]), 1, math.prod(dims[bd:]))
+    return b.helper(node, "Reshape", [blob], shape_params(view)), [(1, counts[bd])], None, fold_dims(b.shape(node))
+
+
+@register_ncnn_converter("RepeatInterleave", any_batch_dim=True)
+def _repeat_interleave(b: NcnnBuilder, node: fx.Node) -> None:
+    """``x.repeat_interleave(r, dim)``: each element ``r`` times in a row along ``dim``. Of a dim of size 1 it is a
+    ``Tile``; else the blob is viewed as (dims before, the dim, 1, dims after), tiled along its size-1 axis and
+    reshaped back."""
+    x, repeats, dim = node.args[0], _arg(node, 1, "repeats"), _arg(node, 2, "dim", None)
+    r = _const(b, node, repeats, "repeats")
+    if dim is None or not isinstance(r, int) or isinstance(r, bool):
+        raise b.fail(node, f"it repeats by {r!r} along dim {dim!r}", "repeat every element the same number of "
+                     "times along one dim: x.repeat_interleave(int, dim=d)")
+    shape, bd = b.shape(x), b.batch_dim(x)
+    d = int(dim) % len(shape)
+    if shape[d] == 1 or r == 1:
+        _tile(b, node, x, {d: r} if r != 1 else {})
+        return
+    if d == bd:
+        raise b.fail(node, f"it repeats the batch dimension (dim {d} of shape {shape}) element by element",
+                     b.batch_advice(x))
+    dims, axis = drop_dim(shape, bd), d if bd is None or d < bd else d - 1
+    split = (math.prod(dims[:axis]), dims[axis], 1, math.prod(dims[axis + 1:]))  # the dims around it merged
+    blob = b.helper(node, "Reshape", [b.blob(x, node)], shape_params(split))
+    blob = b.helper(node, "Tile", [blob], {0: 2, 1: r})
+    b.emit(node, "Reshape", [blob], shape_params(drop_dim(b.shape(node), bd)))
 
 
 @register_ncnn_converter("Gelu", any_batch_dim=True)
@@ -684,7 +735,7 @@ def _groupnorm(b: NcnnBuilder, node: fx.Node) -> None:
            [("raw", _np(gamma)), ("raw", _np(beta))])
 
 
-@register_ncnn_converter("LpNormalization")
+@register_ncnn_converter("LpNormalization", any_batch_dim=True)
 def _l2_normalize(b: NcnnBuilder, node: fx.Node) -> None:
     """``F.normalize(x, p=2, dim=1, eps)`` (SSD's L2Norm) as ``Normalize`` (0 across_spatial, 4 across_channel,
     1 channel_shared, 2 eps, 9 eps_mode 1 = torch's ``x / max(||x||, eps)``, 3 scale_data_size; scale 1): over
@@ -701,7 +752,11 @@ def _l2_normalize(b: NcnnBuilder, node: fx.Node) -> None:
                      "normalize with p=2")
     if int(dim) % rank != 1 or rank not in (2, 4) or b.batch_dim(x) != 0:
         # along another dim (XCiT's / EdgeNeXt's cross-covariance attention: the tokens of (N, heads, C, T)):
-        # x / max(||x||, eps) as a Reduction (8: L2) kept along that axis, a max with eps and a broadcast division
+        # x / max(||x||, eps) as a Reduction (8: L2) kept along that axis, a max with eps and a broadcast division;
+        # Swin-V2's cosine attention normalizes (windows * N, heads, tokens, C), the batch folded into dim 0
+        if int(dim) % rank == b.batch_dim(x):
+            raise b.fail(node, f"it normalizes along dim {dim}, the batch dimension of shape {b.shape(x)}",
+                         "normalize along another dim; ncnn blobs have no batch dimension")
         axis = b.ncnn_axis(node, int(dim), x)
         norm = b.helper(node, "Reduction", [b.blob(x, node)], {0: 8, 1: 0, 3: [axis], 4: 1, 5: 1})
         norm = b.helper(node, "BinaryOp", [norm], {0: 4, 1: 1, 2: float(eps)})
