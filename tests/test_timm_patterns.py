@@ -828,3 +828,61 @@ def test_repeat_interleave_in_ncnn(tmp_path: Path, form: str) -> None:
     data = [torch.randn(1, 4, 4, 8) for _ in range(2)]
     gm = fxq.quantize(_in_form(GlobalQuery().eval(), data[0], form, tmp_path), data, "ncnn_int8", progress=False)
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 4, 4, 8)) >= 0.9999
+
+
+class MultiQueryAttention(nn.Module):
+    """MobileNetV5's multi-query attention: 4 query heads against one key / value head, broadcast by the MatMuls
+    (``(N, 4, T, d) @ (N, 1, d, T)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv, self.proj = nn.Linear(8, 16), nn.Linear(8, 8), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, _ = x.shape
+        q = self.q(x).reshape(n, t, 4, 4).transpose(1, 2)
+        k, v = self.kv(x).reshape(n, t, 2, 1, 4).permute(2, 0, 3, 1, 4).unbind(0)  # (N, 1, T, 4) each
+        attn = (q @ k.transpose(-2, -1)).softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(n, t, 16))
+
+
+@pytest.mark.parametrize("form", ["native", "onnx"])
+def test_matmul_broadcasting_a_head_in_ncnn(tmp_path: Path, form: str) -> None:
+    """Refused before ("not two equally batched matrices"): ncnn's MatMul broadcasts outer dims of size 1."""
+    torch.manual_seed(0)
+    data = [torch.randn(1, 6, 8) for _ in range(2)]
+    gm = fxq.quantize(_in_form(MultiQueryAttention().eval(), data[0], form, tmp_path), data, "ncnn_int8",
+                      progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 6, 8)) >= 0.9999
+
+
+class InplacePositionMLP(nn.Module):
+    """timm's Swin-V2 continuous position bias: an MLP with ``nn.ReLU(inplace=True)`` over stored coordinates, an
+    in-place scale of its output, gathered by a stored index (torch.fx records a plain tensor attribute as a
+    ``_tensor_constant``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 2, 3, padding=1)
+        self.mlp = nn.Sequential(nn.Linear(2, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+        self.register_buffer("coords", torch.linspace(-1, 1, 18).reshape(9, 2))
+        self.index = torch.arange(16) % 9
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.mlp(self.coords).mul_(2.0)
+        return self.conv(x) + bias[self.index].T.reshape(1, 2, 4, 4)
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ncnn_int8"])
+def test_in_place_ops_on_their_own_values_are_folded(tmp_path: Path, platform: str) -> None:
+    """The in-place ReLU (and the scale) marked the Linear's output as written, so the MLP stayed a computation of
+    the graph, quantized each call; ncnn refused its gather by a stored index."""
+    torch.manual_seed(0)
+    model = InplacePositionMLP().eval()
+    data = [torch.randn(1, 3, 4, 4) for _ in range(2)]
+    gm = fxq.quantize(model, data, platform, progress=False)
+    assert not [n for n in gm.graph.nodes if n.op == "call_module" and "mlp" in str(n.target)]
+    x = torch.randn(1, 3, 4, 4)
+    with torch.no_grad(), fxq.fp32_mode(gm):
+        torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)  # each in-place op ran once
+    assert _deployed_vs_simulation(gm, platform, tmp_path, x) >= 0.9999

@@ -545,12 +545,17 @@ _FAILED = object()
 
 
 def _written(graph: fx.Graph, modules: dict[str, nn.Module]) -> set[fx.Node]:
-    """The values an op changes in place, directly or through views (``self.state[:, :].copy_(x)``)."""
+    """The values an op changes in place, directly or through views (``self.state[:, :].copy_(x)``); not a value
+    computed for that op alone (Swin-V2's position MLP: ``nn.ReLU(inplace=True)`` after a Linear), which no other
+    op sees before or after the write."""
     out: set[fx.Node] = set()
     for node in graph.nodes:
         if not (node.args and isinstance(node.args[0], fx.Node) and mutates_first_argument(node, modules)):
             continue
         value = node.args[0]
+        if (value.op in ("call_function", "call_method", "call_module") and len(value.users) == 1
+                and op_type(value, modules) not in _VIEWS and not mutates_first_argument(value, modules)):
+            continue
         while isinstance(value, fx.Node) and value not in out:
             out.add(value)
             view = op_type(value, modules) in _VIEWS and value.args
@@ -562,13 +567,16 @@ def _run_alone(node: fx.Node, values: dict[fx.Node, Any], modules: dict[str, nn.
     """``node``'s value from its inputs' ``values``, or ``_FAILED``: it raised, or it draws random numbers (two runs
     under other seeds differ; the caller's random state is left as it was)."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
+    writes = mutates_first_argument(node, modules) and isinstance(args[0], torch.Tensor)
 
     def run() -> Any:
+        # an in-place op writes into a copy, once per run: the value it writes is its own (:func:`_written`)
+        call = (args[0].clone(), *args[1:]) if writes else args
         if node.op == "call_function":
-            return node.target(*args, **kwargs)
+            return node.target(*call, **kwargs)
         if node.op == "call_method":
-            return getattr(args[0], str(node.target))(*args[1:], **kwargs)
-        return modules[str(node.target)](*args, **kwargs)
+            return getattr(call[0], str(node.target))(*call[1:], **kwargs)
+        return modules[str(node.target)](*call, **kwargs)
 
     try:
         with torch.random.fork_rng(devices=[]):

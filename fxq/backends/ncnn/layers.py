@@ -769,7 +769,8 @@ def _l2_normalize(b: NcnnBuilder, node: fx.Node) -> None:
 
 @register_ncnn_converter("MatMul", any_batch_dim=True)
 def _matmul(b: NcnnBuilder, node: fx.Node) -> None:
-    """``MatMul`` of two blobs laid out alike: ncnn multiplies the two innermost axes, batched over the rest.
+    """``MatMul`` of two blobs laid out alike: ncnn multiplies the two innermost axes, batched over the rest, where
+    a size-1 dim broadcasts (multi-query attention: one key head for every query head).
 
     A product by a constant ``(K, N)`` matrix (ONNX's ``MatMul`` of a Linear layer) is an ``InnerProduct`` (int8
     when ``ncnn_int8`` quantized it), which takes in the bias of a following ``Add`` of a constant ``(N,)``."""
@@ -805,10 +806,12 @@ def _check_matmul_operands(b: NcnnBuilder, node: fx.Node, lhs: Any, rhs: Any) ->
     if not isinstance(lhs, fx.Node) or not isinstance(rhs, fx.Node):
         raise b.fail(node, "an operand is not a tensor", "multiply two tensors computed in the graph")
     (sa, ba), (sb, bb) = ((b.shape(t), b.batch_dim(t)) for t in (lhs, rhs))
-    if len(sa) != len(sb) or len(sa) < 2 or sa[:-2] != sb[:-2] or ba != bb or (ba is not None and ba >= len(sa) - 2):
-        raise b.fail(node, f"operands of shapes {sa} and {sb} (batch dims {ba}, {bb}) are not two equally batched "
-                     "matrices; ncnn's MatMul here multiplies blobs of one layout", "broadcast or reshape the "
-                     "operands to one shape (..., M, K) @ (..., K, N) with the batch outside the last two dims")
+    outer = all(m == n or (1 in (m, n) and d != ba) for d, (m, n) in enumerate(zip(sa[:-2], sb[:-2])))
+    if len(sa) != len(sb) or len(sa) < 2 or not outer or ba != bb or (ba is not None and ba >= len(sa) - 2):
+        raise b.fail(node, f"operands of shapes {sa} and {sb} (batch dims {ba}, {bb}) are not two batched matrices "
+                     "of one layout; ncnn's MatMul multiplies blobs of one rank, broadcasting outer dims of size 1",
+                     "broadcast or reshape the operands to shapes (..., M, K) @ (..., K, N) of one rank, their outer "
+                     "dims equal or 1, with the batch outside the last two dims")
 
 
 @register_ncnn_converter("Einsum", any_batch_dim=True)
