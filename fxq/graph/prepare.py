@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -102,20 +103,23 @@ class _Builder:
                     and not (node.users and all(self._divides_by(u, node) for u in node.users)))
 
     def _pads_with_values(self, node: fx.Node) -> bool:
-        """Whether ``node`` pads with a constant other than 0 (EfficientViT's ``F.pad(v, (0, 1), value=1.0)``): the
-        constant need not lie on the input's grid, nor in its range, so the result gets a quantizer of its own (a
-        passive one would simulate the ones exactly while the file rounds and clips them to the input's grid)."""
+        """Whether ``node`` pads with a finite constant other than 0 (EfficientViT's ``F.pad(v, (0, 1),
+        value=1.0)``): the constant need not lie on the input's grid, nor in its range, so the result gets a
+        quantizer of its own (a passive one would simulate the ones exactly while the file rounds and clips them to
+        the input's grid). An infinite one stays passive: a max pool's SAME padding (NASNet's ``-inf``), which no
+        window takes, and which a grid of its own could not hold."""
         if self.types.get(node) != "Pad":
             return False
         if node.op == "call_function":  # F.pad / aten.pad (input, pad, mode, value), constant_pad_nd (input, pad, value)
             at = 2 if "constant_pad_nd" in str(node.target) else 3
-            value = node.args[at] if len(node.args) > at else node.kwargs.get("value")
-            return value not in (None, 0, 0.0)
-        value = node.args[2] if len(node.args) > 2 else None  # ONNX Pad(data, pads, constant_value)
-        if isinstance(value, fx.Node) and value.op == "get_attr":
-            return bool(torch.any(get_attr_value(self.gm, str(value.target)) != 0))
-        module = self.gm.get_submodule(str(node.target)) if node.op == "call_module" else None
-        return getattr(module, "constant_value", 0) not in (None, 0, 0.0)
+            value: Any = node.args[at] if len(node.args) > at else node.kwargs.get("value")
+        elif len(node.args) > 2 and isinstance(node.args[2], fx.Node):  # ONNX Pad(data, pads, constant_value)
+            value = get_attr_value(self.gm, str(node.args[2].target)) if node.args[2].op == "get_attr" else None
+        else:
+            module = self.gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+            value = getattr(module, "constant_value", None)
+        values = torch.as_tensor(0.0 if value is None else value, dtype=torch.float64)
+        return bool(torch.any(torch.isfinite(values) & (values != 0)))
 
     def _divides_by(self, node: fx.Node, value: fx.Node) -> bool:
         """Whether ``node`` divides by ``value``. A divisor stays FP32: rounding takes the epsilon it carries to 0
