@@ -890,3 +890,34 @@ def test_in_place_ops_on_their_own_values_are_folded(tmp_path: Path, platform: s
     with torch.no_grad(), fxq.fp32_mode(gm):
         torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)  # each in-place op ran once
     assert _deployed_vs_simulation(gm, platform, tmp_path, x) >= 0.9999
+
+
+class WindowConvs(nn.Module):
+    """EfficientViT-M's local window attention: the image cut into 4 windows folded into the batch, then
+    convolutions of each window: a 1x1, a depthwise 5x5 (padding 2) and a strided 3x3; the windows put back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_in, self.out = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 4, 1)
+        self.qkv, self.dw = nn.Conv2d(8, 8, 1), nn.Conv2d(8, 8, 5, padding=2, groups=8)
+        self.down = nn.Conv2d(8, 8, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv_in(x)
+        b, c, h, w = y.shape
+        windows = y.reshape(b, c, 2, h // 2, 2, w // 2).permute(0, 2, 4, 1, 3, 5).reshape(4 * b, c, h // 2, w // 2)
+        z = self.down(torch.relu(self.dw(self.qkv(windows))))  # (4 * N, C, h / 4, w / 4)
+        z = z.reshape(b, 2, 2, c, h // 4, w // 4).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h // 2, w // 2)
+        return self.out(z)
+
+
+@pytest.mark.parametrize("form", ["native", "onnx"])
+def test_convolutions_of_windows_folded_into_the_batch(tmp_path: Path, form: str) -> None:
+    """Refused before ("needs a batch-first value"): each window is padded on its own, the windows stacked along
+    the rows of one blob, convolved int8, and each window's rows cropped back out."""
+    torch.manual_seed(0)
+    data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
+    gm = fxq.quantize(_in_form(WindowConvs().eval(), data[0], form, tmp_path), data, "ncnn_int8", progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 8, 8)) >= 0.9999
+    table = Path(fxq.export(gm, "ncnn_int8", tmp_path / "n")[2]).read_text().splitlines()
+    assert len([ln for ln in table if "_param_0 " in ln]) == 5  # all 5 convolutions int8 (weight scales)

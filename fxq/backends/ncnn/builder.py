@@ -594,7 +594,7 @@ class NcnnBuilder:
                 if not isinstance(node.meta.get("val"), torch.Tensor) and not converts_tuples(t):
                     continue  # a split: its readers take the pieces
                 if not takes_any_batch_dim(t):
-                    self._check_batch_first(node)
+                    self.check_batch_first(node)
                 if not takes_high_rank(t):
                     self._check_rank(node)
                 try:
@@ -681,7 +681,9 @@ class NcnnBuilder:
                 names.append(outputs[0])
         return names if names != list(meta.get("outputs", [])) else []
 
-    def _check_batch_first(self, node: fx.Node) -> None:
+    def check_batch_first(self, node: fx.Node) -> None:
+        """Refuse ``node`` unless each of its inputs is batch-first (what a converter not registered with
+        ``any_batch_dim`` takes)."""
         for arg in node.all_input_nodes:
             if self.strip(arg) in self.blob_of and self.batch_dim(arg) != 0:
                 bd = self.batch_dim(arg)

@@ -163,8 +163,12 @@ def _conv1d(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, layer_type, [b.blob(x, node)], params, [("tagged", _np(w))] + tail)
 
 
-@register_ncnn_converter("Conv")
+@register_ncnn_converter("Conv", any_batch_dim=True)
 def _conv(b: NcnnBuilder, node: fx.Node) -> None:
+    x = _arg(node, 0, "input")
+    windows = b.batch_dim(x) is None and len(b.shape(x)) == 4  # (N * windows, C, H, W): the batch folded in
+    if not windows:
+        b.check_batch_first(node)
     if isinstance(b.module(node), nn.Conv3d) or node.target is F.conv3d:
         _conv3d(b, node)
         return
@@ -187,21 +191,67 @@ def _conv(b: NcnnBuilder, node: fx.Node) -> None:
         pt, pl = pair(padding)
         pb, pr = pt, pl
     params.update({4: pl, 15: pr, 14: pt, 16: pb})
+    if windows:
+        _conv_over_windows(b, node, x, w, bias, params, groups)
+        return
     if groups > 1 and not is_depthwise(w.fp32.shape, groups):
         w_on = w.quantizing
         x_on = b.is_quantizer(x) and b.quantizer(x).config.state in QUANTIZING_STATES
         if w_on or x_on:
             _grouped_int8_conv(b, node, x, w, bias, params, groups)
             return
+    _convolution(b, node, x, w, bias, params, groups, b.blob(x, node), final=True)
+
+
+def _convolution(b: NcnnBuilder, node: fx.Node, x: Any, w: Any, bias: torch.Tensor | None, params: dict[int, Any],
+                 groups: int, bottom: str, *, final: bool) -> str:
+    """The ``Convolution`` / ``ConvolutionDepthWise`` layer of ``node`` over ``bottom`` (int8 where ``x`` and ``w``
+    are quantized), the node's own layer when ``final``; returns its blob."""
     int8 = b.int8_scales(node, x, w, groups)
     layer_type = "Convolution"
     if groups > 1:
         layer_type, params[7] = "ConvolutionDepthWise", groups
     tail = [("raw", _np(bias))] if bias is not None else []
-    layer = b.emit(node, layer_type, [b.blob(x, node)], params, [("tagged", _np(w.fp32))] + tail,
-                   int8=int8, int8_term=1 if groups > 1 else 2)
+    weights = [("tagged", _np(w.fp32))] + tail
+    int8_term = 1 if groups > 1 else 2
+    layer = (b.emit(node, layer_type, [bottom], params, weights, int8=int8, int8_term=int8_term) if final
+             else b.add_layer(node, layer_type, [bottom], params, weights, int8=int8, int8_term=int8_term))
     if int8 is not None:
         layer.int8_weights = [("tagged", _np(w.quantized()))] + tail
+    return layer.tops[0]
+
+
+def _conv_over_windows(b: NcnnBuilder, node: fx.Node, x: Any, w: Any, bias: torch.Tensor | None,
+                       params: dict[int, Any], groups: int) -> None:
+    """A 2-D convolution of ``(n, C, H, W)`` whose batch is folded into the ``n`` windows (EfficientViT-M's local
+    window attention): ncnn convolves one ``(C, H, W)`` blob, so each window is padded on its own, the windows are
+    stacked along the rows of one ``(C, n * H', W')`` blob, convolved unpadded, and each window's output rows cropped
+    back out. A window's outputs read only its own padded rows, so this is the convolution of each window, int8
+    where the model quantizes it."""
+    n, c, h, width = b.shape(x)
+    kh, dh, sh = params[11], params[12], params[13]
+    pt, pb, pl, pr = params[14], params[16], params[4], params[15]
+    hp = h + pt + pb
+    if hp % sh or (groups > 1 and not is_depthwise(w.fp32.shape, groups)):
+        raise b.fail(node, f"it convolves {n} windows of shape {(c, h, width)} folded into dim 0 with stride {sh} "
+                     f"and groups {groups}; ncnn convolves one (C, H, W) blob, so the windows are stacked along the "
+                     "rows, which takes a stride dividing the padded height and no grouped (non-depthwise) kernel",
+                     "run the convolution before the windows are folded into the batch")
+    h_out, w_out = b.shape(node)[2:]
+    blob = b.blob(x, node)
+    if pt or pb or pl or pr:
+        blob = b.helper(node, "Padding", [blob], {0: pt, 1: pb, 2: pl, 3: pr})
+    blob = b.helper(node, "Permute", [blob], {0: permute_order_type((1, 0, 2, 3))})  # (C, n, H', W')
+    blob = b.helper(node, "Reshape", [blob], shape_params((c, n * hp, width + pl + pr)))
+    params = {**params, 4: 0, 15: 0, 14: 0, 16: 0}
+    blob = _convolution(b, node, x, w, bias, params, groups, blob, final=False)
+    rows = (n * hp - dh * (kh - 1) - 1) // sh + 1  # the stacked output rows; window i's start at row i * hp / sh
+    if rows < n * (hp // sh):
+        blob = b.helper(node, "Padding", [blob], {1: n * (hp // sh) - rows})
+    blob = b.helper(node, "Reshape", [blob], shape_params((params[0], n, hp // sh, w_out)))
+    if h_out < hp // sh:
+        blob = b.helper(node, "Crop", [blob], {9: [0], 10: [h_out], 11: [2]})
+    b.emit(node, "Permute", [blob], {0: permute_order_type((1, 0, 2, 3))}, batch_dim=None)
 
 
 def _grouped_int8_conv(b: NcnnBuilder, node: fx.Node, x: Any, w: Any, bias: torch.Tensor | None,
