@@ -921,3 +921,38 @@ def test_convolutions_of_windows_folded_into_the_batch(tmp_path: Path, form: str
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 8, 8)) >= 0.9999
     table = Path(fxq.export(gm, "ncnn_int8", tmp_path / "n")[2]).read_text().splitlines()
     assert len([ln for ln in table if "_param_0 " in ln]) == 5  # all 5 convolutions int8 (weight scales)
+
+
+class RelativePositionEinsum(nn.Module):
+    """SAM's / MViT-v2's decomposed relative positions: the query times a table gathered per query row, an einsum
+    whose second operand carries only the last batch subscript (``"bhwc,hkc->bhwk"``; MViT's has heads too:
+    ``"byhwc,hkc->byhwk"``)."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.q, self.out, self.heads = nn.Linear(8, 8 * heads), nn.Linear(4 * heads, 8), heads
+        self.rel_pos = nn.Parameter(torch.randn(7, 8) * 0.5)
+        self.register_buffer("index", torch.arange(4)[:, None] - torch.arange(4)[None, :] + 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, h, w, _ = x.shape
+        table = self.rel_pos[self.index]  # (h, k, c), from stored tensors alone
+        q = self.q(x)
+        if self.heads == 1:
+            rel = torch.einsum("bhwc,hkc->bhwk", q, table)
+        else:
+            rel = torch.einsum("byhwc,hkc->byhwk", q.reshape(n, h, w, self.heads, 8).permute(0, 3, 1, 2, 4), table)
+            rel = rel.permute(0, 2, 3, 1, 4)
+        return self.out(rel.reshape(n, h, w, -1))
+
+
+@pytest.mark.parametrize("form", ["native", "onnx"])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_an_einsum_by_a_table_broadcast_over_the_batch(tmp_path: Path, heads: int, form: str) -> None:
+    """Refused before ("not a batched matrix product"): the table is a stored tensor, laid out like the query with
+    leading dims of 1, which ncnn's MatMul broadcasts."""
+    torch.manual_seed(0)
+    data = [torch.randn(1, 4, 4, 8) for _ in range(2)]
+    model = _in_form(RelativePositionEinsum(heads).eval(), data[0], form, tmp_path)
+    gm = fxq.quantize(model, data, "ncnn_int8", progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 4, 4, 8)) >= 0.9999

@@ -883,18 +883,26 @@ def _einsum(b: NcnnBuilder, node: fx.Node) -> None:
     batch, (i, j) = out[:-2], out[-2:]
     shared = set(lhs_t[-2:]) & set(rhs_t[-2:])
     k = next(iter(shared)) if len(shared) == 1 else None
-    if k is None or lhs_t[:-2] != batch or rhs_t[:-2] != batch or {i, k} != set(lhs_t[-2:]) or \
-            {k, j} != set(rhs_t[-2:]) or k in out:
-        raise b.fail(node, f"einsum {equation!r} is not a batched matrix product (..., i, k) x (..., k, j)",
-                     _EINSUM_FIX)
-    _check_matmul_operands(b, node, lhs, rhs)
-    blobs = [b.blob(lhs, node), b.blob(rhs, node)]
-    for n, (t, operand, want) in enumerate(((lhs_t, lhs, (i, k)), (rhs_t, rhs, (k, j)))):
+    # an operand may carry only the last batch subscripts (SAM's / MViT's relative positions: "bhwc,hkc->bhwk"),
+    # a stored tensor that broadcasts over the others, as in torch.matmul
+    broadcast = [t[:-2] != batch for t in (lhs_t, rhs_t)]
+    if k is None or {i, k} != set(lhs_t[-2:]) or {k, j} != set(rhs_t[-2:]) or k in out or all(broadcast) or any(
+            t[:-2] != batch[len(batch) - len(t) + 2:] or (wide and not b.is_constant(x))
+            for t, x, wide in zip((lhs_t, rhs_t), operands, broadcast)):
+        raise b.fail(node, f"einsum {equation!r} is not a batched matrix product (..., i, k) x (..., k, j) (an "
+                     "operand with fewer batch subscripts must be a stored tensor)", _EINSUM_FIX)
+    if any(broadcast):
+        like = rhs if broadcast[0] else lhs
+        blobs = [b.constant(x, node, like) if wide else b.blob(x, node) for x, wide in zip(operands, broadcast)]
+    else:
+        _check_matmul_operands(b, node, lhs, rhs)
+        blobs = [b.blob(lhs, node), b.blob(rhs, node)]
+    rank = len(b.blob_shape(rhs if broadcast[0] else lhs))
+    for n, (t, want) in enumerate(((lhs_t, (i, k)), (rhs_t, (k, j)))):
         if tuple(t[-2:]) != want:
-            rank = len(b.blob_shape(operand))
             order = tuple(range(rank - 2)) + (rank - 1, rank - 2)
             blobs[n] = b.helper(node, "Permute", [blobs[n]], {0: permute_order_type(order)})
-    b.emit(node, "MatMul", blobs, {0: 0})
+    b.emit(node, "MatMul", blobs, {0: 0}, batch_dim=b.batch_dim(rhs if broadcast[0] else lhs))
 
 
 _EINSUM_FIX = "write it as torch.matmul (with .transpose(-1, -2) where needed)"
