@@ -956,3 +956,28 @@ def test_an_einsum_by_a_table_broadcast_over_the_batch(tmp_path: Path, heads: in
     model = _in_form(RelativePositionEinsum(heads).eval(), data[0], form, tmp_path)
     gm = fxq.quantize(model, data, "ncnn_int8", progress=False)
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 4, 4, 8)) >= 0.9999
+
+
+class MaskUnitPooling(nn.Module):
+    """Hiera's mask-unit attention: queries pooled over the query stride of a 6-D view,
+    ``q.view(B, heads, stride, tokens, units, d).amax(dim=2)`` (or a mean)."""
+
+    def __init__(self, reduce: str) -> None:
+        super().__init__()
+        self.fc, self.out, self.reduce = nn.Linear(8, 8), nn.Linear(8, 8), reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x).view(x.shape[0], 2, 2, 4, 2, 4)
+        y = y.amax(dim=2) if self.reduce == "max" else y.mean(dim=(2, 3), keepdim=True)
+        return self.out(y.reshape(x.shape[0], -1, 8))
+
+
+@pytest.mark.parametrize("form", ["native", "onnx"])
+@pytest.mark.parametrize("reduce", ["max", "mean"])
+def test_a_reduction_of_more_than_four_dims(tmp_path: Path, reduce: str, form: str) -> None:
+    """Refused before ("only reshapes and permutes of such values are exported")."""
+    torch.manual_seed(0)
+    data = [torch.randn(1, 16, 8) for _ in range(2)]
+    gm = fxq.quantize(_in_form(MaskUnitPooling(reduce).eval(), data[0], form, tmp_path), data, "ncnn_int8",
+                      progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 16, 8)) >= 0.9999

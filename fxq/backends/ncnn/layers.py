@@ -1113,7 +1113,7 @@ _REDUCTION = {"ReduceSum": 0, "ReduceSumSquare": 2, "ReduceMean": 3, "ReduceMax"
 """ONNX op type -> operation of ncnn's ``Reduction`` (1 asum is L1 too)."""
 
 
-@register_ncnn_converter(*_REDUCTION, any_batch_dim=True)
+@register_ncnn_converter(*_REDUCTION, any_batch_dim=True, high_rank=True)
 def _reduce(b: NcnnBuilder, node: fx.Node) -> None:
     """``Reduce*`` as ncnn's ``Reduction``; the spatial mean of (N, C, H, W) as global average ``Pooling``."""
     x = node.args[0]
@@ -1131,8 +1131,31 @@ def _reduce(b: NcnnBuilder, node: fx.Node) -> None:
         params = {0: 1, 7: 1, 8: 1, 18: 1} if keep else {0: 1, 4: 1}
         b.emit(node, "Pooling", [b.blob(x, node)], params)
         return
+    if b.high_rank(x):
+        _reduce_high_rank(b, node, x, dims, keep, _REDUCTION[op])
+        return
     params, out_bd = _reduction(b, node, x, dims, keep, _REDUCTION[op])
     b.emit(node, "Reduction", [b.blob(x, node)], params, batch_dim=out_bd)
+
+
+def _reduce_high_rank(b: NcnnBuilder, node: fx.Node, x: fx.Node, dims: list[int], keep: bool, operation: int
+                      ) -> None:
+    """A reduction of a value of more than 4 dims besides the batch (Hiera's mask-unit attention pools its queries
+    with ``q.view(B, heads, stride, -1, units, d).max(dim=2)``), over dims next to each other: the blob viewed as
+    (dims before, the reduced dims, dims after), reduced along its middle axis, and reshaped to the result."""
+    shape, bd = b.shape(x), b.batch_dim(x)
+    kept = [d for d in range(len(shape)) if d != bd]
+    at = [kept.index(d) for d in dims if d in kept]
+    if bd in dims or not at or at != list(range(at[0], at[0] + len(at))):
+        raise b.fail(node, f"it reduces dims {tuple(dims)} of shape {shape} (batch dim {bd}), a value of more than 4 "
+                     "dims besides the batch, over dims that are not next to each other or over the batch",
+                     "reduce next-to-each-other dims other than the batch, or reshape to at most 4 dims first")
+    blob_dims = drop_dim(shape, bd)
+    view = (math.prod(blob_dims[:at[0]]), math.prod(blob_dims[at[0]:at[-1] + 1]), math.prod(blob_dims[at[-1] + 1:]))
+    blob = b.helper(node, "Reshape", [b.blob(x, node)], shape_params(view))
+    blob = b.helper(node, "Reduction", [blob], {0: operation, 1: 0, 3: [1], 4: 1, 5: 1})
+    out_bd = bd if keep or bd is None else bd - sum(d < bd for d in dims)
+    b.emit(node, "Reshape", [blob], shape_params(fold_dims(drop_dim(b.shape(node), out_bd))), batch_dim=out_bd)
 
 
 def _reduced_dims(b: NcnnBuilder, x: fx.Node, dims: Any) -> list[int]:
