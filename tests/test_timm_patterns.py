@@ -981,3 +981,28 @@ def test_a_reduction_of_more_than_four_dims(tmp_path: Path, reduce: str, form: s
     gm = fxq.quantize(_in_form(MaskUnitPooling(reduce).eval(), data[0], form, tmp_path), data, "ncnn_int8",
                       progress=False)
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 16, 8)) >= 0.9999
+
+
+class WindowLinear(nn.Module):
+    """Twins' locally-grouped attention: a Linear over the channels of the image viewed as windows,
+    ``(N, rows, cols, h, w, C)``, a value of 5 dims besides the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.qkv, self.out = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 12), nn.Linear(12, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x).permute(0, 2, 3, 1)  # (N, H, W, C)
+        n, h, w, c = y.shape
+        windows = y.reshape(n, 2, h // 2, 2, w // 2, c).transpose(2, 3)
+        z = torch.relu(self.qkv(windows))  # (N, 2, 2, h / 2, w / 2, 12)
+        return self.out(z.transpose(2, 3).reshape(n, h, w, 12))
+
+
+@pytest.mark.parametrize("form", ["native", "onnx"])
+def test_a_linear_layer_over_more_than_four_dims(tmp_path: Path, form: str) -> None:
+    """Refused before ("has 5 dims besides the batch"): a Linear maps the last dim alone, so the value is its rows."""
+    torch.manual_seed(0)
+    data = [torch.randn(1, 3, 4, 4) for _ in range(2)]
+    gm = fxq.quantize(_in_form(WindowLinear().eval(), data[0], form, tmp_path), data, "ncnn_int8", progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 4, 4)) >= 0.9999

@@ -320,7 +320,7 @@ def _deconv(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, layer_type, [b.blob(x, node)], params, [("tagged", _np(ncnn_w))] + tail)
 
 
-@register_ncnn_converter("Gemm", any_batch_dim=True)
+@register_ncnn_converter("Gemm", any_batch_dim=True, high_rank=True)
 def _linear(b: NcnnBuilder, node: fx.Node) -> None:
     mod = b.module(node)
     if mod is not None and not hasattr(mod, "weight"):  # onnx2torch's OnnxGemm: B computed, or alpha / transA set
@@ -343,11 +343,13 @@ def _inner_product(b: NcnnBuilder, node: fx.Node, x: Any, w: WeightInfo, bias: t
 
     A blob of rank 3 or 4 (ConvNeXt's ``Linear`` over the channels of an NHWC ``(N, H, W, C)`` value) would be
     flattened whole by ``InnerProduct``, so it is reshaped to rows ``(H * W, C)`` first and back to
-    ``(H, W, out)`` after; the layer itself keeps the node's name (its int8 table lines).
+    ``(H, W, out)`` after; the layer itself keeps the node's name (its int8 table lines). So is a value of more than
+    4 dims besides the batch (Twins' ``(N, rows, cols, h, w, C)`` windows), back to its stored shape.
     """
     shape, bd = b.shape(x), b.batch_dim(x)
     in_blob, out_blob = b.blob_shape(x), drop_dim(b.shape(node), bd)  # the output keeps the input's batch dim
-    if not 1 <= len(in_blob) <= 4 or bd == len(shape) - 1:
+    out_blob = fold_dims(out_blob)  # more than 4 dims (Twins' windows): stored with the outer ones merged
+    if not in_blob or (len(in_blob) > 4 and not b.high_rank(x)) or bd == len(shape) - 1:
         raise b.fail(node, f"its input of shape {shape} (batch dim {bd}) is a rank-{len(in_blob)} blob whose "
                      "last dim is not the features; ncnn's InnerProduct maps the last dim of a blob of rank 1 to 4",
                      "reshape the input to (N, ..., F) with the batch outside the last dim first")
@@ -394,11 +396,12 @@ def _unary(layer_type: str, params: dict[int, Any] | None = None):
     return convert
 
 
-register_ncnn_converter("Relu", any_batch_dim=True)(_unary("ReLU"))
+# elementwise activations read a value of more than 4 dims as stored (outer dims merged): the same elements
+register_ncnn_converter("Relu", any_batch_dim=True, high_rank=True)(_unary("ReLU"))
 # ONNX forms (onnx2torch modules; torch's own functions have no canonical type for these): ncnn UnaryOp types
 for _onnx_type, _unary_type in (("Abs", 0), ("Neg", 1), ("Sqrt", 5), ("Rsqrt", 6), ("Exp", 7), ("Log", 8),
                                 ("Reciprocal", 15)):
-    register_ncnn_converter(_onnx_type, any_batch_dim=True)(_unary("UnaryOp", {0: _unary_type}))
+    register_ncnn_converter(_onnx_type, any_batch_dim=True, high_rank=True)(_unary("UnaryOp", {0: _unary_type}))
 
 
 @register_ncnn_converter("Identity", any_batch_dim=True, high_rank=True)
@@ -406,13 +409,13 @@ def _identity(b: NcnnBuilder, node: fx.Node) -> None:
     """``contiguous`` / ``clone`` / ``detach`` / dropout: the input's blob, no layer."""
     x = node.args[0]
     b.alias(node, x, b.batch_dim(x))
-register_ncnn_converter("Sigmoid", any_batch_dim=True)(_unary("Sigmoid"))
-register_ncnn_converter("Tanh", any_batch_dim=True)(_unary("TanH"))
-register_ncnn_converter("Silu", any_batch_dim=True)(_unary("Swish"))
-register_ncnn_converter("HardSwish", any_batch_dim=True)(_unary("HardSwish", {0: 1.0 / 6.0, 1: 0.5}))
+register_ncnn_converter("Sigmoid", any_batch_dim=True, high_rank=True)(_unary("Sigmoid"))
+register_ncnn_converter("Tanh", any_batch_dim=True, high_rank=True)(_unary("TanH"))
+register_ncnn_converter("Silu", any_batch_dim=True, high_rank=True)(_unary("Swish"))
+register_ncnn_converter("HardSwish", any_batch_dim=True, high_rank=True)(_unary("HardSwish", {0: 1.0 / 6.0, 1: 0.5}))
 
 
-@register_ncnn_converter("HardSigmoid", any_batch_dim=True)
+@register_ncnn_converter("HardSigmoid", any_batch_dim=True, high_rank=True)
 def _hardsigmoid(b: NcnnBuilder, node: fx.Node) -> None:
     mod = b.module(node)  # torch: relu6(x + 3) / 6; ONNX (onnx2torch's module): alpha, beta attributes
     alpha, beta = getattr(mod, "alpha", 1.0 / 6.0), getattr(mod, "beta", 0.5)
@@ -431,11 +434,11 @@ def _one_scalar(layer: str, name: str, default: float) -> Callable[[NcnnBuilder,
     return convert
 
 
-register_ncnn_converter("LeakyRelu", any_batch_dim=True)(_one_scalar("ReLU", "negative_slope", 0.01))
-register_ncnn_converter("Elu", any_batch_dim=True)(_one_scalar("ELU", "alpha", 1.0))
+register_ncnn_converter("LeakyRelu", any_batch_dim=True, high_rank=True)(_one_scalar("ReLU", "negative_slope", 0.01))
+register_ncnn_converter("Elu", any_batch_dim=True, high_rank=True)(_one_scalar("ELU", "alpha", 1.0))
 
 
-@register_ncnn_converter("Selu", any_batch_dim=True)
+@register_ncnn_converter("Selu", any_batch_dim=True, high_rank=True)
 def _selu(b: NcnnBuilder, node: fx.Node) -> None:
     """``SELU`` (0 alpha, 1 lambda): torch's fixed constants, or ONNX's ``alpha`` / ``gamma``."""
     mod = b.module(node)
@@ -591,7 +594,7 @@ def _repeat_interleave(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, "Reshape", [blob], shape_params(drop_dim(b.shape(node), bd)))
 
 
-@register_ncnn_converter("Gelu", any_batch_dim=True)
+@register_ncnn_converter("Gelu", any_batch_dim=True, high_rank=True)
 def _gelu(b: NcnnBuilder, node: fx.Node) -> None:
     mod = b.module(node)
     approx = mod.approximate if mod is not None else node.kwargs.get("approximate", "none")
