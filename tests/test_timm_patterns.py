@@ -1006,3 +1006,31 @@ def test_a_linear_layer_over_more_than_four_dims(tmp_path: Path, form: str) -> N
     data = [torch.randn(1, 3, 4, 4) for _ in range(2)]
     gm = fxq.quantize(_in_form(WindowLinear().eval(), data[0], form, tmp_path), data, "ncnn_int8", progress=False)
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 4, 4)) >= 0.9999
+
+
+class HaloWindows(nn.Module):
+    """HaloNet's keys and values: each block's window with a halo, ``F.pad(x, halo).unfold(2, win, block)
+    .unfold(3, win, block)``, then attention of each block's pixels over its window."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv, self.out = nn.Conv2d(3, 8, 1), nn.Conv2d(3, 8, 1), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, _, h, w = x.shape  # blocks of 2 x 2, windows of 4 x 4
+        kv = torch.nn.functional.pad(self.kv(x), [1, 1, 1, 1]).unfold(2, 4, 2).unfold(3, 4, 2)
+        kv = kv.reshape(n, 8, h // 2 * w // 2, 16).permute(0, 2, 3, 1)  # (N, blocks, 16, C)
+        q = self.q(x).reshape(n, 8, h // 2, 2, w // 2, 2).permute(0, 2, 4, 3, 5, 1).reshape(n, h // 2 * w // 2, 4, 8)
+        attn = (q @ kv.transpose(-2, -1)).softmax(dim=-1)  # (N, blocks, 4, 16)
+        y = (attn @ kv).reshape(n, h // 2, w // 2, 2, 2, 8).permute(0, 5, 1, 3, 2, 4).reshape(n, 8, h, w)
+        return self.out(y)
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
+def test_unfold_after_a_pad_exports(tmp_path: Path, platform: str) -> None:
+    """torch.onnx refused ``unfold`` ("input size not accessible"): the export's name mark on the pad gave the pad's
+    value a type without sizes (torch.onnx knows no shape past that Pad). The marks now carry the sizes fxq runs."""
+    torch.manual_seed(0)
+    data = [torch.randn(1, 3, 4, 4) for _ in range(2)]
+    gm = fxq.quantize(HaloWindows().eval(), data, platform, progress=False)
+    assert _deployed_vs_simulation(gm, platform, tmp_path, torch.randn(1, 3, 4, 4)) >= 0.9999

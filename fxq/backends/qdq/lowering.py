@@ -28,9 +28,9 @@ from fxq.backends.qdq.marking import (
     MARK_OP,
     Mark,
     MarkedModule,
-    dynamic_dims_while_exporting,
-    dynamic_mark_dims,
     freeze_quant_mark_inputs,
+    mark_sizes,
+    mark_sizes_while_exporting,
 )
 from fxq.backends.qdq.onnx_graph import (
     all_tensor_names,
@@ -420,9 +420,10 @@ def lower(marked: MarkedModule, args: tuple, opset: int, dynamic_axes: dict | No
     fed from buffers and the model is exported again
     (:func:`~fxq.backends.qdq.marking.freeze_quant_mark_inputs`), so every quantizer of the simulation has its
     Q/DQ in the file. The marks' values keep the dims that follow ``dynamic_axes`` dynamic
-    (:func:`~fxq.backends.qdq.marking.dynamic_mark_dims`, probed once for every torch.onnx run here).
+    and every other dim static (:func:`~fxq.backends.qdq.marking.mark_sizes`, probed once for every torch.onnx run
+    here).
     """
-    with dynamic_dims_while_exporting(dynamic_mark_dims(marked, args, dynamic_axes)):
+    with mark_sizes_while_exporting(mark_sizes(marked, args, dynamic_axes)):
         model, opset = _export_at_needed_opset(marked, args, opset, dynamic_axes, raise_opset)
         present = {int(attr(n, "id", -1)) for n in mark_nodes(model.graph)}
         lost = {i for i, m in marked.marks.items() if m.kind == "quant" and i not in present}

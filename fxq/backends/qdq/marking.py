@@ -23,7 +23,7 @@ from fxq.graph.nodes import output_shapes
 from fxq.graph.quant_graph import QuantGraph, quantizer_name
 
 __all__ = ["Mark", "MarkedModule", "build_marked_module", "freeze_quant_mark_inputs", "MARK_DOMAIN", "MARK_OP",
-           "flat_output_count", "dynamic_mark_dims", "dynamic_dims_while_exporting"]
+           "flat_output_count", "mark_sizes", "mark_sizes_while_exporting"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +42,21 @@ def _(x, mark_id):
 
 
 _EXPORTING = threading.local()
-"""``dims``: per mark id, the dims of its value that follow the export's dynamic input axes (this thread's export)."""
+"""``sizes``: per mark id, the sizes of its value in this thread's export, None where they follow the export's
+dynamic input axes (:func:`mark_sizes`)."""
 
 
 @symbolic_helper.parse_args("v", "i")
 def _mark_symbolic(g: Any, x: Any, mark_id: int) -> Any:
     out = g.op(f"{MARK_DOMAIN}::{MARK_OP}", x, id_i=mark_id)
     typ = x.type()
-    dynamic = getattr(_EXPORTING, "dims", {}).get(mark_id)
-    sizes = typ.varyingSizes() if dynamic and hasattr(typ, "varyingSizes") else None
-    if sizes is not None:
-        # torch.onnx cannot infer a custom op's shape and keeps the type it is given: the traced, static sizes would
-        # let its constant folding freeze every Shape read downstream (a dynamic width became a constant 40)
-        typ = typ.with_sizes([None if i in dynamic else d for i, d in enumerate(sizes)])
+    sizes = getattr(_EXPORTING, "sizes", {}).get(mark_id)
+    if sizes is not None and hasattr(typ, "with_sizes"):
+        # torch.onnx cannot infer a custom op's shape and keeps the type it is given. The sizes fxq ran: a dynamic
+        # dim left static would let its constant folding freeze every Shape read downstream (a dynamic width became
+        # a constant 40); a static one left unknown (torch.onnx knows no shape past a Pad) makes the symbolics that
+        # need it refuse (HaloNet's ``unfold``: "input size not accessible")
+        typ = typ.with_sizes(list(sizes))
     out.setType(typ)
     return out
 
@@ -321,36 +323,36 @@ def freeze_quant_mark_inputs(marked: MarkedModule, ids: set[int], args: tuple) -
 
 
 @contextlib.contextmanager
-def dynamic_dims_while_exporting(dims: dict[int, tuple[int, ...]]) -> Iterator[None]:
-    """Give the marks' ONNX symbolic the dims :func:`dynamic_mark_dims` found, for one export in this thread."""
-    before = getattr(_EXPORTING, "dims", {})
-    _EXPORTING.dims = dims
+def mark_sizes_while_exporting(sizes: dict[int, tuple[int | None, ...]]) -> Iterator[None]:
+    """Give the marks' ONNX symbolic the sizes :func:`mark_sizes` found, for one export in this thread."""
+    before = getattr(_EXPORTING, "sizes", {})
+    _EXPORTING.sizes = sizes
     try:
         yield
     finally:
-        _EXPORTING.dims = before
+        _EXPORTING.sizes = before
 
 
-def dynamic_mark_dims(marked: MarkedModule, args: tuple, axes: dict[str, dict[int, str]] | None
-                      ) -> dict[int, tuple[int, ...]]:
-    """Per mark id, the dims of its value that change when the dynamic input axes do (doubled: the example
-    repeated along them), found by running the marked module at the example's size and the doubled one: all axes
-    at once, else each alone (an OCR recognizer's height is symbolic in its file but only its width varies); ``{}``
-    without dynamic axes or where no doubled size runs (those exports keep the traced sizes)."""
-    wanted = [(i, d) for i, name in enumerate(marked.input_names) if i < len(args)
-              and isinstance(args[i], torch.Tensor) for d in sorted((axes or {}).get(name) or {}) if d < args[i].dim()]
-    if not wanted:
-        return {}
+def mark_sizes(marked: MarkedModule, args: tuple, axes: dict[str, dict[int, str]] | None
+               ) -> dict[int, tuple[int | None, ...]]:
+    """Per mark id, the sizes of its value at the example's size, None for the dims that change when the dynamic
+    input axes do (doubled: the example repeated along them), found by running the marked module at the example's
+    size and the doubled one: all axes at once, else each alone (an OCR recognizer's height is symbolic in its file
+    but only its width varies). ``{}`` where the module does not run here (the export keeps torch.onnx's types);
+    every dim static where no doubled size runs."""
     base = _mark_shapes(marked.module, args)
     if base is None:
         return {}
+    wanted = [(i, d) for i, name in enumerate(marked.input_names) if i < len(args)
+              and isinstance(args[i], torch.Tensor) for d in sorted((axes or {}).get(name) or {}) if d < args[i].dim()]
     found: dict[int, set[int]] = {}
-    for bigger in doubled_dim_probes(args, wanted, lambda probe: _mark_shapes(marked.module, probe)):
+    for bigger in doubled_dim_probes(args, wanted, lambda probe: _mark_shapes(marked.module, probe)) if wanted else ():
         for mark_id, shape in base.items():
             other = bigger.get(mark_id)
             if other is not None and len(other) == len(shape):
                 found.setdefault(mark_id, set()).update(k for k, (p, q) in enumerate(zip(shape, other)) if p != q)
-    return {mark_id: tuple(sorted(dims)) for mark_id, dims in found.items() if dims}
+    return {mark_id: tuple(None if k in found.get(mark_id, ()) else d for k, d in enumerate(shape))
+            for mark_id, shape in base.items()}
 
 
 def _mark_shapes(module: fx.GraphModule, args: tuple) -> dict[int, tuple[int, ...]] | None:
