@@ -399,3 +399,37 @@ def test_exports_keep_the_output_dim_names_of_the_source_file(tmp_path, platform
     session = ort_session(path, optimize=False)
     with torch.no_grad():
         np.testing.assert_allclose(session.run(None, {"images": x.numpy()})[0], q(x).numpy(), rtol=0, atol=1e-5)
+
+
+class _BoundedLength(nn.Module):
+    """A positional table of 10 rows read up to the sequence length: the model runs at T = 6 but not at twice it,
+    so the export's probe of a doubled size fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out, self.pos = nn.Linear(8, 8), nn.Linear(8, 8), nn.Parameter(torch.randn(1, 10, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        t = y.shape[1]
+        z = torch.relu(y + self.pos[:, :t]).reshape(y.shape[0], t, 2, 4).transpose(1, 2)
+        return self.out(z.reshape(y.shape[0], 2, t * 4).reshape(y.shape[0], t, 8))
+
+
+@pytest.mark.parametrize("platform", ["ort_int8", "trt_int8"])
+def test_a_dynamic_dim_the_size_probe_cannot_double_stays_dynamic(tmp_path, platform: str) -> None:
+    """The export's name marks take the sizes fxq ran only where a doubled size told which follow the dynamic axes;
+    given every size as static here, torch.onnx froze the file's Shape reads at T = 6."""
+    torch.manual_seed(0)
+    torch.onnx.export(_BoundedLength().eval(), (torch.randn(1, 6, 8),), str(tmp_path / "src.onnx"), dynamo=False,
+                      opset_version=17, input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {1: "T"}, "y": {1: "T"}})
+    gm = fxq.quantize(fxq.load_onnx(tmp_path / "src.onnx"), [torch.randn(1, 6, 8) for _ in range(2)], platform,
+                      progress=False)
+    fxq.export(gm, platform, tmp_path / "m.onnx")
+    session = ort_session(tmp_path / "m.onnx")
+    for t in (4, 6, 8):
+        x = torch.randn(1, t, 8)
+        got = session.run(None, {"x": x.numpy()})[0]
+        with torch.no_grad():
+            np.testing.assert_allclose(got, gm(x).numpy(), atol=1e-4)

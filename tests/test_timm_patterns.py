@@ -863,33 +863,43 @@ def test_matmul_broadcasting_a_head_in_ncnn(tmp_path: Path, form: str) -> None:
 class InplacePositionMLP(nn.Module):
     """timm's Swin-V2 continuous position bias: an MLP with ``nn.ReLU(inplace=True)`` over stored coordinates, an
     in-place scale of its output, gathered by a stored index (torch.fx records a plain tensor attribute as a
-    ``_tensor_constant``)."""
+    ``_tensor_constant``). ``ends``: the MLP ends in a Linear, or in the in-place ReLU (a chain of two in-place
+    ops), or the ReLU's value is read again after the scale (the chain is not the ops' own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ends: str = "linear") -> None:
         super().__init__()
-        self.conv = nn.Conv2d(3, 2, 3, padding=1)
-        self.mlp = nn.Sequential(nn.Linear(2, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+        self.conv, self.ends = nn.Conv2d(3, 2, 3, padding=1), ends
+        layers = [nn.Linear(2, 8), nn.ReLU(inplace=True), nn.Linear(8, 2)]
+        self.mlp = nn.Sequential(*(layers if ends == "linear" else [nn.Linear(2, 2), nn.ReLU(inplace=True)]))
         self.register_buffer("coords", torch.linspace(-1, 1, 18).reshape(9, 2))
         self.index = torch.arange(16) % 9
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.mlp(self.coords).mul_(2.0)
+        hidden = self.mlp(self.coords)
+        bias = hidden.mul_(2.0)
+        if self.ends == "shared":
+            bias = bias + hidden
         return self.conv(x) + bias[self.index].T.reshape(1, 2, 4, 4)
 
 
 @pytest.mark.parametrize("platform", ["trt_int8", "ncnn_int8"])
-def test_in_place_ops_on_their_own_values_are_folded(tmp_path: Path, platform: str) -> None:
+@pytest.mark.parametrize("ends", ["linear", "relu", "shared"])
+def test_in_place_ops_on_their_own_values_are_folded(tmp_path: Path, platform: str, ends: str) -> None:
     """The in-place ReLU (and the scale) marked the Linear's output as written, so the MLP stayed a computation of
-    the graph, quantized each call; ncnn refused its gather by a stored index."""
+    the graph, quantized each call; ncnn refused its gather by a stored index. A chain of in-place ops folds whole:
+    folded up to its first op only, the rest wrote into the stored value on every call."""
     torch.manual_seed(0)
-    model = InplacePositionMLP().eval()
+    model = InplacePositionMLP(ends).eval()
     data = [torch.randn(1, 3, 4, 4) for _ in range(2)]
     gm = fxq.quantize(model, data, platform, progress=False)
-    assert not [n for n in gm.graph.nodes if n.op == "call_module" and "mlp" in str(n.target)]
+    folded = not [n for n in gm.graph.nodes if n.op == "call_module" and "mlp" in str(n.target)]
+    assert folded == (ends != "shared")
     x = torch.randn(1, 3, 4, 4)
     with torch.no_grad(), fxq.fp32_mode(gm):
-        torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)  # each in-place op ran once
-    assert _deployed_vs_simulation(gm, platform, tmp_path, x) >= 0.9999
+        for _ in range(3):  # each in-place op ran once, and nothing stored is written
+            torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
+    if ends == "linear":
+        assert _deployed_vs_simulation(gm, platform, tmp_path, x) >= 0.9999
 
 
 class WindowConvs(nn.Module):
@@ -968,14 +978,17 @@ class MaskUnitPooling(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc(x).view(x.shape[0], 2, 2, 4, 2, 4)
+        if self.reduce == "all":  # every dim besides the batch: ncnn's reduce_all
+            return self.out(x * y.mean(dim=(1, 2, 3, 4, 5)).reshape(-1, 1, 1))
         y = y.amax(dim=2) if self.reduce == "max" else y.mean(dim=(2, 3), keepdim=True)
         return self.out(y.reshape(x.shape[0], -1, 8))
 
 
 @pytest.mark.parametrize("form", ["native", "onnx"])
-@pytest.mark.parametrize("reduce", ["max", "mean"])
+@pytest.mark.parametrize("reduce", ["max", "mean", "all"])
 def test_a_reduction_of_more_than_four_dims(tmp_path: Path, reduce: str, form: str) -> None:
-    """Refused before ("only reshapes and permutes of such values are exported")."""
+    """Refused before ("only reshapes and permutes of such values are exported"); over every dim besides the batch
+    it is a reduce_all, whatever the layout."""
     torch.manual_seed(0)
     data = [torch.randn(1, 16, 8) for _ in range(2)]
     gm = fxq.quantize(_in_form(MaskUnitPooling(reduce).eval(), data[0], form, tmp_path), data, "ncnn_int8",
@@ -1034,3 +1047,34 @@ def test_unfold_after_a_pad_exports(tmp_path: Path, platform: str) -> None:
     data = [torch.randn(1, 3, 4, 4) for _ in range(2)]
     gm = fxq.quantize(HaloWindows().eval(), data, platform, progress=False)
     assert _deployed_vs_simulation(gm, platform, tmp_path, torch.randn(1, 3, 4, 4)) >= 0.9999
+
+
+def test_unfold_after_a_pad_in_ncnn(tmp_path: Path) -> None:
+    """ncnn refused ``unfold`` (an untyped op): windows that overlap are each a Crop moved last, joined by a
+    Concat."""
+    torch.manual_seed(0)
+    data = [torch.randn(1, 3, 4, 4) for _ in range(2)]
+    gm = fxq.quantize(HaloWindows().eval(), data, "ncnn_int8", progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 4, 4)) >= 0.9999
+
+
+class PixelEmbed(nn.Module):
+    """TNT's pixel embedding: ``nn.Unfold(kernel_size=4, stride=4)`` of the image into 4 x 4 blocks (as channels,
+    one column per block), and non-overlapping ``x.unfold(-1, 2, 2)`` windows of its rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(64, 8)
+        self.unfold = nn.Unfold(kernel_size=4, stride=4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = self.unfold(self.conv(x)).transpose(1, 2)  # (N, blocks, 4 * 4 * 4)
+        pairs = blocks.unfold(-1, 2, 2)  # (N, blocks, 32, 2)
+        return self.fc(blocks + pairs.flip(-1).reshape(blocks.shape))
+
+
+def test_unfold_of_blocks_that_tile_the_image_in_ncnn(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
+    gm = fxq.quantize(PixelEmbed().eval(), data, "ncnn_int8", progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 8, 8)) >= 0.9999

@@ -108,6 +108,7 @@ _FUNCTIONS: dict[Callable[..., Any], str] = {
     F.embedding: "Gather", operator.neg: "Neg", torch.neg: "Neg", operator.pow: "Pow", torch.pow: "Pow",
     torch.sqrt: "Sqrt", torch.exp: "Exp", torch.log: "Log", torch.abs: "Abs", torch.reciprocal: "Reciprocal",
     torch.rsqrt: "Rsqrt", torch.var: "Var", torch.std: "Std", torch.repeat_interleave: "RepeatInterleave",
+    F.unfold: "Im2Col",
 }
 
 _METHODS: dict[str, str] = {
@@ -124,6 +125,7 @@ _METHODS: dict[str, str] = {
     "prod": "ReduceProd", "logsumexp": "ReduceLogSumExp", "neg": "Neg",
     "sqrt": "Sqrt", "exp": "Exp", "log": "Log", "abs": "Abs", "reciprocal": "Reciprocal",
     "rsqrt": "Rsqrt", "var": "Var", "std": "Std", "repeat_interleave": "RepeatInterleave",
+    "unfold": "SlidingWindows",  # Tensor.unfold(dim, size, step); nn.Unfold / F.unfold is Im2Col
 }
 
 _MODULES: dict[type, str] = {
@@ -142,7 +144,7 @@ _MODULES: dict[type, str] = {
     nn.Identity: "Identity", nn.Dropout: "Identity", nn.Dropout2d: "Identity", nn.Embedding: "Gather",
     nn.LocalResponseNorm: "LRN", nn.SELU: "Selu", nn.LogSoftmax: "LogSoftmax", nn.Softplus: "Softplus",
     nn.InstanceNorm1d: "InstanceNormalization",
-    nn.InstanceNorm2d: "InstanceNormalization", nn.InstanceNorm3d: "InstanceNormalization",
+    nn.InstanceNorm2d: "InstanceNormalization", nn.InstanceNorm3d: "InstanceNormalization", nn.Unfold: "Im2Col",
 }
 
 def _training_flag_at(index: int) -> Callable[[fx.Node], bool]:

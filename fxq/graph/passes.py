@@ -546,20 +546,25 @@ _FAILED = object()
 
 def _written(graph: fx.Graph, modules: dict[str, nn.Module]) -> set[fx.Node]:
     """The values an op changes in place, directly or through views (``self.state[:, :].copy_(x)``); not a value
-    computed for that op alone (Swin-V2's position MLP: ``nn.ReLU(inplace=True)`` after a Linear), which no other
-    op sees before or after the write."""
+    computed for its in-place ops alone (Swin-V2's position MLP: ``nn.ReLU(inplace=True)`` after a Linear, then
+    ``.mul_(s)``): a chain of in-place ops, each the only reader of the one before, on a fresh value that no other
+    op sees. An in-place op returns the value it wrote, so a write into its result writes the whole chain."""
     out: set[fx.Node] = set()
     for node in graph.nodes:
         if not (node.args and isinstance(node.args[0], fx.Node) and mutates_first_argument(node, modules)):
             continue
-        value = node.args[0]
-        if (value.op in ("call_function", "call_method", "call_module") and len(value.users) == 1
-                and op_type(value, modules) not in _VIEWS and not mutates_first_argument(value, modules)):
+        chain = [node.args[0]]
+        while chain[-1].args and isinstance(chain[-1].args[0], fx.Node) and mutates_first_argument(chain[-1], modules):
+            chain.append(chain[-1].args[0])
+        root = chain[-1]
+        if (root.op in ("call_function", "call_method", "call_module") and op_type(root, modules) not in _VIEWS
+                and all(len(value.users) == 1 for value in chain)):
             continue
-        while isinstance(value, fx.Node) and value not in out:
-            out.add(value)
-            view = op_type(value, modules) in _VIEWS and value.args
-            value = value.args[0] if view else None
+        for value in chain:
+            while isinstance(value, fx.Node) and value not in out:
+                out.add(value)
+                view = op_type(value, modules) in _VIEWS and value.args
+                value = value.args[0] if view else None
     return out
 
 

@@ -569,6 +569,63 @@ def _tiles(b: NcnnBuilder, node: fx.Node, x: fx.Node, counts: dict[int, int]
     return b.helper(node, "Reshape", [blob], shape_params(view)), [(1, counts[bd])], None, fold_dims(b.shape(node))
 
 
+@register_ncnn_converter("SlidingWindows", any_batch_dim=True, high_rank=True)
+def _sliding_windows(b: NcnnBuilder, node: fx.Node) -> None:
+    """``x.unfold(dim, size, step)`` (HaloNet's windows with a halo): window ``i`` of ``dim`` taken as a new last
+    dim. The value is viewed as (dims before, ``dim``, dims after): windows that do not overlap are a Reshape and a
+    Permute; others each a Crop, moved last and joined by a Concat. The result is reshaped to its own layout."""
+    x, dim, size, step = node.args[0], *(_const(b, node, _arg(node, i, k), k) for i, k in
+                                         ((1, "dimension"), (2, "size"), (3, "step")))
+    shape, bd = b.shape(x), b.batch_dim(x)
+    d = int(dim) % len(shape)
+    if d == bd:
+        raise b.fail(node, f"it takes windows along the batch dimension (dim {d} of shape {shape})",
+                     b.batch_advice(x))
+    dims = drop_dim(shape, bd)
+    at = d if bd is None or d < bd else d - 1
+    before, length, after = math.prod(dims[:at]), dims[at], math.prod(dims[at + 1:])
+    n = (length - size) // step + 1
+    blob = b.helper(node, "Reshape", [b.blob(x, node)], shape_params((before, length, after)))
+    if size == step:
+        blob = b.helper(node, "Crop", [blob], {9: [0], 10: [n * size], 11: [1]}) if n * size < length else blob
+        blob = b.helper(node, "Reshape", [blob], shape_params((before, n, size, after)))
+        blob = b.helper(node, "Permute", [blob], {0: permute_order_type((0, 1, 3, 2))})
+    else:
+        pieces = []
+        for i in range(n):
+            piece = b.helper(node, "Crop", [blob], {9: [i * step], 10: [i * step + size], 11: [1]})
+            piece = b.helper(node, "Permute", [piece], {0: permute_order_type((0, 2, 1))})
+            pieces.append(b.helper(node, "Reshape", [piece], shape_params((before, 1, after, size))))
+        blob = pieces[0] if n == 1 else b.helper(node, "Concat", pieces, {0: 1})
+    b.emit(node, "Reshape", [blob], shape_params(fold_dims(drop_dim(b.shape(node), bd))), batch_dim=bd)
+
+
+@register_ncnn_converter("Im2Col", any_batch_dim=True)
+def _im2col(b: NcnnBuilder, node: fx.Node) -> None:
+    """``nn.Unfold`` / ``F.unfold`` of ``(N, C, H, W)`` into ``(N, C * k * k, blocks)`` where the blocks tile the
+    image (kernel = stride, no padding or dilation: TNT's pixel embedding): Reshapes and Permutes of the blocks."""
+    x = node.args[0]
+    mod = b.module(node)
+    names = ("kernel_size", "dilation", "padding", "stride")
+    k, dil, pad, stride = ((getattr(mod, a) for a in names) if mod is not None else
+                           (_const(b, node, _arg(node, i + 1, a, d), a) for i, (a, d) in
+                            enumerate(zip(names, (None, 1, 0, 1)))))
+    (kh, kw), (sh, sw), dil, pad = pair(k), pair(stride), pair(dil), pair(pad)
+    shape, bd = b.shape(x), b.batch_dim(x)
+    if len(shape) != 4 or bd != 0 or (kh, kw) != (sh, sw) or dil != (1, 1) or pad != (0, 0) or \
+            shape[2] % kh or shape[3] % kw:
+        raise b.fail(node, f"an unfold of shape {shape} (batch dim {bd}) with kernel {(kh, kw)}, stride {(sh, sw)}, "
+                     f"dilation {dil}, padding {pad}; ncnn has no im2col layer, and only blocks that tile the image "
+                     "(kernel = stride, no dilation or padding) are Reshapes and Permutes",
+                     "unfold with kernel_size == stride over a size they divide, or use a strided convolution")
+    c, nh, nw = shape[1], shape[2] // kh, shape[3] // kw
+    blob = b.helper(node, "Reshape", [b.blob(x, node)], shape_params((c, nh, kh, nw * kw)))  # (c, p, ki, (q, kj))
+    blob = b.helper(node, "Permute", [blob], {0: permute_order_type((0, 2, 1, 3))})  # (c, ki, p, (q, kj))
+    blob = b.helper(node, "Reshape", [blob], shape_params((c * kh, nh, nw, kw)))
+    blob = b.helper(node, "Permute", [blob], {0: permute_order_type((0, 3, 1, 2))})  # ((c, ki), kj, p, q)
+    b.emit(node, "Reshape", [blob], shape_params((c * kh * kw, nh * nw)))
+
+
 @register_ncnn_converter("RepeatInterleave", any_batch_dim=True)
 def _repeat_interleave(b: NcnnBuilder, node: fx.Node) -> None:
     """``x.repeat_interleave(r, dim)``: each element ``r`` times in a row along ``dim``. Of a dim of size 1 it is a
@@ -1134,7 +1191,7 @@ def _reduce(b: NcnnBuilder, node: fx.Node) -> None:
         params = {0: 1, 7: 1, 8: 1, 18: 1} if keep else {0: 1, 4: 1}
         b.emit(node, "Pooling", [b.blob(x, node)], params)
         return
-    if b.high_rank(x):
+    if b.high_rank(x) and not {d for d in range(len(shape)) if d != bd} <= set(dims):  # not a reduce_all
         _reduce_high_rank(b, node, x, dims, keep, _REDUCTION[op])
         return
     params, out_bd = _reduction(b, node, x, dims, keep, _REDUCTION[op])

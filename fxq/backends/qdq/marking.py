@@ -338,8 +338,8 @@ def mark_sizes(marked: MarkedModule, args: tuple, axes: dict[str, dict[int, str]
     """Per mark id, the sizes of its value at the example's size, None for the dims that change when the dynamic
     input axes do (doubled: the example repeated along them), found by running the marked module at the example's
     size and the doubled one: all axes at once, else each alone (an OCR recognizer's height is symbolic in its file
-    but only its width varies). ``{}`` where the module does not run here (the export keeps torch.onnx's types);
-    every dim static where no doubled size runs."""
+    but only its width varies). Marks no doubled size reached (the model takes the example's size only) are left
+    out, and so is every mark where the module does not run here: those keep torch.onnx's types."""
     base = _mark_shapes(marked.module, args)
     if base is None:
         return {}
@@ -351,8 +351,9 @@ def mark_sizes(marked: MarkedModule, args: tuple, axes: dict[str, dict[int, str]
             other = bigger.get(mark_id)
             if other is not None and len(other) == len(shape):
                 found.setdefault(mark_id, set()).update(k for k, (p, q) in enumerate(zip(shape, other)) if p != q)
+    # with dynamic axes, only the marks a doubled size reached are known; the others keep torch.onnx's types
     return {mark_id: tuple(None if k in found.get(mark_id, ()) else d for k, d in enumerate(shape))
-            for mark_id, shape in base.items()}
+            for mark_id, shape in base.items() if not wanted or mark_id in found}
 
 
 def _mark_shapes(module: fx.GraphModule, args: tuple) -> dict[int, tuple[int, ...]] | None:
