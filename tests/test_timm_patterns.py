@@ -1078,3 +1078,24 @@ def test_unfold_of_blocks_that_tile_the_image_in_ncnn(tmp_path: Path) -> None:
     data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
     gm = fxq.quantize(PixelEmbed().eval(), data, "ncnn_int8", progress=False)
     assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 8, 8)) >= 0.9999
+
+
+class TanhGelu(nn.Module):
+    """MobileNetV5's activation: ``F.gelu(approximate="tanh")``, which torch.onnx writes before opset 20 as
+    ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x * x * x)))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.out = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.nn.functional.gelu(self.conv(x), approximate="tanh"))
+
+
+def test_the_add_inside_a_spelled_out_tanh_gelu_is_no_residual(tmp_path: Path) -> None:
+    """The TensorRT check refused the file: the Add of x and 0.044715 * x^3 has one dequantized input, and was
+    taken for a residual Add whose other input lacks Q/DQ."""
+    torch.manual_seed(0)
+    data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
+    gm = fxq.quantize(TanhGelu().eval(), data, "trt_int8", progress=False)
+    assert _deployed_vs_simulation(gm, "trt_int8", tmp_path, torch.randn(1, 3, 8, 8)) >= 0.9999

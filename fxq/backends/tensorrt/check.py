@@ -19,6 +19,8 @@ Rules checked:
 7. a residual Add (two non-constant inputs) with one dequantized input has each input dequantized or
    computed by a quantized weighted op (which TensorRT fuses with the Add). An Add that feeds only Softmax
    adds an attention mask (``-inf`` where masked, never quantized): TensorRT runs it and the softmax in float.
+   An Add of a dequantized value and a float function of that value alone is part of an op torch.onnx spells
+   out (the tanh GELU before opset 20), not a residual.
 """
 from __future__ import annotations
 
@@ -257,13 +259,32 @@ def check_tensorrt(model: Any) -> list[str]:
         ins = [i for i in node.input if i and i not in v.consts]
         if len(ins) != 2 or not any(v.is_dq(i) for i in ins):
             continue
-        if _masks_a_softmax(v, node):
+        if _masks_a_softmax(v, node) or any(_float_function_of(v, a, b) for a, b in (ins, ins[::-1])):
             continue
         for i in ins:
             if not v.is_dq(i) and i not in quantized_weighted:
                 out.append(f"{v.label(node)}: residual input {i!r} has no Q/DQ (TensorRT needs Q/DQ on both "
                            f"inputs of a residual Add, or a quantized Conv/Gemm producing it)")
     return out
+
+
+def _float_function_of(v: _View, value: str, source: str, limit: int = 64) -> bool:
+    """Whether ``value`` is computed in float from the dequantized ``source`` and constants alone, without a
+    weighted op: an op torch.onnx spells out, not a residual branch (the tanh GELU before opset 20:
+    ``x + 0.044715 * x * x * x``), which TensorRT runs or fuses in float as a whole."""
+    if not v.is_dq(source):
+        return False
+    todo, seen = [value], set()
+    while todo:
+        tensor = todo.pop()
+        if tensor == source or tensor in v.consts or tensor in seen:
+            continue
+        seen.add(tensor)
+        node = v.prod.get(tensor)
+        if node is None or node.op_type in (_Q, _DQ, *TRT_WEIGHTED_OPS) or len(seen) > limit:
+            return False
+        todo.extend(i for i in node.input if i)
+    return True
 
 
 def _masks_a_softmax(v: _View, node: Any) -> bool:
