@@ -1099,3 +1099,26 @@ def test_the_add_inside_a_spelled_out_tanh_gelu_is_no_residual(tmp_path: Path) -
     data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
     gm = fxq.quantize(TanhGelu().eval(), data, "trt_int8", progress=False)
     assert _deployed_vs_simulation(gm, "trt_int8", tmp_path, torch.randn(1, 3, 8, 8)) >= 0.9999
+
+
+class PoolToSeven(nn.Module):
+    """CSATv2's ``nn.AdaptiveAvgPool2d((7, 7))`` of a map 7 does not divide (here 10 x 12), and the functional
+    form to a size larger than the input along one dim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.pool, self.out = nn.Conv2d(3, 8, 3, padding=1), nn.AdaptiveAvgPool2d((7, 7)), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.out(torch.relu(self.pool(self.conv(x))))  # (N, 4, 7, 7)
+        return torch.nn.functional.adaptive_avg_pool2d(y, (3, 9))
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
+def test_adaptive_pooling_to_a_size_that_does_not_divide(tmp_path: Path, platform: str) -> None:
+    """torch.onnx refused it ("output size that are not factor of input size"): the export writes the mean of each
+    window's rows, then of its columns."""
+    torch.manual_seed(0)
+    data = [torch.randn(1, 3, 10, 12) for _ in range(2)]
+    gm = fxq.quantize(PoolToSeven().eval(), data, platform, progress=False)
+    assert _deployed_vs_simulation(gm, platform, tmp_path, torch.randn(1, 3, 10, 12)) >= 0.9999

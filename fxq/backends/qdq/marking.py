@@ -14,7 +14,8 @@ import threading
 from typing import Any, Iterator
 
 import torch
-from torch import Tensor, fx
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
 from torch.onnx import symbolic_helper
 
 from fxq.graph.data import doubled_dim_probes
@@ -151,6 +152,27 @@ class _Builder:
     def _next_id(self) -> int:
         return len(self.marks) + 1
 
+    def pool_by_windows(self) -> None:
+        """Adaptive average pools to a size that does not divide the input's (CSATv2's ``AdaptiveAvgPool2d((7, 7))``
+        of 16 x 16; VGG's at other sizes than 224) as :func:`adaptive_avg_pool_by_windows`, which torch.onnx writes
+        (its own symbolic refuses them: "output size that are not factor of input size")."""
+        for node in self.graph.nodes:
+            if node.op == "call_module" and type(self.gm.get_submodule(str(node.target))) is nn.AdaptiveAvgPool2d:
+                x, size = node.args[0], self.gm.get_submodule(str(node.target)).output_size
+            elif node.op == "call_function" and node.target is F.adaptive_avg_pool2d:
+                x, size = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("output_size")
+            else:
+                continue
+            val = x.meta.get("val") if isinstance(x, fx.Node) else None
+            if not isinstance(val, Tensor) or val.dim() < 3:
+                continue
+            out = [d if s is None else int(s) for d, s in zip(val.shape[-2:], (size, size) if isinstance(size, int)
+                                                                  else size)]
+            if all(int(d) % o == 0 for d, o in zip(val.shape[-2:], out)):
+                continue  # torch.onnx writes these itself
+            node.op, node.target, node.args, node.kwargs = "call_function", adaptive_avg_pool_by_windows, \
+                (x, tuple(out)), {}
+
     def name_values(self) -> None:
         memo: dict[fx.Node, bool] = {}
         for node in list(self.graph.nodes):
@@ -211,6 +233,17 @@ class _Builder:
         return fx.GraphModule(self.gm, self.graph, class_name="FxqExportModule")
 
 
+def adaptive_avg_pool_by_windows(x: Tensor, size: tuple[int, int]) -> Tensor:
+    """``F.adaptive_avg_pool2d(x, size)`` as the mean of each window's rows, then of its columns (the windows of
+    adaptive pooling: ``floor(i * H / h)`` to ``ceil((i + 1) * H / h)``), which torch.onnx writes as Slice,
+    ReduceMean and Concat at any size."""
+    for dim, (length, count) in enumerate(zip(x.shape[-2:], size), start=x.dim() - 2):
+        # positive divisions only: torch.onnx writes a traced size's // as ONNX Div, which truncates
+        windows = [(k * length // count, ((k + 1) * length + count - 1) // count) for k in range(count)]
+        x = torch.cat([x.narrow(dim, lo, hi - lo).mean(dim, keepdim=True) for lo, hi in windows], dim)
+    return x
+
+
 def _is_mark(node: fx.Node, kind: str) -> bool:
     mark = node.meta.get("fxq_export_mark")
     return isinstance(mark, Mark) and mark.kind == kind
@@ -263,6 +296,7 @@ def _grid_of(gm: fx.GraphModule) -> dict[str, tuple[str, str]]:
 def build_marked_module(gm: fx.GraphModule, *, requantize_passive: bool = True) -> MarkedModule:
     """The marked copy of ``gm``: named values, quantizers as quant marks, optional passive requantization."""
     b = _Builder(gm)
+    b.pool_by_windows()
     b.name_values()
     b.replace_quantizers()
     if requantize_passive:
