@@ -1249,7 +1249,7 @@ def _reduction(b: NcnnBuilder, node: fx.Node, x: fx.Node, dims: list[int], keep:
 @register_ncnn_converter("Var", "Std", any_batch_dim=True)
 def _variance(b: NcnnBuilder, node: fx.Node) -> None:
     """``torch.var`` / ``torch.std`` (timm's ``SimpleNorm``: ``x * rsqrt(x.var(-1) + eps)``) as ncnn layers: the
-    mean of the squared deviations from the mean (two ``Reduction``\ s around a ``BinaryOp`` and a square),
+    mean of the squared deviations from the mean (two ``Reduction`` layers around a ``BinaryOp`` and a square),
     scaled by ``n / (n - correction)``, and a square root for ``std``."""
     x, dims, correction, keep = variance_args(node)
     dims = _reduced_dims(b, x, dims)
