@@ -936,7 +936,7 @@ def test_convolutions_of_windows_folded_into_the_batch(tmp_path: Path, form: str
 class RelativePositionEinsum(nn.Module):
     """SAM's / MViT-v2's decomposed relative positions: the query times a table gathered per query row, an einsum
     whose second operand carries only the last batch subscript (``"bhwc,hkc->bhwk"``; MViT's has heads too:
-    ``"byhwc,hkc->byhwk"``)."""
+    ``"byhwc,hkc->byhwk"``), and per query column, indexed by the output's row dim (``"bhwc,wkc->bhwk"``)."""
 
     def __init__(self, heads: int) -> None:
         super().__init__()
@@ -949,9 +949,10 @@ class RelativePositionEinsum(nn.Module):
         table = self.rel_pos[self.index]  # (h, k, c), from stored tensors alone
         q = self.q(x)
         if self.heads == 1:
-            rel = torch.einsum("bhwc,hkc->bhwk", q, table)
+            rel = torch.einsum("bhwc,hkc->bhwk", q, table) + torch.einsum("bhwc,wkc->bhwk", q, table)
         else:
-            rel = torch.einsum("byhwc,hkc->byhwk", q.reshape(n, h, w, self.heads, 8).permute(0, 3, 1, 2, 4), table)
+            q = q.reshape(n, h, w, self.heads, 8).permute(0, 3, 1, 2, 4)
+            rel = torch.einsum("byhwc,hkc->byhwk", q, table) + torch.einsum("byhwc,wkc->byhwk", q, table)
             rel = rel.permute(0, 2, 3, 1, 4)
         return self.out(rel.reshape(n, h, w, -1))
 
@@ -960,7 +961,8 @@ class RelativePositionEinsum(nn.Module):
 @pytest.mark.parametrize("heads", [1, 2])
 def test_an_einsum_by_a_table_broadcast_over_the_batch(tmp_path: Path, heads: int, form: str) -> None:
     """Refused before ("not a batched matrix product"): the table is a stored tensor, laid out like the query with
-    leading dims of 1, which ncnn's MatMul broadcasts."""
+    leading dims of 1, which ncnn's MatMul broadcasts; per column, the query is permuted to put the columns first,
+    and the product back."""
     torch.manual_seed(0)
     data = [torch.randn(1, 4, 4, 8) for _ in range(2)]
     model = _in_form(RelativePositionEinsum(heads).eval(), data[0], form, tmp_path)

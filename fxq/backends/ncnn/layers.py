@@ -949,6 +949,8 @@ def _einsum(b: NcnnBuilder, node: fx.Node) -> None:
     if k is None or {i, k} != set(lhs_t[-2:]) or {k, j} != set(rhs_t[-2:]) or k in out or all(broadcast) or any(
             t[:-2] != batch[len(batch) - len(t) + 2:] or (wide and not b.is_constant(x))
             for t, x, wide in zip((lhs_t, rhs_t), operands, broadcast)):
+        if _einsum_by_a_table(b, node, lhs_t, rhs_t, out, lhs, rhs):
+            return
         raise b.fail(node, f"einsum {equation!r} is not a batched matrix product (..., i, k) x (..., k, j) (an "
                      "operand with fewer batch subscripts must be a stored tensor)", _EINSUM_FIX)
     if any(broadcast):
@@ -963,6 +965,44 @@ def _einsum(b: NcnnBuilder, node: fx.Node) -> None:
             order = tuple(range(rank - 2)) + (rank - 1, rank - 2)
             blobs[n] = b.helper(node, "Permute", [blobs[n]], {0: permute_order_type(order)})
     b.emit(node, "MatMul", blobs, {0: 0}, batch_dim=b.batch_dim(rhs if broadcast[0] else lhs))
+
+
+def _einsum_by_a_table(b: NcnnBuilder, node: fx.Node, lhs_t: str, rhs_t: str, out: str, lhs: Any, rhs: Any) -> bool:
+    """A product by a stored table indexed by one of the output's other dims (SAM's / MViT-v2's relative positions
+    along the width: ``"bhwc,wkc->bhwk"``, each column ``w`` times its own matrix): the computed operand permuted so
+    that the table's dims lead its rows (``b w h c``), a ``MatMul`` by the table (permuted as stored, laid out with
+    leading dims of 1), and the product permuted back. False where the equation is not of this form."""
+    if not isinstance(lhs, fx.Node) or not b.is_constant(rhs) or b.is_constant(lhs) or len(set(out)) != len(out):
+        return False
+    k = [s for s in lhs_t if s in rhs_t and s not in out]
+    j = out[-1]
+    rows = [s for s in out[:-1] if s in lhs_t and s not in rhs_t]
+    if len(k) != 1 or not rows or j in lhs_t or j not in rhs_t:
+        return False
+    k, i = k[0], rows[-1]
+    batch = [s for s in out if s not in (i, j)]
+    table_batch = [s for s in rhs_t if s not in (k, j)]
+    if set(lhs_t) != set(batch) | {i, k} or len(lhs_t) != len(batch) + 2 or set(rhs_t) != set(table_batch) | {k, j} \
+            or table_batch != batch[len(batch) - len(table_batch):]:
+        return False
+    bd = b.batch_dim(lhs)
+    order = [lhs_t.index(s) for s in [*batch, i, k]]  # the computed operand as (batch..., i, k)
+    back = [[*batch, i, j].index(s) for s in out]  # the product (batch..., i, j) as the output
+    if bd is not None and (order[bd] != bd or back[bd] != bd):
+        return False
+    blob = b.blob(lhs, node)
+    blob_order = [d - (bd is not None and d > bd) for d in order if d != bd]
+    if blob_order != sorted(blob_order):
+        blob = b.helper(node, "Permute", [blob], {0: permute_order_type(tuple(blob_order))})
+    table = b.param(rhs, node, "einsum table").permute([rhs_t.index(s) for s in [*table_batch, k, j]])
+    bottoms = [blob, b.memory_data(table.contiguous(), node, lhs, node)]  # the converter's own value: keyed by node
+    blob_back = tuple(d - (bd is not None and d > bd) for d in back if d != bd)
+    if blob_back == tuple(sorted(blob_back)):
+        b.emit(node, "MatMul", bottoms, {0: 0}, batch_dim=bd)
+    else:
+        product = b.helper(node, "MatMul", bottoms, {0: 0})
+        b.emit(node, "Permute", [product], {0: permute_order_type(blob_back)}, batch_dim=bd)
+    return True
 
 
 _EINSUM_FIX = "write it as torch.matmul (with .transpose(-1, -2) where needed)"
