@@ -1124,3 +1124,37 @@ def test_adaptive_pooling_to_a_size_that_does_not_divide(tmp_path: Path, platfor
     data = [torch.randn(1, 3, 10, 12) for _ in range(2)]
     gm = fxq.quantize(PoolToSeven().eval(), data, platform, progress=False)
     assert _deployed_vs_simulation(gm, platform, tmp_path, torch.randn(1, 3, 10, 12)) >= 0.9999
+
+
+class DecomposedRelPosAttention(nn.Module):
+    """SAM's attention with decomposed relative positions: the scores viewed as ``(B * heads, h, w, h, w)`` plus
+    the row and column terms broadcast along the key columns / rows, values of 5 dims besides the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
+        self.rel_pos = nn.Parameter(torch.randn(7, 4) * 0.5)
+        self.register_buffer("index", torch.arange(4)[:, None] - torch.arange(4)[None, :] + 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, h, w, _ = x.shape
+        q, k, v = self.qkv(x).reshape(n, h * w, 3, 2, 4).permute(2, 0, 3, 1, 4).reshape(3, n * 2, h * w, 4).unbind(0)
+        table = self.rel_pos[self.index]  # (4, 4, 4): (h or w, keys, c)
+        r_q = q.reshape(n * 2, h, w, 4)
+        rel_h = torch.einsum("bhwc,hkc->bhwk", r_q, table)
+        rel_w = torch.einsum("bhwc,wkc->bhwk", r_q, table)
+        attn = (q @ k.transpose(-2, -1)).view(n * 2, h, w, h, w) + rel_h[:, :, :, :, None] + rel_w[:, :, :, None, :]
+        attn = attn.view(n * 2, h * w, h * w).softmax(dim=-1)
+        out = (attn @ v).view(n, 2, h, w, 4).permute(0, 2, 3, 1, 4).reshape(n, h, w, 8)
+        return self.proj(out)
+
+
+@pytest.mark.parametrize("form", ["native", "onnx"])
+def test_a_broadcast_add_of_more_than_four_dims(tmp_path: Path, form: str) -> None:
+    """Refused before (an Add of values of more than 4 dims): both are stored with their outer dims merged, which
+    they share, so ncnn's BinaryOp broadcasts their last three dims as torch does."""
+    torch.manual_seed(0)
+    data = [torch.randn(1, 4, 4, 8) for _ in range(2)]
+    model = _in_form(DecomposedRelPosAttention().eval(), data[0], form, tmp_path)
+    gm = fxq.quantize(model, data, "ncnn_int8", progress=False)
+    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 4, 4, 8)) >= 0.9999

@@ -1321,7 +1321,7 @@ _ELTWISE = {"Sum": 1, "Max": 2}
 _REVERSED = {0: 0, 1: 7, 2: 2, 3: 8, 4: 4, 5: 5, 6: 9}  # scalar (op) tensor -> ncnn op with the tensor first
 
 
-@register_ncnn_converter("Add", "Sub", "Mul", "Div", "Max", "Min", "Pow", "Sum", any_batch_dim=True)
+@register_ncnn_converter("Add", "Sub", "Mul", "Div", "Max", "Min", "Pow", "Sum", any_batch_dim=True, high_rank=True)
 def _binary(b: NcnnBuilder, node: fx.Node) -> None:
     """``BinaryOp``: with a scalar (1 with_scalar, 2 b; ``3 - x`` / ``6 / x`` as RSUB / RDIV), which a stored
     one-element tensor (ONNX initializers) and shape arithmetic (``head_dim ** -0.5``) count as; else of two
@@ -1470,6 +1470,17 @@ def _broadcast_operands(b: NcnnBuilder, node: fx.Node, lhs: fx.Node, rhs: fx.Nod
         shape, t_bd = b.shape(t), b.batch_dim(t)
         aligned = (1,) * (len(out_shape) - len(shape)) + shape
         same_layout = t_bd == bd if len(shape) == len(out_shape) else t_bd is None or shape[t_bd] == 1
+        full_target = drop_dim(out_shape, bd)
+        if len(full_target) > 4 and drop_dim(aligned, bd)[:-3] == full_target[:-3] and (
+                same_layout or (t_bd is not None and shape[t_bd] == 1)):
+            # more than 4 dims (SAM's ``attn.view(B, h, w, h, w) + rel_h[..., None]``): both stored with the outer
+            # dims merged, which the operands share, so ncnn broadcasts the last three as it would. A blob leaving
+            # out a dim of size 1 keeps torch's element order, so its layout is the tensor's
+            target = fold_dims(drop_dim(aligned, bd))
+            blob = b.blob(t, node)
+            blobs.append(blob if target == b.stored_shape(t) else
+                         b.helper(node, "Reshape", [blob], shape_params(target)))
+            continue
         if not same_layout:
             raise b.fail(node, f"its operands have shapes {b.shape(lhs)} and {b.shape(rhs)} with their batch "
                          f"dimensions at dims {b.batch_dim(lhs)} and {b.batch_dim(rhs)}",
