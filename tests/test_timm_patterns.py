@@ -65,6 +65,14 @@ def _in_form(model: nn.Module, example: torch.Tensor, form: str, tmp_path: Path)
     return fxq.load_onnx(tmp_path / "m.onnx")
 
 
+def _ncnn_cosine(model: nn.Module, shape: tuple[int, ...], tmp_path: Path, form: str = "native") -> float:
+    """:func:`_ncnn_vs_simulation` of ``model`` (itself or loaded from its ONNX file, :func:`_in_form`) quantized for
+    ncnn_int8 on two random batches of ``shape``, on a third."""
+    data = [torch.randn(*shape) for _ in range(2)]
+    gm = fxq.quantize(_in_form(model, data[0], form, tmp_path), data, "ncnn_int8", progress=False)
+    return _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(*shape))
+
+
 class UnfoldedTransformer(nn.Module):
     """MobileViT's block: the image cut into 2x2 patches, the batch folded with the patch position into dim 0
     (``(B * 4, H * W / 4, C)``), a pre-norm MLP with its residual, and the image put back."""
@@ -91,9 +99,7 @@ def test_linear_over_a_folded_batch_keeps_its_blob_shape(tmp_path: Path, form: s
     residual Add then broadcast a 2-D blob against a 3-D one and ncnn asked for tens of GB."""
     torch.manual_seed(0)
     model = UnfoldedTransformer().eval()
-    data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
-    gm = fxq.quantize(_in_form(model, data[0], form, tmp_path), data, "ncnn_int8", progress=False)
-    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 8, 8)) >= 0.999
+    assert _ncnn_cosine(model, (1, 3, 8, 8), tmp_path, form) >= 0.999
 
 
 class CeilAvgPool(nn.Module):
@@ -771,9 +777,7 @@ class NegativePad(nn.Module):
 def test_negative_padding_crops_in_ncnn(tmp_path: Path, pads: tuple[int, ...], form: str) -> None:
     torch.manual_seed(0)
     model = NegativePad(pads).eval()
-    data = [torch.randn(1, 3, 7, 7) for _ in range(2)]
-    gm = fxq.quantize(_in_form(model, data[0], form, tmp_path), data, "ncnn_int8", progress=False)
-    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 7, 7)) >= 0.9999
+    assert _ncnn_cosine(model, (1, 3, 7, 7), tmp_path, form) >= 0.9999
 
 
 class StridedRows(nn.Module):
@@ -799,9 +803,7 @@ def test_a_step_that_does_not_divide_the_rows(tmp_path: Path, index: tuple[slice
     """Refused before: ncnn's strided slice was a Reshape that splits the dim, which needs the step to divide it."""
     torch.manual_seed(0)
     model = StridedRows(index).eval()
-    data = [torch.randn(1, 7, 7, 4) for _ in range(2)]
-    gm = fxq.quantize(_in_form(model, data[0], form, tmp_path), data, "ncnn_int8", progress=False)
-    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 7, 7, 4)) >= 0.9999
+    assert _ncnn_cosine(model, (1, 7, 7, 4), tmp_path, form) >= 0.9999
 
 
 class GlobalQuery(nn.Module):
@@ -829,9 +831,7 @@ def test_repeat_interleave_in_ncnn(tmp_path: Path, form: str) -> None:
     """ncnn refused ``repeat_interleave`` (an untyped op): of a batch of 1 it is a ``Tile`` whose copies are the
     windows folded into the batch, of a larger dim a ``Tile`` of a new axis after it, merged back."""
     torch.manual_seed(0)
-    data = [torch.randn(1, 4, 4, 8) for _ in range(2)]
-    gm = fxq.quantize(_in_form(GlobalQuery().eval(), data[0], form, tmp_path), data, "ncnn_int8", progress=False)
-    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 4, 4, 8)) >= 0.9999
+    assert _ncnn_cosine(GlobalQuery().eval(), (1, 4, 4, 8), tmp_path, form) >= 0.9999
 
 
 class MultiQueryAttention(nn.Module):
@@ -854,10 +854,7 @@ class MultiQueryAttention(nn.Module):
 def test_matmul_broadcasting_a_head_in_ncnn(tmp_path: Path, form: str) -> None:
     """Refused before ("not two equally batched matrices"): ncnn's MatMul broadcasts outer dims of size 1."""
     torch.manual_seed(0)
-    data = [torch.randn(1, 6, 8) for _ in range(2)]
-    gm = fxq.quantize(_in_form(MultiQueryAttention().eval(), data[0], form, tmp_path), data, "ncnn_int8",
-                      progress=False)
-    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 6, 8)) >= 0.9999
+    assert _ncnn_cosine(MultiQueryAttention().eval(), (1, 6, 8), tmp_path, form) >= 0.9999
 
 
 class InplacePositionMLP(nn.Module):
@@ -964,10 +961,7 @@ def test_an_einsum_by_a_table_broadcast_over_the_batch(tmp_path: Path, heads: in
     leading dims of 1, which ncnn's MatMul broadcasts; per column, the query is permuted to put the columns first,
     and the product back."""
     torch.manual_seed(0)
-    data = [torch.randn(1, 4, 4, 8) for _ in range(2)]
-    model = _in_form(RelativePositionEinsum(heads).eval(), data[0], form, tmp_path)
-    gm = fxq.quantize(model, data, "ncnn_int8", progress=False)
-    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 4, 4, 8)) >= 0.9999
+    assert _ncnn_cosine(RelativePositionEinsum(heads).eval(), (1, 4, 4, 8), tmp_path, form) >= 0.9999
 
 
 class MaskUnitPooling(nn.Module):
@@ -992,10 +986,7 @@ def test_a_reduction_of_more_than_four_dims(tmp_path: Path, reduce: str, form: s
     """Refused before ("only reshapes and permutes of such values are exported"); over every dim besides the batch
     it is a reduce_all, whatever the layout."""
     torch.manual_seed(0)
-    data = [torch.randn(1, 16, 8) for _ in range(2)]
-    gm = fxq.quantize(_in_form(MaskUnitPooling(reduce).eval(), data[0], form, tmp_path), data, "ncnn_int8",
-                      progress=False)
-    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 16, 8)) >= 0.9999
+    assert _ncnn_cosine(MaskUnitPooling(reduce).eval(), (1, 16, 8), tmp_path, form) >= 0.9999
 
 
 class WindowLinear(nn.Module):
@@ -1018,9 +1009,7 @@ class WindowLinear(nn.Module):
 def test_a_linear_layer_over_more_than_four_dims(tmp_path: Path, form: str) -> None:
     """Refused before ("has 5 dims besides the batch"): a Linear maps the last dim alone, so the value is its rows."""
     torch.manual_seed(0)
-    data = [torch.randn(1, 3, 4, 4) for _ in range(2)]
-    gm = fxq.quantize(_in_form(WindowLinear().eval(), data[0], form, tmp_path), data, "ncnn_int8", progress=False)
-    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 4, 4)) >= 0.9999
+    assert _ncnn_cosine(WindowLinear().eval(), (1, 3, 4, 4), tmp_path, form) >= 0.9999
 
 
 class HaloWindows(nn.Module):
@@ -1055,9 +1044,7 @@ def test_unfold_after_a_pad_in_ncnn(tmp_path: Path) -> None:
     """ncnn refused ``unfold`` (an untyped op): windows that overlap are each a Crop moved last, joined by a
     Concat."""
     torch.manual_seed(0)
-    data = [torch.randn(1, 3, 4, 4) for _ in range(2)]
-    gm = fxq.quantize(HaloWindows().eval(), data, "ncnn_int8", progress=False)
-    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 4, 4)) >= 0.9999
+    assert _ncnn_cosine(HaloWindows().eval(), (1, 3, 4, 4), tmp_path) >= 0.9999
 
 
 class PixelEmbed(nn.Module):
@@ -1077,9 +1064,7 @@ class PixelEmbed(nn.Module):
 
 def test_unfold_of_blocks_that_tile_the_image_in_ncnn(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
-    gm = fxq.quantize(PixelEmbed().eval(), data, "ncnn_int8", progress=False)
-    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 3, 8, 8)) >= 0.9999
+    assert _ncnn_cosine(PixelEmbed().eval(), (1, 3, 8, 8), tmp_path) >= 0.9999
 
 
 class TanhGelu(nn.Module):
@@ -1154,7 +1139,28 @@ def test_a_broadcast_add_of_more_than_four_dims(tmp_path: Path, form: str) -> No
     """Refused before (an Add of values of more than 4 dims): both are stored with their outer dims merged, which
     they share, so ncnn's BinaryOp broadcasts their last three dims as torch does."""
     torch.manual_seed(0)
-    data = [torch.randn(1, 4, 4, 8) for _ in range(2)]
-    model = _in_form(DecomposedRelPosAttention().eval(), data[0], form, tmp_path)
-    gm = fxq.quantize(model, data, "ncnn_int8", progress=False)
-    assert _ncnn_vs_simulation(gm, tmp_path / "m", torch.randn(1, 4, 4, 8)) >= 0.9999
+    assert _ncnn_cosine(DecomposedRelPosAttention().eval(), (1, 4, 4, 8), tmp_path, form) >= 0.9999
+
+
+def test_a_fill_value_held_by_an_onnx_pad_module(tmp_path: Path) -> None:
+    """An old file's ``Pad`` (opset 9: pads and value as attributes) is fxq's ``OnnxPad`` module, which holds the
+    fill as ``value``; preparation read onnx2torch's ``constant_value`` only and left the ones passive."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((4, 3, 1, 1)) * 0.1).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal((4, 4, 1, 1)).astype(np.float32), "w2")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]),
+             helper.make_node("Pad", ["c"], ["p"], pads=[0, 0, 0, 0, 0, 0, 0, 1], value=1.0, mode="constant"),
+             helper.make_node("Conv", ["p", "w2"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 4, 5])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "old.onnx")
+    gm = fxq.quantize(fxq.load_onnx(tmp_path / "old.onnx"), [torch.randn(1, 3, 4, 4) for _ in range(2)], "trt_int8",
+                      progress=False)
+    pad = next(n for n in gm.graph.nodes if n.meta.get("fxq") is not None and n.meta["fxq"].op_type == "Pad")
+    assert pad.meta["fxq"].output_state.name == "ACTIVATED"
+    assert _deployed_vs_simulation(gm, "trt_int8", tmp_path, torch.randn(1, 3, 4, 4)) >= 0.9999

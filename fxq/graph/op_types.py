@@ -20,7 +20,7 @@ from fxq.graph.nodes import get_attr_value
 
 __all__ = ["LIFTED", "op_type", "register_op_type", "mutates_first_argument", "out_of_place_twin", "WEIGHTED_FUNCTIONS",
            "WEIGHT_ARGS", "weight_arg_nodes", "weight_bias_args", "conv_attrs", "weight_shape", "CLIP_BOUNDS",
-           "clip_bounds", "stores_clip_bounds", "output_lower_bound", "output_bounded", "variance_args"]
+           "clip_bounds", "stores_clip_bounds", "output_lower_bound", "output_bounded", "variance_args", "pad_fill"]
 
 aten = torch.ops.aten
 
@@ -411,6 +411,18 @@ def clip_bounds(node: fx.Node, module: nn.Module | None = None) -> tuple[Any, An
     ((i_low, k_low), (i_high, k_high)) = CLIP_BOUNDS.get(name, ((1, "min"), (2, "max")))
     pick = lambda i, k, d: node.args[i] if len(node.args) > i else node.kwargs.get(k, d)  # noqa: E731
     return pick(i_low, k_low, low), pick(i_high, k_high, high)
+
+
+def pad_fill(node: fx.Node, module: nn.Module | None = None) -> Any:
+    """The fill value of a ``Pad`` node (``module`` its module for ``call_module``): a number, a node (ONNX's
+    ``constant_value`` input), or None (0). ``F.pad`` / ``aten.pad`` take it 4th, ``aten.constant_pad_nd`` 3rd;
+    fxq's ``OnnxPad`` holds it as ``value``, onnx2torch's as ``constant_value``."""
+    if module is None:
+        at = 2 if "constant_pad_nd" in str(node.target) else 3
+        return node.args[at] if len(node.args) > at else node.kwargs.get("value")
+    if hasattr(module, "pads"):
+        return getattr(module, "value", getattr(module, "constant_value", None))
+    return node.args[2] if len(node.args) > 2 else None
 
 
 def variance_args(node: fx.Node) -> tuple[Any, Any, float, bool]:

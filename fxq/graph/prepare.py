@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
 
 import torch
 from torch import fx, nn
@@ -33,7 +32,7 @@ from torch import fx, nn
 from fxq.graph.dispatch import Dispatch, is_float_tensor
 from fxq.graph.info import QUANTIZERS_ATTR, GraphQuant, NodeQuant, computed_from_parameters, is_quantizer_node
 from fxq.graph.nodes import get_attr_value
-from fxq.graph.op_types import conv_attrs, op_type, weight_arg_nodes, weight_bias_args
+from fxq.graph.op_types import conv_attrs, op_type, pad_fill, weight_arg_nodes, weight_bias_args
 from fxq.graph.quant_graph import AlignGroup, quantizer_name, record_alignment
 from fxq.nn.fake_quantize import FakeQuantize
 from fxq.qconfig.base import COMPUTING_OPS, Platform
@@ -110,14 +109,9 @@ class _Builder:
         window takes, and which a grid of its own could not hold."""
         if self.types.get(node) != "Pad":
             return False
-        if node.op == "call_function":  # F.pad / aten.pad (input, pad, mode, value), constant_pad_nd (input, pad, value)
-            at = 2 if "constant_pad_nd" in str(node.target) else 3
-            value: Any = node.args[at] if len(node.args) > at else node.kwargs.get("value")
-        elif len(node.args) > 2 and isinstance(node.args[2], fx.Node):  # ONNX Pad(data, pads, constant_value)
-            value = get_attr_value(self.gm, str(node.args[2].target)) if node.args[2].op == "get_attr" else None
-        else:
-            module = self.gm.get_submodule(str(node.target)) if node.op == "call_module" else None
-            value = getattr(module, "constant_value", None)
+        value = pad_fill(node, self.gm.get_submodule(str(node.target)) if node.op == "call_module" else None)
+        if isinstance(value, fx.Node):  # ONNX Pad(data, pads, constant_value): stored, or computed (unknown)
+            value = get_attr_value(self.gm, str(value.target)) if value.op == "get_attr" else None
         values = torch.as_tensor(0.0 if value is None else value, dtype=torch.float64)
         return bool(torch.any(torch.isfinite(values) & (values != 0)))
 

@@ -23,7 +23,7 @@ from fxq.backends.ncnn.platforms import is_depthwise, is_matmul_by_matrix, pair
 from fxq.backends.ncnn.registry import register_ncnn_converter
 from fxq.backends.ncnn.writer import Int8Scales, drop_dim, shape_params
 from fxq.graph.attention import apply_attention_mask
-from fxq.graph.op_types import clip_bounds, variance_args
+from fxq.graph.op_types import clip_bounds, pad_fill, variance_args
 from fxq.graph.passes import batchnorm_stats
 from fxq.spec import QUANTIZING_STATES
 
@@ -559,13 +559,12 @@ def _tiles(b: NcnnBuilder, node: fx.Node, x: fx.Node, counts: dict[int, int]
     are more than 4."""
     shape, bd, blob = b.shape(x), b.batch_dim(x), b.blob(x, node)
     if bd is None or bd not in counts:
-        return blob, [(d if bd is None or d < bd else d - 1, r) for d, r in counts.items()], bd, None
+        return blob, [(b.ncnn_axis(node, d, x), r) for d, r in counts.items()], bd, None
     if shape[bd] != 1 or (len(shape) > 4 and len(counts) > 1):
         raise b.fail(node, f"it repeats the batch dimension (dim {bd} of shape {shape})", b.batch_advice(x))
     if len(shape) <= 4:
         return b.helper(node, "Reshape", [blob], shape_params(shape)), list(counts.items()), None, None
-    dims = drop_dim(shape, bd)
-    view = (math.prod(dims[:bd]), 1, math.prod(dims[bd:]))
+    view = _around(drop_dim(shape, bd), bd, bd)  # a new axis of size 1 where the batch was
     return b.helper(node, "Reshape", [blob], shape_params(view)), [(1, counts[bd])], None, fold_dims(b.shape(node))
 
 
@@ -581,9 +580,7 @@ def _sliding_windows(b: NcnnBuilder, node: fx.Node) -> None:
     if d == bd:
         raise b.fail(node, f"it takes windows along the batch dimension (dim {d} of shape {shape})",
                      b.batch_advice(x))
-    dims = drop_dim(shape, bd)
-    at = d if bd is None or d < bd else d - 1
-    before, length, after = math.prod(dims[:at]), dims[at], math.prod(dims[at + 1:])
+    before, length, after = _around(drop_dim(shape, bd), b.ncnn_axis(node, d, x))
     n = (length - size) // step + 1
     blob = b.helper(node, "Reshape", [b.blob(x, node)], shape_params((before, length, after)))
     if size == step:
@@ -644,9 +641,8 @@ def _repeat_interleave(b: NcnnBuilder, node: fx.Node) -> None:
     if d == bd:
         raise b.fail(node, f"it repeats the batch dimension (dim {d} of shape {shape}) element by element",
                      b.batch_advice(x))
-    dims, axis = drop_dim(shape, bd), d if bd is None or d < bd else d - 1
-    split = (math.prod(dims[:axis]), dims[axis], 1, math.prod(dims[axis + 1:]))  # the dims around it merged
-    blob = b.helper(node, "Reshape", [b.blob(x, node)], shape_params(split))
+    before, size, after = _around(drop_dim(shape, bd), b.ncnn_axis(node, d, x))
+    blob = b.helper(node, "Reshape", [b.blob(x, node)], shape_params((before, size, 1, after)))
     blob = b.helper(node, "Tile", [blob], {0: 2, 1: r})
     b.emit(node, "Reshape", [blob], shape_params(drop_dim(b.shape(node), bd)))
 
@@ -1250,8 +1246,7 @@ def _reduce_high_rank(b: NcnnBuilder, node: fx.Node, x: fx.Node, dims: list[int]
         raise b.fail(node, f"it reduces dims {tuple(dims)} of shape {shape} (batch dim {bd}), a value of more than 4 "
                      "dims besides the batch, over dims that are not next to each other or over the batch",
                      "reduce next-to-each-other dims other than the batch, or reshape to at most 4 dims first")
-    blob_dims = drop_dim(shape, bd)
-    view = (math.prod(blob_dims[:at[0]]), math.prod(blob_dims[at[0]:at[-1] + 1]), math.prod(blob_dims[at[-1] + 1:]))
+    view = _around(drop_dim(shape, bd), at[0], at[-1] + 1)
     blob = b.helper(node, "Reshape", [b.blob(x, node)], shape_params(view))
     blob = b.helper(node, "Reduction", [blob], {0: operation, 1: 0, 3: [1], 4: 1, 5: 1})
     out_bd = bd if keep or bd is None else bd - sum(d < bd for d in dims)
@@ -1964,9 +1959,7 @@ def _strided(b: NcnnBuilder, node: fx.Node, x: fx.Node, blob: str, ranges: list[
     for d, step in steps.items():
         lo, hi = ranges[d]
         count = len(range(lo, hi, step))
-        dims = drop_dim(tuple(shape), bd)
-        k = d if bd is None or d < bd else d - 1
-        before, after = math.prod(dims[:k]), math.prod(dims[k + 1:])
+        before, _, after = _around(drop_dim(tuple(shape), bd), b.ncnn_axis(node, d, x))
         if shape[d] % step == 0:
             blob = b.helper(node, "Reshape", [blob], shape_params((before, shape[d] // step, step, after)))
             blob = b.helper(node, "Crop", [blob], {9: [lo // step, lo % step],
@@ -1976,6 +1969,14 @@ def _strided(b: NcnnBuilder, node: fx.Node, x: fx.Node, blob: str, ranges: list[
         shape[d], ranges[d] = count, (0, count)
         blob = b.helper(node, "Reshape", [blob], shape_params(drop_dim(tuple(shape), bd)))
     return blob, tuple(shape), ranges
+
+
+def _around(dims: tuple[int, ...], start: int, stop: int | None = None) -> tuple[int, int, int]:
+    """A blob's ``dims`` merged into three: those before ``start``, ``start`` up to ``stop`` (the one dim by
+    default; none when ``stop == start``), those after. Reshaped so, a blob of any rank has the dims an op works
+    along as its middle axis."""
+    stop = start + 1 if stop is None else stop
+    return math.prod(dims[:start]), math.prod(dims[start:stop]), math.prod(dims[stop:])
 
 
 def _strided_rows(b: NcnnBuilder, node: fx.Node, blob: str, view: tuple[int, int, int], lo: int, count: int,
@@ -2057,21 +2058,22 @@ def _pad(b: NcnnBuilder, node: fx.Node) -> None:
 
 
 def _pad_args(b: NcnnBuilder, node: fx.Node) -> tuple[fx.Node, list[int], str, Any]:
-    """(input, ``F.pad``'s pads, torch mode, fill value) of ``F.pad``, fxq's ``OnnxPad`` (pads stored in torch
-    order) or fxq's ``OnnxPadRuntime`` (ONNX pads as an input, computed from shapes in Swin's windows)."""
+    """(input, ``F.pad``'s pads, torch mode, fill value) of ``F.pad`` / ``aten.constant_pad_nd``, an ONNX Pad
+    module holding its pads (in torch order) or fxq's ``OnnxPadRuntime`` (ONNX pads as an input, computed from shapes
+    in Swin's windows)."""
     mod = b.module(node)
+    fill = pad_fill(node, mod)
+    value = float(b.param(fill, node, "fill value").reshape(-1)[0]) if isinstance(fill, fx.Node) else fill
     if mod is None:
-        x, mode, value = node.args[0], _arg(node, 2, "mode", "constant"), _arg(node, 3, "value", None)
-        return x, [int(p) for p in _const(b, node, _arg(node, 1, "pad"), "pad")], mode, value
+        mode = "constant" if "constant_pad_nd" in str(node.target) else _arg(node, 2, "mode", "constant")
+        return node.args[0], [int(p) for p in _const(b, node, _arg(node, 1, "pad"), "pad")], mode, value
     if hasattr(mod, "pads"):
-        return node.args[0], [int(p) for p in mod.pads], mod.mode, mod.value
+        return node.args[0], [int(p) for p in mod.pads], mod.mode, value
     from fxq.frontends.onnx.converters.pad import torch_pads  # noqa: PLC0415  (only ONNX graphs hold this module)
 
     if not 2 <= len(node.args) <= 3 or not hasattr(mod, "mode"):
         raise b.fail(node, "an ONNX Pad with axes or without its pads", "pad with constant pads over all axes")
     onnx_pads = [int(p) for p in b.param(node.args[1], node, "pads").reshape(-1).tolist()]
-    fill = node.args[2] if len(node.args) == 3 else None
-    value = float(b.param(fill, node, "fill value").reshape(-1)[0]) if fill is not None else 0.0
     return node.args[0], torch_pads(onnx_pads, getattr(mod, "axes", None), len(b.shape(node.args[0]))), mod.mode, value
 
 
