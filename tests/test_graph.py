@@ -102,6 +102,46 @@ def test_bn_fold_and_identity_removal_keep_output():
     assert isinstance(model[1], nn.BatchNorm2d) and model[0].bias is None
 
 
+class TiedConvs(nn.Module):
+    """Convs before BatchNorms whose tensors are read elsewhere too: ``a`` and ``b`` share one weight under two names,
+    ``c``'s bias is a PReLU's slope, ``e``'s weight is read by a functional conv and by ``e`` itself (a reflect-padded
+    conv stays a module call). None of those may fold: a fold would rewrite the other reader's tensor. ``d``, owning
+    its tensors, folds twice (a BatchNorm, then another: caffe's BatchNorm + Scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 3, 1, bias=False), nn.Conv2d(3, 3, 1, bias=False)
+        self.b.weight = self.a.weight
+        self.c, self.d = nn.Conv2d(3, 3, 1), nn.Conv2d(3, 3, 1, bias=False)
+        self.prelu = nn.PReLU(3)
+        self.prelu.weight = self.c.bias
+        self.e = nn.Conv2d(3, 3, 3, padding=1, padding_mode="reflect", bias=False)
+        self.norms = nn.ModuleList(nn.BatchNorm2d(3) for _ in range(6))
+        for bn in self.norms:
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2)
+            bn.weight.data.uniform_(0.5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.norms
+        y = n[0](self.a(x)) + n[1](self.b(x)) + n[2](self.c(x)) + n[4](n[3](self.d(x)))
+        return self.prelu(y) + self.e(x) + n[5](F.conv2d(x, self.e.weight, padding=1))
+
+
+def test_bn_fold_leaves_tied_tensors_and_folds_a_chain():
+    model = TiedConvs().eval()
+    x = torch.randn(2, 3, 5, 5)
+    gm = fxq.prepare(model, "trt_int8", x)
+    left = {n.target for n in gm.graph.nodes if n.op == "call_module"
+            and isinstance(gm.get_submodule(n.target), nn.BatchNorm2d)}
+    assert left == {"norms.0", "norms.1", "norms.2", "norms.5"}
+    conv_d = next(n for n in gm.graph.nodes if n.meta.get("module_path") == "d")
+    assert conv_d.meta["folded_bn"] == ["norms.3", "norms.4"]
+    with torch.no_grad():
+        fxq.switch_to_fp32(gm)
+        torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
+
+
 class CopyThenMutate(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x * 2
