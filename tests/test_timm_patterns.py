@@ -1164,3 +1164,54 @@ def test_a_fill_value_held_by_an_onnx_pad_module(tmp_path: Path) -> None:
     pad = next(n for n in gm.graph.nodes if n.meta.get("fxq") is not None and n.meta["fxq"].op_type == "Pad")
     assert pad.meta["fxq"].output_state.name == "ACTIVATED"
     assert _deployed_vs_simulation(gm, "trt_int8", tmp_path, torch.randn(1, 3, 4, 4)) >= 0.9999
+
+
+class OutlookFold(nn.Module):
+    """VOLO's outlook attention in small: values unfolded into 3x3 windows, weighted, and folded back to the input's
+    own ``(H, W)``, read from the input at run time (torch 2.14's ``col2im`` symbolic needs a constant size)."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.v, self.attn, self.proj = nn.Conv2d(3, c, 1), nn.Conv2d(3, 9, 1), nn.Conv2d(c, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, _, h, w = x.shape
+        v = nn.functional.unfold(self.v(x), 3, padding=1).reshape(n, -1, 9, h * w)
+        a = self.attn(x).softmax(dim=1).reshape(n, 1, 9, h * w)
+        out = nn.functional.fold((v * a).reshape(n, -1, h * w), output_size=(h, w), kernel_size=3, padding=1)
+        return self.proj(out)
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
+def test_fold_to_a_size_read_at_run_time_exports(platform, tmp_path):
+    torch.manual_seed(0)
+    gm = fxq.quantize(OutlookFold().eval(), [torch.randn(2, 3, 10, 12) for _ in range(2)], platform, progress=False)
+    x = torch.randn(2, 3, 10, 12)
+    assert _deployed_vs_simulation(gm, platform, tmp_path, x) >= 0.9999
+    with torch.no_grad():
+        sim = gm(x).numpy()
+    assert _cosine(run_ort(tmp_path / "m.onnx", x), sim) >= 0.999  # the default session too
+    fxq.export(gm, platform, tmp_path / "dynamic.onnx", dynamic_batch=True)
+    with torch.no_grad():
+        sim = gm(x[:1]).numpy()
+    assert _cosine(run_ort(tmp_path / "dynamic.onnx", x[:1], optimize=False), sim) >= 0.9999
+
+
+def test_a_users_own_col2im_symbolic_is_the_one_used(tmp_path):
+    from fxq.backends.qdq import lowering
+
+    calls = []
+
+    def users(g, *args):
+        calls.append(1)
+        return lowering._col2im_symbolic(g, *args)
+
+    gm = fxq.quantize(OutlookFold().eval(), [torch.randn(1, 3, 6, 6)], "trt_int8", progress=False)
+    torch.onnx.register_custom_op_symbolic("aten::col2im", users, 18)
+    try:
+        fxq.export(gm, "trt_int8", tmp_path / "m.onnx")
+        assert calls  # fxq's went in only where the user had none
+        assert lowering._user_registered("aten::col2im", 18)
+    finally:
+        torch.onnx.unregister_custom_op_symbolic("aten::col2im", 18)
+    assert not lowering._user_registered("aten::col2im", 18)  # fxq's export left torch's own in place

@@ -153,6 +153,65 @@ def _max_torchscript_opset() -> int:
     return int(getattr(_constants, "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET", 17))
 
 
+def _sizes_as_tensor(g: Any, sizes: Any) -> Any:
+    """A list of traced sizes (``prim::ListConstruct``) as the 1-D int64 tensor an ONNX op reads; a tensor as it is."""
+    from torch.onnx import symbolic_helper
+
+    if not symbolic_helper._is_packed_list(sizes):
+        return sizes
+    one = g.op("Constant", value_t=torch.tensor([1], dtype=torch.int64))
+    return g.op("Concat", *[symbolic_helper._reshape_helper(g, v, one) for v in symbolic_helper._unpack_list(sizes)],
+                axis_i=0)
+
+
+def _col2im_symbolic(g: Any, input: Any, output_size: Any, kernel_size: Any, dilation: Any, padding: Any,
+                     stride: Any) -> Any:
+    """``aten::col2im`` (``F.fold``) as ONNX ``Col2Im``, its output size computed at run time or not.
+
+    torch's own symbolic (torch 2.14) reads the spatial rank off ``output_size``'s static shape, which a list of
+    traced sizes has not: timm's VOLO folds to ``(H, W)`` read from its input, and its export failed with
+    "'NoneType' object is not subscriptable". The rank is the length of ``dilation`` (``F.fold`` always gives it).
+    """
+    from torch.onnx import symbolic_helper
+
+    dilation, padding, stride = (symbolic_helper._get_const(v, "is", name) for v, name in
+                                 ((dilation, "dilation"), (padding, "padding"), (stride, "stride")))
+    return g.op("Col2Im", input, _sizes_as_tensor(g, output_size), _sizes_as_tensor(g, kernel_size),
+                dilations_i=list(dilation), pads_i=[p for p in padding for _ in range(2)], strides_i=list(stride))
+
+
+_OWN_SYMBOLICS = {"aten::col2im": (_col2im_symbolic, 18)}
+"""Symbolics fxq's exports use in place of torch's: ``{op: (function, first opset)}``, registered only while fxq
+exports and only where the user registered none of their own."""
+
+
+@contextlib.contextmanager
+def _own_symbolics():
+    """Register :data:`_OWN_SYMBOLICS` for the duration of one export (under :data:`_TORCH_ONNX_LOCK`)."""
+    registered = []
+    for name, (fn, opset) in _OWN_SYMBOLICS.items():
+        if _user_registered(name, opset):
+            continue
+        torch.onnx.register_custom_op_symbolic(name, fn, opset)
+        registered.append((name, opset))
+    try:
+        yield
+    finally:
+        for name, opset in registered:
+            torch.onnx.unregister_custom_op_symbolic(name, opset)
+
+
+def _user_registered(name: str, opset: int) -> bool:
+    """Whether the symbolic torch.onnx would use for ``name`` at ``opset`` is someone's own rather than torch's."""
+    try:
+        from torch.onnx._internal.torchscript_exporter import registration  # private: a later torch may move it
+        group = registration.registry.get_function_group(name)
+        fn = group.get(opset) if group is not None else None
+    except Exception:  # noqa: BLE001 - without the registry, fxq's symbolic goes in (torch's fails on VOLO)
+        return False
+    return fn is not None and not str(getattr(fn, "__module__", "")).startswith("torch.onnx")
+
+
 @contextlib.contextmanager
 def _opset_visible_to_onnx2torch(opset: int):
     """Let onnx2torch's modules read the opset of the running export.
@@ -247,8 +306,8 @@ def torch_onnx_export(module: torch.nn.Module, args: tuple, target: Any, *, opse
         ExportError: torch.onnx fails, naming the op (and its fx nodes when ``module`` is a GraphModule).
     """
     try:
-        with eval_mode(module), _TORCH_ONNX_LOCK, _opset_visible_to_onnx2torch(opset), warnings.catch_warnings(), \
-                torch.no_grad():
+        with eval_mode(module), _TORCH_ONNX_LOCK, _opset_visible_to_onnx2torch(opset), _own_symbolics(), \
+                warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 module, args, target, dynamo=False, opset_version=opset, input_names=list(input_names),
