@@ -23,7 +23,8 @@ own subprocess with a timeout:
   below the bar on a 1e-4 input perturbation (a rounding tie amplified by the model, not an export fault), else
   ``Mismatch``; a simulation whose every output is at most 1e-6 is ``Degenerate`` (cosine of rounding noise); a
   Q/DQ file that passes in ``ORT_DISABLE_ALL`` but not in the default session is ``Fused`` (onnxruntime's fused
-  int8 kernels, issue #13 point 9). None of these passes.
+  int8 kernels, issue #13 point 9). None of these passes. Where torch's exporter cannot write the model on a file
+  path (VOLO's ``col2im`` before opset 18), the path's row is step ``source``, ``NoSourceFile``: no file reached fxq.
 
 Every step records ``ok``, ``skipped`` (an earlier step failed) or the error's class and first line; the CSV has one
 row per model x path x platform x step, and the markdown table counts passes per family and step.
@@ -237,6 +238,10 @@ def captured_by(gm: Any) -> str:
     return gm.meta.get("fxq_capture", "fx") + (f"+islands({len(islands)})" if islands else "")
 
 
+class NoSourceFile(Exception):
+    """torch's exporter cannot write the model on this path: there is no file for fxq to load (step ``source``)."""
+
+
 def _capture(name: str, path: str, model: Any, args: tuple, tmp: Path) -> Any:
     import torch
 
@@ -252,10 +257,13 @@ def _capture(name: str, path: str, model: Any, args: tuple, tmp: Path) -> Any:
                 raise
             return model  # fxq.quantize then quantizes its capturable parts (fxq.parts)
     onnx_path = tmp / f"{name}_{path}.onnx"
-    if path.startswith("legacy"):
-        torch.onnx.export(model, args, onnx_path, opset_version=int(path[len("legacy"):]), dynamo=False)
-    else:
-        torch.onnx.export(model, args, onnx_path, dynamo=True)
+    try:
+        if path.startswith("legacy"):
+            torch.onnx.export(model, args, onnx_path, opset_version=int(path[len("legacy"):]), dynamo=False)
+        else:
+            torch.onnx.export(model, args, onnx_path, dynamo=True)
+    except Exception as exc:  # torch's exporter, before fxq sees anything
+        raise NoSourceFile(f"torch.onnx ({path}) cannot write this model: {_error(exc)}") from exc
     try:
         return fxq.load_onnx(onnx_path)
     except fxq.FrontendError as exc:
@@ -390,6 +398,9 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
         t0 = time.perf_counter()
         try:
             source = _capture(name, path, model, args, tmp)
+        except NoSourceFile as exc:
+            row("-", "source", f"NoSourceFile: {str(exc)[:300]}")
+            return rows
         except Exception as exc:
             row("-", "capture", _error(exc))
             return rows

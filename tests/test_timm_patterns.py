@@ -1215,3 +1215,22 @@ def test_a_users_own_col2im_symbolic_is_the_one_used(tmp_path):
     finally:
         torch.onnx.unregister_custom_op_symbolic("aten::col2im", 18)
     assert not lowering._user_registered("aten::col2im", 18)  # fxq's export left torch's own in place
+
+
+class OverlappingUnfold(nn.Module):
+    """Windows that overlap, padded, strided and dilated (an im2col a conv would do): ncnn's own ``Unfold``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 6, 8)
+        self.unfold = nn.Unfold(kernel_size=(2, 3), dilation=(1, 2), padding=(1, 2), stride=(2, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.unfold(self.conv(x)).transpose(1, 2))
+
+
+@pytest.mark.parametrize("model", [OverlappingUnfold, OutlookFold])
+def test_unfold_and_fold_in_ncnn(model, tmp_path: Path) -> None:
+    """nn.Unfold with any windows (ncnn's ``Unfold``) and VOLO's fold back to the image (ncnn's ``Fold``)."""
+    torch.manual_seed(0)
+    assert _ncnn_cosine(model().eval(), (1, 3, 7, 9), tmp_path) >= 0.9999

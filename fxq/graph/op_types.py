@@ -109,6 +109,7 @@ _FUNCTIONS: dict[Callable[..., Any], str] = {
     torch.sqrt: "Sqrt", torch.exp: "Exp", torch.log: "Log", torch.abs: "Abs", torch.reciprocal: "Reciprocal",
     torch.rsqrt: "Rsqrt", torch.var: "Var", torch.std: "Std", torch.repeat_interleave: "RepeatInterleave",
     F.unfold: "Im2Col",
+    F.fold: "Col2Im",
 }
 
 _METHODS: dict[str, str] = {
@@ -144,7 +145,7 @@ _MODULES: dict[type, str] = {
     nn.Identity: "Identity", nn.Dropout: "Identity", nn.Dropout2d: "Identity", nn.Embedding: "Gather",
     nn.LocalResponseNorm: "LRN", nn.SELU: "Selu", nn.LogSoftmax: "LogSoftmax", nn.Softplus: "Softplus",
     nn.InstanceNorm1d: "InstanceNormalization",
-    nn.InstanceNorm2d: "InstanceNormalization", nn.InstanceNorm3d: "InstanceNormalization", nn.Unfold: "Im2Col",
+    nn.InstanceNorm2d: "InstanceNormalization", nn.InstanceNorm3d: "InstanceNormalization", nn.Unfold: "Im2Col", nn.Fold: "Col2Im",
 }
 
 def _training_flag_at(index: int) -> Callable[[fx.Node], bool]:

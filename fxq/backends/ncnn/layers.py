@@ -597,30 +597,43 @@ def _sliding_windows(b: NcnnBuilder, node: fx.Node) -> None:
     b.emit(node, "Reshape", [blob], shape_params(fold_dims(drop_dim(b.shape(node), bd))), batch_dim=bd)
 
 
-@register_ncnn_converter("Im2Col", any_batch_dim=True)
-def _im2col(b: NcnnBuilder, node: fx.Node) -> None:
-    """``nn.Unfold`` / ``F.unfold`` of ``(N, C, H, W)`` into ``(N, C * k * k, blocks)`` where the blocks tile the
-    image (kernel = stride, no padding or dilation: TNT's pixel embedding): Reshapes and Permutes of the blocks."""
-    x = node.args[0]
+def _window_params(b: NcnnBuilder, node: fx.Node, first: int) -> dict[int, Any]:
+    """ncnn ``Unfold`` / ``Fold`` params of ``F.unfold`` / ``F.fold`` (their modules too): kernel, dilation, padding
+    and stride, the arguments from position ``first`` on (after ``output_size`` for a fold)."""
     mod = b.module(node)
     names = ("kernel_size", "dilation", "padding", "stride")
     k, dil, pad, stride = ((getattr(mod, a) for a in names) if mod is not None else
-                           (_const(b, node, _arg(node, i + 1, a, d), a) for i, (a, d) in
+                           (_const(b, node, _arg(node, first + i, a, d), a) for i, (a, d) in
                             enumerate(zip(names, (None, 1, 0, 1)))))
-    (kh, kw), (sh, sw), dil, pad = pair(k), pair(stride), pair(dil), pair(pad)
+    (kh, kw), (dh, dw), (ph, pw), (sh, sw) = pair(k), pair(dil), pair(pad), pair(stride)
+    return {1: kw, 11: kh, 2: dw, 12: dh, 3: sw, 13: sh, 4: pw, 15: pw, 14: ph, 16: ph}
+
+
+def _batch_of_one_image(b: NcnnBuilder, node: fx.Node, x: fx.Node, rank: int, what: str) -> None:
     shape, bd = b.shape(x), b.batch_dim(x)
-    if len(shape) != 4 or bd != 0 or (kh, kw) != (sh, sw) or dil != (1, 1) or pad != (0, 0) or \
-            shape[2] % kh or shape[3] % kw:
-        raise b.fail(node, f"an unfold of shape {shape} (batch dim {bd}) with kernel {(kh, kw)}, stride {(sh, sw)}, "
-                     f"dilation {dil}, padding {pad}; ncnn has no im2col layer, and only blocks that tile the image "
-                     "(kernel = stride, no dilation or padding) are Reshapes and Permutes",
-                     "unfold with kernel_size == stride over a size they divide, or use a strided convolution")
-    c, nh, nw = shape[1], shape[2] // kh, shape[3] // kw
-    blob = b.helper(node, "Reshape", [b.blob(x, node)], shape_params((c, nh, kh, nw * kw)))  # (c, p, ki, (q, kj))
-    blob = b.helper(node, "Permute", [blob], {0: permute_order_type((0, 2, 1, 3))})  # (c, ki, p, (q, kj))
-    blob = b.helper(node, "Reshape", [blob], shape_params((c * kh, nh, nw, kw)))
-    blob = b.helper(node, "Permute", [blob], {0: permute_order_type((0, 3, 1, 2))})  # ((c, ki), kj, p, q)
-    b.emit(node, "Reshape", [blob], shape_params((c * kh * kw, nh * nw)))
+    if len(shape) != rank or bd != 0:
+        raise b.fail(node, f"{what} of shape {shape} (batch dim {bd}); ncnn's layer takes one image of a batch",
+                     f"give it a {rank}-D input whose dim 0 is the batch")
+
+
+@register_ncnn_converter("Im2Col")
+def _im2col(b: NcnnBuilder, node: fx.Node) -> None:
+    """``nn.Unfold`` / ``F.unfold`` of ``(N, C, H, W)`` into ``(N, C * kh * kw, blocks)``: ncnn's ``Unfold``
+    (any kernel, dilation, padding and stride), whose ``(C * kh * kw, blocks)`` rows are torch's."""
+    x = node.args[0]
+    _batch_of_one_image(b, node, x, 4, "an unfold")
+    b.emit(node, "Unfold", [b.blob(x, node)], _window_params(b, node, 1))
+
+
+@register_ncnn_converter("Col2Im")
+def _col2im(b: NcnnBuilder, node: fx.Node) -> None:
+    """``nn.Fold`` / ``F.fold`` of ``(N, C * kh * kw, blocks)`` into ``(N, C, H, W)``, overlaps summed (VOLO's outlook
+    attention): ncnn's ``Fold``, the output size the one the model ran at export."""
+    x = node.args[0]
+    _batch_of_one_image(b, node, x, 3, "a fold")
+    params = _window_params(b, node, 2)
+    _, _, h, w = b.shape(node)
+    b.emit(node, "Fold", [b.blob(x, node)], {**params, 20: int(w), 21: int(h)})
 
 
 @register_ncnn_converter("RepeatInterleave", any_batch_dim=True)
