@@ -1234,3 +1234,46 @@ def test_unfold_and_fold_in_ncnn(model, tmp_path: Path) -> None:
     """nn.Unfold with any windows (ncnn's ``Unfold``) and VOLO's fold back to the image (ncnn's ``Fold``)."""
     torch.manual_seed(0)
     assert _ncnn_cosine(model().eval(), (1, 3, 7, 9), tmp_path) >= 0.9999
+
+
+class TokenMaxHead(nn.Module):
+    """VOLO's head: the class token's logits plus half the largest logit over the other tokens (``aux.max(1)[0]``);
+    also ``.values`` of a min along a dim, ``torch.max`` of two tensors and of one tensor alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.aux = nn.Linear(8, 5), nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cls, aux = self.fc(x[:, 0]), self.aux(x[:, 1:])
+        out = cls + 0.5 * aux.max(1)[0] + 0.25 * aux.min(dim=1, keepdim=True).values[:, 0]
+        return torch.max(out, cls) + 0.1 * torch.max(aux)
+
+
+def test_max_and_min_along_a_dim_in_ncnn(tmp_path: Path) -> None:
+    """``max`` / ``min`` along a dim were op type Unknown; their values are a Reduction, two tensors' a Max."""
+    torch.manual_seed(0)
+    gm = fxq.prepare(TokenMaxHead().eval(), "ncnn_int8", torch.randn(1, 6, 8))
+    types = {n.name: op_type(n, dict(gm.named_modules())) for n in gm.graph.nodes}
+    assert {types[k] for k in ("max_1", "min_1", "max_2", "max_3")} == {
+        "ReduceMaxWithIndices", "ReduceMinWithIndices", "Max", "ReduceMax"}
+    assert _ncnn_cosine(TokenMaxHead().eval(), (1, 6, 8), tmp_path) >= 0.9999
+
+
+class TokenArgMax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + x.max(1, keepdim=True)[1].float()
+
+
+def test_the_indices_of_a_max_are_refused_by_name_in_ncnn(tmp_path: Path) -> None:
+    gm = fxq.quantize(nn.Sequential(nn.Linear(8, 8), TokenArgMax()).eval(), [torch.randn(1, 6, 8)], "ncnn_int8",
+                      progress=False)
+    with pytest.raises(fxq.ExportError, match="takes the indices of .*ReduceMaxWithIndices"):
+        fxq.export(gm, "ncnn_int8", tmp_path / "m")
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ort_int8"])
+def test_max_and_min_along_a_dim_export_onnx(platform, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    gm = fxq.quantize(TokenMaxHead().eval(), [torch.randn(2, 6, 8) for _ in range(2)], platform, progress=False)
+    assert _deployed_vs_simulation(gm, platform, tmp_path, torch.randn(2, 6, 8)) >= 0.9999

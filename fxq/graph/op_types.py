@@ -255,6 +255,11 @@ def op_type(node: fx.Node, modules: dict[str, nn.Module] | None = None) -> str:
                     break
             if found in ("GlobalAveragePool", "GlobalMaxPool") and not _is_global(mod):
                 found = "AveragePool" if found == "GlobalAveragePool" else "MaxPool"
+    if found is None and (node.op == "call_function" and node.target in (torch.max, torch.min) or
+                          node.op == "call_method" and node.target in ("max", "min")):
+        found = _extreme_type(node)
+    if result_field(node) is not None:
+        found = "Slice"  # ``x.max(1).values``: an item of the result, as ``x.max(1)[0]`` (not a ``.shape``)
     if found is None:
         for key in ("onnx", "caffe"):
             info = node.meta.get(key)
@@ -265,6 +270,32 @@ def op_type(node: fx.Node, modules: dict[str, nn.Module] | None = None) -> str:
         if not _all_ones(size):
             found = "AveragePool"
     return found or "Unknown"
+
+
+_RESULT_FIELDS = {"values": 0, "indices": 1}
+"""The fields of torch's ``(values, indices)`` results (``max`` / ``min`` along a dim, ``topk``, ``sort``)."""
+
+
+def result_field(node: fx.Node) -> int | None:
+    """The item ``getattr(result, "values" / "indices")`` takes, None for another node."""
+    if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
+        return _RESULT_FIELDS.get(node.args[1])  # type: ignore[call-overload]
+    return None
+
+
+def _extreme_type(node: fx.Node) -> str:
+    """``torch.max`` / ``torch.min`` by their arguments: of two tensors, elementwise (``Max``); along a dim, the
+    ``(values, indices)`` pair (``ReduceMaxWithIndices``); of one tensor alone, the reduction to one number."""
+    name = "Max" if node.target in (torch.max, "max") else "Min"
+    if "dim" in node.kwargs:
+        return f"Reduce{name}WithIndices"
+    second = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+    if second is None:
+        return f"Reduce{name}"
+    val = second.meta.get("val") if isinstance(second, fx.Node) else second
+    # a dim is a Python int (a node of shape arithmetic at most); a node not yet described is taken for a tensor
+    along_dim = isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool)
+    return f"Reduce{name}WithIndices" if along_dim else name
 
 
 def _computes_as(subclass: type, cls: type) -> bool:

@@ -23,7 +23,7 @@ from fxq.backends.ncnn.platforms import is_depthwise, is_matmul_by_matrix, pair
 from fxq.backends.ncnn.registry import register_ncnn_converter
 from fxq.backends.ncnn.writer import Int8Scales, drop_dim, shape_params
 from fxq.graph.attention import apply_attention_mask
-from fxq.graph.op_types import clip_bounds, pad_fill, variance_args
+from fxq.graph.op_types import clip_bounds, pad_fill, result_field, variance_args
 from fxq.graph.passes import batchnorm_stats
 from fxq.spec import QUANTIZING_STATES
 
@@ -1226,16 +1226,21 @@ _REDUCTION = {"ReduceSum": 0, "ReduceSumSquare": 2, "ReduceMean": 3, "ReduceMax"
 def _reduce(b: NcnnBuilder, node: fx.Node) -> None:
     """``Reduce*`` as ncnn's ``Reduction``; the spatial mean of (N, C, H, W) as global average ``Pooling``."""
     x = node.args[0]
-    shape, bd = b.shape(x), b.batch_dim(x)
     op = b.op(node)
     args = reduce_args(node, b.modules, op)
     if args is None and is_noop_reduce(b.module(node)):  # Reduce*-18 of empty axes, noop_with_empty_axes
-        b.alias(node, x, bd)
+        b.alias(node, x, b.batch_dim(x))
         return
     if args is None:
         raise b.fail(node, f"reduce module {type(b.module(node)).__name__} is not a {op} with static axes",
                      f"use {op} with constant axes")
-    dims, keep = _reduced_dims(b, x, args[0]), args[1]
+    _reduce_into(b, node, x, op, args[0], args[1])
+
+
+def _reduce_into(b: NcnnBuilder, node: fx.Node, x: fx.Node, op: str, dims: Any, keep: bool) -> None:
+    """``node``'s blob: ``x`` reduced by ``op`` over ``dims`` (None: all), keeping them or not."""
+    shape, bd = b.shape(x), b.batch_dim(x)
+    dims = _reduced_dims(b, x, _const(b, node, dims, "dim"))
     if op == "ReduceMean" and len(shape) == 4 and bd == 0 and dims == [2, 3]:
         params = {0: 1, 7: 1, 8: 1, 18: 1} if keep else {0: 1, 4: 1}
         b.emit(node, "Pooling", [b.blob(x, node)], params)
@@ -1667,8 +1672,17 @@ def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
     ``split`` / ``chunk`` / ``tensor_split`` / ``unbind``: a ``Crop`` (9 starts, 10 ends, 11 axes) of the blob, a
     ``Flip`` (0 axes) of the reversed dims, then a ``Reshape`` when an int index drops a non-batch dim."""
     src = node.args[0]
-    index = _onnx_slice_index(b, node) if b.module(node) is not None else node.args[1]
+    field = result_field(node)
+    index = _onnx_slice_index(b, node) if b.module(node) is not None else field if field is not None else node.args[1]
     val = src.meta.get("val") if isinstance(src, fx.Node) else None
+    if isinstance(val, (tuple, list)) and b.op(src).endswith("WithIndices") and isinstance(index, int):
+        if index % 2:
+            raise b.fail(node, f"it takes the indices of {src.name!r} ({b.op(src)}); ncnn's Reduction gives the "
+                         "values only", "take the values (x.max(dim)[0]), or argmax outside the exported model")
+        dim = _arg(src, 1, "dim")
+        keep = bool(_const(b, node, _arg(src, 2, "keepdim", False), "keepdim"))
+        _reduce_into(b, node, src.args[0], b.op(src)[:-len("WithIndices")], [dim], keep)
+        return
     if isinstance(val, (tuple, list)) and b.op(src) == "Split" and isinstance(index, int):
         x = _arg(src, 0, "input")
         split_mod = b.module(src)  # the ONNX frontend's Split (``axis``), else torch's split / chunk / tensor_split
@@ -1689,6 +1703,13 @@ def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
                      "ncnn writer cannot split", "index tensors, or take the pieces of split / chunk")
     ranges, dropped, new_axes, steps = _index_ranges(b, node, b.shape(x), index, b.batch_dim(x))
     _crop(b, node, x, ranges, dropped, new_axes, steps)
+
+
+@register_ncnn_converter("ReduceMaxWithIndices", "ReduceMinWithIndices", any_batch_dim=True, high_rank=True)
+def _extremes_along_dim(b: NcnnBuilder, node: fx.Node) -> None:
+    """``x.max(dim)`` / ``x.min(dim)``, the pair ``(values, indices)``: no blob of its own; :func:`_getitem` writes
+    the values it takes as a ``Reduction`` (VOLO's ``aux.max(1)[0]``), and refuses the indices."""
+    b.alias(node, node.args[0], b.batch_dim(node.args[0]))
 
 
 @register_ncnn_converter("Split", any_batch_dim=True, high_rank=True)
