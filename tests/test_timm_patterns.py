@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 import fxq
@@ -1277,3 +1279,20 @@ def test_max_and_min_along_a_dim_export_onnx(platform, tmp_path: Path) -> None:
     torch.manual_seed(0)
     gm = fxq.quantize(TokenMaxHead().eval(), [torch.randn(2, 6, 8) for _ in range(2)], platform, progress=False)
     assert _deployed_vs_simulation(gm, platform, tmp_path, torch.randn(2, 6, 8)) >= 0.9999
+
+
+@pytest.mark.parametrize("model", [PixelEmbed, OverlappingUnfold])
+def test_unfold_written_as_gathers_in_ncnn(model, tmp_path: Path) -> None:
+    """torch.onnx writes an unfold before opset 18 as Pad and Gathers of rows by 2-D indices (``[[0, 4, 8, ...],
+    [1, 5, 9, ...], ...]``, TNT's ONNX file): each rising run of rows a Crop, joined and reshaped."""
+    torch.manual_seed(0)
+    assert _ncnn_cosine(model().eval(), (1, 3, 8, 8), tmp_path, form="onnx") >= 0.9999
+
+
+@given(st.lists(st.integers(0, 40), max_size=30))
+def test_arithmetic_runs_rebuild_the_indices(flat):
+    from fxq.backends.ncnn.layers import _arithmetic_runs
+
+    runs = _arithmetic_runs(flat)
+    assert [start + i * step for start, count, step in runs for i in range(count)] == flat
+    assert all(step >= 1 and count >= 1 for _, count, step in runs)

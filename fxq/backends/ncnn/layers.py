@@ -1764,7 +1764,7 @@ def _gather(b: NcnnBuilder, node: fx.Node) -> None:
     """ONNX ``Gather`` (onnx2torch's ``OnnxGather``, ``numpy.take`` along ``axis``) of a computed tensor by
     stored indices: one index (ViT's class token ``x[:, 0]``, attention's ``q, k, v = qkv[0], qkv[1], qkv[2]``)
     or a run of consecutive ones in indices of any shape (dynamo's ``as_strided`` of a flattened value), as
-    :func:`_getitem`'s ``Crop``. Other indices pick rows ncnn has no layer for."""
+    :func:`_getitem`'s ``Crop``; other stored indices as runs of rows (:func:`_take_runs`)."""
     mod = b.module(node)
     lookup = _embedding_lookup(b, node)
     if lookup is not None:
@@ -1787,10 +1787,48 @@ def _gather(b: NcnnBuilder, node: fx.Node) -> None:
     elif flat and flat == list(range(flat[0], flat[0] + len(flat))):  # indices of more dims: a Reshape after
         item = slice(flat[0], flat[0] + len(flat))
     else:
-        raise b.fail(node, f"its indices {idx.tolist()} along dim {axis} are not one index or a run of consecutive "
-                     "ones", "take consecutive elements (a slice), or reorder the weights before exporting")
+        _take_runs(b, node, x, axis, flat)
+        return
     ranges, dropped, new_axes, _ = _index_ranges(b, node, shape, (slice(None),) * axis + (item,), b.batch_dim(x))
     _crop(b, node, x, ranges, dropped, new_axes)
+
+
+def _arithmetic_runs(flat: list[int]) -> list[tuple[int, int, int]]:
+    """``flat`` as maximal runs ``(start, count, step)`` of a rising step, in order (a lone index: step 1)."""
+    runs: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(flat):
+        step = flat[i + 1] - flat[i] if i + 1 < len(flat) else 1
+        count = 1
+        if step >= 1:
+            while i + count < len(flat) and flat[i + count] - flat[i + count - 1] == step:
+                count += 1
+        runs.append((flat[i], count, step if count > 1 else 1))
+        i += count
+    return runs
+
+
+def _take_runs(b: NcnnBuilder, node: fx.Node, x: fx.Node, axis: int, flat: list[int]) -> None:
+    """``node``: the elements ``flat`` of ``x`` along ``axis``, in order, shaped as the gather's result (torch.onnx's
+    im2col before opset 18 gathers rows ``[[0, 4, 8, ...], [1, 5, 9, ...], ...]``: TNT's pixel embedding). The blob
+    is viewed as (dims before, ``axis``, dims after); each rising run of indices is a ``Crop`` (strided ones by
+    :func:`_strided_rows`), the runs joined by a ``Concat`` and reshaped to the result."""
+    shape, bd = b.shape(x), b.batch_dim(x)
+    if axis == bd:
+        raise b.fail(node, f"it gathers along the batch dimension (dim {axis} of shape {shape})", b.batch_advice(x))
+    view = _around(drop_dim(shape, bd), b.ncnn_axis(node, axis, x))
+    rows = b.helper(node, "Reshape", [b.blob(x, node)], shape_params(view))
+    pieces = []
+    for start, count, step in _arithmetic_runs(flat):
+        if step == 1:
+            pieces.append(rows if (start, count) == (0, view[1]) else
+                          b.helper(node, "Crop", [rows], {9: [start], 10: [start + count], 11: [1]}))
+        else:
+            pieces.append(_strided_rows(b, node, rows, view, start, count, step))
+    blob = pieces[0] if len(pieces) == 1 else b.helper(node, "Concat", pieces, {0: 1})
+    out_bd = bd if bd is None or bd < axis else bd + len(b.shape(node)) - len(shape)
+    target = fold_dims(drop_dim(b.shape(node), out_bd))
+    b.emit(node, "Reshape", [blob], shape_params(target), batch_dim=out_bd)
 
 
 def _embedding_lookup(b: NcnnBuilder, node: fx.Node) -> tuple[torch.Tensor, fx.Node] | None:
