@@ -209,13 +209,24 @@ class LoneErf(nn.Module):
 
 class PickRows(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x[:, [0, 2]] * 2.0
+        return torch.cat([x[:, [0, 2]], x[:, :, [7, 1, 3, 5, 6, 0, 2, 4]]], 1) * 2.0
+
+
+class PickSamples(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[[0, 0]] * 2.0
+
+
+def test_gather_of_scattered_rows_from_onnx(tmp_path: Path) -> None:
+    """Rows by stored indices that are no run (``x[:, [0, 2]]``, a permutation): Crops joined by a Concat."""
+    param, _ = check_onnx(PickRows(), (1, 4, 8), tmp_path, "13")
+    assert "Concat" in param
 
 
 @pytest.mark.parametrize("model,shape,message", [
     (LoneErf(), (1, 4, 8), r"op Erf.*no converter for op type 'Erf'"),
-    (PickRows(), (1, 4, 8), r"op Gather.*indices \[0, 2\] along dim 1 are not one index or a run"),
-], ids=["erf-outside-gelu", "gather-of-scattered-rows"])
+    (PickSamples(), (1, 4, 8), r"op Gather.*gathers along the batch dimension"),
+], ids=["erf-outside-gelu", "gather-of-samples"])
 def test_refused_onnx_forms_name_the_node(tmp_path: Path, model: nn.Module, shape, message: str) -> None:
     gm = fxq.load_onnx(_to_onnx(model, shape, tmp_path / "m.onnx", "13"))
     q = fxq.quantize(gm, [torch.randn(*shape) for _ in range(2)], "ncnn_int8", progress=False)
