@@ -1296,3 +1296,36 @@ def test_arithmetic_runs_rebuild_the_indices(flat):
     runs = _arithmetic_runs(flat)
     assert [start + i * step for start, count, step in runs for i in range(count)] == flat
     assert all(step >= 1 and count >= 1 for _, count, step in runs)
+
+
+class DecomposedRelPos(nn.Module):
+    """SAM's attention bias from decomposed relative positions: heads folded into the batch (``B * nH``), the two
+    einsums' results unsqueezed at different dims and added, both broadcasting (``(B * nH, h, w, h, 1) + (B * nH,
+    h, w, 1, w)``)."""
+
+    def __init__(self, heads: int = 2, dim: int = 16, hw: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.rh = nn.Parameter(torch.randn(hw, hw, dim // heads))
+        self.rw = nn.Parameter(torch.randn(hw, hw, dim // heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, _ = x.shape
+        n = h * w
+        qkv = self.qkv(x.reshape(b, n, -1)).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.reshape(3, b * self.heads, n, -1).unbind(0)
+        r_q = q.reshape(b * self.heads, h, w, -1)
+        rel_h = torch.einsum("bhwc,hkc->bhwk", r_q, self.rh)
+        rel_w = torch.einsum("bhwc,wkc->bhwk", r_q, self.rw)
+        bias = (rel_h.unsqueeze(4) + rel_w.unsqueeze(3)).reshape(-1, n, n)
+        attn = (q @ k.transpose(-2, -1) + bias).softmax(-1)
+        out = (attn @ v).view(b, self.heads, n, -1).transpose(1, 2).reshape(b, n, -1)
+        return self.proj(out).view(b, h, w, -1)
+
+
+def test_two_broadcasting_values_of_size_1_dims_add_in_ncnn(tmp_path: Path) -> None:
+    """The operands' blobs leave out different size-1 dims (their new dims 4 and 3: the batch is folded into
+    ``B * nH``), each of which the other makes larger: the result keeps every dim, and the Add had been refused."""
+    torch.manual_seed(0)
+    assert _ncnn_cosine(DecomposedRelPos().eval(), (1, 4, 4, 16), tmp_path) >= 0.9999

@@ -718,7 +718,7 @@ def _clip(b: NcnnBuilder, node: fx.Node) -> None:
             bottoms, params = ([blob, _broadcast_operands(b, node, x, v)[1]], {0: op}) if c else \
                 ([blob], {0: op, 1: 1, 2: float(v)})
             if k == len(steps) - 1:
-                b.emit(node, "BinaryOp", bottoms, params, batch_dim=b.batch_dim(x))
+                b.emit(node, "BinaryOp", bottoms, params, batch_dim=_result_batch_dim(b, node, x, v if c else None))
             else:
                 blob = b.helper(node, "BinaryOp", bottoms, params)
         return
@@ -1362,7 +1362,7 @@ def _binary(b: NcnnBuilder, node: fx.Node) -> None:
                         "ncnn's pow, which gives about 2.4e38 for a negative base where torch gives NaN (or, for an "
                         "integer exponent, the power)", node.name)
         b.emit(node, "BinaryOp", _broadcast_operands(b, node, lhs, rhs), {0: op},
-               batch_dim=b.batch_dim(_full_operand(b, node, lhs, rhs)))
+               batch_dim=_result_batch_dim(b, node, lhs, rhs))
     elif isinstance(lhs, fx.Node) and isinstance(rhs, (int, float)) and op == _BINARY["Pow"]:
         _power(b, node, lhs, float(rhs))
     elif isinstance(lhs, fx.Node) and isinstance(rhs, (int, float)):
@@ -1403,7 +1403,7 @@ def _attention_mask(b: NcnnBuilder, node: fx.Node) -> None:
     if len(masks) == 1 and "attn_mask" in masks and not flags["causal"] and not flags["heads_folded"] and \
             isinstance(val, torch.Tensor) and val.is_floating_point():
         b.emit(node, "BinaryOp", _broadcast_operands(b, node, scores, masks["attn_mask"]), {0: _BINARY["Add"]},
-               batch_dim=b.batch_dim(scores))
+               batch_dim=_result_batch_dim(b, node, scores, masks["attn_mask"]))
         return
     raise b.fail(node, "its attention mask is computed in the network and is not one float mask to add "
                  f"({', '.join(masks)}{', causal' if flags['causal'] else ''})",
@@ -1467,14 +1467,28 @@ def _full_operand(b: NcnnBuilder, node: fx.Node, lhs: fx.Node, rhs: fx.Node) -> 
                  "no tensor computed in the graph has the result's rank", "reshape an operand to the result's rank")
 
 
+def _result_batch_dim(b: NcnnBuilder, node: fx.Node, lhs: Any, rhs: Any) -> int | None:
+    """The dim a binary op's result blob leaves out: the full operand's (:func:`_full_operand`), unless that is a
+    dim of size 1 which the other operand, computed in the graph too, makes larger (SAM's ``rel_h[..., None] +
+    rel_w[..., None, :]``, whose blobs leave out their last and second-to-last dims): then the result's first dim of
+    size 1, or none. A stored tensor larger along the batch stays refused (:meth:`NcnnBuilder.memory_data`)."""
+    full = _full_operand(b, node, lhs, rhs)
+    other = rhs if full is lhs else lhs
+    bd, out_shape = b.batch_dim(full), b.shape(node)
+    if bd is None or b.shape(full)[bd] != 1 or out_shape[bd] == 1 or not isinstance(other, fx.Node) or \
+            b.fixed_value(other) is not None:
+        return bd
+    return next((d for d, n in enumerate(out_shape) if n == 1), None)
+
+
 def _broadcast_operands(b: NcnnBuilder, node: fx.Node, lhs: fx.Node, rhs: fx.Node) -> list[str]:
     """Both operands as blobs of the result's rank: ncnn's BinaryOp broadcasts size-1 axes of equal-rank blobs
     either way (its implicit rules for blobs of lower rank differ from torch's, so none are left to it)."""
     full = _full_operand(b, node, lhs, rhs)
-    out_shape, bd = b.shape(node), b.batch_dim(full)
+    out_shape, bd = b.shape(node), _result_batch_dim(b, node, lhs, rhs)
     blobs = []
     for t in (lhs, rhs):
-        if t is full:
+        if t is full and b.batch_dim(t) == bd:
             blobs.append(b.blob(t, node))
             continue
         if b.is_constant(t):
@@ -1482,10 +1496,11 @@ def _broadcast_operands(b: NcnnBuilder, node: fx.Node, lhs: fx.Node, rhs: fx.Nod
             continue
         shape, t_bd = b.shape(t), b.batch_dim(t)
         aligned = (1,) * (len(out_shape) - len(shape)) + shape
-        same_layout = t_bd == bd if len(shape) == len(out_shape) else t_bd is None or shape[t_bd] == 1
+        # a blob that leaves out a dim of size 1 keeps torch's element order: any layout is a Reshape of it
+        same_layout = t_bd == bd or (t_bd is not None and shape[t_bd] == 1) if len(shape) == len(out_shape) else \
+            t_bd is None or shape[t_bd] == 1
         full_target = drop_dim(out_shape, bd)
-        if len(full_target) > 4 and drop_dim(aligned, bd)[:-3] == full_target[:-3] and (
-                same_layout or (t_bd is not None and shape[t_bd] == 1)):
+        if len(full_target) > 4 and drop_dim(aligned, bd)[:-3] == full_target[:-3] and same_layout:
             # more than 4 dims (SAM's ``attn.view(B, h, w, h, w) + rel_h[..., None]``): both stored with the outer
             # dims merged, which the operands share, so ncnn broadcasts the last three as it would. A blob leaving
             # out a dim of size 1 keeps torch's element order, so its layout is the tensor's
