@@ -1329,3 +1329,22 @@ def test_two_broadcasting_values_of_size_1_dims_add_in_ncnn(tmp_path: Path) -> N
     ``B * nH``), each of which the other makes larger: the result keeps every dim, and the Add had been refused."""
     torch.manual_seed(0)
     assert _ncnn_cosine(DecomposedRelPos().eval(), (1, 4, 4, 16), tmp_path) >= 0.9999
+
+
+class Permuted(nn.Module):
+    """CSATv2's ``x[:, :, self.permutation]`` (a zigzag order of DCT coefficients), by a stored index tensor, by a
+    Python list and after an Ellipsis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 1), nn.Linear(8, 8)
+        self.register_buffer("permutation", torch.tensor([0, 1, 4, 5, 2, 3, 6, 7]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x).flatten(2)  # (N, 4, 8)
+        return self.fc(y[:, :, self.permutation] + y[..., [7, 6, 5, 4, 3, 2, 1, 0]]) + y[:, [3, 1, 2, 0]]
+
+
+def test_indexing_by_stored_indices_in_ncnn(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    assert _ncnn_cosine(Permuted().eval(), (1, 3, 2, 4), tmp_path) >= 0.9999

@@ -1713,6 +1713,10 @@ def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
             index = (slice(None),) * dim + (slice(start, start + sizes[index]),)
     elif isinstance(val, torch.Tensor):
         x = src
+        picked = _picked_along_one_dim(b, node, len(b.shape(x)), index)
+        if picked is not None:
+            _take_runs(b, node, x, picked[0], [int(i) % b.shape(x)[picked[0]] for i in picked[1]])
+            return
     else:
         raise b.fail(node, f"it takes item {index!r} of {getattr(src, 'name', src)!r}, a {type(val).__name__} the "
                      "ncnn writer cannot split", "index tensors, or take the pieces of split / chunk")
@@ -1806,6 +1810,29 @@ def _gather(b: NcnnBuilder, node: fx.Node) -> None:
         return
     ranges, dropped, new_axes, _ = _index_ranges(b, node, shape, (slice(None),) * axis + (item,), b.batch_dim(x))
     _crop(b, node, x, ranges, dropped, new_axes)
+
+
+def _picked_along_one_dim(b: NcnnBuilder, node: fx.Node, rank: int, index: Any) -> tuple[int, list[int]] | None:
+    """``(dim, indices)`` of an index that picks stored indices along one dim and takes every other whole
+    (CSATv2's ``x[:, :, self.permutation]``, ``x[..., [2, 0, 1]]``); None for any other index."""
+    items = list(index) if isinstance(index, tuple) else [index]
+
+    def picks(item: Any) -> list[int] | None:
+        value = b.fixed_value(item) if isinstance(item, fx.Node) else item
+        if isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point() and \
+                value.dtype != torch.bool:
+            return [int(i) for i in value.tolist()]
+        if isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+            return list(value)
+        return None
+
+    lists = [(k, p) for k, item in enumerate(items) if (p := picks(item)) is not None]
+    rest = [item for k, item in enumerate(items) if k != (lists[0][0] if lists else -1)]
+    if len(lists) != 1 or sum(item is Ellipsis for item in rest) > 1 or not all(
+            item is Ellipsis or item == slice(None) for item in rest):
+        return None
+    k, picked = lists[0]
+    return (rank - len(items) + k if Ellipsis in items[:k] else k), picked  # after an Ellipsis: counted from the end
 
 
 def _arithmetic_runs(flat: list[int]) -> list[tuple[int, int, int]]:
