@@ -1348,3 +1348,31 @@ class Permuted(nn.Module):
 def test_indexing_by_stored_indices_in_ncnn(tmp_path: Path) -> None:
     torch.manual_seed(0)
     assert _ncnn_cosine(Permuted().eval(), (1, 3, 2, 4), tmp_path) >= 0.9999
+
+
+class TwoScales(nn.Module):
+    """CrossViT's second branch: the image resized bicubic to another size; plus a bilinear resize by a factor and a
+    nearest one, each into a conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(3, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(nn.functional.interpolate(x, size=(6, 6), mode="bicubic", align_corners=False))
+        z = self.b(nn.functional.interpolate(x, scale_factor=1.5, mode="bilinear", align_corners=True))
+        w = self.c(nn.functional.interpolate(x, size=(6, 6), mode="nearest"))
+        return y + z + w
+
+
+@pytest.mark.parametrize("platform", ["trt_int8", "ncnn_int8"])
+def test_resizes_captured_by_torch_export(platform, tmp_path: Path) -> None:
+    """torch.export records F.interpolate as aten.upsample_<mode>.vec; lifted back, every exporter reads it."""
+    torch.manual_seed(0)
+    model, x = TwoScales().eval(), torch.randn(1, 3, 4, 4)
+    gm = capture(model, (x,), capture="export")
+    assert not [n for n in gm.graph.nodes if "upsample" in str(n.target)]
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))
+    q = fxq.quantize(model, [torch.randn(1, 3, 4, 4) for _ in range(2)], platform, progress=False, capture="export")
+    assert _deployed_vs_simulation(q, platform, tmp_path, x) >= 0.9999

@@ -403,10 +403,32 @@ def _constant_value(graph: fx.Graph, node: fx.Node) -> bool | int | float | None
     return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else None
 
 
+_RESIZES = {aten.upsample_nearest1d.vec: "nearest", aten.upsample_nearest2d.vec: "nearest",
+            aten.upsample_nearest3d.vec: "nearest", aten._upsample_nearest_exact2d.vec: "nearest-exact",
+            aten.upsample_linear1d.vec: "linear", aten.upsample_bilinear2d.vec: "bilinear",
+            aten.upsample_bicubic2d.vec: "bicubic", aten.upsample_trilinear3d.vec: "trilinear"}
+"""aten's resizes (``F.interpolate`` as torch.export records it) and the ``mode`` of each."""
+
+
+def _lift_resize(graph: fx.Graph, node: fx.Node) -> None:
+    """``aten.upsample_<mode>.vec(x, output_size, [align_corners,] scale_factors)`` -> ``F.interpolate(x, size=...,
+    scale_factor=..., mode=..., align_corners=...)``, the call every exporter reads a resize from (CrossViT's bicubic
+    resize of the image for its second branch had stayed an aten op ncnn's writer did not know)."""
+    a = _schema_args(node)
+    mode = _RESIZES[node.target]
+    kwargs: dict[str, Any] = {"size": a["output_size"], "scale_factor": a["scale_factors"], "mode": mode}
+    if "align_corners" in a:
+        kwargs["align_corners"] = a["align_corners"]
+    if a["scale_factors"] is not None:
+        kwargs["recompute_scale_factor"] = False  # aten maps coordinates by the factors themselves
+    node.target, node.args, node.kwargs = F.interpolate, (a["input"],), kwargs
+
+
 _WRITES = {aten._to_copy.default: _lift_to_copy, aten.copy.default: _lift_copy,
            aten.slice_scatter.default: _lift_slice_scatter, aten.select_scatter.default: _lift_select_scatter,
-           aten.fill.Scalar: _lift_fill, aten.fill.Tensor: _lift_fill}
-"""aten ops with no torch.onnx form, lifted to torch calls that compute the same (casts and indexed writes)."""
+           aten.fill.Scalar: _lift_fill, aten.fill.Tensor: _lift_fill, **dict.fromkeys(_RESIZES, _lift_resize)}
+"""aten ops lifted to torch calls that compute the same: casts and indexed writes, which torch.onnx has no form for,
+and resizes, which the exporters read as ``F.interpolate``."""
 
 
 def _functionalize(graph: fx.Graph) -> None:
