@@ -571,3 +571,25 @@ def test_ncnn_final_state_output(cls, tmp_path):
     with torch.no_grad():
         want = q(x)[0].numpy()
     np.testing.assert_allclose(run_ncnn(files, x).reshape(-1), want.reshape(-1), atol=1e-4)
+
+
+class RowLSTM(nn.Module):
+    """Sequencer's row mixing: every row of the image one sequence, the rows folded into the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.fc = nn.LSTM(4, 4, batch_first=True, bidirectional=True), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, c = x.shape
+        y, _ = self.rnn(x.reshape(b * h, w, c))
+        return self.fc(y).reshape(b, h, w, -1)
+
+
+def test_sequences_folded_into_the_batch_are_refused_for_ncnn_with_a_fix_that_fits(tmp_path):
+    """The writer exports at batch 1 already: the old advice ('export at batch 1') could not help."""
+    q = fxq.quantize(RowLSTM().eval(), [torch.randn(1, 3, 5, 4)], "ncnn_int8", progress=False)
+    with pytest.raises(fxq.ExportError, match=r"runs 3 sequences at once .* deploy with trt_int8 / ort_int8"):
+        fxq.export(q, "ncnn_int8", tmp_path / "m")
+    fxq.export(fxq.quantize(RowLSTM().eval(), [torch.randn(1, 3, 5, 4)], "ort_int8", progress=False), "ort_int8",
+               tmp_path / "m.onnx")  # the platform the fix names takes it

@@ -52,8 +52,11 @@ def _recurrent(b: NcnnBuilder, node: fx.Node) -> None:
         raise b.fail(node, "ncnn's GRU computes the candidate as torch does (linear_before_reset=1); this node has "
                      "linear_before_reset=0", "export the model for 'ort_int8' / 'trt_int8'")
     dirs = 2 if direction == "bidirectional" else 1
-    if b.shape(x)[1] != 1:
-        raise b.fail(node, "ncnn runs one sequence at a time", "export at batch 1")
+    if b.shape(x)[1] != 1:  # the writer exports at batch 1: these are sequences the model folds into its batch
+        raise b.fail(node, f"its input of shape {b.shape(x)} (time, sequences, features) runs {b.shape(x)[1]} "
+                     f"sequences at once (the model folds them into the batch, as Sequencer's rows), and ncnn's "
+                     f"{kind} runs one sequence at a time", f"run the {kind} over one sequence per call, or deploy "
+                     "with trt_int8 / ort_int8, whose ONNX LSTM / GRU take a batch of sequences")
     w, r, bias = (b.param(a, node, what).numpy() for a, what in ((w_arg, "W"), (r_arg, "R"), (b_arg, "B")))
     users = {u.args[1]: u for u in node.users if u.op == "call_function" and u.target is operator.getitem}
     want_states = any(i in users for i in (1, 2))
