@@ -1376,3 +1376,16 @@ def test_resizes_captured_by_torch_export(platform, tmp_path: Path) -> None:
         torch.testing.assert_close(gm(x), model(x))
     q = fxq.quantize(model, [torch.randn(1, 3, 4, 4) for _ in range(2)], platform, progress=False, capture="export")
     assert _deployed_vs_simulation(q, platform, tmp_path, x) >= 0.9999
+
+
+def test_an_export_raised_to_the_opset_it_needs_prints_nothing(tmp_path, capfd):
+    """The first try (opset 13) fails on col2im; torch 2.14's exporter then printed its whole TorchScript graph to
+    stdout (its ONNX log is on for every export). fxq keeps that for the debug log and exports at opset 18."""
+    gm = fxq.quantize(OutlookFold().eval(), [torch.randn(1, 3, 6, 6)], "trt_int8", progress=False)
+    capfd.readouterr()
+    fxq.export(gm, "trt_int8", tmp_path / "m.onnx")
+    out, _ = capfd.readouterr()
+    assert "graph" not in out and not out.strip()
+    import onnx
+
+    assert max(o.version for o in onnx.load(tmp_path / "m.onnx").opset_import if o.domain in ("", "ai.onnx")) >= 18

@@ -12,10 +12,11 @@ import io
 import logging
 import os
 import re
+import sys
 import tempfile
 import threading
 import warnings
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import onnx
 import torch
@@ -180,6 +181,51 @@ def _col2im_symbolic(g: Any, input: Any, output_size: Any, kernel_size: Any, dil
                 dilations_i=list(dilation), pads_i=[p for p in padding for _ in range(2)], strides_i=list(stride))
 
 
+@contextlib.contextmanager
+def _native_stdout_held() -> Iterator[io.BytesIO]:
+    """Hold what native code prints to the process's stdout (file descriptor 1) while torch.onnx exports; the caller
+    gets it in the yielded buffer once the block ends.
+
+    torch 2.14's exporter turns its ONNX log on for every export (``setup_onnx_logging`` tests the function
+    ``_jit_is_onnx_log_enabled`` for truth instead of calling it), so a failed export prints its whole TorchScript
+    graph, thousands of lines for a transformer. fxq retries such an export at the opset torch.onnx names, and the
+    user would see a dump for a failure fxq handled."""
+    held = io.BytesIO()
+    stdout_fd = 1  # C's stdout, whatever Python's sys.stdout is (pytest and notebooks replace that)
+    _flush_python_stdout()
+    try:
+        saved = os.dup(stdout_fd)
+    except OSError:  # no descriptor 1 (a process without a console): nothing to hold
+        yield held
+        return
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), stdout_fd)
+        try:
+            yield held
+        finally:
+            _flush_python_stdout()
+            _flush_c_stdio()
+            os.dup2(saved, stdout_fd)
+            os.close(saved)
+            sink.seek(0)
+            held.write(sink.read())
+
+
+def _flush_python_stdout() -> None:
+    if sys.stdout is not None:
+        sys.stdout.flush()
+
+
+def _flush_c_stdio() -> None:
+    """Flush C's stdio buffers, where native code's prints wait."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to ask (Windows without a CRT handle): nothing buffered there
+        pass
+
+
 _OWN_SYMBOLICS = {"aten::col2im": (_col2im_symbolic, 18)}
 """Symbolics fxq's exports use in place of torch's: ``{op: (function, first opset)}``, registered only while fxq
 exports and only where the user registered none of their own."""
@@ -305,19 +351,24 @@ def torch_onnx_export(module: torch.nn.Module, args: tuple, target: Any, *, opse
     Raises:
         ExportError: torch.onnx fails, naming the op (and its fx nodes when ``module`` is a GraphModule).
     """
+    printed = io.BytesIO()
     try:
         with eval_mode(module), _TORCH_ONNX_LOCK, _opset_visible_to_onnx2torch(opset), _own_symbolics(), \
                 warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
-            torch.onnx.export(
-                module, args, target, dynamo=False, opset_version=opset, input_names=list(input_names),
-                output_names=list(output_names), dynamic_axes=dynamic_axes, do_constant_folding=True,
-                custom_opsets=custom_opsets or {},
-            )
+            with _native_stdout_held() as printed:
+                torch.onnx.export(
+                    module, args, target, dynamo=False, opset_version=opset, input_names=list(input_names),
+                    output_names=list(output_names), dynamic_axes=dynamic_axes, do_constant_folding=True,
+                    custom_opsets=custom_opsets or {},
+                )
+        if printed.getvalue():  # an export that succeeded prints what it printed
+            sys.stdout.write(printed.getvalue().decode(errors="replace"))
     except (ExportError, OSError):  # OSError: writing ``target`` failed, the caller knows that file
         raise
     except Exception as exc:  # torch.onnx raises many types; name the op when it says which
-        logger.debug("torch.onnx failed", exc_info=True)
+        logger.debug("torch.onnx failed; it printed:\n%s", printed.getvalue().decode(errors="replace"),
+                     exc_info=True)
         m = _UNSUPPORTED.search(str(exc))
         # torch's C++ errors carry the whole partial ONNX graph: the first lines say what failed
         what = f"the model ({type(exc).__name__}: {_head(str(exc))})"
