@@ -1389,3 +1389,26 @@ def test_an_export_raised_to_the_opset_it_needs_prints_nothing(tmp_path, capfd):
     import onnx
 
     assert max(o.version for o in onnx.load(tmp_path / "m.onnx").opset_import if o.domain in ("", "ai.onnx")) >= 18
+
+
+class ResponseNorm(nn.Module):
+    """ConvNeXt-V2's / CSATv2's GlobalResponseNorm (channels last): ``x.norm(p=2, dim=(1, 2), keepdim=True)``, and
+    an L1 norm by ``torch.linalg.vector_norm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x).permute(0, 2, 3, 1)
+        g = x.norm(p=2, dim=(1, 2), keepdim=True)
+        n = g / (g.mean(dim=-1, keepdim=True) + 1e-6)
+        l1 = torch.linalg.vector_norm(x, ord=1, dim=-1, keepdim=True)
+        return self.fc(x + x * n + 0.01 * l1)
+
+
+def test_vector_norms_in_ncnn(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    gm = fxq.prepare(ResponseNorm().eval(), "ncnn_int8", torch.randn(1, 3, 4, 4))
+    assert {op_type(n, dict(gm.named_modules())) for n in gm.graph.nodes} >= {"ReduceL2", "ReduceL1"}
+    assert _ncnn_cosine(ResponseNorm().eval(), (1, 3, 4, 4), tmp_path) >= 0.9999

@@ -258,6 +258,9 @@ def op_type(node: fx.Node, modules: dict[str, nn.Module] | None = None) -> str:
     if found is None and (node.op == "call_function" and node.target in (torch.max, torch.min) or
                           node.op == "call_method" and node.target in ("max", "min")):
         found = _extreme_type(node)
+    if found is None and (node.op == "call_function" and node.target in NORM_FUNCTIONS or
+                          node.op == "call_method" and node.target == "norm"):
+        found = _norm_type(node)
     if result_field(node) is not None:
         found = "Slice"  # ``x.max(1).values``: an item of the result, as ``x.max(1)[0]`` (not a ``.shape``)
     if found is None:
@@ -296,6 +299,28 @@ def _extreme_type(node: fx.Node) -> str:
     # a dim is a Python int (a node of shape arithmetic at most); a node not yet described is taken for a tensor
     along_dim = isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool)
     return f"Reduce{name}WithIndices" if along_dim else name
+
+
+NORM_FUNCTIONS = (torch.norm, torch.linalg.vector_norm)
+
+
+def norm_args(node: fx.Node) -> tuple[Any, Any, Any, bool]:
+    """``(input, p, dim, keepdim)`` of ``torch.norm`` / ``x.norm`` / ``torch.linalg.vector_norm`` (one order of
+    arguments for the three; ``p`` is ``ord`` for the last)."""
+    a = list(node.args) + [None] * (4 - len(node.args))
+    p = node.kwargs.get("p", node.kwargs.get("ord", a[1]))
+    if p is None:
+        p = 2 if node.target is torch.linalg.vector_norm else "fro"
+    return a[0], p, node.kwargs.get("dim", a[2]), bool(node.kwargs.get("keepdim", a[3] or False))
+
+
+def _norm_type(node: fx.Node) -> str | None:
+    """A vector norm as the reduction it is (timm's GlobalResponseNorm: ``x.norm(p=2, dim=(1, 2), keepdim=True)``):
+    p = 2 (or ``"fro"``) ``ReduceL2``, p = 1 ``ReduceL1``; None for other norms."""
+    p = norm_args(node)[1]
+    if p in ("fro", 2, 2.0):
+        return "ReduceL2"
+    return "ReduceL1" if p in (1, 1.0) else None
 
 
 def _computes_as(subclass: type, cls: type) -> bool:

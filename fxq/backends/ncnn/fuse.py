@@ -19,7 +19,7 @@ from torch import fx
 
 from fxq.backends.ncnn.islands import MODEL_NODE
 from fxq.graph.nodes import get_attr_value
-from fxq.graph.op_types import op_type
+from fxq.graph.op_types import NORM_FUNCTIONS, norm_args, op_type
 
 __all__ = ["drop_broadcast_expands", "fuse_erf_gelu", "fuse_layer_norm", "is_noop_reduce", "reduce_args", "FUSED_OPS"]
 
@@ -187,6 +187,9 @@ def reduce_args(node: fx.Node, modules: dict[str, Any], op: str = "ReduceMean") 
     onnx2torch's ``OnnxReduceStaticAxes`` / ``OnnxReduceSumStaticAxes``; None for a module of another op, a
     no-op one (``noop_with_empty_axes``) or one whose axes are a runtime input, which ncnn cannot take."""
     mod = modules.get(str(node.target)) if node.op == "call_module" else None
+    if mod is None and op in ("ReduceL1", "ReduceL2") and (node.target == "norm" or node.target in NORM_FUNCTIONS):
+        _, _, dims, keep = norm_args(node)
+        return dims, keep
     if mod is None:
         dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         return dims, bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
