@@ -1412,3 +1412,43 @@ def test_vector_norms_in_ncnn(tmp_path: Path) -> None:
     gm = fxq.prepare(ResponseNorm().eval(), "ncnn_int8", torch.randn(1, 3, 4, 4))
     assert {op_type(n, dict(gm.named_modules())) for n in gm.graph.nodes} >= {"ReduceL2", "ReduceL1"}
     assert _ncnn_cosine(ResponseNorm().eval(), (1, 3, 4, 4), tmp_path) >= 0.9999
+
+
+class CompoundArithmetic(nn.Module):
+    """timm's GlobalResponseNorm ends ``torch.addcmul(bias, weight, x * x_n)``; ``addcdiv`` with a value, and the
+    method form."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 4)
+        self.weight, self.bias = nn.Parameter(torch.randn(8)), nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x).permute(0, 2, 3, 1)
+        y = torch.addcmul(self.bias, self.weight, x * x.sigmoid())
+        z = y.addcdiv(x, x.abs() + 1.0, value=0.5)
+        return self.fc(z)
+
+
+def test_addcmul_and_addcdiv_are_written_out(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x = CompoundArithmetic().eval(), torch.randn(1, 3, 4, 4)
+    gm = fxq.prepare(model, "ncnn_int8", x)
+    assert not [n for n in gm.graph.nodes if "addc" in str(n.target)]
+    with torch.no_grad(), fxq.fp32_mode(gm):  # torch's addcmul fuses its multiply-add: an ulp apart
+        torch.testing.assert_close(gm(x), model(x), rtol=1e-6, atol=1e-6)
+    assert _ncnn_cosine(model, (1, 3, 4, 4), tmp_path) >= 0.9999
+
+
+def test_addcdiv_written_out_is_bit_exact():
+    from fxq.graph.passes import decompose_compound_arithmetic
+
+    class Div(nn.Module):
+        def forward(self, a, b, c):
+            return torch.addcdiv(a, b, c, value=3.0) + a.addcdiv(b, c)
+
+    a, b, c = torch.randn(3, 500, 8)
+    c = c.abs() + 1
+    gm = decompose_compound_arithmetic(trace(Div()))
+    assert not [n for n in gm.graph.nodes if "addc" in str(n.target)]
+    assert torch.equal(gm(a, b, c), Div()(a, b, c))

@@ -27,6 +27,7 @@ from fxq.graph.op_types import WEIGHTED_FUNCTIONS, mutates_first_argument, op_ty
 __all__ = [
     "standardize",
     "remove_identity_nodes",
+    "decompose_compound_arithmetic",
     "functionalize_weighted_modules",
     "fold_batchnorm",
     "fold_constant_affine",
@@ -165,6 +166,41 @@ def functionalize_weighted_modules(gm: fx.GraphModule) -> fx.GraphModule:
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         reuse_node_name(new, name)
+        rewritten = True
+    return _finish(gm) if rewritten else gm
+
+
+_COMPOUND = {torch.addcmul: operator.mul, "addcmul": operator.mul, torch.addcdiv: operator.truediv,
+             "addcdiv": operator.truediv}
+"""``input + value * t1 (op) t2`` in one call: written out, each step is an op every platform and exporter knows."""
+
+
+def decompose_compound_arithmetic(gm: fx.GraphModule) -> fx.GraphModule:
+    """Write ``torch.addcmul`` / ``torch.addcdiv`` (timm's GlobalResponseNorm ends with ``addcmul(bias, weight, x)``)
+    as ``input + t1 * t2 * value`` / ``input + value * t1 / t2``.
+
+    ``addcdiv`` in the order torch's CPU kernel computes it (bit for bit). torch's ``addcmul`` kernel fuses the
+    multiply-add, which no separate ops reproduce: written out it rounds once more (an ulp here and there), as the
+    Mul and Add torch.onnx writes for it, and ncnn, compute it."""
+    rewritten = False
+    for node in list(gm.graph.nodes):
+        step = _COMPOUND.get(node.target) if node.op in ("call_function", "call_method") else None
+        if step is None:
+            continue
+        a = dict(zip(("input", "tensor1", "tensor2"), node.args))
+        a.update(node.kwargs)
+        value = a.get("value", 1)
+        with gm.graph.inserting_before(node):
+            if step is operator.mul:
+                term = gm.graph.call_function(operator.mul, (a["tensor1"], a["tensor2"]))
+                term = term if value == 1 else gm.graph.call_function(operator.mul, (term, value))
+            else:
+                scaled = a["tensor1"] if value == 1 else gm.graph.call_function(operator.mul, (value, a["tensor1"]))
+                term = gm.graph.call_function(operator.truediv, (scaled, a["tensor2"]))
+            total = gm.graph.call_function(operator.add, (a["input"], term))
+        total.meta.update(node.meta)
+        node.replace_all_uses_with(total)
+        gm.graph.erase_node(node)
         rewritten = True
     return _finish(gm) if rewritten else gm
 
@@ -763,6 +799,7 @@ def standardize(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
     with _code_generated_once(gm):
         decompose_attention_functions(gm)  # SDPA -> matmul / float mask / softmax / matmul, quantizable
         remove_identity_nodes(gm)
+        decompose_compound_arithmetic(gm)
         functionalize_weighted_modules(gm)
         if fold_bn:
             fold_stored_computations(gm)  # first: a StdConv's weight becomes stored, and its BatchNorm then folds
@@ -781,7 +818,8 @@ def standardize(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
                 node = getattr(exc, "fxq_node", None)
                 where = f"node {node!r}" if node else "the graph"
                 raise GraphError(
-                    f"fxq's graph preparation (identity removal, functionalized weights, BatchNorm and constant "
+                    f"fxq's graph preparation (identity removal, addcmul / addcdiv written out, functionalized "
+                    f"weights, BatchNorm and constant "
                     f"affine folding, MatMul by a stored matrix as a linear) broke "
                     f"{where}: the traced model runs this batch, the prepared graph does not ({type(exc).__name__}: "
                     f"{str(exc).splitlines()[0] if str(exc) else ''}). This is fxq's fault, not the data's; please "
