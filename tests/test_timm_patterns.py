@@ -1452,3 +1452,25 @@ def test_addcdiv_written_out_is_bit_exact():
     gm = decompose_compound_arithmetic(trace(Div()))
     assert not [n for n in gm.graph.nodes if "addc" in str(n.target)]
     assert torch.equal(gm(a, b, c), Div()(a, b, c))
+
+
+class ScalarAttention(nn.Module):
+    """CSATv2's spatial attention with one-number queries, keys and values: ``q, k, v = qkv.unbind(-1)``, each
+    ``(B, N)``, then ``(q @ k.transpose(-1, -2)).softmax(-1) @ v``: at batch 1 a ``(1, N) @ (N, 1)`` product whose
+    operands' blobs leave out a row and a column."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.qkv = nn.Conv2d(3, 1, 3, padding=1), nn.Linear(1, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        b, c, h, w = y.shape
+        q, k, v = self.qkv(y.flatten(2).transpose(1, 2)).unbind(-1)
+        attn = (q @ k.transpose(-1, -2)).softmax(dim=-1)
+        return y + (attn @ v).unsqueeze(-1).transpose(1, 2).reshape(b, c, h, w)
+
+
+def test_products_of_operands_leaving_out_different_size_1_dims_in_ncnn(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    assert _ncnn_cosine(ScalarAttention().eval(), (1, 3, 4, 4), tmp_path) >= 0.9999

@@ -900,8 +900,8 @@ def _matmul(b: NcnnBuilder, node: fx.Node) -> None:
         if add is not None:
             b.alias(add, node, b.batch_dim(node))
         return
-    _check_matmul_operands(b, node, lhs, rhs)
-    b.emit(node, "MatMul", [b.blob(lhs, node), b.blob(rhs, node)], {0: 0})
+    blobs, bd = _matmul_operands(b, node, lhs, rhs)
+    b.emit(node, "MatMul", blobs, {0: 0}, batch_dim=bd)
 
 
 def _bias_add(b: NcnnBuilder, node: fx.Node) -> tuple[fx.Node | None, torch.Tensor | None]:
@@ -921,12 +921,31 @@ def _bias_add(b: NcnnBuilder, node: fx.Node) -> tuple[fx.Node | None, torch.Tens
     return add, bias.reshape(n)
 
 
-def _check_matmul_operands(b: NcnnBuilder, node: fx.Node, lhs: Any, rhs: Any) -> None:
+def _matmul_operands(b: NcnnBuilder, node: fx.Node, lhs: Any, rhs: Any) -> tuple[list[str], int | None]:
+    """The blobs ``MatMul`` multiplies and the dim the product's blob leaves out: the operands' own where they leave
+    out one batch dim outside the matrices; else, where each leaves out a dim of size 1 only (CSATv2's ``(1, 49) @
+    (49, 1)``, whose blobs left out a row and a column), both reshaped to their whole shapes (a blob keeps torch's
+    element order) and the product keeps every dim."""
+    _check_matmul_operands(b, node, lhs, rhs, same_batch=False)
+    (sa, ba), (sb, bb) = ((b.shape(t), b.batch_dim(t)) for t in (lhs, rhs))
+    if ba == bb and (ba is None or ba < len(sa) - 2):
+        _check_matmul_operands(b, node, lhs, rhs)
+        return [b.blob(lhs, node), b.blob(rhs, node)], ba
+    if any(bd is not None and shape[bd] != 1 for shape, bd in ((sa, ba), (sb, bb))) or len(sa) > 4:
+        _check_matmul_operands(b, node, lhs, rhs)  # refused, naming the layouts
+    blobs = [b.blob(t, node) if bd is None else b.helper(node, "Reshape", [b.blob(t, node)], shape_params(shape))
+             for t, shape, bd in ((lhs, sa, ba), (rhs, sb, bb))]
+    return blobs, None
+
+
+def _check_matmul_operands(b: NcnnBuilder, node: fx.Node, lhs: Any, rhs: Any, same_batch: bool = True) -> None:
+    """Refuse operands that are not two batched matrices of one rank (and, with ``same_batch``, of one layout)."""
     if not isinstance(lhs, fx.Node) or not isinstance(rhs, fx.Node):
         raise b.fail(node, "an operand is not a tensor", "multiply two tensors computed in the graph")
     (sa, ba), (sb, bb) = ((b.shape(t), b.batch_dim(t)) for t in (lhs, rhs))
-    outer = all(m == n or (1 in (m, n) and d != ba) for d, (m, n) in enumerate(zip(sa[:-2], sb[:-2])))
-    if len(sa) != len(sb) or len(sa) < 2 or not outer or ba != bb or (ba is not None and ba >= len(sa) - 2):
+    outer = all(m == n or (1 in (m, n) and (d != ba or not same_batch)) for d, (m, n) in enumerate(zip(sa[:-2], sb[:-2])))
+    if len(sa) != len(sb) or len(sa) < 2 or not outer or (same_batch and (
+            ba != bb or (ba is not None and ba >= len(sa) - 2))):
         raise b.fail(node, f"operands of shapes {sa} and {sb} (batch dims {ba}, {bb}) are not two batched matrices "
                      "of one layout; ncnn's MatMul multiplies blobs of one rank, broadcasting outer dims of size 1",
                      "broadcast or reshape the operands to shapes (..., M, K) @ (..., K, N) of one rank, their outer "
