@@ -1848,7 +1848,7 @@ def _picked_along_one_dim(b: NcnnBuilder, node: fx.Node, rank: int, index: Any) 
     lists = [(k, p) for k, item in enumerate(items) if (p := picks(item)) is not None]
     rest = [item for k, item in enumerate(items) if k != (lists[0][0] if lists else -1)]
     if len(lists) != 1 or sum(item is Ellipsis for item in rest) > 1 or not all(
-            item is Ellipsis or item == slice(None) for item in rest):
+            item is Ellipsis or (isinstance(item, slice) and item == slice(None)) for item in rest):
         return None
     k, picked = lists[0]
     return (rank - len(items) + k if Ellipsis in items[:k] else k), picked  # after an Ellipsis: counted from the end
