@@ -1,8 +1,9 @@
 """Graph preparation passes: each is ``pass(gm) -> gm`` (in place), ending with lint + recompile when it changed the
 graph (:func:`remove_identity_nodes`, the first, always: it also drops the captured graph's dead code).
 
-Pipeline order in :func:`standardize`: remove identities -> functionalize weighted modules ->
-fold BatchNorm -> propagate tensor metadata -> constant MatMul as linear -> fold constant affine ops.
+Pipeline order in :func:`standardize`: remove identities -> write out addcmul / addcdiv -> functionalize weighted
+modules -> fold stored computations and BatchNorm -> propagate tensor metadata -> constant MatMul as linear -> fold
+constant affine ops.
 """
 from __future__ import annotations
 
