@@ -3,6 +3,8 @@ wrote), each rebuilt small and run to a deployed file, against the simulation in
 """
 from __future__ import annotations
 
+import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -1318,10 +1320,13 @@ class DecomposedRelPos(nn.Module):
         r_q = q.reshape(b * self.heads, h, w, -1)
         rel_h = torch.einsum("bhwc,hkc->bhwk", r_q, self.rh)
         rel_w = torch.einsum("bhwc,wkc->bhwk", r_q, self.rw)
-        bias = (rel_h.unsqueeze(4) + rel_w.unsqueeze(3)).reshape(-1, n, n)
+        bias = self.combine(rel_h.unsqueeze(4), rel_w.unsqueeze(3)).reshape(-1, n, n)
         attn = (q @ k.transpose(-2, -1) + bias).softmax(-1)
         out = (attn @ v).view(b, self.heads, n, -1).transpose(1, 2).reshape(b, n, -1)
         return self.proj(out).view(b, h, w, -1)
+
+    def combine(self, rel_h: torch.Tensor, rel_w: torch.Tensor) -> torch.Tensor:
+        return rel_h + rel_w
 
 
 def test_two_broadcasting_values_of_size_1_dims_add_in_ncnn(tmp_path: Path) -> None:
@@ -1474,3 +1479,77 @@ class ScalarAttention(nn.Module):
 def test_products_of_operands_leaving_out_different_size_1_dims_in_ncnn(tmp_path: Path) -> None:
     torch.manual_seed(0)
     assert _ncnn_cosine(ScalarAttention().eval(), (1, 3, 4, 4), tmp_path) >= 0.9999
+
+
+class UnevenFold(nn.Module):
+    """An unfold and a fold padded by different amounts along H and W."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cols = nn.functional.unfold(self.conv(x), 3, padding=(1, 0))
+        return nn.functional.fold(cols, (x.shape[2], x.shape[3]), 3, padding=(1, 0))
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 6, 8), (1, 2, 7, 8)])
+def test_fold_padded_unevenly_exports(shape, tmp_path):
+    """ONNX Col2Im's pads are the begins of H and W, then their ends; the symbolic had written [ph, ph, pw, pw]:
+    onnxruntime refused one size and computed another wrongly."""
+    torch.manual_seed(0)
+    gm = fxq.quantize(UnevenFold().eval(), [torch.randn(*shape) for _ in range(2)], "trt_int8", progress=False)
+    assert _deployed_vs_simulation(gm, "trt_int8", tmp_path, torch.randn(*shape)) >= 0.9999
+
+
+class ClampedRelPos(DecomposedRelPos):
+    """The relative-position bias clamped by the other computed term: ``clamp(rel_h[..., None], min=rel_w[..., None,
+    :])``, whose result keeps every dim while ``rel_h``'s blob leaves one out."""
+
+    def combine(self, rel_h: torch.Tensor, rel_w: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(rel_h, min=rel_w)
+
+
+def test_a_clamp_by_a_bound_that_broadcasts_it_in_ncnn(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    assert _ncnn_cosine(ClampedRelPos().eval(), (1, 4, 4, 16), tmp_path) >= 0.9999
+
+
+def test_addcmul_with_the_deprecated_positional_value():
+    from fxq.graph.passes import decompose_compound_arithmetic
+
+    class Old(nn.Module):
+        def forward(self, x, a, b):
+            return torch.addcmul(x, 0.5, a, b) + x.addcdiv(2.0, a, b)
+
+    x, a, b = torch.randn(3, 50, 8)
+    b = b.abs() + 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = Old()(x, a, b)
+        gm = decompose_compound_arithmetic(trace(Old()))
+        torch.testing.assert_close(gm(x, a, b), want, rtol=1e-6, atol=1e-6)
+
+
+class MaskIndex(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.register_buffer("mask", torch.tensor([1, 0, 1, 1, 0, 1, 1, 0], dtype=torch.uint8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x).flatten(2)[:, :, self.mask] * 2.0  # a uint8 index: a mask (deprecated in torch)
+
+
+def test_a_mask_index_is_not_read_as_indices_in_ncnn(tmp_path: Path) -> None:
+    """A uint8 / bool index is a mask (torch picks where it is set), never the positions 1, 0, 1...: refused."""
+    gm = fxq.quantize(MaskIndex().eval(), [torch.randn(1, 3, 2, 4)], "ncnn_int8", progress=False)
+    with pytest.raises(fxq.ExportError):
+        fxq.export(gm, "ncnn_int8", tmp_path / "m")
+
+
+def test_a_successful_export_without_a_python_stdout(tmp_path, monkeypatch):
+    from fxq.backends.qdq import lowering
+
+    monkeypatch.setattr(sys, "stdout", None)
+    lowering._replay(b"printed by native code\n")  # nowhere to print it: no error

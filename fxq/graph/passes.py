@@ -7,6 +7,7 @@ constant affine ops.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 from collections import Counter
@@ -53,9 +54,13 @@ def _code_generated_once(gm: fx.GraphModule) -> Iterator[None]:
     token = _CODE_DEFERRED.set(gm)
     try:
         yield
-    finally:
+    except BaseException:
         _CODE_DEFERRED.reset(token)
-        gm.recompile()
+        with contextlib.suppress(Exception):  # the pass's own error is the one to see
+            gm.recompile()
+        raise
+    _CODE_DEFERRED.reset(token)
+    gm.recompile()
 
 
 def _finish(gm: fx.GraphModule) -> fx.GraphModule:
@@ -188,7 +193,8 @@ def decompose_compound_arithmetic(gm: fx.GraphModule) -> fx.GraphModule:
         step = _COMPOUND.get(node.target) if node.op in ("call_function", "call_method") else None
         if step is None:
             continue
-        a = dict(zip(("input", "tensor1", "tensor2"), node.args))
+        names = ("input", "value", "tensor1", "tensor2") if len(node.args) == 4 else ("input", "tensor1", "tensor2")
+        a = dict(zip(names, node.args))  # four positional arguments: torch's deprecated addcmul(x, value, t1, t2)
         a.update(node.kwargs)
         value = a.get("value", 1)
         with gm.graph.inserting_before(node):

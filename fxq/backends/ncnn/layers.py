@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 from typing import Any, Callable
 
 import numpy as np
@@ -711,14 +712,19 @@ def _clip(b: NcnnBuilder, node: fx.Node) -> None:
     lo, hi = (v if c or not isinstance(v, fx.Node) or not b.is_constant(v)
               else float(b.param(v, node, "bound").reshape(-1)[0]) for v, c in zip((lo, hi), computed))
     if any(computed):
-        blob = b.blob(x, node)
         steps = [(op, v, c) for op, v, c in ((_BINARY["Max"], lo, computed[0]), (_BINARY["Min"], hi, computed[1]))
                  if v is not None]
+        layouts = {_result_batch_dim(b, node, x, v) for _, v, c in steps if c}
+        if len(layouts) > 1:
+            raise b.fail(node, "its two computed bounds broadcast it to different layouts",
+                         "clamp by one computed bound at a time (torch.maximum, then torch.minimum)")
+        # x and each computed bound in the result's layout (which a bound may change: SAM-like broadcasts)
+        operands = {id(v): _broadcast_operands(b, node, x, v) for _, v, c in steps if c}
+        blob = next(iter(operands.values()))[0]
         for k, (op, v, c) in enumerate(steps):
-            bottoms, params = ([blob, _broadcast_operands(b, node, x, v)[1]], {0: op}) if c else \
-                ([blob], {0: op, 1: 1, 2: float(v)})
+            bottoms, params = ([blob, operands[id(v)][1]], {0: op}) if c else ([blob], {0: op, 1: 1, 2: float(v)})
             if k == len(steps) - 1:
-                b.emit(node, "BinaryOp", bottoms, params, batch_dim=_result_batch_dim(b, node, x, v if c else None))
+                b.emit(node, "BinaryOp", bottoms, params, batch_dim=layouts.pop())
             else:
                 blob = b.helper(node, "BinaryOp", bottoms, params)
         return
@@ -1525,6 +1531,9 @@ def _broadcast_operands(b: NcnnBuilder, node: fx.Node, lhs: fx.Node, rhs: fx.Nod
             # out a dim of size 1 keeps torch's element order, so its layout is the tensor's
             target = fold_dims(drop_dim(aligned, bd))
             blob = b.blob(t, node)
+            if math.prod(target) != math.prod(b.stored_shape(t)):
+                raise b.fail(node, f"its operand of shape {shape} broadcast to {out_shape} is not its blob reshaped",
+                             "reshape the operands to one batch-first layout")
             blobs.append(blob if target == b.stored_shape(t) else
                          b.helper(node, "Reshape", [blob], shape_params(target)))
             continue
@@ -1746,7 +1755,12 @@ def _getitem(b: NcnnBuilder, node: fx.Node) -> None:
 @register_ncnn_converter("ReduceMaxWithIndices", "ReduceMinWithIndices", any_batch_dim=True, high_rank=True)
 def _extremes_along_dim(b: NcnnBuilder, node: fx.Node) -> None:
     """``x.max(dim)`` / ``x.min(dim)``, the pair ``(values, indices)``: no blob of its own; :func:`_getitem` writes
-    the values it takes as a ``Reduction`` (VOLO's ``aux.max(1)[0]``), and refuses the indices."""
+    the values it takes as a ``Reduction`` (VOLO's ``aux.max(1)[0]``), and refuses the indices. The pair read whole
+    (returned as it is) is refused."""
+    whole = [u.name for u in node.users if not (u.op == "call_function" and (
+        u.target is operator.getitem or result_field(u) is not None))]
+    if whole:
+        raise b.fail(node, f"{whole[0]!r} reads its (values, indices) pair whole", "take the values: x.max(dim)[0]")
     b.alias(node, node.args[0], b.batch_dim(node.args[0]))
 
 
@@ -1839,7 +1853,7 @@ def _picked_along_one_dim(b: NcnnBuilder, node: fx.Node, rank: int, index: Any) 
     def picks(item: Any) -> list[int] | None:
         value = b.fixed_value(item) if isinstance(item, fx.Node) else item
         if isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point() and \
-                value.dtype != torch.bool:
+                value.dtype not in (torch.bool, torch.uint8):  # torch reads a uint8 index as a mask
             return [int(i) for i in value.tolist()]
         if isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
             return list(value)

@@ -172,13 +172,14 @@ def _col2im_symbolic(g: Any, input: Any, output_size: Any, kernel_size: Any, dil
     torch's own symbolic (torch 2.14) reads the spatial rank off ``output_size``'s static shape, which a list of
     traced sizes has not: timm's VOLO folds to ``(H, W)`` read from its input, and its export failed with
     "'NoneType' object is not subscriptable". The rank is the length of ``dilation`` (``F.fold`` always gives it).
+    ONNX's pads are all the dims' begins, then their ends (torch's symbolic wrote ``[ph, ph, pw, pw]``).
     """
     from torch.onnx import symbolic_helper
 
     dilation, padding, stride = (symbolic_helper._get_const(v, "is", name) for v, name in
                                  ((dilation, "dilation"), (padding, "padding"), (stride, "stride")))
     return g.op("Col2Im", input, _sizes_as_tensor(g, output_size), _sizes_as_tensor(g, kernel_size),
-                dilations_i=list(dilation), pads_i=[p for p in padding for _ in range(2)], strides_i=list(stride))
+                dilations_i=list(dilation), pads_i=list(padding) * 2, strides_i=list(stride))  # begins, then ends
 
 
 @contextlib.contextmanager
@@ -197,24 +198,34 @@ def _native_stdout_held() -> Iterator[io.BytesIO]:
     try:
         saved = os.dup(stdout_fd)
     except OSError:  # no descriptor 1 (a process without a console): nothing to hold
+        saved = None
+    if saved is None:
         yield held
         return
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), stdout_fd)
-        try:
-            yield held
-        finally:
-            _flush_python_stdout()
-            _flush_c_stdio()
-            os.dup2(saved, stdout_fd)
-            os.close(saved)
-            sink.seek(0)
-            held.write(sink.read())
+    try:
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), stdout_fd)
+            try:
+                yield held
+            finally:
+                _flush_python_stdout()
+                _flush_c_stdio()
+                os.dup2(saved, stdout_fd)
+                sink.seek(0)
+                held.write(sink.read())
+    finally:
+        os.close(saved)
 
 
 def _flush_python_stdout() -> None:
     if sys.stdout is not None:
         sys.stdout.flush()
+
+
+def _replay(printed: bytes) -> None:
+    """Print what a successful export printed, where Python's stdout goes (nowhere when there is none)."""
+    if printed and sys.stdout is not None:
+        sys.stdout.write(printed.decode(errors="replace"))
 
 
 def _flush_c_stdio() -> None:
@@ -363,8 +374,7 @@ def torch_onnx_export(module: torch.nn.Module, args: tuple, target: Any, *, opse
                     output_names=list(output_names), dynamic_axes=dynamic_axes, do_constant_folding=True,
                     custom_opsets=custom_opsets or {},
                 )
-        if printed.getvalue():  # an export that succeeded prints what it printed
-            sys.stdout.write(printed.getvalue().decode(errors="replace"))
+        _replay(printed.getvalue())  # an export that succeeded prints what it printed
     except (ExportError, OSError):  # OSError: writing ``target`` failed, the caller knows that file
         raise
     except Exception as exc:  # torch.onnx raises many types; name the op when it says which
