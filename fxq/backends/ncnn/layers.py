@@ -2041,8 +2041,9 @@ def _index_ranges(b: NcnnBuilder, node: fx.Node, shape: tuple[int, ...], index: 
             ranges.append((i, i + 1))
             dropped.add(d)
         else:
-            raise b.fail(node, f"index {item!r} of dim {d} is not an int, a slice or ...",
-                         "index with ints, unit-step slices, None and ... (no tensors or lists)")
+            raise b.fail(node, f"index {item!r} of dim {d} is not an int, a slice or ... (a mask, or indices "
+                         "along several dims, or computed in the network)", "index with ints, slices, None and ..., "
+                         "or with stored integer indices along one dim, the others whole (x[:, :, [2, 0, 1]])")
     return ranges, dropped, [sum(a <= d for a in new_axes) for d in range(len(shape))], steps
 
 
