@@ -176,8 +176,7 @@ def functionalize_weighted_modules(gm: fx.GraphModule) -> fx.GraphModule:
     return _finish(gm) if rewritten else gm
 
 
-_COMPOUND = {torch.addcmul: operator.mul, "addcmul": operator.mul, torch.addcdiv: operator.truediv,
-             "addcdiv": operator.truediv}
+_COMPOUND = {torch.addcmul: "mul", "addcmul": "mul", torch.addcdiv: "div", "addcdiv": "div"}
 """``input + value * t1 (op) t2`` in one call: written out, each step is an op every platform and exporter knows."""
 
 
@@ -190,15 +189,15 @@ def decompose_compound_arithmetic(gm: fx.GraphModule) -> fx.GraphModule:
     Mul and Add torch.onnx writes for it, and ncnn, compute it."""
     rewritten = False
     for node in list(gm.graph.nodes):
-        step = _COMPOUND.get(node.target) if node.op in ("call_function", "call_method") else None
-        if step is None:
+        kind = _COMPOUND.get(node.target) if node.op in ("call_function", "call_method") else None
+        if kind is None:
             continue
         names = ("input", "value", "tensor1", "tensor2") if len(node.args) == 4 else ("input", "tensor1", "tensor2")
         a = dict(zip(names, node.args))  # four positional arguments: torch's deprecated addcmul(x, value, t1, t2)
         a.update(node.kwargs)
         value = a.get("value", 1)
         with gm.graph.inserting_before(node):
-            if step is operator.mul:
+            if kind == "mul":
                 term = gm.graph.call_function(operator.mul, (a["tensor1"], a["tensor2"]))
                 term = term if value == 1 else gm.graph.call_function(operator.mul, (term, value))
             else:
@@ -404,7 +403,7 @@ class _Owners:
     over every node and parameter (a walk per conv cost MobileNetV2's BatchNorm folding 20 of its 47 ms).
 
     Counts are taken when the pass starts. A fold replaces the value of a name it solely owns (a fresh tensor:
-    counted 0, sole) or stores its result under a new name (not counted: checked by the full walk). The tensors
+    counted 0, sole) or stores its result under a new name (not counted: checked by a fresh count). The tensors
     counted stay referenced, so no new tensor can take the identity of one counted twice.
     """
 
@@ -422,24 +421,12 @@ class _Owners:
         if attr is None:
             return True
         target = str(attr.target)
-        if target not in self.reads:  # stored by this pass
-            return _sole_owner(self.gm, attr)
+        if target not in self.reads:  # stored by this pass (a folded bias): counted afresh
+            return _Owners(self.gm).sole(attr)
         parts = target.split(".")
         return (len(attr.users) == 1 and self.reads[target] == 1
                 and not any(".".join(parts[:i]) in self.called for i in range(1, len(parts)))
                 and self.names[id(get_attr_value(self.gm, target))] <= 1)
-
-
-def _sole_owner(gm: fx.GraphModule, attr: fx.Node) -> bool:
-    """:meth:`_Owners.sole` by a full walk, for a name stored after the counts were taken."""
-    target = str(attr.target)
-    if len(attr.users) != 1 or sum(1 for n in gm.graph.nodes if n.op == "get_attr" and n.target == target) != 1:
-        return False
-    if any(n.op == "call_module" and target.startswith(f"{n.target}.") for n in gm.graph.nodes):
-        return False
-    value = get_attr_value(gm, target)
-    named = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
-    return sum(1 for _, t in named if t is value) <= 1
 
 
 _AFFINE_OPS = ("Add", "Sub", "Mul")

@@ -714,15 +714,15 @@ def _clip(b: NcnnBuilder, node: fx.Node) -> None:
     if any(computed):
         steps = [(op, v, c) for op, v, c in ((_BINARY["Max"], lo, computed[0]), (_BINARY["Min"], hi, computed[1]))
                  if v is not None]
-        layouts = {_result_batch_dim(b, node, x, v) for _, v, c in steps if c}
+        # x and each computed bound in the result's layout (which a bound may change: SAM-like broadcasts)
+        operands = {id(v): _broadcast_operands(b, node, x, v) for _, v, c in steps if c}
+        layouts = {bd for _, bd in operands.values()}
         if len(layouts) > 1:
             raise b.fail(node, "its two computed bounds broadcast it to different layouts",
                          "clamp by one computed bound at a time (torch.maximum, then torch.minimum)")
-        # x and each computed bound in the result's layout (which a bound may change: SAM-like broadcasts)
-        operands = {id(v): _broadcast_operands(b, node, x, v) for _, v, c in steps if c}
-        blob = next(iter(operands.values()))[0]
+        blob = next(iter(operands.values()))[0][0]
         for k, (op, v, c) in enumerate(steps):
-            bottoms, params = ([blob, operands[id(v)][1]], {0: op}) if c else ([blob], {0: op, 1: 1, 2: float(v)})
+            bottoms, params = ([blob, operands[id(v)][0][1]], {0: op}) if c else ([blob], {0: op, 1: 1, 2: float(v)})
             if k == len(steps) - 1:
                 b.emit(node, "BinaryOp", bottoms, params, batch_dim=layouts.pop())
             else:
@@ -1386,8 +1386,8 @@ def _binary(b: NcnnBuilder, node: fx.Node) -> None:
             b.warn_once(f"pow:{node.name}", "ncnn export: node %s raises a computed base to a computed exponent with "
                         "ncnn's pow, which gives about 2.4e38 for a negative base where torch gives NaN (or, for an "
                         "integer exponent, the power)", node.name)
-        b.emit(node, "BinaryOp", _broadcast_operands(b, node, lhs, rhs), {0: op},
-               batch_dim=_result_batch_dim(b, node, lhs, rhs))
+        blobs, bd = _broadcast_operands(b, node, lhs, rhs)
+        b.emit(node, "BinaryOp", blobs, {0: op}, batch_dim=bd)
     elif isinstance(lhs, fx.Node) and isinstance(rhs, (int, float)) and op == _BINARY["Pow"]:
         _power(b, node, lhs, float(rhs))
     elif isinstance(lhs, fx.Node) and isinstance(rhs, (int, float)):
@@ -1427,8 +1427,8 @@ def _attention_mask(b: NcnnBuilder, node: fx.Node) -> None:
     val = b.strip(computed[0]).meta.get("val") if len(computed) == 1 else None
     if len(masks) == 1 and "attn_mask" in masks and not flags["causal"] and not flags["heads_folded"] and \
             isinstance(val, torch.Tensor) and val.is_floating_point():
-        b.emit(node, "BinaryOp", _broadcast_operands(b, node, scores, masks["attn_mask"]), {0: _BINARY["Add"]},
-               batch_dim=_result_batch_dim(b, node, scores, masks["attn_mask"]))
+        blobs, bd = _broadcast_operands(b, node, scores, masks["attn_mask"])
+        b.emit(node, "BinaryOp", blobs, {0: _BINARY["Add"]}, batch_dim=bd)
         return
     raise b.fail(node, "its attention mask is computed in the network and is not one float mask to add "
                  f"({', '.join(masks)}{', causal' if flags['causal'] else ''})",
@@ -1506,9 +1506,10 @@ def _result_batch_dim(b: NcnnBuilder, node: fx.Node, lhs: Any, rhs: Any) -> int 
     return next((d for d, n in enumerate(out_shape) if n == 1), None)
 
 
-def _broadcast_operands(b: NcnnBuilder, node: fx.Node, lhs: fx.Node, rhs: fx.Node) -> list[str]:
-    """Both operands as blobs of the result's rank: ncnn's BinaryOp broadcasts size-1 axes of equal-rank blobs
-    either way (its implicit rules for blobs of lower rank differ from torch's, so none are left to it)."""
+def _broadcast_operands(b: NcnnBuilder, node: fx.Node, lhs: fx.Node, rhs: fx.Node) -> tuple[list[str], int | None]:
+    """Both operands as blobs of the result's rank, and the dim the result's blob leaves out (one answer for both,
+    :func:`_result_batch_dim`): ncnn's BinaryOp broadcasts size-1 axes of equal-rank blobs either way (its implicit
+    rules for blobs of lower rank differ from torch's, so none are left to it)."""
     full = _full_operand(b, node, lhs, rhs)
     out_shape, bd = b.shape(node), _result_batch_dim(b, node, lhs, rhs)
     blobs = []
@@ -1549,7 +1550,7 @@ def _broadcast_operands(b: NcnnBuilder, node: fx.Node, lhs: fx.Node, rhs: fx.Nod
                              "1 to 4 without the batch dimension", "reshape the operands to one batch-first layout")
             blob = b.helper(node, "Reshape", [blob], shape_params(target))
         blobs.append(blob)
-    return blobs
+    return blobs, bd
 
 
 @register_ncnn_converter("Concat", any_batch_dim=True)
@@ -1860,11 +1861,13 @@ def _picked_along_one_dim(b: NcnnBuilder, node: fx.Node, rank: int, index: Any) 
         return None
 
     lists = [(k, p) for k, item in enumerate(items) if (p := picks(item)) is not None]
-    rest = [item for k, item in enumerate(items) if k != (lists[0][0] if lists else -1)]
-    if len(lists) != 1 or sum(item is Ellipsis for item in rest) > 1 or not all(
-            item is Ellipsis or (isinstance(item, slice) and item == slice(None)) for item in rest):
+    if len(lists) != 1:
         return None
     k, picked = lists[0]
+    rest = items[:k] + items[k + 1:]
+    if sum(item is Ellipsis for item in rest) > 1 or not all(
+            item is Ellipsis or (isinstance(item, slice) and item == slice(None)) for item in rest):
+        return None
     return (rank - len(items) + k if Ellipsis in items[:k] else k), picked  # after an Ellipsis: counted from the end
 
 
