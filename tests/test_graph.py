@@ -469,6 +469,19 @@ def test_two_pass_observer_and_steps():
     assert counter["n"] == 6  # two passes over three batches
 
 
+def test_calibration_records_no_autograd_graph():
+    """Observing needs no gradients: a calibration forward under grad mode kept every saved tensor of the
+    backward alive and cloned each in-place activation's input (MobileNetV2: ~0.15 s of a 0.7 s calibration)."""
+    model, data = small_cnn(), _data(n=2)
+    gm = fxq.prepare(model, "trt_int8", data[0])
+    seen = []
+    gm.register_forward_hook(lambda mod, args, out: seen.append((torch.is_grad_enabled(), out.requires_grad)))
+    with torch.enable_grad():
+        fxq.calibrate(gm, data, progress=False)
+    assert seen == [(False, False)] * len(data)
+    assert torch.is_grad_enabled()
+
+
 def test_unimplemented_algorithm_switch_raises(monkeypatch):
     """A switch without a registered implementation (every built-in has one now) says so instead of doing nothing."""
     from fxq.algorithms.pipeline import ALGORITHMS

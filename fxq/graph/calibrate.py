@@ -133,7 +133,8 @@ def calibrate(
                           leave=False):
             # the calibrating model is fxq's rewrite: a batch the FP32 model runs does not fail for the data
             diagnose = functools.partial(diagnose_batch, model, batch)
-            with first_batch_errors("calibration", seen == 0, diagnose=diagnose):
+            # no autograd record: observing needs none, and one costs a saved copy per in-place activation
+            with first_batch_errors("calibration", seen == 0, diagnose=diagnose), torch.no_grad():
                 call_model(model, batch, check=(seen == 0))
             seen += 1
         if seen == 0:
