@@ -968,6 +968,40 @@ def test_an_einsum_by_a_table_broadcast_over_the_batch(tmp_path: Path, heads: in
     assert _ncnn_cosine(RelativePositionEinsum(heads).eval(), (1, 4, 4, 8), tmp_path, form) >= 0.9999
 
 
+class BatchAsMatrixDimEinsum(nn.Module):
+    """An einsum whose computed operand has its batch dim among the product's two matrix dims: a linear layer
+    written as ``"bc,kc->bk"``, or a ``(n, batch, c)`` value times a stored matrix (``"nbc,ck->nbk"``, its result
+    put back batch-first). ``followed``: the same model written as the refusal's fix says."""
+
+    def __init__(self, form: str, followed: bool) -> None:
+        super().__init__()
+        self.lin, self.form, self.followed = nn.Linear(8, 8), form, followed
+        self.w = nn.Parameter(torch.randn(5, 8) if form == "linear" else torch.randn(8, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.form == "linear":
+            return y @ self.w.T if self.followed else torch.einsum("bc,kc->bk", y, self.w)
+        if self.followed:
+            return torch.einsum("bnc,ck->bnk", y, self.w)
+        return torch.einsum("nbc,ck->nbk", y.permute(1, 0, 2), self.w).permute(1, 0, 2)
+
+
+@pytest.mark.parametrize("form, fix", [("linear", "x @ w"), ("rows", "permute the operand so its batch dim leads")])
+def test_an_einsum_with_the_batch_as_a_matrix_dim_is_refused_with_a_fix_that_works(tmp_path: Path, form: str,
+                                                                                    fix: str) -> None:
+    """The refusal named the constant's layout before ("store the constant with the tensor's rank"), which no
+    stored tensor satisfies, or, for a rank-2 operand, "the batch outside the last two dims"; now it names the batch
+    subscript and a rewrite, which exports and matches the simulation."""
+    torch.manual_seed(0)
+    shape = (2, 8) if form == "linear" else (2, 4, 8)
+    data = [torch.randn(*shape) for _ in range(2)]
+    gm = fxq.quantize(BatchAsMatrixDimEinsum(form, followed=False).eval(), data, "ncnn_int8", progress=False)
+    with pytest.raises(fxq.ExportError, match=r"batch dim of operand .*subscript 'b'.*" + fix.replace(".", r"\.")):
+        fxq.export(gm, "ncnn_int8", tmp_path / "refused")
+    assert _ncnn_cosine(BatchAsMatrixDimEinsum(form, followed=True).eval(), shape, tmp_path) >= 0.9999
+
+
 class MaskUnitPooling(nn.Module):
     """Hiera's mask-unit attention: queries pooled over the query stride of a 6-D view,
     ``q.view(B, heads, stride, tokens, units, d).amax(dim=2)`` (or a mean)."""

@@ -974,6 +974,17 @@ def _einsum(b: NcnnBuilder, node: fx.Node) -> None:
     if len(terms) != 2 or len(operands) != 2 or len(out) < 2:
         raise b.fail(node, f"einsum {equation!r} is not a product of two operands", _EINSUM_FIX)
     (lhs_t, rhs_t), (lhs, rhs) = terms, operands
+    for t, x, other in ((lhs_t, lhs, rhs), (rhs_t, rhs, lhs)):
+        bd = b.batch_dim(x) if isinstance(x, fx.Node) and not b.is_constant(x) else None
+        if bd is not None and bd >= len(t) - 2:  # the batch is a matrix dim: no MatMul of blobs (they leave it out)
+            fix = ("write it as a matmul (x @ w, or x @ w.T where the equation has w's subscripts the other way): "
+                   "fxq makes a product by a stored matrix a linear layer, which ncnn runs"
+                   if len(t) == 2 and b.is_constant(other) else
+                   "permute the operand so its batch dim leads (e.g. .permute(1, 0, 2) of an (n, batch, c) value) and "
+                   "write the einsum with that subscript first")
+            raise b.fail(node, f"the batch dim of operand {x.name!r} (subscript {t[bd]!r} of {equation!r}) is one of "
+                         "the two matrix dims of the product; ncnn's blobs leave the batch dim out, so no ncnn MatMul "
+                         "computes it", fix)
     batch, (i, j) = out[:-2], out[-2:]
     shared = set(lhs_t[-2:]) & set(rhs_t[-2:])
     k = next(iter(shared)) if len(shared) == 1 else None
