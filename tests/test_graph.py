@@ -482,6 +482,27 @@ def test_calibration_records_no_autograd_graph():
     assert torch.is_grad_enabled()
 
 
+class _ReadsItsData(nn.Module):
+    """A leaf that reads its input's values (fake tensors have none): shapes then come from a real run."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.from_numpy(x.detach().numpy().copy()).mean()
+
+
+def test_real_shape_propagation_keeps_no_autograd_record():
+    """The real-run fallback of shape propagation stores every value in ``meta["val"]``: it stored them with their
+    autograd record (each conv's saved inputs alive for the prepared model's lifetime)."""
+    from fxq.graph.passes import propagate_tensor_meta
+    from fxq.graph.trace import trace
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), _ReadsItsData(), nn.Conv2d(4, 4, 1)).eval()
+    gm = trace(model, leaf_modules=[_ReadsItsData])
+    propagate_tensor_meta(gm, [torch.randn(2, 3, 8, 8)])
+    values = [n.meta["val"] for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    assert len(values) == 5 and type(values[2]) is torch.Tensor  # the real run's values, not fake tensors
+    assert not any(v.requires_grad for v in values)
+
+
 def test_unimplemented_algorithm_switch_raises(monkeypatch):
     """A switch without a registered implementation (every built-in has one now) says so instead of doing nothing."""
     from fxq.algorithms.pipeline import ALGORITHMS

@@ -579,7 +579,8 @@ def propagate_tensor_meta(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
         _FakeProp(gm, mode).propagate(*fake_inputs)
     except Exception as exc:  # data-dependent modules: run for real
         logger.debug("fake tensor propagation failed (%s); using a real forward pass", exc)
-        _RealProp(gm).run(*example_inputs)
+        with torch.no_grad():  # the values are kept in meta: without their autograd record
+            _RealProp(gm).run(*example_inputs)
     return gm
 
 
