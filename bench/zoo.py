@@ -2,6 +2,7 @@
 
     python bench/zoo.py                                   # all 109 models, every path (hours on 2 cores)
     python bench/zoo.py --families timm --paths native,legacy17   # one model per timm architecture (93)
+    python bench/zoo.py --families ultralytics           # ultralytics' YOLO / RT-DETR architectures (20)
     python bench/zoo.py --models resnet18,googlenet --paths native,legacy13 --platforms trt_int8
     python bench/zoo.py --subset                          # the dozen models the tests run (tests/test_zoo_subset.py)
     python bench/zoo.py --paths native --capture fx,export,auto --platforms trt_int8   # capture paths side by side
@@ -81,6 +82,18 @@ input). Built with random init at the model's own input size; in the zoo as ``ti
 (``--families timm``). Files nobody here wrote: ``timm`` is ``pip install timm``, nothing downloads."""
 TIMM_PREFIX = "timm-"
 
+ULTRALYTICS_MODELS = (
+    "yolov3-tiny", "yolov5n", "yolov6n", "yolov8n", "yolov8n-seg", "yolov8n-pose", "yolov8n-obb", "yolov8n-cls",
+    "yolov8n-ghost", "yolov9t", "yolov10n", "yolo11n", "yolo11n-seg", "yolo11n-pose", "yolo11n-obb", "yolo12n",
+    "yolo26n", "yolo26n-seg", "yolo26n-pose", "rtdetr-l")
+"""Ultralytics' detectors, segmenters, pose / rotated-box heads and classifiers, the smallest scale of each
+architecture its package defines (``pip install ultralytics``; built from the package's own yaml, nothing downloads),
+in their export form (the head's ``export`` flag, as ``YOLO.export`` sets it: one decoded output, no raw
+features), at 320x320 (224 for classifiers) on images in [0, 1]. In the zoo as ``yolo-<name>``, family
+``ultralytics`` (``--families ultralytics``): the YOLO heads' concat of box coordinates and class scores is
+issue #13's mixed-range class on files nobody here wrote."""
+ULTRALYTICS_PREFIX = "yolo-"
+
 
 # --------------------------------------------------------------------------------------------- the models
 def families() -> dict[str, str]:
@@ -97,6 +110,8 @@ def families() -> dict[str, str]:
             out.setdefault(name, "classification")
     for name in TIMM_MODELS:
         out[TIMM_PREFIX + name] = "timm"
+    for name in ULTRALYTICS_MODELS:
+        out[ULTRALYTICS_PREFIX + name] = "ultralytics"
     return out
 
 
@@ -144,6 +159,9 @@ def example_input(name: str, family: str, model: Any = None) -> Any:
         return (torch.randn(1, *model.pretrained_cfg["input_size"]),)
     if family == "detection":
         return ([torch.rand(3, 320, 320)],)
+    if family == "ultralytics":
+        size = 224 if name.endswith("-cls") else 320
+        return (torch.rand(1, 3, size, size),)
     last: Exception | None = None
     for size in _SIZES:
         args = (torch.randn(1, 3, size, size),)
@@ -170,6 +188,15 @@ def build(name: str) -> Any:
         import timm
 
         return timm.create_model(name[len(TIMM_PREFIX):], pretrained=False).eval()
+    if name.startswith(ULTRALYTICS_PREFIX):
+        import ultralytics
+
+        cfg = name[len(ULTRALYTICS_PREFIX):] + ".yaml"
+        model = (ultralytics.RTDETR(cfg) if cfg.startswith("rtdetr") else ultralytics.YOLO(cfg)).model.eval()
+        head = model.model[-1]
+        if hasattr(head, "export"):  # as YOLO.export(format="onnx") runs it
+            head.export, head.format = True, "onnx"
+        return model
     kwargs = {"weights": None}
     builder = torchvision.models.get_model_builder(name)
     if "weights_backbone" in inspect.signature(builder).parameters:  # no pretrained backbone: nothing downloads
@@ -649,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per model and path")
     parser.add_argument("--csv", default="bench/zoo.csv")
     parser.add_argument("--families", help="comma-separated families (classification, detection, segmentation, "
-                                           "video, optical_flow; timm: not in the default run)")
+                                           "video, optical_flow; timm, ultralytics: not in the default run)")
     parser.add_argument("--summarize", metavar="CSV", help="print the table of an earlier (or running) run's CSV")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--family", help=argparse.SUPPRESS)
@@ -677,8 +704,9 @@ def main(argv: list[str] | None = None) -> int:
         print(summarize(done, [p for p in paths if any(r["path"] == p for r in done)], platforms))
         return 0
     fams = families()
+    opt_in = ("timm", "ultralytics")  # families of other packages: run when named
     names = list(SUBSET) if args.subset else (args.models.split(",") if args.models else
-                                              sorted(n for n, f in fams.items() if f != "timm" or args.families))
+                                              sorted(n for n, f in fams.items() if f not in opt_in or args.families))
     if args.families:
         names = [n for n in names if fams.get(n) in args.families.split(",")]
     unknown = [n for n in names if n not in fams]
