@@ -84,6 +84,48 @@ def test_export_path_quantizes_like_fx():
     assert set(_weighted(q_ex)) == {"stem_0", "block_conv", "side", "fc"}  # module paths, not aten names
 
 
+class _AnchorCache(nn.Module):
+    """A detection head's cache: anchors computed when the feature size changes, kept on the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list = []
+        self.anchors = torch.empty(0)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        shapes = [list(y.shape[2:])]
+        if self.shapes != shapes:  # a Python branch: symbolic tracing fails, torch.export captures it
+            h, w = shapes[0]
+            grid = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+            self.anchors, self.shapes = torch.stack(grid).float().sum(0) / (h + w), shapes
+        return y + self.anchors
+
+
+def test_state_a_torch_export_attempt_leaves_on_the_model_is_undone(monkeypatch):
+    """torch.export (non-strict, torch 2.14) left RT-DETR's decoder anchors as fake tensors on the module it traced
+    when an attempt did not restore what the forward cached; the next attempt lifted them as constants and every
+    calibration run failed inside an observer ("Cannot access data pointer of Tensor (e.g. FakeTensor)"). Emulated
+    here: each export attempt leaves fake anchors behind."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real_export = torch.export.export
+
+    def leaky_export(mod, *args, **kwargs):
+        program = real_export(mod, *args, **kwargs)
+        head = mod.get_submodule("1")
+        head.anchors, head.shapes = FakeTensorMode().from_tensor(torch.zeros(8, 8)), [[8, 8]]
+        return program
+
+    monkeypatch.setattr(torch.export, "export", leaky_export)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _AnchorCache()).eval()
+    data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
+    q = fxq.quantize(model, data, "trt_int8", progress=False)
+    assert q.meta["fxq_capture"] == "export"
+    with torch.no_grad():
+        assert torch.allclose(q(data[0]), model(data[0]), atol=0.05)
+
+
 def test_export_graph_exports_to_onnx_runtime(tmp_path):
     ort = pytest.importorskip("onnxruntime")
     model, data = _net(), _data()

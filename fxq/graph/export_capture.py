@@ -74,8 +74,34 @@ def export_program(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None 
         if _data_dependent(exc):
             raise
         logger.debug("torch.export with a dynamic batch failed (%s); exporting at fixed shapes", exc)
-    with _quiet():
+    with _quiet(), _state_kept(model):
         return torch.export.export(model, args, kwargs or None, strict=False)
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module) -> Iterator[None]:
+    """Every submodule's attributes, parameters and buffers as they were before the block, whatever it assigned.
+
+    A forward that caches a tensor on its module (a detection head's anchors, computed when the input size
+    changes) assigns torch.export's fake tensor there while it traces. Kept, a later attempt lifts that fake value
+    as a constant of its program, and every run of the program then fails (RT-DETR's decoder)."""
+    saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, attrs, params, buffers, children in saved:
+            for store, old in ((m._parameters, params), (m._buffers, buffers), (m._modules, children)):
+                if store.keys() != old.keys() or any(store[k] is not v for k, v in old.items()):
+                    store.clear()
+                    store.update(old)
+            for key in [k for k in m.__dict__ if k not in attrs]:
+                del m.__dict__[key]
+            for key, value in attrs.items():
+                if m.__dict__.get(key, _MISSING) is not value:
+                    m.__dict__[key] = value
+
+
+_MISSING = object()
 
 
 def _export_dynamic(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
@@ -87,7 +113,7 @@ def _export_dynamic(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> to
         dyn: Any = {name: pytree.tree_map(batch_dim, value) for name, value in bound.items()}
     else:
         dyn = pytree.tree_map(batch_dim, args)
-    with _quiet():
+    with _quiet(), _state_kept(model):
         return torch.export.export(model, args, kwargs or None, dynamic_shapes=dyn, strict=False)
 
 
