@@ -1976,3 +1976,27 @@ def test_integer_arithmetic_is_refused_by_name(tmp_path):
     with pytest.raises(ExportError, match=r"node 'add'.*its input '\w+' is a stored torch.int64 tensor: ncnn blobs "
                                           r"hold float values.*Fix: compute integer"):
         export(q, "ncnn_int8", tmp_path / "m")
+
+
+# ------------------------------------------------------------------------------------------ elementwise math
+class OrientedBoxAngle(_ConvPair):
+    """An oriented-box head's angle (ultralytics' OBB: ``cos`` / ``sin`` of a predicted angle), with the other
+    elementwise math ncnn's UnaryOp has: tan, asin, acos, atan, floor, ceil."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        angle = (torch.sigmoid(y) - 0.25) * math.pi
+        a = torch.cat([angle.cos(), torch.sin(angle), torch.tan(angle * 0.5), torch.atan(y)], dim=1)
+        t = torch.tanh(y)
+        b = torch.asin(t * 0.9) + torch.acos(t * 0.9) + torch.floor(y * 4) + y.ceil()
+        return self.conv2(a[:, :4] + a[:, 4:8] + a[:, 8:12] + a[:, 12:] + b)
+
+
+@pytest.mark.parametrize("form", ["native", "onnx"])
+def test_elementwise_math_is_ncnn_unary_ops(tmp_path: Path, form: str) -> None:
+    """Refused before ("the ncnn writer has no converter for op type 'Cos'"; natively the op had no type at all):
+    ncnn's UnaryOp has every one of them, checked against torch in FP32 and the simulation in int8."""
+    model = OrientedBoxAngle().eval()
+    if form == "onnx":
+        model = _onnx(model, (1, 3, 8, 8), tmp_path / "m.onnx", opset=17)
+    check(model, (1, 3, 8, 8), tmp_path / "m")

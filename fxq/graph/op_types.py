@@ -111,6 +111,11 @@ _FUNCTIONS: dict[Callable[..., Any], str] = {
     F.unfold: "Im2Col",
     F.fold: "Col2Im",
 }
+_ELEMENTWISE_MATH = ("sin", "cos", "tan", "asin", "acos", "atan", "floor", "ceil")
+"""Elementwise math functions typed by their ONNX name (``torch.cos`` / ``x.cos()`` / ``aten.cos``: ``Cos``);
+an oriented-box head's angle (YOLO-OBB) reads cos and sin."""
+for _name in _ELEMENTWISE_MATH:
+    _FUNCTIONS[getattr(torch, _name)] = _name.capitalize()
 
 _METHODS: dict[str, str] = {
     "add": "Add", "add_": "Add", "sub": "Sub", "mul": "Mul", "mul_": "Mul", "div": "Div", "matmul": "MatMul",
@@ -127,6 +132,7 @@ _METHODS: dict[str, str] = {
     "sqrt": "Sqrt", "exp": "Exp", "log": "Log", "abs": "Abs", "reciprocal": "Reciprocal",
     "rsqrt": "Rsqrt", "var": "Var", "std": "Std", "repeat_interleave": "RepeatInterleave",
     "unfold": "SlidingWindows",  # Tensor.unfold(dim, size, step); nn.Unfold / F.unfold is Im2Col
+    **{name: name.capitalize() for name in _ELEMENTWISE_MATH},
 }
 
 _MODULES: dict[type, str] = {
@@ -428,6 +434,7 @@ def _register_aten() -> None:
         aten.index.Tensor: "Gather", aten.embedding.default: "Gather", aten.relu6.default: "Clip",
         aten.squeeze.dims: "Squeeze", aten.mean.default: "ReduceMean", aten.sqrt.default: "Sqrt",
         aten.log.default: "Log", aten.abs.default: "Abs", aten.reciprocal.default: "Reciprocal",
+        **{getattr(aten, name).default: name.capitalize() for name in _ELEMENTWISE_MATH},
     }.items():
         _FUNCTIONS.setdefault(overload, name)
 

@@ -400,8 +400,9 @@ def _unary(layer_type: str, params: dict[int, Any] | None = None):
 # elementwise activations read a value of more than 4 dims as stored (outer dims merged): the same elements
 register_ncnn_converter("Relu", any_batch_dim=True, high_rank=True)(_unary("ReLU"))
 # ONNX forms (onnx2torch modules; torch's own functions have no canonical type for these): ncnn UnaryOp types
-for _onnx_type, _unary_type in (("Abs", 0), ("Neg", 1), ("Sqrt", 5), ("Rsqrt", 6), ("Exp", 7), ("Log", 8),
-                                ("Reciprocal", 15)):
+for _onnx_type, _unary_type in (("Abs", 0), ("Neg", 1), ("Floor", 2), ("Ceil", 3), ("Sqrt", 5), ("Rsqrt", 6),
+                                ("Exp", 7), ("Log", 8), ("Sin", 9), ("Cos", 10), ("Tan", 11), ("Asin", 12),
+                                ("Acos", 13), ("Atan", 14), ("Reciprocal", 15)):
     register_ncnn_converter(_onnx_type, any_batch_dim=True, high_rank=True)(_unary("UnaryOp", {0: _unary_type}))
 
 
