@@ -127,6 +127,43 @@ def test_output_state_refused_with_advice_that_works(tmp_path: Path) -> None:
         _run_steps(gm, _files(tmp_path / "given"), int8)
 
 
+class TwoStateNet(StateNet):
+    """:class:`StateNet` returning its state twice, in two layouts' orders: two outputs of unnamed dims."""
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, new = super().forward(x, state)
+        return out, new, new.flip(0)
+
+
+def test_every_output_a_fix_needs_is_named_in_one_advice(tmp_path: Path) -> None:
+    """Two outputs whose batch is not dim 0 were advised one per export (a cut through RT-DETR's split attention
+    heads has 18: eighteen rounds). Now one advice names them all, and followed once, it exports and runs."""
+    import ast
+    import re
+
+    torch.manual_seed(0)
+    path = tmp_path / "two.onnx"
+    torch.onnx.export(TwoStateNet().eval(), (torch.randn(1, 16), torch.zeros(2, 1, H)), str(path), dynamo=False,
+                      opset_version=13, input_names=["x", "state"], output_names=["out", "stateN", "stateM"])
+    gm = fxq.quantize(fxq.load_onnx(path, batch_dims={"state": 1}), _data(), "ncnn_int8", progress=False)
+    with pytest.raises(fxq.ExportError, match=r"--batch-dim stateN=1 --batch-dim stateM=1\)") as refused:
+        fxq.export(gm, "ncnn_int8", tmp_path / "refused")
+    advised = ast.literal_eval(re.search(r"batch_dims=(\{[^}]*\})", str(refused.value)).group(1))
+    assert advised == {"stateN": 1, "stateM": 1}
+    gm = fxq.quantize(fxq.load_onnx(path, batch_dims={"state": 1, **advised}), _data(), "ncnn_int8", progress=False)
+    fxq.export(gm, "ncnn_int8", tmp_path / "given")
+    x, state = _data()[0]
+    with torch.no_grad():
+        _, ref_n, ref_m = gm(x, state)
+    net = ncnn_net(tmp_path / "given.param", tmp_path / "given.bin", int8=True)
+    ex = net.create_extractor()
+    ex.input("in0", ncnn.Mat(np.ascontiguousarray(x[0].numpy())).clone())
+    ex.input("in1", ncnn.Mat(np.ascontiguousarray(state[:, 0].numpy())).clone())
+    for k, ref in ((1, ref_n), (2, ref_m)):
+        got = np.array(ex.extract(f"out{k}")[1]).copy()
+        np.testing.assert_allclose(got, ref[:, 0].numpy(), atol=1e-3)
+
+
 @pytest.mark.parametrize("dims, match", [
     ({"nope": 1}, r"'nope' is not an input or output of the model; its inputs and outputs are \['out', 'state', "),
     ({"state": 3}, r"'state' has rank 3; its batch dim must be an integer in \[-3, 2\], or None for no batch dim, got 3"),

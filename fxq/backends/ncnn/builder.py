@@ -775,26 +775,46 @@ class NcnnBuilder:
             batch = 0 if declared is None else declared
             if self.batch_dim(src) != batch and not (self.unbatched_inputs and self.batch_dim(src) is None):
                 shape = self.shape(src)
-                if shape[batch] != 1 or not 1 <= len(shape) - 1 <= 4:
+                if self._batch_misplaced(i, src):
                     raise self.fail(src, f"it is graph output {i}, of shape {shape}, whose dim {batch} is not the "
                                     f"batch dimension; ncnn outputs drop dim {batch}",
-                                    self._output_batch_advice(i, src, declared))
+                                    self._output_batch_advice(values, declared))
                 self.emit(src, "Reshape", [self.blob_of[src]], shape_params(drop_dim(shape, batch)), batch_dim=batch)
             self.model.outputs.append(self.blob_of[src])
 
-    def _output_batch_advice(self, i: int, src: fx.Node, declared: int | None) -> str:
-        """The fix for graph output ``i`` whose batch is not where ncnn drops a dim: for an ONNX file's output
-        whose declared dims do not say where (unnamed dims), the ``load_onnx`` argument that does."""
+    def _batch_misplaced(self, i: int, src: fx.Node) -> bool:
+        """Whether graph output ``i`` (computed by ``src``) is refused for where its batch is (see :meth:`_outputs`):
+        not at the dim ncnn drops, and that dim not a lone 1 that a Reshape could drop."""
+        if source_unbatched(self.gm, output=i):
+            return False
+        declared = source_batch_dim(self.gm, output=i)
+        batch = 0 if declared is None else declared
+        if self.batch_dim(src) == batch or (self.unbatched_inputs and self.batch_dim(src) is None):
+            return False
+        shape = self.shape(src)
+        return shape[batch] != 1 or not 1 <= len(shape) - 1 <= 4
+
+    def _output_batch_advice(self, values: list[fx.Node], declared: int | None) -> str:
+        """The fix for graph outputs whose batch is not where ncnn drops a dim: for an ONNX file's outputs whose
+        declared dims do not say where (unnamed dims), the ``load_onnx`` argument that does, naming every such
+        output at once (a cut through a transformer's split heads has many)."""
         if declared is not None:
             return "return the batch at the dim the source file declares for this output"
-        name = onnx_output_name(self.gm, i)
-        if name is None:
+        fixes: dict[str, int | None] = {}
+        for j, v in enumerate(values):
+            src = self.strip(v)
+            name = onnx_output_name(self.gm, j)
+            if name is not None and src in self.blob_of and source_batch_dim(self.gm, output=j) is None \
+                    and not self.high_rank(src) and self._batch_misplaced(j, src):
+                fixes[name] = self.batch_dim(src)
+        if not fixes:
             return "return a batch-first tensor"
-        dim = self.batch_dim(src)
-        value, cli = ("None", "none") if dim is None else (str(dim), str(dim))
-        where = "has no batch dim" if dim is None else f"carries the batch at dim {dim}"
-        return (f"load the model with fxq.load_onnx(..., batch_dims={{{name!r}: {value}}}) (CLI: --batch-dim "
-                f"{name}={cli}): ONNX output {name!r} {where}, and its declared dims do not say so")
+        python = ", ".join(f"{n!r}: {d}" for n, d in fixes.items())
+        cli = " ".join(f"--batch-dim {n}={'none' if d is None else d}" for n, d in fixes.items())
+        said = "; ".join(f"{n!r} {'has no batch dim' if d is None else f'carries the batch at dim {d}'}"
+                         for n, d in fixes.items())
+        return (f"load the model with fxq.load_onnx(..., batch_dims={{{python}}}) (CLI: {cli}): ONNX output(s) "
+                f"{said}, and the file's declared dims do not say so")
 
 
 def fold_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
