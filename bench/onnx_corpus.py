@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zoo import PLATFORMS, _error, check_runtime, record_rows  # noqa: E402  (the zoo's runtime check)
+from zoo import PLATFORMS, _error, advised_batch_dims, check_runtime, record_rows  # noqa: E402  (the zoo's runtime check)
 
 SETS = ("light", "pytorch-converted", "pytorch-operator", "simple")
 UNKNOWN_DIM = 64
@@ -112,22 +112,6 @@ def _input_names(path: Path) -> list[str]:
     return [i.name for i in model.graph.input if i.name not in inits]
 
 
-def _advised_batch_dims(message: str) -> dict[str, Any] | None:
-    """The ``batch_dims={...}`` an export error advises with concrete dims (an output's), else None (advice with a
-    placeholder such as ``<its batch dim>`` needs the user's knowledge)."""
-    import ast
-    import re
-
-    found = re.search(r"batch_dims=(\{[^}]*\})", message)
-    if found is None:
-        return None
-    try:
-        value = ast.literal_eval(found.group(1))
-    except (ValueError, SyntaxError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
 def work(set_name: str, name: str, path: Path, data: Path | None, platforms: list[str]) -> list[dict[str, Any]]:
     """One file through every step; one record per step."""
     import torch
@@ -192,7 +176,7 @@ def work(set_name: str, name: str, path: Path, data: Path | None, platforms: lis
                     break
                 except Exception as exc:
                     failure = exc
-                    more = _advised_batch_dims(str(exc)) if isinstance(exc, fxq.ExportError) else None
+                    more = advised_batch_dims(str(exc)) if isinstance(exc, fxq.ExportError) else None
                     if not more or set(more) <= set(given):
                         break
                     given.update(more)

@@ -207,6 +207,23 @@ def build(name: str) -> Any:
     return torchvision.models.get_model(name, **kwargs).eval()
 
 
+def advised_batch_dims(message: str) -> dict[str, Any] | None:
+    """The ``batch_dims={...}`` an export error advises with concrete dims (an output's), else None (advice with a
+    placeholder such as ``<its batch dim>`` needs the user's knowledge)."""
+    import ast
+    import re
+
+    found = re.search(r"batch_dims=(\{[^}]*\})", message)
+    if found is None:
+        return None
+    try:
+        value = ast.literal_eval(found.group(1))
+    except (ValueError, SyntaxError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+
 # --------------------------------------------------------------------------------------------- one worker
 def _flat(out: Any) -> "Any":
     import torch
@@ -463,10 +480,21 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
                         raise
                     # what a user does next: load the file up to the cut the error names (ncnn has no layer for
                     # what follows: a score threshold's comparisons), quantize that, export it
-                    qmodel = fxq.quantize(fxq.load_onnx(tmp / f"{name}_{path}.onnx", outputs=exc.suggested_outputs),
-                                          calib, platform=platform, progress=False)
-                    files = fxq.export(qmodel, platform, out)
-                    row(platform, "export", "ok", captured_by=f"export-cut({len(exc.suggested_outputs)} outputs)")
+                    cut, given = exc.suggested_outputs, {}
+                    while True:  # and load it again with the batch_dims the cut's export advises, if any
+                        qmodel = fxq.quantize(fxq.load_onnx(tmp / f"{name}_{path}.onnx", outputs=cut,
+                                                            batch_dims=given or None),
+                                              calib, platform=platform, progress=False)
+                        try:
+                            files = fxq.export(qmodel, platform, out)
+                            break
+                        except fxq.ExportError as again:
+                            more = advised_batch_dims(str(again))
+                            if not more or set(more) <= set(given):
+                                raise
+                            given.update(more)
+                    row(platform, "export", "ok", captured_by=f"export-cut({len(cut)} outputs)",
+                        diagnosis=f"followed: batch_dims={given}" if given else "")
                 else:
                     row(platform, "export", "ok")
             except Exception as exc:

@@ -34,7 +34,7 @@ def test_followed_advice_is_the_concrete_one():
     that asks for the user's knowledge."""
     concrete = ("... Fix: load the model with fxq.load_onnx(..., batch_dims={'387': 1}) (CLI: --batch-dim 387=1): "
                 "ONNX output '387' carries the batch at dim 1")
-    assert onnx_corpus._advised_batch_dims(concrete) == {"387": 1}
-    assert onnx_corpus._advised_batch_dims("batch_dims={'t': None}) (CLI: --batch-dim t=none)") == {"t": None}
-    assert onnx_corpus._advised_batch_dims("fxq.load_onnx(..., batch_dims={'state': <its batch dim>})") is None
-    assert onnx_corpus._advised_batch_dims("slice the other dims") is None
+    assert zoo.advised_batch_dims(concrete) == {"387": 1}
+    assert zoo.advised_batch_dims("batch_dims={'t': None}) (CLI: --batch-dim t=none)") == {"t": None}
+    assert zoo.advised_batch_dims("fxq.load_onnx(..., batch_dims={'state': <its batch dim>})") is None
+    assert zoo.advised_batch_dims("slice the other dims") is None
