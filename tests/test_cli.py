@@ -155,6 +155,38 @@ def test_onnx_quantize_and_analyse(work, capsys):
     assert "batch0.npy" in _error_line(capsys)
 
 
+class _SkipJoin(torch.nn.Module):
+    """A decoder's skip connection: a stride-2 branch upsampled and joined to the full-size one, so H and W must be
+    even (a detector's FPN: multiples of its stride)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down, self.conv = torch.nn.Conv2d(3, 4, 3, 2, 1), torch.nn.Conv2d(3, 4, 3, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = torch.nn.functional.interpolate(self.down(x), scale_factor=2.0, mode="nearest")
+        return torch.cat([self.conv(x), up], dim=1)
+
+
+def test_images_of_a_size_a_dynamic_file_cannot_take_get_advice_that_works(tmp_path, monkeypatch, capsys):
+    """A file with symbolic H / W calibrated on a folder of 25x35 photos fails at its join; the advice names the CLI
+    flag, which, followed, resizes the images and quantizes (ultralytics' dynamic YOLO files and odd photos)."""
+    from PIL import Image
+
+    monkeypatch.chdir(tmp_path)
+    torch.onnx.export(_SkipJoin().eval(), (torch.randn(1, 3, 16, 16),), "skip.onnx", dynamo=False, opset_version=13,
+                      input_names=["images"], dynamic_axes={"images": {0: "batch", 2: "height", 3: "width"}})
+    (tmp_path / "photos").mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        Image.fromarray(rng.integers(0, 255, (25, 35, 3), dtype=np.uint8)).save(tmp_path / "photos" / f"{i}.png")
+    assert main(["quantize", "skip.onnx", "--calib", "photos", "--out", "out", "-q"]) == 1
+    assert "Fix: give batches of the sizes the model takes" in (line := _error_line(capsys)) and "--input-shape" in line
+    capsys.readouterr()
+    assert main(["quantize", "skip.onnx", "--calib", "photos", "--out", "out", "-q", "--input-shape", "1,3,24,32"]) == 0
+    assert (tmp_path / "out" / "skip_trt_int8.onnx").is_file()
+
+
 def test_analyse_and_report(work, capsys):
     pytest.importorskip("matplotlib")
     args = ["cli_small_model:build", "--calib", "calib", "--analyse-steps", "2", "-q"]

@@ -553,7 +553,8 @@ def data_failure(gm: fx.GraphModule, args: Sequence[Any], exc: BaseException, wh
         lines.append("the ONNX file declares " + ", ".join(f"{k} {list(v)}" for k, v in declared.items()))
     lines += watch.kept[:3]
     fix = ("give batches of the sizes the model takes (the ONNX file runs in onnxruntime on them), and load it "
-           "with input_shapes= of those sizes so that load_onnx checks its conversion on them" if declared else
+           "with input_shapes= of those sizes so that load_onnx checks its conversion on them (CLI: --input-shape "
+           "N,C,H,W, which also resizes a folder's images to that size)" if declared else
            "give batches that the model runs")
     return CalibrationError("; ".join(line for line in lines if line) + f". Fix: {fix}")
 

@@ -576,12 +576,32 @@ def propagate_tensor_meta(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fake_inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-        _FakeProp(gm, mode).propagate(*fake_inputs)
+        with _meta_failures_unlogged():
+            _FakeProp(gm, mode).propagate(*fake_inputs)
     except Exception as exc:  # data-dependent modules: run for real
         logger.debug("fake tensor propagation failed (%s); using a real forward pass", exc)
         with torch.no_grad():  # the values are kept in meta: without their autograd record
             _RealProp(gm).run(*example_inputs)
     return gm
+
+
+_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
+def _drop_meta_failure(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("failed while attempting to run meta")
+
+
+@contextmanager
+def _meta_failures_unlogged() -> Iterator[None]:
+    """torch logs an ERROR with a traceback for every op whose meta kernel fails (a shape mismatch in a batch the
+    model cannot take): fxq falls back or names the node itself, so that log only printed ~45 lines of torch's
+    stack to the user's stderr before fxq's own one-line error."""
+    _FAKE_TENSOR_LOG.addFilter(_drop_meta_failure)
+    try:
+        yield
+    finally:
+        _FAKE_TENSOR_LOG.removeFilter(_drop_meta_failure)
 
 
 class _FakeProp(Interpreter, FakeTensorProp):  # fresh list arguments (see Interpreter)
