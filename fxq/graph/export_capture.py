@@ -201,6 +201,10 @@ def lift_aten_graph(gm: fx.GraphModule, name: str = "ExportedProgram") -> fx.Gra
         elif node.target is aten.batch_norm.default:
             x, w, b, mean, var, training, momentum, eps = node.args[:8]
             node.target, node.args = F.batch_norm, (x, mean, var, w, b, training, momentum, eps)
+        elif node.target is aten.embedding.default:  # (weight, ids, padding_idx, ...): F.embedding takes ids first
+            padding_idx = _schema_args(node)["padding_idx"]
+            node.target, node.args = F.embedding, (node.args[1], node.args[0])
+            node.kwargs = {} if padding_idx == -1 else {"padding_idx": padding_idx}
         elif node.target in (aten.slice.Tensor, aten.select.int):
             _lift_indexing(node)
         elif node.target is aten.split.Tensor and isinstance(node.args[1], fx.Node):
