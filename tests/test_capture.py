@@ -126,6 +126,36 @@ def test_state_a_torch_export_attempt_leaves_on_the_model_is_undone(monkeypatch)
         assert torch.allclose(q(data[0]), model(data[0]), atol=0.05)
 
 
+class _GridListCache(nn.Module):
+    """YOLOv5's Detect: per-level grids cached in a list, written in place when the feature size changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.grid, self.cache = nn.Conv2d(3, 6, 3, padding=1), [torch.empty(0)], {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        ny, nx = y.shape[2:4]
+        if self.grid[0].shape[2:4] != y.shape[2:4]:
+            yv, xv = torch.meshgrid(torch.arange(ny), torch.arange(nx), indexing="ij")
+            self.grid[0] = torch.stack((xv, yv), 0).view(1, 2, ny, nx).float()
+            self.cache["grid"] = self.grid[0] * 0.5
+        return y[:, :2] + self.grid[0] + self.cache["grid"]
+
+
+def test_a_cache_written_in_place_is_restored_with_its_real_items():
+    """torch.export restores a module's attributes as copies of their containers; restoring the original list or
+    dict instead (written in place while tracing) put fake tensors back: "We found a fake tensor in the exported
+    program constant's list" (a regression of the first restore, found by review)."""
+    torch.manual_seed(0)
+    model = _GridListCache().eval()
+    data = [torch.randn(1, 3, 8, 8) for _ in range(2)]
+    q = fxq.quantize(model, data, "trt_int8", capture="export", progress=False)
+    with torch.no_grad():
+        assert torch.allclose(q(data[0]), model(data[0]), atol=0.2)  # outputs up to ~11: int8 steps of ~0.09
+    assert type(model.grid[0]) is torch.Tensor and type(model.cache["grid"]) is torch.Tensor
+
+
 def test_export_graph_exports_to_onnx_runtime(tmp_path):
     ort = pytest.importorskip("onnxruntime")
     model, data = _net(), _data()

@@ -503,6 +503,41 @@ def test_real_shape_propagation_keeps_no_autograd_record():
     assert not any(v.requires_grad for v in values)
 
 
+class _Force(nn.Module):
+    """d(energy)/dx in the forward (a force field, a PINN): needs gradients whatever fxq's own runs want."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.energy = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().requires_grad_(True)
+        return torch.autograd.grad(self.energy(x).sum(), x)[0]
+
+
+class _ForceNet(nn.Module):
+    def __init__(self, reads_data: bool = False) -> None:
+        super().__init__()
+        self.inp, self.force, self.out = nn.Linear(8, 8), _Force(), nn.Linear(8, 4)
+        self.reads = _ReadsItsData() if reads_data else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.reads(self.force(self.inp(x))))
+
+
+@pytest.mark.parametrize("reads_data", [False, True])
+def test_a_forward_that_takes_gradients_itself_still_calibrates(reads_data):
+    """Calibration and the real-run shape propagation keep no autograd record, but a model whose forward calls
+    torch.autograd.grad needs grad mode: both failed ("element 0 of tensors does not require grad", reported as
+    the data's fault) until calibration retries its first batch in grad mode and the propagation detaches what it
+    keeps instead. ``reads_data``: a module fake tensors cannot run, so shapes come from a real run."""
+    torch.manual_seed(0)
+    model = _ForceNet(reads_data).eval()
+    data = [torch.randn(4, 8) for _ in range(3)]
+    q = fxq.quantize(model, data, "trt_int8", progress=False, leaf_modules=[_Force, _ReadsItsData])
+    assert (q(data[0]) - model(data[0])).abs().max() < 0.05
+
+
 def test_unimplemented_algorithm_switch_raises(monkeypatch):
     """A switch without a registered implementation (every built-in has one now) says so instead of doing nothing."""
     from fxq.algorithms.pipeline import ALGORITHMS

@@ -3,6 +3,7 @@ wrote), each rebuilt small and run to a deployed file, against the simulation in
 """
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -970,34 +971,40 @@ def test_an_einsum_by_a_table_broadcast_over_the_batch(tmp_path: Path, heads: in
 
 class BatchAsMatrixDimEinsum(nn.Module):
     """An einsum whose computed operand has its batch dim among the product's two matrix dims: a linear layer
-    written as ``"bc,kc->bk"``, or a ``(n, batch, c)`` value times a stored matrix (``"nbc,ck->nbk"``, its result
-    put back batch-first). ``followed``: the same model written as the refusal's fix says."""
+    written as ``"bc,kc->bk"``, a ``(n, batch, c)`` value times a stored matrix (``"nbc,ck->nbk"``, its result
+    put back batch-first), or a ``(batch, c)`` value times a stored ``(h, c, k)`` table. ``followed``: the same model
+    written as the refusal's fix says."""
 
     def __init__(self, form: str, followed: bool) -> None:
         super().__init__()
         self.lin, self.form, self.followed = nn.Linear(8, 8), form, followed
-        self.w = nn.Parameter(torch.randn(5, 8) if form == "linear" else torch.randn(8, 5))
+        self.w = nn.Parameter({"linear": torch.randn(5, 8), "table": torch.randn(3, 8, 5)}.get(form, torch.randn(8, 5)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.lin(x)
         if self.form == "linear":
             return y @ self.w.T if self.followed else torch.einsum("bc,kc->bk", y, self.w)
+        if self.form == "table":  # a (batch, c) value times a stored (h, c, k) table
+            if self.followed:
+                return (y[:, None, None] @ self.w[None]).squeeze(2)
+            return torch.einsum("bc,hck->hbk", y, self.w).permute(1, 0, 2)
         if self.followed:
             return torch.einsum("bnc,ck->bnk", y, self.w)
         return torch.einsum("nbc,ck->nbk", y.permute(1, 0, 2), self.w).permute(1, 0, 2)
 
 
-@pytest.mark.parametrize("form, fix", [("linear", "x @ w"), ("rows", "permute the operand so its batch dim leads")])
+@pytest.mark.parametrize("form, fix", [("linear", "x @ w"), ("rows", "permute the operand so its batch dim leads"),
+                                       ("table", "(x[:, None, None] @ w[None]).squeeze(2)")])
 def test_an_einsum_with_the_batch_as_a_matrix_dim_is_refused_with_a_fix_that_works(tmp_path: Path, form: str,
                                                                                     fix: str) -> None:
     """The refusal named the constant's layout before ("store the constant with the tensor's rank"), which no
     stored tensor satisfies, or, for a rank-2 operand, "the batch outside the last two dims"; now it names the batch
     subscript and a rewrite, which exports and matches the simulation."""
     torch.manual_seed(0)
-    shape = (2, 8) if form == "linear" else (2, 4, 8)
+    shape = (2, 4, 8) if form == "rows" else (2, 8)
     data = [torch.randn(*shape) for _ in range(2)]
     gm = fxq.quantize(BatchAsMatrixDimEinsum(form, followed=False).eval(), data, "ncnn_int8", progress=False)
-    with pytest.raises(fxq.ExportError, match=r"batch dim of operand .*subscript 'b'.*" + fix.replace(".", r"\.")):
+    with pytest.raises(fxq.ExportError, match=r"batch dim of operand .*subscript 'b'.*" + re.escape(fix)):
         fxq.export(gm, "ncnn_int8", tmp_path / "refused")
     assert _ncnn_cosine(BatchAsMatrixDimEinsum(form, followed=True).eval(), shape, tmp_path) >= 0.9999
 

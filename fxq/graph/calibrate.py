@@ -124,6 +124,7 @@ def calibrate(
     passes = max((fq.observer.passes for fq in observing.values()), default=1)
     total = count_batches(data, steps)
     seen = 0
+    grad = False  # no autograd record (observing needs none), unless the model's forward needs gradients
     for p in range(passes):
         for fq in observing.values():
             fq.set_mode("observe" if fq.observer.passes > p else "disabled")
@@ -133,9 +134,18 @@ def calibrate(
                           leave=False):
             # the calibrating model is fxq's rewrite: a batch the FP32 model runs does not fail for the data
             diagnose = functools.partial(diagnose_batch, model, batch)
-            # no autograd record: observing needs none, and one costs a saved copy per in-place activation
-            with first_batch_errors("calibration", seen == 0, diagnose=diagnose), torch.no_grad():
-                call_model(model, batch, check=(seen == 0))
+            with first_batch_errors("calibration", seen == 0, diagnose=diagnose):
+                try:  # a record would keep every saved tensor and clone each in-place activation's input
+                    with torch.set_grad_enabled(grad):
+                        call_model(model, batch, check=(seen == 0))
+                except (RuntimeError, TypeError, ValueError):
+                    if grad or seen or p:
+                        raise
+                    grad = True  # the forward takes gradients itself (torch.autograd.grad): observe it afresh
+                    for fq in observing.values():
+                        fq.observer.reset()
+                    with torch.enable_grad():
+                        call_model(model, batch, check=True)
             seen += 1
         if seen == 0:
             raise CalibrationError("calibration data is empty: give at least one batch")

@@ -85,7 +85,10 @@ def _state_kept(model: nn.Module) -> Iterator[None]:
     A forward that caches a tensor on its module (a detection head's anchors, computed when the input size
     changes) assigns torch.export's fake tensor there while it traces. Kept, a later attempt lifts that fake value
     as a constant of its program, and every run of the program then fails (RT-DETR's decoder)."""
-    saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()]
+    # attribute containers copied, their items kept (as torch.export's own snapshot): a forward may write into a
+    # cached list or dict in place (YOLOv5's ``self.grid[i] = ...``), and torch puts back copies of its own
+    saved = [(m, {k: pytree.tree_map(lambda x: x, v) for k, v in m.__dict__.items() if k not in _MODULE_STORES},
+              dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()]
     try:
         yield
     finally:
@@ -94,14 +97,23 @@ def _state_kept(model: nn.Module) -> Iterator[None]:
                 if store.keys() != old.keys() or any(store[k] is not v for k, v in old.items()):
                     store.clear()
                     store.update(old)
-            for key in [k for k in m.__dict__ if k not in attrs]:
+            for key in [k for k in m.__dict__ if k not in attrs and k not in _MODULE_STORES]:
                 del m.__dict__[key]
             for key, value in attrs.items():
-                if m.__dict__.get(key, _MISSING) is not value:
+                if not _same_items(m.__dict__.get(key, _MISSING), value):
                     m.__dict__[key] = value
 
 
 _MISSING = object()
+_MODULE_STORES = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+def _same_items(now: Any, then: Any) -> bool:
+    """Whether ``now`` holds the very items ``then`` does, in containers of the same structure."""
+    if now is then:
+        return True
+    (a, spec_a), (b, spec_b) = pytree.tree_flatten(now), pytree.tree_flatten(then)
+    return spec_a == spec_b and all(x is y for x, y in zip(a, b))
 
 
 def _export_dynamic(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.export.ExportedProgram:

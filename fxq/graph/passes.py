@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils import _pytree as pytree
 
 from fxq.errors import GraphError
 from fxq.graph.attention import decompose_attention_functions
@@ -580,8 +581,7 @@ def propagate_tensor_meta(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
             _FakeProp(gm, mode).propagate(*fake_inputs)
     except Exception as exc:  # data-dependent modules: run for real
         logger.debug("fake tensor propagation failed (%s); using a real forward pass", exc)
-        with torch.no_grad():  # the values are kept in meta: without their autograd record
-            _RealProp(gm).run(*example_inputs)
+        _RealProp(gm).run(*example_inputs)  # in the caller's grad mode: a leaf may need it (torch.autograd.grad)
     return gm
 
 
@@ -619,7 +619,8 @@ class _RealProp(Interpreter):
                 except AttributeError:  # an exception type without a __dict__
                     pass
             raise
-        n.meta["val"] = result
+        # kept without its autograd record: the values live as long as the graph
+        n.meta["val"] = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, result)
         return result
 
 

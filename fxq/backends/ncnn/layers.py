@@ -978,11 +978,16 @@ def _einsum(b: NcnnBuilder, node: fx.Node) -> None:
     for t, x, other in ((lhs_t, lhs, rhs), (rhs_t, rhs, lhs)):
         bd = b.batch_dim(x) if isinstance(x, fx.Node) and not b.is_constant(x) else None
         if bd is not None and bd >= len(t) - 2:  # the batch is a matrix dim: no MatMul of blobs (they leave it out)
-            fix = ("write it as a matmul (x @ w, or x @ w.T where the equation has w's subscripts the other way): "
-                   "fxq makes a product by a stored matrix a linear layer, which ncnn runs"
-                   if len(t) == 2 and b.is_constant(other) else
-                   "permute the operand so its batch dim leads (e.g. .permute(1, 0, 2) of an (n, batch, c) value) and "
-                   "write the einsum with that subscript first")
+            if len(t) > 2:
+                fix = ("permute the operand so its batch dim leads (e.g. .permute(1, 0, 2) of an (n, batch, c) value) "
+                       "and write the einsum with that subscript first")
+            elif b.is_constant(other) and len(b.shape(other)) == 2:
+                fix = ("write it as a matmul (x @ w, or x @ w.T where the equation has w's subscripts the other way): "
+                       "fxq makes a product by a stored matrix a linear layer, which ncnn runs")
+            else:  # a (batch, c) operand: its batch is a matrix dim whichever way it is permuted
+                fix = ("write it as a matmul with the batch outside the two matrix dims, both operands of one rank: "
+                       "for a stored (h, c, k) table w, (x[:, None, None] @ w[None]).squeeze(2), of shape (batch, h, k)")
+
             raise b.fail(node, f"the batch dim of operand {x.name!r} (subscript {t[bd]!r} of {equation!r}) is one of "
                          "the two matrix dims of the product; ncnn's blobs leave the batch dim out, so no ncnn MatMul "
                          "computes it", fix)
