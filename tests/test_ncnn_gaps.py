@@ -2003,3 +2003,30 @@ def test_elementwise_math_is_ncnn_unary_ops(tmp_path: Path, form: str) -> None:
     if form == "onnx":
         model = _onnx(model, (1, 3, 8, 8), tmp_path / "m.onnx", opset=17)
     check(model, (1, 3, 8, 8), tmp_path / "m")
+
+
+class PaddingModules(_ConvPair):
+    """torch's padding modules (HF EfficientNet's stem: ``nn.ZeroPad2d``) between two convolutions, and the dropouts
+    that are identities in eval."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pads = nn.ModuleList([nn.ZeroPad2d((1, 0, 1, 0)), nn.ConstantPad2d(1, 0.5), nn.ReflectionPad2d(1),
+                                   nn.ReplicationPad2d((0, 1, 1, 0))])
+        self.drops = nn.Sequential(nn.Dropout1d(0.2), nn.Dropout3d(0.2), nn.AlphaDropout(0.2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        parts = [pad(y)[:, :, :8, :8] for pad in self.pads]
+        return self.conv2(self.drops(parts[0] + parts[1] + parts[2] + parts[3]))
+
+
+def test_padding_modules_are_pads(tmp_path: Path) -> None:
+    """Refused before ("the ncnn writer has no converter for op type 'Unknown'", node ``padding``): each padding
+    module is ``F.pad`` once prepared, an ncnn Padding (constant with its value, reflect, replicate), and the dropout
+    modules are gone."""
+    gm, _ = check(PaddingModules().eval(), (1, 3, 8, 8), tmp_path / "m")
+    kinds = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert F.pad in kinds
+    assert not [n for n in gm.graph.nodes if n.op == "call_module" and "pads" in str(n.target) or "drops" in str(
+        n.target)]

@@ -30,6 +30,7 @@ from fxq.graph.op_types import WEIGHTED_FUNCTIONS, mutates_first_argument, op_ty
 __all__ = [
     "standardize",
     "remove_identity_nodes",
+    "functionalize_padding_modules",
     "decompose_compound_arithmetic",
     "functionalize_weighted_modules",
     "fold_batchnorm",
@@ -167,12 +168,41 @@ def functionalize_weighted_modules(gm: fx.GraphModule) -> fx.GraphModule:
             w = gm.graph.get_attr(f"{node.target}.weight")
             b = gm.graph.get_attr(f"{node.target}.bias") if mod.bias is not None else None
             new = gm.graph.call_function(fn, (node.args[0], w, b, *extra), kwargs)
-        new.meta.update(node.meta)
-        new.meta["module_path"] = node.target
-        name = node.name
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
-        reuse_node_name(new, name)
+        _stand_in(gm, node, new)
+        rewritten = True
+    return _finish(gm) if rewritten else gm
+
+
+def _stand_in(gm: fx.GraphModule, call: fx.Node, new: fx.Node) -> None:
+    """``new`` (the function form of module call ``call``) in place of ``call``: its readers, meta, name, and
+    ``meta["module_path"]`` (the module it came from)."""
+    new.meta.update(call.meta)
+    new.meta["module_path"] = call.target
+    name = call.name
+    call.replace_all_uses_with(new)
+    gm.graph.erase_node(call)
+    reuse_node_name(new, name)
+
+
+_PADDING_MODES = ((nn.modules.padding._ConstantPadNd, "constant"), (nn.modules.padding._ReflectionPadNd, "reflect"),
+                  (nn.modules.padding._ReplicationPadNd, "replicate"), (nn.modules.padding._CircularPadNd, "circular"))
+
+
+def functionalize_padding_modules(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite ``nn.ZeroPad2d`` / ``ConstantPad*`` / ``ReflectionPad*`` / ``ReplicationPad*`` / ``CircularPad*``
+    calls as ``F.pad(x, padding, mode, value)``: one form of a pad for every platform and exporter (HF
+    EfficientNet's stem pads with ``nn.ZeroPad2d``, which no exporter converted as a module)."""
+    modules = dict(gm.named_modules())
+    rewritten = False
+    for node in list(gm.graph.nodes):
+        mod = modules.get(str(node.target)) if node.op == "call_module" else None
+        mode = next((m for cls, m in _PADDING_MODES if isinstance(mod, cls)), None)
+        if mode is None or len(node.args) != 1 or node.kwargs:
+            continue
+        value = float(mod.value) if mode == "constant" else None
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(F.pad, (node.args[0], tuple(mod.padding), mode, value))
+        _stand_in(gm, node, new)
         rewritten = True
     return _finish(gm) if rewritten else gm
 
@@ -817,6 +847,7 @@ def standardize(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
         remove_identity_nodes(gm)
         decompose_compound_arithmetic(gm)
         functionalize_weighted_modules(gm)
+        functionalize_padding_modules(gm)
         if fold_bn:
             fold_stored_computations(gm)  # first: a StdConv's weight becomes stored, and its BatchNorm then folds
             fold_batchnorm(gm)
