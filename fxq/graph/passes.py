@@ -207,21 +207,33 @@ def functionalize_padding_modules(gm: fx.GraphModule) -> fx.GraphModule:
     return _finish(gm) if rewritten else gm
 
 
-_COMPOUND = {torch.addcmul: "mul", "addcmul": "mul", torch.addcdiv: "div", "addcdiv": "div"}
-"""``input + value * t1 (op) t2`` in one call: written out, each step is an op every platform and exporter knows."""
+_COMPOUND = {torch.addcmul: "mul", "addcmul": "mul", torch.addcdiv: "div", "addcdiv": "div",
+             torch.addmm: "mm", "addmm": "mm", torch.diff: "diff", "diff": "diff"}
+"""Several ops in one call: written out, each step is an op every platform and exporter knows."""
 
 
 def decompose_compound_arithmetic(gm: fx.GraphModule) -> fx.GraphModule:
     """Write ``torch.addcmul`` / ``torch.addcdiv`` (timm's GlobalResponseNorm ends with ``addcmul(bias, weight, x)``)
-    as ``input + t1 * t2 * value`` / ``input + value * t1 / t2``.
+    as ``input + t1 * t2 * value`` / ``input + value * t1 / t2``, ``torch.addmm(bias, x, W)`` (HF's GPT-2 ``Conv1D``)
+    as ``x @ W + bias`` (a matmul by a stored matrix then becomes a linear layer, the bias folded in), and
+    ``torch.diff`` (HF's packed-sequence check on position ids; torch.onnx has no symbolic for it) as the
+    difference of two slices.
 
-    ``addcdiv`` in the order torch's CPU kernel computes it (bit for bit). torch's ``addcmul`` kernel fuses the
-    multiply-add, which no separate ops reproduce: written out it rounds once more (an ulp here and there), as the
-    Mul and Add torch.onnx writes for it, and ncnn, compute it."""
+    ``addcdiv`` in the order torch's CPU kernel computes it (bit for bit). torch's ``addcmul`` / ``addmm`` kernels
+    fuse the multiply-add, which no separate ops reproduce: written out they round once more (an ulp here and
+    there), as the ops torch.onnx writes for them, and ncnn, compute them."""
     rewritten = False
     for node in list(gm.graph.nodes):
         kind = _COMPOUND.get(node.target) if node.op in ("call_function", "call_method") else None
         if kind is None:
+            continue
+        if kind in ("mm", "diff"):
+            with gm.graph.inserting_before(node):
+                total = (_addmm_written_out if kind == "mm" else _diff_written_out)(gm.graph, node)
+            total.meta.update(node.meta)
+            node.replace_all_uses_with(total)
+            gm.graph.erase_node(node)
+            rewritten = True
             continue
         names = ("input", "value", "tensor1", "tensor2") if len(node.args) == 4 else ("input", "tensor1", "tensor2")
         a = dict(zip(names, node.args))  # four positional arguments: torch's deprecated addcmul(x, value, t1, t2)
@@ -240,6 +252,38 @@ def decompose_compound_arithmetic(gm: fx.GraphModule) -> fx.GraphModule:
         gm.graph.erase_node(node)
         rewritten = True
     return _finish(gm) if rewritten else gm
+
+
+def _addmm_written_out(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """``beta * input + alpha * (mat1 @ mat2)`` of ``torch.addmm`` / ``input.addmm(mat1, mat2)``."""
+    a = dict(zip(("input", "mat1", "mat2"), node.args))
+    a.update(node.kwargs)
+    beta, alpha = a.get("beta", 1), a.get("alpha", 1)
+    product = graph.call_function(torch.matmul, (a["mat1"], a["mat2"]))
+    product = product if alpha == 1 else graph.call_function(operator.mul, (product, alpha))
+    bias = a["input"] if beta == 1 else graph.call_function(operator.mul, (a["input"], beta))
+    return product if beta == 0 else graph.call_function(operator.add, (product, bias))
+
+
+def _diff_written_out(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """``torch.diff(input, n, dim, prepend, append)``: ``x[1:] - x[:-1]`` along ``dim``, ``n`` times, after the
+    prepended / appended values are concatenated (a bool input's difference is ``!=``, as torch's)."""
+    a = dict(zip(("input", "n", "dim", "prepend", "append"), node.args))
+    a.update(node.kwargs)
+    dim = int(a.get("dim", -1))
+    x = a["input"]
+    parts = [p for p in (a.get("prepend"), x, a.get("append")) if p is not None]
+    if len(parts) > 1:
+        x = graph.call_function(torch.cat, (parts, dim))
+    lead = (slice(None),) * dim if dim >= 0 else (Ellipsis,)
+    trail = () if dim >= 0 else (slice(None),) * (-dim - 1)
+    val = node.meta.get("val")
+    step = torch.ne if isinstance(val, torch.Tensor) and val.dtype == torch.bool else operator.sub
+    for _ in range(int(a.get("n", 1))):
+        hi = graph.call_function(operator.getitem, (x, (*lead, slice(1, None), *trail)))
+        lo = graph.call_function(operator.getitem, (x, (*lead, slice(None, -1), *trail)))
+        x = graph.call_function(step, (hi, lo))
+    return x
 
 
 def reuse_node_name(node: fx.Node, name: str) -> None:

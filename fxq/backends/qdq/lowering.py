@@ -238,7 +238,26 @@ def _flush_c_stdio() -> None:
         pass
 
 
-_OWN_SYMBOLICS = {"aten::col2im": (_col2im_symbolic, 18)}
+def _cumsum_symbolic(g: Any, input: Any, dim: Any, dtype: Any = None) -> Any:
+    """``aten::cumsum`` as ONNX ``CumSum`` of the dtype torch's result has: torch sums a bool or integer input as
+    int64, while torch's symbolic (torch 2.14) passed it on as it is, and ONNX's CumSum takes no bool: HF GPT-2's
+    ``(position_ids.diff() != 1).cumsum(-1)`` wrote a file onnxruntime refused to load."""
+    from torch.onnx import symbolic_helper
+    from torch.onnx._internal.torchscript_exporter import _type_utils
+
+    dim = symbolic_helper._get_const(dim, "i", "dim")
+    if symbolic_helper._is_none(dtype):
+        kind = _type_utils.JitScalarType.from_value(input, _type_utils.JitScalarType.UNDEFINED)
+        floating = kind in (_type_utils.JitScalarType.FLOAT, _type_utils.JitScalarType.DOUBLE,
+                            _type_utils.JitScalarType.HALF, _type_utils.JitScalarType.BFLOAT16)
+        target = None if floating or kind == _type_utils.JitScalarType.UNDEFINED else _type_utils.JitScalarType.INT64
+    else:
+        target = _type_utils.JitScalarType(symbolic_helper._get_const(dtype, "i", "dtype"))
+    x = input if target is None else g.op("Cast", input, to_i=target.onnx_type())
+    return g.op("CumSum", x, g.op("Constant", value_t=torch.tensor(dim, dtype=torch.int64)))
+
+
+_OWN_SYMBOLICS = {"aten::col2im": (_col2im_symbolic, 18), "aten::cumsum": (_cumsum_symbolic, 11)}
 """Symbolics fxq's exports use in place of torch's: ``{op: (function, first opset)}``, registered only while fxq
 exports and only where the user registered none of their own."""
 
