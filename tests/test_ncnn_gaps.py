@@ -2030,3 +2030,24 @@ def test_padding_modules_are_pads(tmp_path: Path) -> None:
     assert F.pad in kinds
     assert not [n for n in gm.graph.nodes if n.op == "call_module" and "pads" in str(n.target) or "drops" in str(
         n.target)]
+
+
+class AudioFeatures(nn.Module):
+    """wav2vec2's feature extractor: Conv1d over a waveform, GroupNorm of one group per channel over the time axis
+    of ``(N, C, L)``, GELU; and a GroupNorm of groups of channels, and one of an ``(N, C)`` vector."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv1d(1, 8, 10, stride=5), nn.GroupNorm(8, 8)
+        self.conv2, self.norm2 = nn.Conv1d(8, 8, 3, stride=2), nn.GroupNorm(2, 8)
+        self.fc, self.norm3 = nn.Linear(8, 8), nn.GroupNorm(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm2(self.conv2(F.gelu(self.norm(self.conv(x)))))
+        return self.norm3(self.fc(y.mean(dim=-1)))
+
+
+def test_group_norm_of_sequences_and_vectors(tmp_path: Path) -> None:
+    """Refused before ("the writer maps ncnn's GroupNorm onto (N, C, H, W) values only"): ncnn's GroupNorm takes
+    the channels of a 1-D or 2-D blob too."""
+    check(AudioFeatures().eval(), (1, 1, 200), tmp_path / "m")

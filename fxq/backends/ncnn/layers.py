@@ -851,9 +851,10 @@ def _groupnorm(b: NcnnBuilder, node: fx.Node) -> None:
         raise b.fail(node, f"a group norm module of type {type(mod).__name__} is not one ncnn's writer reads",
                      "use nn.GroupNorm or F.group_norm")
     shape = b.shape(x)
-    if len(shape) != 4 or b.batch_dim(x) != 0:
-        raise b.fail(node, f"it normalizes a value of shape {shape} (batch dim {b.batch_dim(x)}); the writer maps "
-                     "ncnn's GroupNorm onto (N, C, H, W) values only", "group-normalize a 4-D (N, C, H, W) value")
+    if len(shape) not in (2, 3, 4) or b.batch_dim(x) != 0:
+        raise b.fail(node, f"it normalizes a value of shape {shape} (batch dim {b.batch_dim(x)}); ncnn's GroupNorm "
+                     "takes the channels of an (N, C), (N, C, L) or (N, C, H, W) value", "group-normalize a value of "
+                     "2 to 4 dims with the batch first")
     channels = shape[1]
     gamma = b.param(weight, node, "weight") if weight is not None else torch.ones(channels)
     beta = b.param(bias, node, "bias") if bias is not None else torch.zeros(channels)
