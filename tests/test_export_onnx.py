@@ -27,9 +27,11 @@ tensor would be zero), inputs 2x3x32x32.
 """
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import pytest
 import torch
+from torch import nn
 
 import fxq
 from fxq.graph.quant_graph import QuantGraph
@@ -326,3 +328,35 @@ def test_exporter_picks_the_opset_an_op_needs(tmp_path, platform):
         fxq.export(gm, platform, tmp_path / "warp13.onnx", opset=13)
     path = fxq.export(gm, platform, tmp_path / "warp16.onnx", opset=16)[0]
     assert onnx.load(path).opset_import[0].version == 16
+
+
+class _SharedQueryMLP(nn.Module):
+    """RT-DETR's decoder: one query-position MLP called once per decoder layer on (N, T, C) values, so torch.onnx
+    writes each call as ``MatMul(x, Transpose(W))`` of the same weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp, self.proj = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = self.proj(torch.relu(self.mlp(x)) + x)
+        return x
+
+
+def test_a_weight_shared_by_several_layers_keeps_tensorrts_rules(tmp_path):
+    """Each use of a shared weight got its own Transpose after the weight's per-axis DequantizeLinear, which breaks
+    TensorRT's explicit-quantization rules ("per-axis weight feeds Transpose ... other than as its weight"): only a
+    lone Transpose was folded into the stored weight. torch.export capture reads the weight once for every call, so one
+    weight quantizer feeds them all. All Transposes of one perm are folded now."""
+    torch.manual_seed(0)
+    data = [torch.randn(2, 5, 8) for _ in range(2)]
+    gm = fxq.quantize(_SharedQueryMLP().eval(), data, "trt_int8", progress=False, capture="export")
+    fxq.export(gm, "trt_int8", tmp_path / "m.onnx")
+    model = onnx.load(str(tmp_path / "m.onnx"))
+    assert not [n for n in model.graph.node if n.op_type == "Transpose"]
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        sim = gm(x).numpy()
+    for optimize in (True, False):
+        np.testing.assert_allclose(run_ort(tmp_path / "m.onnx", x, optimize=optimize), sim, atol=1e-5)

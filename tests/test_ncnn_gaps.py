@@ -2051,3 +2051,23 @@ def test_group_norm_of_sequences_and_vectors(tmp_path: Path) -> None:
     """Refused before ("the writer maps ncnn's GroupNorm onto (N, C, H, W) values only"): ncnn's GroupNorm takes
     the channels of a 1-D or 2-D blob too."""
     check(AudioFeatures().eval(), (1, 1, 200), tmp_path / "m")
+
+
+class ValidAnchors(_ConvPair):
+    """RT-DETR's decoder input: anchors computed from the feature size, a bool mask of the valid ones
+    (``((a > eps) & (a < 1 - eps)).all(-1, keepdim=True)``), and ``mask * features``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        n, c, h, w = y.shape
+        grid = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).float()
+        anchors = ((grid + 0.5) / torch.tensor([h, w])).reshape(1, h * w, 2)
+        valid = ((anchors > 0.1) & (anchors < 0.9)).all(-1, keepdim=True)
+        tokens = y.flatten(2).transpose(1, 2) * valid
+        return self.conv2(tokens.transpose(1, 2).reshape(n, c, h, w))
+
+
+def test_a_bool_mask_computed_from_shapes_is_a_constant(tmp_path: Path) -> None:
+    """Refused before ("computed from tensor shapes only ... not a tensor of the network"): a bool value fixed at
+    export time is a MemoryData of 0 / 1, as torch's arithmetic promotes it."""
+    check(ValidAnchors().eval(), (1, 3, 8, 8), tmp_path / "m", capture="export")

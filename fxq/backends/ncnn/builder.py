@@ -282,10 +282,11 @@ class NcnnBuilder:
         return isinstance(arg, fx.Node) and self.strip(arg) in self._empty
 
     def is_constant(self, arg: Any) -> bool:
-        """Whether ``arg`` is a floating-point tensor fixed at export time: a stored tensor (get_attr) or a value
-        computed from stored tensors and shapes only (a static node, :meth:`static_value`)."""
+        """Whether ``arg`` is a floating-point or bool tensor fixed at export time: a stored tensor (get_attr) or a
+        value computed from stored tensors and shapes only (a static node, :meth:`static_value`). A bool one (a
+        detection head's mask of valid anchors) is stored as 0 / 1, as torch's arithmetic reads it."""
         value = self.fixed_value(arg) if isinstance(arg, fx.Node) else None
-        return isinstance(value, torch.Tensor) and value.is_floating_point()
+        return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.dtype == torch.bool)
 
     def emit(self, node: fx.Node, layer_type: str, bottoms: list[str], params: dict[int, Any] | None = None,
              weights: list[tuple[str, np.ndarray]] | None = None, *, int8: Int8Scales | None = None,

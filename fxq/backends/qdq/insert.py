@@ -184,17 +184,22 @@ class _Inserter:
         float_form = bias_fp32 or cfg.is_floating or (self.policy.weights == "qdq" and elem != TensorProto.INT32)
         codes = codes_t.numpy()
         deq = dequantize(codes_t, cfg).numpy().astype(np.float32) if float_form else None
-        # a Transpose right after the weight: transpose the constant instead
+        # a Transpose right after the weight: transpose the constant instead; a weight shared by several layers
+        # (a decoder's query MLP called once per layer) has one such Transpose per use, all of one perm
         y_out = y
         users = [n for n in self.cons.get(y, []) if id(n) not in self.removed]
-        if (self.policy.fold_weight_transpose and len(users) == 1 and users[0].op_type == "Transpose"
-                and y not in self.g_outputs and y not in self.sub_reads):
-            perm = list(attr(users[0], "perm") or reversed(range(codes.ndim)))
+        perms = {tuple(attr(u, "perm") or reversed(range(codes.ndim))) for u in users if u.op_type == "Transpose"}
+        if (self.policy.fold_weight_transpose and users and all(u.op_type == "Transpose" for u in users)
+                and len(perms) == 1 and y not in self.g_outputs and y not in self.sub_reads
+                and not any(u.output[0] in self.g_outputs for u in users[1:])):
+            perm = list(perms.pop())
             codes = codes.transpose(perm)
             deq = deq.transpose(perm) if deq is not None else None
             axis = perm.index(axis) if axis is not None else None
-            self.removed.add(id(users[0]))
+            self.removed.update(id(u) for u in users)
             y_out = users[0].output[0]
+            for u in users[1:]:
+                self._forward(u.output[0], y_out)
         if bias_fp32:  # no Q/DQ: consumers read the fake-quantized values directly
             name = self._float_init(x, deq, value.shape)
             if y_out in self.g_outputs:
