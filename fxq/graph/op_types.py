@@ -63,6 +63,8 @@ LIFTED: dict[Any, Callable[..., Any] | str] = {
     aten.split_with_sizes.default: torch.split, aten.split.Tensor: torch.split,
     aten.unbind.int: torch.unbind, aten.sum.dim_IntList: torch.sum, aten.sum.default: torch.sum,
     aten.amax.default: torch.amax, aten.amin.default: torch.amin, aten.pow.Tensor_Scalar: torch.pow,
+    aten.max.dim: torch.max, aten.min.dim: torch.min, aten.max.default: torch.max, aten.min.default: torch.min,
+    aten.max.other: torch.max, aten.min.other: torch.min,
     aten.scaled_dot_product_attention.default: F.scaled_dot_product_attention,
     aten.group_norm.default: F.group_norm, aten.rsqrt.default: torch.rsqrt,
     aten.var.correction: torch.var, aten.std.correction: torch.std, aten.var.dim: torch.var, aten.std.dim: torch.std,
