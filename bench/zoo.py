@@ -3,6 +3,7 @@
     python bench/zoo.py                                   # all 109 models, every path (hours on 2 cores)
     python bench/zoo.py --families timm --paths native,legacy17   # one model per timm architecture (93)
     python bench/zoo.py --families ultralytics           # ultralytics' YOLO / RT-DETR architectures (20)
+    python bench/zoo.py --families transformers          # HF transformers vision / audio models, small configs (21)
     python bench/zoo.py --models resnet18,googlenet --paths native,legacy13 --platforms trt_int8
     python bench/zoo.py --subset                          # the dozen models the tests run (tests/test_zoo_subset.py)
     python bench/zoo.py --paths native --capture fx,export,auto --platforms trt_int8   # capture paths side by side
@@ -94,6 +95,55 @@ features), at 320x320 (224 for classifiers) on images in [0, 1]. In the zoo as `
 issue #13's mixed-range class on files nobody here wrote."""
 ULTRALYTICS_PREFIX = "yolo-"
 
+_HF_SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
+HF_MODELS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
+    "vit": ("ViTConfig", "ViTForImageClassification", 32, {"image_size": 32, "patch_size": 8, **_HF_SMALL}),
+    "deit": ("DeiTConfig", "DeiTForImageClassification", 32, {"image_size": 32, "patch_size": 8, **_HF_SMALL}),
+    "beit": ("BeitConfig", "BeitForImageClassification", 32, {"image_size": 32, "patch_size": 8, **_HF_SMALL}),
+    "dinov2": ("Dinov2Config", "Dinov2ForImageClassification", 28, {"image_size": 28, "patch_size": 7, **_HF_SMALL}),
+    "clip_vision": ("CLIPVisionConfig", "CLIPVisionModel", 32, {"image_size": 32, "patch_size": 8, **_HF_SMALL}),
+    "yolos": ("YolosConfig", "YolosForObjectDetection", 64,
+              {"image_size": [64, 64], "patch_size": 16, "num_detection_tokens": 10, **_HF_SMALL}),
+    "dpt": ("DPTConfig", "DPTForDepthEstimation", 64,
+            {"image_size": 64, "patch_size": 16, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "intermediate_size": 128, "backbone_out_indices": [0, 1, 2, 3], "neck_hidden_sizes": [16, 32, 64, 64],
+             "fusion_hidden_size": 32}),
+    "swin": ("SwinConfig", "SwinForImageClassification", 64,
+             {"image_size": 64, "patch_size": 4, "embed_dim": 32, "depths": [2, 2], "num_heads": [2, 4],
+              "window_size": 4}),
+    "swinv2": ("Swinv2Config", "Swinv2ForImageClassification", 64,
+               {"image_size": 64, "patch_size": 4, "embed_dim": 32, "depths": [2, 2], "num_heads": [2, 4],
+                "window_size": 4}),
+    "focalnet": ("FocalNetConfig", "FocalNetForImageClassification", 64,
+                 {"image_size": 64, "embed_dim": 16, "depths": [1, 1], "hidden_sizes": [16, 32]}),
+    "convnext": ("ConvNextConfig", "ConvNextForImageClassification", 64,
+                 {"hidden_sizes": [16, 32], "depths": [1, 1], "num_stages": 2}),
+    "convnextv2": ("ConvNextV2Config", "ConvNextV2ForImageClassification", 64,
+                   {"hidden_sizes": [16, 32], "depths": [1, 1], "num_stages": 2}),
+    "resnet": ("ResNetConfig", "ResNetForImageClassification", 64,
+               {"hidden_sizes": [16, 32], "depths": [1, 1], "embedding_size": 16}),
+    "regnet": ("RegNetConfig", "RegNetForImageClassification", 64,
+               {"hidden_sizes": [16, 32], "depths": [1, 1], "embedding_size": 16, "groups_width": 8}),
+    "efficientnet": ("EfficientNetConfig", "EfficientNetForImageClassification", 64,
+                     {"image_size": 64, "width_coefficient": 0.25, "depth_coefficient": 0.25, "hidden_dim": 320}),
+    "mobilenet_v2": ("MobileNetV2Config", "MobileNetV2ForImageClassification", 64,
+                     {"image_size": 64, "depth_multiplier": 0.35}),
+    "mobilevit": ("MobileViTConfig", "MobileViTForImageClassification", 64, {"image_size": 64}),
+    "levit": ("LevitConfig", "LevitForImageClassification", 64, {"image_size": 64}),
+    "poolformer": ("PoolFormerConfig", "PoolFormerForImageClassification", 64,
+                   {"hidden_sizes": [16, 32, 64, 128], "depths": [1, 1, 1, 1]}),
+    "segformer": ("SegformerConfig", "SegformerForSemanticSegmentation", 64,
+                  {"hidden_sizes": [16, 32, 64, 128], "decoder_hidden_size": 64}),
+    "wav2vec2": ("Wav2Vec2Config", "Wav2Vec2ForCTC", 4000,
+                 {"conv_dim": (32, 32, 32), "conv_stride": (5, 2, 2), "conv_kernel": (10, 3, 3),
+                  "num_feat_extract_layers": 3, "vocab_size": 32, **_HF_SMALL}),
+}
+"""Hugging Face transformers' vision and audio architectures, small configs, random init (``pip install
+transformers``; built from the config class, nothing downloads): ``(config class, model class, input size,
+config)``; the input is an image ``(1, 3, size, size)`` or, for wav2vec2, a waveform ``(1, size)``. In the zoo as
+``hf-<name>``, family ``transformers``; the model returns the tensors of its output record."""
+HF_PREFIX = "hf-"
+
 
 # --------------------------------------------------------------------------------------------- the models
 def families() -> dict[str, str]:
@@ -112,6 +162,8 @@ def families() -> dict[str, str]:
         out[TIMM_PREFIX + name] = "timm"
     for name in ULTRALYTICS_MODELS:
         out[ULTRALYTICS_PREFIX + name] = "ultralytics"
+    for name in HF_MODELS:
+        out[HF_PREFIX + name] = "transformers"
     return out
 
 
@@ -162,6 +214,9 @@ def example_input(name: str, family: str, model: Any = None) -> Any:
     if family == "ultralytics":
         size = 224 if name.endswith("-cls") else 320
         return (torch.rand(1, 3, size, size),)
+    if family == "transformers":
+        size = HF_MODELS[name[len(HF_PREFIX):]][2]
+        return (torch.randn(1, size),) if name == HF_PREFIX + "wav2vec2" else (torch.randn(1, 3, size, size),)
     last: Exception | None = None
     for size in _SIZES:
         args = (torch.randn(1, 3, size, size),)
@@ -188,6 +243,12 @@ def build(name: str) -> Any:
         import timm
 
         return timm.create_model(name[len(TIMM_PREFIX):], pretrained=False).eval()
+    if name.startswith(HF_PREFIX):
+        import transformers
+
+        config_class, model_class, _, config = HF_MODELS[name[len(HF_PREFIX):]]
+        model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config)).eval()
+        return _output_tensors(model)
     if name.startswith(ULTRALYTICS_PREFIX):
         import ultralytics
 
@@ -222,6 +283,22 @@ def advised_batch_dims(message: str) -> dict[str, Any] | None:
         return None
     return value if isinstance(value, dict) else None
 
+
+
+def _output_tensors(model: Any) -> Any:
+    """``model`` (a transformers model) returning the tensors of its output record (``logits``, ``pred_boxes``...)."""
+    import torch
+
+    class OutputTensors(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> tuple:
+            out = self.model(x, return_dict=True)
+            return tuple(v for v in out.values() if isinstance(v, torch.Tensor))
+
+    return OutputTensors().eval()
 
 
 # --------------------------------------------------------------------------------------------- one worker
@@ -704,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per model and path")
     parser.add_argument("--csv", default="bench/zoo.csv")
     parser.add_argument("--families", help="comma-separated families (classification, detection, segmentation, "
-                                           "video, optical_flow; timm, ultralytics: not in the default run)")
+                                           "video, optical_flow; timm, ultralytics, transformers: not in the default run)")
     parser.add_argument("--summarize", metavar="CSV", help="print the table of an earlier (or running) run's CSV")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--family", help=argparse.SUPPRESS)
@@ -732,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
         print(summarize(done, [p for p in paths if any(r["path"] == p for r in done)], platforms))
         return 0
     fams = families()
-    opt_in = ("timm", "ultralytics")  # families of other packages: run when named
+    opt_in = ("timm", "ultralytics", "transformers")  # families of other packages: run when named
     names = list(SUBSET) if args.subset else (args.models.split(",") if args.models else
                                               sorted(n for n, f in fams.items() if f not in opt_in or args.families))
     if args.families:
