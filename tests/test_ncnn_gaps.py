@@ -2071,3 +2071,24 @@ def test_a_bool_mask_computed_from_shapes_is_a_constant(tmp_path: Path) -> None:
     """Refused before ("computed from tensor shapes only ... not a tensor of the network"): a bool value fixed at
     export time is a MemoryData of 0 / 1, as torch's arithmetic promotes it."""
     check(ValidAnchors().eval(), (1, 3, 8, 8), tmp_path / "m", capture="export")
+
+
+class InstanceNorms(_ConvPair):
+    """RAFT's feature encoder: ``nn.InstanceNorm2d`` (affine), and ``F.instance_norm`` with and without weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.InstanceNorm2d(4, affine=True)
+        self.gamma, self.beta = nn.Parameter(torch.rand(4) + 0.5), nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.norm(self.conv(x)))
+        y = F.instance_norm(y, weight=self.gamma, bias=self.beta) + F.instance_norm(y * 2.0)
+        return self.conv2(y)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_instance_norm_functions(tmp_path: Path, capture: str) -> None:
+    """``F.instance_norm`` (and torch.export's ``aten.instance_norm``, which RAFT's capture holds: "no converter for
+    op type 'Unknown'") is ncnn's InstanceNorm like the module form."""
+    check(InstanceNorms().eval(), (1, 3, 8, 8), tmp_path / "m", capture=capture)

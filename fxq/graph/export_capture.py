@@ -216,6 +216,9 @@ def lift_aten_graph(gm: fx.GraphModule, name: str = "ExportedProgram") -> fx.Gra
         elif node.target in (aten.clamp_min.default, aten.clamp_max.default):  # a clamp with one bound
             bound = "min" if node.target is aten.clamp_min.default else "max"
             node.target, node.args, node.kwargs = torch.clamp, (node.args[0],), {bound: node.args[1]}
+        elif node.target is aten.instance_norm.default:  # (x, w, b, mean, var, use_input_stats, momentum, eps, ..)
+            x, w, b, mean, var, use_input_stats, momentum, eps = node.args[:8]
+            node.target, node.args = F.instance_norm, (x, mean, var, w, b, use_input_stats, momentum, eps)
         elif node.target is aten.embedding.default:  # (weight, ids, padding_idx, ...): F.embedding takes ids first
             padding_idx = _schema_args(node)["padding_idx"]
             node.target, node.args = F.embedding, (node.args[1], node.args[0])

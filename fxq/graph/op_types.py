@@ -78,7 +78,7 @@ _FUNCTIONS: dict[Callable[..., Any], str] = {
     F.conv1d: "Conv", F.conv2d: "Conv", F.conv3d: "Conv",
     torch.conv1d: "Conv", torch.conv2d: "Conv", torch.conv3d: "Conv",
     F.conv_transpose1d: "ConvTranspose", F.conv_transpose2d: "ConvTranspose", F.conv_transpose3d: "ConvTranspose",
-    F.linear: "Gemm", torch.addmm: "Gemm",
+    F.linear: "Gemm", torch.addmm: "Gemm", F.instance_norm: "InstanceNormalization",
     torch.matmul: "MatMul", operator.matmul: "MatMul", torch.bmm: "MatMul", torch.mm: "MatMul",
     torch.einsum: "Einsum",
     operator.add: "Add", torch.add: "Add", operator.iadd: "Add",

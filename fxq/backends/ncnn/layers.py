@@ -493,20 +493,31 @@ def _normalize(b: NcnnBuilder, node: fx.Node) -> None:
 @register_ncnn_converter("InstanceNormalization")
 def _instance_norm(b: NcnnBuilder, node: fx.Node) -> None:
     """``InstanceNorm`` (0 channels, 1 eps, 2 affine; gamma, beta) of an ``(N, C, H, W)`` or ``(N, C, L)`` tensor,
-    normalized over H x W (L) per channel, as ``nn.InstanceNorm2d`` / ``1d`` without running statistics compute
-    it."""
+    normalized over H x W (L) per channel, as ``nn.InstanceNorm2d`` / ``1d`` / ``F.instance_norm`` without running
+    statistics compute it (RAFT's feature encoder, captured by torch.export, has the function)."""
     mod = b.module(node)
     x = node.args[0]
-    if not isinstance(mod, nn.modules.instancenorm._InstanceNorm) or mod.track_running_stats:
-        raise b.fail(node, "only InstanceNorm modules normalizing by the input's own statistics are exported",
+    if mod is None and node.target is F.instance_norm:
+        by_input = _arg(node, 5, "use_input_stats", True)
+        weight, bias = _arg(node, 3, "weight", None), _arg(node, 4, "bias", None)
+        eps = float(_const(b, node, _arg(node, 7, "eps", 1e-5), "eps"))
+    elif isinstance(mod, nn.modules.instancenorm._InstanceNorm):
+        by_input, eps = not mod.track_running_stats, float(mod.eps)
+        weight, bias = (mod.weight, mod.bias) if mod.affine else (None, None)
+    else:
+        by_input = False
+    if not by_input:
+        raise b.fail(node, "only instance norms normalizing by the input's own statistics are exported",
                      "use nn.InstanceNorm2d(track_running_stats=False)")
     shape = b.shape(x)
     if len(shape) not in (3, 4) or b.batch_dim(x) != 0:
         raise b.fail(node, f"its input of shape {shape} is not (N, C, L) or (N, C, H, W)",
                      "apply it to batch-first 3-D or 4-D tensors")
     c = int(shape[1])
-    weights = [("raw", _np(mod.weight)), ("raw", _np(mod.bias))] if mod.affine else []
-    params = {0: c, 1: float(mod.eps), 2: int(mod.affine)}
+    affine = weight is not None or bias is not None
+    weights = [("raw", _np(b.param(weight, node, "weight") if weight is not None else torch.ones(c))),
+               ("raw", _np(b.param(bias, node, "bias") if bias is not None else torch.zeros(c)))] if affine else []
+    params = {0: c, 1: eps, 2: int(affine)}
     if len(shape) == 4:
         b.emit(node, "InstanceNorm", [b.blob(x, node)], params, weights)
         return
