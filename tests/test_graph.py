@@ -538,6 +538,47 @@ def test_a_forward_that_takes_gradients_itself_still_calibrates(reads_data):
     assert (q(data[0]) - model(data[0])).abs().max() < 0.05
 
 
+class _NumpyTopK(nn.Module):
+    """Numpy post-processing of its input's values (fine without autograd; ``x.numpy()`` refuses a tensor that
+    requires grad). Fake tensors cannot run it, so shapes come from a real run."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = np.argsort(-x.numpy(), axis=1)[:, :4]
+        return torch.gather(x, 1, torch.from_numpy(order))
+
+
+class _RangeCheck(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.abs() > 1e3).any():
+            raise ValueError("scores out of range: normalize the inputs")
+        return x
+
+
+class _TopKNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.top, self.check, self.out = nn.Linear(8, 8), _NumpyTopK(), _RangeCheck(), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.check(self.top(self.fc(x))))
+
+
+def test_grad_mode_is_a_fallback_only():
+    """A leaf that reads its input's values runs without gradients, as before the grad-mode fallbacks (review of
+    the first mends: prepare failed with "Can't call numpy() on Tensor that requires grad", blamed on fxq); and a
+    batch the model refuses is reported with the model's own error, not the grad-mode rerun's."""
+    torch.manual_seed(0)
+    leaves = [_NumpyTopK, _RangeCheck]
+    data = [torch.randn(2, 8) for _ in range(2)]
+    q = fxq.quantize(_TopKNet().eval(), data, "ort_int8", progress=False, leaf_modules=leaves)
+    with torch.no_grad():
+        assert q(data[0]).shape == (2, 2)
+    with torch.no_grad():
+        gm = fxq.prepare(_TopKNet().eval(), "ort_int8", data[0], leaf_modules=leaves)
+    with pytest.raises(fxq.CalibrationError, match="scores out of range"):
+        fxq.calibrate(gm, [data[0] * 1e5], progress=False)
+
+
 def test_unimplemented_algorithm_switch_raises(monkeypatch):
     """A switch without a registered implementation (every built-in has one now) says so instead of doing nothing."""
     from fxq.algorithms.pipeline import ALGORITHMS

@@ -5,6 +5,7 @@ Each goes through torch.export capture (HF models do not trace symbolically) and
 every platform, checked against fxq's simulation."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -113,13 +114,13 @@ class _Diff(nn.Module):
 
 def test_written_out_diff_equals_torch_diff() -> None:
     """Every argument form, and a bool input (torch's difference of bools is ``!=``)."""
-    from fxq.graph.passes import decompose_compound_arithmetic
+    from fxq.graph.passes import decompose_compound_arithmetic, propagate_tensor_meta
 
     cases = [((), {}), ((1, 0), {}), ((2, -1), {}), ((1, 1), {"prepend": torch.zeros(3, 1, 5)}),
              ((1,), {"dim": -2, "append": torch.ones(3, 2, 5)}), ((3, -1), {"prepend": torch.ones(3, 4, 2)})]
     x = torch.randn(3, 4, 5)
     for args, kwargs in cases:
-        gm = decompose_compound_arithmetic(torch.fx.symbolic_trace(_Diff(args, kwargs)))
+        gm = decompose_compound_arithmetic(propagate_tensor_meta(torch.fx.symbolic_trace(_Diff(args, kwargs)), [x]))
         assert not [n for n in gm.graph.nodes if n.target is torch.diff]
         torch.testing.assert_close(gm(x), torch.diff(x, *args, **kwargs), rtol=0, atol=0)
     flags = torch.rand(3, 6) > 0.5
@@ -153,3 +154,55 @@ def test_normalize_captured_by_torch_export_exports_to_ncnn(tmp_path: Path) -> N
     gm = fxq.quantize(NormalizedAttention().eval(), data, "ncnn_int8", progress=False, capture="export")
     assert not [n for n in gm.graph.nodes if "clamp_min" in str(n.target)]
     _files_match_simulation(gm, torch.randn(1, 6, 8), tmp_path, "ncnn_int8")
+
+
+class BoolDiff(nn.Module):
+    """``torch.diff`` of a bool mask (where a run of positive values starts), as a method with ``n`` and ``prepend``
+    too: symbolic tracing records no dtype, so the difference (``!=`` for bools) waits for the shapes pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positive = x > 0
+        starts = torch.diff(positive, prepend=torch.zeros_like(positive[:, :1])) | positive.diff(n=2, append=positive[
+            :, -2:])
+        return self.fc(x * starts.float() + torch.diff(x, n=0, prepend=x[:, :1]))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_bool_diff_and_zero_order_diff(capture: str) -> None:
+    """A bool diff under symbolic tracing was written out as a subtraction ("Subtraction ... with two bool tensors
+    is not supported", reported as fxq's rewrite failing); ``n=0`` returned the prepended input instead of the
+    input (both found by review)."""
+    torch.manual_seed(0)
+    model = BoolDiff().eval()
+    data = [torch.randn(2, 6) for _ in range(2)]
+    gm = fxq.quantize(model, data, "trt_int8", progress=False, capture=capture)
+    assert not [n for n in gm.graph.nodes if "diff" in str(n.target)]
+    with fxq.fp32_mode(gm), torch.no_grad():
+        assert torch.equal(gm(data[0]), model(data[0]))
+
+
+class DeprecatedAddmm(nn.Module):
+    """torch's deprecated positional scalars: ``torch.addmm(beta, input, alpha, mat1, mat2)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(8, 4)), nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.addmm(0.5, self.bias, 2.0, x, self.weight)
+
+
+def test_an_addmm_in_another_form_is_left_as_it_is() -> None:
+    """Written out only in the ``(input, mat1, mat2, beta=, alpha=)`` form: the deprecated positional scalars were
+    read as the input and the matrices (a review finding)."""
+    model = DeprecatedAddmm().eval()
+    x = torch.randn(3, 8)
+    gm = fxq.prepare(model, "trt_int8", x)
+    with fxq.fp32_mode(gm), torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))

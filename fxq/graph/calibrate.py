@@ -9,7 +9,7 @@ import torch
 from torch import fx
 from tqdm.auto import tqdm
 
-from fxq.errors import CalibrationError, ConfigError, ObserverError
+from fxq.errors import CalibrationError, ConfigError, FxqError, ObserverError
 from fxq.functional import representable_range
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
 from fxq.graph.data import (
@@ -138,14 +138,17 @@ def calibrate(
                 try:  # a record would keep every saved tensor and clone each in-place activation's input
                     with torch.set_grad_enabled(grad):
                         call_model(model, batch, check=(seen == 0))
-                except (RuntimeError, TypeError, ValueError):
-                    if grad or seen or p:
+                except (RuntimeError, TypeError, ValueError) as exc:
+                    if grad or seen or p or isinstance(exc, (FxqError, torch.OutOfMemoryError)):
                         raise
-                    grad = True  # the forward takes gradients itself (torch.autograd.grad): observe it afresh
-                    for fq in observing.values():
+                    for fq in observing.values():  # observe the batch afresh, in grad mode
                         fq.observer.reset()
-                    with torch.enable_grad():
-                        call_model(model, batch, check=True)
+                    try:  # the forward takes gradients itself (torch.autograd.grad)
+                        with torch.enable_grad():
+                            call_model(model, batch, check=True)
+                    except Exception:  # noqa: BLE001 - not that: the first failure is the one to report
+                        raise exc from None
+                    grad = True
             seen += 1
         if seen == 0:
             raise CalibrationError("calibration data is empty: give at least one batch")

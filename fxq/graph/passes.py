@@ -228,6 +228,8 @@ def decompose_compound_arithmetic(gm: fx.GraphModule) -> fx.GraphModule:
         if kind is None:
             continue
         if kind in ("mm", "diff"):
+            if not _written_out_form(node, kind):
+                continue
             with gm.graph.inserting_before(node):
                 total = (_addmm_written_out if kind == "mm" else _diff_written_out)(gm.graph, node)
             total.meta.update(node.meta)
@@ -254,6 +256,17 @@ def decompose_compound_arithmetic(gm: fx.GraphModule) -> fx.GraphModule:
     return _finish(gm) if rewritten else gm
 
 
+def _written_out_form(node: fx.Node, kind: str) -> bool:
+    """Whether ``node`` (an ``addmm`` / ``diff``) is in a form :func:`decompose_compound_arithmetic` writes out:
+    ``addmm(input, mat1, mat2, beta=, alpha=)`` (not torch's deprecated positional scalars); a ``diff`` whose input
+    dtype is known (a bool difference is ``!=``, a number's ``-``: symbolic tracing records none, so it is written
+    out once the shapes pass has run)."""
+    if kind == "mm":
+        return len(node.args) <= 3 and set(node.kwargs) <= {"input", "mat1", "mat2", "beta", "alpha"}
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor)
+
+
 def _addmm_written_out(graph: fx.Graph, node: fx.Node) -> fx.Node:
     """``beta * input + alpha * (mat1 @ mat2)`` of ``torch.addmm`` / ``input.addmm(mat1, mat2)``."""
     a = dict(zip(("input", "mat1", "mat2"), node.args))
@@ -272,6 +285,8 @@ def _diff_written_out(graph: fx.Graph, node: fx.Node) -> fx.Node:
     a.update(node.kwargs)
     dim = int(a.get("dim", -1))
     x = a["input"]
+    if int(a.get("n", 1)) == 0:  # torch returns the input as it is, without prepend / append
+        return x
     parts = [p for p in (a.get("prepend"), x, a.get("append")) if p is not None]
     if len(parts) > 1:
         x = graph.call_function(torch.cat, (parts, dim))
@@ -655,7 +670,11 @@ def propagate_tensor_meta(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
             _FakeProp(gm, mode).propagate(*fake_inputs)
     except Exception as exc:  # data-dependent modules: run for real
         logger.debug("fake tensor propagation failed (%s); using a real forward pass", exc)
-        _RealProp(gm).run(*example_inputs)  # in the caller's grad mode: a leaf may need it (torch.autograd.grad)
+        try:  # without an autograd record (a leaf may read its input's values: .numpy())
+            with torch.no_grad():
+                _RealProp(gm).run(*example_inputs)
+        except Exception:  # noqa: BLE001 - a leaf that takes gradients itself (torch.autograd.grad): grad mode
+            _RealProp(gm).run(*example_inputs)
     return gm
 
 
@@ -898,11 +917,13 @@ def standardize(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
         if example_inputs is not None:
             try:
                 propagate_tensor_meta(gm, example_inputs)
-                if fold_bn:  # these two need the shapes; what they add or rewrite then needs them again
-                    before = [(n.op, n.target) for n in gm.graph.nodes]
+                # these need the shapes (a diff its input's dtype); what they add or rewrite then needs them again
+                before = [(n.op, n.target) for n in gm.graph.nodes]
+                decompose_compound_arithmetic(gm)
+                if fold_bn:
                     fold_batchnorm_through_row_views(fold_constant_affine(matmul_to_linear(gm)))  # a bias Add first
-                    if [(n.op, n.target) for n in gm.graph.nodes] != before:
-                        propagate_tensor_meta(gm, example_inputs)
+                if [(n.op, n.target) for n in gm.graph.nodes] != before:
+                    propagate_tensor_meta(gm, example_inputs)
             except Exception as exc:
                 if snapshot is None or not snapshot.runs(example_inputs):
                     raise
