@@ -295,8 +295,7 @@ def _output_tensors(model: Any) -> Any:
             self.model = model
 
         def forward(self, x: torch.Tensor) -> tuple:
-            out = self.model(x, return_dict=True)
-            return tuple(v for v in out.values() if isinstance(v, torch.Tensor))
+            return tuple(self.model(x, return_dict=True).values())  # symbolic tracing's values are Proxies
 
     return OutputTensors().eval()
 
