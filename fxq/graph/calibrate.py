@@ -9,7 +9,7 @@ import torch
 from torch import fx
 from tqdm.auto import tqdm
 
-from fxq.errors import CalibrationError, ConfigError, FxqError, ObserverError
+from fxq.errors import CalibrationError, ConfigError, ObserverError
 from fxq.functional import representable_range
 from fxq.graph.convert import apply_alignment, bake_parameters, derive_passive_parameters, unbake_parameters
 from fxq.graph.data import (
@@ -21,7 +21,7 @@ from fxq.graph.data import (
     iter_batches,
 )
 from fxq.graph.info import NodeQuant, graph_quant, is_quantizer_node
-from fxq.graph.nodes import get_attr_value
+from fxq.graph.nodes import get_attr_value, without_grad_first
 from fxq.graph.op_types import op_type, output_bounded, output_lower_bound
 from fxq.graph.quant_graph import AlignGroup, QuantGraph, drop_alignment, record_alignment
 from fxq.nn.fake_quantize import FakeQuantize
@@ -134,21 +134,13 @@ def calibrate(
                           leave=False):
             # the calibrating model is fxq's rewrite: a batch the FP32 model runs does not fail for the data
             diagnose = functools.partial(diagnose_batch, model, batch)
+            run = functools.partial(call_model, model, batch, check=(seen == 0))
             with first_batch_errors("calibration", seen == 0, diagnose=diagnose):
-                try:  # a record would keep every saved tensor and clone each in-place activation's input
+                if seen or p:  # the first batch decided the grad mode
                     with torch.set_grad_enabled(grad):
-                        call_model(model, batch, check=(seen == 0))
-                except (RuntimeError, TypeError, ValueError) as exc:
-                    if grad or seen or p or isinstance(exc, (FxqError, torch.OutOfMemoryError)):
-                        raise
-                    for fq in observing.values():  # observe the batch afresh, in grad mode
-                        fq.observer.reset()
-                    try:  # the forward takes gradients itself (torch.autograd.grad)
-                        with torch.enable_grad():
-                            call_model(model, batch, check=True)
-                    except Exception:  # noqa: BLE001 - not that: the first failure is the one to report
-                        raise exc from None
-                    grad = True
+                        run()
+                else:  # a record would keep every saved tensor and clone each in-place activation's input
+                    _, grad = without_grad_first(run, before_retry=functools.partial(_reset_observers, observing))
             seen += 1
         if seen == 0:
             raise CalibrationError("calibration data is empty: give at least one batch")
@@ -168,6 +160,12 @@ def calibrate(
     model.train(was_training)
     logger.info("calibrated %d activation quantizers on %d batches x %d pass(es)", len(observing), seen, passes)
     return model
+
+
+def _reset_observers(observing: dict[str, FakeQuantize]) -> None:
+    """Forget what the observers saw (a batch observed again from the start)."""
+    for fq in observing.values():
+        fq.observer.reset()
 
 
 def _observed_op(quant_graph: QuantGraph, name: str) -> fx.Node | None:

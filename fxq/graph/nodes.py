@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx, nn
 
-__all__ = ["get_attr_value", "redirect_later_readers", "thaw", "Interpreter", "eval_mode", "output_shapes"]
+__all__ = ["get_attr_value", "redirect_later_readers", "thaw", "Interpreter", "eval_mode", "output_shapes",
+           "without_grad_first"]
 
 
 def get_attr_value(gm: fx.GraphModule, target: str) -> Any:
@@ -48,6 +49,28 @@ class Interpreter(fx.Interpreter):
     def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple, dict]:
         args, kwargs = super().fetch_args_kwargs_from_env(n)
         return thaw(args), thaw(kwargs)
+
+
+def without_grad_first(run: Callable[[], Any], before_retry: Callable[[], None] | None = None) -> tuple[Any, bool]:
+    """``(run(), False)`` without an autograd record (fxq's own runs of a model need none, and a record keeps every
+    saved tensor); where that fails, ``(run(), True)`` in grad mode after ``before_retry()``: a forward that takes
+    gradients itself (``torch.autograd.grad``). The first failure is raised when both fail; fxq's own errors and
+    running out of memory are not retried."""
+    from fxq.errors import FxqError  # noqa: PLC0415  (fxq.errors is a leaf; kept local to this helper)
+
+    try:
+        with torch.no_grad():
+            return run(), False
+    except Exception as exc:  # noqa: BLE001 - retried once, then re-raised as it was
+        if isinstance(exc, (FxqError, torch.OutOfMemoryError)):
+            raise
+        if before_retry is not None:
+            before_retry()
+        try:
+            with torch.enable_grad():
+                return run(), True
+        except Exception:  # noqa: BLE001 - not a forward that needs grad mode: the first failure is the one
+            raise exc from None
 
 
 @contextlib.contextmanager

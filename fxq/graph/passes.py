@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from fxq.errors import GraphError
 from fxq.graph.attention import decompose_attention_functions
-from fxq.graph.nodes import Interpreter, get_attr_value, redirect_later_readers, value_inputs
+from fxq.graph.nodes import Interpreter, get_attr_value, redirect_later_readers, value_inputs, without_grad_first
 from fxq.graph.op_types import WEIGHTED_FUNCTIONS, mutates_first_argument, op_type, out_of_place_form
 
 __all__ = [
@@ -227,28 +227,10 @@ def decompose_compound_arithmetic(gm: fx.GraphModule) -> fx.GraphModule:
         kind = _COMPOUND.get(node.target) if node.op in ("call_function", "call_method") else None
         if kind is None:
             continue
-        if kind in ("mm", "diff"):
-            if not _written_out_form(node, kind):
-                continue
-            with gm.graph.inserting_before(node):
-                total = (_addmm_written_out if kind == "mm" else _diff_written_out)(gm.graph, node)
-            total.meta.update(node.meta)
-            node.replace_all_uses_with(total)
-            gm.graph.erase_node(node)
-            rewritten = True
+        if not _written_out_form(node, kind):
             continue
-        names = ("input", "value", "tensor1", "tensor2") if len(node.args) == 4 else ("input", "tensor1", "tensor2")
-        a = dict(zip(names, node.args))  # four positional arguments: torch's deprecated addcmul(x, value, t1, t2)
-        a.update(node.kwargs)
-        value = a.get("value", 1)
         with gm.graph.inserting_before(node):
-            if kind == "mul":
-                term = gm.graph.call_function(operator.mul, (a["tensor1"], a["tensor2"]))
-                term = term if value == 1 else gm.graph.call_function(operator.mul, (term, value))
-            else:
-                scaled = a["tensor1"] if value == 1 else gm.graph.call_function(operator.mul, (value, a["tensor1"]))
-                term = gm.graph.call_function(operator.truediv, (scaled, a["tensor2"]))
-            total = gm.graph.call_function(operator.add, (a["input"], term))
+            total = _WRITERS[kind](gm.graph, node)
         total.meta.update(node.meta)
         node.replace_all_uses_with(total)
         gm.graph.erase_node(node)
@@ -256,15 +238,29 @@ def decompose_compound_arithmetic(gm: fx.GraphModule) -> fx.GraphModule:
     return _finish(gm) if rewritten else gm
 
 
+def _addc_written_out(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """``input + t1 * t2 * value`` / ``input + value * t1 / t2`` of ``addcmul`` / ``addcdiv``."""
+    names = ("input", "value", "tensor1", "tensor2") if len(node.args) == 4 else ("input", "tensor1", "tensor2")
+    a = dict(zip(names, node.args))  # four positional arguments: torch's deprecated addcmul(x, value, t1, t2)
+    a.update(node.kwargs)
+    value = a.get("value", 1)
+    if _COMPOUND[node.target] == "mul":
+        term = graph.call_function(operator.mul, (a["tensor1"], a["tensor2"]))
+        term = term if value == 1 else graph.call_function(operator.mul, (term, value))
+    else:
+        scaled = a["tensor1"] if value == 1 else graph.call_function(operator.mul, (value, a["tensor1"]))
+        term = graph.call_function(operator.truediv, (scaled, a["tensor2"]))
+    return graph.call_function(operator.add, (a["input"], term))
+
+
 def _written_out_form(node: fx.Node, kind: str) -> bool:
-    """Whether ``node`` (an ``addmm`` / ``diff``) is in a form :func:`decompose_compound_arithmetic` writes out:
+    """Whether ``node`` is in a form :func:`decompose_compound_arithmetic` writes out (any ``addcmul`` / ``addcdiv``):
     ``addmm(input, mat1, mat2, beta=, alpha=)`` (not torch's deprecated positional scalars); a ``diff`` whose input
     dtype is known (a bool difference is ``!=``, a number's ``-``: symbolic tracing records none, so it is written
     out once the shapes pass has run)."""
     if kind == "mm":
         return len(node.args) <= 3 and set(node.kwargs) <= {"input", "mat1", "mat2", "beta", "alpha"}
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor)
+    return kind != "diff" or isinstance(node.meta.get("val"), torch.Tensor)
 
 
 def _addmm_written_out(graph: fx.Graph, node: fx.Node) -> fx.Node:
@@ -299,6 +295,10 @@ def _diff_written_out(graph: fx.Graph, node: fx.Node) -> fx.Node:
         lo = graph.call_function(operator.getitem, (x, (*lead, slice(None, -1), *trail)))
         x = graph.call_function(step, (hi, lo))
     return x
+
+
+_WRITERS = {"mul": _addc_written_out, "div": _addc_written_out, "mm": _addmm_written_out, "diff": _diff_written_out}
+"""How :func:`decompose_compound_arithmetic` writes out each kind of :data:`_COMPOUND`."""
 
 
 def reuse_node_name(node: fx.Node, name: str) -> None:
@@ -670,11 +670,7 @@ def propagate_tensor_meta(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
             _FakeProp(gm, mode).propagate(*fake_inputs)
     except Exception as exc:  # data-dependent modules: run for real
         logger.debug("fake tensor propagation failed (%s); using a real forward pass", exc)
-        try:  # without an autograd record (a leaf may read its input's values: .numpy())
-            with torch.no_grad():
-                _RealProp(gm).run(*example_inputs)
-        except Exception:  # noqa: BLE001 - a leaf that takes gradients itself (torch.autograd.grad): grad mode
-            _RealProp(gm).run(*example_inputs)
+        without_grad_first(lambda: _RealProp(gm).run(*example_inputs))
     return gm
 
 
