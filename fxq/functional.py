@@ -8,6 +8,7 @@ the reference backwards of :mod:`fxq.numeric.opspec` are re-exported here).
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 
@@ -161,6 +162,7 @@ def fake_quantize(
         cfg.check_channels(x.shape)
     dtype = _compute_dtype(x, cfg)
     xc = x if x.dtype == dtype else x.to(dtype)
+    given = (scale, offset)
     scale = scale.to(xc.device)
     axis = cfg.channel_axis if cfg.per_channel else 0
     in_place = overwrite and xc is x and x.device.type == "cpu" and not (
@@ -184,15 +186,17 @@ def fake_quantize(
         args = (xc, scale, offset, axis, int(cfg.quant_min), int(cfg.quant_max), int(cfg.rounding))
         y = ops.fake_quant_linear(*args)
         spec = LINEAR
-    if eager and not overwrite and xc is x:
-        bound = fused_cpu.bind(spec, args, _call_tag(cfg))
+    # a binding holds the parameter tensors it was made with: one made of fresh copies (moved, a zero offset made
+    # here) would never hold again and be made anew at every call
+    if eager and not overwrite and xc is x and all(a is b for a, b in zip(given, args[1:spec.num_tensors])):
+        bound = ops.bind(spec, args, _call_tag(cfg))
         if bound is not None:
             _BOUND[cfg] = bound
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-_BOUND: weakref.WeakKeyDictionary[TensorQuantConfig, fused_cpu.BoundCall] = weakref.WeakKeyDictionary()
-"""The last fused call of each config (:func:`fxq.fused_cpu.bind`): a quantizer runs the same call batch after
+_BOUND: weakref.WeakKeyDictionary[TensorQuantConfig, Any] = weakref.WeakKeyDictionary()
+"""The last bound call of each config (:func:`fxq.ops.bind`: the fused graph on CPU, the kernel launch on CUDA): a quantizer runs the same call batch after
 batch, and the binding saves the per-call checks; it holds only while the config's attributes stay as they were."""
 
 

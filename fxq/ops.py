@@ -139,8 +139,26 @@ def fake_quant_float(
     return _call(FLOAT, x, scale, axis, mantissa_bits, min_exponent, max_value, rounding)
 
 
+def bind(spec: OpSpec, args: tuple[Any, ...], tag: Any) -> Any:
+    """A bound call of ``spec``'s forward op for calls like ``args`` (tagged ``tag``), which a caller repeating the
+    same call on tensors of one shape runs with ``bound.run(x, params, tag)`` (None from it: make the call again):
+    on CPU the fused graph (:func:`fxq.fused_cpu.bind`), on CUDA the Triton kernel's launch
+    (:class:`fxq.triton_kernels.common.BoundLaunch`). None where neither takes the call."""
+    device = args[0].device.type
+    if device == "cpu":
+        return fused_cpu.bind(spec, args, tag)
+    binder = _CUDA_BINDERS.get(spec.qualname)
+    if device != "cuda" or binder is None or not fused_cpu.plain_eager(args[: spec.num_tensors], "cuda"):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in args[: spec.num_tensors]):
+        return None  # training calls (QAT) go through autograd every time
+    return binder(args, tag)
+
+
 _CUDA_KERNELS: dict[str, Callable[..., Any]] = {}
 """The CUDA kernel of each op (qualified name): Triton, or the reference where Triton fails to load."""
+_CUDA_BINDERS: dict[str, Callable[..., Any]] = {}
+"""The CUDA binder of each forward op (qualified name): :func:`fxq.triton_kernels.cuda_binders`."""
 _EAGER_CUDA: dict[str, type[torch.autograd.Function]] = {}
 """The ops' CUDA kernels recorded by autograd directly, as :data:`_EAGER_CPU` on CPU (filled at import; the kernels
 import triton on their first CUDA call, else run the reference)."""
@@ -150,11 +168,12 @@ def _register_device_kernels() -> None:
     """Register the fused CPU kernels and the Triton CUDA kernels (both fall back to the reference)."""
     fused_cpu.register_cpu_kernels()
     try:
-        from fxq.triton_kernels import cuda_kernels, register_cuda_kernels
+        from fxq.triton_kernels import cuda_binders, cuda_kernels, register_cuda_kernels
     except ImportError:  # triton missing or not built for this platform
         return
     register_cuda_kernels()
     _CUDA_KERNELS.update(cuda_kernels())
+    _CUDA_BINDERS.update(cuda_binders())
     _EAGER_CUDA.update({spec.name: _function(f"_EagerCuda_{spec.name}", spec, _CUDA_KERNELS[spec.qualname],
                                              _CUDA_KERNELS[spec.backward_qualname]) for spec in OP_SPECS})
 

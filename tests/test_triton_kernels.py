@@ -325,3 +325,55 @@ def test_eager_cuda_function_matches_the_op(name):
         results.append((y.detach(), x.grad, scale.grad))
     for got, want, what in zip(results[0], results[1], ("y", "grad_x", "grad_scale")):
         assert_bit_identical(got, want, what)
+
+
+@pytest.mark.parametrize("name", ["fake_quant_linear", "fake_quant_float"])
+@pytest.mark.parametrize("per_channel", [False, True], ids=["tensor", "channel"])
+def test_bound_launch_runs_the_op_and_holds_only_for_the_same_call(name, per_channel):
+    """A bound forward call (what ``fxq.fake_quantize`` keeps per quantizer on CUDA: the op's kernel launched
+    without the op's dispatch, checks and preparation) gives the op's values bit for bit, sees later in-place
+    changes of its parameters, and declines (None) every call it was not made for. On a GPU the compiled
+    kernel's own launcher must have been found to agree with Triton's launch (on CPU the interpreter has none)."""
+    from fxq.triton_kernels import floating as FK
+
+    shape = (2, 6, 5, 7)
+    x = (torch.randn(shape) * 3).to(DEV)
+    channels = 6 if per_channel else 1
+    scale = (torch.rand(channels) * 0.05 + 0.01).to(DEV)
+    if name == "fake_quant_linear":
+        params, attrs, binder = (scale, torch.zeros(channels, device=DEV)), (1, -128, 127, 0), LK.bind_fake_quant_linear
+    else:
+        params, attrs, binder = (scale,), (1, 3, -6, 448.0, 0), FK.bind_fake_quant_float
+    op = getattr(torch.ops.fxq, name)
+    tag = ("tag",)
+    bound = binder((x, *params, *attrs), tag)
+    assert bound is not None
+    if ON_GPU:
+        assert bound.runner is not None, "the compiled kernel's launcher did not agree with Triton's launch"
+    for _ in range(2):
+        x2 = (torch.randn(shape) * 3).to(DEV)
+        assert_bit_identical(bound.run(x2, params, tag), op(x2, *params, *attrs), "bound call")
+    with torch.no_grad():
+        scale.mul_(2.0)  # observers and optimizers update parameters in place: the binding reads them
+    assert_bit_identical(bound.run(x, params, tag), op(x, *params, *attrs), "after an in-place update")
+    assert bound.run(x, params, ("other",)) is None
+    assert bound.run(x[:1].contiguous(), params, tag) is None
+    assert bound.run(x.transpose(2, 3), params, tag) is None
+    assert bound.run(x.double(), params, tag) is None
+    assert bound.run(x, (scale.clone(), *params[1:]), tag) is None
+    scale.requires_grad_(True)
+    assert bound.run(x, params, tag) is None  # a call that needs gradients goes through autograd
+    with torch.no_grad():
+        assert bound.run(x, params, tag) is not None
+    scale.requires_grad_(False)
+    scale.data = scale.detach().clone()  # the storage replaced behind the same tensor
+    assert bound.run(x, params, tag) is None
+
+
+def test_bind_declines_parameters_it_would_copy():
+    """A scalar offset with a per-channel scale is expanded into a copy for the kernel: a binding would never see
+    the offset change, so there is none."""
+    x = torch.randn(2, 6, 5).to(DEV)
+    args = (x, (torch.rand(6) * 0.05 + 0.01).to(DEV), torch.zeros(1, device=DEV), 1, -128, 127, 0)
+    assert LK.bind_fake_quant_linear(args, ()) is None
+    assert LK.bind_fake_quant_linear((x[:0], *args[1:]), ()) is None  # empty: nothing to launch

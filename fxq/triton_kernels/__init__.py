@@ -24,7 +24,7 @@ import torch
 
 from fxq.numeric.opspec import FLOAT, LINEAR, OP_SPECS
 
-__all__ = ["cuda_kernel_in_use", "cuda_kernels", "register_cuda_kernels", "triton_kernels_available"]
+__all__ = ["cuda_binders", "cuda_kernel_in_use", "cuda_kernels", "register_cuda_kernels", "triton_kernels_available"]
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,9 @@ def triton_kernels_available() -> bool:
 class _LazyKernel:
     """The CUDA implementation of one op: imports its Triton module on first use, else the torch reference."""
 
-    def __init__(self, op: str, module: str, name: str, reference: Callable[..., Any]) -> None:
+    def __init__(self, op: str, module: str, name: str, reference: Callable[..., Any], quiet: bool = False) -> None:
         self.op, self.module, self.name, self.reference = op, module, name, reference
+        self.quiet = quiet  # a binder: the op's own kernel already warns when Triton is unusable
         self._impl: Callable[..., Any] | None = None
 
     def _resolve(self) -> Callable[..., Any]:
@@ -58,6 +59,8 @@ class _LazyKernel:
             mod = importlib.import_module(f"fxq.triton_kernels.{self.module}")
             return getattr(mod, self.name)
         except Exception as exc:  # ImportError, or triton failing to initialise
+            if self.quiet:
+                return self.reference
             log.warning(
                 "%s: Triton kernels unavailable (%s: %s); running the torch reference on CUDA. "
                 "Install a triton that matches your torch to get the fused kernels.",
@@ -76,12 +79,26 @@ class _LazyKernel:
 
 _cuda_kernels: dict[str, _LazyKernel] = {}
 """The CUDA kernel registered for each op (qualified name), once :func:`register_cuda_kernels` ran."""
+_cuda_binders: dict[str, _LazyKernel] = {}
+"""The binder of each forward op (qualified name): ``bind_<op>(args, tag)`` of its kernel module."""
+
+
+def _no_binding(args: tuple[Any, ...], tag: Any) -> None:
+    """The binder where Triton is unusable: every call goes through the op."""
+    return None
 
 
 def cuda_kernels() -> dict[str, Callable[..., Any]]:
     """The CUDA kernel of each ``fxq::`` op by qualified name (what the dispatcher runs for CUDA tensors), for
     callers that skip the dispatcher on plain eager calls; empty before :func:`register_cuda_kernels`."""
     return dict(_cuda_kernels)
+
+
+def cuda_binders() -> dict[str, Callable[..., Any]]:
+    """The binder of each forward ``fxq::`` op on CUDA by qualified name: ``binder(args, tag)`` gives a
+    :class:`~fxq.triton_kernels.common.BoundLaunch` for calls like ``args`` (or None); empty before
+    :func:`register_cuda_kernels`."""
+    return dict(_cuda_binders)
 
 
 def cuda_kernel_in_use(op: str) -> str | None:
@@ -109,5 +126,7 @@ def register_cuda_kernels() -> bool:
                                         (spec.backward_qualname, spec.backward_name, spec.backward)):
                 kernel = _cuda_kernels[op] = _LazyKernel(op, module, f"{name}_triton", reference)
                 torch.library.register_kernel(op, "cuda", kernel)
+            _cuda_binders[spec.qualname] = _LazyKernel(spec.qualname, module, f"bind_{spec.name}", _no_binding,
+                                                        quiet=True)
         _registered = True
     return True

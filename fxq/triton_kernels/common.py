@@ -13,6 +13,7 @@ Every ``@triton.jit`` helper here reproduces one step of :mod:`fxq.numeric.refer
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -21,10 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
+from fxq.fused_cpu import plain_eager
 from fxq.numeric.opspec import OpSpec
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "BLOCK",
+    "BoundLaunch",
+    "ForwardLaunch",
     "NUM_WARPS",
     "KERNEL_DTYPES",
     "ChannelLayout",
@@ -116,6 +122,114 @@ def op_backward(spec: OpSpec, layout: LayoutFn, launch: Callable[..., tuple[Any,
 
     run.__doc__ = f"``{spec.backward_qualname}``: elementwise kernel, then the reference's own reduction."
     return run
+
+
+class ForwardLaunch:
+    """One forward kernel call, its arguments prepared: ``kernel[grid](x, *inputs, y, *scalars, **constexprs)``.
+
+    The forward op and :func:`bind_forward` both launch through it, so a bound call runs the very kernel and
+    arguments of the op. ``params`` are the op's parameter tensors and ``inputs`` their prepared forms (1-D,
+    contiguous, on the kernel's device and dtype)."""
+
+    __slots__ = ("kernel", "params", "inputs", "scalars", "constexprs")
+
+    def __init__(self, kernel: Any, params: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...],
+                 scalars: tuple[Any, ...], constexprs: dict[str, Any]) -> None:
+        self.kernel, self.params, self.inputs, self.scalars = kernel, params, inputs, scalars
+        self.constexprs = constexprs  # in the kernel's signature order (a bound launch passes them by position)
+
+    def launch(self, x: torch.Tensor, y: torch.Tensor) -> Any:
+        """Write the op's values of ``x`` into ``y``; returns what Triton's launch returns (its compiled kernel on
+        a GPU)."""
+        return self.kernel[grid(x.numel())](x, *self.inputs, y, *self.scalars, **self.constexprs,
+                                            num_warps=NUM_WARPS, enable_fp_fusion=False)
+
+    def positional(self, x: torch.Tensor, y: torch.Tensor) -> tuple[Any, ...]:
+        """Every argument of the kernel in its signature's order (what a compiled kernel's launcher takes)."""
+        return (x, *self.inputs, y, *self.scalars, *self.constexprs.values())
+
+
+class BoundLaunch:
+    """A forward op call prepared once, for the same quantizer call repeated on tensors of one shape (a quantizer
+    of a model run batch after batch on a GPU, where a small kernel takes microseconds and the host's work decides
+    the speed): :meth:`run` skips the op's dispatch, its checks, the layout and the parameters' preparation, and
+    Triton's argument binding and cache lookup, by calling the compiled kernel's launcher with the same arguments.
+    That launcher is checked once, at binding, to write the same bits as Triton's own launch; where it cannot be
+    had or differs, :meth:`run` launches through Triton as the op does. Made by :func:`bind_forward`."""
+
+    __slots__ = ("tag", "shape", "dtype", "device", "params", "param_data", "call", "runner")
+
+    def __init__(self, tag: Any, x: torch.Tensor, call: ForwardLaunch, runner: Callable[..., Any] | None) -> None:
+        self.tag, self.shape, self.dtype, self.device = tag, x.shape, x.dtype, x.device
+        self.params = call.params
+        self.param_data = tuple(p.data_ptr() for p in call.params)
+        self.call, self.runner = call, runner
+
+    def run(self, x: torch.Tensor, params: tuple[torch.Tensor, ...], tag: Any) -> torch.Tensor | None:
+        """The op's values on ``x``, or None when this binding does not hold for the call: another ``tag`` (the
+        caller's attributes), other parameter tensors or storage, another shape, dtype, device or layout of ``x``,
+        or a call that needs the dispatcher (gradients, tracing, modes)."""
+        if (x.shape != self.shape or x.dtype != self.dtype or x.device != self.device or tag != self.tag
+                or not x.is_contiguous()):
+            return None
+        for p, mine, data in zip(params, self.params, self.param_data):
+            if p is not mine or p.data_ptr() != data:
+                return None
+        tensors = (x, *params)
+        if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or not plain_eager(tensors, self.device.type):
+            return None
+        y = torch.empty_like(x)
+        if self.runner is None:
+            self.call.launch(x, y)
+        else:
+            self.runner(*self.call.positional(x, y))
+        return y
+
+
+def bind_forward(call: ForwardLaunch, x: torch.Tensor, tag: Any) -> BoundLaunch | None:
+    """A :class:`BoundLaunch` of ``call`` for calls like this one on ``x`` (tagged ``tag``), or None where a
+    binding would not see later changes of the parameters (their prepared forms are copies, not views) or the
+    call cannot be made now (an empty ``x``, a CUDA graph being captured). Launches the kernel once on ``x``
+    to get the compiled kernel; the first binding of each compiled kernel in a process also runs its own
+    launcher and keeps it only if it writes the same bits as Triton's launch."""
+    if x.numel() == 0 or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    if any(p.data_ptr() != q.data_ptr() for p, q in zip(call.params, call.inputs)):
+        return None
+    expected = torch.empty_like(x)
+    compiled = call.launch(x, expected)
+    runner = None
+    if compiled is not None and _launcher_agrees(compiled, call, x, expected):
+        runner = compiled[grid(x.numel())]
+    return BoundLaunch(tag, x, call, runner)
+
+
+_LAUNCHER_AGREES: dict[Any, bool] = {}
+"""Whether each compiled kernel's own launcher was seen to write the bits of Triton's launch (checked once)."""
+
+
+def _launcher_agrees(compiled: Any, call: ForwardLaunch, x: torch.Tensor, expected: torch.Tensor) -> bool:
+    known = _LAUNCHER_AGREES.get(compiled)
+    if known is not None:
+        return known
+    try:
+        got = torch.empty_like(x)
+        compiled[grid(x.numel())](*call.positional(x, got))
+        agrees = bool(torch.equal(_bits(got), _bits(expected)))
+        if not agrees:
+            log.debug("%s: the compiled kernel's launcher wrote other values; bound calls launch through Triton",
+                      getattr(compiled, "name", compiled))
+    except Exception as exc:  # another Triton's launcher API: the op's own launch still holds
+        log.debug("compiled kernel launcher unusable (%s: %s); bound calls launch through Triton",
+                  type(exc).__name__, exc)
+        agrees = False
+    _LAUNCHER_AGREES[compiled] = agrees
+    return agrees
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns as integers (NaN equals NaN, -0 differs from 0)."""
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
 # --------------------------------------------------------------------------- jit helpers

@@ -20,7 +20,10 @@ from fxq.triton_kernels.common import (
     BLOCK,
     KERNEL_DTYPES,
     NUM_WARPS,
+    BoundLaunch,
     ChannelLayout,
+    ForwardLaunch,
+    bind_forward,
     channel_layout,
     div_exact,
     grad_fits,
@@ -36,6 +39,7 @@ from fxq.triton_kernels.common import (
 __all__ = [
     "float_forward",
     "float_backward_elementwise",
+    "bind_fake_quant_float",
     "fake_quant_float_triton",
     "fake_quant_float_backward_triton",
 ]
@@ -126,9 +130,8 @@ def float_layout(x: torch.Tensor, scale: torch.Tensor, axis: int) -> ChannelLayo
     return channel_layout(x, (scale.numel(),), axis)
 
 
-def float_forward(*args: Any, layout: ChannelLayout | None = None) -> torch.Tensor:
-    """Launch the FP8 forward kernel on the arguments of ``fxq::fake_quant_float`` (``x`` contiguous, dtype in
-    ``KERNEL_DTYPES``). ``layout``: :func:`float_layout`'s, if known."""
+def _forward_call(args: tuple[Any, ...], layout: ChannelLayout | None) -> ForwardLaunch:
+    """The forward kernel's call on the arguments of ``fxq::fake_quant_float`` (:func:`float_forward`)."""
     x, (scale,), (axis, mantissa_bits, min_exponent, max_value, rounding) = FLOAT.split(args)
     layout = layout or float_layout(x, scale, axis)
     if layout is None:
@@ -136,16 +139,29 @@ def float_forward(*args: Any, layout: ChannelLayout | None = None) -> torch.Tens
             "float_forward: the kernel takes contiguous float16/bfloat16/float32/float64 x with per-tensor or "
             "per-channel scales; use fxq.numeric.reference.float_fake_quantize_reference for other inputs"
         )
+    constexprs = {"ROUNDING": int(rounding), "PER_CHANNEL": layout.per_channel,
+                  "NARROW": x.dtype in (torch.float16, torch.bfloat16), "BLOCK": BLOCK}
+    return ForwardLaunch(_float_fwd_kernel, (scale,), (per_channel_param(scale, layout, x.device, torch.float32),),
+                         (x.numel(), layout.channels, layout.inner, int(mantissa_bits), int(min_exponent),
+                          float(max_value)), constexprs)
+
+
+def float_forward(*args: Any, layout: ChannelLayout | None = None) -> torch.Tensor:
+    """Launch the FP8 forward kernel on the arguments of ``fxq::fake_quant_float`` (``x`` contiguous, dtype in
+    ``KERNEL_DTYPES``). ``layout``: :func:`float_layout`'s, if known."""
+    call = _forward_call(args, layout)
+    x = args[0]
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if x.numel() == 0:
-        return y
-    s = per_channel_param(scale, layout, x.device, torch.float32)
-    _float_fwd_kernel[grid(x.numel())](
-        x, s, y, x.numel(), layout.channels, layout.inner, int(mantissa_bits), int(min_exponent), float(max_value),
-        ROUNDING=int(rounding), PER_CHANNEL=layout.per_channel,
-        NARROW=x.dtype in (torch.float16, torch.bfloat16), BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
-    )  # fmt: skip
+    if x.numel():
+        call.launch(x, y)
     return y
+
+
+def bind_fake_quant_float(args: tuple[Any, ...], tag: Any) -> BoundLaunch | None:
+    """A :class:`~fxq.triton_kernels.common.BoundLaunch` of ``fxq::fake_quant_float`` for calls like ``args``
+    (tagged ``tag``), or None where the kernel does not take them."""
+    layout = _layout(args)
+    return None if layout is None else bind_forward(_forward_call(args, layout), args[0], tag)
 
 
 def float_backward_elementwise(

@@ -20,7 +20,10 @@ from fxq.triton_kernels.common import (
     BLOCK,
     KERNEL_DTYPES,
     NUM_WARPS,
+    BoundLaunch,
     ChannelLayout,
+    ForwardLaunch,
+    bind_forward,
     channel_layout,
     div_exact,
     grad_fits,
@@ -36,6 +39,7 @@ from fxq.triton_kernels.common import (
 __all__ = [
     "linear_forward",
     "linear_backward_elementwise",
+    "bind_fake_quant_linear",
     "fake_quant_linear_triton",
     "fake_quant_linear_backward_triton",
 ]
@@ -155,9 +159,8 @@ def linear_layout(
     return channel_layout(x, (scale.numel(), offset.numel()), axis)
 
 
-def linear_forward(*args: Any, layout: ChannelLayout | None = None) -> torch.Tensor:
-    """Launch the forward kernel on the arguments of ``fxq::fake_quant_linear`` (``x`` contiguous, dtype in
-    ``KERNEL_DTYPES``) and return the fake-quantized x. ``layout``: :func:`linear_layout`'s, if known."""
+def _forward_call(args: tuple[Any, ...], layout: ChannelLayout | None) -> ForwardLaunch:
+    """The forward kernel's call on the arguments of ``fxq::fake_quant_linear`` (:func:`linear_forward`)."""
     x, (scale, offset), (axis, quant_min, quant_max, rounding) = LINEAR.split(args)
     layout = layout or linear_layout(x, scale, offset, axis, quant_min, quant_max)
     if layout is None:
@@ -165,18 +168,30 @@ def linear_forward(*args: Any, layout: ChannelLayout | None = None) -> torch.Ten
             "linear_forward: the kernel takes contiguous float16/bfloat16/float32/float64 x with per-tensor or "
             "per-channel parameters; use fxq.numeric.reference.linear_fake_quantize_reference for other inputs"
         )
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if x.numel() == 0:
-        return y
     is_fp64, narrow = _flags(x)
-    s = per_channel_param(scale, layout, x.device, x.dtype)
-    o = per_channel_param(offset, layout, x.device, x.dtype)
-    _linear_fwd_kernel[grid(x.numel())](
-        x, s, o, y, x.numel(), layout.channels, layout.inner, int(quant_min), int(quant_max),
-        ROUNDING=int(rounding), PER_CHANNEL=layout.per_channel, IS_FP64=is_fp64, NARROW=narrow,
-        BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
-    )  # fmt: skip
+    inputs = tuple(per_channel_param(p, layout, x.device, x.dtype) for p in (scale, offset))
+    constexprs = {"ROUNDING": int(rounding), "PER_CHANNEL": layout.per_channel, "IS_FP64": is_fp64, "NARROW": narrow,
+                  "BLOCK": BLOCK}
+    return ForwardLaunch(_linear_fwd_kernel, (scale, offset), inputs,
+                         (x.numel(), layout.channels, layout.inner, int(quant_min), int(quant_max)), constexprs)
+
+
+def linear_forward(*args: Any, layout: ChannelLayout | None = None) -> torch.Tensor:
+    """Launch the forward kernel on the arguments of ``fxq::fake_quant_linear`` (``x`` contiguous, dtype in
+    ``KERNEL_DTYPES``) and return the fake-quantized x. ``layout``: :func:`linear_layout`'s, if known."""
+    call = _forward_call(args, layout)
+    x = args[0]
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.numel():
+        call.launch(x, y)
     return y
+
+
+def bind_fake_quant_linear(args: tuple[Any, ...], tag: Any) -> BoundLaunch | None:
+    """A :class:`~fxq.triton_kernels.common.BoundLaunch` of ``fxq::fake_quant_linear`` for calls like ``args``
+    (tagged ``tag``), or None where the kernel does not take them."""
+    layout = _layout(args)
+    return None if layout is None else bind_forward(_forward_call(args, layout), args[0], tag)
 
 
 def linear_backward_elementwise(
