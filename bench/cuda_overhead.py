@@ -12,6 +12,7 @@ synchronizations of one quantized ResNet-18 forward (``torch.cuda.set_sync_debug
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 import warnings
 from typing import Callable
@@ -21,6 +22,7 @@ import torchvision
 from _host import add_device_argument, synchronize
 
 import fxq
+from fxq import functional, ops
 from fxq.triton_kernels import linear as LK
 
 _DEVICE = "cuda"
@@ -35,6 +37,19 @@ def per_call_us(fn: Callable[[], object], calls: int) -> float:
         fn()
     synchronize(_DEVICE)
     return (time.perf_counter() - t0) / calls * 1e6
+
+
+@contextlib.contextmanager
+def without_bindings():
+    """Every quantizer call through ``fxq.fake_quantize``'s full path: no bound calls (what came before them)."""
+    bind, saved = ops.bind, dict(functional._BOUND)
+    ops.bind = lambda *args: None
+    functional._BOUND.clear()
+    try:
+        yield
+    finally:
+        ops.bind = bind
+        functional._BOUND.update(saved)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,6 +103,14 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         for name, fn in rows:
             print(f"  {name:40s} {per_call_us(fn, args.calls):8.1f}")
+        with without_bindings():
+            print(f"  {'FakeQuantize module, no bound call':40s} {per_call_us(lambda: fq(x), args.calls):8.1f}")
+        fq(x)
+        bound = functional._BOUND.get(cfg)
+        if bound is not None:
+            print(f"  {'its bound call  run(x, params, tag)':40s} "
+                  f"{per_call_us(lambda: bound.run(x, (scale, offset), functional._call_tag(cfg)), args.calls):8.1f}"
+                  f"  ({type(bound).__name__}{'' if getattr(bound, 'runner', 1) is not None else ', Triton launch'})")
 
     print("\nlearnable scale (QAT): forward + backward, host us per call")
     xs = x.clone().requires_grad_(True)
@@ -113,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         print(f"  fp32 resnet18  {per_call_us(lambda: model(x1), 100) / 1e3:8.2f}")
         print(f"  fxq  resnet18  {per_call_us(lambda: gm(x1), 100) / 1e3:8.2f}")
+        with without_bindings():
+            print(f"  fxq  no bound  {per_call_us(lambda: gm(x1), 100) / 1e3:8.2f}")
         with fxq.fp32_mode(gm):
             print(f"  fxq  fp32_mode {per_call_us(lambda: gm(x1), 100) / 1e3:8.2f}")
     if dev != "cuda":
