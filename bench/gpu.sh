@@ -45,6 +45,8 @@ for s in $steps; do
         mobilenet_v2 --warmup 3 --steps 20 --repeat 3 ;;
     inference_cudagraphs) step inference_cudagraphs 200 python3 bench/inference.py --device cuda --models resnet18 \
         mobilenet_v2 --modes compiled --compile-mode reduce-overhead --warmup 3 --steps 20 --repeat 3 ;;
+    inference_frozen) step inference_frozen 200 python3 bench/inference.py --device cuda --models resnet18 \
+        mobilenet_v2 --modes compiled --compile-mode reduce-overhead --freezing --warmup 3 --steps 20 --repeat 3 ;;
     *) echo "unknown step $s" ;;
     esac
 done

@@ -2,7 +2,7 @@
 
     python bench/inference.py [--models resnet18 mobilenet_v2 encoder] [--size 224] [--steps 5] [--repeat 2]
                               [--modes eager compiled] [--warmup 10] [--device cpu|cuda]
-                              [--compile-mode default|reduce-overhead|max-autotune]
+                              [--compile-mode default|reduce-overhead|max-autotune] [--freezing]
 
 For each model and batch size (1 and 8): the median forward time of the torchvision FP32 model (eval, no grad) and
 of ``fxq.quantize(model, calib, "trt_int8")``, each eager and compiled (``torch.compile(fullgraph=True)``), rounds
@@ -124,13 +124,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=float, default=_WARMUP_S, help="seconds of warm-up calls per variant")
     parser.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune"],
                         help="torch.compile mode of the compiled rows (reduce-overhead: CUDA graphs on a GPU)")
+    parser.add_argument("--freezing", action="store_true",
+                        help="inductor's freezing for the compiled rows: parameters become constants, and what is "
+                             "computed from them alone (a weight's fake-quant) is folded at compile time")
     add_allocator_argument(parser)
     add_device_argument(parser)
     args = parser.parse_args(argv)
+    if args.freezing:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = True
     allocator = apply_allocator(args.allocator)
     _SIZE, _WARMUP_S, _DEVICE, _COMPILE_MODE = args.size, args.warmup, args.device, args.compile_mode
     logging.basicConfig(level=logging.WARNING)
-    print(f"{time.strftime('%Y-%m-%d')}: {device_line(args.device)}, images {args.size}x{args.size}, {allocator}")
+    print(f"{time.strftime('%Y-%m-%d')}: {device_line(args.device)}, images {args.size}x{args.size}, {allocator}"
+          f"{', compile mode ' + args.compile_mode if args.compile_mode else ''}{', freezing' if args.freezing else ''}")
     return [row for m in args.models for row in bench(m, args.steps, args.repeat, tuple(args.modes))]
 
 

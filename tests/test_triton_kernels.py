@@ -329,7 +329,7 @@ def test_eager_cuda_function_matches_the_op(name):
 
 @pytest.mark.parametrize("name", ["fake_quant_linear", "fake_quant_float"])
 @pytest.mark.parametrize("per_channel", [False, True], ids=["tensor", "channel"])
-def test_bound_launch_runs_the_op_and_holds_only_for_the_same_call(name, per_channel):
+def test_bound_launch_runs_the_op_and_holds_only_for_the_same_call(name, per_channel, caplog):
     """A bound forward call (what ``fxq.fake_quantize`` keeps per quantizer on CUDA: the op's kernel launched
     without the op's dispatch, checks and preparation) gives the op's values bit for bit, sees later in-place
     changes of its parameters, and declines (None) every call it was not made for. On a GPU the compiled
@@ -346,10 +346,11 @@ def test_bound_launch_runs_the_op_and_holds_only_for_the_same_call(name, per_cha
         params, attrs, binder = (scale,), (1, 3, -6, 448.0, 0), FK.bind_fake_quant_float
     op = getattr(torch.ops.fxq, name)
     tag = ("tag",)
-    bound = binder((x, *params, *attrs), tag)
+    with caplog.at_level(logging.DEBUG, logger="fxq.triton_kernels.common"):
+        bound = binder((x, *params, *attrs), tag)
     assert bound is not None
     if ON_GPU:
-        assert bound.runner is not None, "the compiled kernel's launcher did not agree with Triton's launch"
+        assert bound.runner is not None, f"the compiled kernel's launcher was not taken: {caplog.text}"
     for _ in range(2):
         x2 = (torch.randn(shape) * 3).to(DEV)
         assert_bit_identical(bound.run(x2, params, tag), op(x2, *params, *attrs), "bound call")

@@ -200,7 +200,7 @@ def bind_forward(call: ForwardLaunch, x: torch.Tensor, tag: Any) -> BoundLaunch 
     compiled = call.launch(x, expected)
     runner = None
     if compiled is not None and _launcher_agrees(compiled, call, x, expected):
-        runner = compiled[grid(x.numel())]
+        runner = compiled[_launch_grid(x.numel())]
     return BoundLaunch(tag, x, call, runner)
 
 
@@ -214,7 +214,7 @@ def _launcher_agrees(compiled: Any, call: ForwardLaunch, x: torch.Tensor, expect
         return known
     try:
         got = torch.empty_like(x)
-        compiled[grid(x.numel())](*call.positional(x, got))
+        compiled[_launch_grid(x.numel())](*call.positional(x, got))
         agrees = bool(torch.equal(_bits(got), _bits(expected)))
         if not agrees:
             log.debug("%s: the compiled kernel's launcher wrote other values; bound calls launch through Triton",
@@ -225,6 +225,11 @@ def _launcher_agrees(compiled: Any, call: ForwardLaunch, x: torch.Tensor, expect
         agrees = False
     _LAUNCHER_AGREES[compiled] = agrees
     return agrees
+
+
+def _launch_grid(numel: int) -> tuple[int, int, int]:
+    """:func:`grid` in the three dimensions a compiled kernel's launcher reads (Triton's launch pads it)."""
+    return (*grid(numel), 1, 1)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
