@@ -378,3 +378,24 @@ def test_bind_declines_parameters_it_would_copy():
     args = (x, (torch.rand(6) * 0.05 + 0.01).to(DEV), torch.zeros(1, device=DEV), 1, -128, 127, 0)
     assert LK.bind_fake_quant_linear(args, ()) is None
     assert LK.bind_fake_quant_linear((x[:0], *args[1:]), ()) is None  # empty: nothing to launch
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:], ids=[lay[0] for lay in LAYOUTS[1:]])
+def test_per_channel_index_in_64_bits_agrees(layout, monkeypatch):
+    """Per-channel kernels index the parameter with 32-bit arithmetic per element where a block's channel
+    arithmetic fits (:attr:`ChannelLayout.code` 1) and in 64 bits otherwise (code 2, which only tensors of more
+    than 2**31 elements per channel reach): the 64-bit path, forced here, gives the same bits."""
+    from fxq.triton_kernels.common import ChannelLayout
+
+    _, axis, channels = layout
+    scale, offset = _params(channels, -128, 127)
+    x = torch.randn(SHAPE) * 4
+    want = F.linear_fake_quantize_reference(x, scale, offset, axis, -128, 127, 0)
+    fmt = FloatFormat.E4M3
+    want_fp = F.float_fake_quantize_reference(x, scale, axis, fmt.mantissa_bits, fmt.min_exponent, fmt.max_value, 0)
+    assert LK.linear_layout(x, scale, offset, axis, -128, 127).code == 1
+    monkeypatch.setattr(ChannelLayout, "code", property(lambda self: 2 if self.per_channel else 0))
+    xd, sd, od = x.to(DEV), scale.to(DEV), offset.to(DEV)
+    assert_bit_identical(LK.linear_forward(xd, sd, od, axis, -128, 127, 0), want, "linear, 64-bit index")
+    got_fp = FK.float_forward(xd, sd, axis, fmt.mantissa_bits, fmt.min_exponent, fmt.max_value, 0)
+    assert_bit_identical(got_fp, want_fp, "float, 64-bit index")

@@ -79,7 +79,7 @@ def _float_fwd_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s = load_param(s_ptr, offs, mask, C, INNER, PER_CHANNEL)
+    s = load_param(s_ptr, mask, C, INNER, PER_CHANNEL, BLOCK)
     v = div_exact(x, s, False)
     v = tl.where(v < -max_value, -max_value, v)  # torch.clamp, NaN stays NaN
     v = tl.where(v > max_value, max_value, v)
@@ -111,7 +111,7 @@ def _float_bwd_kernel(
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s = load_param(s_ptr, offs, mask, C, INNER, PER_CHANNEL)
+    s = load_param(s_ptr, mask, C, INNER, PER_CHANNEL, BLOCK)
     v = div_exact(x, s, False)
     inside = (v >= -max_value) & (v <= max_value)
     tl.store(gx_ptr + offs, tl.where(inside, g, 0.0).to(DT), mask=mask)
@@ -139,7 +139,7 @@ def _forward_call(args: tuple[Any, ...], layout: ChannelLayout | None) -> Forwar
             "float_forward: the kernel takes contiguous float16/bfloat16/float32/float64 x with per-tensor or "
             "per-channel scales; use fxq.numeric.reference.float_fake_quantize_reference for other inputs"
         )
-    constexprs = {"ROUNDING": int(rounding), "PER_CHANNEL": layout.per_channel,
+    constexprs = {"ROUNDING": int(rounding), "PER_CHANNEL": layout.code,
                   "NARROW": x.dtype in (torch.float16, torch.bfloat16), "BLOCK": BLOCK}
     return ForwardLaunch(_float_fwd_kernel, (scale,), (per_channel_param(scale, layout, x.device, torch.float32),),
                          (x.numel(), layout.channels, layout.inner, int(mantissa_bits), int(min_exponent),
@@ -187,7 +187,7 @@ def float_backward_elementwise(
     _float_bwd_kernel[grid(x.numel())](
         grad, x, s, gx, gx if ps is None else ps,
         x.numel(), layout.channels, layout.inner, int(mantissa_bits), int(min_exponent), float(max_value),
-        ROUNDING=int(rounding), PER_CHANNEL=layout.per_channel, NEED_S=bool(need_scale_grad),
+        ROUNDING=int(rounding), PER_CHANNEL=layout.code, NEED_S=bool(need_scale_grad),
         BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return gx, ps

@@ -46,11 +46,12 @@ __all__ = [
 
 
 @triton.jit
-def _load(x_ptr, s_ptr, o_ptr, offs, mask, C, INNER, PER_CHANNEL: tl.constexpr, IS_FP64: tl.constexpr):
+def _load(x_ptr, s_ptr, o_ptr, offs, mask, C, INNER, PER_CHANNEL: tl.constexpr, IS_FP64: tl.constexpr,
+          BLOCK: tl.constexpr):
     """x, scale and offset of each element, in the compute dtype (float64, else float32)."""
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    s = load_param(s_ptr, offs, mask, C, INNER, PER_CHANNEL)
-    o = load_param(o_ptr, offs, mask, C, INNER, PER_CHANNEL)
+    s = load_param(s_ptr, mask, C, INNER, PER_CHANNEL, BLOCK)
+    o = load_param(o_ptr, mask, C, INNER, PER_CHANNEL, BLOCK)
     if not IS_FP64:
         x = x.to(tl.float32)
         s = s.to(tl.float32)
@@ -87,7 +88,7 @@ def _linear_fwd_kernel(
     DT: tl.constexpr = y_ptr.dtype.element_ty
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    x, s, o = _load(x_ptr, s_ptr, o_ptr, offs, mask, C, INNER, PER_CHANNEL, IS_FP64)
+    x, s, o = _load(x_ptr, s_ptr, o_ptr, offs, mask, C, INNER, PER_CHANNEL, IS_FP64, BLOCK)
     _, _, q = _codes(x, s, o, ROUNDING, IS_FP64, DT, NARROW)
     q = tl.where(q < quant_min, quant_min, q)  # torch.clamp, NaN stays NaN
     q = tl.where(q > quant_max, quant_max, q)
@@ -123,7 +124,7 @@ def _linear_bwd_kernel(
     g = tl.load(g_ptr + offs, mask=mask, other=0.0)
     if not IS_FP64:
         g = g.to(tl.float32)
-    x, s, o = _load(x_ptr, s_ptr, o_ptr, offs, mask, C, INNER, PER_CHANNEL, IS_FP64)
+    x, s, o = _load(x_ptr, s_ptr, o_ptr, offs, mask, C, INNER, PER_CHANNEL, IS_FP64, BLOCK)
     v, r, q = _codes(x, s, o, ROUNDING, IS_FP64, DT, NARROW)
     below = q < quant_min
     above = q > quant_max
@@ -170,7 +171,7 @@ def _forward_call(args: tuple[Any, ...], layout: ChannelLayout | None) -> Forwar
         )
     is_fp64, narrow = _flags(x)
     inputs = tuple(per_channel_param(p, layout, x.device, x.dtype) for p in (scale, offset))
-    constexprs = {"ROUNDING": int(rounding), "PER_CHANNEL": layout.per_channel, "IS_FP64": is_fp64, "NARROW": narrow,
+    constexprs = {"ROUNDING": int(rounding), "PER_CHANNEL": layout.code, "IS_FP64": is_fp64, "NARROW": narrow,
                   "BLOCK": BLOCK}
     return ForwardLaunch(_linear_fwd_kernel, (scale, offset), inputs,
                          (x.numel(), layout.channels, layout.inner, int(quant_min), int(quant_max)), constexprs)
@@ -218,7 +219,7 @@ def linear_backward_elementwise(
     _linear_bwd_kernel[grid(x.numel())](
         grad, x, s, o, gx, gx if ps is None else ps, gx if po is None else po,
         x.numel(), layout.channels, layout.inner, int(quant_min), int(quant_max),
-        ROUNDING=int(rounding), PER_CHANNEL=layout.per_channel, IS_FP64=is_fp64, NARROW=narrow,
+        ROUNDING=int(rounding), PER_CHANNEL=layout.code, IS_FP64=is_fp64, NARROW=narrow,
         NEED_S=bool(need_scale_grad), NEED_O=bool(need_offset_grad),
         BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
