@@ -384,7 +384,8 @@ def test_bind_declines_parameters_it_would_copy():
 def test_per_channel_index_in_64_bits_agrees(layout, monkeypatch):
     """Per-channel kernels index the parameter with 32-bit arithmetic per element where a block's channel
     arithmetic fits (:attr:`ChannelLayout.code` 1) and in 64 bits otherwise (code 2, which only tensors of more
-    than 2**31 elements per channel reach): the 64-bit path, forced here, gives the same bits."""
+    than 2**31 elements per channel reach): the 64-bit path, forced here, gives the same bits. (Code 3, channels of
+    at least a block, is the axis-0 layout of the other tests.)"""
     from fxq.triton_kernels.common import ChannelLayout
 
     _, axis, channels = layout
@@ -393,9 +394,33 @@ def test_per_channel_index_in_64_bits_agrees(layout, monkeypatch):
     want = F.linear_fake_quantize_reference(x, scale, offset, axis, -128, 127, 0)
     fmt = FloatFormat.E4M3
     want_fp = F.float_fake_quantize_reference(x, scale, axis, fmt.mantissa_bits, fmt.min_exponent, fmt.max_value, 0)
-    assert LK.linear_layout(x, scale, offset, axis, -128, 127).code == 1
+    assert LK.linear_layout(x, scale, offset, axis, -128, 127).code == (3 if math.prod(SHAPE[axis % len(SHAPE) + 1:]) >= 1024
+                                                                          else 1)
     monkeypatch.setattr(ChannelLayout, "code", property(lambda self: 2 if self.per_channel else 0))
     xd, sd, od = x.to(DEV), scale.to(DEV), offset.to(DEV)
     assert_bit_identical(LK.linear_forward(xd, sd, od, axis, -128, 127, 0), want, "linear, 64-bit index")
     got_fp = FK.float_forward(xd, sd, axis, fmt.mantissa_bits, fmt.min_exponent, fmt.max_value, 0)
     assert_bit_identical(got_fp, want_fp, "float, 64-bit index")
+
+
+@pytest.mark.parametrize("shape,axis", [((3, 1500), 0), ((2, 3, 1100), 1), ((2, 3, 2048), 1)],
+                         ids=["axis0", "wraps", "whole-blocks"])
+def test_per_channel_channels_of_a_block_or_more(shape, axis):
+    """Channels of at least a block (:attr:`ChannelLayout.code` 3: a comparison per element finds the channel),
+    blocks that cross into the next channel and wrap from the last channel to the first: the reference's bits."""
+    channels = shape[axis]
+    scale, offset = _params(channels, -128, 127)
+    x = torch.randn(shape) * 4
+    g = torch.randn(shape)
+    assert LK.linear_layout(x, scale, offset, axis, -128, 127).code == 3
+    xd, gd, sd, od = x.to(DEV), g.to(DEV), scale.to(DEV), offset.to(DEV)
+    assert_bit_identical(LK.linear_forward(xd, sd, od, axis, -128, 127, 0),
+                         F.linear_fake_quantize_reference(x, scale, offset, axis, -128, 127, 0), "linear forward")
+    got = LK.linear_backward_elementwise(gd, xd, sd, od, axis, -128, 127, 0, True, True)
+    want = F.linear_fake_quantize_backward_elementwise(g, x, scale, offset, axis, -128, 127, 0, True, True)
+    for name, a, e in zip(("grad_x", "g*ds", "g*do"), got, want):
+        assert_bit_identical(a, e, name)
+    fmt = FloatFormat.E4M3
+    fp_args = (axis, fmt.mantissa_bits, fmt.min_exponent, fmt.max_value, 0)
+    assert_bit_identical(FK.float_forward(xd, sd, *fp_args),
+                         F.float_fake_quantize_reference(x, scale, *fp_args), "float forward")

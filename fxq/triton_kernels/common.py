@@ -60,10 +60,12 @@ class ChannelLayout:
     @property
     def code(self) -> int:
         """The kernels' ``PER_CHANNEL`` constant (:func:`load_param`): 0 per tensor; per channel, 1 where a block's
-        channel arithmetic fits 32 bits, else 2."""
+        channel arithmetic fits 32 bits, 3 where moreover a block spans at most two channels, else 2."""
         if not self.per_channel:
             return 0
-        return 1 if self.inner + BLOCK < 2**31 and self.channels + BLOCK < 2**31 else 2
+        if self.inner + BLOCK >= 2**31 or self.channels + BLOCK >= 2**31:
+            return 2
+        return 3 if self.inner >= BLOCK else 1
 
 
 def channel_layout(x: torch.Tensor, numels: tuple[int, ...], axis: int) -> ChannelLayout | None:
@@ -332,12 +334,17 @@ def load_param(p_ptr, mask, C, INNER, PER_CHANNEL: tl.constexpr, BLOCK: tl.const
     """The parameter value of each element of this program's block: ``p[(flat // INNER) % C]`` per channel,
     ``p[0]`` otherwise. ``PER_CHANNEL`` is :attr:`ChannelLayout.code`: with code 1 the block's first channel takes
     64-bit arithmetic once and each element 32-bit arithmetic (64-bit division is emulated on GPUs, and per element
-    it made the per-channel kernels compute-bound on an H200); code 2, for sizes that 32 bits do not hold, 64-bit
-    throughout."""
+    it made the per-channel kernels compute-bound on an H200); code 3, channels of at least a block, a comparison
+    per element; code 2, for sizes that 32 bits do not hold, 64-bit throughout."""
     start = tl.program_id(0).to(tl.int64) * BLOCK
-    if PER_CHANNEL == 1:
-        within = (start % INNER).to(tl.int32) + tl.arange(0, BLOCK)  # < INNER + BLOCK: fits (code 1)
-        ch = (((start // INNER) % C).to(tl.int32) + within // INNER.to(tl.int32)) % C.to(tl.int32)
+    if PER_CHANNEL == 1 or PER_CHANNEL == 3:
+        within = (start % INNER).to(tl.int32) + tl.arange(0, BLOCK)  # < INNER + BLOCK: fits (codes 1, 3)
+        first = ((start // INNER) % C).to(tl.int32)
+        if PER_CHANNEL == 3:  # INNER >= BLOCK: the block ends in the next channel at the latest
+            ch = tl.where(within >= INNER, first + 1, first)
+            ch = tl.where(ch >= C, ch - C, ch)
+        else:
+            ch = (first + within // INNER.to(tl.int32)) % C.to(tl.int32)
         out = tl.load(p_ptr + ch, mask=mask, other=1.0)
     elif PER_CHANNEL == 2:
         ch = ((start + tl.arange(0, BLOCK)) // INNER) % C
