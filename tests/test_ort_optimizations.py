@@ -257,8 +257,10 @@ def test_faint_input_trt_export_warns_once_per_node(tmp_path, caplog):
 
 
 def _biased_graph(op: str, code: int, quantized_output: bool, fp32_bias: bool) -> onnx.ModelProto:
-    """x -> Q/DQ (uint8) -> op(DQ int8 weights of 100, bias [code, -code - 1] x 1e-4: DQ of int32 codes, or FP32
-    that WeightBiasQuantization turns into those codes) [-> Q/DQ] -> y."""
+    """x -> Q/DQ (uint8) -> op(DQ int8 weights of 60, bias [code, -code - 1] x 1e-4: DQ of int32 codes, or FP32
+    that WeightBiasQuantization turns into those codes) [-> Q/DQ] -> y. (Weights of 60 keep every pair of products
+    of the top input code 255 within int16: x86 CPUs without VNNI saturate larger pairs, a separate effect,
+    :func:`fxq.backends.qdq.ort_bias.u8s8_saturation_issues`.)"""
     from onnx import TensorProto, helper, numpy_helper
 
     wshape = {"Conv": (2, 3, 1, 1), "ConvTranspose": (3, 2, 1, 1), "Gemm": (2, 3)}[op]
@@ -266,7 +268,7 @@ def _biased_graph(op: str, code: int, quantized_output: bool, fp32_bias: bool) -
     inits = [numpy_helper.from_array(np.asarray(v, dt), n) for n, v, dt in (
         ("s_in", 1e-2, np.float32), ("z", 0, np.uint8), ("s_w", [1e-2, 1e-2], np.float32), ("zw", [0, 0], np.int8),
         ("s_b", [1e-4, 1e-4], np.float32), ("zb", [0, 0], np.int32), ("b", [code, -code - 1], np.int32),
-        ("s_out", 0.1, np.float32), ("wq", np.full(wshape, 100), np.int8))]
+        ("s_out", 0.1, np.float32), ("wq", np.full(wshape, 60), np.int8))]
     nodes = [helper.make_node("QuantizeLinear", ["x", "s_in", "z"], ["xq"]),
              helper.make_node("DequantizeLinear", ["xq", "s_in", "z"], ["xd"]),
              helper.make_node("DequantizeLinear", ["wq", "s_w", "zw"], ["wd"], axis=axis),
@@ -294,12 +296,12 @@ def _biased_graph(op: str, code: int, quantized_output: bool, fp32_bias: bool) -
                                                        ("Gemm", False, True), ("Conv", False, False),
                                                        ("ConvTranspose", True, False)])
 def test_int32_bias_wrap_check_on_hand_written_graphs(op, quantized_output, fused, fp32_bias):
-    """Flagged exactly where onnxruntime's fused kernel wraps: bias codes within 3 x 255 x 100 of the int32
+    """Flagged exactly where onnxruntime's fused kernel wraps: bias codes within 3 x 255 x 60 of the int32
     limits, inputs at the top of their range (a Conv without Q after it, and ConvTranspose, are not fused; an FP32
     bias becomes int32 codes only where the output is quantized)."""
     x = torch.full((1, 3) if op == "Gemm" else (1, 3, 1, 1), 2.55)
     fused = fused and (quantized_output or not fp32_bias)
-    for code, near in ((2**31 - 1000, True), (2**31 - 1000 - 3 * 255 * 100, False), (10_000, False)):
+    for code, near in ((2**31 - 1000, True), (2**31 - 1000 - 3 * 255 * 60, False), (10_000, False)):
         m = _biased_graph(op, code, quantized_output, fp32_bias)
         issues = ort_bias_issues(m)
         assert len(issues) == int(near and fused), (code, issues)
@@ -459,3 +461,95 @@ def test_realignment_snaps_the_softmax_scale_again():
     assert float(torch.floor(1.0 / fq.scale)) != float(1.0 / fq.scale.double())
     apply_alignment(q)
     assert abs(float(torch.floor(1.0 / fq.scale)) - float(1.0 / fq.scale.double())) < 1e-4
+
+
+def _matmul_graph(weights: np.ndarray, act_type: type = np.uint8) -> onnx.ModelProto:
+    """x -> Q/DQ (``act_type``) -> MatMul(DQ int8 ``weights`` [K, N], scale 1) -> Q/DQ (int8, scale 16384) -> y."""
+    from onnx import TensorProto, helper
+
+    inits = [numpy_helper.from_array(np.asarray(v, dt), n) for n, v, dt in (
+        ("s", 1.0, np.float32), ("z", 0, act_type), ("wq", weights, np.int8), ("ws", 1.0, np.float32),
+        ("wz", 0, np.int8), ("ys", 16384.0, np.float32), ("yz", 0, np.int8))]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"]),
+             helper.make_node("MatMul", ["xd", "wd"], ["m"], name="mm"),
+             helper.make_node("QuantizeLinear", ["m", "ys", "yz"], ["yq"]),
+             helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["y"])]
+    m = helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, weights.shape[0]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits), opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 10
+    return m
+
+
+@pytest.mark.parametrize("act_type", [np.uint8, np.int8], ids=["uint8", "int8"])
+def test_u8s8_pair_saturation_found_where_onnxruntime_saturates(act_type):
+    """Neighbouring int8 weight codes (along K, pairs 2i / 2i + 1) of one sign that sum past 128 are named by
+    ``u8s8_saturation_issues``; pairs that do not (a 0 beside each 127, 7-bit codes, opposite signs) are not. On a
+    CPU that saturates (x86 without VNNI: ``cpu_saturates_u8s8``) a default session computes exactly the named
+    graph otherwise; on any CPU it computes the others as written."""
+    from fxq.backends.qdq.ort_bias import cpu_saturates_u8s8, u8s8_saturation_issues
+
+    k = 64
+    pattern = np.array([0, 127, 127, 0] * (k // 4))
+    cases = {"all 127": (np.full((k, 4), 127), True),
+             "127 beside 0": (np.stack([pattern] * 4, 1), False),
+             "127 beside 0, shifted": (np.stack([np.roll(pattern, 1)] * 4, 1), True),
+             "7-bit": (np.full((k, 4), 63), False),
+             "opposite signs": (np.stack([np.array([127, -127] * (k // 2))] * 4, 1), False)}
+    x = torch.full((1, k), 255.0 if act_type is np.uint8 else 100.0)  # both near the top of their kernel's u8 range
+    saturates = cpu_saturates_u8s8()
+    for name, (w, named) in cases.items():
+        m = _matmul_graph(w.astype(np.int8), act_type)
+        issues = u8s8_saturation_issues(m)
+        assert bool(issues) == named, (name, issues)
+        if named:
+            assert "MatMul 'mm'" in issues[0], issues
+        as_written = _run_model(m, x, "ORT_DISABLE_ALL")
+        default = _run_model(m, x, "ORT_ENABLE_ALL")
+        if not named or saturates is False:
+            np.testing.assert_array_equal(default, as_written, err_msg=name)
+        elif saturates:
+            assert not np.array_equal(default, as_written), name
+
+
+def test_cpu_saturation_read_from_cpu_flags():
+    from fxq.backends.qdq.ort_bias import cpu_saturates_u8s8
+
+    assert cpu_saturates_u8s8("processor : 0\nflags : fpu sse2 avx avx2 fma\n") is True
+    assert cpu_saturates_u8s8("flags : fpu avx2 avx512f avx512_vnni\n") is False
+    assert cpu_saturates_u8s8("flags : fpu avx2 avx_vnni\n") is False
+    assert cpu_saturates_u8s8("flags : fpu sse2\n") is False  # no AVX2: other kernels
+    assert cpu_saturates_u8s8("model name : something\n") is None
+
+
+def test_saturation_warned_on_such_cpus_and_reduce_range_avoids_it(tmp_path, caplog, monkeypatch):
+    """Exported on a CPU that saturates, a Linear whose weights hold large neighbours is named in one WARNING with
+    the fix; quantized for ``ort_int8_reduce_range`` (what the warning says) its file has no such pair, and a
+    default onnxruntime session computes it as fxq simulates, on this machine whatever its CPU."""
+    from fxq.backends.qdq import ort_bias
+
+    monkeypatch.setattr(ort_bias, "cpu_saturates_u8s8", lambda cpuinfo=None: True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    with torch.no_grad():
+        model[0].weight.copy_(torch.rand(32, 64) * 0.5 + 0.5)  # one sign, large neighbours
+
+    def export(platform: str) -> tuple:
+        q = quantize_model(model, platform, shape=(2, 64))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fxq.backends"):
+            path = fxq.export(q, platform, tmp_path / f"{platform}.onnx")[0]
+        x = torch.rand(2, 64) * 4
+        with torch.no_grad():
+            sim = q(x).numpy()
+        return path, x, sim, [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    path, _, _, warnings = export("ort_int8")
+    found = [w for w in warnings if "without VNNI" in w]
+    assert len(found) == 1 and "ort_int8_reduce_range" in found[0] and "Gemm" in found[0], warnings
+    path, x, sim, warnings = export("ort_int8_reduce_range")
+    assert not [w for w in warnings if "without VNNI" in w], warnings
+    assert not ort_bias.u8s8_saturation_issues(onnx.load(path))
+    assert _cosine(_run(path, x, "ORT_ENABLE_ALL"), sim) >= 0.9999

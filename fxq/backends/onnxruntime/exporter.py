@@ -31,7 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from fxq.backends.base import register_exporter
-from fxq.backends.qdq.ort_bias import ort_bias_issues, warn_fused_softmax, warn_ort_bias_issues
+from fxq.backends.qdq.ort_bias import (
+    ort_bias_issues,
+    warn_fused_softmax,
+    warn_ort_bias_issues,
+    warn_u8s8_saturation,
+)
 from fxq.backends.qdq.template import QdqJob, QdqOnnxExporter
 from fxq.errors import ExportError
 from fxq.nn.fake_quantize import FakeQuantize
@@ -110,6 +115,7 @@ class OnnxRuntimeExporter(QdqOnnxExporter):
         onnx_model = finalize(job.lowered.model, job.opset)
         warn_ort_bias_issues(onnx_model, "onnxruntime")
         warn_fused_softmax(onnx_model, "onnxruntime")
+        warn_u8s8_saturation(onnx_model, "onnxruntime")
         files = serialize(onnx_model, job.paths["main"])
         if job.options["check"]:
             _ort_load_check(files, job.paths["main"])

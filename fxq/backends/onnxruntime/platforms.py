@@ -25,3 +25,10 @@ class OrtInt8(Platform):
         rule="ort_int8 exports ONNX QDQ, whose QuantizeLinear rounds activations half to even",
         activation=RoleCapability(rounding=frozenset({RoundingPolicy.HALF_EVEN})),
     )
+
+
+@register_platform("ort_int8_reduce_range")
+class OrtInt8ReduceRange(OrtInt8):
+    description = ("ONNX Runtime QDQ for x86 CPUs without VNNI: ort_int8 with 7-bit weights [-63, 63] (onnxruntime's "
+                   "reduce_range), which its int8 kernels cannot saturate")
+    weight = _int_config(7, True, narrow=True, per_channel=True)

@@ -18,6 +18,16 @@ same level-2 transformer), which computes from a table of exp over the input cod
 ort_int8's calibration now makes that reciprocal an integer (:func:`fxq.graph.convert.snap_softmax_scales`),
 which leaves the table's rounding ties (under 1 %). :func:`warn_fused_softmax` names those nodes.
 
+A fourth depends on the CPU: **x86 CPUs without VNNI saturate pairs of products** (the fused kernels, and the
+``MatMulIntegerToFloat`` of an unquantized output, run uint8 activation codes, int8 ones shifted by 128 by
+``QDQS8ToU8Transformer``, against int8 weight codes with AVX2's ``vpmaddubsw``, which adds the products of two
+neighbours along the reduced dimension into int16 with saturation). Where two neighbouring weight codes of one sign
+sum to more than 32767 / 255 (128), inputs near the top of their range give a clipped pair sum: one Linear of a
+random-init DeBERTa moved 30 of 1024 outputs by up to 18 LSB, which took the model's output to cosine 0.004. VNNI
+(``avx512_vnni``, ``avx_vnni``) accumulates in int32 and does not saturate; weights of 7 bits cannot reach it
+(onnxruntime's own ``reduce_range``, fxq's ``ort_int8_reduce_range``). :func:`u8s8_saturation_issues` finds the
+nodes from the file alone and :func:`warn_u8s8_saturation` names them where this process runs on such a CPU.
+
 fxq's own int32 bias grids leave the accumulator that room (``fxq.graph.convert``: the bias range stops short of
 the int32 limits by the largest sum its op can accumulate), so its ort_int8 files do not wrap. FP32 biases
 (trt_int8: TensorRT adds them in float) are rounded by the first pass. :func:`ort_bias_issues` finds such nodes from
@@ -30,7 +40,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ort_bias_issues", "warn_ort_bias_issues", "fused_softmaxes", "warn_fused_softmax"]
+__all__ = ["ort_bias_issues", "warn_ort_bias_issues", "fused_softmaxes", "warn_fused_softmax", "cpu_saturates_u8s8",
+           "u8s8_saturation_issues", "warn_u8s8_saturation"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,21 +67,19 @@ def _quantized_path(node: Any, cons: dict[str, list[Any]]) -> Any:
     return None
 
 
-def _accumulator_reach(node: Any, dq_in: Any, dq_w: Any, const: Any, prod: dict[str, Any]) -> np.ndarray | None:
-    """Per output channel, the largest |sum(input codes x weight codes)| the fused kernel can accumulate:
-    sum |weight code - zero-point| over the channel's weights x the input codes' largest distance from their
-    zero-point (over the whole range of their element type). None where the codes are not constants."""
-    import torch
+def _weight_codes(dq_w: Any, const: Any, prod: dict[str, Any]) -> np.ndarray | None:
+    """The integer weight codes a DequantizeLinear reads, less their zero-point (int64), or None where they are not
+    integer constants (FP8 codes, a computed weight). ``weights="qdq"`` files hold a QuantizeLinear of the FP32
+    constant: its codes are computed as onnxruntime folds them."""
     from onnx import helper
 
     from fxq.backends.qdq.onnx_graph import INT_RANGES, attr
-    from fxq.functional import accumulator_reach
 
     w = const(dq_w.input[0])
     s_w = const(dq_w.input[1])
     zw = const(dq_w.input[2]) if len(dq_w.input) > 2 and dq_w.input[2] else None
     if (zw is not None and zw.dtype.kind not in "iu") or (w is not None and w.dtype.kind not in "iu"):
-        return None  # FP8 codes: onnxruntime has no fused integer kernel for them, nothing accumulates in int32
+        return None  # FP8 codes: onnxruntime has no fused integer kernel for them
 
     def along_axis(v: np.ndarray, rank: int) -> np.ndarray:
         """A per-tensor or per-channel parameter of the DequantizeLinear, shaped to broadcast over the weight."""
@@ -92,6 +101,22 @@ def _accumulator_reach(node: Any, dq_in: Any, dq_w: Any, const: Any, prod: dict[
     w = w.astype(np.int64)
     if zw is not None and zw.size:
         w = w - along_axis(zw.astype(np.int64), w.ndim)
+    return w
+
+
+def _accumulator_reach(node: Any, dq_in: Any, dq_w: Any, const: Any, prod: dict[str, Any]) -> np.ndarray | None:
+    """Per output channel, the largest |sum(input codes x weight codes)| the fused kernel can accumulate:
+    sum |weight code - zero-point| over the channel's weights x the input codes' largest distance from their
+    zero-point (over the whole range of their element type). None where the codes are not constants."""
+    import torch
+    from onnx import helper
+
+    from fxq.backends.qdq.onnx_graph import INT_RANGES, attr
+    from fxq.functional import accumulator_reach
+
+    w = _weight_codes(dq_w, const, prod)
+    if w is None:
+        return None
     out_axis = 0 if node.op_type == "Conv" or attr(node, "transB", 0) else 1
     zx = const(dq_in.input[2]) if len(dq_in.input) > 2 and dq_in.input[2] else np.zeros((), np.uint8)
     if zx is None:
@@ -266,3 +291,104 @@ def warn_fused_softmax(model: Any, exporter: str) -> list[str]:
             "written as fxq simulates it (onnxruntime computes exactly that with ORT_DISABLE_ALL, or with "
             "disabled_optimizers=['%s'])", exporter, len(names), shown, _WRAP)
     return names
+
+
+_PAIR_LIMIT = 32767 // 255  # 128: |w0| + |w1| beyond it reaches int16 saturation at the top input code 255
+_SATURATING_OPS = ("Conv", "Gemm", "MatMul")
+_VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def cpu_saturates_u8s8(cpuinfo: str | None = None) -> bool | None:
+    """Whether onnxruntime's int8 CPU kernels saturate pairs of products on this machine: True on an x86-64 CPU
+    with AVX2 and no VNNI, False on one with VNNI or on another architecture, None where Linux's ``/proc/cpuinfo``
+    cannot be read (other systems). ``cpuinfo``: its text, for tests."""
+    import platform
+
+    if cpuinfo is None:
+        if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+            return False
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+                cpuinfo = fh.read()
+        except OSError:
+            return None
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), None)
+    if flags is None:
+        return None
+    return "avx2" in flags and not any(f in flags for f in _VNNI_FLAGS)
+
+
+def _saturating_pairs(w: np.ndarray, k_axis: int) -> tuple[int, int]:
+    """(pairs, largest sum): the neighbours ``(2i, 2i + 1)`` along ``k_axis`` of the weight codes ``w`` whose
+    products with the top input code add up beyond int16 (same sign, ``|w0| + |w1| > 128``)."""
+    k = np.moveaxis(w, k_axis, -1).reshape(-1, w.shape[k_axis])
+    if k.shape[1] % 2:
+        k = np.concatenate([k, np.zeros((k.shape[0], 1), k.dtype)], axis=1)
+    a, b = k[:, 0::2], k[:, 1::2]
+    same = np.abs(a + b)  # |a| + |b| where a and b share a sign, less otherwise
+    hit = same > _PAIR_LIMIT
+    return int(np.count_nonzero(hit)), int(same.max(initial=0))
+
+
+def u8s8_saturation_issues(model: Any) -> list[str]:
+    """Conv / Gemm / MatMul nodes whose int8 weight codes hold neighbours (along the reduced dimension) that x86
+    CPUs without VNNI add into a saturated int16 pair sum when both inputs are near the top of their range (see the
+    module docstring): one line per node. A Conv's reduced dimension is taken in both orders onnxruntime may use
+    (channels outermost, or innermost as in its NHWC kernels); a node is named if either holds such a pair."""
+    from onnx import numpy_helper
+
+    from fxq.backends.qdq.onnx_graph import attr, producers
+
+    graph = model.graph
+    consts = {t.name: t for t in graph.initializer}
+    prod = producers(graph)
+
+    def const(name: str) -> np.ndarray | None:
+        t = consts.get(name)
+        return None if t is None else numpy_helper.to_array(t)
+
+    out = []
+    for node in graph.node:
+        if node.op_type not in _SATURATING_OPS or len(node.input) < 2:
+            continue
+        dq_in, dq_w = prod.get(node.input[0]), prod.get(node.input[1])
+        if any(d is None or d.op_type != "DequantizeLinear" for d in (dq_in, dq_w)):
+            continue
+        zx = const(dq_in.input[2]) if len(dq_in.input) > 2 and dq_in.input[2] else np.zeros((), np.uint8)
+        if zx is None or zx.dtype not in (np.uint8, np.int8):
+            continue  # 8-bit activations only: 16-bit ones take other kernels
+        w = _weight_codes(dq_w, const, prod)
+        if w is None or np.abs(w).max(initial=0) > 127:
+            continue
+        if node.op_type == "Conv":
+            flat = w.reshape(w.shape[0], -1)
+            channels_last = np.moveaxis(w, 1, -1).reshape(w.shape[0], -1)
+            found = max(_saturating_pairs(flat, 1), _saturating_pairs(channels_last, 1))
+        else:
+            k_axis = (w.ndim - 1) if node.op_type == "Gemm" and attr(node, "transB", 0) else (w.ndim - 2)
+            found = _saturating_pairs(w, k_axis)
+        if found[0]:
+            out.append(f"{node.op_type} {node.name or node.output[0]!r}: {found[0]} pair(s) of neighbouring weight "
+                       f"codes sum to up to {found[1]} (> {_PAIR_LIMIT})")
+    return out
+
+
+def warn_u8s8_saturation(model: Any, exporter: str) -> list[str]:
+    """Log :func:`u8s8_saturation_issues` of ``model`` as one WARNING where this process runs on a CPU that
+    saturates (:func:`cpu_saturates_u8s8`); returns the lines found there (none elsewhere)."""
+    if not cpu_saturates_u8s8():
+        return []
+    issues = u8s8_saturation_issues(model)
+    if issues:
+        shown = issues[:8] + ([f"... and {len(issues) - 8} more"] if len(issues) > 8 else [])
+        target = ("for CPUs without VNNI, quantize for platform 'ort_int8_reduce_range' (7-bit weights, as "
+                  "onnxruntime's own reduce_range), or deploy on a CPU with VNNI"
+                  if exporter == "onnxruntime" else "TensorRT is not affected; to check this file in onnxruntime "
+                  "here, use ORT_DISABLE_ALL or a CPU with VNNI")
+        logger.warning(
+            "%s: this machine's CPU (x86 without VNNI) makes onnxruntime's int8 kernels add products in pairs "
+            "with int16 saturation; %d node(s) have weight codes that can reach it, so a default onnxruntime "
+            "session here can compute them up to many LSB away from the file's Q/DQ arithmetic (which fxq "
+            "simulates, and ORT_DISABLE_ALL computes) where inputs are near the top of their range:\n  %s\nFix: %s.",
+            exporter, len(issues), "\n  ".join(shown), target)
+    return issues

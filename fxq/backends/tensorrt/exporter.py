@@ -109,7 +109,7 @@ class TensorRTExporter(QdqOnnxExporter):
         from fxq.backends.qdq.common import finalize, serialize
         from fxq.backends.qdq.fp16 import cast_float_parts, check_fp16_model
         from fxq.backends.qdq.insert import QdqPolicy, insert_qdq, strip_marks
-        from fxq.backends.qdq.ort_bias import warn_fused_softmax, warn_ort_bias_issues
+        from fxq.backends.qdq.ort_bias import warn_fused_softmax, warn_ort_bias_issues, warn_u8s8_saturation
         from fxq.backends.tensorrt.check import check_tensorrt
         from fxq.backends.tensorrt.legacy import act_quant_json, calibration_cache
 
@@ -134,6 +134,7 @@ class TensorRTExporter(QdqOnnxExporter):
             logger.warning("TensorRT rule: %s", p)
         warn_ort_bias_issues(qdq_model, "tensorrt")
         warn_fused_softmax(qdq_model, "tensorrt")
+        warn_u8s8_saturation(qdq_model, "tensorrt")
         files: dict[Path, bytes | bytearray | str | None] = serialize(qdq_model, job.paths["main"])
         # legacy side files, keyed by the FP32 model's tensor names
         if options["legacy"]:
