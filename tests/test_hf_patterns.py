@@ -206,3 +206,30 @@ def test_an_addmm_in_another_form_is_left_as_it_is() -> None:
     gm = fxq.prepare(model, "trt_int8", x)
     with fxq.fp32_mode(gm), torch.no_grad():
         torch.testing.assert_close(gm(x), model(x))
+
+
+class RotaryHalf(nn.Module):
+    """Llama / Qwen2's rotary embedding: ``rotate_half`` concatenates ``-x2`` and ``x1`` (torch.export writes
+    ``aten.neg``), scaled by stored cos / sin tables."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+        angle = torch.arange(6.0)[:, None] * torch.tensor([1.0, 0.1, 0.01, 0.001]).repeat(2)[None]
+        self.register_buffer("cos", angle.cos())
+        self.register_buffer("sin", angle.sin())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        rotated = torch.cat((-q[..., 4:], q[..., :4]), dim=-1)
+        return self.out(q * self.cos + rotated * self.sin)
+
+
+def test_rotary_neg_captured_by_torch_export_exports_to_ncnn(tmp_path: Path) -> None:
+    """torch.export's ``aten.neg`` had no type ("no converter for op type 'Unknown'", Llama / Qwen2 natively on
+    ncnn): it is ``torch.neg`` now, ncnn's UnaryOp."""
+    torch.manual_seed(0)
+    data = [torch.randn(1, 6, 8) for _ in range(2)]
+    gm = fxq.quantize(RotaryHalf().eval(), data, "ncnn_int8", progress=False, capture="export")
+    assert not [n for n in gm.graph.nodes if "aten.neg" in str(n.target) or str(n.target) == "neg.default"]
+    _files_match_simulation(gm, torch.randn(1, 6, 8), tmp_path, "ncnn_int8")

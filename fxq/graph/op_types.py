@@ -68,7 +68,7 @@ LIFTED: dict[Any, Callable[..., Any] | str] = {
     aten.scaled_dot_product_attention.default: F.scaled_dot_product_attention,
     aten.group_norm.default: F.group_norm, aten.rsqrt.default: torch.rsqrt,
     aten.var.correction: torch.var, aten.std.correction: torch.std, aten.var.dim: torch.var, aten.std.dim: torch.std,
-    aten.repeat_interleave.self_int: torch.repeat_interleave,
+    aten.repeat_interleave.self_int: torch.repeat_interleave, aten.neg.default: torch.neg,
 }
 """aten overloads whose positional arguments are those of a torch function, or (a str) of a ``Tensor`` method
 called on the first; the node keeps args and kwargs (:mod:`fxq.graph.export_capture` lifts them to those calls,
