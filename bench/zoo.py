@@ -4,6 +4,7 @@
     python bench/zoo.py --families timm --paths native,legacy17   # one model per timm architecture (93)
     python bench/zoo.py --families ultralytics           # ultralytics' YOLO / RT-DETR architectures (20)
     python bench/zoo.py --families transformers          # HF transformers vision / audio models, small configs (21)
+    python bench/zoo.py --families text                  # HF transformers text encoders / decoders, token ids (11)
     python bench/zoo.py --models resnet18,googlenet --paths native,legacy13 --platforms trt_int8
     python bench/zoo.py --subset                          # the dozen models the tests run (tests/test_zoo_subset.py)
     python bench/zoo.py --paths native --capture fx,export,auto --platforms trt_int8   # capture paths side by side
@@ -24,8 +25,10 @@ own subprocess with a timeout:
   simulation itself moves
   below the bar on a 1e-4 input perturbation (a rounding tie amplified by the model, not an export fault), else
   ``Mismatch``; a simulation whose every output is at most 1e-6 is ``Degenerate`` (cosine of rounding noise); a
-  Q/DQ file that passes in ``ORT_DISABLE_ALL`` but not in the default session is ``Fused`` (onnxruntime's fused
-  int8 kernels, issue #13 point 9). None of these passes. Where torch's exporter cannot write the model on a file
+  Q/DQ file that passes in ``ORT_DISABLE_ALL`` but not in the default session is ``Saturated`` where this machine's
+  CPU (x86 without VNNI) makes onnxruntime's int8 kernels saturate pairs of products and the file's weights reach
+  that (``fxq.backends.qdq.ort_bias.u8s8_saturation_issues``; ``ort_int8_reduce_range`` avoids it), else ``Fused``
+  (onnxruntime's fused int8 kernels, issue #13 point 9). None of these passes. Where torch's exporter cannot write the model on a file
   path (VOLO's ``col2im`` before opset 18), the path's row is step ``source``, ``NoSourceFile``: no file reached fxq.
 
 Every step records ``ok``, ``skipped`` (an earlier step failed) or the error's class and first line; the CSV has one
@@ -143,6 +146,32 @@ transformers``; built from the config class, nothing downloads): ``(config class
 config)``; the input is an image ``(1, 3, size, size)`` or, for wav2vec2, a waveform ``(1, size)``. In the zoo as
 ``hf-<name>``, family ``transformers``; the model returns the tensors of its output record."""
 HF_PREFIX = "hf-"
+TEXT_VOCAB = 128
+"""Vocabulary of the text models' configs: their token ids are drawn from ``[0, TEXT_VOCAB)``."""
+_HF_TEXT_SMALL = {**_HF_SMALL, "vocab_size": TEXT_VOCAB, "max_position_embeddings": 64, "use_cache": False}
+HF_TEXT_MODELS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
+    "bert": ("BertConfig", "BertForSequenceClassification", 16, _HF_TEXT_SMALL),
+    "distilbert": ("DistilBertConfig", "DistilBertForSequenceClassification", 16,
+                   {"vocab_size": TEXT_VOCAB, "dim": 64, "n_layers": 2, "n_heads": 4, "hidden_dim": 128,
+                    "max_position_embeddings": 64}),
+    "roberta": ("RobertaConfig", "RobertaForSequenceClassification", 16, _HF_TEXT_SMALL),
+    "albert": ("AlbertConfig", "AlbertForSequenceClassification", 16, {**_HF_TEXT_SMALL, "embedding_size": 32}),
+    "electra": ("ElectraConfig", "ElectraForSequenceClassification", 16, {**_HF_TEXT_SMALL, "embedding_size": 32}),
+    "mobilebert": ("MobileBertConfig", "MobileBertForSequenceClassification", 16,
+                   {**_HF_TEXT_SMALL, "embedding_size": 32, "intra_bottleneck_size": 32, "true_hidden_size": 32,
+                    "num_feedforward_networks": 2}),
+    "deberta_v2": ("DebertaV2Config", "DebertaV2ForSequenceClassification", 16, _HF_TEXT_SMALL),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", 16,
+             {"vocab_size": TEXT_VOCAB, "n_positions": 64, "n_embd": 64, "n_layer": 2, "n_head": 4,
+              "use_cache": False, "bos_token_id": 0, "eos_token_id": 0}),
+    "opt": ("OPTConfig", "OPTForCausalLM", 16,
+            {**_HF_TEXT_SMALL, "ffn_dim": 128, "word_embed_proj_dim": 64, "pad_token_id": 1}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", 16, {**_HF_TEXT_SMALL, "num_key_value_heads": 2}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", 16, {**_HF_TEXT_SMALL, "num_key_value_heads": 2}),
+}
+"""Hugging Face transformers' text architectures (encoders, decoders), small configs, random init, no cache: ``(config
+class, model class, sequence length, config)``; the input is ``(1, length)`` token ids. In the zoo as ``hf-<name>``,
+family ``text``; the model returns the tensors of its output record."""
 
 
 # --------------------------------------------------------------------------------------------- the models
@@ -164,6 +193,8 @@ def families() -> dict[str, str]:
         out[ULTRALYTICS_PREFIX + name] = "ultralytics"
     for name in HF_MODELS:
         out[HF_PREFIX + name] = "transformers"
+    for name in HF_TEXT_MODELS:
+        out[HF_PREFIX + name] = "text"
     return out
 
 
@@ -214,6 +245,8 @@ def example_input(name: str, family: str, model: Any = None) -> Any:
     if family == "ultralytics":
         size = 224 if name.endswith("-cls") else 320
         return (torch.rand(1, 3, size, size),)
+    if family == "text":
+        return (torch.randint(0, TEXT_VOCAB, (1, HF_TEXT_MODELS[name[len(HF_PREFIX):]][2])),)
     if family == "transformers":
         size = HF_MODELS[name[len(HF_PREFIX):]][2]
         return (torch.randn(1, size),) if name == HF_PREFIX + "wav2vec2" else (torch.randn(1, 3, size, size),)
@@ -246,7 +279,8 @@ def build(name: str) -> Any:
     if name.startswith(HF_PREFIX):
         import transformers
 
-        config_class, model_class, _, config = HF_MODELS[name[len(HF_PREFIX):]]
+        key = name[len(HF_PREFIX):]
+        config_class, model_class, _, config = HF_MODELS[key] if key in HF_MODELS else HF_TEXT_MODELS[key]
         model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config)).eval()
         return _output_tensors(model)
     if name.startswith(ULTRALYTICS_PREFIX):
@@ -475,6 +509,16 @@ def ncnn_run(net: Any, args: tuple, n_outputs: int, param: Path | None = None, m
                            for o in ncnn_outputs(net, args, n_outputs, param, model)])
 
 
+def _vary(a: Any, noise: float | None) -> Any:
+    """Another input like ``a``: ``a`` plus ``noise`` times N(0, 1) (None: N(0, 1) alone), or, for token ids,
+    other ids of the text models' vocabulary."""
+    import torch
+
+    if not a.is_floating_point():
+        return torch.randint_like(a, 0, TEXT_VOCAB)
+    return torch.randn_like(a) if noise is None else a + noise * torch.randn_like(a)
+
+
 def _map_tensors(fn: Any, obj: Any) -> Any:
     """``obj`` (tensors in tuples, lists, dicts) with ``fn`` applied to every tensor."""
     import torch
@@ -511,8 +555,8 @@ def work(name: str, family: str, path: str, platforms: list[str]) -> list[dict[s
     model = build(name)
     torch.manual_seed(1)
     args = example_input(name, family, model)
-    calib = [args, _map_tensors(lambda a: a + 0.1 * torch.randn_like(a), args)]
-    fresh = _map_tensors(torch.randn_like, args)
+    calib = [args, _map_tensors(lambda a: _vary(a, 0.1), args)]
+    fresh = _map_tensors(lambda a: _vary(a, None), args)
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         t0 = time.perf_counter()
@@ -627,6 +671,11 @@ def check_runtime(qmodel: Any, files: list[Path], fresh: tuple, platform: str, s
         status = (f"Degenerate: cosine {worst:.5f} < {COSINE_BAR}; the simulation's output is at most "
                   f"{peak:.1e} everywhere (activations vanish at random init), so cosine compares rounding "
                   f"noise")
+    elif cos.get("ort_disable_all", 0.0) >= COSINE_BAR > cos.get("ort", 1.0) and _saturated(files[0]):
+        status = (f"Saturated: cosine {worst:.5f} < {COSINE_BAR} in onnxruntime's default session only "
+                  f"(ORT_DISABLE_ALL {cos['ort_disable_all']:.5f}) on this CPU (x86 without VNNI), whose int8 "
+                  f"kernels add pairs of products with int16 saturation, and the file has weight pairs that reach "
+                  f"it ({_saturated(files[0])})")
     elif cos.get("ort_disable_all", 0.0) >= COSINE_BAR > cos.get("ort", 1.0):
         status = (f"Fused: cosine {worst:.5f} < {COSINE_BAR} in onnxruntime's default session only "
                   f"(ORT_DISABLE_ALL {cos['ort_disable_all']:.5f}): its fused int8 kernels compute the file "
@@ -637,6 +686,23 @@ def check_runtime(qmodel: Any, files: list[Path], fresh: tuple, platform: str, s
                   f"within 1 LSB, the simulation against itself on a 1e-4 perturbed input "
                   f"reaches {extra['cosine_sim_perturbed']:.5f}")
     return status, {**{f"cosine_{k}": round(v, 6) for k, v in cos.items()}, **extra}
+
+
+def _saturated(file: Path) -> str:
+    """The first of the file's nodes whose int8 products this machine's onnxruntime saturates, or "" (a CPU with
+    VNNI, no such weights, or biases the default session changes as well):
+    :func:`fxq.backends.qdq.ort_bias.u8s8_saturation_issues`."""
+    import onnx
+
+    from fxq.backends.qdq.ort_bias import cpu_saturates_u8s8, ort_bias_issues, u8s8_saturation_issues
+
+    if not cpu_saturates_u8s8():
+        return ""
+    model = onnx.load(str(file), load_external_data=False)
+    if ort_bias_issues(model):  # the default session adds other biases too: not this cause alone
+        return ""
+    issues = u8s8_saturation_issues(model)
+    return f"{issues[0]}{f' and {len(issues) - 1} more' if len(issues) > 1 else ''}" if issues else ""
 
 
 def _diagnose(qmodel: Any, file: Path, args: tuple, sim: Any) -> dict[str, Any]:
@@ -808,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
         print(summarize(done, [p for p in paths if any(r["path"] == p for r in done)], platforms))
         return 0
     fams = families()
-    opt_in = ("timm", "ultralytics", "transformers")  # families of other packages: run when named
+    opt_in = ("timm", "ultralytics", "transformers", "text")  # families of other packages: run when named
     names = list(SUBSET) if args.subset else (args.models.split(",") if args.models else
                                               sorted(n for n, f in fams.items() if f not in opt_in or args.families))
     if args.families:
