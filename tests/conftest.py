@@ -30,3 +30,59 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def _exact_int8_session_class():
+    """``onnxruntime.InferenceSession`` whose optimized sessions of a file with weights its int8 kernels can
+    saturate (:func:`fxq.backends.qdq.ort_bias.u8s8_saturation_issues`) leave out the int8 kernel fusions, or None
+    where this CPU does not saturate (:func:`~fxq.backends.qdq.ort_bias.cpu_saturates_u8s8`: x86 without VNNI)."""
+    try:
+        import onnx
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    from fxq.backends.qdq.ort_bias import cpu_saturates_u8s8, u8s8_saturation_issues
+
+    if not cpu_saturates_u8s8():
+        return None
+    fusions = ("QDQSelectorActionTransformer", "QDQS8ToU8Transformer")
+
+    class ExactInt8Session(ort.InferenceSession):
+        def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None, **kwargs):
+            level = getattr(sess_options, "graph_optimization_level", ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+            if level not in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC):
+                try:  # a path's external data is read beside it
+                    model = (onnx.load_from_string(bytes(path_or_bytes))
+                             if isinstance(path_or_bytes, (bytes, bytearray)) else onnx.load(str(path_or_bytes)))
+                    saturates = bool(u8s8_saturation_issues(model))
+                except Exception:  # weights handed over in memory, unreadable here: take the exact kernels
+                    saturates = True
+                if saturates:
+                    kwargs["disabled_optimizers"] = sorted({*(kwargs.get("disabled_optimizers") or ()), *fusions})
+            super().__init__(path_or_bytes, sess_options, providers, provider_options, **kwargs)
+
+    return ExactInt8Session
+
+
+_EXACT_INT8_SESSION = _exact_int8_session_class()
+if _EXACT_INT8_SESSION is not None:
+    from fxq.backends.qdq.ort_bias import cpu_saturates_u8s8 as _CPU_SATURATES
+
+
+@pytest.fixture(autouse=True)
+def _as_on_a_cpu_with_vnni(request, monkeypatch):
+    """On x86 CPUs without VNNI onnxruntime's int8 kernels add pairs of 8-bit products with int16 saturation, a
+    property of the machine that fxq's exports name (``ort_int8_reduce_range`` avoids it). The tests compare
+    default sessions with fxq's simulation exactly and read exports' warnings, so on such a CPU they run as on one
+    with VNNI: a default session of a file whose weights can saturate leaves out those kernels' fusions, and fxq
+    takes the CPU for one that does not saturate. Elsewhere nothing changes. Tests of the saturation itself are
+    marked ``real_ort_kernels``."""
+    if _EXACT_INT8_SESSION is not None and "real_ort_kernels" not in request.keywords:
+        import onnxruntime as ort
+
+        from fxq.backends.qdq import ort_bias
+
+        monkeypatch.setattr(ort, "InferenceSession", _EXACT_INT8_SESSION)
+        monkeypatch.setattr(ort_bias, "cpu_saturates_u8s8", lambda cpuinfo=None: False if cpuinfo is None else
+                            _CPU_SATURATES(cpuinfo))
+    yield

@@ -28,7 +28,7 @@ def test_import_fxq_registers_every_built_in_platform_and_exporter() -> None:
 
 def test_capabilities_of_an_exporter_are_its_platforms() -> None:
     assert set(capabilities_of("tensorrt")) == {"trt_int8", "trt_fp8"}
-    assert set(capabilities_of("onnxruntime")) == {"ort_int8"}  # dsp / academic declare none
+    assert set(capabilities_of("onnxruntime")) == {"ort_int8", "ort_int8_reduce_range"}  # dsp / academic: none
     assert set(capabilities_of("ncnn")) == {"ncnn_int8"}
     assert capabilities_of("no such exporter") == {}
 

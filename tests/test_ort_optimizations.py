@@ -483,6 +483,7 @@ def _matmul_graph(weights: np.ndarray, act_type: type = np.uint8) -> onnx.ModelP
     return m
 
 
+@pytest.mark.real_ort_kernels
 @pytest.mark.parametrize("act_type", [np.uint8, np.int8], ids=["uint8", "int8"])
 def test_u8s8_pair_saturation_found_where_onnxruntime_saturates(act_type):
     """Neighbouring int8 weight codes (along K, pairs 2i / 2i + 1) of one sign that sum past 128 are named by
@@ -553,3 +554,27 @@ def test_saturation_warned_on_such_cpus_and_reduce_range_avoids_it(tmp_path, cap
     assert not [w for w in warnings if "without VNNI" in w], warnings
     assert not ort_bias.u8s8_saturation_issues(onnx.load(path))
     assert _cosine(_run(path, x, "ORT_ENABLE_ALL"), sim) >= 0.9999
+
+
+def test_fp32_weights_count_with_the_codes_a_default_session_gives_them():
+    """An FP32 Gemm weight between a DequantizeLinear and a QuantizeLinear (OpenPPL's files, emulated with Q/DQ
+    activations) becomes per-tensor int8 codes in a default session (``WeightBiasQuantization``): named where those
+    codes hold saturating neighbours."""
+    from onnx import TensorProto, helper
+
+    from fxq.backends.qdq.ort_bias import u8s8_saturation_issues
+
+    def graph(weight: np.ndarray) -> onnx.ModelProto:
+        inits = [numpy_helper.from_array(np.asarray(v, dt), n) for n, v, dt in (
+            ("s", 0.1, np.float32), ("z", 0, np.uint8), ("w", weight, np.float32), ("ys", 1.0, np.float32))]
+        nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+                 helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+                 helper.make_node("Gemm", ["xd", "w"], ["m"], name="fc", transB=1),
+                 helper.make_node("QuantizeLinear", ["m", "ys", "z"], ["yq"]),
+                 helper.make_node("DequantizeLinear", ["yq", "ys", "z"], ["y"])]
+        return helper.make_model(helper.make_graph(
+            nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits))
+
+    assert "Gemm 'fc'" in u8s8_saturation_issues(graph(np.ones((4, 8))))[0]
+    assert u8s8_saturation_issues(graph(np.tile([1.0, 0.0], (4, 4)))) == []

@@ -334,14 +334,16 @@ def u8s8_saturation_issues(model: Any) -> list[str]:
     """Conv / Gemm / MatMul nodes whose int8 weight codes hold neighbours (along the reduced dimension) that x86
     CPUs without VNNI add into a saturated int16 pair sum when both inputs are near the top of their range (see the
     module docstring): one line per node. A Conv's reduced dimension is taken in both orders onnxruntime may use
-    (channels outermost, or innermost as in its NHWC kernels); a node is named if either holds such a pair."""
+    (channels outermost, or innermost as in its NHWC kernels); a node is named if either holds such a pair. An FP32
+    weight of a Conv / Gemm between a DequantizeLinear and a QuantizeLinear counts with the per-tensor int8 codes a
+    default session gives it (``WeightBiasQuantization``)."""
     from onnx import numpy_helper
 
-    from fxq.backends.qdq.onnx_graph import attr, producers
+    from fxq.backends.qdq.onnx_graph import attr, consumers, producers
 
     graph = model.graph
     consts = {t.name: t for t in graph.initializer}
-    prod = producers(graph)
+    prod, cons = producers(graph), consumers(graph)
 
     def const(name: str) -> np.ndarray | None:
         t = consts.get(name)
@@ -352,12 +354,19 @@ def u8s8_saturation_issues(model: Any) -> list[str]:
         if node.op_type not in _SATURATING_OPS or len(node.input) < 2:
             continue
         dq_in, dq_w = prod.get(node.input[0]), prod.get(node.input[1])
-        if any(d is None or d.op_type != "DequantizeLinear" for d in (dq_in, dq_w)):
+        if dq_in is None or dq_in.op_type != "DequantizeLinear":
             continue
         zx = const(dq_in.input[2]) if len(dq_in.input) > 2 and dq_in.input[2] else np.zeros((), np.uint8)
         if zx is None or zx.dtype not in (np.uint8, np.int8):
             continue  # 8-bit activations only: 16-bit ones take other kernels
-        w = _weight_codes(dq_w, const, prod)
+        if dq_w is not None and dq_w.op_type == "DequantizeLinear":
+            w = _weight_codes(dq_w, const, prod)
+        else:  # an FP32 weight that WeightBiasQuantization turns into per-tensor int8 codes (output quantized)
+            w = const(node.input[1]) if node.op_type in _FUSED and _quantized_path(node, cons) is not None else None
+            if w is not None and w.dtype == np.float32 and w.ndim >= 2 and np.abs(w).max(initial=0) > 0:
+                w = np.round(w / (np.abs(w).max() / 127)).astype(np.int64)
+            else:
+                w = None
         if w is None or np.abs(w).max(initial=0) > 127:
             continue
         if node.op_type == "Conv":
@@ -374,8 +383,10 @@ def u8s8_saturation_issues(model: Any) -> list[str]:
 
 
 def warn_u8s8_saturation(model: Any, exporter: str) -> list[str]:
-    """Log :func:`u8s8_saturation_issues` of ``model`` as one WARNING where this process runs on a CPU that
-    saturates (:func:`cpu_saturates_u8s8`); returns the lines found there (none elsewhere)."""
+    """Log :func:`u8s8_saturation_issues` of ``model`` where this process runs on a CPU that saturates
+    (:func:`cpu_saturates_u8s8`): one WARNING for onnxruntime's own files, one INFO for TensorRT's (which
+    TensorRT runs unaffected; only checking them in onnxruntime on this machine is). Returns the lines found there
+    (none elsewhere)."""
     if not cpu_saturates_u8s8():
         return []
     issues = u8s8_saturation_issues(model)
@@ -385,7 +396,8 @@ def warn_u8s8_saturation(model: Any, exporter: str) -> list[str]:
                   "onnxruntime's own reduce_range), or deploy on a CPU with VNNI"
                   if exporter == "onnxruntime" else "TensorRT is not affected; to check this file in onnxruntime "
                   "here, use ORT_DISABLE_ALL or a CPU with VNNI")
-        logger.warning(
+        logger.log(
+            logging.WARNING if exporter == "onnxruntime" else logging.INFO,
             "%s: this machine's CPU (x86 without VNNI) makes onnxruntime's int8 kernels add products in pairs "
             "with int16 saturation; %d node(s) have weight codes that can reach it, so a default onnxruntime "
             "session here can compute them up to many LSB away from the file's Q/DQ arithmetic (which fxq "
