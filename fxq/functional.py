@@ -188,7 +188,8 @@ def fake_quantize(
         spec = LINEAR
     # a binding holds the parameter tensors it was made with: one made of fresh copies (moved, a zero offset made
     # here) would never hold again and be made anew at every call
-    if eager and not overwrite and xc is x and all(a is b for a, b in zip(given, args[1:spec.num_tensors])):
+    if (eager and not overwrite and xc is x and all(a is b for a, b in zip(given, args[1:spec.num_tensors]))
+            and (x.device.type != "cuda" or _repeated(cfg, x))):
         bound = ops.bind(spec, args, _call_tag(cfg))
         if bound is not None:
             _BOUND[cfg] = bound
@@ -198,6 +199,20 @@ def fake_quantize(
 _BOUND: weakref.WeakKeyDictionary[TensorQuantConfig, Any] = weakref.WeakKeyDictionary()
 """The last bound call of each config (:func:`fxq.ops.bind`: the fused graph on CPU, the kernel launch on CUDA): a quantizer runs the same call batch after
 batch, and the binding saves the per-call checks; it holds only while the config's attributes stay as they were."""
+
+
+_LAST_UNBOUND: weakref.WeakKeyDictionary[TensorQuantConfig, tuple] = weakref.WeakKeyDictionary()
+"""The shape, dtype and device of each config's last call that ran without a binding."""
+
+
+def _repeated(cfg: TensorQuantConfig, x: torch.Tensor) -> bool:
+    """Whether ``cfg``'s previous unbound call had ``x``'s shape, dtype and device. A CUDA binding launches the kernel
+    once more to be made: worth it for a call that repeats, not for one whose shape changes every time (text of
+    varying length, a last smaller batch)."""
+    key = (x.shape, x.dtype, x.device)
+    last = _LAST_UNBOUND.get(cfg)
+    _LAST_UNBOUND[cfg] = key
+    return last == key
 
 
 def _call_tag(cfg: TensorQuantConfig) -> tuple:

@@ -32,6 +32,18 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+_WITHOUT_INT8_FUSIONS: set[str] = set()
+"""The tests whose default onnxruntime sessions ran without the int8 fusions (this CPU saturates)."""
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _WITHOUT_INT8_FUSIONS:
+        terminalreporter.write_line(
+            f"fxq: this CPU's onnxruntime int8 kernels saturate (x86 without VNNI): {len(_WITHOUT_INT8_FUSIONS)} "
+            "test(s) ran default sessions of files whose weights can saturate without the int8 fusions "
+            "(tests/conftest.py); run them on a CPU with VNNI for the fused kernels")
+
+
 def _exact_int8_session_class():
     """``onnxruntime.InferenceSession`` whose optimized sessions of a file with weights its int8 kernels can
     saturate (:func:`fxq.backends.qdq.ort_bias.u8s8_saturation_issues`) leave out the int8 kernel fusions, or None
@@ -59,6 +71,7 @@ def _exact_int8_session_class():
                     saturates = True
                 if saturates:
                     kwargs["disabled_optimizers"] = sorted({*(kwargs.get("disabled_optimizers") or ()), *fusions})
+                    _WITHOUT_INT8_FUSIONS.add(os.environ.get("PYTEST_CURRENT_TEST", "?").split(" (")[0])
             super().__init__(path_or_bytes, sess_options, providers, provider_options, **kwargs)
 
     return ExactInt8Session

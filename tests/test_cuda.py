@@ -172,7 +172,7 @@ def test_plain_eager_cuda_calls_skip_the_dispatcher() -> None:
 
 @pytest.mark.parametrize("platform", ["trt_int8", "trt_fp8"])
 def test_repeated_inference_runs_bound_launches_with_the_ops_values(platform: str, caplog) -> None:
-    """A quantized model run batch after batch on a GPU: from the second batch every quantizer runs its bound
+    """A quantized model run batch after batch on a GPU: from the third batch every quantizer runs its bound
     launch (the op's kernel without the op's dispatch and checks, through the compiled kernel's own launcher),
     with the values of the op path bit for bit."""
     from fxq import functional
@@ -181,7 +181,8 @@ def test_repeated_inference_runs_bound_launches_with_the_ops_values(platform: st
     gm = fxq.quantize(SmallNet().cuda().eval(), _data(device="cuda"), platform, progress=False)
     x = _data(1, device="cuda")[0]
     with torch.no_grad(), caplog.at_level(logging.DEBUG, logger="fxq.triton_kernels.common"):
-        first = gm(x)  # op path, then the bindings are made
+        first = gm(x)  # op path
+        assert torch.equal(gm(x), first)  # the same calls again: the bindings are made
         quantizers = [m for m in gm.modules() if isinstance(m, fxq.FakeQuantize) and m.quant_enabled
                       and m.config.is_quantizing and m.config.state.name not in ("BAKED", "PASSIVE_BAKED")]
         bound = [functional._BOUND.get(m.config) for m in quantizers]

@@ -578,3 +578,20 @@ def test_fp32_weights_count_with_the_codes_a_default_session_gives_them():
 
     assert "Gemm 'fc'" in u8s8_saturation_issues(graph(np.ones((4, 8))))[0]
     assert u8s8_saturation_issues(graph(np.tile([1.0, 0.0], (4, 4)))) == []
+
+
+def test_saturation_reads_raw_int8_codes_only():
+    """The kernel multiplies the raw int8 codes: a -128 code counts (full-range int8 weights), and uint8 weight
+    codes, which take the u8u8 kernels, do not."""
+    from fxq.backends.qdq.ort_bias import u8s8_saturation_issues
+
+    w = np.full((64, 4), -127, np.int8)
+    w[5, 2] = -128
+    assert "MatMul 'mm'" in u8s8_saturation_issues(_matmul_graph(w))[0]
+    m = _matmul_graph(np.zeros((64, 4), np.int8))
+    for t in m.graph.initializer:
+        if t.name == "wq":
+            t.CopyFrom(numpy_helper.from_array(np.full((64, 4), 200, np.uint8), "wq"))
+        elif t.name == "wz":
+            t.CopyFrom(numpy_helper.from_array(np.asarray(128, np.uint8), "wz"))
+    assert u8s8_saturation_issues(m) == []

@@ -333,7 +333,8 @@ def test_bound_launch_runs_the_op_and_holds_only_for_the_same_call(name, per_cha
     """A bound forward call (what ``fxq.fake_quantize`` keeps per quantizer on CUDA: the op's kernel launched
     without the op's dispatch, checks and preparation) gives the op's values bit for bit, sees later in-place
     changes of its parameters, and declines (None) every call it was not made for. On a GPU the compiled
-    kernel's own launcher must have been found to agree with Triton's launch (on CPU the interpreter has none)."""
+    kernel's own launcher must have been found to agree with Triton's launch (on CPU the interpreter has none).
+    Another alignment of ``x`` or a resized parameter is another call."""
     from fxq.triton_kernels import floating as FK
 
     shape = (2, 6, 5, 7)
@@ -362,11 +363,18 @@ def test_bound_launch_runs_the_op_and_holds_only_for_the_same_call(name, per_cha
     assert bound.run(x.transpose(2, 3), params, tag) is None
     assert bound.run(x.double(), params, tag) is None
     assert bound.run(x, (scale.clone(), *params[1:]), tag) is None
+    flat = torch.empty(x.numel() + 1, device=DEV)
+    flat[1:].copy_(x.reshape(-1))
+    assert bound.run(flat[1:].view(shape), params, tag) is None  # 4 bytes off: Triton's kernel for it is another
     scale.requires_grad_(True)
     assert bound.run(x, params, tag) is None  # a call that needs gradients goes through autograd
     with torch.no_grad():
         assert bound.run(x, params, tag) is not None
     scale.requires_grad_(False)
+    if per_channel:
+        with torch.no_grad():
+            scale.resize_(1)  # the same storage, fewer entries than the layout was made for
+        assert bound.run(x, params, tag) is None
     scale.data = scale.detach().clone()  # the storage replaced behind the same tensor
     assert bound.run(x, params, tag) is None
 

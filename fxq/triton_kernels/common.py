@@ -167,23 +167,27 @@ class BoundLaunch:
     That launcher is checked once, at binding, to write the same bits as Triton's own launch; where it cannot be
     had or differs, :meth:`run` launches through Triton as the op does. Made by :func:`bind_forward`."""
 
-    __slots__ = ("tag", "shape", "dtype", "device", "params", "param_data", "call", "runner")
+    __slots__ = ("tag", "shape", "dtype", "device", "aligned", "params", "param_data", "param_shapes", "call",
+                 "runner")
 
     def __init__(self, tag: Any, x: torch.Tensor, call: ForwardLaunch, runner: Callable[..., Any] | None) -> None:
         self.tag, self.shape, self.dtype, self.device = tag, x.shape, x.dtype, x.device
+        self.aligned = _aligned(x)  # Triton compiles 16-byte aligned pointers into another kernel (vector loads)
         self.params = call.params
         self.param_data = tuple(p.data_ptr() for p in call.params)
+        self.param_shapes = tuple(p.shape for p in call.params)  # the layout's channel count was read from them
         self.call, self.runner = call, runner
 
     def run(self, x: torch.Tensor, params: tuple[torch.Tensor, ...], tag: Any) -> torch.Tensor | None:
         """The op's values on ``x``, or None when this binding does not hold for the call: another ``tag`` (the
-        caller's attributes), other parameter tensors or storage, another shape, dtype, device or layout of ``x``,
-        or a call that needs the dispatcher (gradients, tracing, modes)."""
+        caller's attributes), other parameter tensors, storage or shapes, another shape, dtype, device, layout or
+        alignment of ``x``, or a call that needs the dispatcher (gradients, tracing, modes). Parameter values
+        changed in place are read at each call."""
         if (x.shape != self.shape or x.dtype != self.dtype or x.device != self.device or tag != self.tag
-                or not x.is_contiguous()):
+                or not x.is_contiguous() or _aligned(x) != self.aligned):
             return None
-        for p, mine, data in zip(params, self.params, self.param_data):
-            if p is not mine or p.data_ptr() != data:
+        for p, mine, data, shape in zip(params, self.params, self.param_data, self.param_shapes):
+            if p is not mine or p.data_ptr() != data or p.shape != shape:
                 return None
         tensors = (x, *params)
         if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or not plain_eager(tensors, self.device.type):
@@ -235,6 +239,11 @@ def _launcher_agrees(compiled: Any, call: ForwardLaunch, x: torch.Tensor, expect
         agrees = False
     _LAUNCHER_AGREES[compiled] = agrees
     return agrees
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s data is 16-byte aligned, which Triton specializes a pointer argument on."""
+    return t.data_ptr() % 16 == 0
 
 
 def _launch_grid(numel: int) -> tuple[int, int, int]:
@@ -344,7 +353,7 @@ def load_param(p_ptr, mask, C, INNER, PER_CHANNEL: tl.constexpr, BLOCK: tl.const
             ch = tl.where(within >= INNER, first + 1, first)
             ch = tl.where(ch >= C, ch - C, ch)
         else:
-            ch = (first + within // INNER.to(tl.int32)) % C.to(tl.int32)
+            ch = (first + within // INNER) % C  # code 1: INNER and C hold 32 bits, so Triton passes them as i32
         out = tl.load(p_ptr + ch, mask=mask, other=1.0)
     elif PER_CHANNEL == 2:
         ch = ((start + tl.arange(0, BLOCK)) // INNER) % C

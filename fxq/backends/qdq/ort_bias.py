@@ -67,10 +67,11 @@ def _quantized_path(node: Any, cons: dict[str, list[Any]]) -> Any:
     return None
 
 
-def _weight_codes(dq_w: Any, const: Any, prod: dict[str, Any]) -> np.ndarray | None:
-    """The integer weight codes a DequantizeLinear reads, less their zero-point (int64), or None where they are not
-    integer constants (FP8 codes, a computed weight). ``weights="qdq"`` files hold a QuantizeLinear of the FP32
-    constant: its codes are computed as onnxruntime folds them."""
+def _weight_codes(dq_w: Any, const: Any, prod: dict[str, Any], centered: bool = True) -> np.ndarray | None:
+    """The integer weight codes a DequantizeLinear reads (int64), less their zero-point where ``centered``, or None
+    where they are not integer constants (FP8 codes, a computed weight); with ``centered=False`` also None unless
+    they are int8. ``weights="qdq"`` files hold a QuantizeLinear of the FP32 constant: its codes are computed as
+    onnxruntime folds them."""
     from onnx import helper
 
     from fxq.backends.qdq.onnx_graph import INT_RANGES, attr
@@ -98,6 +99,9 @@ def _weight_codes(dq_w: Any, const: Any, prod: dict[str, Any]) -> np.ndarray | N
         w = np.clip(w, *INT_RANGES[code_type])  # QuantizeLinear: half to even, saturated
     if w.ndim < 2:
         return None
+    if not centered:  # the raw codes: int8 ones only (the element type is the zero-point's, uint8 without one)
+        kind = zw.dtype if zw is not None else (w.dtype if w.dtype.kind in "iu" else np.dtype(np.uint8))
+        return w.astype(np.int64) if kind == np.int8 else None
     w = w.astype(np.int64)
     if zw is not None and zw.size:
         w = w - along_axis(zw.astype(np.int64), w.ndim)
@@ -360,14 +364,14 @@ def u8s8_saturation_issues(model: Any) -> list[str]:
         if zx is None or zx.dtype not in (np.uint8, np.int8):
             continue  # 8-bit activations only: 16-bit ones take other kernels
         if dq_w is not None and dq_w.op_type == "DequantizeLinear":
-            w = _weight_codes(dq_w, const, prod)
+            w = _weight_codes(dq_w, const, prod, centered=False)  # the kernel multiplies raw int8 codes
         else:  # an FP32 weight that WeightBiasQuantization turns into per-tensor int8 codes (output quantized)
             w = const(node.input[1]) if node.op_type in _FUSED and _quantized_path(node, cons) is not None else None
             if w is not None and w.dtype == np.float32 and w.ndim >= 2 and np.abs(w).max(initial=0) > 0:
                 w = np.round(w / (np.abs(w).max() / 127)).astype(np.int64)
             else:
                 w = None
-        if w is None or np.abs(w).max(initial=0) > 127:
+        if w is None:
             continue
         if node.op_type == "Conv":
             flat = w.reshape(w.shape[0], -1)
