@@ -671,15 +671,15 @@ def check_runtime(qmodel: Any, files: list[Path], fresh: tuple, platform: str, s
         status = (f"Degenerate: cosine {worst:.5f} < {COSINE_BAR}; the simulation's output is at most "
                   f"{peak:.1e} everywhere (activations vanish at random init), so cosine compares rounding "
                   f"noise")
-    elif cos.get("ort_disable_all", 0.0) >= COSINE_BAR > cos.get("ort", 1.0) and _saturated(files[0]):
-        status = (f"Saturated: cosine {worst:.5f} < {COSINE_BAR} in onnxruntime's default session only "
-                  f"(ORT_DISABLE_ALL {cos['ort_disable_all']:.5f}) on this CPU (x86 without VNNI), whose int8 "
-                  f"kernels add pairs of products with int16 saturation, and the file has weight pairs that reach "
-                  f"it ({_saturated(files[0])})")
     elif cos.get("ort_disable_all", 0.0) >= COSINE_BAR > cos.get("ort", 1.0):
-        status = (f"Fused: cosine {worst:.5f} < {COSINE_BAR} in onnxruntime's default session only "
-                  f"(ORT_DISABLE_ALL {cos['ort_disable_all']:.5f}): its fused int8 kernels compute the file "
-                  "differently from its Q/DQ ops")
+        only = (f"cosine {worst:.5f} < {COSINE_BAR} in onnxruntime's default session only "
+                f"(ORT_DISABLE_ALL {cos['ort_disable_all']:.5f})")
+        saturated = _saturated(files[0])
+        if saturated:
+            status = (f"Saturated: {only} on this CPU (x86 without VNNI), whose int8 kernels add pairs of products "
+                      f"with int16 saturation, and the file has weight pairs that reach it ({saturated})")
+        else:
+            status = f"Fused: {only}: its fused int8 kernels compute the file differently from its Q/DQ ops"
     elif extra.get("tf_max_code_diff", 2) <= 1 and extra.get("cosine_sim_perturbed", 1.0) < COSINE_BAR:
         where = "ncnn" if platform == "ncnn_int8" else "ORT_DISABLE_ALL"
         status = (f"Sensitive: cosine {worst:.5f} < {COSINE_BAR}; teacher-forced codes ({where}) "

@@ -186,12 +186,13 @@ def _tracing_or_mode_active() -> bool:
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def values_only(tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Whether an op call on these CPU ``tensors`` needs nothing the dispatcher adds: no gradient to record,
-    plain tensors, no tracing, compiling, dispatch or function mode, no functorch transform. Then calling the
-    op's CPU kernel (:data:`KERNELS`) directly gives the same values and skips the dispatcher's cost
-    (about 10 us a call, more than the arithmetic of a small activation)."""
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and plain_eager(tensors)
+def values_only(tensors: tuple[torch.Tensor, ...], device_type: str = "cpu") -> bool:
+    """Whether an op call on these ``tensors`` (all on ``device_type``) needs nothing the dispatcher adds: no
+    gradient to record, plain tensors, no tracing, compiling, dispatch or function mode, no functorch transform.
+    Then calling the op's kernel (:data:`KERNELS` on CPU, a bound Triton launch on CUDA) directly gives the same
+    values and skips the dispatcher's cost (about 10 us a call, more than the arithmetic of a small activation)."""
+    return (not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and plain_eager(tensors, device_type))
 
 
 def plain_eager(tensors: tuple[torch.Tensor, ...], device_type: str = "cpu") -> bool:

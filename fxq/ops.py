@@ -148,9 +148,7 @@ def bind(spec: OpSpec, args: tuple[Any, ...], tag: Any) -> Any:
     if device == "cpu":
         return fused_cpu.bind(spec, args, tag)
     binder = _CUDA_BINDERS.get(spec.qualname)
-    if device != "cuda" or binder is None or not fused_cpu.plain_eager(args[: spec.num_tensors], "cuda"):
-        return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in args[: spec.num_tensors]):
+    if device != "cuda" or binder is None or not fused_cpu.values_only(args[: spec.num_tensors], "cuda"):
         return None  # training calls (QAT) go through autograd every time
     return binder(args, tag)
 

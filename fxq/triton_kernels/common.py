@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxq.fused_cpu import plain_eager
+from fxq.fused_cpu import values_only
 from fxq.numeric.opspec import OpSpec
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ __all__ = [
     "channel_layout",
     "grid",
     "grad_fits",
+    "op_binder",
     "op_forward",
     "op_backward",
 ]
@@ -154,6 +155,13 @@ class ForwardLaunch:
         return self.kernel[grid(x.numel())](x, *self.inputs, y, *self.scalars, **self.constexprs,
                                             num_warps=NUM_WARPS, enable_fp_fusion=False)
 
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The op's values of ``x`` in a new contiguous tensor (nothing launched for an empty ``x``)."""
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if x.numel():
+            self.launch(x, y)
+        return y
+
     def positional(self, x: torch.Tensor, y: torch.Tensor) -> tuple[Any, ...]:
         """Every argument of the kernel in its signature's order (what a compiled kernel's launcher takes)."""
         return (x, *self.inputs, y, *self.scalars, *self.constexprs.values())
@@ -189,8 +197,7 @@ class BoundLaunch:
         for p, mine, data, shape in zip(params, self.params, self.param_data, self.param_shapes):
             if p is not mine or p.data_ptr() != data or p.shape != shape:
                 return None
-        tensors = (x, *params)
-        if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or not plain_eager(tensors, self.device.type):
+        if not values_only((x, *params), self.device.type):
             return None
         y = torch.empty_like(x)
         if self.runner is None:
@@ -216,6 +223,18 @@ def bind_forward(call: ForwardLaunch, x: torch.Tensor, tag: Any) -> BoundLaunch 
     if compiled is not None and _launcher_agrees(compiled, call, x, expected):
         runner = compiled[_launch_grid(x.numel())]
     return BoundLaunch(tag, x, call, runner)
+
+
+def op_binder(layout: LayoutFn, call: Callable[[tuple[Any, ...], ChannelLayout], ForwardLaunch]
+              ) -> Callable[[tuple[Any, ...], Any], BoundLaunch | None]:
+    """The binder of a forward op: ``binder(args, tag)``, a :class:`BoundLaunch` of ``call(args, layout)`` for
+    calls like ``args``, or None where the kernel does not take them (as :func:`op_forward` runs the reference)."""
+
+    def bind(args: tuple[Any, ...], tag: Any) -> BoundLaunch | None:
+        fits = layout(args)
+        return None if fits is None else bind_forward(call(args, fits), args[0], tag)
+
+    return bind
 
 
 _LAUNCHER_AGREES: dict[Any, bool] = {}

@@ -20,16 +20,15 @@ from fxq.triton_kernels.common import (
     BLOCK,
     KERNEL_DTYPES,
     NUM_WARPS,
-    BoundLaunch,
     ChannelLayout,
     ForwardLaunch,
-    bind_forward,
     channel_layout,
     div_exact,
     grad_fits,
     grid,
     load_param,
     op_backward,
+    op_binder,
     op_forward,
     per_channel_param,
     round_to,
@@ -149,19 +148,7 @@ def _forward_call(args: tuple[Any, ...], layout: ChannelLayout | None) -> Forwar
 def float_forward(*args: Any, layout: ChannelLayout | None = None) -> torch.Tensor:
     """Launch the FP8 forward kernel on the arguments of ``fxq::fake_quant_float`` (``x`` contiguous, dtype in
     ``KERNEL_DTYPES``). ``layout``: :func:`float_layout`'s, if known."""
-    call = _forward_call(args, layout)
-    x = args[0]
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if x.numel():
-        call.launch(x, y)
-    return y
-
-
-def bind_fake_quant_float(args: tuple[Any, ...], tag: Any) -> BoundLaunch | None:
-    """A :class:`~fxq.triton_kernels.common.BoundLaunch` of ``fxq::fake_quant_float`` for calls like ``args``
-    (tagged ``tag``), or None where the kernel does not take them."""
-    layout = _layout(args)
-    return None if layout is None else bind_forward(_forward_call(args, layout), args[0], tag)
+    return _forward_call(args, layout).run(args[0])
 
 
 def float_backward_elementwise(
@@ -199,4 +186,6 @@ def _layout(args: tuple[Any, ...]) -> ChannelLayout | None:
 
 
 fake_quant_float_triton = op_forward(FLOAT, _layout, float_forward)
+bind_fake_quant_float = op_binder(_layout, _forward_call)
+"""A :class:`~fxq.triton_kernels.common.BoundLaunch` of ``fxq::fake_quant_float`` for calls like ``args``."""
 fake_quant_float_backward_triton = op_backward(FLOAT, _layout, float_backward_elementwise)

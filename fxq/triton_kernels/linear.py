@@ -20,16 +20,15 @@ from fxq.triton_kernels.common import (
     BLOCK,
     KERNEL_DTYPES,
     NUM_WARPS,
-    BoundLaunch,
     ChannelLayout,
     ForwardLaunch,
-    bind_forward,
     channel_layout,
     div_exact,
     grad_fits,
     grid,
     load_param,
     op_backward,
+    op_binder,
     op_forward,
     per_channel_param,
     round_to,
@@ -180,19 +179,7 @@ def _forward_call(args: tuple[Any, ...], layout: ChannelLayout | None) -> Forwar
 def linear_forward(*args: Any, layout: ChannelLayout | None = None) -> torch.Tensor:
     """Launch the forward kernel on the arguments of ``fxq::fake_quant_linear`` (``x`` contiguous, dtype in
     ``KERNEL_DTYPES``) and return the fake-quantized x. ``layout``: :func:`linear_layout`'s, if known."""
-    call = _forward_call(args, layout)
-    x = args[0]
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if x.numel():
-        call.launch(x, y)
-    return y
-
-
-def bind_fake_quant_linear(args: tuple[Any, ...], tag: Any) -> BoundLaunch | None:
-    """A :class:`~fxq.triton_kernels.common.BoundLaunch` of ``fxq::fake_quant_linear`` for calls like ``args``
-    (tagged ``tag``), or None where the kernel does not take them."""
-    layout = _layout(args)
-    return None if layout is None else bind_forward(_forward_call(args, layout), args[0], tag)
+    return _forward_call(args, layout).run(args[0])
 
 
 def linear_backward_elementwise(
@@ -232,4 +219,6 @@ def _layout(args: tuple[Any, ...]) -> ChannelLayout | None:
 
 
 fake_quant_linear_triton = op_forward(LINEAR, _layout, linear_forward)
+bind_fake_quant_linear = op_binder(_layout, _forward_call)
+"""A :class:`~fxq.triton_kernels.common.BoundLaunch` of ``fxq::fake_quant_linear`` for calls like ``args``."""
 fake_quant_linear_backward_triton = op_backward(LINEAR, _layout, linear_backward_elementwise)

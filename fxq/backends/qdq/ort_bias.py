@@ -143,19 +143,32 @@ def _wrap_issue(codes: np.ndarray, reach: np.ndarray | None, where: str, fused: 
             f"accumulator wraps around there")
 
 
-def _issues(model: Any) -> list[tuple[str, str]]:
-    """(cause, line) per node a default session computes otherwise; cause is the onnxruntime pass responsible."""
+def _indexed(model: Any) -> tuple[Any, dict[str, Any], dict[str, list[Any]], Any]:
+    """``model``'s graph, its producer and consumer maps, and ``const(name)``: an initializer's array, or None."""
     from onnx import numpy_helper
 
-    from fxq.backends.qdq.onnx_graph import attr, consumers, producers
+    from fxq.backends.qdq.onnx_graph import consumers, producers
 
     graph = model.graph
     consts = {t.name: t for t in graph.initializer}
-    prod, cons = producers(graph), consumers(graph)
 
     def const(name: str) -> np.ndarray | None:
         t = consts.get(name)
         return None if t is None else numpy_helper.to_array(t)
+
+    return graph, producers(graph), consumers(graph), const
+
+
+def _listed(lines: list[str], most: int = 8) -> list[str]:
+    """The first ``most`` of ``lines``, then how many more there are."""
+    return lines[:most] + ([f"... and {len(lines) - most} more"] if len(lines) > most else [])
+
+
+def _issues(model: Any) -> list[tuple[str, str]]:
+    """(cause, line) per node a default session computes otherwise; cause is the onnxruntime pass responsible."""
+    from fxq.backends.qdq.onnx_graph import attr
+
+    graph, prod, cons, const = _indexed(model)
 
     out: list[tuple[str, str]] = []
     for node in graph.node:
@@ -254,7 +267,7 @@ def warn_ort_bias_issues(model: Any, exporter: str) -> list[str]:
     if _WRAP in causes:
         why.append(f"{_WRAP} runs them as QLinearConv/QGemm, which add int32 bias codes near the int32 limits in "
                    f"an int32 accumulator that wraps around")
-    shown = issues[:8] + ([f"... and {len(issues) - 8} more"] if len(issues) > 8 else [])
+    shown = _listed(issues)
     logger.warning(
         "%s: a default onnxruntime session (graph optimizations on) will not compute what fxq simulates for %d "
         "node(s): %s:\n  %s\nTiny input scales mean the activations vanish (e.g. untrained BatchNorm statistics, "
@@ -341,17 +354,9 @@ def u8s8_saturation_issues(model: Any) -> list[str]:
     (channels outermost, or innermost as in its NHWC kernels); a node is named if either holds such a pair. An FP32
     weight of a Conv / Gemm between a DequantizeLinear and a QuantizeLinear counts with the per-tensor int8 codes a
     default session gives it (``WeightBiasQuantization``)."""
-    from onnx import numpy_helper
+    from fxq.backends.qdq.onnx_graph import attr
 
-    from fxq.backends.qdq.onnx_graph import attr, consumers, producers
-
-    graph = model.graph
-    consts = {t.name: t for t in graph.initializer}
-    prod, cons = producers(graph), consumers(graph)
-
-    def const(name: str) -> np.ndarray | None:
-        t = consts.get(name)
-        return None if t is None else numpy_helper.to_array(t)
+    graph, prod, cons, const = _indexed(model)
 
     out = []
     for node in graph.node:
@@ -395,7 +400,7 @@ def warn_u8s8_saturation(model: Any, exporter: str) -> list[str]:
         return []
     issues = u8s8_saturation_issues(model)
     if issues:
-        shown = issues[:8] + ([f"... and {len(issues) - 8} more"] if len(issues) > 8 else [])
+        shown = _listed(issues)
         target = ("for CPUs without VNNI, quantize for platform 'ort_int8_reduce_range' (7-bit weights, as "
                   "onnxruntime's own reduce_range), or deploy on a CPU with VNNI"
                   if exporter == "onnxruntime" else "TensorRT is not affected; to check this file in onnxruntime "
