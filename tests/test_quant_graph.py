@@ -217,3 +217,67 @@ def test_a_standalone_fake_quantize_has_no_record():
     holder.fxq_quantizers = nn.ModuleDict({"q": fq})
     with pytest.raises(GraphError, match="no role"):
         QuantGraph(holder)
+
+
+class _TwiceApplied(nn.Module):
+    """One Linear applied twice: two weight quantizers, alike, on one parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.fc(x))
+
+
+def test_a_weight_quantized_twice_alike_is_baked_once():
+    """The second quantizer baked the already baked weight and kept that as its FP32 copy, so fp32_mode and the
+    FP32 ncnn file ran on quantized weights (0.003 off the model)."""
+    torch.manual_seed(0)
+    model = _TwiceApplied().eval()
+    gm = fxq.quantize(model, [torch.randn(1, 6, 8) for _ in range(2)], "trt_int8", progress=False)
+    weights = [fq for _, fq in QuantGraph(gm).weights() if fq.param == "fc.weight"]
+    assert len(weights) == 2 and all(fq.baked for fq in weights)
+    assert all(torch.equal(fq.fp32_backup, model.fc.weight) for fq in weights)
+    x = torch.randn(1, 6, 8)
+    with torch.no_grad(), fxq.fp32_mode(gm):
+        assert torch.equal(gm(x), model(x))
+    with torch.no_grad():
+        sim = gm(x)
+        fxq.switch_to_fp32(gm)
+        assert torch.equal(gm.fc.weight, model.fc.weight)
+        fxq.switch_to_quantized(gm)
+        assert torch.equal(gm(x), sim)
+
+
+class _TiedReadUnquantized(nn.Module):
+    """A weight a Linear quantizes and another op reads as it is (a tied embedding's FP32 lookup)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.fc.weight.abs().mean()
+
+
+def test_a_weight_read_unquantized_too_stays_fp32():
+    """Baked, the weight handed its quantized values to the op that reads it unquantized."""
+    torch.manual_seed(0)
+    model = _TiedReadUnquantized().eval()
+    gm = fxq.quantize(model, [torch.randn(1, 6, 8) for _ in range(2)], "trt_int8", progress=False)
+    (fq,) = [fq for _, fq in QuantGraph(gm).weights() if fq.param == "fc.weight"]
+    assert not fq.baked and fq.config.state is QuantState.ACTIVATED
+    assert torch.equal(gm.fc.weight, model.fc.weight)
+    seen = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n.op == "call_method" and n.target == "mean":
+                seen["mean"] = out
+            return out
+
+    with torch.no_grad():
+        Recorder(gm).run(torch.randn(1, 6, 8))
+    assert torch.equal(seen["mean"], model.fc.weight.abs().mean())

@@ -19,7 +19,7 @@ from fxq.functional import (
     representable_range,
     round_scale_to_power_of_2,
 )
-from fxq.graph.info import GraphQuant, graph_quant
+from fxq.graph.info import GraphQuant, graph_quant, is_quantizer_node
 from fxq.graph.nodes import get_attr_value
 from fxq.graph.op_types import CLIP_BOUNDS, op_type, stores_clip_bounds
 from fxq.graph.quant_graph import QuantGraph
@@ -308,13 +308,40 @@ def bake_parameters(gm: fx.GraphModule) -> None:
     their tensor's parameters here too (PASSIVE, as in PPQ), and restored by :func:`unbake_parameters`.
     """
     _bake_constants(gm)
+    readers: dict[str, list[FakeQuantize]] = {}
     for _, fq in QuantGraph(gm).weights():
-        if fq.config.state not in (QuantState.ACTIVATED, QuantState.PASSIVE):
-            continue
-        param = get_attr_value(gm, fq.param)
-        fq.fp32_backup = param.detach().clone()
-        param.data.copy_(fake_quantize(param.detach(), fq.config, fq.scale, fq.offset))
-        fq.config.state = QuantState.BAKED if fq.config.state is QuantState.ACTIVATED else QuantState.PASSIVE_BAKED
+        if fq.config.state in (QuantState.ACTIVATED, QuantState.PASSIVE):
+            readers.setdefault(str(fq.param), []).append(fq)
+    if not readers:
+        return
+    unquantized = _unquantized_reads(gm)
+    for name, fqs in readers.items():
+        first = fqs[0]
+        if name in unquantized or any(fq.scheme != first.scheme or not torch.equal(fq.scale, first.scale)
+                                      or not torch.equal(fq.offset, first.offset) for fq in fqs[1:]):
+            continue  # one value cannot serve every reader: the quantizers fake-quantize on the fly
+        param = get_attr_value(gm, name)
+        backup = param.detach().clone()  # one copy, shared by the quantizers of a tied weight
+        param.data.copy_(fake_quantize(param.detach(), first.config, first.scale, first.offset))
+        for fq in fqs:
+            fq.fp32_backup = backup
+            fq.config.state = QuantState.BAKED if fq.config.state is QuantState.ACTIVATED else \
+                QuantState.PASSIVE_BAKED
+
+
+def _unquantized_reads(gm: fx.GraphModule) -> set[str]:
+    """The parameters read other than through a quantizer: by an op directly (a tied embedding read by an FP32
+    ``Gather`` and a quantized linear), or inside a module the graph calls. Baked, they would hand those readers
+    quantized values."""
+    found: set[str] = set()
+    called = [f"{n.target}." for n in gm.graph.nodes if n.op == "call_module" and not is_quantizer_node(n)]
+    for name, _ in gm.named_parameters():
+        if any(name.startswith(prefix) for prefix in called):
+            found.add(name)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and not all(is_quantizer_node(u) for u in node.users):
+            found.add(str(node.target))
+    return found
 
 
 @torch.no_grad()

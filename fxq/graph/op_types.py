@@ -113,6 +113,7 @@ _FUNCTIONS: dict[Callable[..., Any], str] = {
     torch.rsqrt: "Rsqrt", torch.var: "Var", torch.std: "Std", torch.repeat_interleave: "RepeatInterleave",
     F.unfold: "Im2Col",
     F.fold: "Col2Im",
+    torch.where: "Where", torch.masked_fill: "MaskedFill", torch.isnan: "IsNaN", torch.unflatten: "Reshape",
 }
 _ELEMENTWISE_MATH = ("sin", "cos", "tan", "asin", "acos", "atan", "floor", "ceil")
 """Elementwise math functions typed by their ONNX name (``torch.cos`` / ``x.cos()`` / ``aten.cos``: ``Cos``);
@@ -135,6 +136,7 @@ _METHODS: dict[str, str] = {
     "sqrt": "Sqrt", "exp": "Exp", "log": "Log", "abs": "Abs", "reciprocal": "Reciprocal",
     "rsqrt": "Rsqrt", "var": "Var", "std": "Std", "repeat_interleave": "RepeatInterleave",
     "unfold": "SlidingWindows",  # Tensor.unfold(dim, size, step); nn.Unfold / F.unfold is Im2Col
+    "where": "Where", "masked_fill": "MaskedFill", "isnan": "IsNaN", "unflatten": "Reshape",
     **{name: name.capitalize() for name in _ELEMENTWISE_MATH},
 }
 
@@ -439,6 +441,8 @@ def _register_aten() -> None:
         aten.index.Tensor: "Gather", aten.embedding.default: "Gather", aten.relu6.default: "Clip",
         aten.squeeze.dims: "Squeeze", aten.mean.default: "ReduceMean", aten.sqrt.default: "Sqrt",
         aten.log.default: "Log", aten.abs.default: "Abs", aten.reciprocal.default: "Reciprocal",
+        aten.where.self: "Where", aten.masked_fill.Scalar: "MaskedFill", aten.masked_fill.Tensor: "MaskedFill",
+        aten.isnan.default: "IsNaN", aten.unflatten.int: "Reshape",
         **{getattr(aten, name).default: name.capitalize() for name in _ELEMENTWISE_MATH},
     }.items():
         _FUNCTIONS.setdefault(overload, name)

@@ -116,7 +116,7 @@ class NcnnBuilder:
         self.model = NcnnModel()
         self.blob_of: dict[fx.Node, str] = {}
         self._batch_dims: dict[fx.Node, int | None] = {}  # the torch dim a value's blob leaves out (default 0)
-        self._constants: dict[tuple[fx.Node, tuple[int, ...]], str] = {}  # MemoryData blob by (tensor, layout)
+        self._constants: dict[tuple[fx.Node, tuple[int, ...], str], str] = {}  # MemoryData by (tensor, layout, tag)
         self._stored: dict[fx.Node, tuple[int, ...]] = {}  # ncnn shapes of values of more than 4 blob dims
         self._layer_names: set[str] = set()
         self._blob_names: set[str] = set()
@@ -126,6 +126,7 @@ class NcnnBuilder:
         self._static: dict[tuple[fx.Node, int | None], Any] = {}
         self._probes: list[dict[fx.Node, tuple[int, ...]]] | None = None  # :meth:`probe_shapes`
         self._empty: set[fx.Node] = set()  # values of no element: no blob (:meth:`mark_empty`)
+        self._proven: dict[fx.Node, torch.Tensor] = {}  # values a converter showed to be fixed (:meth:`prove`)
 
     # ------------------------------------------------------------------ graph helpers
     def is_quantizer(self, node: Any) -> bool:
@@ -200,7 +201,14 @@ class NcnnBuilder:
             return src
         if src.op == "get_attr":
             return get_attr_value(self.gm, str(src.target))
+        if src in self._proven:
+            return self._proven[src]
         return self.static_value(src) if src in self.static_nodes else None
+
+    def prove(self, node: fx.Node, value: torch.Tensor) -> None:
+        """``node``, computed in the network, has ``value`` whatever the input (a NaN test of a value that cannot be
+        NaN): a fixed value of the file from now on (:meth:`fixed_value`), with no layer of its own."""
+        self._proven[node] = value
 
     def shape_number(self, arg: fx.Node, node: fx.Node, what: str) -> Any:
         """The export-time value of a shape-only ``arg`` of ``node`` (:meth:`static_value`), warned about when it
@@ -346,9 +354,10 @@ class NcnnBuilder:
             return self.blob(arg, node)
         return self.memory_data(self.param(src, node, "constant operand"), node, like, src)
 
-    def memory_data(self, value: torch.Tensor, node: fx.Node, like: fx.Node, src: fx.Node) -> str:
+    def memory_data(self, value: torch.Tensor, node: fx.Node, like: fx.Node, src: fx.Node, tag: str = "") -> str:
         """``value`` (the export-time value of ``src``, a node of the graph or ``node`` itself for a value only the
-        converter computes) as a ``MemoryData`` blob laid out like ``like`` (see :meth:`constant`)."""
+        converter computes; ``tag`` tells apart several such values of one node) as a ``MemoryData`` blob laid out
+        like ``like`` (see :meth:`constant`)."""
         rank = len(self.shape(like))
         if value.dim() < rank:
             value = value.reshape((1,) * (rank - value.dim()) + tuple(value.shape))
@@ -361,7 +370,7 @@ class NcnnBuilder:
         if not 1 <= len(blob_shape) <= 4:
             raise self.fail(node, f"its constant operand {src.name!r} has rank {len(blob_shape)} without the batch "
                             "dimension", "ncnn blobs have rank 1 to 4")
-        key = (src, blob_shape)
+        key = (src, blob_shape, tag)
         if key not in self._constants:
             name = self.layer_name(src)
             layer = NcnnLayer("MemoryData", name, [], [self._new_blob(name)], shape_params(blob_shape),

@@ -1437,13 +1437,8 @@ def _attention_mask(b: NcnnBuilder, node: fx.Node) -> None:
     fixed at export time (a causal mask, Hugging Face's all-True mask of an unpadded ViT) are summed into one
     ``MemoryData`` added to the scores, or nothing where they mask no position; one float mask the network
     computes is a ``BinaryOp`` add. A bool mask the network computes has no ncnn form (ncnn has no select)."""
-    a = {**dict(zip(_MASK_ARGS, node.args)), **node.kwargs}
-    scores = a["scores"]
-    masks = {k: a[k] for k in ("attn_mask", "key_padding_mask") if a.get(k) is not None}
-    flags = {k: bool(a.get(k, False)) for k in ("bool_keeps", "causal", "heads_folded")}
-    fixed = {k: b.fixed_value(m) for k, m in masks.items()}
-    if all(isinstance(v, torch.Tensor) for v in fixed.values()):
-        total = apply_attention_mask(torch.zeros(b.shape(scores)), **fixed, **flags)
+    scores, masks, flags, total = _attention_mask_parts(b, node)
+    if total is not None:
         if not total.any():
             b.alias(node, scores, b.batch_dim(scores))
             return
@@ -1452,7 +1447,7 @@ def _attention_mask(b: NcnnBuilder, node: fx.Node) -> None:
         mask = b.memory_data(total.float().clamp(min=torch.finfo(torch.float32).min), node, scores, node)
         b.emit(node, "BinaryOp", [b.blob(scores, node), mask], {0: _BINARY["Add"]}, batch_dim=b.batch_dim(scores))
         return
-    computed = [m for k, m in masks.items() if fixed[k] is None]
+    computed = [m for m in masks.values() if b.fixed_value(m) is None]
     val = b.strip(computed[0]).meta.get("val") if len(computed) == 1 else None
     if len(masks) == 1 and "attn_mask" in masks and not flags["causal"] and not flags["heads_folded"] and \
             isinstance(val, torch.Tensor) and val.is_floating_point():
@@ -1462,6 +1457,123 @@ def _attention_mask(b: NcnnBuilder, node: fx.Node) -> None:
     raise b.fail(node, "its attention mask is computed in the network and is not one float mask to add "
                  f"({', '.join(masks)}{', causal' if flags['causal'] else ''})",
                  "give the attention one additive float mask (0 to keep, a large negative number to mask)")
+
+
+@register_ncnn_converter("IsNaN", any_batch_dim=True)
+def _is_nan(b: NcnnBuilder, node: fx.Node) -> None:
+    """ncnn has no NaN test. torch.onnx writes attention's probabilities as ``where(isnan(p), 0, p)`` (for rows
+    masked entirely); a softmax of scores the network computes, plus masks fixed at export time that leave a finite
+    score in every row, has no NaN (the network's own values are finite, as every ncnn layer takes them): its test
+    is all False, a fixed value of the file (:meth:`NcnnBuilder.prove`) that the ``where`` then reads. Other NaN
+    tests are refused."""
+    x = b.strip(_arg(node, 0, "input"))
+    why = _nan_possible(b, x)
+    if why:
+        raise b.fail(node, f"ncnn has no NaN test, and {why}",
+                     "take the NaN test out of the exported network (a softmax over rows that keep a finite score "
+                     "needs none), or export for 'ort_int8' / 'trt_int8'")
+    b.prove(node, torch.zeros(b.shape(node), dtype=torch.bool))
+
+
+def _nan_possible(b: NcnnBuilder, x: fx.Node) -> str | None:
+    """Why ``x`` may hold a NaN, or None for a softmax of computed scores plus (``Add``) masks fixed at export time
+    whose sum keeps a finite value in every row along the softmax's dim and holds no NaN / +inf."""
+    if b.op(x) != "Softmax" or getattr(b.module(x), "is_log", False):
+        return f"its input {x.name!r} (op {b.op(x)}) is not a softmax that fxq can show to be free of NaN"
+    scores, mask = b.strip(_arg(x, 0, "input")), torch.zeros(b.shape(x))
+    while b.op(scores) in ("Add", "AttentionMask"):
+        if b.op(scores) == "AttentionMask":  # fxq's own mask step (a mask added to attention scores)
+            inner, _, _, total = _attention_mask_parts(b, scores)
+            if total is None:
+                return f"its scores {scores.name!r} are masked by a mask the network computes"
+            mask, scores = mask + total, b.strip(inner)
+            continue
+        fixed = [isinstance(b.fixed_value(a), torch.Tensor) for a in scores.args]
+        if len(fixed) != 2 or fixed.count(True) != 1:
+            break
+        mask = mask + b.fixed_value(scores.args[fixed.index(True)]).float()
+        scores = b.strip(scores.args[fixed.index(False)])
+    if b.fixed_value(scores) is not None:
+        return f"its scores {scores.name!r} are fixed at export time"
+    finite_row = torch.isfinite(mask).any(dim=_softmax_dim(b, x))
+    if torch.isnan(mask).any() or (mask == math.inf).any() or not finite_row.all():
+        return (f"the masks fixed at export time added to the scores of softmax {x.name!r} leave a row without a "
+                "finite value")
+    return None
+
+
+@register_ncnn_converter("Where", "MaskedFill", any_batch_dim=True)
+def _select(b: NcnnBuilder, node: fx.Node) -> None:
+    """``torch.where`` / ``masked_fill`` with a condition fixed at export time (a causal mask, a NaN test that
+    :func:`_is_nan` showed to be all False) as arithmetic: each computed choice times a ``MemoryData`` of 1 where it
+    is chosen and 0 elsewhere, plus one ``MemoryData`` holding the fixed choices where they are chosen and 0 elsewhere
+    (added, so a -inf fill stays -inf). Exact for finite values; a choice taken everywhere is its blob. ncnn has no
+    select, so a condition the network computes is refused."""
+    if b.op(node) == "MaskedFill":
+        x, cond, value = (_arg(node, i, k) for i, k in ((0, "input"), (1, "mask"), (2, "value")))
+        choices = ((value, True), (x, False))
+    else:
+        cond, on, off = (_arg(node, i, k) for i, k in ((0, "condition"), (1, "input"), (2, "other")))
+        choices = ((on, True), (off, False))
+    c = b.fixed_value(cond)
+    if not isinstance(c, torch.Tensor):
+        raise b.fail(node, "its condition is computed by the network, and ncnn has no select layer",
+                     "compute the condition from shapes or stored tensors only, or write the choice as arithmetic "
+                     "(a * m + b * (1 - m) with a float mask m)")
+    val = node.meta.get("val")
+    if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+        raise b.fail(node, "it selects non-float values; ncnn blobs hold float values",
+                     "select float values, or compute integer values outside the exported network")
+    c = c.bool()
+    fill, parts = torch.zeros(()), []
+    for side, picked in choices:
+        m = c if picked else ~c
+        if not m.any():
+            continue
+        fixed = b.fixed_value(side)
+        if isinstance(side, fx.Node) and fixed is None:
+            _operand(b, node, side)  # refused unless it has the result's shape
+            parts.append((side, None if m.all() else m, f"select_{int(picked)}"))
+        else:
+            fill = fill + torch.where(m, torch.as_tensor(fixed, dtype=torch.float32), torch.zeros(()))
+    if not parts:  # every choice fixed: so is the result
+        b.prove(node, fill.expand(b.shape(node)).clone())
+        return
+    like, bd = parts[0][0], b.batch_dim(parts[0][0])
+    if len(parts) == 1 and not fill.any():
+        side, m, tag = parts[0]
+        if m is None:
+            b.alias(node, side, bd)
+        else:
+            b.emit(node, "BinaryOp", [b.blob(side, node), b.memory_data(m.float(), node, side, node, tag)],
+                   {0: _BINARY["Mul"]}, batch_dim=bd)
+        return
+    blobs = [b.blob(side, node) if m is None else b.helper(
+        node, "BinaryOp", [b.blob(side, node), b.memory_data(m.float(), node, side, node, tag)], {0: _BINARY["Mul"]})
+        for side, m, tag in parts]
+    if fill.any():
+        blobs.append(b.memory_data(fill.reshape((1,) * (len(b.shape(node)) - fill.dim()) + tuple(fill.shape)),
+                                   node, like, node, "select_fill"))
+    acc = blobs[0]
+    for k, blob in enumerate(blobs[1:], 1):
+        if k == len(blobs) - 1:
+            b.emit(node, "BinaryOp", [acc, blob], {0: _BINARY["Add"]}, batch_dim=bd)
+        else:
+            acc = b.helper(node, "BinaryOp", [acc, blob], {0: _BINARY["Add"]})
+
+
+def _attention_mask_parts(b: NcnnBuilder, node: fx.Node
+                          ) -> tuple[fx.Node, dict[str, fx.Node], dict[str, bool], torch.Tensor | None]:
+    """(scores, masks, flags, total) of an ``AttentionMask`` node: ``total`` is what the masks add to the scores
+    (-inf where they mask), when every mask is fixed at export time, else None."""
+    a = {**dict(zip(_MASK_ARGS, node.args)), **node.kwargs}
+    masks = {k: a[k] for k in ("attn_mask", "key_padding_mask") if a.get(k) is not None}
+    flags = {k: bool(a.get(k, False)) for k in ("bool_keeps", "causal", "heads_folded")}
+    fixed = {k: b.fixed_value(m) for k, m in masks.items()}
+    total = None
+    if all(isinstance(v, torch.Tensor) for v in fixed.values()):
+        total = apply_attention_mask(torch.zeros(b.shape(a["scores"])), **fixed, **flags)
+    return a["scores"], masks, flags, total
 
 
 def _power(b: NcnnBuilder, node: fx.Node, x: fx.Node, exponent: float) -> None:
@@ -2209,6 +2321,8 @@ def _pad(b: NcnnBuilder, node: fx.Node) -> None:
     batch, where there is one, must come before them (an unbatched ``[3, H, W]`` image is the blob itself). A
     negative pad removes elements (NASNet's ``F.pad(x, (-1, 0, -1, 0))``): a ``Crop`` before the padding."""
     x, pads, mode, value = _pad_args(b, node)
+    while len(pads) > 2 and not any(pads[-2:]):  # outer dims left as they are (MobileBERT's [0, 0, 0, 1, 0, 0])
+        pads = pads[:-2]
     if not any(pads):  # Swin's window padding at a size the window divides: nothing to pad
         b.alias(node, x, b.batch_dim(x))
         return
