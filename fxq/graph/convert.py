@@ -303,8 +303,10 @@ def _unbake_constants(gm: fx.GraphModule) -> None:
 def bake_parameters(gm: fx.GraphModule) -> None:
     """Replace each quantized parameter by its quantized value (state BAKED); keep the FP32 copy.
 
-    Baked quantizers pass values through, so quantized forward passes cost no weight fake-quant.
-    Clip bounds and pad values of platforms with ``quantize_passive_constants`` are quantized with
+    Baked quantizers pass values through, so quantized forward passes cost no weight fake-quant. A parameter
+    that cannot hold one quantized value for all its readers (a tied weight read unquantized too, or quantized
+    differently by two ops) stays FP32, and its quantizers keep their results instead
+    (:meth:`~fxq.nn.FakeQuantize.keep_result`). Clip bounds and pad values of platforms with ``quantize_passive_constants`` are quantized with
     their tensor's parameters here too (PASSIVE, as in PPQ), and restored by :func:`unbake_parameters`.
     """
     _bake_constants(gm)
@@ -319,7 +321,9 @@ def bake_parameters(gm: fx.GraphModule) -> None:
         first = fqs[0]
         if name in unquantized or any(fq.scheme != first.scheme or not torch.equal(fq.scale, first.scale)
                                       or not torch.equal(fq.offset, first.offset) for fq in fqs[1:]):
-            continue  # one value cannot serve every reader: the quantizers fake-quantize on the fly
+            for fq in fqs:  # one value cannot serve every reader: each quantizer keeps its own result instead
+                fq.keep_result()
+            continue
         param = get_attr_value(gm, name)
         backup = param.detach().clone()  # one copy, shared by the quantizers of a tied weight
         param.data.copy_(fake_quantize(param.detach(), first.config, first.scale, first.offset))
@@ -349,6 +353,7 @@ def unbake_parameters(gm: fx.GraphModule) -> None:
     """Restore the FP32 parameters saved by :func:`bake_parameters`; states go back to ACTIVATED/PASSIVE."""
     _unbake_constants(gm)
     for _, fq in QuantGraph(gm).weights():
+        fq.keep_result(False)
         if not fq.baked:
             continue
         get_attr_value(gm, fq.param).data.copy_(fq.fp32_backup)

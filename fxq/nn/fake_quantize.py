@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 
 from fxq.errors import ConfigError
 from fxq.functional import fake_quantize
+from fxq.fused_cpu import values_only
 from fxq.observers import Observer, build_observer
 from fxq.spec import QuantScheme, QuantState, TensorQuantConfig
 
@@ -29,6 +31,9 @@ Alignment = tuple[str, Any]
 """One entry of :attr:`FakeQuantize.aligned`: ``("largest", (member, ...))`` or ``("output", target)``."""
 
 _BAKED = (QuantState.BAKED, QuantState.PASSIVE_BAKED)  # values already on the grid: pass through
+_KEPT: "weakref.WeakKeyDictionary[FakeQuantize, tuple[tuple[Any, ...], torch.Tensor] | None]" = \
+    weakref.WeakKeyDictionary()
+"""The weight quantizers that keep their last result (:meth:`FakeQuantize.keep_result`), with it and its key."""
 
 MODES = {
     "observe": (True, False),
@@ -244,7 +249,31 @@ class FakeQuantize(nn.Module):
                 self.observer.observe(x)
         if not self.quant_enabled or not self.config.is_quantizing or self.config.state in _BAKED:
             return x
-        return fake_quantize(x, self.config, self._qparam("scale"), self._qparam("offset"), overwrite=overwrite)
+        scale, offset = self._qparam("scale"), self._qparam("offset")
+        if self.param is not None and not overwrite and self in _KEPT and values_only((x, scale, offset),
+                                                                                        x.device.type):
+            return self._kept_result(x, scale, offset)
+        return fake_quantize(x, self.config, scale, offset, overwrite=overwrite)
+
+    def keep_result(self, on: bool = True) -> None:
+        """Keep the last fake-quantized weight and return it again while the weight and the parameters are the
+        same tensors, unchanged (their version counters), and no gradient is recorded: a weight that cannot be
+        baked (a tied weight another op reads unquantized, :func:`fxq.graph.convert.bake_parameters`) then costs
+        no fake-quant per forward either. Nothing is kept across ``copy`` / save: it is recomputed on first use."""
+        if on:
+            _KEPT.setdefault(self, None)
+        else:
+            _KEPT.pop(self, None)
+
+    def _kept_result(self, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        key = (id(x), x.data_ptr(), x._version, scale.data_ptr(), scale._version, offset.data_ptr(),
+               offset._version, self.config.scheme, self.config.state)
+        kept = _KEPT.get(self)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        out = fake_quantize(x, self.config, scale, offset)
+        _KEPT[self] = (key, out)
+        return out
 
     def _qparam(self, name: str) -> torch.Tensor:
         """``self.<name>`` (scale / offset: a buffer or, once learnable, a Parameter) read from its dict: the call
