@@ -11,16 +11,21 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from test_ncnn_gaps import check
-from test_ncnn_onnx import check_onnx
+from test_ncnn_onnx import _cosine, check_onnx
 from torch import nn
 
 import fxq
+from fxq.analysis.mismatch_ncnn import ncnn_mat
 from fxq.backends import export
+from fxq.backends.ncnn import ncnn_paths
 from fxq.errors import ExportError
+
+from _export_helpers import ncnn_net
 
 pytest.importorskip("ncnn")
 
@@ -172,3 +177,119 @@ class Unflattened(nn.Module):
 def test_unflatten_is_a_reshape(tmp_path: Path, capture: str) -> None:
     """``Tensor.unflatten`` had no type ("no converter for op type 'Unknown'")."""
     check(Unflattened(), (1, 6, 8), tmp_path / "m.param", capture=capture)
+
+
+class PaddedAttention(nn.Module):
+    """Attention over a padded batch, the mask taken in as bools (Hugging Face's ``attention_mask``, cast to bool
+    again inside), shaped by slicing (``index=False``) or by indexing with ``arange``s (``index=True``, transformers'
+    mask functions under torch.export), combined with a stored all-True mask (``&``) and given to
+    ``scaled_dot_product_attention`` as a bool mask."""
+
+    def __init__(self, index: bool) -> None:
+        super().__init__()
+        self.index = index
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 8)
+        self.register_buffer("allowed", torch.ones(6, 6, dtype=torch.bool))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4).unbind(0)
+        keep = mask.to(torch.bool)
+        if self.index:
+            keep = keep[torch.arange(1)[:, None, None, None], torch.arange(6)[None, None, None, :]]
+        else:
+            keep = keep[:, None, None, :]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep & self.allowed)
+        return self.out(y.transpose(1, 2).flatten(2))
+
+
+def _run_two_inputs(param: Path, bin_: Path, x: torch.Tensor, mask: torch.Tensor, int8: bool) -> np.ndarray:
+    ex = ncnn_net(param, bin_, int8=int8).create_extractor()
+    ex.input("in0", ncnn_mat(x[0].numpy()))
+    ex.input("in1", ncnn_mat(mask[0].float().numpy()))
+    ret, out = ex.extract("out0")
+    assert ret == 0
+    return np.array(out).copy()
+
+
+def _export_and_compare(gm: torch.fx.GraphModule, tmp_path: Path, masks: tuple[torch.Tensor, ...]) -> None:
+    """Export ``gm`` (inputs ``x``, a bool ``mask``) to ncnn; on each mask, the FP32 file against torch and the int8
+    file against the simulation."""
+    export(gm, "ncnn", tmp_path / "m.param")
+    files = ncnn_paths(tmp_path / "m.param")
+    for mask in masks:
+        x = torch.randn(1, 6, 8)
+        with torch.no_grad():
+            sim = gm(x, mask)[0].numpy()
+            with fxq.fp32_mode(gm):
+                ref = gm(x, mask)[0].numpy()
+        fp32 = _run_two_inputs(files["fp32_param"], files["fp32_bin"], x, mask, int8=False).reshape(ref.shape)
+        assert np.abs(fp32 - ref).max() <= 1e-4 * max(1.0, float(np.abs(ref).max()))
+        int8 = _run_two_inputs(files["param"], files["bin"], x, mask, int8=True).reshape(sim.shape)
+        assert _cosine(int8, sim) >= 0.9999
+
+
+@pytest.mark.parametrize("index", [False, True], ids=["sliced", "indexed"])
+def test_padding_mask_input_runs_in_ncnn(tmp_path: Path, index: bool) -> None:
+    """Refused before at the indexing, the ``&`` and the computed bool mask: ncnn holds bools as 0 / 1, ``&`` is a
+    product, and the mask adds -FLT_MAX where it masks. Checked with padding in the batch: the FP32 file against
+    torch, the int8 file against the simulation."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0]]).bool()
+    gm = fxq.quantize(PaddedAttention(index).eval(), [(torch.randn(1, 6, 8), mask) for _ in range(2)], "ncnn_int8",
+                      progress=False, capture="export")
+    _export_and_compare(gm, tmp_path, (mask, torch.ones(1, 6, dtype=torch.bool)))
+
+
+def test_an_integer_mask_input_is_refused_with_advice(tmp_path: Path) -> None:
+    """ncnn's integer inputs are the int32 ids ``Embed`` reads: a mask taken in as int64 and cast to bool is refused,
+    and the advice (take it in as bools) exports."""
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0]])
+    gm = fxq.quantize(PaddedAttention(False).eval(), [(torch.randn(1, 6, 8), mask)], "ncnn_int8", progress=False,
+                      capture="export")
+    with pytest.raises(ExportError, match=r"casts a torch.int64 value to torch.bool.*Fix: take the mask in as bool"):
+        export(gm, "ncnn", tmp_path / "m.param")
+
+
+class IntegerLogic(nn.Module):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x * (mask & 6).to(x.dtype)[..., None]
+
+
+def test_bitwise_logic_of_integers_is_refused_by_name(tmp_path: Path) -> None:
+    gm = fxq.quantize(IntegerLogic().eval(), [(torch.randn(1, 6, 8), torch.ones(1, 6, dtype=torch.long))],
+                      "ncnn_int8", progress=False, capture="export")
+    with pytest.raises(ExportError, match=r"bitwise logic of integers"):
+        export(gm, "ncnn", tmp_path / "m.param")
+
+
+class MaskedScores(nn.Module):
+    """DeBERTa's masking: ``scores.masked_fill(~keep, fill)`` by a padding mask taken in as bools, the probabilities
+    masked again with 0 after the softmax."""
+
+    def __init__(self, fill: float) -> None:
+        super().__init__()
+        self.fill = fill
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        keep = (mask[:, None, :] & mask[:, :, None])  # (N, T, T)
+        scores = (q @ k.transpose(-1, -2)).masked_fill(~keep, self.fill)
+        return self.out(scores.softmax(-1).masked_fill(~keep, 0.0) @ v)
+
+
+def test_a_select_by_a_computed_bool_runs_in_ncnn(tmp_path: Path) -> None:
+    """Refused before ("its condition is computed by the network"): the choices times 0 / 1 masks, summed."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0]]).bool()
+    gm = fxq.quantize(MaskedScores(torch.finfo(torch.float32).min).eval(),
+                      [(torch.randn(1, 6, 8), mask) for _ in range(2)], "ncnn_int8", progress=False)
+    _export_and_compare(gm, tmp_path, (mask,))
+
+
+def test_an_infinite_fill_by_a_computed_bool_is_refused(tmp_path: Path) -> None:
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0]]).bool()
+    gm = fxq.quantize(MaskedScores(-math.inf).eval(), [(torch.randn(1, 6, 8), mask)], "ncnn_int8", progress=False)
+    with pytest.raises(ExportError, match=r"masked_fill.*selects -inf by a condition the network computes.*Fix: "
+                                          r"select a finite number"):
+        export(gm, "ncnn", tmp_path / "m.param")

@@ -114,6 +114,9 @@ _FUNCTIONS: dict[Callable[..., Any], str] = {
     F.unfold: "Im2Col",
     F.fold: "Col2Im",
     torch.where: "Where", torch.masked_fill: "MaskedFill", torch.isnan: "IsNaN", torch.unflatten: "Reshape",
+    torch.logical_and: "And", torch.logical_or: "Or", torch.logical_not: "Not", operator.and_: "And",
+    operator.or_: "Or", operator.invert: "Not", torch.bitwise_and: "And", torch.bitwise_or: "Or",
+    torch.bitwise_not: "Not",
 }
 _ELEMENTWISE_MATH = ("sin", "cos", "tan", "asin", "acos", "atan", "floor", "ceil")
 """Elementwise math functions typed by their ONNX name (``torch.cos`` / ``x.cos()`` / ``aten.cos``: ``Cos``);
@@ -137,6 +140,8 @@ _METHODS: dict[str, str] = {
     "rsqrt": "Rsqrt", "var": "Var", "std": "Std", "repeat_interleave": "RepeatInterleave",
     "unfold": "SlidingWindows",  # Tensor.unfold(dim, size, step); nn.Unfold / F.unfold is Im2Col
     "where": "Where", "masked_fill": "MaskedFill", "isnan": "IsNaN", "unflatten": "Reshape",
+    "logical_and": "And", "logical_or": "Or", "logical_not": "Not", "bitwise_and": "And", "bitwise_or": "Or",
+    "bitwise_not": "Not", "__and__": "And", "__or__": "Or", "__invert__": "Not",
     **{name: name.capitalize() for name in _ELEMENTWISE_MATH},
 }
 
@@ -443,6 +448,11 @@ def _register_aten() -> None:
         aten.log.default: "Log", aten.abs.default: "Abs", aten.reciprocal.default: "Reciprocal",
         aten.where.self: "Where", aten.masked_fill.Scalar: "MaskedFill", aten.masked_fill.Tensor: "MaskedFill",
         aten.isnan.default: "IsNaN", aten.unflatten.int: "Reshape",
+        aten.__and__.Tensor: "And", aten.bitwise_and.Tensor: "And", aten.logical_and.default: "And",
+        aten.__and__.Scalar: "And", aten.bitwise_and.Scalar: "And", aten.__or__.Scalar: "Or",
+        aten.bitwise_or.Scalar: "Or",
+        aten.__or__.Tensor: "Or", aten.bitwise_or.Tensor: "Or", aten.logical_or.default: "Or",
+        aten.bitwise_not.default: "Not", aten.logical_not.default: "Not",
         **{getattr(aten, name).default: name.capitalize() for name in _ELEMENTWISE_MATH},
     }.items():
         _FUNCTIONS.setdefault(overload, name)

@@ -1259,16 +1259,35 @@ def _global_pool(b: NcnnBuilder, node: fx.Node) -> None:
 
 @register_ncnn_converter("Cast", any_batch_dim=True, high_rank=True)
 def _cast(b: NcnnBuilder, node: fx.Node) -> None:
-    """A float value cast to float32 (``softmax(..., dtype=torch.float32).to(q.dtype)`` in attention written for
-    half precision; ONNX ``Cast`` to FLOAT) is itself: ncnn computes in float32. Other casts of network values
-    (to integers, to half) change the values and are refused."""
+    """ncnn holds every computed value as float32, bools as 0 / 1: a float32 value cast to float32
+    (``softmax(..., dtype=torch.float32).to(q.dtype)``), a bool cast to bool, to integers or to float32 (a padding
+    mask taken in as bools, then made additive) are the value itself. Casts of integers are refused: integer inputs
+    are the int32 ids ``Embed`` reads, which float arithmetic cannot use; other casts (to half) change the values."""
     x = node.args[0]
     src, out = (b.strip(x).meta.get("val"), node.meta.get("val")) if isinstance(x, fx.Node) else (None, None)
-    if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dtype == out.dtype
-            == torch.float32):
+    if (_value_kind(src), _value_kind(out)) not in _SAME_VALUE_CASTS:
+        fix = ("take the mask in as bool values (attention_mask.bool()), which ncnn reads as 0 / 1 floats"
+               if _value_kind(src) == "int" and _value_kind(out) == "bool" else
+               "cast integers only in shape arithmetic, and keep network values float32")
         raise b.fail(node, f"it casts a {getattr(src, 'dtype', '?')} value to {getattr(out, 'dtype', '?')}; ncnn "
-                     "computes in float32", "cast integers only in shape arithmetic, and keep network values float32")
+                     "computes in float32", fix)
     b.alias(node, x, b.batch_dim(x))
+
+
+_SAME_VALUE_CASTS = {("float", "float"), ("bool", "bool"), ("bool", "int"), ("bool", "float")}
+"""Casts whose values ncnn's float32 blobs hold alike on both sides."""
+
+
+def _value_kind(value: Any) -> str | None:
+    """``"float"`` (float32), ``"int"`` or ``"bool"`` for a tensor of that kind; None for other floats, complex
+    values and non-tensors."""
+    if not isinstance(value, torch.Tensor) or value.is_complex():
+        return None
+    if value.dtype == torch.bool:
+        return "bool"
+    if value.is_floating_point():
+        return "float" if value.dtype == torch.float32 else None
+    return "int"
 
 
 _REDUCTION = {"ReduceSum": 0, "ReduceSumSquare": 2, "ReduceMean": 3, "ReduceMax": 4, "ReduceMin": 5, "ReduceProd": 6,
@@ -1380,9 +1399,10 @@ def _variance(b: NcnnBuilder, node: fx.Node) -> None:
 
 
 # --------------------------------------------------------------------------- tensor ops
-_BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "Max": 4, "Min": 5, "Pow": 6, "Sum": 0}
+_BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "Max": 4, "Min": 5, "Pow": 6, "Sum": 0, "And": 2, "Or": 4}
 """ncnn BinaryOp's op of each op type. Pow: ONNX's (LayerNorm spelled out before opset 17); Max / Min: of two
-operands (ONNX's, ``torch.maximum`` / ``minimum``: box clipping); Sum: ONNX's (onnx-caffe2's residual adds)."""
+operands (ONNX's, ``torch.maximum`` / ``minimum``: box clipping); Sum: ONNX's (onnx-caffe2's residual adds); And /
+Or: of bools held as 0 / 1 (:func:`_logical`)."""
 _ELTWISE = {"Sum": 1, "Max": 2}
 """ncnn Eltwise's op_type of the ONNX ops that take any number of operands (PROD is Mul's, which ONNX has not)."""
 _REVERSED = {0: 0, 1: 7, 2: 2, 3: 8, 4: 4, 5: 5, 6: 9}  # scalar (op) tensor -> ncnn op with the tensor first
@@ -1436,7 +1456,8 @@ def _attention_mask(b: NcnnBuilder, node: fx.Node) -> None:
     """fxq's own mask step of a decomposed attention (:func:`~fxq.graph.attention.apply_attention_mask`): masks
     fixed at export time (a causal mask, Hugging Face's all-True mask of an unpadded ViT) are summed into one
     ``MemoryData`` added to the scores, or nothing where they mask no position; one float mask the network
-    computes is a ``BinaryOp`` add. A bool mask the network computes has no ncnn form (ncnn has no select)."""
+    computes is a ``BinaryOp`` add, one bool mask (ncnn holds it as 0 / 1: a padding mask taken in as integers)
+    becomes -FLT_MAX where it masks first."""
     scores, masks, flags, total = _attention_mask_parts(b, node)
     if total is not None:
         if not total.any():
@@ -1450,13 +1471,24 @@ def _attention_mask(b: NcnnBuilder, node: fx.Node) -> None:
     computed = [m for m in masks.values() if b.fixed_value(m) is None]
     val = b.strip(computed[0]).meta.get("val") if len(computed) == 1 else None
     if len(masks) == 1 and "attn_mask" in masks and not flags["causal"] and not flags["heads_folded"] and \
-            isinstance(val, torch.Tensor) and val.is_floating_point():
-        blobs, bd = _broadcast_operands(b, node, scores, masks["attn_mask"])
-        b.emit(node, "BinaryOp", blobs, {0: _BINARY["Add"]}, batch_dim=bd)
+            isinstance(val, torch.Tensor) and (val.is_floating_point() or val.dtype == torch.bool):
+        (blob, mask), bd = _broadcast_operands(b, node, scores, masks["attn_mask"])
+        if val.dtype == torch.bool:  # 0 / 1 (a padding mask taken in as integers): -FLT_MAX where it masks
+            if flags["bool_keeps"]:
+                mask = b.helper(node, "BinaryOp", [mask], {0: _BINARY["Sub"], 1: 1, 2: 1.0})
+            mask = b.helper(node, "BinaryOp", [mask], {0: _BINARY["Mul"], 1: 1,
+                                                       2: (1.0 if flags["bool_keeps"] else -1.0) * _FLT_MAX})
+        b.emit(node, "BinaryOp", [blob, mask], {0: _BINARY["Add"]}, batch_dim=bd)
         return
-    raise b.fail(node, "its attention mask is computed in the network and is not one float mask to add "
+    raise b.fail(node, "its attention mask is computed in the network and is not one mask to add "
                  f"({', '.join(masks)}{', causal' if flags['causal'] else ''})",
-                 "give the attention one additive float mask (0 to keep, a large negative number to mask)")
+                 "give the attention one mask (bool, or additive float: 0 to keep, a large negative number to "
+                 "mask)")
+
+
+_FLT_MAX = float(torch.finfo(torch.float32).max)
+"""ncnn's stand-in for an attention mask's -inf (as a fixed mask's, :func:`_attention_mask`): a row that keeps one
+score computes the same softmax; a row masked entirely is uniform where torch gives NaN."""
 
 
 @register_ncnn_converter("IsNaN", any_batch_dim=True)
@@ -1515,15 +1547,14 @@ def _select(b: NcnnBuilder, node: fx.Node) -> None:
     else:
         cond, on, off = (_arg(node, i, k) for i, k in ((0, "condition"), (1, "input"), (2, "other")))
         choices = ((on, True), (off, False))
-    c = b.fixed_value(cond)
-    if not isinstance(c, torch.Tensor):
-        raise b.fail(node, "its condition is computed by the network, and ncnn has no select layer",
-                     "compute the condition from shapes or stored tensors only, or write the choice as arithmetic "
-                     "(a * m + b * (1 - m) with a float mask m)")
     val = node.meta.get("val")
     if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
         raise b.fail(node, "it selects non-float values; ncnn blobs hold float values",
                      "select float values, or compute integer values outside the exported network")
+    c = b.fixed_value(cond)
+    if not isinstance(c, torch.Tensor):
+        _computed_select(b, node, cond, choices)
+        return
     c = c.bool()
     fill, parts = torch.zeros(()), []
     for side, picked in choices:
@@ -1562,6 +1593,56 @@ def _select(b: NcnnBuilder, node: fx.Node) -> None:
             acc = b.helper(node, "BinaryOp", [acc, blob], {0: _BINARY["Add"]})
 
 
+def _computed_select(b: NcnnBuilder, node: fx.Node, cond: Any, choices: tuple[tuple[Any, bool], ...]) -> None:
+    """A select by a bool the network computes, which ncnn holds as 0 / 1 (DeBERTa's
+    ``scores.masked_fill(~mask, finfo.min)`` by a padding mask taken in as bools): each choice times its 0 / 1 mask
+    (``c`` or ``1 - c``), summed; a number chosen is its mask times the number. Exact for finite values; an
+    infinite or NaN number (``masked_fill(m, -inf)``) would give ``inf * 0`` and is refused."""
+    if not isinstance(cond, fx.Node) or _value_kind(b.strip(cond).meta.get("val")) != "bool":
+        raise b.fail(node, "its condition is not a bool tensor", "select by a bool condition")
+    numbers, computed = {}, []
+    for side, picked in choices:
+        fixed = b.fixed_value(side) if isinstance(side, fx.Node) else side
+        if isinstance(fixed, torch.Tensor) and fixed.numel() == 1:
+            fixed = float(fixed.reshape(-1)[0])
+        if isinstance(fixed, (int, float)):
+            if not math.isfinite(fixed):
+                raise b.fail(node, f"it selects {fixed} by a condition the network computes; ncnn multiplies a 0 / 1 "
+                             "mask by it, and 0 * inf is NaN", "select a finite number (torch.finfo(dtype).min "
+                             "for a masked score)")
+            numbers[picked] = float(fixed)
+        elif isinstance(side, fx.Node) and fixed is None:
+            _operand(b, node, side)  # refused unless it has the result's shape
+            computed.append((side, picked))
+        else:
+            raise b.fail(node, "it selects a stored tensor by a condition the network computes",
+                         "select computed tensors or numbers")
+    if not computed:
+        raise b.fail(node, "it selects between numbers by a condition the network computes",
+                     "multiply the condition by the numbers instead")
+    (_, mask), bd = _broadcast_operands(b, node, computed[0][0], cond)
+    masks = {True: mask}
+
+    def mask_of(picked: bool) -> str:
+        if picked not in masks:  # 1 - c
+            masks[picked] = b.helper(node, "BinaryOp", [mask], {0: _REVERSED[_BINARY["Sub"]], 1: 1, 2: 1.0})
+        return masks[picked]
+
+    steps: list[tuple[list[str], dict[int, Any]]] = []  # BinaryOp layers, the last one the node's
+    for side, picked in computed:
+        steps.append(([b.blob(side, node), mask_of(picked)], {0: _BINARY["Mul"]}))
+    steps += [([mask_of(picked)], {0: _BINARY["Mul"], 1: 1, 2: value}) for picked, value in numbers.items() if value]
+    blobs = [b.helper(node, "BinaryOp", *step) for step in steps[:-1]]
+    if len(steps) > 1:
+        acc = blobs[0]
+        for blob in blobs[1:]:
+            acc = b.helper(node, "BinaryOp", [acc, blob], {0: _BINARY["Add"]})
+        last = b.helper(node, "BinaryOp", *steps[-1])
+        b.emit(node, "BinaryOp", [acc, last], {0: _BINARY["Add"]}, batch_dim=bd)
+    else:
+        b.emit(node, "BinaryOp", *steps[0], batch_dim=bd)
+
+
 def _attention_mask_parts(b: NcnnBuilder, node: fx.Node
                           ) -> tuple[fx.Node, dict[str, fx.Node], dict[str, bool], torch.Tensor | None]:
     """(scores, masks, flags, total) of an ``AttentionMask`` node: ``total`` is what the masks add to the scores
@@ -1574,6 +1655,21 @@ def _attention_mask_parts(b: NcnnBuilder, node: fx.Node
     if all(isinstance(v, torch.Tensor) for v in fixed.values()):
         total = apply_attention_mask(torch.zeros(b.shape(a["scores"])), **fixed, **flags)
     return a["scores"], masks, flags, total
+
+
+@register_ncnn_converter("And", "Or", "Not", any_batch_dim=True, high_rank=True)
+def _logical(b: NcnnBuilder, node: fx.Node) -> None:
+    """Logic of bool values, which ncnn holds as 0 / 1 (:func:`_cast`): and is a product, or a maximum, not
+    ``1 - x``. The bitwise logic of integers has no ncnn form and is refused."""
+    values = [a.meta.get("val") for a in node.all_input_nodes] + [node.meta.get("val")]
+    if any(_value_kind(v) != "bool" for v in values):
+        raise b.fail(node, "it computes bitwise logic of integers; ncnn holds values as float32",
+                     "compute the logic on bool values, or outside the exported network")
+    if b.op(node) == "Not":
+        x = node.args[0]
+        b.emit(node, "BinaryOp", [_operand(b, node, x)], {0: _REVERSED[_BINARY["Sub"]], 1: 1, 2: 1.0})
+        return
+    _binary(b, node)
 
 
 def _power(b: NcnnBuilder, node: fx.Node, x: fx.Node, exponent: float) -> None:
@@ -1964,6 +2060,9 @@ def _gather(b: NcnnBuilder, node: fx.Node) -> None:
     if lookup is not None:
         _embed(b, node, *lookup)
         return
+    if _index_is_reshape(b, node):
+        _reshape(b, node)
+        return
     if mod is None or not hasattr(mod, "_axis") or len(node.args) != 2:
         raise b.fail(node, "only ONNX Gather (numpy.take) of stored indices, and lookups of computed indices in a "
                      "stored table, are exported", "index with ints or slices, or keep the lookup outside the "
@@ -1985,6 +2084,22 @@ def _gather(b: NcnnBuilder, node: fx.Node) -> None:
         return
     ranges, dropped, new_axes, _ = _index_ranges(b, node, shape, (slice(None),) * axis + (item,), b.batch_dim(x))
     _crop(b, node, x, ranges, dropped, new_axes)
+
+
+def _index_is_reshape(b: NcnnBuilder, node: fx.Node) -> bool:
+    """Whether ``node`` is torch's advanced indexing (``aten.index``) by stored index tensors that take the elements
+    of its input in their own order: a reshape (Hugging Face's padding mask ``mask[batch_idx, kv_idx]`` over
+    ``arange``s, shaped ``(N, 1, 1, T)``)."""
+    if node.target is not torch.ops.aten.index.Tensor or len(node.args) != 2 or not isinstance(node.args[0], fx.Node):
+        return False
+    indices = [None if i is None else b.fixed_value(i) for i in node.args[1]]
+    if not all(i is None or isinstance(i, torch.Tensor) and not i.is_floating_point() and i.dtype != torch.bool
+               for i in indices):
+        return False
+    shape = b.shape(node.args[0])
+    positions = torch.arange(math.prod(shape)).reshape(shape)[tuple(
+        slice(None) if i is None else i.long() for i in indices)]
+    return torch.equal(positions.reshape(-1), torch.arange(positions.numel()))
 
 
 def _picked_along_one_dim(b: NcnnBuilder, node: fx.Node, rank: int, index: Any) -> tuple[int, list[int]] | None:
