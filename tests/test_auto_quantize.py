@@ -59,8 +59,10 @@ def test_meets_the_budget_with_no_more_float_layers_than_greedy(digits, platform
     assert report.met and greedy.met
     assert report.int8_value > target  # the search had work to do
     assert len(report.fallbacks) <= len(greedy.fallbacks)
-    if (platform, target) == ("ncnn_int8", 0.0004):  # greedy takes the two worst layers in isolation; one measured
-        assert len(report.fallbacks) < len(greedy.fallbacks)  # layer is enough
+    if (platform, target) == ("ncnn_int8", 0.0004) and len(greedy.fallbacks) > 1:
+        # greedy takes the worst layers in isolation (two on the AMD hosts); one measured layer is enough. The trained
+        # model's numbers follow the CPU's kernels: on an AVX-512 host greedy's first layer alone meets the budget
+        assert len(report.fallbacks) < len(greedy.fallbacks)
     # the returned model is the one measured: its SNR recomputed independently, its float layers the report's
     assert _snr64(model, qmodel, calib) == pytest.approx(report.final_value, rel=1e-4)
     assert _snr64(model, qmodel, calib) <= target
