@@ -115,11 +115,17 @@ class NanTest(nn.Module):
         h = self.fc(x)
         if self.mode == "value":
             return self.out(torch.where(torch.isnan(h), torch.zeros(()), h))
-        p = (h @ h.transpose(-1, -2) + self.mask).softmax(-1)
+        scores = h @ h.transpose(-1, -2)
+        if self.mode == "row":
+            scores = scores + self.mask
+        else:  # "filled": the row hidden by a masked_fill (found by the review: the walk stopped at the select)
+            scores = scores.masked_fill(self.mask == -math.inf, -math.inf)
+        p = scores.softmax(-1)
         return self.out(torch.where(torch.isnan(p), torch.zeros(()), p) @ h)
 
 
-@pytest.mark.parametrize("mode,why", [("value", "is not a softmax"), ("row", "leave a row without a finite value")])
+@pytest.mark.parametrize("mode,why", [("value", "is not a softmax"), ("row", "leave a row without a finite value"),
+                                      ("filled", "leave a row without a finite value")])
 def test_undecided_nan_tests_are_refused_by_name(tmp_path: Path, mode: str, why: str) -> None:
     gm = fxq.quantize(NanTest(mode).eval(), [torch.randn(1, 6, 8) for _ in range(2)], "ncnn_int8", progress=False)
     with pytest.raises(ExportError, match=rf"node 'isnan'.*ncnn has no NaN test.*{why}"):
@@ -293,3 +299,28 @@ def test_an_infinite_fill_by_a_computed_bool_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match=r"masked_fill.*selects -inf by a condition the network computes.*Fix: "
                                           r"select a finite number"):
         export(gm, "ncnn", tmp_path / "m.param")
+
+
+class CausalThenPadding(nn.Module):
+    """A decoder's masking in two steps: a stored causal mask filled with -inf, then the padding mask taken in as
+    bools, filled with finfo.min. ncnn multiplied the first step's -inf by the second's 0 mask: NaN (the review)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("causal", torch.ones(6, 6, dtype=torch.bool).triu(1))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        scores = (h @ h.transpose(-1, -2)).masked_fill(self.causal, -math.inf)
+        scores = scores.masked_fill(~mask[:, None, :], torch.finfo(torch.float32).min)
+        return self.out(scores.softmax(-1) @ h)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_selects_in_a_row_keep_their_infinities_out_of_products(tmp_path: Path, capture: str) -> None:
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0]]).bool()
+    gm = fxq.quantize(CausalThenPadding().eval(), [(torch.randn(1, 6, 8), mask) for _ in range(2)], "ncnn_int8",
+                      progress=False, capture=capture)
+    _export_and_compare(gm, tmp_path, (mask, torch.ones(1, 6, dtype=torch.bool)))

@@ -302,6 +302,14 @@ def test_an_unbaked_weight_keeps_its_fake_quantized_value_until_it_changes():
         assert moved is not first and torch.equal(moved, fake_quantize(w, fq.config, fq.scale, fq.offset))
         fq.scale.mul_(2)  # so do its parameters
         assert torch.equal(fq(w), fake_quantize(w, fq.config, fq.scale, fq.offset))
+        for _ in range(2):  # new tensors behind the Parameter: the kept one's storage is held, so never reused
+            w.data = torch.randn_like(w)
+            assert torch.equal(fq(w), fake_quantize(w, fq.config, fq.scale, fq.offset))
+    with torch.inference_mode():
+        fq(w)  # not kept: an inference tensor cannot be saved for a later backward
+    x = torch.randn(2, 8, requires_grad=True)
+    torch.nn.functional.linear(x, fq(w)).sum().backward()
+    assert x.grad is not None
     w.requires_grad_(True)
     out = fq(w)  # a gradient to record: computed, never kept
     assert out.requires_grad and out is not fq(w)
@@ -310,3 +318,31 @@ def test_an_unbaked_weight_keeps_its_fake_quantized_value_until_it_changes():
     fxq.switch_to_quantized(gm, bake=False)
     with torch.no_grad():
         assert fq(w) is not fq(w)
+
+
+class _TiedEmbedding(nn.Module):
+    """A language model's head tied to its embedding (``head.weight is embed.weight``: one tensor, two names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.embed(ids)
+        return self.head(torch.relu(e)), e
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_tied_weight_under_two_names_is_read_as_fp32_by_the_lookup(capture):
+    """The review found the readers grouped by name: the head's quantizer baked the tensor its embedding lookup
+    reads (0.012 off FP32), and fp32_mode could not restore it."""
+    torch.manual_seed(0)
+    model = _TiedEmbedding().eval()
+    ids = [torch.randint(0, 16, (1, 6)) for _ in range(2)]
+    gm = fxq.quantize(model, ids, "trt_int8", progress=False, capture=capture)
+    with torch.no_grad():
+        _, e = gm(ids[0])
+        assert torch.equal(e, model.embed(ids[0]))
+        with fxq.fp32_mode(gm):
+            assert all(torch.equal(a, b) for a, b in zip(gm(ids[1]), model(ids[1])))

@@ -310,21 +310,24 @@ def bake_parameters(gm: fx.GraphModule) -> None:
     their tensor's parameters here too (PASSIVE, as in PPQ), and restored by :func:`unbake_parameters`.
     """
     _bake_constants(gm)
-    readers: dict[str, list[FakeQuantize]] = {}
+    readers: dict[int, list[FakeQuantize]] = {}  # by parameter tensor: a tied weight may have several names
+    tensors: dict[int, torch.Tensor] = {}
     for _, fq in QuantGraph(gm).weights():
         if fq.config.state in (QuantState.ACTIVATED, QuantState.PASSIVE):
-            readers.setdefault(str(fq.param), []).append(fq)
+            param = get_attr_value(gm, str(fq.param))
+            tensors[id(param)] = param
+            readers.setdefault(id(param), []).append(fq)
     if not readers:
         return
     unquantized = _unquantized_reads(gm)
-    for name, fqs in readers.items():
+    for key, fqs in readers.items():
         first = fqs[0]
-        if name in unquantized or any(fq.scheme != first.scheme or not torch.equal(fq.scale, first.scale)
-                                      or not torch.equal(fq.offset, first.offset) for fq in fqs[1:]):
+        if key in unquantized or any(fq.scheme != first.scheme or not torch.equal(fq.scale, first.scale)
+                                     or not torch.equal(fq.offset, first.offset) for fq in fqs[1:]):
             for fq in fqs:  # one value cannot serve every reader: each quantizer keeps its own result instead
                 fq.keep_result()
             continue
-        param = get_attr_value(gm, name)
+        param = tensors[key]
         backup = param.detach().clone()  # one copy, shared by the quantizers of a tied weight
         param.data.copy_(fake_quantize(param.detach(), first.config, first.scale, first.offset))
         for fq in fqs:
@@ -333,18 +336,18 @@ def bake_parameters(gm: fx.GraphModule) -> None:
                 QuantState.PASSIVE_BAKED
 
 
-def _unquantized_reads(gm: fx.GraphModule) -> set[str]:
-    """The parameters read other than through a quantizer: by an op directly (a tied embedding read by an FP32
-    ``Gather`` and a quantized linear), or inside a module the graph calls. Baked, they would hand those readers
-    quantized values."""
-    found: set[str] = set()
-    called = [f"{n.target}." for n in gm.graph.nodes if n.op == "call_module" and not is_quantizer_node(n)]
-    for name, _ in gm.named_parameters():
-        if any(name.startswith(prefix) for prefix in called):
-            found.add(name)
+def _unquantized_reads(gm: fx.GraphModule) -> set[int]:
+    """The parameters (by ``id``) read other than through a quantizer, under any of their names: by an op directly
+    (a tied embedding read by an FP32 ``Gather`` and a quantized linear), or inside a module the graph calls.
+    Baked, they would hand those readers quantized values."""
+    found: set[int] = set()
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and not all(is_quantizer_node(u) for u in node.users):
-            found.add(str(node.target))
+        if node.op == "call_module" and not is_quantizer_node(node):
+            found.update(id(p) for _, p in gm.get_submodule(str(node.target)).named_parameters(remove_duplicate=False))
+        elif node.op == "get_attr" and not all(is_quantizer_node(u) for u in node.users):
+            value = get_attr_value(gm, str(node.target))
+            if isinstance(value, torch.Tensor):
+                found.add(id(value))
     return found
 
 

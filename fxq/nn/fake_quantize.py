@@ -31,9 +31,10 @@ Alignment = tuple[str, Any]
 """One entry of :attr:`FakeQuantize.aligned`: ``("largest", (member, ...))`` or ``("output", target)``."""
 
 _BAKED = (QuantState.BAKED, QuantState.PASSIVE_BAKED)  # values already on the grid: pass through
-_KEPT: "weakref.WeakKeyDictionary[FakeQuantize, tuple[tuple[Any, ...], torch.Tensor] | None]" = \
+_KEPT: "weakref.WeakKeyDictionary[FakeQuantize, tuple[tuple[Any, ...], torch.Tensor, torch.Tensor]]" = \
     weakref.WeakKeyDictionary()
-"""The weight quantizers that keep their last result (:meth:`FakeQuantize.keep_result`), with it and its key."""
+"""The last result of each quantizer that keeps it (:meth:`FakeQuantize.keep_result`): its key, the result, and an
+alias of the input (which holds the input's storage, so that its address cannot be another tensor's)."""
 
 MODES = {
     "observe": (True, False),
@@ -250,29 +251,29 @@ class FakeQuantize(nn.Module):
         if not self.quant_enabled or not self.config.is_quantizing or self.config.state in _BAKED:
             return x
         scale, offset = self._qparam("scale"), self._qparam("offset")
-        if self.param is not None and not overwrite and self in _KEPT and values_only((x, scale, offset),
-                                                                                        x.device.type):
+        if (self.param is not None and not overwrite and self.__dict__.get("_keeps_result", False)
+                and values_only((x, scale, offset), x.device.type) and not torch.is_inference_mode_enabled()):
             return self._kept_result(x, scale, offset)
         return fake_quantize(x, self.config, scale, offset, overwrite=overwrite)
 
     def keep_result(self, on: bool = True) -> None:
         """Keep the last fake-quantized weight and return it again while the weight and the parameters are the
-        same tensors, unchanged (their version counters), and no gradient is recorded: a weight that cannot be
-        baked (a tied weight another op reads unquantized, :func:`fxq.graph.convert.bake_parameters`) then costs
-        no fake-quant per forward either. Nothing is kept across ``copy`` / save: it is recomputed on first use."""
-        if on:
-            _KEPT.setdefault(self, None)
-        else:
+        same tensors at the same storage, unchanged (their version counters), and no gradient is recorded: a weight
+        that cannot be baked (a tied weight another op reads unquantized, :func:`fxq.graph.convert.bake_parameters`)
+        then costs no fake-quant per forward either. Writes through ``.data`` bump no version counter and are not
+        seen: change weights in place (``copy_`` under ``no_grad``) or unbake first, as fxq's algorithms do."""
+        self._keeps_result = on
+        if not on:
             _KEPT.pop(self, None)
 
     def _kept_result(self, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-        key = (id(x), x.data_ptr(), x._version, scale.data_ptr(), scale._version, offset.data_ptr(),
+        key = (id(x), x.data_ptr(), x._version, x.dtype, scale.data_ptr(), scale._version, offset.data_ptr(),
                offset._version, self.config.scheme, self.config.state)
         kept = _KEPT.get(self)
         if kept is not None and kept[0] == key:
             return kept[1]
         out = fake_quantize(x, self.config, scale, offset)
-        _KEPT[self] = (key, out)
+        _KEPT[self] = (key, out, x.detach())
         return out
 
     def _qparam(self, name: str) -> torch.Tensor:

@@ -1508,30 +1508,76 @@ def _is_nan(b: NcnnBuilder, node: fx.Node) -> None:
 
 
 def _nan_possible(b: NcnnBuilder, x: fx.Node) -> str | None:
-    """Why ``x`` may hold a NaN, or None for a softmax of computed scores plus (``Add``) masks fixed at export time
-    whose sum keeps a finite value in every row along the softmax's dim and holds no NaN / +inf."""
+    """Why ``x`` may hold a NaN, or None for a softmax of computed scores, masked at export time only, that keeps a
+    finite score in every row along its dim. Walked up from the softmax: masks added (``Add`` of a fixed tensor,
+    fxq's ``AttentionMask`` with fixed masks) and selects of a fixed value by a fixed condition (``masked_fill``
+    with ``-inf``), down to the scores the network computes."""
     if b.op(x) != "Softmax" or getattr(b.module(x), "is_log", False):
         return f"its input {x.name!r} (op {b.op(x)}) is not a softmax that fxq can show to be free of NaN"
-    scores, mask = b.strip(_arg(x, 0, "input")), torch.zeros(b.shape(x))
-    while b.op(scores) in ("Add", "AttentionMask"):
-        if b.op(scores) == "AttentionMask":  # fxq's own mask step (a mask added to attention scores)
-            inner, _, _, total = _attention_mask_parts(b, scores)
-            if total is None:
+    shape = b.shape(x)
+    finite = torch.ones(shape, dtype=torch.bool)  # positions that can hold a finite score
+    pending = torch.ones(shape, dtype=torch.bool)  # positions still read from further up
+    scores = b.strip(_arg(x, 0, "input"))
+    while True:
+        op, added = b.op(scores), None
+        if op == "AttentionMask":
+            inner, _, _, added = _attention_mask_parts(b, scores)
+            if added is None:
                 return f"its scores {scores.name!r} are masked by a mask the network computes"
-            mask, scores = mask + total, b.strip(inner)
+            scores = b.strip(inner)
+        elif op == "Add" and len(scores.args) == 2 and \
+                [isinstance(b.fixed_value(a), torch.Tensor) for a in scores.args].count(True) == 1:
+            k = [isinstance(b.fixed_value(a), torch.Tensor) for a in scores.args].index(True)
+            added, scores = b.fixed_value(scores.args[k]), b.strip(scores.args[1 - k])
+        elif op in ("Where", "MaskedFill"):
+            picked = _fixed_select(b, scores)
+            if picked is None:
+                break
+            chosen, value, scores = picked
+            chosen = chosen.expand(shape) & pending
+            value = value.float().expand(shape)
+            if (chosen & (torch.isnan(value) | (value == math.inf))).any():
+                return f"the select {scores.name!r} before softmax {x.name!r} puts NaN or +inf in its scores"
+            finite = torch.where(chosen, finite & torch.isfinite(value), finite)
+            pending = pending & ~chosen
             continue
-        fixed = [isinstance(b.fixed_value(a), torch.Tensor) for a in scores.args]
-        if len(fixed) != 2 or fixed.count(True) != 1:
+        else:
             break
-        mask = mask + b.fixed_value(scores.args[fixed.index(True)]).float()
-        scores = b.strip(scores.args[fixed.index(False)])
-    if b.fixed_value(scores) is not None:
+        added = added.float().expand(shape)
+        if (pending & (torch.isnan(added) | (added == math.inf))).any():
+            return f"a mask added to the scores of softmax {x.name!r} holds NaN or +inf"
+        finite = finite & (~pending | torch.isfinite(added))
+    if pending.any() and b.fixed_value(scores) is not None:
         return f"its scores {scores.name!r} are fixed at export time"
-    finite_row = torch.isfinite(mask).any(dim=_softmax_dim(b, x))
-    if torch.isnan(mask).any() or (mask == math.inf).any() or not finite_row.all():
-        return (f"the masks fixed at export time added to the scores of softmax {x.name!r} leave a row without a "
-                "finite value")
+    if not finite.any(dim=_softmax_dim(b, x)).all():
+        return (f"the masks fixed at export time on the scores of softmax {x.name!r} leave a row without a finite "
+                "value")
     return None
+
+
+def _select_args(node: fx.Node, op: str) -> tuple[Any, tuple[tuple[Any, bool], ...]]:
+    """(condition, ((choice, taken where the condition is True), ...)) of a ``Where`` / ``MaskedFill`` node."""
+    if op == "MaskedFill":
+        x, cond, value = (_arg(node, i, k) for i, k in ((0, "input"), (1, "mask"), (2, "value")))
+        return cond, ((value, True), (x, False))
+    cond, on, off = (_arg(node, i, k) for i, k in ((0, "condition"), (1, "input"), (2, "other")))
+    return cond, ((on, True), (off, False))
+
+
+def _fixed_select(b: NcnnBuilder, node: fx.Node) -> tuple[torch.Tensor, torch.Tensor, fx.Node] | None:
+    """(where the fixed choice is taken, its value, the computed choice) of a select by a condition fixed at export
+    time between a fixed value and a computed one; None for any other select."""
+    cond, choices = _select_args(node, b.op(node))
+    c = b.fixed_value(cond)
+    if not isinstance(c, torch.Tensor):
+        return None
+    fixed = [(side, picked, b.fixed_value(side) if isinstance(side, fx.Node) else side) for side, picked in choices]
+    computed = [side for side, _, value in fixed if isinstance(side, fx.Node) and value is None]
+    chosen = [(picked, value) for side, picked, value in fixed if value is not None]
+    if len(computed) != 1 or len(chosen) != 1:
+        return None
+    picked, value = chosen[0]
+    return (c.bool() if picked else ~c.bool()), torch.as_tensor(value), b.strip(computed[0])
 
 
 @register_ncnn_converter("Where", "MaskedFill", any_batch_dim=True)
@@ -1539,14 +1585,10 @@ def _select(b: NcnnBuilder, node: fx.Node) -> None:
     """``torch.where`` / ``masked_fill`` with a condition fixed at export time (a causal mask, a NaN test that
     :func:`_is_nan` showed to be all False) as arithmetic: each computed choice times a ``MemoryData`` of 1 where it
     is chosen and 0 elsewhere, plus one ``MemoryData`` holding the fixed choices where they are chosen and 0 elsewhere
-    (added, so a -inf fill stays -inf). Exact for finite values; a choice taken everywhere is its blob. ncnn has no
-    select, so a condition the network computes is refused."""
-    if b.op(node) == "MaskedFill":
-        x, cond, value = (_arg(node, i, k) for i, k in ((0, "input"), (1, "mask"), (2, "value")))
-        choices = ((value, True), (x, False))
-    else:
-        cond, on, off = (_arg(node, i, k) for i, k in ((0, "condition"), (1, "input"), (2, "other")))
-        choices = ((on, True), (off, False))
+    (added, so a -inf fill stays -inf). Exact for finite values (a -inf in a computed choice reads -FLT_MAX where it
+    is kept: :func:`_finite_blob`); a choice taken everywhere is its blob. A condition the network computes is a
+    bool held as 0 / 1 (:func:`_computed_select`)."""
+    cond, choices = _select_args(node, b.op(node))
     val = node.meta.get("val")
     if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
         raise b.fail(node, "it selects non-float values; ncnn blobs hold float values",
@@ -1576,12 +1618,12 @@ def _select(b: NcnnBuilder, node: fx.Node) -> None:
         if m is None:
             b.alias(node, side, bd)
         else:
-            b.emit(node, "BinaryOp", [b.blob(side, node), b.memory_data(m.float(), node, side, node, tag)],
+            b.emit(node, "BinaryOp", [_finite_blob(b, node, side), b.memory_data(m.float(), node, side, node, tag)],
                    {0: _BINARY["Mul"]}, batch_dim=bd)
         return
     blobs = [b.blob(side, node) if m is None else b.helper(
-        node, "BinaryOp", [b.blob(side, node), b.memory_data(m.float(), node, side, node, tag)], {0: _BINARY["Mul"]})
-        for side, m, tag in parts]
+        node, "BinaryOp", [_finite_blob(b, node, side), b.memory_data(m.float(), node, side, node, tag)],
+        {0: _BINARY["Mul"]}) for side, m, tag in parts]
     if fill.any():
         blobs.append(b.memory_data(fill.reshape((1,) * (len(b.shape(node)) - fill.dim()) + tuple(fill.shape)),
                                    node, like, node, "select_fill"))
@@ -1591,6 +1633,13 @@ def _select(b: NcnnBuilder, node: fx.Node) -> None:
             b.emit(node, "BinaryOp", [acc, blob], {0: _BINARY["Add"]}, batch_dim=bd)
         else:
             acc = b.helper(node, "BinaryOp", [acc, blob], {0: _BINARY["Add"]})
+
+
+def _finite_blob(b: NcnnBuilder, node: fx.Node, side: fx.Node) -> str:
+    """``side``'s blob with -inf raised to -FLT_MAX, to be multiplied by a 0 / 1 mask: in ncnn ``-inf * 0`` is NaN (a
+    choice masked with -inf earlier, then masked again). Where the choice is kept, a -inf reads -FLT_MAX: the same
+    softmax for every row that keeps a finite score."""
+    return b.helper(node, "BinaryOp", [b.blob(side, node)], {0: _BINARY["Max"], 1: 1, 2: -_FLT_MAX})
 
 
 def _computed_select(b: NcnnBuilder, node: fx.Node, cond: Any, choices: tuple[tuple[Any, bool], ...]) -> None:
@@ -1630,7 +1679,7 @@ def _computed_select(b: NcnnBuilder, node: fx.Node, cond: Any, choices: tuple[tu
 
     steps: list[tuple[list[str], dict[int, Any]]] = []  # BinaryOp layers, the last one the node's
     for side, picked in computed:
-        steps.append(([b.blob(side, node), mask_of(picked)], {0: _BINARY["Mul"]}))
+        steps.append(([_finite_blob(b, node, side), mask_of(picked)], {0: _BINARY["Mul"]}))
     steps += [([mask_of(picked)], {0: _BINARY["Mul"], 1: 1, 2: value}) for picked, value in numbers.items() if value]
     blobs = [b.helper(node, "BinaryOp", *step) for step in steps[:-1]]
     if len(steps) > 1:
@@ -2099,7 +2148,7 @@ def _index_is_reshape(b: NcnnBuilder, node: fx.Node) -> bool:
     shape = b.shape(node.args[0])
     positions = torch.arange(math.prod(shape)).reshape(shape)[tuple(
         slice(None) if i is None else i.long() for i in indices)]
-    return torch.equal(positions.reshape(-1), torch.arange(positions.numel()))
+    return positions.numel() == math.prod(shape) and torch.equal(positions.reshape(-1), torch.arange(positions.numel()))
 
 
 def _picked_along_one_dim(b: NcnnBuilder, node: fx.Node, rank: int, index: Any) -> tuple[int, list[int]] | None:
