@@ -132,21 +132,32 @@ def test_undecided_nan_tests_are_refused_by_name(tmp_path: Path, mode: str, why:
         export(gm, "ncnn", tmp_path / "m.param")
 
 
-class ComputedCondition(nn.Module):
-    def __init__(self) -> None:
+class ComputedSelects(nn.Module):
+    """Selects the ncnn writer refuses, each by its own reason: by a comparison the network computes (ncnn has none),
+    of integers, and between two numbers by a computed bool."""
+
+    def __init__(self, kind: str) -> None:
         super().__init__()
-        self.fc, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.kind, self.fc, self.out = kind, nn.Linear(8, 8), nn.Linear(8, 8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
-        return self.out(torch.where(h > 0, h, 0.1 * h))
+        if self.kind == "comparison":
+            return self.out(torch.where(h > 0, h, 0.1 * h))
+        if self.kind == "integers":
+            return self.out(h * torch.where(mask, 2, 1)[..., None])
+        return self.out(h * torch.where(mask, 2.0, -1.0)[..., None])
 
 
-def test_a_computed_condition_is_refused_by_name(tmp_path: Path) -> None:
-    """ncnn has no comparison: the export stops at the node that computes the condition, by name."""
-    gm = fxq.quantize(ComputedCondition().eval(), [torch.randn(1, 6, 8) for _ in range(2)], "ncnn_int8",
-                      progress=False)
-    with pytest.raises(ExportError, match=r"node 'gt' .*no converter for op type"):
+@pytest.mark.parametrize("kind,why", [
+    ("comparison", r"node 'gt' .*no converter for op type"),
+    ("integers", r"node 'where'.*selects non-float values"),
+    ("numbers", r"node 'where'.*selects between numbers by a condition the network computes"),
+])
+def test_selects_ncnn_cannot_write_are_refused_by_name(tmp_path: Path, kind: str, why: str) -> None:
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0]]).bool()
+    gm = fxq.quantize(ComputedSelects(kind).eval(), [(torch.randn(1, 6, 8), mask)], "ncnn_int8", progress=False)
+    with pytest.raises(ExportError, match=why):
         export(gm, "ncnn", tmp_path / "m.param")
 
 

@@ -306,28 +306,26 @@ def bake_parameters(gm: fx.GraphModule) -> None:
     Baked quantizers pass values through, so quantized forward passes cost no weight fake-quant. A parameter
     that cannot hold one quantized value for all its readers (a tied weight read unquantized too, or quantized
     differently by two ops) stays FP32, and its quantizers keep their results instead
-    (:meth:`~fxq.nn.FakeQuantize.keep_result`). Clip bounds and pad values of platforms with ``quantize_passive_constants`` are quantized with
-    their tensor's parameters here too (PASSIVE, as in PPQ), and restored by :func:`unbake_parameters`.
+    (:meth:`~fxq.nn.FakeQuantize.keep_result`). Clip bounds and pad values of platforms with
+    ``quantize_passive_constants`` are quantized with their tensor's parameters here too (PASSIVE, as in PPQ),
+    and restored by :func:`unbake_parameters`.
     """
     _bake_constants(gm)
-    readers: dict[int, list[FakeQuantize]] = {}  # by parameter tensor: a tied weight may have several names
-    tensors: dict[int, torch.Tensor] = {}
+    readers: dict[int, tuple[torch.Tensor, list[FakeQuantize]]] = {}  # by tensor: a tied weight has several names
     for _, fq in QuantGraph(gm).weights():
         if fq.config.state in (QuantState.ACTIVATED, QuantState.PASSIVE):
             param = get_attr_value(gm, str(fq.param))
-            tensors[id(param)] = param
-            readers.setdefault(id(param), []).append(fq)
+            readers.setdefault(id(param), (param, []))[1].append(fq)
     if not readers:
         return
     unquantized = _unquantized_reads(gm)
-    for key, fqs in readers.items():
+    for key, (param, fqs) in readers.items():
         first = fqs[0]
         if key in unquantized or any(fq.scheme != first.scheme or not torch.equal(fq.scale, first.scale)
                                      or not torch.equal(fq.offset, first.offset) for fq in fqs[1:]):
             for fq in fqs:  # one value cannot serve every reader: each quantizer keeps its own result instead
                 fq.keep_result()
             continue
-        param = tensors[key]
         backup = param.detach().clone()  # one copy, shared by the quantizers of a tied weight
         param.data.copy_(fake_quantize(param.detach(), first.config, first.scale, first.offset))
         for fq in fqs:

@@ -1265,9 +1265,10 @@ def _cast(b: NcnnBuilder, node: fx.Node) -> None:
     are the int32 ids ``Embed`` reads, which float arithmetic cannot use; other casts (to half) change the values."""
     x = node.args[0]
     src, out = (b.strip(x).meta.get("val"), node.meta.get("val")) if isinstance(x, fx.Node) else (None, None)
-    if (_value_kind(src), _value_kind(out)) not in _SAME_VALUE_CASTS:
+    kinds = (_value_kind(src), _value_kind(out))
+    if kinds not in _SAME_VALUE_CASTS:
         fix = ("take the mask in as bool values (attention_mask.bool()), which ncnn reads as 0 / 1 floats"
-               if _value_kind(src) == "int" and _value_kind(out) == "bool" else
+               if kinds == ("int", "bool") else
                "cast integers only in shape arithmetic, and keep network values float32")
         raise b.fail(node, f"it casts a {getattr(src, 'dtype', '?')} value to {getattr(out, 'dtype', '?')}; ncnn "
                      "computes in float32", fix)
@@ -1448,6 +1449,10 @@ def _binary(b: NcnnBuilder, node: fx.Node) -> None:
                      "use tensor-tensor or tensor-scalar arithmetic")
 
 
+_FLT_MAX = float(torch.finfo(torch.float32).max)
+"""ncnn's stand-in for an attention mask's -inf (:func:`_attention_mask`, :func:`_finite_blob`): a row that keeps one
+score computes the same softmax; a row masked entirely is uniform where torch gives NaN."""
+
 _MASK_ARGS = ("scores", "attn_mask", "key_padding_mask", "bool_keeps", "causal", "heads_folded")
 
 
@@ -1456,7 +1461,7 @@ def _attention_mask(b: NcnnBuilder, node: fx.Node) -> None:
     """fxq's own mask step of a decomposed attention (:func:`~fxq.graph.attention.apply_attention_mask`): masks
     fixed at export time (a causal mask, Hugging Face's all-True mask of an unpadded ViT) are summed into one
     ``MemoryData`` added to the scores, or nothing where they mask no position; one float mask the network
-    computes is a ``BinaryOp`` add, one bool mask (ncnn holds it as 0 / 1: a padding mask taken in as integers)
+    computes is a ``BinaryOp`` add, one bool mask (ncnn holds it as 0 / 1: a padding mask taken in as bools)
     becomes -FLT_MAX where it masks first."""
     scores, masks, flags, total = _attention_mask_parts(b, node)
     if total is not None:
@@ -1465,7 +1470,7 @@ def _attention_mask(b: NcnnBuilder, node: fx.Node) -> None:
             return
         if b.batch_dim(scores) is not None and total.shape[b.batch_dim(scores)] > 1:  # the same for every sample
             total = total.narrow(b.batch_dim(scores), 0, 1)
-        mask = b.memory_data(total.float().clamp(min=torch.finfo(torch.float32).min), node, scores, node)
+        mask = b.memory_data(total.float().clamp(min=-_FLT_MAX), node, scores, node)
         b.emit(node, "BinaryOp", [b.blob(scores, node), mask], {0: _BINARY["Add"]}, batch_dim=b.batch_dim(scores))
         return
     computed = [m for m in masks.values() if b.fixed_value(m) is None]
@@ -1473,7 +1478,7 @@ def _attention_mask(b: NcnnBuilder, node: fx.Node) -> None:
     if len(masks) == 1 and "attn_mask" in masks and not flags["causal"] and not flags["heads_folded"] and \
             isinstance(val, torch.Tensor) and (val.is_floating_point() or val.dtype == torch.bool):
         (blob, mask), bd = _broadcast_operands(b, node, scores, masks["attn_mask"])
-        if val.dtype == torch.bool:  # 0 / 1 (a padding mask taken in as integers): -FLT_MAX where it masks
+        if val.dtype == torch.bool:  # 0 / 1: -FLT_MAX where it masks
             if flags["bool_keeps"]:
                 mask = b.helper(node, "BinaryOp", [mask], {0: _BINARY["Sub"], 1: 1, 2: 1.0})
             mask = b.helper(node, "BinaryOp", [mask], {0: _BINARY["Mul"], 1: 1,
@@ -1484,11 +1489,6 @@ def _attention_mask(b: NcnnBuilder, node: fx.Node) -> None:
                  f"({', '.join(masks)}{', causal' if flags['causal'] else ''})",
                  "give the attention one mask (bool, or additive float: 0 to keep, a large negative number to "
                  "mask)")
-
-
-_FLT_MAX = float(torch.finfo(torch.float32).max)
-"""ncnn's stand-in for an attention mask's -inf (as a fixed mask's, :func:`_attention_mask`): a row that keeps one
-score computes the same softmax; a row masked entirely is uniform where torch gives NaN."""
 
 
 @register_ncnn_converter("IsNaN", any_batch_dim=True)
@@ -1525,10 +1525,8 @@ def _nan_possible(b: NcnnBuilder, x: fx.Node) -> str | None:
             if added is None:
                 return f"its scores {scores.name!r} are masked by a mask the network computes"
             scores = b.strip(inner)
-        elif op == "Add" and len(scores.args) == 2 and \
-                [isinstance(b.fixed_value(a), torch.Tensor) for a in scores.args].count(True) == 1:
-            k = [isinstance(b.fixed_value(a), torch.Tensor) for a in scores.args].index(True)
-            added, scores = b.fixed_value(scores.args[k]), b.strip(scores.args[1 - k])
+        elif op == "Add" and (parts := _mask_added(b, scores)) is not None:
+            added, scores = parts
         elif op in ("Where", "MaskedFill"):
             picked = _fixed_select(b, scores)
             if picked is None:
@@ -1553,6 +1551,18 @@ def _nan_possible(b: NcnnBuilder, x: fx.Node) -> str | None:
         return (f"the masks fixed at export time on the scores of softmax {x.name!r} leave a row without a finite "
                 "value")
     return None
+
+
+def _mask_added(b: NcnnBuilder, node: fx.Node) -> tuple[torch.Tensor, fx.Node] | None:
+    """(the fixed tensor, the other operand) of an ``Add`` of one tensor fixed at export time and one computed."""
+    if len(node.args) != 2:
+        return None
+    fixed = [b.fixed_value(a) for a in node.args]
+    kinds = [isinstance(v, torch.Tensor) for v in fixed]
+    if kinds.count(True) != 1:
+        return None
+    k = kinds.index(True)
+    return fixed[k], b.strip(node.args[1 - k])
 
 
 def _select_args(node: fx.Node, op: str) -> tuple[Any, tuple[tuple[Any, bool], ...]]:
@@ -1613,26 +1623,28 @@ def _select(b: NcnnBuilder, node: fx.Node) -> None:
         b.prove(node, fill.expand(b.shape(node)).clone())
         return
     like, bd = parts[0][0], b.batch_dim(parts[0][0])
-    if len(parts) == 1 and not fill.any():
-        side, m, tag = parts[0]
-        if m is None:
-            b.alias(node, side, bd)
-        else:
-            b.emit(node, "BinaryOp", [_finite_blob(b, node, side), b.memory_data(m.float(), node, side, node, tag)],
-                   {0: _BINARY["Mul"]}, batch_dim=bd)
+    if len(parts) == 1 and parts[0][1] is None:  # one computed choice taken everywhere
+        b.alias(node, like, bd)
         return
-    blobs = [b.blob(side, node) if m is None else b.helper(
-        node, "BinaryOp", [_finite_blob(b, node, side), b.memory_data(m.float(), node, side, node, tag)],
-        {0: _BINARY["Mul"]}) for side, m, tag in parts]
+    terms: list[Any] = [b.blob(side, node) if m is None else (
+        [_finite_blob(b, node, side), b.memory_data(m.float(), node, side, node, tag)], {0: _BINARY["Mul"]})
+        for side, m, tag in parts]
     if fill.any():
-        blobs.append(b.memory_data(fill.reshape((1,) * (len(b.shape(node)) - fill.dim()) + tuple(fill.shape)),
-                                   node, like, node, "select_fill"))
+        terms.append(b.memory_data(fill, node, like, node, "select_fill"))
+    _emit_sum(b, node, terms, bd)
+
+
+def _emit_sum(b: NcnnBuilder, node: fx.Node, terms: list[Any], batch_dim: int | None) -> None:
+    """``node``'s blob: the sum of ``terms``, each a blob or a ``BinaryOp`` still to write (``(bottoms, params)``);
+    the last layer written is the node's (a single term must be such a layer)."""
+    if len(terms) == 1:
+        b.emit(node, "BinaryOp", *terms[0], batch_dim=batch_dim)
+        return
+    blobs = [t if isinstance(t, str) else b.helper(node, "BinaryOp", *t) for t in terms]
     acc = blobs[0]
-    for k, blob in enumerate(blobs[1:], 1):
-        if k == len(blobs) - 1:
-            b.emit(node, "BinaryOp", [acc, blob], {0: _BINARY["Add"]}, batch_dim=bd)
-        else:
-            acc = b.helper(node, "BinaryOp", [acc, blob], {0: _BINARY["Add"]})
+    for blob in blobs[1:-1]:
+        acc = b.helper(node, "BinaryOp", [acc, blob], {0: _BINARY["Add"]})
+    b.emit(node, "BinaryOp", [acc, blobs[-1]], {0: _BINARY["Add"]}, batch_dim=batch_dim)
 
 
 def _finite_blob(b: NcnnBuilder, node: fx.Node, side: fx.Node) -> str:
@@ -1677,19 +1689,10 @@ def _computed_select(b: NcnnBuilder, node: fx.Node, cond: Any, choices: tuple[tu
             masks[picked] = b.helper(node, "BinaryOp", [mask], {0: _REVERSED[_BINARY["Sub"]], 1: 1, 2: 1.0})
         return masks[picked]
 
-    steps: list[tuple[list[str], dict[int, Any]]] = []  # BinaryOp layers, the last one the node's
-    for side, picked in computed:
-        steps.append(([_finite_blob(b, node, side), mask_of(picked)], {0: _BINARY["Mul"]}))
-    steps += [([mask_of(picked)], {0: _BINARY["Mul"], 1: 1, 2: value}) for picked, value in numbers.items() if value]
-    blobs = [b.helper(node, "BinaryOp", *step) for step in steps[:-1]]
-    if len(steps) > 1:
-        acc = blobs[0]
-        for blob in blobs[1:]:
-            acc = b.helper(node, "BinaryOp", [acc, blob], {0: _BINARY["Add"]})
-        last = b.helper(node, "BinaryOp", *steps[-1])
-        b.emit(node, "BinaryOp", [acc, last], {0: _BINARY["Add"]}, batch_dim=bd)
-    else:
-        b.emit(node, "BinaryOp", *steps[0], batch_dim=bd)
+    terms: list[Any] = [([_finite_blob(b, node, side), mask_of(picked)], {0: _BINARY["Mul"]})
+                        for side, picked in computed]
+    terms += [([mask_of(picked)], {0: _BINARY["Mul"], 1: 1, 2: value}) for picked, value in numbers.items() if value]
+    _emit_sum(b, node, terms, bd)
 
 
 def _attention_mask_parts(b: NcnnBuilder, node: fx.Node
