@@ -1,20 +1,21 @@
 """Fused CPU path of the ``fxq::`` ops: the torch reference itself, compiled by inductor into one loop.
 
 The eager reference (:mod:`fxq.numeric.reference`) makes one pass over memory per torch op (about ten for the
-linear fake-quant). For CPU tensors above a few thousand elements the ops' CPU kernels instead run the very
+linear fake-quant). Once warmed up, the ops' CPU kernels instead run the very
 same reference functions traced over symbolic sizes (``make_fx``) and compiled by inductor
 (``torch._inductor.standalone_compile``), so there is still one definition of the math; the tests check the
-compiled code bit for bit against eager. A compiled graph is called without dynamo's frame evaluation (about
-4 us instead of 13), so the fused path pays off from a few thousand elements; the kernels check what dynamo's
-guards would (dtype, layout, rank, parameter layout; the graph is keyed on them). Parameter gradients keep the
+compiled code bit for bit against eager. A compiled graph is called without dynamo's frame evaluation and, where
+it can be, without AOTAutograd's runtime wrappers (inductor's generated ``call`` itself: about 3 us a call on
+2 threads, against 10 through the wrappers and 18 for the eager ops on a 64-element tensor), so it pays off at
+every size; the kernels check what dynamo's guards would (dtype, layout, rank, parameter layout; the graph is keyed on them). Parameter gradients keep the
 eager reduction (:meth:`fxq.numeric.opspec.OpSpec.reduce`): only the elementwise part is compiled, because a
 compiled reduction would sum in another order.
 
 When the fused path is taken (all must hold):
 
 * ``FXQ_CPU_FUSED`` is not ``0`` (or :func:`cpu_fusion` turned it on);
-* the tensor has at least ``FXQ_CPU_FUSED_MIN_NUMEL`` elements (default 2**12: below it a compiled call
-  costs more than the eager ops), is a contiguous float32 or float64 CPU tensor, and no tracing, compiling
+* the tensor has at least ``FXQ_CPU_FUSED_MIN_NUMEL`` elements (default 2: every tensor of more than one
+  element), is a contiguous float32 or float64 CPU tensor, and no tracing, compiling
   or dispatch mode is active;
 * warm-up is over: compiling costs seconds (about 2 s for the first graph of a process with a warm
   inductor cache, 8-10 s cold, then 0.1-1 s per graph), so large tensors first run eagerly until they
@@ -69,7 +70,7 @@ log = logging.getLogger(__name__)
 ENV_ENABLE = "FXQ_CPU_FUSED"
 ENV_MIN_NUMEL = "FXQ_CPU_FUSED_MIN_NUMEL"
 ENV_WARMUP_S = "FXQ_CPU_FUSED_WARMUP_S"
-DEFAULT_MIN_NUMEL = 1 << 12
+DEFAULT_MIN_NUMEL = 2
 DEFAULT_WARMUP_S = 3.0
 
 _FUSED_DTYPES = (torch.float32, torch.float64)
@@ -121,7 +122,7 @@ class _State:
         self.eager_seconds = 0.0
         self.compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self.broken: str | None = None  # why the fused path is off for good in this process
-        self.stats = {"fused_calls": 0, "eager_calls": 0, "compiles": 0, "compile_seconds": 0.0}
+        self.stats = {"fused_calls": 0, "eager_calls": 0, "compiles": 0, "compile_seconds": 0.0, "direct_graphs": 0}
 
     @property
     def settings(self) -> FusedCpuSettings:
@@ -171,7 +172,8 @@ def cpu_fusion(
 
 
 def fused_cpu_stats() -> dict[str, float]:
-    """Counters since import: fused and eager calls of large tensors, compiles and their seconds."""
+    """Counters since import: fused and eager calls of large tensors, compiles and their seconds, compiled graphs
+    called without their wrappers (:func:`_direct_call`)."""
     return dict(_state.stats, eager_seconds=_state.eager_seconds)
 
 
@@ -184,6 +186,9 @@ def _tracing_or_mode_active() -> bool:
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_ON_DEVICE: dict[str, Callable[[torch.Tensor], bool]] = {"cpu": lambda t: t.is_cpu, "cuda": lambda t: t.is_cuda}
+"""Whether a tensor is on a device type, for the types on every call's path: ``t.device`` builds a device object
+(~0.8 us), ``t.is_cpu`` reads a flag (~0.1 us)."""
 
 
 def values_only(tensors: tuple[torch.Tensor, ...], device_type: str = "cpu") -> bool:
@@ -202,8 +207,9 @@ def plain_eager(tensors: tuple[torch.Tensor, ...], device_type: str = "cpu") -> 
     op's dispatch and its autograd wrapper cost about 100 us a call on CPU, forward and backward together, as much
     as the arithmetic of a 200 K-element activation; on a GPU, where a small kernel takes microseconds, they were
     a third of a quantizer's host time."""
+    on_device = _ON_DEVICE.get(device_type)
     for t in tensors:
-        if type(t) not in _PLAIN_TYPES or t.device.type != device_type:
+        if type(t) not in _PLAIN_TYPES or not (on_device(t) if on_device else t.device.type == device_type):
             return False
     return not (_tracing_or_mode_active() or torch._C._is_torch_function_mode_enabled()
                 or torch._C._functorch.peek_interpreter_stack() is not None)
@@ -312,9 +318,9 @@ def _compile_graph(fn: Callable[..., Any], examples: list[Any], exact: bool) -> 
     """``fn`` traced over symbolic sizes on ``examples`` and compiled by inductor, checked against ``fn`` on them.
 
     ``torch._inductor.standalone_compile`` of the traced aten graph gives a callable without dynamo's frame
-    evaluation and guards (about 4 us a call instead of 13): the callers check what a guard would (dtype, rank,
-    layout; :class:`_Plan`). The check on the stand-ins (bit for bit when ``exact``) catches a graph that got
-    specialised on them."""
+    evaluation and guards: the callers check what a guard would (dtype, rank, layout; :class:`_Plan`). Where the
+    graph's generated code can be called directly (:func:`_direct_call`), that is what is returned. The check on
+    the stand-ins (bit for bit when ``exact``) catches a graph that got specialised on them."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     graph = make_fx(fn, tracing_mode="symbolic")(*_copies(examples))
@@ -330,7 +336,65 @@ def _compile_graph(fn: Callable[..., Any], examples: list[Any], exact: bool) -> 
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     else:
         torch.testing.assert_close(got, want, equal_nan=True)
-    return compiled
+    direct = None if getattr(fn, "mutates_input", False) else _direct_call(compiled, examples, got)
+    if direct is None:
+        return compiled
+    _state.stats["direct_graphs"] += 1
+    return direct
+
+
+def _generated_call(compiled: Any) -> Callable[[list[Any]], Any] | None:
+    """The ``call(args)`` function inductor generated for ``compiled`` (the ``current_callable`` of its
+    ``CompiledFxGraph``, or of the function AOTAutograd's cache loads), found through the wrappers' closures and
+    attributes; None where this torch builds it otherwise."""
+    todo, seen = [getattr(compiled, "_compiled_fn", None)], set()
+    while todo and len(seen) < 64:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        attrs = getattr(obj, "__dict__", None) or {}
+        found = attrs.get("current_callable")
+        if callable(found):
+            return found
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                todo.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        todo.extend(v for v in attrs.values() if callable(v) and not isinstance(v, type))
+    return None
+
+
+def _direct_call(compiled: Any, examples: list[Any], got: Any) -> Callable[..., Any] | None:
+    """``compiled`` without AOTAutograd's runtime wrappers and inductor's call bookkeeping, which cost ~6 us a call,
+    as much as the kernel on a 50 K-element activation: the generated ``call`` itself, for a graph that mutates
+    none of its inputs (whose wrappers have nothing to do: no gradients, no aliases, no mutations to apply). Used
+    only when, on copies of the stand-ins, it gives ``compiled``'s own outputs bit for bit, new tensors, and leaves
+    its inputs as they were; else None."""
+    call = _generated_call(compiled)
+    if call is None:
+        return None
+    single = isinstance(got, torch.Tensor)
+
+    def direct(*args: Any) -> Any:
+        out = call(list(args))
+        return out[0] if single else tuple(out)
+
+    args = _copies(examples)
+    try:
+        out = direct(*args)
+        mine = [out] if single else list(out)
+        theirs = [got] if single else list(got)
+        same = len(mine) == len(theirs) and all(
+            isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and torch.equal(a, b) for a, b in zip(mine, theirs))
+        inputs_kept = all(not isinstance(a, torch.Tensor) or (torch.equal(a, e) and a.data_ptr() != m.data_ptr())
+                          for a, e in zip(args, examples) for m in mine)
+    except Exception:  # another calling convention in this torch: keep the wrapped callable
+        log.debug("fxq fused CPU: the generated call cannot be used directly", exc_info=True)
+        return None
+    return direct if same and inputs_kept else None
 
 
 def _copies(args: list[Any]) -> list[Any]:
@@ -409,6 +473,7 @@ def _into_input(fn: Callable[..., Any]) -> Callable[..., Any]:
     def fused(x, *args):
         return x.copy_(fn(x, *args))
 
+    fused.mutates_input = True  # type: ignore[attr-defined]
     return fused
 
 
@@ -584,7 +649,7 @@ class BoundCall:
             return None
         _state.stats["fused_calls"] += 1
         flat = x.view(-1) if len(self.plan.shape) == 1 else x.view(self.plan.shape)
-        return self.fn(flat, *self.tail).view_as(x)
+        return self.fn(flat, *self.tail).view(self.shape)  # x's shape: view_as would dispatch twice
 
 
 def bind(spec: OpSpec, args: tuple[Any, ...], tag: Any) -> BoundCall | None:
