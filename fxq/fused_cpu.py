@@ -331,12 +331,13 @@ def _compile_graph(fn: Callable[..., Any], examples: list[Any], exact: bool) -> 
                                                       options={"config_patches": _inductor_options()})
     finally:
         standalone_log.removeFilter(_unsaved_artifact)
-    got, want = compiled(*_copies(examples)), fn(*_copies(examples))
+    ran = _copies(examples)
+    got, want = compiled(*ran), fn(*_copies(examples))
     if exact:
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     else:
         torch.testing.assert_close(got, want, equal_nan=True)
-    direct = None if getattr(fn, "mutates_input", False) else _direct_call(compiled, examples, got)
+    direct = _direct_call(compiled, examples, ran, got)
     if direct is None:
         return compiled
     _state.stats["direct_graphs"] += 1
@@ -366,12 +367,12 @@ def _generated_call(compiled: Any) -> Callable[[list[Any]], Any] | None:
     return None
 
 
-def _direct_call(compiled: Any, examples: list[Any], got: Any) -> Callable[..., Any] | None:
+def _direct_call(compiled: Any, examples: list[Any], ran: list[Any], got: Any) -> Callable[..., Any] | None:
     """``compiled`` without AOTAutograd's runtime wrappers and inductor's call bookkeeping, which cost ~6 us a call,
-    as much as the kernel on a 50 K-element activation: the generated ``call`` itself, for a graph that mutates
-    none of its inputs (whose wrappers have nothing to do: no gradients, no aliases, no mutations to apply). Used
-    only when, on copies of the stand-ins, it gives ``compiled``'s own outputs bit for bit, new tensors, and leaves
-    its inputs as they were; else None."""
+    as much as the kernel on a 50 K-element activation: the generated ``call`` itself. Used only when, on copies of
+    the stand-ins ``examples``, it has the wrapped call's effect: bit for bit the outputs ``got``, the same outputs
+    that are inputs, and its inputs left as the wrapped call left ``ran`` (an in-place graph writes its input
+    either way); else None (the wrappers had work to do, or this torch calls its graphs otherwise)."""
     call = _generated_call(compiled)
     if call is None:
         return None
@@ -384,17 +385,23 @@ def _direct_call(compiled: Any, examples: list[Any], got: Any) -> Callable[..., 
     args = _copies(examples)
     try:
         out = direct(*args)
-        mine = [out] if single else list(out)
-        theirs = [got] if single else list(got)
-        same = len(mine) == len(theirs) and all(
-            isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-            and torch.equal(a, b) for a, b in zip(mine, theirs))
-        inputs_kept = all(not isinstance(a, torch.Tensor) or (torch.equal(a, e) and a.data_ptr() != m.data_ptr())
-                          for a, e in zip(args, examples) for m in mine)
+        mine, theirs = ([out], [got]) if single else (list(out), list(got))
+        if len(mine) != len(theirs) or not all(_same_tensor(a, b) for a, b in zip(mine + args, theirs + ran)):
+            return None
+        aliases = [[isinstance(o, torch.Tensor) and isinstance(i, torch.Tensor) and o.data_ptr() == i.data_ptr()
+                    for i in inputs] for outputs, inputs in ((mine, args), (theirs, ran)) for o in outputs]
     except Exception:  # another calling convention in this torch: keep the wrapped callable
         log.debug("fxq fused CPU: the generated call cannot be used directly", exc_info=True)
         return None
-    return direct if same and inputs_kept else None
+    return direct if aliases[: len(mine)] == aliases[len(mine):] else None
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    """Both are tensors of one dtype, shape, strides and bits (NaN where NaN), or both the same non-tensor."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
+    return (a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))
 
 
 def _copies(args: list[Any]) -> list[Any]:
@@ -473,7 +480,6 @@ def _into_input(fn: Callable[..., Any]) -> Callable[..., Any]:
     def fused(x, *args):
         return x.copy_(fn(x, *args))
 
-    fused.mutates_input = True  # type: ignore[attr-defined]
     return fused
 
 

@@ -535,30 +535,44 @@ def _fresh_graph(monkeypatch) -> tuple[torch.Tensor, ...]:
 
 
 def test_compiled_graphs_are_called_without_their_wrappers(forced, monkeypatch):
-    """A pure graph is called through inductor's generated ``call``, skipping AOTAutograd's runtime wrappers and
-    inductor's bookkeeping (~6 us a call, as much as the kernel on a 50 K-element activation); values unchanged.
-    A graph that writes its input (the in-place twin) keeps its wrappers, which apply that write."""
+    """A graph is called through inductor's generated ``call``, skipping AOTAutograd's runtime wrappers and
+    inductor's bookkeeping (~6 us a call, as much as the kernel on a 50 K-element activation); values unchanged. The
+    in-place twin's generated code writes its input itself, as its wrappers would."""
     x, s, o = _fresh_graph(monkeypatch)
     args = (0, 0, 255, int(RoundingPolicy.HALF_EVEN))
     direct = fused_cpu_stats()["direct_graphs"]
     want = F.linear_fake_quantize_reference(x, s, o, *args)
     assert_bit_identical(op.fake_quant_linear(x, s, o, *args), want)
     assert fused_cpu_stats()["direct_graphs"] == direct + 1
-    graph = next(iter(fused_cpu._state.compiled.values()))
-    assert graph.__name__ == "direct"
+    assert next(iter(fused_cpu._state.compiled.values())).__name__ == "direct"
     y = x.clone()
     assert fused_cpu.fake_quant_linear_inplace(y, s, o, *args)
     assert_bit_identical(y, want, "in place")
-    assert fused_cpu_stats()["direct_graphs"] == direct + 1  # the in-place graph kept its wrappers
+    assert fused_cpu_stats()["direct_graphs"] == direct + 2
 
 
-def test_a_generated_call_that_disagrees_is_not_used(forced, monkeypatch):
-    """The generated call is used only after it gave the wrapped graph's values on the stand-ins: one that does not
-    (another calling convention in another torch) leaves the wrapped graph in place."""
+def _reference_call(args: list) -> list:
+    """A stand-in for a generated call: the linear fake-quant's values in a new tensor (writes nothing)."""
+    x, s, o, qmin, qmax = args
+    return [F.linear_fake_quantize_reference(x, s, o, 0, qmin, qmax, int(RoundingPolicy.HALF_EVEN))]
+
+
+@pytest.mark.parametrize("generated", ["wrong values", "writes nothing"])
+def test_a_generated_call_without_the_wrapped_effect_is_not_used(forced, monkeypatch, generated):
+    """The generated call is used only after it had the wrapped graph's effect on the stand-ins: one giving other
+    values (another calling convention in another torch), or, for the in-place twin, one that leaves the input as
+    it was (the wrappers applied the write), leaves the wrapped graph in place."""
     x, s, o = _fresh_graph(monkeypatch)
-    monkeypatch.setattr(fused_cpu, "_generated_call", lambda compiled: lambda args: [args[0] * 2])
+    monkeypatch.setattr(fused_cpu, "_generated_call", lambda compiled: (
+        (lambda args: [args[0] * 2]) if generated == "wrong values" else _reference_call))
     direct = fused_cpu_stats()["direct_graphs"]
     args = (0, -128, 127, int(RoundingPolicy.HALF_EVEN))
-    assert_bit_identical(op.fake_quant_linear(x, s, o, *args), F.linear_fake_quantize_reference(x, s, o, *args))
+    want = F.linear_fake_quantize_reference(x, s, o, *args)
+    if generated == "wrong values":
+        assert_bit_identical(op.fake_quant_linear(x, s, o, *args), want)
+    else:
+        y = x.clone()
+        assert fused_cpu.fake_quant_linear_inplace(y, s, o, *args)
+        assert_bit_identical(y, want, "in place")
     assert fused_cpu_stats()["direct_graphs"] == direct
     assert getattr(next(iter(fused_cpu._state.compiled.values())), "__name__", "") != "direct"
