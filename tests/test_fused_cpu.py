@@ -430,6 +430,14 @@ def test_bound_calls_hold_only_while_nothing_changed(forced):
     assert y.grad_fn is not None
     y.sum().backward()
     assert xg.grad is not None
+    learned = torch.nn.Parameter(torch.tensor([0.2]))  # bound while evaluated without gradients, then trained
+    with torch.no_grad():
+        for _ in range(2):
+            check(F.fake_quantize(x2, cfg, learned, offset), x2, learned.detach(), offset, -8, 7)
+    y = F.fake_quantize(x2, cfg, learned, offset)
+    assert y.grad_fn is not None
+    y.sum().backward()
+    assert learned.grad is not None
 
 
 def test_compiling_with_the_fx_graph_cache_off_logs_nothing():
