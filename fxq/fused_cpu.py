@@ -18,7 +18,7 @@ When the fused path is taken (all must hold):
   element), is a contiguous float32 or float64 CPU tensor, and no tracing, compiling
   or dispatch mode is active;
 * warm-up is over: compiling costs seconds (about 2 s for the first graph of a process with a warm
-  inductor cache, 8-10 s cold, then 0.1-1 s per graph), so large tensors first run eagerly until they
+  inductor cache, 8-10 s cold, then 0.1-1 s per graph), so tensors first run eagerly until they
   have used ``FXQ_CPU_FUSED_WARMUP_S`` seconds (default 3) of eager time, and only then is anything
   compiled. Short runs never pay the compile; long runs pay it once, at most about twice the optimum.
 
@@ -152,7 +152,7 @@ def cpu_fusion(
     Args:
         enabled: turn the fused path on or off.
         min_numel: smallest tensor that takes the fused path (None: keep the current setting).
-        warmup_seconds: eager seconds on large tensors before compiling (0: compile at once).
+        warmup_seconds: eager seconds on tensors the fused path takes before compiling (0: compile at once).
 
     Example:
         >>> with cpu_fusion(min_numel=0, warmup_seconds=0):  # force small tensors through it
@@ -172,7 +172,8 @@ def cpu_fusion(
 
 
 def fused_cpu_stats() -> dict[str, float]:
-    """Counters since import: fused and eager calls of large tensors, compiles and their seconds, compiled graphs
+    """Counters since import: fused and eager calls of tensors the fused path takes, compiles and their seconds,
+    compiled graphs
     called without their wrappers (:func:`_direct_call`)."""
     return dict(_state.stats, eager_seconds=_state.eager_seconds)
 
@@ -282,8 +283,8 @@ def _plain_cpu(x: torch.Tensor, others: tuple[torch.Tensor, ...], x_types: tuple
     tracing."""
     if type(x) not in x_types or x.dtype not in _FUSED_DTYPES or not x.is_cpu or not x.is_contiguous():
         return False
-    for t in others:
-        if type(t) not in _PLAIN_TYPES or not t.is_cpu:
+    for t in others:  # a strided parameter (every other entry of a tensor) is not the layout the graph asserts
+        if type(t) not in _PLAIN_TYPES or not t.is_cpu or not t.is_contiguous():
             return False
     return not _tracing_or_mode_active()
 
@@ -375,23 +376,32 @@ def _generated_call(compiled: Any) -> Callable[[list[Any]], Any] | None:
 
 def _direct_call(compiled: Any, examples: list[Any], ran: list[Any], got: Any) -> Callable[..., Any] | None:
     """``compiled`` without AOTAutograd's runtime wrappers and inductor's call bookkeeping, which cost ~6 us a call,
-    as much as the kernel on a 50 K-element activation: the generated ``call`` itself. Used only when, on copies of
-    the stand-ins ``examples``, it has the wrapped call's effect: bit for bit the outputs ``got``, the same outputs
-    that are inputs, and its inputs left as the wrapped call left ``ran`` (an in-place graph writes its input
-    either way); else None (the wrappers had work to do, or this torch calls its graphs otherwise)."""
-    call = _generated_call(compiled)
-    if call is None:
-        return None
+    as much as the kernel on a 50 K-element activation: the generated ``call`` itself, plus the one thing of the
+    wrappers' it needs: a graph that writes an input (the in-place twin) bumps that input's version counter, so
+    autograd still refuses a backward through the overwritten values. Used only when, on copies of the stand-ins
+    ``examples``, it has the wrapped call's effect: bit for bit the outputs ``got``, the same outputs that are
+    inputs, its inputs left as the wrapped call left ``ran`` (values and versions); else None (the wrappers had
+    other work to do, or this torch calls its graphs otherwise)."""
     single = isinstance(got, torch.Tensor)
+    written: list[int] = []
 
     def direct(*args: Any) -> Any:
         out = call(list(args))
+        for i in written:
+            torch.autograd.graph.increment_version(args[i])
         return out[0] if single else tuple(out)
 
     args = _copies(examples)
     try:
-        out = direct(*args)
-        mine, theirs = ([out], [got]) if single else (list(out), list(got))
+        call = _generated_call(compiled)
+        if call is None:
+            return None
+        out = call(list(args))
+        written.extend(i for i, (a, r) in enumerate(zip(args, ran))
+                       if isinstance(a, torch.Tensor) and r._version > a._version)
+        for i in written:
+            torch.autograd.graph.increment_version(args[i])
+        mine, theirs = ([out[0]], [got]) if single else (list(out), list(got))
         if len(mine) != len(theirs) or not all(_same_tensor(a, b) for a, b in zip(mine + args, theirs + ran)):
             return None
         aliases = [[isinstance(o, torch.Tensor) and isinstance(i, torch.Tensor) and o.data_ptr() == i.data_ptr()
@@ -402,12 +412,19 @@ def _direct_call(compiled: Any, examples: list[Any], ran: list[Any], got: Any) -
     return direct if aliases[: len(mine)] == aliases[len(mine):] else None
 
 
+_SAME_SIZE_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _same_tensor(a: Any, b: Any) -> bool:
-    """Both are tensors of one dtype, shape, strides and bits (NaN where NaN), or both the same non-tensor."""
+    """Both are tensors of one dtype, shape, strides, version and bit pattern, or both the same non-tensor."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
-    return (a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-            and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))
+    if a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride() or a._version != b._version:
+        return False
+    if a.is_floating_point():  # -0 / +0, inf / the largest float and NaN payloads differ in bits
+        bits = _SAME_SIZE_INTS[a.element_size()]
+        a, b = a.contiguous().view(bits), b.contiguous().view(bits)
+    return torch.equal(a, b)
 
 
 def _copies(args: list[Any]) -> list[Any]:
@@ -573,7 +590,8 @@ _TYPES: dict[str, Callable[[Any], Any]] = {"int": int, "float": float}
 
 
 def _forward_kernel(spec: OpSpec) -> Callable[..., torch.Tensor]:
-    """CPU kernel of ``spec``'s forward op: fused for large tensors after warm-up, else the reference."""
+    """CPU kernel of ``spec``'s forward op: fused after warm-up where the fused path takes the tensor, else the
+    reference."""
     ref = spec.forward
 
     n_tensors = spec.num_tensors
@@ -692,8 +710,8 @@ def fake_quant_linear_inplace(*args: Any) -> bool:
 
     For inference on values nobody else reads (no fresh outputs to allocate and fault in: the eager
     reference in place is several times faster than out of place, the fused pass ~1.5x faster than the
-    out-of-place fused op). The fused pass is taken on the fused path's terms (large contiguous tensors,
-    after warm-up; eager time on large tensors counts towards the warm-up). Returns False, ``x``
+    out-of-place fused op). The fused pass is taken on the fused path's terms (contiguous tensors of at least
+    ``min_numel`` elements, after warm-up; eager time on such tensors counts towards the warm-up). Returns False, ``x``
     untouched, for tensors it does not handle (gradients, tracing, not a plain float CPU tensor): run the
     op instead. ``args``: those of the op.
     """

@@ -239,8 +239,8 @@ class FakeQuantize(nn.Module):
     def forward_(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` that may write its result into ``x`` (and return ``x``).
 
-        For inference executors that know nothing else reads ``x`` (the analysis runner): on large CPU
-        tensors it saves allocating and faulting in a fresh output. Same values as :meth:`forward`.
+        For inference executors that know nothing else reads ``x`` (the analysis runner): on CPU it saves
+        allocating and faulting in a fresh output. Same values as :meth:`forward`.
         """
         return self._quantize(x, overwrite=True)
 
