@@ -1,22 +1,24 @@
 """Fused CPU path of the ``fxq::`` ops: the torch reference itself, compiled by inductor into one loop.
 
 The eager reference (:mod:`fxq.numeric.reference`) makes one pass over memory per torch op (about ten for the
-linear fake-quant). Once warmed up, the ops' CPU kernels instead run the very
-same reference functions traced over symbolic sizes (``make_fx``) and compiled by inductor
+linear fake-quant). For CPU tensors above a few thousand elements, once warmed up, the ops' CPU kernels instead
+run the very same reference functions traced over symbolic sizes (``make_fx``) and compiled by inductor
 (``torch._inductor.standalone_compile``), so there is still one definition of the math; the tests check the
 compiled code bit for bit against eager. A compiled graph is called without dynamo's frame evaluation and, where
 it can be, without AOTAutograd's runtime wrappers (inductor's generated ``call`` itself: about 3 us a call on
-2 threads, against 10 through the wrappers and 18 for the eager ops on a 64-element tensor), so it pays off at
-every size; the kernels check what dynamo's guards would (dtype, layout, rank, parameter layout; the graph is keyed on them). Parameter gradients keep the
-eager reduction (:meth:`fxq.numeric.opspec.OpSpec.reduce`): only the elementwise part is compiled, because a
+2 threads, against 10 through the wrappers and 18 for the eager ops on a 64-element tensor); the kernels check
+what dynamo's guards would (dtype, layout, rank, parameter layout; the graph is keyed on them). Parameter
+gradients keep the eager reduction (:meth:`fxq.numeric.opspec.OpSpec.reduce`): only the elementwise part is compiled, because a
 compiled reduction would sum in another order.
 
 When the fused path is taken (all must hold):
 
 * ``FXQ_CPU_FUSED`` is not ``0`` (or :func:`cpu_fusion` turned it on);
-* the tensor has at least ``FXQ_CPU_FUSED_MIN_NUMEL`` elements (default 2: every tensor of more than one
-  element), is a contiguous float32 or float64 CPU tensor, and no tracing, compiling
-  or dispatch mode is active;
+* the tensor has at least ``FXQ_CPU_FUSED_MIN_NUMEL`` elements (default 2**12). A smaller call would run
+  faster fused too, but a model has few such tensors, and a process whose tensors are all small (a test suite of
+  small models, a small QAT run) would compile a graph for every layout it meets: the README's test command ran
+  31 % longer on three of its files with a threshold of 2. The tensor is a contiguous float32 or float64 CPU
+  tensor, and no tracing, compiling or dispatch mode is active;
 * warm-up is over: compiling costs seconds (about 2 s for the first graph of a process with a warm
   inductor cache, 8-10 s cold, then 0.1-1 s per graph), so tensors first run eagerly until they
   have used ``FXQ_CPU_FUSED_WARMUP_S`` seconds (default 3) of eager time, and only then is anything
@@ -70,7 +72,7 @@ log = logging.getLogger(__name__)
 ENV_ENABLE = "FXQ_CPU_FUSED"
 ENV_MIN_NUMEL = "FXQ_CPU_FUSED_MIN_NUMEL"
 ENV_WARMUP_S = "FXQ_CPU_FUSED_WARMUP_S"
-DEFAULT_MIN_NUMEL = 2
+DEFAULT_MIN_NUMEL = 1 << 12
 DEFAULT_WARMUP_S = 3.0
 
 _FUSED_DTYPES = (torch.float32, torch.float64)
