@@ -8,8 +8,8 @@ compiled code bit for bit against eager. A compiled graph is called without dyna
 it can be, without AOTAutograd's runtime wrappers (inductor's generated ``call`` itself: about 3 us a call on
 2 threads, against 10 through the wrappers and 18 for the eager ops on a 64-element tensor); the kernels check
 what dynamo's guards would (dtype, layout, rank, parameter layout; the graph is keyed on them). Parameter
-gradients keep the eager reduction (:meth:`fxq.numeric.opspec.OpSpec.reduce`): only the elementwise part is compiled, because a
-compiled reduction would sum in another order.
+gradients keep the eager reduction (:meth:`fxq.numeric.opspec.OpSpec.reduce`): only the elementwise part is
+compiled, because a compiled reduction would sum in another order.
 
 When the fused path is taken (all must hold):
 
@@ -175,8 +175,7 @@ def cpu_fusion(
 
 def fused_cpu_stats() -> dict[str, float]:
     """Counters since import: fused and eager calls of tensors the fused path takes, compiles and their seconds,
-    compiled graphs
-    called without their wrappers (:func:`_direct_call`)."""
+    compiled graphs called without their wrappers (:func:`_direct_call`)."""
     return dict(_state.stats, eager_seconds=_state.eager_seconds)
 
 
@@ -384,8 +383,25 @@ def _direct_call(compiled: Any, examples: list[Any], ran: list[Any], got: Any) -
     ``examples``, it has the wrapped call's effect: bit for bit the outputs ``got``, the same outputs that are
     inputs, its inputs left as the wrapped call left ``ran`` (values and versions); else None (the wrappers had
     other work to do, or this torch calls its graphs otherwise)."""
-    single = isinstance(got, torch.Tensor)
-    written: list[int] = []
+    try:
+        call = _generated_call(compiled)
+        if call is None:
+            return None
+        args = _copies(examples)
+        out = call(list(args))
+        written = [i for i, (a, r) in enumerate(zip(args, ran)) if isinstance(a, torch.Tensor)
+                   and r._version > a._version]
+        for i in written:
+            torch.autograd.graph.increment_version(args[i])
+        single = isinstance(got, torch.Tensor)
+        mine, theirs = ([out[0]], [got]) if single else (list(out), list(got))
+        same = (len(mine) == len(theirs) and all(_same_tensor(a, b) for a, b in zip(mine + args, theirs + ran))
+                and _aliases(mine, args) == _aliases(theirs, ran))
+    except Exception:  # another calling convention in this torch: keep the wrapped callable
+        log.debug("fxq fused CPU: the generated call cannot be used directly", exc_info=True)
+        return None
+    if not same:
+        return None
 
     def direct(*args: Any) -> Any:
         out = call(list(args))
@@ -393,25 +409,13 @@ def _direct_call(compiled: Any, examples: list[Any], ran: list[Any], got: Any) -
             torch.autograd.graph.increment_version(args[i])
         return out[0] if single else tuple(out)
 
-    args = _copies(examples)
-    try:
-        call = _generated_call(compiled)
-        if call is None:
-            return None
-        out = call(list(args))
-        written.extend(i for i, (a, r) in enumerate(zip(args, ran))
-                       if isinstance(a, torch.Tensor) and r._version > a._version)
-        for i in written:
-            torch.autograd.graph.increment_version(args[i])
-        mine, theirs = ([out[0]], [got]) if single else (list(out), list(got))
-        if len(mine) != len(theirs) or not all(_same_tensor(a, b) for a, b in zip(mine + args, theirs + ran)):
-            return None
-        aliases = [[isinstance(o, torch.Tensor) and isinstance(i, torch.Tensor) and o.data_ptr() == i.data_ptr()
-                    for i in inputs] for outputs, inputs in ((mine, args), (theirs, ran)) for o in outputs]
-    except Exception:  # another calling convention in this torch: keep the wrapped callable
-        log.debug("fxq fused CPU: the generated call cannot be used directly", exc_info=True)
-        return None
-    return direct if aliases[: len(mine)] == aliases[len(mine):] else None
+    return direct
+
+
+def _aliases(outputs: list[Any], inputs: list[Any]) -> list[list[bool]]:
+    """For each output, which inputs it shares its storage with."""
+    return [[isinstance(o, torch.Tensor) and isinstance(i, torch.Tensor) and o.data_ptr() == i.data_ptr()
+             for i in inputs] for o in outputs]
 
 
 _SAME_SIZE_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -675,14 +679,15 @@ class BoundCall:
         cold in the caches after the convolutions in between (measured in a transformer encoder: 5x the time of the
         same steps in a loop)."""
         if (type(x) is not torch.Tensor or x.shape != self.shape or x.dtype != self.dtype or not x.is_cpu
-                or not x.is_contiguous() or tag != self.tag or _state.broken is not None or not _state.resolved()[0]):
+                or not x.is_contiguous() or tag != self.tag or _state.broken is not None
+                or not _state.resolved()[0]):
             return None
-        grad = torch.is_grad_enabled() and x.requires_grad
+        wants_grad = x.requires_grad
         for p, mine, shape, data in zip(params, self.params, self.param_shapes, self.param_data):
             if p is not mine or p.shape != shape or p.data_ptr() != data:
                 return None
-            grad = grad or p.requires_grad  # the same Parameter object may have been made to require grad
-        if (grad and torch.is_grad_enabled()) or _watched():
+            wants_grad = wants_grad or p.requires_grad  # the same Parameter may have been made to require grad
+        if (wants_grad and torch.is_grad_enabled()) or _watched():
             return None
         _state.stats["fused_calls"] += 1
         flat = x.view(-1) if len(self.plan.shape) == 1 else x.view(self.plan.shape)
@@ -713,8 +718,8 @@ def fake_quant_linear_inplace(*args: Any) -> bool:
     For inference on values nobody else reads (no fresh outputs to allocate and fault in: the eager
     reference in place is several times faster than out of place, the fused pass ~1.5x faster than the
     out-of-place fused op). The fused pass is taken on the fused path's terms (contiguous tensors of at least
-    ``min_numel`` elements, after warm-up; eager time on such tensors counts towards the warm-up). Returns False, ``x``
-    untouched, for tensors it does not handle (gradients, tracing, not a plain float CPU tensor): run the
+    ``min_numel`` elements, after warm-up; eager time on such tensors counts towards the warm-up). Returns False,
+    ``x`` untouched, for tensors it does not handle (gradients, tracing, not a plain float CPU tensor): run the
     op instead. ``args``: those of the op.
     """
     x, params, _ = LINEAR.split(args)

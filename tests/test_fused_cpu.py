@@ -262,10 +262,10 @@ def test_in_place_eager_reference_is_bit_identical(rounding):
 
 
 
-def test_tensors_below_the_threshold_do_not_compile():
-    """A tensor below ``min_numel`` stays on the eager reference: nothing compiles, nothing counts."""
+def test_small_tensors_do_not_compile():
+    """The default threshold keeps small models on the eager reference: nothing compiles, nothing counts."""
     stats = fused_cpu_stats()
-    with cpu_fusion(min_numel=2048, warmup_seconds=0):
+    with cpu_fusion(min_numel=fused_cpu.DEFAULT_MIN_NUMEL, warmup_seconds=0):
         op.fake_quant_linear(torch.randn(32, 32), torch.tensor([0.1]), torch.tensor([0.0]), 0, -128, 127, 0)
     after = fused_cpu_stats()
     assert after["compiles"] == stats["compiles"] and after["fused_calls"] == stats["fused_calls"]
@@ -534,6 +534,10 @@ def test_non_contiguous_values_take_the_fused_path(forced, layout, overwrite):
     assert_bit_identical(weight.detach(), make(), "a Parameter was overwritten")
 
 
+_DIRECT_CALLS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14)
+"""Whether this torch's generated call was checked to be found through its wrappers (older ones keep them)."""
+
+
 def _fresh_graph(monkeypatch) -> tuple[torch.Tensor, ...]:
     """Inputs of a linear fake-quant whose graph this test compiles anew (the process's graphs set aside)."""
     monkeypatch.setattr(fused_cpu._state, "compiled", {})
@@ -546,7 +550,7 @@ def test_compiled_graphs_are_called_without_their_wrappers(forced, monkeypatch):
     """A graph is called through inductor's generated ``call``, skipping AOTAutograd's runtime wrappers and
     inductor's bookkeeping (~6 us a call, as much as the kernel on a 50 K-element activation); values unchanged. The
     in-place twin's generated code writes its input itself, as its wrappers would."""
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 14):
+    if not _DIRECT_CALLS:
         pytest.skip("the generated call is found through the wrappers of torch 2.14; older ones keep their wrappers")
     x, s, o = _fresh_graph(monkeypatch)
     args = (0, 0, 255, int(RoundingPolicy.HALF_EVEN))
@@ -595,8 +599,8 @@ def test_an_overwritten_input_still_stops_a_backward_through_it(forced, monkeypa
     w = torch.randn(x.shape, requires_grad=True)
     h = x * w  # autograd saved x for w's gradient
     assert fused_cpu.fake_quant_linear_inplace(x, s, o, 0, 0, 255, int(RoundingPolicy.HALF_EVEN))
-    assert getattr(next(iter(fused_cpu._state.compiled.values())), "__name__", "") == "direct" or \
-        tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 14)
+    direct = getattr(next(iter(fused_cpu._state.compiled.values())), "__name__", "") == "direct"
+    assert direct or not _DIRECT_CALLS
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         h.sum().backward()
 

@@ -1407,6 +1407,8 @@ Or: of bools held as 0 / 1 (:func:`_logical`)."""
 _ELTWISE = {"Sum": 1, "Max": 2}
 """ncnn Eltwise's op_type of the ONNX ops that take any number of operands (PROD is Mul's, which ONNX has not)."""
 _REVERSED = {0: 0, 1: 7, 2: 2, 3: 8, 4: 4, 5: 5, 6: 9}  # scalar (op) tensor -> ncnn op with the tensor first
+_ONE_MINUS = {0: _REVERSED[_BINARY["Sub"]], 1: 1, 2: 1.0}
+"""``BinaryOp`` params of ``1 - x``: a bool held as 0 / 1 negated (``~mask``, a select's other mask)."""
 
 
 @register_ncnn_converter("Add", "Sub", "Mul", "Div", "Max", "Min", "Pow", "Sum", any_batch_dim=True, high_rank=True)
@@ -1686,7 +1688,7 @@ def _computed_select(b: NcnnBuilder, node: fx.Node, cond: Any, choices: tuple[tu
 
     def mask_of(picked: bool) -> str:
         if picked not in masks:  # 1 - c
-            masks[picked] = b.helper(node, "BinaryOp", [mask], {0: _REVERSED[_BINARY["Sub"]], 1: 1, 2: 1.0})
+            masks[picked] = b.helper(node, "BinaryOp", [mask], _ONE_MINUS)
         return masks[picked]
 
     terms: list[Any] = [([_finite_blob(b, node, side), mask_of(picked)], {0: _BINARY["Mul"]})
@@ -1719,7 +1721,7 @@ def _logical(b: NcnnBuilder, node: fx.Node) -> None:
                      "compute the logic on bool values, or outside the exported network")
     if b.op(node) == "Not":
         x = node.args[0]
-        b.emit(node, "BinaryOp", [_operand(b, node, x)], {0: _REVERSED[_BINARY["Sub"]], 1: 1, 2: 1.0})
+        b.emit(node, "BinaryOp", [_operand(b, node, x)], _ONE_MINUS)
         return
     _binary(b, node)
 
