@@ -153,7 +153,7 @@ def fake_quantize(
     eager = not torch.compiler.is_compiling()
     bound = _BOUND.get(cfg) if eager and not overwrite else None
     if bound is not None:
-        y = bound.run(x, (scale,) if cfg.is_floating else (scale, offset), _call_tag(cfg))
+        y = bound.run(x, bound_params(cfg, scale, offset), _call_tag(cfg))
         if y is not None:
             return y
     if scale is None:
@@ -199,6 +199,26 @@ def fake_quantize(
 _BOUND: weakref.WeakKeyDictionary[TensorQuantConfig, Any] = weakref.WeakKeyDictionary()
 """The last bound call of each config (:func:`fxq.ops.bind`: the fused graph on CPU, the kernel launch on CUDA): a quantizer runs the same call batch after
 batch, and the binding saves the per-call checks; it holds only while the config's attributes stay as they were."""
+
+
+def bound_call(cfg: TensorQuantConfig, scale: torch.Tensor, offset: torch.Tensor | None) -> tuple[Any, tuple] | None:
+    """The binding :func:`fake_quantize` holds for ``cfg`` with these very ``scale`` / ``offset`` tensors, and the
+    tag to run it with (``binding.run(x, params, tag)``, params as :func:`bound_params` gives them); None when it holds
+    none for them. The pair stays right while ``cfg.revision`` is the same (a caller that checks that skips the
+    config-level work of a call)."""
+    bound = _BOUND.get(cfg)
+    if bound is None:
+        return None
+    params = bound_params(cfg, scale, offset)
+    if len(bound.params) != len(params) or any(a is not b for a, b in zip(bound.params, params)):
+        return None
+    tag = _call_tag(cfg)
+    return (bound, tag) if bound.tag == tag else None
+
+
+def bound_params(cfg: TensorQuantConfig, scale: torch.Tensor, offset: torch.Tensor | None) -> tuple:
+    """The parameter tensors a binding of ``cfg`` runs on: the scale, and the offset of a linear grid."""
+    return (scale,) if cfg.is_floating else (scale, offset)
 
 
 _LAST_UNBOUND: weakref.WeakKeyDictionary[TensorQuantConfig, tuple] = weakref.WeakKeyDictionary()

@@ -123,8 +123,20 @@ class _State:
         self.plans: dict[tuple[Any, ...], _Plan | None] = {}
         self.eager_seconds = 0.0
         self.compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
-        self.broken: str | None = None  # why the fused path is off for good in this process
+        self._broken: str | None = None
+        self.off = False
+        """The fused path is switched off or broken (a bound call's one check of it; bindings are made only on)."""
         self.stats = {"fused_calls": 0, "eager_calls": 0, "compiles": 0, "compile_seconds": 0.0, "direct_graphs": 0}
+
+    @property
+    def broken(self) -> str | None:
+        """Why the fused path is off for good in this process (None: it is not)."""
+        return self._broken
+
+    @broken.setter
+    def broken(self, value: str | None) -> None:
+        self._broken = value
+        self.off = value is not None or not self.resolved()[0]
 
     @property
     def settings(self) -> FusedCpuSettings:
@@ -134,6 +146,7 @@ class _State:
     def settings(self, value: FusedCpuSettings) -> None:
         self._settings = value
         self._resolved = None
+        self.off = self._broken is not None or not self.resolved()[0]
 
     def resolved(self) -> tuple[bool, int, float]:
         """(enabled, min_numel, warm-up seconds): the settings with the environment read once per settings."""
@@ -180,11 +193,12 @@ def fused_cpu_stats() -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------- eligibility and layout
+_jit_tracing = torch._C._is_tracing
+_dispatch_modes: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+
+
 def _tracing_or_mode_active() -> bool:
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return True
-    dispatch_stack = getattr(torch._C, "_len_torch_dispatch_stack", None)
-    return bool(dispatch_stack is not None and dispatch_stack() > 0)
+    return torch.compiler.is_compiling() or _jit_tracing() or _dispatch_modes() > 0
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -219,8 +233,12 @@ def plain_eager(tensors: tuple[torch.Tensor, ...], device_type: str = "cpu") -> 
 def _watched() -> bool:
     """Whether anything watches op calls now: tracing, compiling, a dispatch or function mode, a functorch
     transform (then a call must go through the op)."""
-    return (_tracing_or_mode_active() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._functorch.peek_interpreter_stack() is not None)
+    return (torch.compiler.is_compiling() or _jit_tracing() or _dispatch_modes() > 0 or _function_modes()
+            or _functorch_transform() is not None)
+
+
+_function_modes = torch._C._is_torch_function_mode_enabled
+_functorch_transform = torch._C._functorch.peek_interpreter_stack
 
 
 def fusable_layout(x: torch.Tensor, *params: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], bool] | None:
@@ -303,9 +321,11 @@ def _run_eager(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- compiled graphs
-_EXAMPLE_SIZES = (11, 13, 17)
-"""Sizes of the stand-in tensors a graph is traced on: distinct and above 1, because a graph traced over symbolic
-sizes assumes that sizes equal at tracing stay equal and that none is 0 or 1."""
+_EXAMPLE_SIZES = (11, 13, 17, 3, 19, 2)
+"""Sizes of the stand-in tensors a graph is traced on: distinct, above 1 and none of :data:`_EXAMPLE_INTS`, because
+a graph traced over symbolic sizes assumes that numbers equal at tracing stay equal (a size and a clamp bound
+included) and that no size is 0 or 1 (a dimension of size 1 in the plan is 1 in the stand-ins too: the graph is
+made for it). Small after the third, so a rank-6 stand-in stays small."""
 _EXAMPLE_INTS = (-5, 7)
 """Stand-ins for the integer attributes a graph takes as inputs (clamp bounds the stand-in data crosses)."""
 
@@ -402,6 +422,13 @@ def _direct_call(compiled: Any, examples: list[Any], ran: list[Any], got: Any) -
         return None
     if not same:
         return None
+
+    if single and not written:  # the out-of-place graph of every bound call: the fewest steps
+
+        def direct(*args: Any) -> Any:
+            return call(list(args))[0]
+
+        return direct
 
     def direct(*args: Any) -> Any:
         out = call(list(args))
@@ -545,7 +572,7 @@ class _Plan:
         """Stand-ins for :meth:`inputs` to trace the graph on (see :func:`_compile_graph`): the same ranks,
         dtypes and parameter layout, other sizes."""
         gen = torch.Generator().manual_seed(0)
-        dims = _EXAMPLE_SIZES[: len(self.shape)]
+        dims = tuple(1 if d == 1 else size for d, size in zip(self.shape, _EXAMPLE_SIZES))
         channels = dims[self.template[0]]
         out: list[Any] = [torch.randn(dims, generator=gen, dtype=t.dtype) * 4 for t in tensors]
         out += [torch.rand(1 if p.numel() == 1 else channels, generator=gen, dtype=p.dtype) + 0.05 for p in params]
@@ -583,13 +610,39 @@ def _make_plan(spec: OpSpec, kind: str, x: torch.Tensor, params: tuple[torch.Ten
     if view is None:
         return None
     shape, vaxis = view
+    key = (kind, x.dtype, *(p.dtype for p in params), len(shape), vaxis, *(p.numel() == 1 for p in params))
+    return _attributed_plan(spec, key, shape, vaxis, attrs)
+
+
+def _attributed_plan(spec: OpSpec, key: tuple[Any, ...], shape: tuple[int, ...], axis: int,
+                     attrs: tuple[Any, ...]) -> _Plan:
+    """The plan of a graph keyed ``key`` over tensors viewed as ``shape`` (channels on ``axis``): the op's attributes
+    ``attrs`` typed, the runtime ones the graph's inputs, the others its constants (part of its key)."""
     runtime_names = _RUNTIME_ATTRS.get(spec.name, ())
     typed = [_TYPES[t](v) for (_, t), v in zip(spec.attrs, attrs)]
-    template = (vaxis, *typed[1:])
+    template = (axis, *typed[1:])
     runtime = tuple(i for i, (name, _) in enumerate(spec.attrs) if name in runtime_names)
     constants = tuple(v for i, v in enumerate(template) if i > 0 and i not in runtime)
-    key = (kind, x.dtype, *(p.dtype for p in params), len(shape), vaxis, *(p.numel() == 1 for p in params))
     return _Plan(key + constants, shape, template, runtime)
+
+
+def _own_rank_plan(spec: OpSpec, x: torch.Tensor, params: tuple[torch.Tensor, ...],
+                   attrs: tuple[Any, ...]) -> _Plan | None:
+    """The fused layout of a bound call (:func:`bind`): ``x`` at its own shape, the graph made for its rank and its
+    dimensions of size 1 (their sizes are constants of the graph, the others symbolic), so neither a view in nor
+    one out is needed; for a bound call, which has one shape, they cost more than a small activation's arithmetic
+    (measured inside a model: ~16 us a call, their objects cold in the caches). None where there is none."""
+    numels = tuple(p.numel() for p in params)
+    channels = max(numels)
+    if not 0 < x.dim() <= len(_EXAMPLE_SIZES) or x.numel() <= 1 or any(n not in (1, channels) for n in numels):
+        return None
+    axis = attrs[0] % x.dim()
+    if channels > 1 and x.shape[axis] != channels:
+        return None
+    ones = tuple(d == 1 for d in x.shape)
+    key = ("own_rank", spec.name, x.dtype, *(p.dtype for p in params), ones, axis if channels > 1 else None,
+           *(n == 1 for n in numels))
+    return _attributed_plan(spec, key, tuple(x.shape), axis, attrs)
 
 
 _TYPES: dict[str, Callable[[Any], Any]] = {"int": int, "float": float}
@@ -679,19 +732,16 @@ class BoundCall:
         cold in the caches after the convolutions in between (measured in a transformer encoder: 5x the time of the
         same steps in a loop)."""
         if (type(x) is not torch.Tensor or x.shape != self.shape or x.dtype != self.dtype or not x.is_cpu
-                or not x.is_contiguous() or tag != self.tag or _state.broken is not None
-                or not _state.resolved()[0]):
+                or not x.is_contiguous() or (tag is not self.tag and tag != self.tag) or _state.off):
             return None
-        wants_grad = x.requires_grad
         for p, mine, shape, data in zip(params, self.params, self.param_shapes, self.param_data):
             if p is not mine or p.shape != shape or p.data_ptr() != data:
                 return None
-            wants_grad = wants_grad or p.requires_grad  # the same Parameter may have been made to require grad
-        if (wants_grad and torch.is_grad_enabled()) or _watched():
+        # the same Parameter may have been made to require grad since
+        if (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))) or _watched():
             return None
         _state.stats["fused_calls"] += 1
-        flat = x.view(-1) if len(self.plan.shape) == 1 else x.view(self.plan.shape)
-        return self.fn(flat, *self.tail).view_as(x)  # faster than a view to a torch.Size
+        return self.fn(x, *self.tail)
 
 
 def bind(spec: OpSpec, args: tuple[Any, ...], tag: Any) -> BoundCall | None:
@@ -703,13 +753,18 @@ def bind(spec: OpSpec, args: tuple[Any, ...], tag: Any) -> BoundCall | None:
         return None
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
         return None  # training calls (QAT) go through the op's autograd every time: no planning for them
-    plan = _plan(spec, spec.name, x, params, args[n:])
-    fn = None if plan is None else _state.compiled.get(plan.key)
-    if fn is None or not values_only(args[:n]):
+    flat = _plan(spec, spec.name, x, params, args[n:])
+    if flat is None or flat.key not in _state.compiled or not values_only(args[:n]):
+        return None  # the op's own graph first: a call the kernel never ran fused gets no graph of its own
+    plan = _own_rank_plan(spec, x, params, args[n:])
+    if plan is None:
         return None
-    tail = tuple(plan.inputs((x,), params)[1:])
+    inputs = plan.inputs((x,), params)
+    if _call_fused(plan.key, lambda: (plan.graph_fn(spec.forward, n), plan.stand_ins((x,), params)),
+                   *inputs) is _FAILED:
+        return None
     return BoundCall(tag, x.shape, x.dtype, params, tuple(p.shape for p in params),
-                     tuple(p.data_ptr() for p in params), plan, fn, tail)
+                     tuple(p.data_ptr() for p in params), plan, _state.compiled[plan.key], tuple(inputs[1:]))
 
 
 def fake_quant_linear_inplace(*args: Any) -> bool:

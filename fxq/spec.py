@@ -194,6 +194,8 @@ class TensorQuantConfig:
         state: lifecycle state (:class:`QuantState`).
         observer: registered observer name used to calibrate this tensor.
 
+    ``revision`` counts the assignments to its attributes: a cached fact about the config holds while it is the same.
+
     Raises:
         ConfigError: for any inconsistent combination, naming the field and the fix.
 
@@ -216,6 +218,11 @@ class TensorQuantConfig:
     offset: torch.Tensor | None = None
     state: QuantState = QuantState.INITIAL
     observer: str = "minmax"
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # every change counts (:attr:`revision`): a quantizer's shortcut to its bound call holds while none came
+        object.__setattr__(self, name, value)
+        object.__setattr__(self, "revision", self.__dict__.get("revision", 0) + 1)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_bits, int) or isinstance(self.num_bits, bool):

@@ -440,6 +440,103 @@ def test_bound_calls_hold_only_while_nothing_changed(forced):
     assert learned.grad is not None
 
 
+@pytest.mark.parametrize("shape,axis,channels", [
+    ((1, 8, 5, 7), 1, 1), ((3, 1, 9), 0, 1), ((2, 5, 7, 3), 1, 5), ((1, 24, 1, 1), 1, 24), ((4, 3, 2, 5, 2, 3), 4, 1),
+])
+def test_bound_calls_run_a_graph_of_the_tensors_own_rank(forced, shape, axis, channels):
+    """A bound call runs a graph made for x's rank and dimensions of size 1: no view in, none out (the result is a
+    tensor of its own, laid out as x), the reference's bits."""
+    from fxq import functional
+    from fxq.spec import QuantState, TensorQuantConfig
+
+    scale = torch.rand(channels) * 0.2 + 0.05
+    cfg = TensorQuantConfig(num_bits=8, per_channel=channels > 1, channel_axis=axis, scale=scale,
+                            state=QuantState.ACTIVATED)
+    x = _x(shape, cfg.scale, axis, 30.0)
+    want = F.linear_fake_quantize_reference(x, cfg.scale, cfg.offset, axis, -128, 127, 0)
+    with torch.no_grad():
+        F.fake_quantize(x, cfg)
+        assert cfg in functional._BOUND
+        before = _fused_calls()
+        y = F.fake_quantize(x, cfg)
+    assert _fused_calls() == before + 1
+    assert_bit_identical(y, want, str(shape))
+    assert y._base is None and y.shape == x.shape and y.stride() == x.stride()
+
+
+def test_a_quantizers_shortcut_holds_only_while_nothing_changed(forced):
+    """A quantizer runs its bound call directly while its mode, config, parameters and their homes are as they
+    were; each change below takes the full path, and every value is the reference's."""
+    import copy
+
+    from fxq.nn.fake_quantize import FakeQuantize
+    from fxq.spec import QuantState, TensorQuantConfig
+
+    fq = FakeQuantize(TensorQuantConfig(num_bits=8, scale=torch.tensor([0.1]), state=QuantState.ACTIVATED))
+    x = torch.randn(16, 40) * 20
+
+    def check(y, scale, qmin=-128, qmax=127, dtype=torch.float32):
+        want = F.linear_fake_quantize_reference(x.to(dtype), scale.to(dtype), torch.zeros(1, dtype=dtype), 0, qmin,
+                                                qmax, 0)
+        assert_bit_identical(y, want)
+
+    with torch.no_grad():
+        check(fq(x), fq.scale)
+        check(fq(x), fq.scale)
+        assert fq._shortcut is not None
+        before = _fused_calls()
+        check(fq(x), fq.scale)
+        assert _fused_calls() == before + 1  # the shortcut ran the bound call
+        fq.set_mode("observe")  # the observer sees x, which passes through
+        assert torch.equal(fq(x), x) and fq.observer.compute_qparams()[0].item() > 0
+        fq.set_mode("quantize")
+        check(fq(x), fq.scale)
+        check(fq(x), fq.scale)
+        fq.config.state = QuantState.BAKED  # the config changed under the module: values pass through
+        assert torch.equal(fq(x), x)
+        fq.config.state = QuantState.ACTIVATED
+        check(fq(x), fq.scale)
+        check(fq(x), fq.scale)
+        fq.config.quant_min, fq.config.quant_max = -8, 7
+        check(fq(x), fq.scale, -8, 7)
+        check(fq(x), fq.scale, -8, 7)
+        swapped = torch.tensor([0.5])  # torch swaps the tensor in the module's dict, not through setattr
+        check(torch.func.functional_call(fq, {"scale": swapped}, (x,)), swapped, -8, 7)
+        check(fq(x), fq.scale, -8, 7)
+        fq.scale = torch.tensor([0.25])
+        check(fq(x), fq.scale, -8, 7)
+        check(fq(x), fq.scale, -8, 7)
+        twin = copy.deepcopy(fq)
+        assert twin._shortcut is None
+        check(twin(x), twin.scale, -8, 7)
+        fq.double()  # new buffers, written into the dict
+        y = fq(x.double())
+        assert y.dtype == torch.float64
+        check(y, fq.scale, -8, 7, torch.float64)
+
+
+def test_compiled_quantizer_never_reads_its_shortcut(forced):
+    """A trace skips the shortcut (eager bookkeeping): a new one made by an eager call of another shape does not
+    make the compiled module compile again."""
+    from torch._dynamo.testing import CompileCounter
+
+    from fxq.nn.fake_quantize import FakeQuantize
+    from fxq.spec import QuantState, TensorQuantConfig
+
+    fq = FakeQuantize(TensorQuantConfig(num_bits=8, scale=torch.tensor([0.1]), state=QuantState.ACTIVATED))
+    x = torch.randn(16, 40) * 20
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(fq, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        fq(x), fq(x)
+        assert fq._shortcut is not None
+        want = compiled(x)
+        fq(x[:8]), fq(x[:8])  # another binding, another shortcut
+        assert torch.equal(compiled(x), want) and torch.equal(fq(x), want)
+    assert counter.frame_count == 1
+
+
 def test_compiling_with_the_fx_graph_cache_off_logs_nothing():
     """With inductor's FX graph cache off (``TORCHINDUCTOR_FX_GRAPH_CACHE=0``), ``standalone_compile`` warns that it
     cannot build a saveable artifact: fxq never saves one, so the user must not see that warning."""

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fxq.errors import ConfigError
-from fxq.functional import fake_quantize
+from fxq.functional import bound_call, fake_quantize
 from fxq.fused_cpu import values_only
 from fxq.observers import Observer, build_observer
 from fxq.spec import QuantScheme, QuantState, TensorQuantConfig
@@ -182,6 +182,19 @@ class FakeQuantize(nn.Module):
         self._sync_config()
         return out
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.__dict__["_shortcut"] = None  # whatever changes, the next call checks everything again
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        self.__dict__["_shortcut"] = None
+        super().__delattr__(name)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.pop("_shortcut", None)  # a compiled graph or a kernel launch: made again after a copy or a load
+        return state
+
     def set_qparams(self, scale: Any, offset: Any = None, state: QuantState | None = QuantState.ACTIVATED) -> None:
         """Validate and store new parameters in place (keeps Parameter identity for optimizers)."""
         probe = self.config.replace(scale=None, offset=None)
@@ -233,7 +246,20 @@ class FakeQuantize(nn.Module):
         return self
 
     # ------------------------------------------------------------------ forward
+    _shortcut: "_Shortcut | None" = None
+    """The bound call this quantizer's last :meth:`forward` ran (:func:`fxq.functional.bound_call`), called directly
+    while it holds: a model runs every quantizer batch after batch, and the checks of a call cost more than a small
+    activation's arithmetic. Dropped on any assignment to the module (mode, record, parameters), on ``.to()`` and the
+    like, and not copied nor saved; the config's ``revision`` and the parameters' identity are checked at each call."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():  # a trace must not read (and guard on) eager bookkeeping
+            shortcut = self._shortcut
+            if shortcut is not None:
+                y = shortcut.run(x)
+                if y is not None:
+                    return y
+                self.__dict__["_shortcut"] = None  # this call makes the next one (another shape, a new binding)
         return self._quantize(x, overwrite=False)
 
     def forward_(self, x: torch.Tensor) -> torch.Tensor:
@@ -251,10 +277,15 @@ class FakeQuantize(nn.Module):
         if not self.quant_enabled or not self.config.is_quantizing or self.config.state in _BAKED:
             return x
         scale, offset = self._qparam("scale"), self._qparam("offset")
-        if (self.param is not None and not overwrite and self.__dict__.get("_keeps_result", False)
-                and values_only((x, scale, offset), x.device.type) and not torch.is_inference_mode_enabled()):
+        keeps = self.param is not None and self.__dict__.get("_keeps_result", False)
+        if (keeps and not overwrite and values_only((x, scale, offset), x.device.type)
+                and not torch.is_inference_mode_enabled()):
             return self._kept_result(x, scale, offset)
-        return fake_quantize(x, self.config, scale, offset, overwrite=overwrite)
+        y = fake_quantize(x, self.config, scale, offset, overwrite=overwrite)
+        if not (torch.compiler.is_compiling() or overwrite or keeps or self.observe_enabled
+                or self._shortcut is not None):
+            self.__dict__["_shortcut"] = _Shortcut.of(self, scale, offset)
+        return y
 
     def keep_result(self, on: bool = True) -> None:
         """Keep the last fake-quantized weight and return it again while the weight and the parameters are the
@@ -349,6 +380,34 @@ class FakeQuantize(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.config!r}, mode={self.mode}"
+
+
+class _Shortcut:
+    """A quantizer's bound call (:func:`fxq.functional.bound_call`) with what it was made under: the config's
+    ``revision`` and the dicts that hold the parameters (torch's ``functional_call`` swaps tensors in them)."""
+
+    __slots__ = ("bound", "tag", "config", "revision", "scales", "offsets")
+
+    @classmethod
+    def of(cls, fq: FakeQuantize, scale: torch.Tensor, offset: torch.Tensor) -> "_Shortcut | None":
+        found = bound_call(fq.config, scale, offset)
+        homes = [next((d for d in (fq._buffers, fq._parameters) if d.get(name) is t), None)
+                 for name, t in (("scale", scale), ("offset", offset))]
+        if found is None or homes[0] is None or (len(found[0].params) == 2 and homes[1] is None):
+            return None
+        cut = cls()
+        cut.bound, cut.tag = found
+        cut.config, cut.revision = fq.config, fq.config.revision
+        cut.scales, cut.offsets = homes[0], homes[1] if len(cut.bound.params) == 2 else None
+        return cut
+
+    def run(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The quantizer's values on ``x``, or None when the shortcut does not hold (then the full call runs)."""
+        if self.config.revision != self.revision:
+            return None
+        scale = self.scales.get("scale")
+        params = (scale,) if self.offsets is None else (scale, self.offsets.get("offset"))
+        return self.bound.run(x, params, self.tag)
 
 
 @contextlib.contextmanager
