@@ -33,7 +33,12 @@ starting Python; see the README) remove.
 
 Each (op, rounding, dtype, layout) gets its own compiled graph over dynamic shapes. Per-channel tensors
 are viewed as ``(outer, channels, inner)`` with size-1 dimensions dropped, so any rank and axis maps to
-one of a few graphs. If compiling fails (no C++ compiler, unsupported platform), one warning is logged
+one of a few graphs. A call a quantizer repeats on one shape (a model run batch after batch) is bound once the op's
+graph exists (:func:`bind`): the binding's graph takes x at its own rank, with its dimensions of size 1 as constants
+(one more graph per such pattern, a few per model), so the call needs no view in or out, and a :class:`BoundCall`
+checks only what can change between calls; :class:`fxq.nn.FakeQuantize` calls it directly while its own state
+stays as it was. Inside a model at batch 1 these steps were worth ~1.3 ms (encoder) and ~1.7 ms (MobileNetV2) a
+forward. If compiling fails (no C++ compiler, unsupported platform), one warning is logged
 and the process stays on the eager reference.
 """
 from __future__ import annotations

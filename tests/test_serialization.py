@@ -426,3 +426,19 @@ def test_each_reader_names_the_other_for_its_file(tmp_path):
     torch.save({"state_dict": {"w": torch.zeros(2)}}, tmp_path / "other.pt")
     with pytest.raises(fxq.FrontendError, match=r"other\.pt.*another tool.*fxq\.quantize"):
         fxq.load(tmp_path / "other.pt")
+
+
+def test_a_model_that_ran_its_bound_calls_saves_as_before(tmp_path):
+    """After repeated inference the quantizers hold shortcuts to compiled graphs (eager bookkeeping): the file
+    leaves them out, so it is the same bytes as the model's file before it ran."""
+    from fxq.fused_cpu import cpu_fusion
+
+    gm = small_quantized("trt_int8")
+    before = fxq.save(gm, tmp_path / "before.fxq").read_bytes()
+    x = torch.randn(2, 3, 32, 32)
+    with cpu_fusion(min_numel=0, warmup_seconds=0), torch.no_grad():
+        want = [gm(x) for _ in range(3)][-1]
+    assert any(getattr(m, "_shortcut", None) is not None for m in gm.modules())
+    after = fxq.save(gm, tmp_path / "after.fxq")
+    assert after.read_bytes() == before
+    torch.testing.assert_close(fxq.load(after)(x), want, rtol=0, atol=0)

@@ -26,7 +26,8 @@ __all__ = ["encode_modules", "decode_modules", "Defined"]
 logger = logging.getLogger(__name__)
 
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
-_SKIP_ATTRS = {FakeQuantize: frozenset({"observer"})}  # calibration state, rebuilt on demand
+# calibration state and the shortcut to a bound call (a compiled graph): rebuilt on demand
+_SKIP_ATTRS = {FakeQuantize: frozenset({"observer", "_shortcut"})}
 
 
 def _skip(mod: nn.Module) -> frozenset[str]:
