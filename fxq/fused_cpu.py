@@ -128,6 +128,7 @@ class _State:
         self.plans: dict[tuple[Any, ...], _Plan | None] = {}
         self.eager_seconds = 0.0
         self.compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self.unbindable: set[tuple[Any, ...]] = set()  # own-rank graphs that failed to compile (see bind)
         self._broken: str | None = None
         self.off = False
         """The fused path is switched off or broken (a bound call's one check of it; bindings are made only on)."""
@@ -471,13 +472,19 @@ def _copies(args: list[Any]) -> list[Any]:
 
 def _compiled(key: tuple[Any, ...], build: Callable[[], tuple[Callable[..., Any], list[Any]]],
               exact: bool) -> Callable[..., Any]:
+    """The graph for ``key``, compiled (and counted, logged) the first time."""
     fn = _state.compiled.get(key)
     if fn is None:
         with _state.lock:
             fn = _state.compiled.get(key)
             if fn is None:
+                start = time.perf_counter()
                 fn = _compile_graph(*build(), exact)
                 _state.compiled[key] = fn
+                seconds = time.perf_counter() - start
+                _state.stats["compiles"] += 1
+                _state.stats["compile_seconds"] += seconds
+                log.info("fxq fused CPU graph %s compiled in %.1f s", key, seconds)
     return fn
 
 
@@ -493,7 +500,6 @@ def _call_fused(key: tuple[Any, ...], build: Callable[[], tuple[Callable[..., An
     is only called for a graph not compiled yet. The graphs run without autograd: their callers pass values and
     get values (the ops' autograd is outside them)."""
     fn = _state.compiled.get(key)
-    start = time.perf_counter() if fn is None else None
     try:
         if fn is None:
             fn = _compiled(key, build, exact)
@@ -511,11 +517,6 @@ def _call_fused(key: tuple[Any, ...], build: Callable[[], tuple[Callable[..., An
             ENV_ENABLE,
         )
         return _FAILED
-    if start is not None:
-        seconds = time.perf_counter() - start
-        _state.stats["compiles"] += 1
-        _state.stats["compile_seconds"] += seconds
-        log.info("fxq fused CPU graph %s compiled in %.1f s", key, seconds)
     _state.stats["fused_calls"] += 1
     return out
 
@@ -736,14 +737,14 @@ class BoundCall:
         Written as few Python steps as it can be: a model runs it for every quantizer, with its code and objects
         cold in the caches after the convolutions in between (measured in a transformer encoder: 5x the time of the
         same steps in a loop)."""
-        if (type(x) is not torch.Tensor or x.shape != self.shape or x.dtype != self.dtype or not x.is_cpu
-                or not x.is_contiguous() or (tag is not self.tag and tag != self.tag) or _state.off):
-            return None
+        if (type(x) is not torch.Tensor or x.requires_grad or x.shape != self.shape or x.dtype != self.dtype
+                or not x.is_cpu or not x.is_contiguous() or (tag is not self.tag and tag != self.tag) or _state.off):
+            return None  # x that requires grad: the graph takes values (the op detaches it), even without grad on
         for p, mine, shape, data in zip(params, self.params, self.param_shapes, self.param_data):
             if p is not mine or p.shape != shape or p.data_ptr() != data:
                 return None
         # the same Parameter may have been made to require grad since
-        if (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))) or _watched():
+        if (torch.is_grad_enabled() and any(p.requires_grad for p in params)) or _watched():
             return None
         _state.stats["fused_calls"] += 1
         return self.fn(x, *self.tail)
@@ -751,7 +752,10 @@ class BoundCall:
 
 def bind(spec: OpSpec, args: tuple[Any, ...], tag: Any) -> BoundCall | None:
     """A :class:`BoundCall` of ``spec``'s forward op for calls like ``args`` (tagged ``tag``), or None where the
-    fused path does not take this call now (size and kind of tensor, warm-up, graph not compiled yet)."""
+    fused path does not take this call now (size and kind of tensor, warm-up, the op's own graph not compiled yet)
+    or a graph of x's own rank cannot be had: ranks above 6 (their stand-ins would be large), or a compile that
+    failed (that layout stays unbound, the fused path on). Compiles that graph the first time a layout is bound
+    (checked on stand-ins, not run on x)."""
     n = spec.num_tensors
     x, params = args[0], tuple(args[1:n])
     if type(x) is not torch.Tensor or not _eligible(x, None, *params) or not _warmed_up():
@@ -762,14 +766,17 @@ def bind(spec: OpSpec, args: tuple[Any, ...], tag: Any) -> BoundCall | None:
     if flat is None or flat.key not in _state.compiled or not values_only(args[:n]):
         return None  # the op's own graph first: a call the kernel never ran fused gets no graph of its own
     plan = _own_rank_plan(spec, x, params, args[n:])
-    if plan is None:
+    if plan is None or plan.key in _state.unbindable:
         return None
-    inputs = plan.inputs((x,), params)
-    if _call_fused(plan.key, lambda: (plan.graph_fn(spec.forward, n), plan.stand_ins((x,), params)),
-                   *inputs) is _FAILED:
+    try:
+        fn = _compiled(plan.key, lambda: (plan.graph_fn(spec.forward, n), plan.stand_ins((x,), params)), True)
+    except Exception:  # this layout only: the op's own graphs work (they ran), so the fused path stays on
+        log.debug("fxq fused CPU: no graph of rank %d for %s; its calls stay unbound", x.dim(), plan.key,
+                  exc_info=True)
+        _state.unbindable.add(plan.key)
         return None
     return BoundCall(tag, x.shape, x.dtype, params, tuple(p.shape for p in params),
-                     tuple(p.data_ptr() for p in params), plan, _state.compiled[plan.key], tuple(inputs[1:]))
+                     tuple(p.data_ptr() for p in params), plan, fn, tuple(plan.inputs((x,), params)[1:]))
 
 
 def fake_quant_linear_inplace(*args: Any) -> bool:

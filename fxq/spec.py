@@ -219,6 +219,8 @@ class TensorQuantConfig:
     state: QuantState = QuantState.INITIAL
     observer: str = "minmax"
 
+    revision = 0  # not a field: a config unpickled from before the counter existed starts at 0 too
+
     def __setattr__(self, name: str, value: Any) -> None:
         # every change counts (:attr:`revision`): a quantizer's shortcut to its bound call holds while none came
         object.__setattr__(self, name, value)

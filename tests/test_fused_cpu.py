@@ -440,28 +440,108 @@ def test_bound_calls_hold_only_while_nothing_changed(forced):
     assert learned.grad is not None
 
 
-@pytest.mark.parametrize("shape,axis,channels", [
-    ((1, 8, 5, 7), 1, 1), ((3, 1, 9), 0, 1), ((2, 5, 7, 3), 1, 5), ((1, 24, 1, 1), 1, 24), ((4, 3, 2, 5, 2, 3), 4, 1),
+@pytest.mark.parametrize("shape,other,axis,channels,dtype,fmt", [
+    ((1, 8, 5, 7), (1, 9, 6, 4), 1, 1, torch.float32, None),
+    ((3, 1, 9), (6, 1, 4), 0, 1, torch.float64, None),
+    ((2, 5, 7, 3), (4, 5, 2, 6), -3, 5, torch.float32, None),
+    ((1, 24, 1, 1), (1, 24, 1, 1), 1, 24, torch.float32, None),
+    ((4, 3, 2, 5, 2, 3), (2, 4, 3, 5, 3, 2), 4, 1, torch.float32, None),
+    ((2, 5, 7, 3), (3, 5, 4, 2), 1, 5, torch.float32, FloatFormat.E4M3),
 ])
-def test_bound_calls_run_a_graph_of_the_tensors_own_rank(forced, shape, axis, channels):
+def test_bound_calls_run_a_graph_of_the_tensors_own_rank(forced, shape, other, axis, channels, dtype, fmt):
     """A bound call runs a graph made for x's rank and dimensions of size 1: no view in, none out (the result is a
-    tensor of its own, laid out as x), the reference's bits."""
+    tensor of its own, laid out as x), the reference's bits; binding runs nothing more on x; another shape with the
+    same dimensions of size 1 takes the same graph."""
     from fxq import functional
     from fxq.spec import QuantState, TensorQuantConfig
 
-    scale = torch.rand(channels) * 0.2 + 0.05
-    cfg = TensorQuantConfig(num_bits=8, per_channel=channels > 1, channel_axis=axis, scale=scale,
+    scale = torch.rand(channels) * (0.01 if fmt else 0.2) + 0.05
+    cfg = TensorQuantConfig(num_bits=8, per_channel=channels > 1, channel_axis=axis, fp_format=fmt, scale=scale,
                             state=QuantState.ACTIVATED)
-    x = _x(shape, cfg.scale, axis, 30.0)
-    want = F.linear_fake_quantize_reference(x, cfg.scale, cfg.offset, axis, -128, 127, 0)
+
+    def want(x):
+        if fmt is not None:
+            return F.float_fake_quantize_reference(x, cfg.scale.to(dtype), axis, fmt.mantissa_bits, fmt.min_exponent,
+                                                   fmt.max_value, 0)
+        return F.linear_fake_quantize_reference(x, cfg.scale.to(dtype), cfg.offset.to(dtype), axis, -128, 127, 0)
+
+    compiles = None
+    for size in (shape, other):
+        x = _x(size, cfg.scale, axis, 1.0 if fmt else 30.0).to(dtype)
+        with torch.no_grad():
+            before = _fused_calls()
+            F.fake_quantize(x, cfg)
+            assert _fused_calls() == before + 1  # the op ran fused once; binding ran nothing more on x
+            assert cfg in functional._BOUND
+            before = _fused_calls()
+            y = F.fake_quantize(x, cfg)
+        assert _fused_calls() == before + 1
+        assert_bit_identical(y, want(x), str(size))
+        assert y._base is None and y.shape == x.shape and y.stride() == x.stride()
+        if compiles is None:
+            compiles = fused_cpu_stats()["compiles"]
+    assert fused_cpu_stats()["compiles"] == compiles
+
+
+def test_a_graph_of_own_rank_that_fails_leaves_the_fused_path_on(forced, monkeypatch):
+    """A bound call's own graph that cannot be compiled leaves that layout unbound; every call still fuses."""
+    from fxq import functional
+    from fxq.spec import QuantState, TensorQuantConfig
+
+    monkeypatch.setattr(fused_cpu._state, "broken", None)
+    monkeypatch.setattr(fused_cpu._state, "compiled", {})
+    monkeypatch.setattr(fused_cpu._state, "unbindable", set())
+    real = fused_cpu._compile_graph
+
+    def only_flat(fn, examples, exact):
+        if examples[0].dim() == 4:
+            raise RuntimeError("inductor cannot compile this")
+        return real(fn, examples, exact)
+
+    monkeypatch.setattr(fused_cpu, "_compile_graph", only_flat)
+    cfg = TensorQuantConfig(num_bits=8, scale=torch.tensor([0.1]), state=QuantState.ACTIVATED)
+    x = torch.randn(2, 3, 8, 8) * 20
     with torch.no_grad():
-        F.fake_quantize(x, cfg)
-        assert cfg in functional._BOUND
-        before = _fused_calls()
-        y = F.fake_quantize(x, cfg)
-    assert _fused_calls() == before + 1
-    assert_bit_identical(y, want, str(shape))
-    assert y._base is None and y.shape == x.shape and y.stride() == x.stride()
+        for _ in range(3):
+            before = _fused_calls()
+            y = F.fake_quantize(x, cfg)
+            assert _fused_calls() == before + 1
+            assert_bit_identical(y, F.linear_fake_quantize_reference(x, cfg.scale, cfg.offset, 0, -128, 127, 0))
+    assert fused_cpu._state.broken is None and not fused_cpu._state.off
+    assert cfg not in functional._BOUND and len(fused_cpu._state.unbindable) == 1
+
+
+def test_a_subclass_that_overrides_quantize_is_never_skipped(forced):
+    """The shortcut stands for this class's ``_quantize``: a subclass's own ``_quantize`` runs at every call."""
+    from fxq.nn.fake_quantize import FakeQuantize
+    from fxq.spec import QuantState, TensorQuantConfig
+
+    class Counting(FakeQuantize):
+        calls = 0
+
+        def _quantize(self, x, overwrite):
+            Counting.calls += 1
+            return super()._quantize(x, overwrite)
+
+    fq = Counting(TensorQuantConfig(num_bits=8, scale=torch.tensor([0.1]), state=QuantState.ACTIVATED))
+    with torch.no_grad():
+        for _ in range(4):
+            fq(torch.randn(16, 40))
+    assert Counting.calls == 4 and fq._shortcut is None
+
+
+def test_a_config_pickled_before_its_revision_counter_still_quantizes(forced):
+    """A config unpickled from a file saved before ``revision`` existed has none in its dict: the class's 0."""
+    from fxq.nn.fake_quantize import FakeQuantize
+    from fxq.spec import QuantState, TensorQuantConfig
+
+    fq = FakeQuantize(TensorQuantConfig(num_bits=8, scale=torch.tensor([0.1]), state=QuantState.ACTIVATED))
+    del fq.config.__dict__["revision"]
+    x = torch.randn(16, 40) * 20
+    with torch.no_grad():
+        for _ in range(3):
+            assert_bit_identical(fq(x), F.linear_fake_quantize_reference(x, fq.scale, fq.offset, 0, -128, 127, 0))
+    assert fq._shortcut is not None
 
 
 def test_a_quantizers_shortcut_holds_only_while_nothing_changed(forced):
@@ -513,6 +593,25 @@ def test_a_quantizers_shortcut_holds_only_while_nothing_changed(forced):
         y = fq(x.double())
         assert y.dtype == torch.float64
         check(y, fq.scale, -8, 7, torch.float64)
+
+
+def test_a_model_through_its_shortcuts_gives_the_references_bits(forced):
+    """A quantized model run batch after batch (its quantizers' shortcuts to own-rank graphs) gives the eager
+    reference's output bit for bit, at batch 1 (size-1 dims) and 3."""
+    import fxq
+
+    from _export_helpers import small_quantized
+
+    gm = small_quantized("trt_int8")
+    for batch in (1, 3):
+        x = torch.randn(batch, 3, 32, 32)
+        with torch.no_grad():
+            with cpu_fusion(enabled=False):
+                want = gm(x)
+            got = [gm(x) for _ in range(3)]
+        assert any(isinstance(m, fxq.FakeQuantize) and m._shortcut is not None for m in gm.modules())
+        for y in got:
+            assert_bit_identical(y, want, f"batch {batch}")
 
 
 def test_compiled_quantizer_never_reads_its_shortcut(forced):

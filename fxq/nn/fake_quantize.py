@@ -249,8 +249,11 @@ class FakeQuantize(nn.Module):
     _shortcut: "_Shortcut | None" = None
     """The bound call this quantizer's last :meth:`forward` ran (:func:`fxq.functional.bound_call`), called directly
     while it holds: a model runs every quantizer batch after batch, and the checks of a call cost more than a small
-    activation's arithmetic. Dropped on any assignment to the module (mode, record, parameters), on ``.to()`` and the
-    like, and not copied nor saved; the config's ``revision`` and the parameters' identity are checked at each call."""
+    activation's arithmetic. Dropped on any assignment to the module (mode, record, parameters); neither copied nor
+    saved. At each call it checks the config's ``revision`` and that the module's dicts still hold its parameter
+    tensors (``.to()`` puts new ones there, torch's ``functional_call`` swaps them), and the binding checks x and the
+    parameters' storage and shape; only :meth:`forward` of this class takes it (a subclass that overrides
+    :meth:`_quantize` never gets one)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():  # a trace must not read (and guard on) eager bookkeeping
@@ -283,7 +286,7 @@ class FakeQuantize(nn.Module):
             return self._kept_result(x, scale, offset)
         y = fake_quantize(x, self.config, scale, offset, overwrite=overwrite)
         if not (torch.compiler.is_compiling() or overwrite or keeps or self.observe_enabled
-                or self._shortcut is not None):
+                or self._shortcut is not None or type(self)._quantize is not FakeQuantize._quantize):
             self.__dict__["_shortcut"] = _Shortcut.of(self, scale, offset)
         return y
 
@@ -391,9 +394,11 @@ class _Shortcut:
     @classmethod
     def of(cls, fq: FakeQuantize, scale: torch.Tensor, offset: torch.Tensor) -> "_Shortcut | None":
         found = bound_call(fq.config, scale, offset)
+        if found is None:
+            return None
         homes = [next((d for d in (fq._buffers, fq._parameters) if d.get(name) is t), None)
                  for name, t in (("scale", scale), ("offset", offset))]
-        if found is None or homes[0] is None or (len(found[0].params) == 2 and homes[1] is None):
+        if homes[0] is None or (len(found[0].params) == 2 and homes[1] is None):
             return None
         cut = cls()
         cut.bound, cut.tag = found
