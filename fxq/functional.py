@@ -189,7 +189,7 @@ def fake_quantize(
     # a binding holds the parameter tensors it was made with: one made of fresh copies (moved, a zero offset made
     # here) would never hold again and be made anew at every call
     if (eager and not overwrite and xc is x and all(a is b for a, b in zip(given, args[1:spec.num_tensors]))
-            and (x.device.type != "cuda" or _repeated(cfg, x))):
+            and _repeated(cfg, x)):
         bound = ops.bind(spec, args, _call_tag(cfg))
         if bound is not None:
             _BOUND[cfg] = bound
@@ -201,14 +201,15 @@ _BOUND: weakref.WeakKeyDictionary[TensorQuantConfig, Any] = weakref.WeakKeyDicti
 batch, and the binding saves the per-call checks; it holds only while the config's attributes stay as they were."""
 
 
-def bound_call(cfg: TensorQuantConfig, scale: torch.Tensor, offset: torch.Tensor | None) -> tuple[Any, tuple] | None:
-    """The binding :func:`fake_quantize` holds for ``cfg`` with these very ``scale`` / ``offset`` tensors, and the
-    tag to run it with (``binding.run(x, params, tag)``, params as :func:`bound_params` gives them); None when it holds
-    none for them. The pair stays right while ``cfg.revision`` is the same (a caller that checks that skips the
-    config-level work of a call)."""
+def bound_call(cfg: TensorQuantConfig, x: torch.Tensor, scale: torch.Tensor,
+               offset: torch.Tensor | None) -> tuple[Any, tuple] | None:
+    """The binding :func:`fake_quantize` holds for ``cfg`` on tensors of ``x``'s shape and dtype with these very
+    ``scale`` / ``offset`` tensors, and the tag to run it with (``binding.run(x, params, tag)``, params as
+    :func:`bound_params` gives them); None when it holds none for them. The pair stays right while ``cfg.revision``
+    is the same (a caller that checks that skips the config-level work of a call)."""
     bound = _BOUND.get(cfg)
-    if bound is None:
-        return None
+    if bound is None or bound.shape != x.shape or bound.dtype != x.dtype:
+        return None  # none, or one made for other calls (the last repeated shape)
     params = bound_params(cfg, scale, offset)
     if len(bound.params) != len(params) or any(a is not b for a, b in zip(bound.params, params)):
         return None
@@ -226,9 +227,9 @@ _LAST_UNBOUND: weakref.WeakKeyDictionary[TensorQuantConfig, tuple] = weakref.Wea
 
 
 def _repeated(cfg: TensorQuantConfig, x: torch.Tensor) -> bool:
-    """Whether ``cfg``'s previous unbound call had ``x``'s shape, dtype and device. A CUDA binding launches the kernel
-    once more to be made: worth it for a call that repeats, not for one whose shape changes every time (text of
-    varying length, a last smaller batch)."""
+    """Whether ``cfg``'s previous unbound call had ``x``'s shape, dtype and device. Making a binding costs (a CUDA one
+    launches the kernel once more, a CPU one plans the call at x's own rank and may compile its graph): worth it for a
+    call that repeats, not for one whose shape changes every time (text of varying length, a last smaller batch)."""
     key = (x.shape, x.dtype, x.device)
     last = _LAST_UNBOUND.get(cfg)
     _LAST_UNBOUND[cfg] = key

@@ -400,6 +400,8 @@ def test_bound_calls_hold_only_while_nothing_changed(forced):
 
     with torch.no_grad():
         check(F.fake_quantize(x, cfg, scale, offset), x, scale, offset, -128, 127)
+        assert cfg not in functional._BOUND  # bound when the call repeats
+        check(F.fake_quantize(x, cfg, scale, offset), x, scale, offset, -128, 127)
         assert cfg in functional._BOUND
         before = _fused_calls()
         check(F.fake_quantize(x, cfg, scale, offset), x, scale, offset, -128, 127)
@@ -469,6 +471,7 @@ def test_bound_calls_run_a_graph_of_the_tensors_own_rank(forced, shape, other, a
     for size in (shape, other):
         x = _x(size, cfg.scale, axis, 1.0 if fmt else 30.0).to(dtype)
         with torch.no_grad():
+            F.fake_quantize(x, cfg)  # a call of a new shape runs unbound; its repetition binds
             before = _fused_calls()
             F.fake_quantize(x, cfg)
             assert _fused_calls() == before + 1  # the op ran fused once; binding ran nothing more on x
@@ -481,6 +484,40 @@ def test_bound_calls_run_a_graph_of_the_tensors_own_rank(forced, shape, other, a
         if compiles is None:
             compiles = fused_cpu_stats()["compiles"]
     assert fused_cpu_stats()["compiles"] == compiles
+
+
+def test_a_call_whose_shape_changes_every_time_is_never_bound(forced):
+    """Text of varying length: binding would plan (and compile) for every call; only a repeated call binds."""
+    from fxq import functional
+    from fxq.spec import QuantState, TensorQuantConfig
+
+    cfg = TensorQuantConfig(num_bits=8, scale=torch.tensor([0.1]), state=QuantState.ACTIVATED)
+    lengths = (40, 41, 40, 42, 43, 40)
+    with torch.no_grad():
+        for n in lengths:
+            x = torch.randn(1, n, 64) * 20
+            y = F.fake_quantize(x, cfg)
+            assert_bit_identical(y, F.linear_fake_quantize_reference(x, cfg.scale, cfg.offset, 0, -128, 127, 0))
+            assert cfg not in functional._BOUND
+        F.fake_quantize(x, cfg)
+    assert cfg in functional._BOUND
+
+
+def test_a_quantizer_takes_no_shortcut_to_a_binding_of_another_shape(forced):
+    """A call of a new shape runs unbound: its quantizer must not keep a shortcut to the binding of the shape before
+    (it would fail at every call of the new shape, and be made again)."""
+    from fxq.nn.fake_quantize import FakeQuantize
+    from fxq.spec import QuantState, TensorQuantConfig
+
+    fq = FakeQuantize(TensorQuantConfig(num_bits=8, scale=torch.tensor([0.1]), state=QuantState.ACTIVATED))
+    a, b = torch.randn(1, 40, 64), torch.randn(1, 41, 64)
+    with torch.no_grad():
+        fq(a), fq(a), fq(a)
+        assert fq._shortcut is not None and fq._shortcut.bound.shape == a.shape
+        fq(b)
+        assert fq._shortcut is None
+        fq(b), fq(b)
+        assert fq._shortcut is not None and fq._shortcut.bound.shape == b.shape
 
 
 def test_a_graph_of_own_rank_that_fails_leaves_the_fused_path_on(forced, monkeypatch):

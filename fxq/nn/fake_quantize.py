@@ -287,7 +287,7 @@ class FakeQuantize(nn.Module):
         y = fake_quantize(x, self.config, scale, offset, overwrite=overwrite)
         if not (torch.compiler.is_compiling() or overwrite or keeps or self.observe_enabled
                 or self._shortcut is not None or type(self)._quantize is not FakeQuantize._quantize):
-            self.__dict__["_shortcut"] = _Shortcut.of(self, scale, offset)
+            self.__dict__["_shortcut"] = _Shortcut.of(self, x, scale, offset)
         return y
 
     def keep_result(self, on: bool = True) -> None:
@@ -392,8 +392,8 @@ class _Shortcut:
     __slots__ = ("bound", "tag", "config", "revision", "scales", "offsets")
 
     @classmethod
-    def of(cls, fq: FakeQuantize, scale: torch.Tensor, offset: torch.Tensor) -> "_Shortcut | None":
-        found = bound_call(fq.config, scale, offset)
+    def of(cls, fq: FakeQuantize, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> "_Shortcut | None":
+        found = bound_call(fq.config, x, scale, offset)
         if found is None:
             return None
         homes = [next((d for d in (fq._buffers, fq._parameters) if d.get(name) is t), None)
