@@ -239,8 +239,7 @@ def plain_eager(tensors: tuple[torch.Tensor, ...], device_type: str = "cpu") -> 
 def _watched() -> bool:
     """Whether anything watches op calls now: tracing, compiling, a dispatch or function mode, a functorch
     transform (then a call must go through the op)."""
-    return (torch.compiler.is_compiling() or _jit_tracing() or _dispatch_modes() > 0 or _function_modes()
-            or _functorch_transform() is not None)
+    return _tracing_or_mode_active() or _function_modes() or _functorch_transform() is not None
 
 
 _function_modes = torch._C._is_torch_function_mode_enabled
@@ -261,10 +260,20 @@ def fusable_layout(x: torch.Tensor, *params: torch.Tensor) -> tuple[torch.Tensor
     return (view, back, False) if view.is_contiguous() else (view.contiguous(), back, True)
 
 
-def _fused_size(x: torch.Tensor) -> bool:
-    """The fused path is on (not broken) and takes a tensor of ``x``'s size."""
+def _fused_size(x: torch.Tensor, small: bool = False) -> bool:
+    """The fused path is on (not broken) and takes a tensor of ``x``'s size: ``min_numel`` elements or more, or with
+    ``small`` any size (such a tensor only rides graphs compiled already, :func:`_small`)."""
     enabled, min_numel, _ = _state.resolved()
-    return enabled and _state.broken is None and x.numel() >= max(min_numel, 1)
+    return enabled and _state.broken is None and x.numel() >= (1 if small else max(min_numel, 1))
+
+
+def _small(x: torch.Tensor) -> bool:
+    """Whether ``x`` is below ``min_numel``. Such a tensor runs fused only on a graph that larger tensors of its
+    layout had compiled: one compile per layout costs more than the calls of a process whose tensors are all small
+    save (tests, toy models), but a model's few small quantizers (pooled features, logits, the steps of a recurrent
+    cell) then cost a direct call (~3 us) instead of the eager ops one by one (~20 us alone, 40-200 us inside a
+    model, their objects cold)."""
+    return x.numel() < _state.resolved()[1]
 
 
 def _canonical(x: torch.Tensor, numels: tuple[int, ...], axis: int) -> tuple[tuple[int, ...], int] | None:
@@ -286,10 +295,10 @@ def _canonical(x: torch.Tensor, numels: tuple[int, ...], axis: int) -> tuple[tup
     return shape, (0 if outer == 1 else 1)
 
 
-def _eligible(x: torch.Tensor, grad: torch.Tensor | None, *params: torch.Tensor) -> bool:
+def _eligible(x: torch.Tensor, grad: torch.Tensor | None, *params: torch.Tensor, small: bool = False) -> bool:
     """Large contiguous float32/float64 CPU ``x`` (and ``grad``, or any second operand, like it), plain
-    tensors or a weight ``nn.Parameter`` as ``x``, nothing tracing."""
-    if not _fused_size(x):
+    tensors or a weight ``nn.Parameter`` as ``x``, nothing tracing. ``small``: of any size (see :func:`_small`)."""
+    if not _fused_size(x, small):
         return False
     if grad is not None and (grad.dtype != x.dtype or grad.shape != x.shape or not grad.is_contiguous()):
         return False
@@ -663,11 +672,11 @@ def _forward_kernel(spec: OpSpec) -> Callable[..., torch.Tensor]:
 
     def kernel(*args: Any) -> torch.Tensor:
         x, params = args[0], args[1:n_tensors]
-        if not _eligible(x, None, *params):
+        if not _eligible(x, None, *params, small=True):
             return ref(*args)
         plan = _plan(spec, spec.name, x, params, args[n_tensors:])
-        if plan is None or not _warmed_up():
-            return _run_eager(ref, *args)
+        if plan is None or not _warmed_up() or (_small(x) and plan.key not in _state.compiled):
+            return ref(*args) if _small(x) else _run_eager(ref, *args)
         out = _call_fused(plan.key, lambda: (plan.graph_fn(ref, n_tensors), plan.stand_ins((x,), params)),
                           *plan.inputs((x,), params))
         return ref(*args) if out is _FAILED else out.view_as(x)
@@ -681,12 +690,12 @@ def _backward_kernel(spec: OpSpec) -> Callable[..., tuple[torch.Tensor, ...]]:
 
     def kernel(*args: Any) -> tuple[torch.Tensor, ...]:
         grad, x, params, attrs, needs = spec.split_backward(args)
-        if not _eligible(x, grad, *params):
+        if not _eligible(x, grad, *params, small=True):
             return ref(*args)
         plan = _plan(spec, spec.backward_name, x, params, attrs)
-        if plan is None or not _warmed_up():
-            return _run_eager(ref, *args)
         needs = tuple(bool(n) for n in needs)
+        if plan is None or not _warmed_up() or (_small(x) and plan.key + needs not in _state.compiled):
+            return ref(*args) if _small(x) else _run_eager(ref, *args)
         out = _call_fused(plan.key + needs, lambda: (plan.graph_fn(spec.elementwise, 1 + spec.num_tensors, needs),
                                                      plan.stand_ins((grad, x), params)),
                           *plan.inputs((grad, x), params))
@@ -755,10 +764,11 @@ def bind(spec: OpSpec, args: tuple[Any, ...], tag: Any) -> BoundCall | None:
     fused path does not take this call now (size and kind of tensor, warm-up, the op's own graph not compiled yet)
     or a graph of x's own rank cannot be had: ranks above 6 (their stand-ins would be large), or a compile that
     failed (that layout stays unbound, the fused path on). Compiles that graph the first time a layout is bound
-    (checked on stand-ins, not run on x)."""
+    (checked on stand-ins, not run on x). A small ``x`` (:func:`_small`) compiles nothing: it binds to the op's own
+    graph, through views, where its own-rank graph was not compiled for a larger tensor."""
     n = spec.num_tensors
     x, params = args[0], tuple(args[1:n])
-    if type(x) is not torch.Tensor or not _eligible(x, None, *params) or not _warmed_up():
+    if type(x) is not torch.Tensor or not _eligible(x, None, *params, small=True) or not _warmed_up():
         return None
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
         return None  # training calls (QAT) go through the op's autograd every time: no planning for them
@@ -768,6 +778,12 @@ def bind(spec: OpSpec, args: tuple[Any, ...], tag: Any) -> BoundCall | None:
     plan = _own_rank_plan(spec, x, params, args[n:])
     if plan is None or plan.key in _state.unbindable:
         return None
+    if _small(x) and plan.key not in _state.compiled:  # it compiles nothing: the op's own graph, through views
+        fn, shape, out_shape = _state.compiled[flat.key], flat.shape, x.shape
+        return BoundCall(tag, x.shape, x.dtype, params, tuple(p.shape for p in params),
+                         tuple(p.data_ptr() for p in params), flat,
+                         lambda t, *tail: fn(t.view(shape), *tail).view(out_shape),
+                         tuple(flat.inputs((x,), params)[1:]))
     try:
         fn = _compiled(plan.key, lambda: (plan.graph_fn(spec.forward, n), plan.stand_ins((x,), params)), True)
     except Exception:  # this layout only: the op's own graphs work (they ran), so the fused path stays on

@@ -262,13 +262,67 @@ def test_in_place_eager_reference_is_bit_identical(rounding):
 
 
 
-def test_small_tensors_do_not_compile():
+def test_small_tensors_do_not_compile(monkeypatch):
     """The default threshold keeps small models on the eager reference: nothing compiles, nothing counts."""
+    monkeypatch.setattr(fused_cpu._state, "compiled", {})
     stats = fused_cpu_stats()
     with cpu_fusion(min_numel=fused_cpu.DEFAULT_MIN_NUMEL, warmup_seconds=0):
         op.fake_quant_linear(torch.randn(32, 32), torch.tensor([0.1]), torch.tensor([0.0]), 0, -128, 127, 0)
     after = fused_cpu_stats()
     assert after["compiles"] == stats["compiles"] and after["fused_calls"] == stats["fused_calls"]
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_small_tensors_ride_graphs_compiled_for_larger_ones(monkeypatch, per_channel):
+    """A model's few small quantizers (pooled features, logits) run on the graph a large tensor of their layout
+    compiled, bit for bit, and bind to an own-rank graph that exists; they never compile one themselves."""
+    from fxq import functional
+    from fxq.spec import QuantState, TensorQuantConfig
+
+    monkeypatch.setattr(fused_cpu._state, "compiled", {})
+    monkeypatch.setattr(fused_cpu._state, "plans", {})
+    channels = 16 if per_channel else 1
+    scale, offset = torch.rand(channels) * 0.1 + 0.01, torch.zeros(channels)
+    args = (1 if per_channel else 0, -128, 127, 0)
+    small, large = torch.randn(2, channels, 8) * 3, torch.randn(2, channels, 4096) * 3
+
+    def run(x):
+        return op.fake_quant_linear(x, scale, offset, *args)
+
+    with torch.no_grad(), cpu_fusion(min_numel=fused_cpu.DEFAULT_MIN_NUMEL, warmup_seconds=0):
+        before = fused_cpu_stats()
+        assert_bit_identical(run(small), F.linear_fake_quantize_reference(small, scale, offset, *args), "eager")
+        assert fused_cpu_stats()["fused_calls"] == before["fused_calls"]  # nothing compiled yet: the eager ops
+        run(large)
+        compiles = fused_cpu_stats()["compiles"]
+        for n in (2, 3, 8, 17, 33):  # vector tails of many lengths (n = 1 would drop a dimension: another layout)
+            x = torch.randn(2, channels, n) * 3
+            calls = fused_cpu_stats()["fused_calls"]
+            assert_bit_identical(run(x), F.linear_fake_quantize_reference(x, scale, offset, *args), str(n))
+            assert fused_cpu_stats()["fused_calls"] == calls + 1
+        assert fused_cpu_stats()["compiles"] == compiles
+        # binding: a repeated small call binds to the op's own graph through views (no own-rank graph of its own),
+        # or to the own-rank graph a large tensor of its layout compiled
+        cfg = TensorQuantConfig(num_bits=8, scale=scale, offset=offset, per_channel=per_channel,
+                                channel_axis=1, state=QuantState.ACTIVATED)
+        want = F.linear_fake_quantize_reference(small, scale, offset, *args)
+        for _ in range(3):
+            y = F.fake_quantize(small, cfg)
+        bound = functional._BOUND[cfg]
+        assert bound.shape == small.shape and bound.plan.key[0] != "own_rank"
+        assert fused_cpu_stats()["compiles"] == compiles
+        calls = fused_cpu_stats()["fused_calls"]
+        assert_bit_identical(bound.run(small, bound.params, bound.tag), want, "bound through views")
+        assert fused_cpu_stats()["fused_calls"] == calls + 1
+        for _ in range(3):
+            F.fake_quantize(large, cfg)
+        compiles = fused_cpu_stats()["compiles"]
+        for _ in range(3):
+            y = F.fake_quantize(small, cfg)
+        bound = functional._BOUND[cfg]
+        assert bound.shape == small.shape and bound.plan.key[0] == "own_rank"
+        assert fused_cpu_stats()["compiles"] == compiles
+        assert_bit_identical(y, want, "bound")
 
 
 def test_warmup_runs_eager_first():
@@ -500,6 +554,21 @@ def test_a_call_whose_shape_changes_every_time_is_never_bound(forced):
             assert_bit_identical(y, F.linear_fake_quantize_reference(x, cfg.scale, cfg.offset, 0, -128, 127, 0))
             assert cfg not in functional._BOUND
         F.fake_quantize(x, cfg)
+    assert cfg in functional._BOUND
+
+
+def test_a_training_call_is_not_counted_as_a_repeat(forced):
+    """QAT calls record gradients and are never bound: they must not pay for the repeat bookkeeping either."""
+    from fxq import functional
+    from fxq.spec import QuantState, TensorQuantConfig
+
+    cfg = TensorQuantConfig(num_bits=8, scale=torch.tensor([0.1]), state=QuantState.ACTIVATED)
+    x = (torch.randn(2, 64) * 20).requires_grad_()
+    for _ in range(3):
+        F.fake_quantize(x, cfg).sum().backward()
+    assert cfg not in functional._LAST_UNBOUND and cfg not in functional._BOUND
+    with torch.no_grad():
+        F.fake_quantize(x, cfg), F.fake_quantize(x, cfg)
     assert cfg in functional._BOUND
 
 
