@@ -141,6 +141,36 @@ def test_unconverted_qat_model_exports_as_it_computes(tmp_path, method):
     assert float(np.abs(got - sim).max()) <= 1e-4 * max(1.0, float(np.abs(sim).max()))
 
 
+def test_lsq_gradient_scale_leaves_the_forward_exact():
+    """LSQ's gradient scale changes the scale's gradient only: the training forward quantizes with the learned
+    scale itself, bit for bit what the frozen model computes (the detach idiom moved some scales by an ulp), and
+    the scale's gradient is exactly ``grad_scale`` times the unscaled one."""
+    from fxq.spec import TensorQuantConfig
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, 16, 16, generator=g) * 3
+    cfg = TensorQuantConfig(num_bits=8, per_channel=True, channel_axis=1, state=QuantState.ACTIVATED,
+                            scale=torch.rand(8, generator=g) * 0.05 + 0.01, offset=torch.zeros(8))
+    grad_scale = 0.3  # large: the old idiom moved ~10 % of the scales by an ulp
+    scaled = QATFakeQuantize(cfg, "w", grad_scale=grad_scale).make_learnable()
+    plain = QATFakeQuantize(cfg, "w", grad_scale=1.0).make_learnable()
+    moved = 0
+    for trial in range(20):
+        s = torch.rand(8, generator=g) * 0.1 + 1e-3
+        moved += int(((s - s * grad_scale) + s * grad_scale != s).sum())
+        for fq in (scaled, plain):
+            with torch.no_grad():
+                fq.scale.copy_(s)
+            fq.scale.grad = None
+        ys, yp = scaled(x), plain(x)
+        want = fxq.functional.fake_quantize(x, cfg, s, torch.zeros(8))
+        assert torch.equal(ys, want) and torch.equal(yp, want), trial
+        (ys * x).sum().backward()
+        (yp * x).sum().backward()
+        assert torch.equal(scaled.scale.grad, plain.scale.grad * grad_scale), trial
+    assert moved > 0  # the test data has scales the idiom would have moved
+
+
 def test_ema_tracks_ranges_in_train_mode_only():
     x, _ = _batch()
     qat = fxq.prepare_qat(_net(), "trt_int8", x, method="ema", momentum=0.5)
