@@ -9,6 +9,12 @@ For each model: an SGD step (forward, cross-entropy, backward, update) of the to
 10 s of warm-up steps (fxq's fused CPU kernels switch on after a few seconds of eager use), repeated ``--repeat`` times in one process (rounds interleave the four variants), the ratios QAT / FP32
 (goals: eager <= 1.5x, compiled <= 1.3x) and the compile time of each (goal: QAT <= 1.5x FP32's). Run on a quiet
 machine.
+
+Compile times (``--compile-runs N``, default 3) are the first compiled train step of each model in a fresh process
+of its own, FP32 and QAT alternately, N times each (medians), each process with an empty inductor cache and after
+one small compile that takes the process's one-time costs (a user compiles one model in a process; measured inside
+this one, the second compile ran with the first's caches, memory and garbage-collector state, and the ratio moved
+by 0.3 between runs of the same code). ``--compile-runs 0``: the first step of the rounds above instead.
 """
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ import copy
 import logging
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Callable
@@ -95,10 +103,49 @@ def bench(name: str, batch_size: int, size: int, steps: int, repeat: int,
         row["compile ratio"] = compile_s["qat compiled"] / compile_s["fp32 compiled"]
         parts.append(f"fp32 compiled {med['fp32 compiled']:.3f} s, qat compiled {med['qat compiled']:.3f} s "
                      f"({row['compiled ratio']:.2f}x); compile fp32 {compile_s['fp32 compiled']:.1f} s, "
-                     f"qat {compile_s['qat compiled']:.1f} s ({row['compile ratio']:.2f}x)")
+                     f"qat {compile_s['qat compiled']:.1f} s ({row['compile ratio']:.2f}x, in one process)")
     print(f"{name:14s} " + "; ".join(parts), flush=True)
     print(f"  rounds: {row['rounds']}", flush=True)
     return row
+
+
+def _compile_probe(name: str, variant: str, batch_size: int, size: int) -> float:
+    """Seconds of the first compiled train step of ``name`` (``fp32`` or ``qat``), in this process (a fresh one)."""
+    tiny = torch.compile(lambda a: (a * 2).relu().sum())  # the process's one-time compile costs, counted for neither
+    tiny(torch.randn(64, device=_DEVICE, requires_grad=True)).backward()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    global _DATA
+    _DATA = (torch.randn(batch_size, 3, size, size, device=_DEVICE),
+             torch.randint(0, 1000, (batch_size,), device=_DEVICE))
+    model = getattr(torchvision.models, name)().train().to(_DEVICE)
+    if variant == "qat":
+        model = fxq.prepare_qat(model, "trt_int8", _DATA[0])
+    warmup, globals()["_WARMUP_S"] = _WARMUP_S, 0.0
+    try:
+        return _step_fn(model, compiled=True)[1]
+    finally:
+        globals()["_WARMUP_S"] = warmup
+
+
+def compile_times(name: str, batch_size: int, size: int, runs: int, allocator: str) -> dict[str, list[float]]:
+    """``runs`` compile times of each variant, each in a fresh process (:func:`_compile_probe`), alternately."""
+    times: dict[str, list[float]] = {"fp32": [], "qat": []}
+    for _ in range(runs):
+        for variant in times:
+            with tempfile.TemporaryDirectory(prefix="fxq-bench-inductor-") as cache:
+                proc = subprocess.run([sys.executable, __file__, "--compile-probe", variant, "--models", name,
+                                       "--batch-size", str(batch_size), "--size", str(size), "--device", _DEVICE,
+                                       "--allocator", allocator],
+                                      env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache), capture_output=True,
+                                      text=True)
+            if proc.returncode:
+                raise RuntimeError(f"compile probe {name} {variant} failed:\n{proc.stderr[-3000:]}")
+            times[variant].append(float(proc.stdout.strip().splitlines()[-1]))
+    ratio = statistics.median(times["qat"]) / statistics.median(times["fp32"])
+    print(f"{name:14s} compile (fresh processes, medians of {runs}): fp32 {statistics.median(times['fp32']):.1f} s, "
+          f"qat {statistics.median(times['qat']):.1f} s ({ratio:.2f}x); runs {times}", flush=True)
+    return times
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -111,15 +158,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
     parser.add_argument("--warmup", type=float, default=_WARMUP_S, help="seconds of warm-up steps per variant")
+    parser.add_argument("--compile-runs", type=int, default=3,
+                        help="fresh processes per variant for the compile times (0: the in-process first step)")
+    parser.add_argument("--compile-probe", choices=["fp32", "qat"], help=argparse.SUPPRESS)
     add_allocator_argument(parser)
     add_device_argument(parser)
     args = parser.parse_args(argv)
     _WARMUP_S, _DEVICE = args.warmup, args.device
     allocator = apply_allocator(args.allocator)
     logging.basicConfig(level=logging.WARNING)
+    if args.compile_probe:
+        print(_compile_probe(args.models[0], args.compile_probe, args.batch_size, args.size))
+        return []
     print(f"{time.strftime('%Y-%m-%d')}: {device_line(args.device)}, batch {args.batch_size}x3x{args.size}x{args.size}, "
           f"{allocator}")
-    return [bench(m, args.batch_size, args.size, args.steps, args.repeat, tuple(args.modes)) for m in args.models]
+    rows = []
+    for name in args.models:
+        row = bench(name, args.batch_size, args.size, args.steps, args.repeat, tuple(args.modes))
+        if "compiled" in args.modes and args.compile_runs > 0:
+            times = compile_times(name, args.batch_size, args.size, args.compile_runs, args.allocator)
+            row["compile ratio (in one process)"] = row.pop("compile ratio")
+            row["compile runs s"] = times
+            row["compile ratio"] = statistics.median(times["qat"]) / statistics.median(times["fp32"])
+        rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

@@ -188,8 +188,10 @@ def fake_quantize(
         spec = LINEAR
     # a binding holds the parameter tensors it was made with: one made of fresh copies (moved, a zero offset made
     # here) would never hold again and be made anew at every call
-    # a training call (QAT: x records its gradient) is never bound: it does not count as a call that repeats
-    if (eager and not overwrite and xc is x and not (x.requires_grad and torch.is_grad_enabled())
+    # a training call (QAT: x or a learned scale records its gradient) is never bound: it does not count as a call
+    # that repeats
+    if (eager and not overwrite and xc is x
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in args[:spec.num_tensors]))
             and all(a is b for a, b in zip(given, args[1:spec.num_tensors])) and _repeated(cfg, x)):
         bound = ops.bind(spec, args, _call_tag(cfg))
         if bound is not None:

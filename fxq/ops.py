@@ -25,22 +25,23 @@ __all__ = ["fake_quant_linear", "fake_quant_float"]
 
 
 def _setup_context(spec: OpSpec, ctx: Any, inputs: tuple[Any, ...]) -> None:
-    x, params, attrs = spec.split(inputs)
+    # a Function's apply adds the forward's defaults (the reference's ``inplace=False``) to its inputs
+    x, params, attrs = spec.split(inputs[: spec.num_tensors + len(spec.attrs)])
     ctx.save_for_backward(x, *params)
     ctx.args = attrs
 
 
-def _grads(ctx: Any, grad: Tensor, backward: Callable[..., tuple[Tensor, ...]], n_attrs: int) -> tuple[Any, ...]:
-    """Gradients of an op's inputs from ``backward`` (the backward op, or the reference when traced)."""
+def _grads(ctx: Any, grad: Tensor, backward: Callable[..., tuple[Tensor, ...]]) -> tuple[Any, ...]:
+    """Gradients of an op's inputs from ``backward`` (the backward op, or the reference when traced); None for the
+    attributes (and the forward's defaults, which a Function's apply adds to its inputs)."""
     saved = ctx.saved_tensors
     needs = ctx.needs_input_grad[: len(saved)]
     grads = backward(grad.contiguous(), *saved, *ctx.args, *(bool(n) for n in needs[1:]))
-    return (*(g if n else None for g, n in zip(grads, needs)), *(None,) * n_attrs)
+    return (*(g if n else None for g, n in zip(grads, needs)), *(None,) * (len(ctx.needs_input_grad) - len(saved)))
 
 
 def _define(spec: OpSpec) -> None:
     """Register ``spec``'s forward and backward ops as ``fxq::`` custom ops (fake implementation, autograd)."""
-    n_attrs = len(spec.attrs)
     forward = torch.library.custom_op(spec.qualname, spec.forward, mutates_args=(), schema=spec.schema())
     backward = torch.library.custom_op(
         spec.backward_qualname, spec.backward, mutates_args=(), schema=spec.backward_schema()
@@ -49,7 +50,7 @@ def _define(spec: OpSpec) -> None:
     backward.register_fake(lambda grad, x, *rest: tuple(torch.empty_like(t) for t in (x, *rest[: len(spec.params)])))
     backward_op = getattr(torch.ops.fxq, spec.backward_name)
     forward.register_autograd(
-        lambda ctx, grad: _grads(ctx, grad, backward_op, n_attrs),
+        lambda ctx, grad: _grads(ctx, grad, backward_op),
         setup_context=lambda ctx, inputs, output: _setup_context(spec, ctx, inputs),
     )
 
@@ -58,17 +59,17 @@ def _function(name: str, spec: OpSpec, forward_fn: Callable[..., Tensor],
               backward_fn: Callable[..., tuple[Tensor, ...]]) -> type[torch.autograd.Function]:
     """An ``autograd.Function`` of ``spec``'s op computing with ``forward_fn`` and ``backward_fn`` (the op's own
     signatures), named at creation: autograd names its graph node class after it (``<name>Backward``)."""
-    n_attrs = len(spec.attrs)
 
-    def forward(ctx: Any, *inputs: Any) -> Tensor:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         _setup_context(spec, ctx, inputs)
-        return forward_fn(*inputs)
 
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return _grads(ctx, grad, backward_fn, n_attrs)
+        return _grads(ctx, grad, backward_fn)
 
+    # forward and setup_context apart: torch.func's transforms take only such Functions
     return type(name, (torch.autograd.Function,),
-                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+                {"forward": staticmethod(forward_fn), "setup_context": staticmethod(setup_context),
+                 "backward": staticmethod(backward)})
 
 
 for _spec in OP_SPECS:
@@ -110,8 +111,8 @@ def _call(spec: OpSpec, *args: Any) -> Tensor:
     (:data:`_EAGER_CPU`, :data:`_EAGER_CUDA`)."""
     device = args[0].device.type
     if device == "cpu":
-        if torch.compiler.is_compiling():
-            return _traced(spec.name, *args)
+        if torch.compiler.is_compiling() or fused_cpu.functorch_transform() is not None:
+            return _traced(spec.name, *args)  # torch.func's grad cannot differentiate the op's autograd
         kernels, functions = fused_cpu.KERNELS, _EAGER_CPU
     elif device == "cuda" and _EAGER_CUDA:
         kernels, functions = _CUDA_KERNELS, _EAGER_CUDA

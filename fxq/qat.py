@@ -67,10 +67,15 @@ class _GradScale(torch.autograd.Function):
     ``(p - p * g).detach() + p * g`` rounds twice, and moved 0.2-10 % of the scales it was given by an ulp (more
     as ``g`` grows): the training forward then quantized with other scales than the frozen model exports."""
 
+    generate_vmap_rule = True  # torch.func transforms (grad, vmap, jacrev) of an LSQ model
+
     @staticmethod
-    def forward(ctx: Any, p: torch.Tensor, g: float) -> torch.Tensor:
-        ctx.g = g
+    def forward(p: torch.Tensor, g: float) -> torch.Tensor:
         return p.view_as(p)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.g = inputs[1]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -161,11 +166,12 @@ class QATFakeQuantize(FakeQuantize):
         scale, offset = self.scale, self.offset
         if self.method == "ema" and self.observe_enabled and self.training:
             scale, offset = scale.clone(), offset.clone()  # the buffers change in place on the next call
-        if isinstance(scale, nn.Parameter):
+        # learned where registered as parameters: torch.func.functional_call puts plain tensors in their place
+        if "scale" in self._parameters:
             if self.grad_scale != 1.0:
                 scale = _grad_scaled(scale, self.grad_scale)
             scale = scale.abs().clamp_min(MIN_SCALE)  # a step past zero flips the sign, never breaks the grid
-        if isinstance(offset, nn.Parameter) and self.grad_scale != 1.0:
+        if "offset" in self._parameters and self.grad_scale != 1.0:
             offset = _grad_scaled(offset, self.grad_scale)
         return fake_quantize(x, self.config, scale, offset)
 

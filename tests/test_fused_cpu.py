@@ -301,6 +301,22 @@ def test_small_tensors_ride_graphs_compiled_for_larger_ones(monkeypatch, per_cha
             assert_bit_identical(run(x), F.linear_fake_quantize_reference(x, scale, offset, *args), str(n))
             assert fused_cpu_stats()["fused_calls"] == calls + 1
         assert fused_cpu_stats()["compiles"] == compiles
+    # the backward (QAT) alike: a small one rides the backward graph a large one compiled
+    s_ = scale.clone().requires_grad_()
+
+    def grads(x, fused):
+        x = x.clone().requires_grad_()
+        s_.grad = None
+        with cpu_fusion(enabled=fused, min_numel=fused_cpu.DEFAULT_MIN_NUMEL, warmup_seconds=0):
+            (op.fake_quant_linear(x, s_, offset, *args) * x.detach()).sum().backward()
+        return x.grad, s_.grad
+
+    grads(large, True)
+    calls, compiles = fused_cpu_stats()["fused_calls"], fused_cpu_stats()["compiles"]
+    for got, want in zip(grads(small, True), grads(small, False)):
+        assert_bit_identical(got, want, "backward")
+    assert fused_cpu_stats()["fused_calls"] == calls + 2  # forward and backward
+    with torch.no_grad(), cpu_fusion(min_numel=fused_cpu.DEFAULT_MIN_NUMEL, warmup_seconds=0):
         # binding: a repeated small call binds to the op's own graph through views (no own-rank graph of its own),
         # or to the own-rank graph a large tensor of its layout compiled
         cfg = TensorQuantConfig(num_bits=8, scale=scale, offset=offset, per_channel=per_channel,

@@ -171,6 +171,22 @@ def test_lsq_gradient_scale_leaves_the_forward_exact():
     assert moved > 0  # the test data has scales the idiom would have moved
 
 
+@pytest.mark.parametrize("grad_scale", [1.0, 0.01])
+def test_lsq_quantizer_under_torch_func(grad_scale):
+    """``torch.func.grad`` through ``functional_call`` of an LSQ quantizer gives autograd's gradients: the call puts
+    plain tensors where the learned parameters were, and the quantizer used to take them for fixed ones (no gradient
+    scale, no sign guard: a 100x larger scale gradient here); the ops' autograd Functions now take the transform."""
+    from fxq.spec import TensorQuantConfig
+
+    cfg = TensorQuantConfig(num_bits=8, state=QuantState.ACTIVATED, scale=torch.tensor([0.05]), offset=torch.zeros(1))
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 3
+    fq = QATFakeQuantize(cfg, "a", grad_scale=grad_scale).make_learnable()
+    params = {k: v.detach() for k, v in fq.named_parameters()}
+    got = torch.func.grad(lambda p: (torch.func.functional_call(fq, p, (x,)) * x).sum())(params)
+    (fq(x) * x).sum().backward()
+    assert torch.equal(got["scale"], fq.scale.grad)
+
+
 def test_ema_tracks_ranges_in_train_mode_only():
     x, _ = _batch()
     qat = fxq.prepare_qat(_net(), "trt_int8", x, method="ema", momentum=0.5)
