@@ -71,13 +71,18 @@ _DEVICE = "cpu"
 _DATA: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
 
-def bench(name: str, batch_size: int, size: int, steps: int, repeat: int,
-          modes: tuple[str, ...] = ("eager", "compiled")) -> dict:
+def _fp32_model(name: str, batch_size: int, size: int) -> torch.nn.Module:
+    """The seeded torchvision model ``name`` in train mode, with the bench's data (:data:`_DATA`) made for it."""
     global _DATA
     torch.manual_seed(0)
     _DATA = (torch.randn(batch_size, 3, size, size, device=_DEVICE),
              torch.randint(0, 1000, (batch_size,), device=_DEVICE))
-    fp32 = getattr(torchvision.models, name)().train().to(_DEVICE)
+    return getattr(torchvision.models, name)().train().to(_DEVICE)
+
+
+def bench(name: str, batch_size: int, size: int, steps: int, repeat: int,
+          modes: tuple[str, ...] = ("eager", "compiled")) -> dict:
+    fp32 = _fp32_model(name, batch_size, size)
     qat = fxq.prepare_qat(copy.deepcopy(fp32), "trt_int8", _DATA[0])
     torch._dynamo.reset()
     variants = {}
@@ -114,18 +119,12 @@ def _compile_probe(name: str, variant: str, batch_size: int, size: int) -> float
     tiny = torch.compile(lambda a: (a * 2).relu().sum())  # the process's one-time compile costs, counted for neither
     tiny(torch.randn(64, device=_DEVICE, requires_grad=True)).backward()
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    global _DATA
-    _DATA = (torch.randn(batch_size, 3, size, size, device=_DEVICE),
-             torch.randint(0, 1000, (batch_size,), device=_DEVICE))
-    model = getattr(torchvision.models, name)().train().to(_DEVICE)
+    model = _fp32_model(name, batch_size, size)
     if variant == "qat":
         model = fxq.prepare_qat(model, "trt_int8", _DATA[0])
-    warmup, globals()["_WARMUP_S"] = _WARMUP_S, 0.0
-    try:
-        return _step_fn(model, compiled=True)[1]
-    finally:
-        globals()["_WARMUP_S"] = warmup
+    global _WARMUP_S
+    _WARMUP_S = 0.0  # the first step is all this process times
+    return _step_fn(model, compiled=True)[1]
 
 
 def compile_times(name: str, batch_size: int, size: int, runs: int, allocator: str) -> dict[str, list[float]]:

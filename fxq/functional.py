@@ -165,9 +165,7 @@ def fake_quantize(
     given = (scale, offset)
     scale = scale.to(xc.device)
     axis = cfg.channel_axis if cfg.per_channel else 0
-    in_place = overwrite and xc is x and x.device.type == "cpu" and not (
-        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, scale, offset))
-    )
+    in_place = overwrite and xc is x and x.device.type == "cpu" and not fused_cpu.records_grad((x, scale, offset))
     if cfg.is_floating:
         fmt = cfg.fp_format
         if in_place and fused_cpu.fake_quant_float_inplace(
@@ -191,7 +189,7 @@ def fake_quantize(
     # a training call (QAT: x or a learned scale records its gradient) is never bound: it does not count as a call
     # that repeats
     if (eager and not overwrite and xc is x
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in args[:spec.num_tensors]))
+            and not fused_cpu.records_grad(args[:spec.num_tensors])
             and all(a is b for a, b in zip(given, args[1:spec.num_tensors])) and _repeated(cfg, x)):
         bound = ops.bind(spec, args, _call_tag(cfg))
         if bound is not None:

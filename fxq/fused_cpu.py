@@ -51,7 +51,7 @@ import math
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -215,13 +215,18 @@ _ON_DEVICE: dict[str, Callable[[torch.Tensor], bool]] = {"cpu": lambda t: t.is_c
 (~0.8 us), ``t.is_cpu`` reads a flag (~0.1 us)."""
 
 
+def records_grad(tensors: Iterable[torch.Tensor | None]) -> bool:
+    """Whether an op call on ``tensors`` (None entries skipped) records a gradient now: grad mode on and one of
+    them requires grad (a training call: QAT's activations, learned scales)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def values_only(tensors: tuple[torch.Tensor, ...], device_type: str = "cpu") -> bool:
     """Whether an op call on these ``tensors`` (all on ``device_type``) needs nothing the dispatcher adds: no
     gradient to record, plain tensors, no tracing, compiling, dispatch or function mode, no functorch transform.
     Then calling the op's kernel (:data:`KERNELS` on CPU, a bound Triton launch on CUDA) directly gives the same
     values and skips the dispatcher's cost (about 10 us a call, more than the arithmetic of a small activation)."""
-    return (not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-            and plain_eager(tensors, device_type))
+    return not records_grad(tensors) and plain_eager(tensors, device_type)
 
 
 def plain_eager(tensors: tuple[torch.Tensor, ...], device_type: str = "cpu") -> bool:
@@ -241,11 +246,11 @@ def plain_eager(tensors: tuple[torch.Tensor, ...], device_type: str = "cpu") -> 
 def _watched() -> bool:
     """Whether anything watches op calls now: tracing, compiling, a dispatch or function mode, a functorch
     transform (then a call must go through the op)."""
-    return _tracing_or_mode_active() or _function_modes() or _functorch_transform() is not None
+    return _tracing_or_mode_active() or _function_modes() or functorch_transform() is not None
 
 
 _function_modes = torch._C._is_torch_function_mode_enabled
-_functorch_transform = functorch_transform = torch._C._functorch.peek_interpreter_stack
+functorch_transform = torch._C._functorch.peek_interpreter_stack
 """The innermost torch.func transform running now (grad, vmap...), or None."""
 
 
@@ -773,7 +778,7 @@ def bind(spec: OpSpec, args: tuple[Any, ...], tag: Any) -> BoundCall | None:
     x, params = args[0], tuple(args[1:n])
     if type(x) is not torch.Tensor or not _eligible(x, None, *params, small=True) or not _warmed_up():
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+    if records_grad((x, *params)):
         return None  # training calls (QAT) go through the op's autograd every time: no planning for them
     flat = _plan(spec, spec.name, x, params, args[n:])
     if flat is None or flat.key not in _state.compiled or not values_only(args[:n]):

@@ -111,8 +111,8 @@ def _call(spec: OpSpec, *args: Any) -> Tensor:
     (:data:`_EAGER_CPU`, :data:`_EAGER_CUDA`)."""
     device = args[0].device.type
     if device == "cpu":
-        if torch.compiler.is_compiling() or fused_cpu.functorch_transform() is not None:
-            return _traced(spec.name, *args)  # torch.func's grad cannot differentiate the op's autograd
+        if torch.compiler.is_compiling():
+            return _traced(spec.name, *args)
         kernels, functions = fused_cpu.KERNELS, _EAGER_CPU
     elif device == "cuda" and _EAGER_CUDA:
         kernels, functions = _CUDA_KERNELS, _EAGER_CUDA
@@ -120,9 +120,11 @@ def _call(spec: OpSpec, *args: Any) -> Tensor:
         return getattr(torch.ops.fxq, spec.name)(*args)
     tensors = args[: spec.num_tensors]
     if fused_cpu.plain_eager(tensors, device):
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if fused_cpu.records_grad(tensors):
             return functions[spec.name].apply(*args)
         return kernels[spec.qualname](*args)
+    if device == "cpu" and fused_cpu.functorch_transform() is not None:
+        return _traced(spec.name, *args)  # torch.func's grad cannot differentiate the custom op's own autograd
     return getattr(torch.ops.fxq, spec.name)(*args)
 
 

@@ -583,6 +583,10 @@ def test_a_training_call_is_not_counted_as_a_repeat(forced):
     for _ in range(3):
         F.fake_quantize(x, cfg).sum().backward()
     assert cfg not in functional._LAST_UNBOUND and cfg not in functional._BOUND
+    learned = cfg.scale.clone().requires_grad_()  # LSQ: the input needs no gradient, the scale does
+    for _ in range(3):
+        F.fake_quantize(x.detach(), cfg, learned).sum().backward()
+    assert cfg not in functional._LAST_UNBOUND and cfg not in functional._BOUND
     with torch.no_grad():
         F.fake_quantize(x, cfg), F.fake_quantize(x, cfg)
     assert cfg in functional._BOUND
