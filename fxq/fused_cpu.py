@@ -262,10 +262,16 @@ def fusable_layout(x: torch.Tensor, *params: torch.Tensor) -> tuple[torch.Tensor
     or None. Heads of attention are both: transposed, and slices of one projection."""
     if not _fused_size(x) or x.dtype not in _FUSED_DTYPES or not values_only((x, *params)):
         return None
-    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+    order = stride_order(x)
     back = tuple(sorted(range(x.dim()), key=order.__getitem__))
     view = x.permute(order)
     return (view, back, False) if view.is_contiguous() else (view.contiguous(), back, True)
+
+
+def stride_order(x: torch.Tensor) -> list[int]:
+    """``x``'s dims from the largest stride to the smallest: ``x.permute`` of it is contiguous when ``x`` is a
+    permuted dense tensor (channels-last, a transpose)."""
+    return sorted(range(x.dim()), key=lambda d: -x.stride(d))
 
 
 def _fused_size(x: torch.Tensor, small: bool = False) -> bool:

@@ -223,10 +223,14 @@ class _CountConvs(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.convs = 0
+        self.layouts: list[bool] = []  # per convolution: input and weight channels-last
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in (torch.ops.aten.convolution, torch.ops.aten.mkldnn_convolution):
             self.convs += 1
+            x, w = args[:2]  # (a depthwise weight, one input channel each, is both layouts at once)
+            self.layouts.append(not x.is_contiguous() and all(t.is_contiguous(memory_format=torch.channels_last)
+                                                              for t in (x, w)))
         return func(*args, **(kwargs or {}))
 
 
@@ -456,3 +460,109 @@ def test_calibration_failure_of_the_rewrite_is_fxqs(setup):
     _assert_fxqs_fault(exc_info, [node])
     with pytest.raises(CalibrationError, match="first calibration batch failed"):
         fxq.calibrate(fxq.prepare(model, "trt_int8", data[0]), [data[0].double()], progress=False)
+
+
+class _ConvThenView(nn.Module):
+    """conv -> ReLU6 (no inplace flag, as ONNX-loaded activations are) -> depthwise conv -> .view -> linear: the
+    view fails on a channels-last tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.act = nn.ReLU6()
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.fc = nn.Linear(8 * 6 * 6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c2(self.act(self.c1(x)))
+        return self.fc(y.view(y.shape[0], -1))
+
+
+def test_channels_last_runner(monkeypatch):
+    """The error analyses run 2-D convolutions channels-last; an op that is not layout-free (here ``.view``) gets
+    its input contiguous again, and the errors equal those of the plain runner up to the convolutions' sums."""
+    torch.manual_seed(0)
+    data = [torch.randn(4, 3, 6, 6) for _ in range(3)]
+    gm = fxq.quantize(_ConvThenView().eval(), data, "trt_int8", progress=False)
+    runner = GraphRunner(gm, channels_last=True)
+    assert len(runner.convs) == 2 and {n.target for n in runner.layout_bound} >= {"view"}
+    with _CountConvs() as counter, torch.no_grad():
+        plain = [runner.run(runner.bind(x), fp32=fp32) for x in data[:1] for fp32 in (True, False)]
+    assert counter.layouts == [True] * 4  # input and weight channels-last, both views
+    with torch.no_grad():
+        for got, want in zip(plain, [GraphRunner(gm).run(GraphRunner(gm).bind(data[0]), fp32=f) for f in (True, False)]):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    fast = fxq.graphwise_error_analyse(gm, data, steps=3, ops="quantized")
+    monkeypatch.setattr(GraphRunner, "__init__", functools.partialmethod(GraphRunner.__init__, channels_last=False))
+    exact = fxq.graphwise_error_analyse(gm, data, steps=3, ops="quantized")
+    assert [r.name for r in fast] and {r.name: r.value for r in fast} == pytest.approx(
+        {r.name: r.value for r in exact}, rel=1e-3, abs=1e-9)
+
+
+def test_side_by_side_activation_writes_into_its_dead_input():
+    """An activation without ``inplace=True`` (ONNX-loaded ``Clip`` -> ``nn.ReLU6()``) writes into the conv output
+    it alone reads in the lockstep run (a fresh output costs page faults on large tensors); values unchanged."""
+    torch.manual_seed(0)
+    data = [torch.randn(2, 3, 6, 6) for _ in range(2)]
+    gm = fxq.quantize(_ConvThenView().eval(), data, "trt_int8", progress=False)
+    runner = GraphRunner(gm)
+    act = next(n for n in runner.nodes if n.op == "call_module" and isinstance(runner.modules[n.target], nn.ReLU6))
+    assert act in runner.in_place and runner.modules[act.target].inplace is False  # the model's module untouched
+    ptrs: dict = {}
+
+    def watch(name):
+        return lambda v: ptrs.setdefault(name, v.untyped_storage().data_ptr())
+
+    conv = act.args[0]
+    with torch.no_grad():
+        outs = runner.run_side_by_side(runner.bind(data[0]), fp32_watch={conv: watch("conv"), act: watch("act")})
+        want = runner.run(runner.bind(data[0]), fp32=True), runner.run(runner.bind(data[0]), fp32=False)
+    assert ptrs["act"] == ptrs["conv"]
+    assert all(torch.equal(a, b) for a, b in zip(outs, want))
+
+
+def test_metrics_of_channels_last_values_take_the_fused_sums(monkeypatch):
+    """Two values permuted alike (channels-last) are summed in memory order: the fused pass, not a strided copy."""
+    from fxq import fused_cpu
+    from fxq.analysis.metrics import MetricAccumulator
+
+    f = torch.randn(2, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    q = (f + 0.01 * torch.randn_like(f)).contiguous(memory_format=torch.channels_last)
+    handed = []
+    real = fused_cpu.squared_error_sums
+    monkeypatch.setattr(fused_cpu, "squared_error_sums", lambda a, b: handed.append(
+        a.is_contiguous() and b.is_contiguous()) or real(a, b))
+    acc = MetricAccumulator("snr")
+    acc.reference(f)
+    acc.compare(q)
+    assert handed == [True]
+    assert acc.value == pytest.approx(_snr(q, f), rel=1e-5)
+
+
+class _WriteIntoConvOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c1(x)
+        y[:, 0] = 0.0  # setitem: not layout-free, and it writes
+        return self.c2(y)
+
+
+def test_channels_last_runner_keeps_writes_of_layout_bound_ops():
+    """A writing op that gets its input contiguous again writes into that copy, which later readers then read (the
+    mutating ops' own rule: the copy replaces the value)."""
+    torch.manual_seed(0)
+    data = [torch.randn(2, 3, 6, 6) for _ in range(2)]
+    gm = fxq.quantize(_WriteIntoConvOutput().eval(), data, "trt_int8", progress=False)
+    fast, plain = GraphRunner(gm, channels_last=True), GraphRunner(gm)
+    with torch.no_grad():
+        for fp32 in (True, False):
+            torch.testing.assert_close(fast.run(fast.bind(data[0]), fp32=fp32),
+                                       plain.run(plain.bind(data[0]), fp32=fp32), rtol=1e-4, atol=1e-4)
+        got = fast.run_side_by_side(fast.bind(data[0]))
+        want = plain.run_side_by_side(plain.bind(data[0]))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

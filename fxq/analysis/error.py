@@ -287,7 +287,7 @@ def graphwise_error_analyse(
     """
     method = check_metric(method)
     data = _resolve_data(data, dataloader)
-    runner = GraphRunner(model)
+    runner = GraphRunner(model, channels_last=True)
     probe = _LayerProbe(runner, select_layers(model, ops), method)
     batches = run_two_pass(model, data, [probe], steps=steps, collate_fn=collate_fn, progress=progress,
                            desc="graphwise analysis", runner=runner)
@@ -335,7 +335,7 @@ def layerwise_error_analyse(
     if measure not in ("network", "layer"):
         raise ConfigError(f"measure={measure!r}: use 'network' (graph outputs) or 'layer' (the layer's output)")
     data = _resolve_data(data, dataloader)
-    runner = GraphRunner(model)
+    runner = GraphRunner(model, channels_last=True)
     layers = select_layers(model, ops)
     plans = {n: runner.layer_plan(n) for n in layers}
     if measure == "network":

@@ -110,6 +110,9 @@ class MetricAccumulator:
             self._count += int(cos.numel())
             return
         self._count += f.numel()
+        if not q.is_contiguous() and q.stride() == f.stride():  # both permuted alike (channels-last): memory order
+            order = fused_cpu.stride_order(q)
+            q, f = q.permute(order), f.permute(order)
         sums = fused_cpu.squared_error_sums(q, f)  # one pass over both on large CPU tensors
         if sums is not None:
             self._noise = self._noise + sums[0].double()

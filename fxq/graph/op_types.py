@@ -7,6 +7,7 @@ their op type in ``node.meta["onnx"]``; that is used when the module/function is
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import operator
 from typing import Any, Callable
@@ -357,6 +358,17 @@ def _all_ones(size: Any) -> bool:
     return size == 1 or (isinstance(size, (tuple, list)) and len(size) > 0 and all(v == 1 for v in size))
 
 
+LAYOUT_FREE_OP_TYPES = frozenset({
+    "Conv", "Relu", "Clip", "Sigmoid", "HardSwish", "HardSigmoid", "Gelu", "Silu", "LeakyRelu", "PRelu", "Tanh",
+    "Elu", "Selu", "Softplus", "BatchNormalization", "MaxPool", "AveragePool", "GlobalAveragePool",
+    "GlobalMaxPool", "Add", "Sub", "Mul", "Div", "Max", "Min", "Neg", "Abs", "Sqrt", "Exp", "Log", "Reciprocal",
+    "Pow", "Concat", "Identity", "Flatten", "Resize",
+})
+"""Op types whose torch forms give the same values whatever the memory layout of their inputs (elementwise ops,
+convolutions, pools, concat, flatten by reshape) and never ``.view`` an input: they may read a channels-last
+tensor as it is. Any other op (``view``, a user's module) may depend on the layout, or fail on it."""
+
+
 _INPLACE_OPERATORS: dict[Callable[..., Any], Callable[..., Any]] = {
     operator.iadd: operator.add,
     operator.isub: operator.sub,
@@ -416,6 +428,30 @@ def out_of_place_form(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[str
         return ("call_function", twin, False) if twin is not None else None
     if node.op == "call_method" and hasattr(torch.Tensor, str(node.target)[:-1]):
         return "call_method", str(node.target)[:-1], False
+    return None
+
+
+def in_place_form(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[str, Any, bool] | None:
+    """How to compute a non-mutating ``node`` by writing into its first argument, for a caller that knows nothing
+    reads that value any more: ``(op, target, inplace_on)`` — a copy of the module with ``inplace=True`` (the
+    model's own stays as it is), or the same function with ``inplace=True`` (``inplace_on``). None: the op takes
+    no ``inplace`` flag (ONNX-loaded activations are ``nn.ReLU6()``, ``nn.ReLU()``...: this form saves them a
+    fresh output, whose pages cost more than the op on large tensors)."""
+    if mutates_first_argument(node, modules):
+        return None
+    if node.op == "call_module":
+        mod = modules.get(str(node.target))
+        if getattr(mod, "inplace", None) is not False or not type(mod).__module__.startswith("torch.nn."):
+            return None
+        twin = copy.copy(mod)
+        twin.inplace = True
+        return "call_module", twin, False
+    if node.op == "call_function" and getattr(node.target, "__module__", None) == "torch.nn.functional":
+        try:
+            takes = "inplace" in inspect.signature(node.target).parameters
+        except (TypeError, ValueError):
+            return None
+        return ("call_function", node.target, True) if takes else None
     return None
 
 
