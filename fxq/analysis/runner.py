@@ -17,17 +17,20 @@ ops, quantizers (:meth:`fxq.nn.FakeQuantize.forward_`) and activations that take
 (:func:`fxq.graph.op_types.in_place_form`) write into their input when nothing can see it any more (no later reader, no alias among the live values, not a model input, parameter, buffer or
 constant).
 
-With ``channels_last=True`` (the error analyses), 2-D convolutions on CPU read their input channels-last and
-their outputs stay so through ops whose values do not depend on the layout (:data:`LAYOUT_FREE_OP_TYPES`); any
-other op gets its inputs contiguous again. oneDNN's channels-last convolutions take 20-50 % less time than the
-NCHW ones on x86 CPUs (NCHW inputs are reordered on every call); their sums run in another order, so values
-differ from the model's forward by an ulp here and there (~1e-6 relative), which an error metric cannot see.
-Tools that compare the simulation with a deployed file value for value keep the default (NCHW: bit for bit).
+With ``channels_last=True`` (the error analyses), 2-D convolutions on CPU read their input (and weight)
+channels-last, and their outputs stay so through quantizers and layout-free ops (:data:`LAYOUT_FREE_OP_TYPES`)
+that give 4-D values; any other reader gets them contiguous, as the model's forward has them. This holds for
+CPU inputs none of which is channels-last already (else the model's convolutions are channels-last themselves)
+and graphs that name no memory format. oneDNN's channels-last convolutions take 20-50 % less time than the NCHW
+ones on x86 CPUs (NCHW inputs are reordered on every call); their sums run in another order, so values differ
+from the model's forward by an ulp here and there (~1e-6 relative), which an error metric cannot see. Tools that
+compare the simulation with a deployed file value for value keep the default (NCHW: bit for bit).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -105,24 +108,46 @@ class GraphRunner:
         self.mutating = {n for n in self.nodes if n not in self.quantizers and mutates_first_argument(n, self.modules)}
         self.out_of_place = {n: out_of_place_form(n, self.modules) for n in self.mutating}
         self.max_pools = {n for n in self.nodes if self._is_plain_max_pool2d(n)}
-        self.in_place = {n: form for n in self.nodes if n.op in _COMPUTED and n not in self.quantizers
-                         and (form := in_place_form(n, self.modules)) is not None}
+        self.in_place = {n: make for n in self.nodes if n.op in _COMPUTED and n not in self.quantizers
+                         and (make := in_place_form(n, self.modules)) is not None}
         # quantizers whose forward is FakeQuantize's own (a subclass, e.g. QAT's, may compute differently)
         self.in_place_quantizers = {n for n, fq in self.quantizers.items()
                                     if isinstance(fq, FakeQuantize) and type(fq).forward is FakeQuantize.forward}
         self.convs: set[fx.Node] = set()
-        self.layout_bound: set[fx.Node] = set()
-        if channels_last:
-            types = {n: op_type(n, self.modules) for n in self.nodes if n.op in _COMPUTED and n not in self.quantizers}
-            self.convs = {n for n, t in types.items() if t == "Conv"}
-            self.layout_bound = {n for n, t in types.items() if t not in LAYOUT_FREE_OP_TYPES} if self.convs else set()
-        self._cl_weights: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self.restore: dict[fx.Node, frozenset[fx.Node]] = {}
+        if channels_last and not any(_names_channels_last(n) for n in self.nodes):
+            self._plan_channels_last()
+        self._channels_last_on = False
+        self._cl_weights: dict[tuple[fx.Node, bool], tuple[torch.Tensor, int, torch.Tensor]] = {}
         self.fp32_params: dict[str, torch.Tensor] = {}
         self.refresh()
 
     # ------------------------------------------------------------------ model facts
+    def _plan_channels_last(self) -> None:
+        """Which nodes carry channels-last values (see the module docstring) and which readers restore them.
+
+        Carriers: the 2-D convolutions, then the quantizers and layout-free ops (:data:`LAYOUT_FREE_OP_TYPES`) that
+        read a carrier and give a 4-D tensor (a ``flatten(y, 2)`` or a ``stack`` of channels-last values has strides
+        no model forward gives it). Every other reader of a carrier gets the value contiguous, as in the model."""
+        types = {n: op_type(n, self.modules) for n in self.nodes if n.op in _COMPUTED and n not in self.quantizers}
+        rank = {n: v.dim() for n in self.nodes if isinstance(v := n.meta.get("val"), torch.Tensor)}
+        carriers: set[fx.Node] = set()
+        for node in self.nodes:
+            if types.get(node) == "Conv" and rank.get(node) == 4:
+                self.convs.add(node)
+                carriers.add(node)
+            elif (node in self.quantizers or types.get(node) in LAYOUT_FREE_OP_TYPES) and any(
+                    a in carriers for a in node.all_input_nodes) and rank.get(node, rank.get(node.args[0])) == 4:
+                carriers.add(node)  # (a quantizer gives its input's shape)
+        for node in self.nodes:
+            if node not in carriers and node.op in _COMPUTED and not _reads_sizes_only(node, types.get(node)):
+                read = frozenset(a for a in node.all_input_nodes if a in carriers)
+                if read:
+                    self.restore[node] = read
+
     def refresh(self) -> None:
         """Re-read which parameters are baked (call after baking / unbaking the model)."""
+        self._cl_weights.clear()  # baking writes through .data: no version bump tells the copies are stale
         self.fp32_params = {fq.param: fq.fp32_backup for _, fq in self.qg.weights() if fq.baked}
 
     def quantizer_info(self, qnode: fx.Node) -> QuantizerInfo | None:
@@ -237,17 +262,17 @@ class GraphRunner:
             return get_attr_value(self.gm, target)
         if node.op == "output":
             return fx.node.map_arg(node.args[0], env.__getitem__)
-        args = thaw(fx.node.map_arg(node.args, env.__getitem__))  # mutable lists, as the generated code gives
-        kwargs = thaw(fx.node.map_arg(node.kwargs, env.__getitem__))
+        read: Callable[[fx.Node], Any] = env.__getitem__
+        restore = self.restore.get(node) if self._channels_last_on else None
+        if restore:  # as the model's forward has it (a writing op's copy reaches later readers: _exec_mutating)
+            read = functools.partial(_read_contiguous, env, restore)
         if layer is not None and node is layer.node and layer.inputs:
-            swap = {a: self._quantized_input(q, env[a]) for a, q in layer.inputs.items()}
-            args = thaw(fx.node.map_arg(node.args, lambda n: swap[n] if n in swap else env[n]))
-            kwargs = thaw(fx.node.map_arg(node.kwargs, lambda n: swap[n] if n in swap else env[n]))
-        if self.convs:
-            if node in self.convs:
-                args = self._channels_last_conv_args(node, args)
-            elif node in self.layout_bound:  # (a writing op's copy reaches later readers: _exec_mutating)
-                args, kwargs = thaw(fx.node.map_aggregate((args, kwargs), _nchw))
+            swap = {a: self._quantized_input(q, read(a)) for a, q in layer.inputs.items()}
+            read = functools.partial(_read_swapped, read, swap)
+        args = thaw(fx.node.map_arg(node.args, read))  # mutable lists, as the generated code gives
+        kwargs = thaw(fx.node.map_arg(node.kwargs, read))
+        if self._channels_last_on and node in self.convs:
+            args = self._channels_last_conv_args(node, args, fp32)
         if node.op == "call_module" and node in self.quantizers:
             if fp32 and not (layer is not None and node is layer.output_quantizer):
                 return args[0]
@@ -255,10 +280,9 @@ class GraphRunner:
                     self._may_overwrite(node, env, protected):
                 return self.quantizers[node].forward_(args[0])
             return self.quantizers[node](*args, **kwargs)
-        form = self.in_place.get(node)
-        if form is not None and self._may_overwrite(node, env, protected):
-            _, target, inplace_on = form
-            return target(*args, **({**kwargs, "inplace": True} if inplace_on else kwargs))
+        make = self.in_place.get(node)
+        if make is not None and _writable(args[0]) and self._may_overwrite(node, env, protected):
+            return make()(*args, **{k: v for k, v in kwargs.items() if k != "inplace"})
         if node in self.max_pools:
             return self._max_pool2d(node, args, kwargs)
         if node in self.mutating:
@@ -273,17 +297,21 @@ class GraphRunner:
             return getattr(args[0], str(node.target))(*args[1:], **kwargs)
         raise ConfigError(f"node {node.name!r}: unsupported fx op {node.op!r}")
 
-    def _channels_last_conv_args(self, node: fx.Node, args: tuple) -> tuple:
-        """A convolution's input channels-last, and a functional one's weight too (a copy made once per weight
-        tensor and view: oneDNN otherwise reorders a plain weight on every call, ResNet-18's 45 MB per pass)."""
+    def _channels_last_conv_args(self, node: fx.Node, args: tuple, fp32: bool) -> tuple:
+        """A convolution's input channels-last, and a functional one's weight too (oneDNN otherwise reorders a plain
+        weight on every call: ResNet-18's 45 MB a pass). One copy per node and view, made again when the weight is
+        another tensor or was written in place (cleared by :meth:`refresh` after baking, which writes via .data)."""
         if not args:
             return args
-        if node.op != "call_function" or len(args) < 2 or not isinstance(args[1], torch.Tensor):
+        w = args[1] if node.op == "call_function" and len(args) > 1 else None
+        if not isinstance(w, torch.Tensor) or w.dim() != 4 or w.device.type != "cpu":
             return (_channels_last(args[0]), *args[1:])
-        w = args[1]
-        kept = self._cl_weights.get(id(w))
+        if w.is_inference():  # no version counter: a fresh copy every call
+            return (_channels_last(args[0]), _channels_last(w), *args[2:])
+        key = (node, fp32)
+        kept = self._cl_weights.get(key)
         if kept is None or kept[0] is not w or kept[1] != w._version:
-            kept = self._cl_weights[id(w)] = (w, w._version, _channels_last(w))
+            kept = self._cl_weights[key] = (w, w._version, _channels_last(w))
         return (_channels_last(args[0]), kept[2], *args[2:])
 
     def _exec_rewritten(self, node: fx.Node, env: Mapping[fx.Node, Any], fp32: bool, layer: LayerPlan | None,
@@ -358,6 +386,7 @@ class GraphRunner:
             GraphError: with ``fp32_ran``, a node of the quantized or layer view failed.
         """
         watch = watch or {}
+        self._channels_last_on = bool(self.convs) and _plain_layout(inputs)
         rewritten = fp32_ran and (not fp32 or layer is not None)
         env: dict[fx.Node, Any] = dict(inputs)
         lookup: Any = env if base is None else _Overlay(env, base)
@@ -392,6 +421,7 @@ class GraphRunner:
         """
         fp32_watch, quant_watch = fp32_watch or {}, quant_watch or {}
         views = ((True, dict(inputs), fp32_watch), (False, dict(inputs), quant_watch))
+        self._channels_last_on = bool(self.convs) and _plain_layout(inputs)
         protected = self._protected_storages(inputs)
         for node in self.nodes:
             for fp32, env, _ in views:
@@ -426,12 +456,42 @@ def _channels_last(x: Any) -> Any:
     return x
 
 
-def _nchw(x: Any) -> Any:
-    """A tensor the runner made channels-last back in the contiguous layout the model's forward gives it."""
-    if isinstance(x, torch.Tensor) and x.dim() == 4 and not x.is_contiguous() and \
-            x.is_contiguous(memory_format=torch.channels_last):
-        return x.contiguous()
-    return x
+def _plain_layout(inputs: Mapping[fx.Node, Any]) -> bool:
+    """CPU inputs, none of them 4-D channels-last: the model's own forward then gives contiguous values only, which
+    is what the runner restores (inputs channels-last already make the model's convolutions channels-last)."""
+    tensors = [t for v in inputs.values() for t in tensors_of(v)]
+    return all(t.device.type == "cpu" and (t.dim() != 4 or t.is_contiguous()) for t in tensors)
+
+
+def _names_channels_last(node: fx.Node) -> bool:
+    """The node asks for a memory format itself (``x.contiguous(memory_format=torch.channels_last)``, ``.to``): the
+    model lays out its own values, which the runner would not restore the same way."""
+    found: list[bool] = []
+    fx.node.map_aggregate((node.args, node.kwargs), lambda v: found.append(isinstance(v, torch.memory_format)))
+    return any(found)
+
+
+def _reads_sizes_only(node: fx.Node, node_type: str | None) -> bool:
+    """``x.shape``, ``x.size()``, ``x.dim()``: the same whatever the layout (no copy to restore it)."""
+    if node_type != "Shape":
+        return False
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) > 1 and node.args[1] in ("shape", "ndim", "dtype", "device")
+    return node.op == "call_method" and node.target in ("size", "dim", "numel")
+
+
+def _read_contiguous(env: Mapping[fx.Node, Any], restore: frozenset[fx.Node], arg: fx.Node) -> Any:
+    value = env[arg]
+    return value.contiguous() if arg in restore and isinstance(value, torch.Tensor) else value
+
+
+def _read_swapped(read: Callable[[fx.Node], Any], swap: Mapping[fx.Node, Any], arg: fx.Node) -> Any:
+    return swap[arg] if arg in swap else read(arg)
+
+
+def _writable(x: Any) -> bool:
+    """A tensor an elementwise op may write into: dense, no element twice (an ``expand``'s is refused by torch)."""
+    return isinstance(x, torch.Tensor) and (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last))
 
 
 def _storage(t: torch.Tensor) -> int | None:

@@ -7,6 +7,7 @@ their op type in ``node.meta["onnx"]``; that is used when the module/function is
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 import operator
@@ -364,9 +365,10 @@ LAYOUT_FREE_OP_TYPES = frozenset({
     "GlobalMaxPool", "Add", "Sub", "Mul", "Div", "Max", "Min", "Neg", "Abs", "Sqrt", "Exp", "Log", "Reciprocal",
     "Pow", "Concat", "Identity", "Flatten", "Resize",
 })
-"""Op types whose torch forms give the same values whatever the memory layout of their inputs (elementwise ops,
-convolutions, pools, concat, flatten by reshape) and never ``.view`` an input: they may read a channels-last
-tensor as it is. Any other op (``view``, a user's module) may depend on the layout, or fail on it."""
+"""Op types whose torch forms accept any memory layout of their inputs and never ``.view`` one (elementwise ops,
+convolutions, pools, concat, flatten by reshape): they may read a channels-last tensor as it is. Values are the
+same up to the last bits of vectorised transcendental functions (sigmoid, GELU, SiLU...) and of means (global
+pooling): ~1e-7 relative. Any other op (``view``, a user's module) may depend on the layout, or fail on it."""
 
 
 _INPLACE_OPERATORS: dict[Callable[..., Any], Callable[..., Any]] = {
@@ -431,27 +433,33 @@ def out_of_place_form(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[str
     return None
 
 
-def in_place_form(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[str, Any, bool] | None:
-    """How to compute a non-mutating ``node`` by writing into its first argument, for a caller that knows nothing
-    reads that value any more: ``(op, target, inplace_on)`` — a copy of the module with ``inplace=True`` (the
-    model's own stays as it is), or the same function with ``inplace=True`` (``inplace_on``). None: the op takes
-    no ``inplace`` flag (ONNX-loaded activations are ``nn.ReLU6()``, ``nn.ReLU()``...: this form saves them a
-    fresh output, whose pages cost more than the op on large tensors)."""
+def in_place_form(node: fx.Node, modules: dict[str, nn.Module]) -> Callable[[], Callable[..., Any]] | None:
+    """For a non-mutating ``node`` whose op takes an ``inplace`` flag: a maker of the callable that computes it by
+    writing into its first argument, for a caller that knows nothing reads that value any more and that it holds
+    no element twice. The maker copies the module when called (its ``training`` and bounds as they are then; the
+    model's own module stays as it is). None: the op takes no such flag. ONNX-loaded activations are
+    ``nn.ReLU6()``, ``nn.ReLU()``...: writing in place saves them a fresh output, whose pages cost more than the op
+    on large tensors."""
     if mutates_first_argument(node, modules):
         return None
     if node.op == "call_module":
         mod = modules.get(str(node.target))
         if getattr(mod, "inplace", None) is not False or not type(mod).__module__.startswith("torch.nn."):
             return None
-        twin = copy.copy(mod)
-        twin.inplace = True
-        return "call_module", twin, False
+
+        def module_in_place() -> Callable[..., Any]:
+            twin = copy.copy(mod)
+            twin.inplace = True
+            return twin
+
+        return module_in_place
     if node.op == "call_function" and getattr(node.target, "__module__", None) == "torch.nn.functional":
         try:
             takes = "inplace" in inspect.signature(node.target).parameters
         except (TypeError, ValueError):
             return None
-        return ("call_function", node.target, True) if takes else None
+        target = node.target
+        return (lambda: functools.partial(target, inplace=True)) if takes else None
     return None
 
 
