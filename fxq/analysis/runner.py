@@ -118,7 +118,7 @@ class GraphRunner:
         if channels_last and not any(_names_channels_last(n) for n in self.nodes):
             self._plan_channels_last()
         self._channels_last_on = False
-        self._cl_weights: dict[tuple[fx.Node, bool], tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self._cl_weights: dict[tuple[fx.Node, bool, bool], tuple[torch.Tensor, int, torch.Tensor]] = {}
         self.fp32_params: dict[str, torch.Tensor] = {}
         self.refresh()
 
@@ -129,6 +129,8 @@ class GraphRunner:
         Carriers: the 2-D convolutions, then the quantizers and layout-free ops (:data:`LAYOUT_FREE_OP_TYPES`) that
         read a carrier and give a 4-D tensor (a ``flatten(y, 2)`` or a ``stack`` of channels-last values has strides
         no model forward gives it). Every other reader of a carrier gets the value contiguous, as in the model."""
+        if any(t.dim() == 4 and not t.is_contiguous() for t in (*self.gm.parameters(), *self.gm.buffers())):
+            return  # channels-last weights make the model's own convolutions channels-last
         types = {n: op_type(n, self.modules) for n in self.nodes if n.op in _COMPUTED and n not in self.quantizers}
         rank = {n: v.dim() for n in self.nodes if isinstance(v := n.meta.get("val"), torch.Tensor)}
         carriers: set[fx.Node] = set()
@@ -136,9 +138,11 @@ class GraphRunner:
             if types.get(node) == "Conv" and rank.get(node) == 4:
                 self.convs.add(node)
                 carriers.add(node)
-            elif (node in self.quantizers or types.get(node) in LAYOUT_FREE_OP_TYPES) and any(
-                    a in carriers for a in node.all_input_nodes) and rank.get(node, rank.get(node.args[0])) == 4:
-                carriers.add(node)  # (a quantizer gives its input's shape)
+            elif node in self.quantizers or types.get(node) in LAYOUT_FREE_OP_TYPES:
+                given = node.args[0] if node in self.quantizers and node.args else None
+                own = rank.get(node, rank.get(given) if isinstance(given, fx.Node) else None)  # a quantizer: x's
+                if own == 4 and any(a in carriers for a in node.all_input_nodes):  # (a tuple, a pool's indices: not)
+                    carriers.add(node)
         for node in self.nodes:
             if node not in carriers and node.op in _COMPUTED and not _reads_sizes_only(node, types.get(node)):
                 read = frozenset(a for a in node.all_input_nodes if a in carriers)
@@ -272,7 +276,7 @@ class GraphRunner:
         args = thaw(fx.node.map_arg(node.args, read))  # mutable lists, as the generated code gives
         kwargs = thaw(fx.node.map_arg(node.kwargs, read))
         if self._channels_last_on and node in self.convs:
-            args = self._channels_last_conv_args(node, args, fp32)
+            args = self._channels_last_conv_args(node, args, fp32, layer is not None and node is layer.node)
         if node.op == "call_module" and node in self.quantizers:
             if fp32 and not (layer is not None and node is layer.output_quantizer):
                 return args[0]
@@ -297,10 +301,11 @@ class GraphRunner:
             return getattr(args[0], str(node.target))(*args[1:], **kwargs)
         raise ConfigError(f"node {node.name!r}: unsupported fx op {node.op!r}")
 
-    def _channels_last_conv_args(self, node: fx.Node, args: tuple, fp32: bool) -> tuple:
+    def _channels_last_conv_args(self, node: fx.Node, args: tuple, fp32: bool, layer_node: bool) -> tuple:
         """A convolution's input channels-last, and a functional one's weight too (oneDNN otherwise reorders a plain
-        weight on every call: ResNet-18's 45 MB a pass). One copy per node and view, made again when the weight is
-        another tensor or was written in place (cleared by :meth:`refresh` after baking, which writes via .data)."""
+        weight on every call: ResNet-18's 45 MB a pass). One copy per node and view (the layer view's own), made
+        again when the weight is another tensor or was written in place (cleared by :meth:`refresh` after baking,
+        which writes via .data)."""
         if not args:
             return args
         w = args[1] if node.op == "call_function" and len(args) > 1 else None
@@ -308,7 +313,7 @@ class GraphRunner:
             return (_channels_last(args[0]), *args[1:])
         if w.is_inference():  # no version counter: a fresh copy every call
             return (_channels_last(args[0]), _channels_last(w), *args[2:])
-        key = (node, fp32)
+        key = (node, fp32, layer_node)
         kept = self._cl_weights.get(key)
         if kept is None or kept[0] is not w or kept[1] != w._version:
             kept = self._cl_weights[key] = (w, w._version, _channels_last(w))
@@ -457,8 +462,8 @@ def _channels_last(x: Any) -> Any:
 
 
 def _plain_layout(inputs: Mapping[fx.Node, Any]) -> bool:
-    """CPU inputs, none of them 4-D channels-last: the model's own forward then gives contiguous values only, which
-    is what the runner restores (inputs channels-last already make the model's convolutions channels-last)."""
+    """CPU inputs, none of them 4-D channels-last (which would make the model's own convolutions channels-last, as
+    channels-last weights do: :meth:`GraphRunner._plan_channels_last` plans nothing then)."""
     tensors = [t for v in inputs.values() for t in tensors_of(v)]
     return all(t.device.type == "cpu" and (t.dim() != 4 or t.is_contiguous()) for t in tensors)
 
