@@ -600,10 +600,10 @@ class _LayoutTraps(nn.Module):
             return self.fc2(y.reshape(y.shape[0], -1)) + self.fc2(y.view(y.shape[0], -1))
         if self.trap == "keywords":  # no positional argument to read a rank from
             return self.c(torch.cat(tensors=[self.a(x), self.b(x)], dim=1))
-        if self.trap == "writes":  # in-place ops on a conv output read again later
+        if self.trap == "writes":  # in-place ops on a conv output read again later; an activation by keyword
             y = self.a(x)
             z = y.clamp_(-0.5, 0.5)
-            return self.fc(z.view(z.shape[0], -1)) + y.sigmoid_().sum()
+            return self.fc(z.view(z.shape[0], -1)) + y.sigmoid_().sum() + nn.functional.relu(input=self.b(x)).sum()
         y = self.a(x).permute(0, 2, 3, 1)  # "permute": fed channels-last inputs, the model's own conv gives NHWC
         return self.fc(y.reshape(y.shape[0], -1)) + self.fc(y.view(y.shape[0], -1))
 

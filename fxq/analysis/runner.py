@@ -14,8 +14,8 @@ Ops that would mutate a tensor in place (``nn.ReLU(inplace=True)``, ``x += y``..
 so values handed to watchers or kept in a cache are never changed behind their back — except in
 :meth:`GraphRunner.run_side_by_side`, whose watchers are done with a value when they return: there such
 ops, quantizers (:meth:`fxq.nn.FakeQuantize.forward_`) and activations that take an ``inplace`` flag
-(:func:`fxq.graph.op_types.in_place_form`) write into their input when nothing can see it any more (no later reader, no alias among the live values, not a model input, parameter, buffer or
-constant).
+(:func:`fxq.graph.op_types.in_place_form`) write into their input when nothing can see it any more (no
+later reader, no alias among the live values, not a model input, parameter, buffer or constant).
 
 With ``channels_last=True`` (the error analyses), 2-D convolutions on CPU read their input (and weight)
 channels-last, and their outputs stay so through quantizers and layout-free ops (:data:`LAYOUT_FREE_OP_TYPES`)
@@ -80,7 +80,7 @@ class GraphRunner:
     Args:
         gm: a model prepared (and normally calibrated / converted) by fxq.
         channels_last: run 2-D convolutions channels-last on CPU (see the module docstring): faster, values
-            equal to the model's forward up to the convolutions' summation order.
+            equal to the model's forward up to their last bits (the convolutions' summation order).
 
     Raises:
         GraphError: ``gm`` was not prepared by fxq.
@@ -285,7 +285,7 @@ class GraphRunner:
                 return self.quantizers[node].forward_(args[0])
             return self.quantizers[node](*args, **kwargs)
         make = self.in_place.get(node)
-        if make is not None and _writable(args[0]) and self._may_overwrite(node, env, protected):
+        if make is not None and args and _writable(args[0]) and self._may_overwrite(node, env, protected):
             return make()(*args, **{k: v for k, v in kwargs.items() if k != "inplace"})
         if node in self.max_pools:
             return self._max_pool2d(node, args, kwargs)
