@@ -228,7 +228,7 @@ class GraphRunner:
         if not (isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() == 4 and x.is_contiguous()
                 and x.is_floating_point()):
             return self._call_original(node, args, kwargs)
-        out = self._call_original(node, (x.contiguous(memory_format=torch.channels_last), *args[1:]), kwargs)
+        out = self._call_original(node, (_channels_last(x), *args[1:]), kwargs)
         return out.contiguous()
 
     def _protected_storages(self, inputs: Mapping[fx.Node, Any]) -> set[int]:
